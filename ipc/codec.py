@@ -1,0 +1,259 @@
+"""The one msgpack codec for every message that crosses a process boundary.
+
+A message is a ``@message``-registered dataclass. On the wire it is a msgpack map whose key
+``"kind"`` names the message type and whose other keys are the dataclass fields. Decoding is strict:
+unknown kinds, unknown fields, missing required fields and wrong types raise ``DecodeError`` with a
+message that says what was wrong. msgpack itself is given size limits so a hostile frame cannot
+make a process allocate without bound. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from array import array
+from typing import Any, Callable, TypeVar
+
+import msgpack
+import numpy as np
+
+# Hard limits on anything decoded from a socket. Sockets also cap whole frames (MAXMSGSIZE).
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_STR_BYTES = 16 * 1024 * 1024
+MAX_BIN_BYTES = 32 * 1024 * 1024
+MAX_ARRAY_LEN = 1_000_000
+MAX_MAP_LEN = 10_000
+
+_T = TypeVar("_T")
+_REGISTRY: dict[str, type] = {}
+_FIELDS: dict[type, tuple[tuple[str, Any, bool], ...]] = {}
+_DECODERS: dict[Any, Callable[[Any, str], Any]] = {}
+
+
+class DecodeError(ValueError):
+    """A frame that is not a well-formed message of a known kind."""
+
+
+def message(cls: type[_T]) -> type[_T]:
+    """Registers a dataclass as a wire message; its ``KIND`` class attribute names it."""
+    kind = getattr(cls, "KIND", None)
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(f"{cls.__name__} needs a KIND string to be a message")
+    if kind in _REGISTRY:
+        raise TypeError(f"message kind {kind!r} registered twice")
+    _REGISTRY[kind] = cls
+    return cls
+
+
+def _field_specs(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    specs = _FIELDS.get(cls)
+    if specs is None:
+        module = sys.modules[cls.__module__]
+        hints = typing.get_type_hints(cls, vars(module))
+        specs = tuple(
+            (
+                f.name,
+                hints[f.name],
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            )
+            for f in dataclasses.fields(cls)
+        )
+        _FIELDS[cls] = specs
+    return specs
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: _to_wire(getattr(value, name)) for name, _, _ in _field_specs(type(value))}
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+def to_wire(msg: Any) -> dict:
+    kind = getattr(type(msg), "KIND", None)
+    if kind is None or _REGISTRY.get(kind) is not type(msg):
+        raise TypeError(f"{type(msg).__name__} is not a registered message")
+    wire = _to_wire(msg)
+    wire["kind"] = kind
+    return wire
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb(to_wire(msg), use_bin_type=True)
+
+
+def unpack_frame(frame: bytes) -> Any:
+    """msgpack with size limits; raises DecodeError on anything malformed."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise DecodeError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_STR_BYTES,
+            max_bin_len=MAX_BIN_BYTES,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=0,
+        )
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"invalid UTF-8 in a string: {exc.reason}") from None
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise DecodeError(f"malformed msgpack frame: {type(exc).__name__}: {exc}") from None
+
+
+def decode(frame: bytes) -> Any:
+    return from_wire(unpack_frame(frame))
+
+
+def decode_as(frame: bytes, *kinds: type[_T]) -> _T:
+    """Decodes and checks that the message is one of ``kinds``."""
+    msg = decode(frame)
+    if kinds and not isinstance(msg, kinds):
+        allowed = ", ".join(k.KIND for k in kinds)  # type: ignore[attr-defined]
+        raise DecodeError(f"message kind {type(msg).KIND!r} is not accepted here (expected {allowed})")
+    return msg
+
+
+def from_wire(obj: Any) -> Any:
+    if not isinstance(obj, dict):
+        raise DecodeError(f"a message must be a map, got {_type_name(obj)}")
+    kind = obj.get("kind")
+    if not isinstance(kind, str):
+        raise DecodeError("message has no 'kind' string")
+    cls = _REGISTRY.get(kind)
+    if cls is None:
+        raise DecodeError(f"unknown message kind {kind!r}")
+    body = {k: v for k, v in obj.items() if k != "kind"}
+    return _decode_dataclass(cls, body, kind)
+
+
+def _decode_dataclass(cls: type, obj: Any, where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise DecodeError(f"{where}: expected a map, got {_type_name(obj)}")
+    specs = _field_specs(cls)
+    known = {name for name, _, _ in specs}
+    unknown = [k for k in obj if k not in known]
+    if unknown:
+        raise DecodeError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
+    kwargs = {}
+    for name, hint, required in specs:
+        if name in obj:
+            kwargs[name] = _decode_value(hint, obj[name], f"{where}.{name}")
+        elif required:
+            raise DecodeError(f"{where}: missing field {name!r}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise DecodeError(f"{where}: {exc}") from None
+
+
+def _decode_value(hint: Any, value: Any, where: str) -> Any:
+    fn = _DECODERS.get(hint)
+    if fn is None:
+        fn = _make_decoder(hint)
+        _DECODERS[hint] = fn
+    return fn(value, where)
+
+
+def _make_decoder(hint: Any) -> Callable[[Any, str], Any]:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return lambda v, w: v
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        allows_none = len(non_none) != len(args)
+        if len(non_none) != 1:
+            raise TypeError(f"unsupported union {hint}")
+        inner = non_none[0]
+
+        def dec_optional(v: Any, w: str) -> Any:
+            if v is None:
+                if allows_none:
+                    return None
+                raise DecodeError(f"{w}: must not be null")
+            return _decode_value(inner, v, w)
+
+        return dec_optional
+    if origin is list:
+        (item,) = args
+
+        def dec_list(v: Any, w: str) -> Any:
+            if not isinstance(v, list):
+                raise DecodeError(f"{w}: expected a list, got {_type_name(v)}")
+            return [_decode_value(item, x, f"{w}[{i}]") for i, x in enumerate(v)]
+
+        return dec_list
+    if origin is dict:
+        key_t, val_t = args
+
+        def dec_dict(v: Any, w: str) -> Any:
+            if not isinstance(v, dict):
+                raise DecodeError(f"{w}: expected a map, got {_type_name(v)}")
+            return {
+                _decode_value(key_t, k, f"{w} key"): _decode_value(val_t, x, f"{w}[{k!r}]")
+                for k, x in v.items()
+            }
+
+        return dec_dict
+    if dataclasses.is_dataclass(hint):
+        return lambda v, w: _decode_dataclass(hint, v, w)
+    if hint is float:
+
+        def dec_float(v: Any, w: str) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise DecodeError(f"{w}: expected a number, got {_type_name(v)}")
+            return float(v)
+
+        return dec_float
+    if hint is int:
+
+        def dec_int(v: Any, w: str) -> int:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise DecodeError(f"{w}: expected an integer, got {_type_name(v)}")
+            return v
+
+        return dec_int
+    if hint in (str, bytes, bool):
+
+        def dec_exact(v: Any, w: str) -> Any:
+            if type(v) is not hint:
+                raise DecodeError(f"{w}: expected {hint.__name__}, got {_type_name(v)}")
+            return v
+
+        return dec_exact
+    raise TypeError(f"unsupported field type {hint!r}")
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+# Token ids travel as packed little-endian int32, not a msgpack list of ints: one memcpy each way.
+_ID_DTYPE = np.dtype("<i4")
+
+
+def pack_ids(ids: Any) -> bytes:
+    if isinstance(ids, np.ndarray):
+        return ids.astype(_ID_DTYPE, copy=False).tobytes()
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple, array)):
+        ids = ids.tolist()  # torch tensors
+    return array("i", ids).tobytes() if sys.byteorder == "little" else np.asarray(
+        ids, dtype=_ID_DTYPE).tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise DecodeError(f"packed token ids have {len(data)} bytes, not a multiple of 4")
+    return np.frombuffer(data, dtype=_ID_DTYPE)
+
+
+def unpack_id_list(data: bytes) -> list[int]:
+    return unpack_ids(data).tolist()

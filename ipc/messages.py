@@ -1,0 +1,342 @@
+"""Every message that crosses a process boundary, defined once.
+
+Channels (who sends what to whom):
+
+    client      -> tokenizer i : SubmitRequest
+    client      -> detokenizer : ClientHello, ClientAbort, ClientBye
+    detokenizer -> client      : ClientWelcome, ClientEvents (one message per step per client)
+    tokenizer i -> engine      : TokenizedRequest
+    tokenizer i -> detokenizer : RequestError (the request never reaches the engine)
+    detokenizer -> engine      : AbortRequests (client aborts, stop strings, gone clients)
+    engine      -> detokenizer : StepOutput (one message per engine step, columnar)
+    any worker  -> supervisor  : WorkerReady, Heartbeat
+
+Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
+different processes on one host compare directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ipc.codec import message
+
+# Finish reasons (the field's vocabulary: OpenAI / vLLM / SGLang).
+FINISH_STOP = "stop"  # eos, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens or the context length
+FINISH_ABORT = "abort"  # the client (or a shutdown) aborted it
+FINISH_ERROR = "error"  # see StreamEvent.error / error_code
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
+
+# Error codes carried with FINISH_ERROR.
+ERR_BAD_REQUEST = "bad_request"  # the request itself is wrong; retrying it will not help
+ERR_OVERLOADED = "overloaded"  # a bounded queue is full; retry later
+ERR_UNAVAILABLE = "unavailable"  # a worker died or the cluster is shutting down
+ERR_INTERNAL = "internal"
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What a request asks of generation. Invalid values raise ValueError at construction."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # 1 disables nucleus sampling
+    top_k: int = 0  # 0 (or -1) disables top-k
+    seed: int | None = None  # same seed, same output, whatever else shares the batch
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            or not (0 <= self.seed <= MAX_SEED)
+        ):
+            raise ValueError(f"seed must be an integer in [0, 2**63-1], got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+# ---------------------------------------------------------------------------------------------
+# client -> tokenizer
+
+
+@message
+@dataclass(slots=True)
+class SubmitRequest:
+    """A request as the client hands it over: exactly one of prompt, messages, prompt_token_ids."""
+
+    KIND = "submit"
+    request_id: str
+    client_id: bytes
+    sampling: SamplingParams
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: bytes | None = None  # packed int32, see ipc.codec.pack_ids
+    add_generation_prompt: bool = True  # for messages: end with the assistant turn's header
+    t_submit: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.request_id or len(self.request_id) > 256:
+            raise ValueError("request_id must be a non-empty string of at most 256 characters")
+        given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer -> engine (and, through the engine, to the detokenizer)
+
+
+@dataclass(slots=True)
+class RequestMeta:
+    """What the detokenizer needs about a request. The tokenizer writes it, the engine process
+    forwards it untouched in the StepOutput that first mentions the request, so it always reaches
+    the detokenizer before any of the request's tokens."""
+
+    request_id: str
+    client_id: bytes
+    prompt_tokens: int
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    tokenizer_index: int = 0
+    t_submit: float = 0.0
+    t_tokenize_start: float = 0.0
+    t_tokenized: float = 0.0
+
+
+@message
+@dataclass(slots=True)
+class TokenizedRequest:
+    KIND = "tokenized"
+    request_id: str
+    token_ids: bytes  # packed int32
+    sampling: SamplingParams
+    meta: RequestMeta
+
+
+@message
+@dataclass(slots=True)
+class RequestError:
+    """A request that ends before the engine: bad input, overload, shutdown."""
+
+    KIND = "request_error"
+    request_id: str
+    client_id: bytes
+    message: str
+    code: str = ERR_BAD_REQUEST
+    t_submit: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# detokenizer -> engine
+
+
+@message
+@dataclass(slots=True)
+class AbortRequests:
+    """Frees these requests in the engine. Ids the engine has not seen yet are remembered for a
+    while, since a tokenized request may still be on its way."""
+
+    KIND = "abort"
+    request_ids: list[str]
+
+
+# ---------------------------------------------------------------------------------------------
+# engine -> detokenizer
+
+
+@dataclass(slots=True)
+class RequestStart:
+    """Sent once per request, in the step that produced its first token."""
+
+    request_id: str
+    t_arrived: float  # the engine received it
+    t_scheduled: float  # its first prefill chunk was scheduled
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed in this step
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache in this step
+    decode_tokens: int = 0
+    preempted: int = 0
+    step_ms: float = 0.0
+
+
+@message
+@dataclass(slots=True)
+class StepOutput:
+    """Everything one engine step produced, for all requests at once (columnar)."""
+
+    KIND = "step"
+    step: int
+    t_step: float  # when this step's tokens were ready
+    new_requests: list[RequestMeta] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: bytes = b""  # packed int32, one new token per entry of request_ids
+    started: list[RequestStart] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    finish_errors: list[str] = field(default_factory=list)  # "" unless the reason is "error"
+    stats: EngineStats | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# client <-> detokenizer
+
+
+@message
+@dataclass(slots=True)
+class ClientHello:
+    """The client's first message; the detokenizer learns its identity and answers ClientWelcome."""
+
+    KIND = "hello"
+    client_id: bytes
+
+
+@message
+@dataclass(slots=True)
+class ClientWelcome:
+    KIND = "welcome"
+    tokenizer_addrs: list[str]
+    model: str
+    max_model_len: int
+    vocab_size: int
+
+
+@message
+@dataclass(slots=True)
+class ClientAbort:
+    KIND = "client_abort"
+    request_ids: list[str]
+
+
+@message
+@dataclass(slots=True)
+class ClientBye:
+    """The client is closing: abort whatever it still has in flight."""
+
+    KIND = "bye"
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    t_submit: float = 0.0
+    t_tokenize_start: float = 0.0
+    t_tokenized: float = 0.0
+    t_arrived: float = 0.0  # at the engine
+    t_scheduled: float = 0.0  # first prefill chunk scheduled
+    t_first_token: float = 0.0
+    t_last_token: float = 0.0
+    t_finished: float = 0.0
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """A text delta for one request; the last one has finished=True and a finish_reason."""
+
+    request_id: str
+    text: str = ""
+    token_ids: bytes = b""  # packed int32: the tokens this delta covers
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: str | None = None
+    usage: Usage | None = None
+    timings: RequestTimings | None = None
+
+
+@message
+@dataclass(slots=True)
+class ClientEvents:
+    KIND = "events"
+    events: list[StreamEvent]
+
+
+# ---------------------------------------------------------------------------------------------
+# workers -> supervisor
+
+
+@message
+@dataclass(slots=True)
+class WorkerReady:
+    KIND = "ready"
+    role: str
+    index: int
+    pid: int
+    addresses: list[str] = field(default_factory=list)
+
+
+@message
+@dataclass(slots=True)
+class Heartbeat:
+    KIND = "heartbeat"
+    role: str
+    index: int
+    pid: int
+    t: float
+    stats: dict[str, float] = field(default_factory=dict)

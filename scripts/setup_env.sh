@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates ./.venv (once) with everything splitserve and its tests need.
+# torch: where the invoking python already has torch (say a CUDA build), the venv sees it through
+# --system-site-packages; otherwise the CPU wheel is installed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.splitserve-installed"
+
+if [[ -f "$STAMP" && "$STAMP" -nt "$ROOT/pyproject.toml" ]]; then
+    exit 0
+fi
+if [[ ! -x "$VENV/bin/python" ]]; then
+    if "$PY" -c "import torch" >/dev/null 2>&1; then
+        echo "[setup] using the torch already installed for $PY" >&2
+        "$PY" -m venv --system-site-packages "$VENV"
+    else
+        "$PY" -m venv "$VENV"
+    fi
+fi
+VPY="$VENV/bin/python"
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+    echo "[setup] installing torch (CPU wheel)" >&2
+    "$VPY" -m pip install -q "torch==2.13.0" 2>/dev/null \
+        || "$VPY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.4,<3"
+fi
+echo "[setup] installing splitserve and its test dependencies" >&2
+"$VPY" -m pip install -q -e "$ROOT[test]"
+touch "$STAMP"
