@@ -39,9 +39,13 @@ class ClusterConfig:
     prefill_chunk_tokens: int = 2048
     block_size: int = 16
     kv_cache_tokens: int = 0  # 0: derive from memory
-    max_model_len: int = 0  # 0: the model's own limit
+    max_model_len: int = 0  # 0: the model's own limit (the supervisor fills in the engine's value)
     enable_prefix_cache: bool = True
     max_waiting_requests: int = 4096
+
+    # what the engine resolved; 0/"" until the engine reported ready (the supervisor fills them in)
+    vocab_size: int = 0
+    model_name: str = ""
 
     # tokenizer workers
     tokenizer_batch_max: int = 64

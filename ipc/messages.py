@@ -236,6 +236,9 @@ class StepOutput:
     finish_reasons: list[str] = field(default_factory=list)
     finish_errors: list[str] = field(default_factory=list)  # "" unless the reason is "error"
     stats: EngineStats | None = None
+    # Parallel to finish_errors: an ERR_* code where the reason is "error", else "". Optional so
+    # that a StepOutput straight from Engine.step() (which leaves it empty) is still valid.
+    finish_error_codes: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,6 +332,11 @@ class WorkerReady:
     index: int
     pid: int
     addresses: list[str] = field(default_factory=list)
+    # The engine reports what it resolved from the model, so the supervisor can hand it to the
+    # tokenizers (context-length checks) and the detokenizer (the ClientWelcome).
+    model_name: str = ""
+    max_model_len: int = 0
+    vocab_size: int = 0
 
 
 @message

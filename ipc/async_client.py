@@ -1,0 +1,210 @@
+"""The asyncio client (uvloop-friendly): the same API as ipc.client.Client, awaited.
+
+    async with AsyncClient(address) as client:
+        handle = client.submit("Hello", max_tokens=16)     # not awaited: returns at once
+        async for delta in handle:
+            ...
+        result = await handle.result()
+
+A receiver task owns the DEALER socket and routes events to handles; everything runs on one
+event loop thread, so handles need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from ipc import codec
+from ipc.client_common import (
+    ClientCore, Delta, GenerationResult, OverloadedError, RequestRecord, RequestTimeoutError,
+    UnavailableError, build_submit, closed_event, error_for, make_dealer, make_submit_socket,
+    prompt_kwargs, timeout_event,
+)
+from ipc.messages import (
+    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, SamplingParams, StreamEvent,
+)
+from ipc.sockets import LINGER_MS
+
+
+class AsyncRequestHandle:
+    def __init__(self, client: "AsyncClient", record: RequestRecord) -> None:
+        self._client = client
+        self._record = record
+        self._deltas: list[Delta] = []
+        self._changed = asyncio.Event()
+
+    @property
+    def request_id(self) -> str:
+        return self._record.request_id
+
+    @property
+    def t_submit(self) -> float:
+        return self._record.t_submit
+
+    @property
+    def done(self) -> bool:
+        return self._record.final is not None
+
+    def _deliver(self, delta: Delta) -> None:
+        self._deltas.append(delta)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()  # wakes every waiter, each re-checks its own position
+
+    async def stream(self) -> AsyncIterator[Delta]:
+        i = 0
+        while True:
+            while len(self._deltas) <= i:
+                await self._changed.wait()
+            delta = self._deltas[i]
+            i += 1
+            if delta.error_code:
+                raise error_for(delta.error_code, delta.error or "request failed", self.request_id)
+            yield delta
+            if delta.finished:
+                return
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self.stream()
+
+    async def result(self, timeout: float | None = None, *, check: bool = True) -> GenerationResult:
+        async def finished() -> None:
+            while self._record.final is None:
+                await self._changed.wait()
+        try:
+            await asyncio.wait_for(finished(), timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(f"not finished within {timeout} s", self.request_id) from None
+        result = self._record.result()
+        return result.raise_for_error() if check else result
+
+    def abort(self) -> None:
+        if not self.done:
+            self._client._send_soon(codec.encode(ClientAbort([self._record.wire_id])))
+
+
+class AsyncClient:
+    def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
+                 deadline_s: float | None = None, submit_hwm: int = 64) -> None:
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.submit_hwm = submit_hwm
+        self._core = ClientCore(deadline_s)
+        self._ctx = zmq.asyncio.Context()
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._submit: zmq.Socket | None = None
+        self._task: asyncio.Task | None = None
+        self._pending_sends: set[asyncio.Task] = set()
+        self.welcome: ClientWelcome | None = None
+
+    @classmethod
+    async def connect(cls, address: str, **kwargs: Any) -> "AsyncClient":
+        return await cls(address, **kwargs).start()
+
+    async def start(self) -> "AsyncClient":
+        """The handshake; raises UnavailableError when nobody answers."""
+        dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, self.address)
+        await dealer.send(codec.encode(ClientHello(self._core.client_id)))
+        if not await dealer.poll(int(self.connect_timeout_s * 1000)):
+            dealer.close(linger=0)
+            raise UnavailableError(f"no splitserve cluster answered at {self.address} within "
+                                   f"{self.connect_timeout_s} s")
+        self.welcome = codec.decode_as(await dealer.recv(), ClientWelcome)
+        self._dealer = dealer
+        # A plain socket: a NOBLOCK send never waits, so submit() needs no await.
+        self._submit = make_submit_socket(self._ctx, self.welcome.tokenizer_addrs,
+                                          self.submit_hwm)
+        self._task = asyncio.get_running_loop().create_task(self._receive_loop())
+        return self
+
+    def submit(self, prompt: str | None = None, *, messages: list[Any] | None = None,
+               prompt_token_ids: Any = None, sampling: SamplingParams | None = None,
+               request_id: str | None = None, add_generation_prompt: bool = True,
+               deadline_s: float | None = None, **sampling_kwargs: Any) -> AsyncRequestHandle:
+        if self._submit is None:
+            raise UnavailableError("the client is not started (await start()) or is closed")
+        record = self._core.new_record(request_id, deadline_s)
+        frame = codec.encode(build_submit(
+            self._core.client_id, record.wire_id, prompt=prompt, messages=messages,
+            prompt_token_ids=prompt_token_ids, sampling=sampling, sampling_kwargs=sampling_kwargs,
+            add_generation_prompt=add_generation_prompt))
+        handle = AsyncRequestHandle(self, record)
+        self._core.records[record.wire_id] = handle
+        record.t_submit = time.monotonic()
+        try:
+            self._submit.send(frame, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            del self._core.records[record.wire_id]
+            raise OverloadedError("every tokenizer worker's queue is full; retry later",
+                                  record.request_id) from None
+        return handle
+
+    async def generate(self, prompts: list[Any], sampling: SamplingParams | None = None, *,
+                       check: bool = True, **sampling_kwargs: Any) -> list[GenerationResult]:
+        handles = [self.submit(**prompt_kwargs(p), sampling=sampling, **sampling_kwargs)
+                   for p in prompts]
+        return [await h.result(check=check) for h in handles]
+
+    async def _receive_loop(self) -> None:
+        assert self._dealer is not None
+        while True:
+            if await self._dealer.poll(self._core.next_deadline_ms(100)):
+                try:
+                    msg = codec.decode_as(await self._dealer.recv(), ClientEvents)
+                except codec.DecodeError:
+                    continue
+                now = time.monotonic()
+                for event in msg.events:
+                    if (handle := self._core.records.get(event.request_id)) is not None:
+                        self._apply(handle, event, now)
+            expired = self._core.expired(time.monotonic())
+            if expired:
+                await self._dealer.send(codec.encode(ClientAbort(expired)))
+                for wire_id in expired:
+                    self._apply(self._core.records[wire_id],
+                                timeout_event(wire_id, self._core.deadline_s), time.monotonic())
+
+    def _apply(self, handle: AsyncRequestHandle, event: StreamEvent, now: float) -> None:
+        delta = handle._record.apply(event, now)
+        if event.finished:
+            self._core.records.pop(handle._record.wire_id, None)
+        handle._deliver(delta)
+
+    def _send_soon(self, frame: bytes) -> None:
+        if self._dealer is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._dealer.send(frame))
+        self._pending_sends.add(task)
+        task.add_done_callback(self._pending_sends.discard)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        if self._pending_sends:
+            await asyncio.gather(*self._pending_sends, return_exceptions=True)
+        if self._dealer is not None:
+            await self._dealer.send(codec.encode(ClientBye()))
+            self._dealer.close(linger=LINGER_MS)
+            self._dealer = None
+        now = time.monotonic()
+        for wire_id, handle in list(self._core.records.items()):
+            self._apply(handle, closed_event(wire_id), now)
+        if self._submit is not None:
+            self._submit.close(linger=0)
+            self._submit = None
+        self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.start() if self._dealer is None else self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

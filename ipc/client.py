@@ -1,0 +1,245 @@
+"""The client SDK (sync; the asyncio twin is ipc.async_client.AsyncClient, re-exported here).
+
+    with Client(cluster.client_addr) as client:
+        handle = client.submit(messages=[{"role": "user", "content": "Hi"}], max_tokens=32)
+        for delta in handle.stream():
+            print(delta.text, end="", flush=True)
+        print(handle.result().finish_reason)
+
+``submit`` encodes the request and hands it to ZeroMQ without waiting: no round trip, no
+tokenization. When every tokenizer's pipe is full it raises OverloadedError at once. One
+DEALER socket per client carries the handshake, aborts and all the client's events; a background
+thread owns it and routes events to handles.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterator
+
+import zmq
+
+from ipc import codec
+from ipc.client_common import (
+    BadRequestError, ClientCore, Delta, GenerationResult, OverloadedError, RequestRecord,
+    RequestTimeoutError, SplitserveError, UnavailableError, build_submit, closed_event,
+    error_for, make_dealer, make_submit_socket, prompt_kwargs, timeout_event,
+)
+from ipc.messages import (
+    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, SamplingParams,
+)
+from ipc.sockets import LINGER_MS
+
+__all__ = ["Client", "AsyncClient", "RequestHandle", "GenerationResult", "Delta",
+           "SplitserveError", "BadRequestError", "OverloadedError", "UnavailableError",
+           "RequestTimeoutError"]
+
+
+class RequestHandle:
+    def __init__(self, client: "Client", record: RequestRecord) -> None:
+        self._client = client
+        self._record = record
+        self._deltas: list[Delta] = []
+        self._cond = threading.Condition()
+
+    @property
+    def request_id(self) -> str:
+        return self._record.request_id
+
+    @property
+    def t_submit(self) -> float:
+        return self._record.t_submit
+
+    @property
+    def done(self) -> bool:
+        return self._record.final is not None
+
+    def _deliver(self, delta: Delta) -> None:  # receiver thread
+        with self._cond:
+            self._deltas.append(delta)
+            self._cond.notify_all()
+
+    def stream(self, timeout: float | None = None) -> Iterator[Delta]:
+        """Yields deltas as they arrive; an error ending raises its SplitserveError."""
+        i = 0
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: len(self._deltas) > i, timeout):
+                    raise RequestTimeoutError(f"no event within {timeout} s", self.request_id)
+                delta = self._deltas[i]
+            i += 1
+            if delta.error_code:
+                raise error_for(delta.error_code, delta.error or "request failed", self.request_id)
+            yield delta
+            if delta.finished:
+                return
+
+    __iter__ = stream
+
+    def result(self, timeout: float | None = None, *, check: bool = True) -> GenerationResult:
+        """Waits for the terminal event. ``check``: raise the error of a failed request."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._record.final is not None, timeout):
+                raise RequestTimeoutError(f"not finished within {timeout} s", self.request_id)
+        result = self._record.result()
+        return result.raise_for_error() if check else result
+
+    def abort(self) -> None:
+        """Asks the cluster to stop this request; its terminal event (reason "abort") follows."""
+        if not self.done:
+            self._client._send_control(codec.encode(ClientAbort([self._record.wire_id])))
+
+
+class Client:
+    def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
+                 deadline_s: float | None = None, submit_hwm: int = 64) -> None:
+        """Connects and does the handshake (raises UnavailableError when nobody answers).
+
+        deadline_s: a client-side limit per request; past it the request ends with a timeout
+        error and is aborted in the cluster (a last resort against a hang, off by default).
+        """
+        self._core = ClientCore(deadline_s)
+        self._ctx = zmq.Context()
+        self._lock = threading.Lock()  # user threads share the submit/control sockets
+        dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, address)
+        dealer.send(codec.encode(ClientHello(self._core.client_id)))
+        if not dealer.poll(int(connect_timeout_s * 1000)):
+            dealer.close(linger=0)
+            self._ctx.term()
+            raise UnavailableError(f"no splitserve cluster answered at {address} within "
+                                   f"{connect_timeout_s} s")
+        self.welcome: ClientWelcome = codec.decode_as(dealer.recv(), ClientWelcome)
+        self._submit = make_submit_socket(self._ctx, self.welcome.tokenizer_addrs, submit_hwm)
+        self._control_addr = f"inproc://control-{self._core.client_id.decode()}"
+        control_in = self._ctx.socket(zmq.PULL)
+        control_in.bind(self._control_addr)
+        self._control = self._ctx.socket(zmq.PUSH)
+        self._control.connect(self._control_addr)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._receive_loop, args=(dealer, control_in),
+                                        name="splitserve-client", daemon=True)
+        self._thread.start()
+
+    @property
+    def model(self) -> str:
+        return self.welcome.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.welcome.max_model_len
+
+    # --- submitting ---------------------------------------------------------------------------
+    def submit(self, prompt: str | None = None, *, messages: list[Any] | None = None,
+               prompt_token_ids: Any = None, sampling: SamplingParams | None = None,
+               request_id: str | None = None, add_generation_prompt: bool = True,
+               deadline_s: float | None = None, **sampling_kwargs: Any) -> RequestHandle:
+        with self._lock:
+            if self._closing.is_set():
+                raise UnavailableError("the client is closed")
+            record = self._core.new_record(request_id, deadline_s)
+            frame = codec.encode(build_submit(
+                self._core.client_id, record.wire_id, prompt=prompt, messages=messages,
+                prompt_token_ids=prompt_token_ids, sampling=sampling,
+                sampling_kwargs=sampling_kwargs, add_generation_prompt=add_generation_prompt))
+            handle = RequestHandle(self, record)
+            self._core.records[record.wire_id] = handle
+            record.t_submit = time.monotonic()
+            try:
+                self._submit.send(frame, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                del self._core.records[record.wire_id]
+                raise OverloadedError("every tokenizer worker's queue is full; retry later",
+                                      record.request_id) from None
+        return handle
+
+    def generate(self, prompts: list[Any], sampling: SamplingParams | None = None, *,
+                 check: bool = True, timeout: float | None = None,
+                 **sampling_kwargs: Any) -> list[GenerationResult]:
+        """Submits every prompt (a string, or a list of chat messages) and waits for all."""
+        handles = [self.submit(**prompt_kwargs(p), sampling=sampling, **sampling_kwargs)
+                   for p in prompts]
+        return [h.result(timeout, check=check) for h in handles]
+
+    # --- the receiver thread ------------------------------------------------------------------
+    def _receive_loop(self, dealer: zmq.Socket, control_in: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(control_in, zmq.POLLIN)
+        try:
+            while not self._closing.is_set():
+                ready = dict(poller.poll(self._core.next_deadline_ms(100)))
+                if control_in in ready:
+                    while (frame := _recv_nowait(control_in)) is not None:
+                        dealer.send(frame)
+                if dealer in ready:
+                    while (frame := _recv_nowait(dealer)) is not None:
+                        self._route(frame)
+                self._expire(dealer)
+            while (frame := _recv_nowait(control_in)) is not None:
+                dealer.send(frame)
+            dealer.send(codec.encode(ClientBye()))
+        finally:
+            dealer.close(linger=LINGER_MS)
+            control_in.close(linger=0)
+
+    def _route(self, frame: bytes) -> None:
+        try:
+            msg = codec.decode_as(frame, ClientEvents)
+        except codec.DecodeError:
+            return  # not from a splitserve detokenizer; nothing to attribute it to
+        now = time.monotonic()
+        for event in msg.events:
+            handle = self._core.records.get(event.request_id)
+            if handle is not None:
+                self._apply(handle, event, now)
+
+    def _apply(self, handle: RequestHandle, event, now: float) -> None:
+        delta = handle._record.apply(event, now)
+        if event.finished:
+            self._core.records.pop(handle._record.wire_id, None)
+        handle._deliver(delta)
+
+    def _expire(self, dealer: zmq.Socket) -> None:
+        expired = self._core.expired(time.monotonic())
+        if expired:
+            dealer.send(codec.encode(ClientAbort(expired)))
+        for wire_id in expired:
+            handle = self._core.records[wire_id]
+            self._apply(handle, timeout_event(wire_id, self._core.deadline_s), time.monotonic())
+
+    def _send_control(self, frame: bytes) -> None:
+        with self._lock:
+            if not self._closing.is_set():
+                self._control.send(frame)
+
+    # --- closing ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Aborts what is still in flight (ClientBye) and ends its handles with an error."""
+        with self._lock:
+            if self._closing.is_set():
+                return
+            self._closing.set()
+        self._thread.join(timeout=5)
+        now = time.monotonic()
+        for wire_id, handle in list(self._core.records.items()):
+            self._apply(handle, closed_event(wire_id), now)
+        self._submit.close(linger=0)
+        self._control.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _recv_nowait(sock: zmq.Socket) -> bytes | None:
+    try:
+        return sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+from ipc.async_client import AsyncClient  # noqa: E402  (re-export; it imports nothing from here)

@@ -1,0 +1,251 @@
+"""What the sync and asyncio clients share: errors, results, request building, event routing.
+
+Request ids on the wire are the user's ids prefixed with the client's id, so two clients using
+the same ids never collide in the engine; users only ever see their own ids.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from ipc.codec import pack_ids, unpack_id_list
+from ipc.messages import (
+    ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR, ChatMessage,
+    RequestTimings, SamplingParams, StreamEvent, SubmitRequest, Usage,
+)
+from ipc.sockets import LINGER_MS, configure
+
+ERR_TIMEOUT = "timeout"
+
+
+class SplitserveError(Exception):
+    code = ERR_INTERNAL
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class BadRequestError(SplitserveError, ValueError):
+    code = ERR_BAD_REQUEST
+
+
+class OverloadedError(SplitserveError):
+    code = ERR_OVERLOADED
+
+
+class UnavailableError(SplitserveError):
+    code = ERR_UNAVAILABLE
+
+
+class RequestTimeoutError(SplitserveError, TimeoutError):
+    """The client-side deadline passed with no terminal event (a last resort against hangs)."""
+    code = ERR_TIMEOUT
+
+
+_ERRORS = {cls.code: cls for cls in (BadRequestError, OverloadedError, UnavailableError,
+                                     RequestTimeoutError)}
+
+
+def error_for(code: str | None, message: str, request_id: str | None = None) -> SplitserveError:
+    return _ERRORS.get(code or "", SplitserveError)(message, request_id)
+
+
+@dataclass(slots=True)
+class Delta:
+    """One piece of a request's stream, as the client received it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    t_received: float  # time.monotonic() in the client when the event arrived
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: str | None = None
+    usage: Usage | None = None
+    timings: RequestTimings | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage | None
+    timings: RequestTimings | None
+    error: str | None = None
+    error_code: str | None = None
+    t_submit: float = 0.0  # time.monotonic() right before the submit's send
+    t_received: list[float] = field(default_factory=list)  # one per delta that carried tokens
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason != FINISH_ERROR
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.t_received[0] - self.t_submit if self.t_received else None
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.t_received, self.t_received[1:])]
+
+    def raise_for_error(self) -> "GenerationResult":
+        if not self.ok:
+            raise error_for(self.error_code, self.error or "request failed", self.request_id)
+        return self
+
+
+def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
+                 messages: list[Any] | None, prompt_token_ids: Any, sampling: SamplingParams | None,
+                 sampling_kwargs: dict[str, Any], add_generation_prompt: bool) -> SubmitRequest:
+    """The SubmitRequest for one submit() call; anything invalid raises BadRequestError."""
+    try:
+        if sampling is None:
+            sampling = SamplingParams(**sampling_kwargs)
+        elif sampling_kwargs:
+            raise ValueError("give either sampling= or sampling keyword arguments, not both")
+        chat = None
+        if messages is not None:
+            chat = [_chat_message(m) for m in messages]
+        packed = None
+        if prompt_token_ids is not None:
+            packed = pack_ids(prompt_token_ids)
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        return SubmitRequest(request_id=wire_id, client_id=client_id, sampling=sampling,
+                             prompt=prompt, messages=chat, prompt_token_ids=packed,
+                             add_generation_prompt=add_generation_prompt)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise BadRequestError(str(exc)) from None
+
+
+def _chat_message(m: Any) -> ChatMessage:
+    if isinstance(m, ChatMessage):
+        return m
+    if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
+        return ChatMessage(role=m["role"], content=m["content"])
+    raise ValueError(f"a chat message is a {{'role': str, 'content': str}} map, got {m!r}")
+
+
+class RequestRecord:
+    """The client's view of one request; the handle classes wrap it."""
+
+    __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
+                 "t_received", "final")
+
+    def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
+        self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
+        self.t_submit = 0.0
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.t_received: list[float] = []
+        self.final: Delta | None = None
+
+    def apply(self, event: StreamEvent, t: float) -> Delta:
+        ids = unpack_id_list(event.token_ids) if event.token_ids else []
+        delta = Delta(self.request_id, event.text, ids, t, event.finished, event.finish_reason,
+                      event.error, event.error_code, event.usage, event.timings)
+        self.text.append(event.text)
+        self.token_ids.extend(ids)
+        if ids or event.text:
+            self.t_received.append(t)
+        if event.finished:
+            self.final = delta
+        return delta
+
+    def result(self) -> GenerationResult:
+        f = self.final
+        assert f is not None, "result() before the terminal event"
+        return GenerationResult(self.request_id, "".join(self.text), list(self.token_ids),
+                                f.finish_reason, f.usage, f.timings, f.error, f.error_code,
+                                self.t_submit, list(self.t_received))
+
+
+class ClientCore:
+    """Ids, records and deadlines; no sockets, no threads (the clients bring those)."""
+
+    def __init__(self, deadline_s: float | None) -> None:
+        self.client_id = f"c{secrets.token_hex(8)}".encode()
+        self.deadline_s = deadline_s
+        self.records: dict[str, Any] = {}  # wire id -> handle
+        self._deadlines: list[tuple[float, str]] = []
+        self._heap_lock = threading.Lock()  # the sync client pushes and pops from two threads
+        self._counter = itertools.count()
+
+    def new_record(self, request_id: str | None, deadline_s: float | None) -> RequestRecord:
+        if request_id is None:
+            request_id = f"r{next(self._counter)}"
+        wire_id = f"{self.client_id.decode()}:{request_id}"
+        if wire_id in self.records:
+            raise BadRequestError(f"request_id {request_id!r} is already in flight", request_id)
+        limit = deadline_s if deadline_s is not None else self.deadline_s
+        deadline = time.monotonic() + limit if limit else None
+        if deadline is not None:
+            with self._heap_lock:
+                heapq.heappush(self._deadlines, (deadline, wire_id))
+        return RequestRecord(request_id, wire_id, deadline)
+
+    def expired(self, now: float) -> list[str]:
+        """Wire ids whose deadline passed and that are still open."""
+        out = []
+        with self._heap_lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, wire_id = heapq.heappop(self._deadlines)
+                if wire_id in self.records:
+                    out.append(wire_id)
+        return out
+
+    def next_deadline_ms(self, cap_ms: int) -> int:
+        with self._heap_lock:
+            if not self._deadlines:
+                return cap_ms
+            first = self._deadlines[0][0]
+        return max(0, min(cap_ms, int((first - time.monotonic()) * 1000) + 1))
+
+
+def timeout_event(wire_id: str, seconds: float | None) -> StreamEvent:
+    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
+                       error=f"no terminal event within the client deadline of {seconds} s",
+                       error_code=ERR_TIMEOUT)
+
+
+def closed_event(wire_id: str) -> StreamEvent:
+    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
+                       error="the client was closed before the request finished",
+                       error_code=ERR_UNAVAILABLE)
+
+
+def make_submit_socket(ctx: zmq.Context, addrs: list[str], hwm: int) -> zmq.Socket:
+    """A plain (sync) PUSH to every tokenizer: round-robin skips full pipes; NOBLOCK sends."""
+    sock = configure(zmq.Socket(ctx, zmq.PUSH), receives=False, sndhwm=hwm)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    for addr in addrs:
+        sock.connect(addr)
+    return sock
+
+
+def make_dealer(sock: zmq.Socket, client_id: bytes, address: str) -> zmq.Socket:
+    sock.setsockopt(zmq.IDENTITY, client_id)
+    configure(sock, receives=True)
+    sock.connect(address)
+    return sock
+
+
+def prompt_kwargs(p: Any) -> dict[str, Any]:
+    """generate()'s prompts: a string, a list of chat messages, or a list of token ids."""
+    if isinstance(p, str):
+        return {"prompt": p}
+    if isinstance(p, (list, tuple)) and p and all(isinstance(x, int) for x in p):
+        return {"prompt_token_ids": p}
+    return {"messages": p}

@@ -1,0 +1,169 @@
+"""Small typed socket wrappers, so no process hand-rolls send/recv + encode/decode.
+
+Every socket made here has a finite LINGER (closing never hangs on an absent peer) and, when it
+receives, a MAXMSGSIZE (ZeroMQ drops the connection of a peer that sends a larger frame, before we
+ever allocate it). Binding an ``ipc://`` address removes a stale socket file first: a crashed run
+leaves one behind and a fresh bind over it would otherwise succeed while peers stay connected to a
+dead inode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Generic, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from ipc import codec
+
+T = TypeVar("T")
+logger = logging.getLogger("splitserve.ipc")
+
+LINGER_MS = 1000
+DEFAULT_HWM = 10_000
+
+
+def remove_stale_ipc(address: str) -> None:
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def configure(sock: zmq.Socket, *, receives: bool, sndhwm: int | None = None,
+              rcvhwm: int | None = None) -> zmq.Socket:
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    if receives:
+        sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
+    if sndhwm is not None:
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+    if rcvhwm is not None:
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    return sock
+
+
+def bind(sock: zmq.Socket, address: str) -> zmq.Socket:
+    remove_stale_ipc(address)
+    sock.bind(address)
+    return sock
+
+
+def open_socket(ctx: zmq.Context, kind: int, address: str, *, bind_it: bool,
+                sndhwm: int | None = None, rcvhwm: int | None = None) -> zmq.Socket:
+    receives = kind in (zmq.PULL, zmq.ROUTER, zmq.DEALER, zmq.PAIR)
+    sock = configure(ctx.socket(kind), receives=receives, sndhwm=sndhwm, rcvhwm=rcvhwm)
+    if bind_it:
+        bind(sock, address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+class PushQueue:
+    """The sending end of a PUSH/PULL channel: ``put(message)``."""
+
+    def __init__(self, ctx: zmq.Context, address: str, *, bind: bool = False,
+                 hwm: int = DEFAULT_HWM) -> None:
+        self.address = address
+        self.socket = open_socket(ctx, zmq.PUSH, address, bind_it=bind, sndhwm=hwm)
+
+    def put(self, msg: Any, *, block: bool = True, timeout_ms: int | None = None) -> None:
+        """Raises zmq.Again when the pipe is full (non-blocking) or the timeout passes."""
+        self.put_frame(codec.encode(msg), block=block, timeout_ms=timeout_ms)
+
+    def put_frame(self, frame: bytes, *, block: bool = True, timeout_ms: int | None = None) -> None:
+        if not block:
+            self.socket.send(frame, zmq.NOBLOCK, copy=False)
+            return
+        if timeout_ms is not None and not self.socket.poll(timeout_ms, zmq.POLLOUT):
+            raise zmq.Again()
+        self.socket.send(frame, copy=False)
+
+    def close(self) -> None:
+        self.socket.close(linger=LINGER_MS)
+
+
+class PullQueue(Generic[T]):
+    """The receiving end: ``get()`` decodes strictly into one of the accepted message kinds.
+
+    ``get_frame`` hands back raw bytes for callers that must answer malformed frames with an
+    error (they decode with :meth:`decode` and catch ``codec.DecodeError``).
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str, *kinds: type, bind: bool = True,
+                 hwm: int = DEFAULT_HWM) -> None:
+        self.address = address
+        self.kinds = kinds
+        self.socket = open_socket(ctx, zmq.PULL, address, bind_it=bind, rcvhwm=hwm)
+
+    def decode(self, frame: bytes) -> T:
+        return codec.decode_as(frame, *self.kinds)
+
+    def empty(self) -> bool:
+        return not self.socket.poll(0, zmq.POLLIN)
+
+    def wait(self, timeout_ms: int | None) -> bool:
+        """True when a frame is ready; waits at most ``timeout_ms`` (None: forever)."""
+        return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
+
+    def get_frame(self, *, block: bool = True) -> bytes:
+        return self.socket.recv(0 if block else zmq.NOBLOCK)
+
+    def get(self, *, block: bool = True) -> T:
+        return self.decode(self.get_frame(block=block))
+
+    def drain_frames(self, limit: int) -> list[bytes]:
+        """Whatever is queued right now, at most ``limit`` frames, without waiting."""
+        frames = []
+        while len(frames) < limit:
+            try:
+                frames.append(self.socket.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        return frames
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class AsyncPullQueue(Generic[T]):
+    """asyncio variant of PullQueue (works under uvloop)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, *kinds: type, bind: bool = True,
+                 hwm: int = DEFAULT_HWM) -> None:
+        self.address = address
+        self.kinds = kinds
+        self.socket = open_socket(ctx, zmq.PULL, address, bind_it=bind, rcvhwm=hwm)
+
+    def empty(self) -> bool:
+        return not (self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    async def get(self) -> T:
+        return codec.decode_as(await self.socket.recv(), *self.kinds)
+
+    def get_nowait(self) -> T:
+        return codec.decode_as(self.socket.recv(zmq.NOBLOCK), *self.kinds)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class AsyncPushQueue:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool = False,
+                 hwm: int = DEFAULT_HWM) -> None:
+        self.address = address
+        self.socket = open_socket(ctx, zmq.PUSH, address, bind_it=bind, sndhwm=hwm)
+
+    async def put(self, msg: Any) -> None:
+        await self.socket.send(codec.encode(msg))
+
+    def put_nowait(self, msg: Any) -> None:
+        """Raises zmq.Again when the pipe is full."""
+        self.socket.send(codec.encode(msg), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.socket.close(linger=LINGER_MS)
