@@ -1,0 +1,84 @@
+"""Per-request detokenization state: incremental decoding, stop strings, the stream interval.
+
+One RequestState lives from the request's RequestMeta (first StepOutput mentioning it) to its
+terminal event; then it is dropped, so the detokenizer's memory is bounded by what is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tokenizers.decoders import DecodeStream
+
+from ipc.codec import pack_ids
+from ipc.messages import RequestMeta, RequestStart, RequestTimings, StreamEvent, Usage
+from detok_worker.stop_strings import StopStringMatcher
+
+logger = logging.getLogger("splitserve.detokenizer")
+
+
+class RequestState:
+    __slots__ = ("meta", "decoder", "matcher", "completion_tokens", "cached_tokens", "timings",
+                 "unsent_text", "unsent_ids", "sent_any")
+
+    def __init__(self, meta: RequestMeta) -> None:
+        self.meta = meta
+        self.decoder = DecodeStream(skip_special_tokens=meta.skip_special_tokens)
+        self.matcher = StopStringMatcher(meta.stop)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.timings = RequestTimings(t_submit=meta.t_submit,
+                                      t_tokenize_start=meta.t_tokenize_start,
+                                      t_tokenized=meta.t_tokenized)
+        self.unsent_text = ""
+        self.unsent_ids: list[int] = []
+        self.sent_any = False
+
+    def on_start(self, start: RequestStart) -> None:
+        self.timings.t_arrived = start.t_arrived
+        self.timings.t_scheduled = start.t_scheduled
+        self.cached_tokens = start.cached_tokens
+
+    def on_token(self, tokenizer, token_id: int, t_step: float) -> bool:
+        """Decodes one new token; True when a stop string matched (the request is done)."""
+        self.completion_tokens += 1
+        if not self.timings.t_first_token:
+            self.timings.t_first_token = t_step
+        self.timings.t_last_token = t_step
+        self.unsent_ids.append(token_id)
+        try:
+            piece = self.decoder.step(tokenizer, token_id) or ""
+        except Exception as exc:  # an id the tokenizer cannot decode: keep streaming the rest
+            logger.warning("request %r: token %d does not decode: %s",
+                           self.meta.request_id, token_id, exc)
+            piece = ""
+        released, stopped = self.matcher.feed(piece)
+        self.unsent_text += released
+        return stopped
+
+    def should_stream(self, interval_tokens: int) -> bool:
+        # The first token always goes out at once: time to first token is what users feel.
+        return bool(self.unsent_ids) and (not self.sent_any
+                                          or len(self.unsent_ids) >= interval_tokens)
+
+    def delta(self) -> StreamEvent:
+        event = StreamEvent(request_id=self.meta.request_id, text=self.unsent_text,
+                            token_ids=pack_ids(self.unsent_ids))
+        self.unsent_text, self.unsent_ids, self.sent_any = "", [], True
+        return event
+
+    def final(self, reason: str, t_finished: float, *, stopped_by_string: bool = False,
+              error: str | None = None, error_code: str | None = None) -> StreamEvent:
+        if not stopped_by_string:
+            self.unsent_text += self.matcher.flush()
+        event = self.delta()
+        event.finished = True
+        event.finish_reason = reason
+        event.error = error or None
+        event.error_code = error_code or None
+        event.usage = Usage(prompt_tokens=self.meta.prompt_tokens,
+                            completion_tokens=self.completion_tokens,
+                            cached_tokens=self.cached_tokens)
+        self.timings.t_finished = t_finished
+        event.timings = self.timings
+        return event

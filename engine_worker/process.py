@@ -1,0 +1,208 @@
+"""The engine process main loop: exactly one per cluster.
+
+Between engine steps it drains its PULL socket without blocking (tokenized requests from the
+tokenizers, aborts from the detokenizer); when the engine has nothing to do it blocks in poll. Each
+step becomes one StepOutput for the detokenizer, carrying the RequestMeta of every request received
+since the previous one, so a request's meta always travels ahead of its tokens on one ordered
+channel. The process never tokenizes: it only ever sees token ids (tests check that `tokenizers`
+is never imported here, via the `imported_tokenizers` heartbeat stat).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import zmq
+
+from ipc.codec import DecodeError, salvage_fields, unpack_id_list
+from ipc.config import ClusterConfig
+from ipc.messages import (
+    ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, FINISH_ABORT, FINISH_ERROR, AbortRequests,
+    RequestMeta, StepOutput, TokenizedRequest,
+)
+from ipc.sockets import PullQueue, PushQueue
+from procs.worker_runtime import WorkerRuntime
+
+logger = logging.getLogger("splitserve.engine")
+
+INBOX_HWM = 2048
+SEND_TIMEOUT_MS = 30_000
+SHUTDOWN_QUIET_S = 0.3
+SHUTDOWN_MAX_S = 20.0
+
+
+def make_engine(config: ClusterConfig):
+    from engine_worker.config import EngineConfig
+    from engine_worker.engine import Engine
+
+    return Engine(EngineConfig(
+        model_path=config.model_path, device=config.device, dtype=config.dtype,
+        max_batch_size=config.max_batch_size, prefill_max_batch_size=config.prefill_max_batch_size,
+        prefill_max_tokens=config.prefill_max_tokens,
+        prefill_chunk_tokens=config.prefill_chunk_tokens, block_size=config.block_size,
+        kv_cache_tokens=config.kv_cache_tokens, max_model_len=config.max_model_len,
+        enable_prefix_cache=config.enable_prefix_cache,
+        max_waiting_requests=config.max_waiting_requests, num_threads=config.engine_threads))
+
+
+def tokenizer_modules_loaded() -> list[str]:
+    return sorted(m for m in sys.modules
+                  if m == "tokenizers" or m.startswith("tokenizers.")
+                  or m.startswith("transformers.tokenization"))
+
+
+class EngineProcess:
+    def __init__(self, config: ClusterConfig, ctx: zmq.Context, engine=None) -> None:
+        from engine_worker.engine import EngineOverloaded
+
+        self.config = config
+        self.runtime = WorkerRuntime("engine", 0, config, ctx)
+        self.engine = engine if engine is not None else make_engine(config)
+        self._overloaded = EngineOverloaded
+        self.inbox: PullQueue[TokenizedRequest | AbortRequests] = PullQueue(
+            ctx, config.engine_addr, TokenizedRequest, AbortRequests, hwm=INBOX_HWM)
+        self.outbox = PushQueue(ctx, config.detokenizer_addr)
+        self.live: set[str] = set()  # added to the engine and not finished yet
+        self.pending = StepOutput(step=0, t_step=0.0)  # metas and errors awaiting the next send
+        self.steps = 0
+        self.received = 0
+
+    # --- main loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        self.runtime.announce(
+            [self.inbox.address], model_name=str(self.engine.model_name),
+            max_model_len=int(self.engine.max_model_len), vocab_size=int(self.engine.vocab_size))
+        while not self.runtime.stopping:
+            self.drain_inbox()
+            if self.engine.has_work():
+                self.step()
+            elif self._has_pending():
+                self.send(self.take_pending())
+            else:
+                self.inbox.wait(min(self.runtime.heartbeat_due_in_ms(), 100))
+            self.runtime.maybe_heartbeat(self.stats())
+        self.shutdown()
+
+    def drain_inbox(self) -> None:
+        for frame in self.inbox.drain_frames(INBOX_HWM):
+            try:
+                msg = self.inbox.decode(frame)
+            except DecodeError as exc:
+                self._reject_frame(frame, exc)
+                continue
+            if isinstance(msg, AbortRequests):
+                for rid in msg.request_ids:
+                    self.engine.abort(rid)
+            else:
+                self.add(msg)
+
+    def add(self, req: TokenizedRequest) -> None:
+        self.received += 1
+        if req.request_id in self.live:
+            # Only a raw client bypassing the SDK can do this; the live request keeps its events.
+            logger.warning("ignored a duplicate of live request %r", req.request_id)
+            return
+        if self.runtime.stopping:
+            self._finish_early(req.meta, FINISH_ABORT, "", "")
+            return
+        try:
+            ids = unpack_id_list(req.token_ids)
+            self.engine.add(req.request_id, ids, req.sampling, arrival_time=time.monotonic())
+        except self._overloaded as exc:
+            self._finish_early(req.meta, FINISH_ERROR, f"overloaded: {exc}", ERR_OVERLOADED)
+        except (ValueError, DecodeError) as exc:
+            self._finish_early(req.meta, FINISH_ERROR, str(exc), ERR_BAD_REQUEST)
+        except Exception as exc:  # the engine must keep serving everyone else
+            logger.exception("engine.add failed for %r", req.request_id)
+            self._finish_early(req.meta, FINISH_ERROR, f"internal error: {exc}", ERR_INTERNAL)
+        else:
+            self.live.add(req.request_id)
+            self.pending.new_requests.append(req.meta)
+
+    def step(self) -> None:
+        out = self.engine.step()
+        self.steps += 1
+        pending = self.take_pending()
+        out.new_requests = pending.new_requests + list(out.new_requests)
+        if out.finished_ids and not out.finish_error_codes:
+            out.finish_error_codes = ["" for _ in out.finished_ids]
+        if out.finished_ids and not out.finish_errors:
+            out.finish_errors = ["" for _ in out.finished_ids]
+        for rid in out.finished_ids:
+            self.live.discard(rid)
+        out.finished_ids += pending.finished_ids
+        out.finish_reasons += pending.finish_reasons
+        out.finish_errors += pending.finish_errors
+        out.finish_error_codes += pending.finish_error_codes
+        self.send(out)
+
+    def send(self, out: StepOutput) -> None:
+        try:
+            self.outbox.put(out, timeout_ms=SEND_TIMEOUT_MS)
+        except zmq.Again:
+            logger.error("the detokenizer has not read for %d ms; dropped step %d",
+                         SEND_TIMEOUT_MS, out.step)
+
+    # --- shutdown -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Aborts everything in flight so each request still gets its terminal event."""
+        logger.info("shutting down: aborting %d in-flight requests", len(self.live))
+        deadline = time.monotonic() + SHUTDOWN_MAX_S
+        self.drain_inbox()
+        for rid in list(self.live):
+            self.engine.abort(rid)
+        while self.engine.has_work() and time.monotonic() < deadline:
+            self.step()
+        # Requests that were already on their way from a tokenizer still get an answer.
+        quiet_until = time.monotonic() + SHUTDOWN_QUIET_S
+        while time.monotonic() < min(quiet_until, deadline):
+            if self.inbox.wait(20):
+                self.drain_inbox()
+                quiet_until = time.monotonic() + SHUTDOWN_QUIET_S
+        if self._has_pending():
+            self.send(self.take_pending())
+        self.runtime.maybe_heartbeat(self.stats())
+        self.inbox.close()
+        self.outbox.close()
+        self.runtime.close()
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _finish_early(self, meta: RequestMeta, reason: str, error: str, code: str) -> None:
+        p = self.pending
+        p.new_requests.append(meta)
+        p.finished_ids.append(meta.request_id)
+        p.finish_reasons.append(reason)
+        p.finish_errors.append(error)
+        p.finish_error_codes.append(code)
+
+    def _reject_frame(self, frame: bytes, exc: DecodeError) -> None:
+        found = salvage_fields(frame, "request_id", "meta.client_id")
+        rid, cid = found.get("request_id"), found.get("meta.client_id")
+        logger.warning("malformed frame on the engine socket (request %r): %s", rid, exc)
+        if isinstance(rid, str) and rid and isinstance(cid, bytes) and cid:
+            meta = RequestMeta(request_id=rid, client_id=cid, prompt_tokens=0)
+            self._finish_early(meta, FINISH_ERROR, f"malformed request: {exc}", ERR_BAD_REQUEST)
+
+    def _has_pending(self) -> bool:
+        return bool(self.pending.new_requests or self.pending.finished_ids)
+
+    def take_pending(self) -> StepOutput:
+        pending, self.pending = self.pending, StepOutput(step=0, t_step=0.0)
+        pending.step = self.steps
+        pending.t_step = time.monotonic()
+        return pending
+
+    def stats(self) -> dict[str, float]:
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "live": len(self.live), "steps": self.steps, "received": self.received,
+                "imported_tokenizers": float(bool(tokenizer_modules_loaded()))}
+
+
+def main(config: ClusterConfig, index: int = 0) -> None:
+    ctx = zmq.Context()
+    try:
+        EngineProcess(config, ctx).run()
+    finally:
+        ctx.term()

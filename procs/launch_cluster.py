@@ -1,0 +1,296 @@
+"""The supervisor: starts every process of a cluster, watches them, stops them in order.
+
+Library use (tests, benchmarks):
+
+    with launch_cluster(model="default", tokenizer_workers=2) as cluster:
+        client = Client(cluster.client_addr)
+
+Start-up: the engine first (it resolves the model's context length and vocabulary, which the
+tokenizers check against and the detokenizer hands to clients), then the detokenizer and the
+tokenizers; each reports WorkerReady. Shutdown is ordered so every request in flight gets its
+terminal event: tokenizers stop accepting (they answer "unavailable"), the engine aborts what it
+runs, tokenizers exit, and the detokenizer, last, forwards everything and ends what is left.
+
+Policy on a child's unexpected exit (basic for now): the whole cluster stops in the same order;
+``Cluster.failure`` says why. Children are only ever started from the thread that called
+``start`` because PR_SET_PDEATHSIG fires when the *thread* that forked them exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import zmq
+
+from ipc import codec
+from ipc.config import ClusterConfig
+from ipc.messages import Heartbeat, WorkerReady
+from ipc.sockets import PullQueue
+from procs.model_store import resolve_model
+from procs.run_worker import PARENT_PID_ENV
+from procs.thread_budget import child_env, describe_budget, thread_budget
+
+logger = logging.getLogger("splitserve.supervisor")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ClusterStartError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(slots=True)
+class Child:
+    role: str
+    index: int
+    popen: subprocess.Popen
+    ready: WorkerReady | None = None
+    last_heartbeat: Heartbeat | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}[{self.index}]"
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig, *, owns_run_dir: bool) -> None:
+        self.config = config
+        self.owns_run_dir = owns_run_dir
+        self.ctx = zmq.Context()
+        self.inbox = PullQueue(self.ctx, config.supervisor_addr, WorkerReady, Heartbeat)
+        self.children: list[Child] = []
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._closed = False
+        self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    # --- start-up -----------------------------------------------------------------------------
+    @classmethod
+    def start(cls, config: ClusterConfig, *, owns_run_dir: bool = True,
+              start_timeout_s: float = 180.0) -> "Cluster":
+        config.write()
+        cluster = cls(config, owns_run_dir=owns_run_dir)
+        try:
+            cluster._start_all(start_timeout_s)
+        except BaseException:
+            cluster.shutdown()
+            raise
+        cluster._watcher = threading.Thread(target=cluster._watch, name="splitserve-watch",
+                                            daemon=True)
+        cluster._watcher.start()
+        return cluster
+
+    def _start_all(self, timeout_s: float) -> None:
+        print(f"splitserve supervisor pid={os.getpid()}: {describe_budget(self.config)}",
+              file=sys.stderr, flush=True)
+        engine = self._spawn("engine", 0)
+        ready = self._wait_ready([engine], timeout_s)[0]
+        # Hand the engine's resolved limits to everyone started after it.
+        self.config = dataclasses.replace(
+            self.config, max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
+            model_name=ready.model_name)
+        self.config.write()
+        rest = [self._spawn("detokenizer", 0)]
+        rest += [self._spawn("tokenizer", i) for i in range(self.config.tokenizer_workers)]
+        self._wait_ready(rest, timeout_s)
+        logger.info("cluster ready: %s", self.describe())
+
+    def _spawn(self, role: str, index: int) -> Child:
+        env = child_env(role, self.config, dict(os.environ))
+        env[PARENT_PID_ENV] = str(os.getpid())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
+                                            if p)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "procs.run_worker", role, str(index),
+             str(self.config.config_path)], env=env, cwd=str(REPO_ROOT))
+        child = Child(role, index, popen)
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, waiting: list[Child], timeout_s: float) -> list[WorkerReady]:
+        deadline = time.monotonic() + timeout_s
+        while any(c.ready is None for c in waiting):
+            for c in waiting:
+                if c.popen.poll() is not None:
+                    raise ClusterStartError(
+                        f"{c.name} exited with code {c.popen.returncode} during start-up "
+                        "(its log above says why)")
+            if time.monotonic() > deadline:
+                late = [c.name for c in waiting if c.ready is None]
+                raise ClusterStartError(f"not ready after {timeout_s:.0f} s: {', '.join(late)}")
+            self._receive(200)
+        return [c.ready for c in waiting]  # type: ignore[misc]
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self.inbox.wait(timeout_ms):
+            return
+        for frame in self.inbox.drain_frames(1000):
+            try:
+                msg = self.inbox.decode(frame)
+            except codec.DecodeError as exc:
+                logger.warning("malformed frame on the supervisor socket: %s", exc)
+                continue
+            child = self._child(msg.role, msg.index)
+            if child is None:
+                continue
+            if isinstance(msg, WorkerReady):
+                child.ready = msg
+            else:
+                child.last_heartbeat = msg
+
+    # --- watching -----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop_watch.is_set():
+            self._receive(100)
+            if self._stopping:
+                continue
+            dead = [c for c in self.children if c.popen.poll() is not None]
+            if dead:
+                self.failure = ", ".join(f"{c.name} exited with code {c.popen.returncode}"
+                                         for c in dead)
+                logger.error("%s; stopping the cluster", self.failure)
+                self._stop_children()
+
+    def is_running(self) -> bool:
+        return not self._stopping and all(c.popen.poll() is None for c in self.children)
+
+    def worker_stats(self, role: str, index: int = 0) -> dict[str, float]:
+        """The latest heartbeat stats of one worker ({} before its first heartbeat)."""
+        child = self._child(role, index)
+        hb = child.last_heartbeat if child else None
+        return dict(hb.stats) if hb else {}
+
+    def _child(self, role: str, index: int) -> Child | None:
+        return next((c for c in self.children if c.role == role and c.index == index), None)
+
+    @property
+    def client_addr(self) -> str:
+        return self.config.client_addr
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {c.name: c.popen.pid for c in self.children}
+
+    def describe(self) -> str:
+        return (f"client address {self.client_addr}; {self.config.tokenizer_workers} tokenizer "
+                f"worker(s); model {self.config.model_name or self.config.model_path} "
+                f"(max_model_len {self.config.max_model_len}); pids {self.pids}")
+
+    # --- shutdown -----------------------------------------------------------------------------
+    def _stop_children(self) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        tokenizers = [c for c in self.children if c.role == "tokenizer"]
+        engines = [c for c in self.children if c.role == "engine"]
+        detoks = [c for c in self.children if c.role == "detokenizer"]
+        _signal(tokenizers, signal.SIGUSR1)  # stop accepting; new submits get "unavailable"
+        time.sleep(0.1 if tokenizers else 0)  # let a batch being encoded reach the engine
+        _signal(engines, signal.SIGTERM)
+        _wait(engines, 30.0)
+        _signal(tokenizers, signal.SIGTERM)
+        _wait(tokenizers, 10.0)
+        _signal(detoks, signal.SIGTERM)
+        _wait(detoks, 10.0)
+
+    def shutdown(self) -> None:
+        """Stops every child in order, reaps them, removes the run directory. Idempotent."""
+        self._stop_children()
+        self._stop_watch.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.inbox.close()
+        self.ctx.term()
+        self._remove_run_dir()
+
+    def _remove_run_dir(self) -> None:
+        run_dir = Path(self.config.run_dir)
+        if self.owns_run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return
+        for path in run_dir.glob("*.sock"):
+            path.unlink(missing_ok=True)
+        self.config.config_path.unlink(missing_ok=True)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until a child fails (True) or the timeout passes (False)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.failure is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.1)
+        return self.failure is not None
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _signal(children: list[Child], sig: int) -> None:
+    for c in children:
+        if c.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                c.popen.send_signal(sig)
+
+
+def _wait(children: list[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        try:
+            c.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.error("%s did not exit in %.0f s; killing it", c.name, timeout_s)
+            c.popen.kill()
+            c.popen.wait()
+
+
+def make_config(model: str | os.PathLike | None = None, run_dir: str | None = None,
+                **overrides: object) -> tuple[ClusterConfig, bool]:
+    """A ClusterConfig with the model resolved, a private run dir and the thread budget filled
+    in. Returns (config, whether the run dir was created here and is ours to remove)."""
+    model_path = str(resolve_model(model if model is not None else overrides.pop("model_path",
+                                                                                   None)))
+    owns = run_dir is None
+    if run_dir is None:
+        run_dir = tempfile.mkdtemp(prefix="splitserve-")  # mode 0700
+    else:
+        Path(run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    engine_threads, tokenizer_threads = thread_budget(
+        int(overrides.get("tokenizer_workers", 1)),  # type: ignore[arg-type]
+        engine_threads=int(overrides.pop("engine_threads", 0) or 0),  # type: ignore[arg-type]
+        tokenizer_threads=int(overrides.pop("tokenizer_threads", 0) or 0))  # type: ignore
+    config = ClusterConfig(model_path=model_path, run_dir=run_dir, engine_threads=engine_threads,
+                           tokenizer_threads=tokenizer_threads, **overrides)  # type: ignore
+    return config, owns
+
+
+@contextlib.contextmanager
+def launch_cluster(model: str | os.PathLike | None = None, *, run_dir: str | None = None,
+                   start_timeout_s: float = 180.0, **overrides: object) -> Iterator[Cluster]:
+    config, owns = make_config(model, run_dir, **overrides)
+    try:
+        cluster = Cluster.start(config, owns_run_dir=owns, start_timeout_s=start_timeout_s)
+    except BaseException:
+        if owns:
+            shutil.rmtree(config.run_dir, ignore_errors=True)
+        raise
+    with cluster:
+        yield cluster

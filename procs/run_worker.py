@@ -1,0 +1,60 @@
+"""The one entry point of every worker process:
+
+    python -m procs.run_worker ROLE INDEX CONFIG_PATH
+
+The supervisor sets the thread budget in the environment (OMP_NUM_THREADS, RAYON_NUM_THREADS,
+TOKENIZERS_PARALLELISM) before the interpreter starts, so no library reads it too early.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+from ipc.config import ROLES, ClusterConfig
+from procs.worker_runtime import setup_logging
+
+PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "SPLITSERVE_SUPERVISOR_PID"
+
+
+def die_with_parent() -> None:
+    """Asks Linux to SIGKILL us when the supervisor dies, however it dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    expected = os.environ.get(PARENT_PID_ENV)
+    if expected and os.getppid() != int(expected):
+        os._exit(1)  # the supervisor died before prctl took effect
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] not in ROLES:
+        sys.exit(f"usage: python -m procs.run_worker {{{','.join(ROLES)}}} INDEX CONFIG_PATH")
+    role, index, config_path = args[0], int(args[1]), args[2]
+    die_with_parent()
+    setup_logging(role, index if role == "tokenizer" else None)
+    config = ClusterConfig.read(config_path)
+    try:
+        if role == "tokenizer":
+            from tokenizer_worker.worker import main as run
+        elif role == "engine":
+            from engine_worker.process import main as run
+        elif role == "detokenizer":
+            from detok_worker.worker import main as run
+        else:
+            sys.exit(f"role {role!r} has no worker yet")
+        run(config, index)
+    except Exception:
+        logging.getLogger("splitserve.worker").exception("%s[%d] crashed", role, index)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

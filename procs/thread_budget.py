@@ -1,0 +1,53 @@
+"""How the cluster's processes share the CPU cores.
+
+The engine gets torch intra-op threads, each tokenizer worker gets the tokenizers library's own
+(rayon) parallelism, and the detokenizer one thread. The defaults leave room for the tokenizers
+and the detokenizer (at most half the cores) so a burst of tokenization never oversubscribes the
+cores the engine's matmuls are spinning on.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ipc.config import ClusterConfig
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_budget(tokenizer_workers: int, *, engine_threads: int = 0, tokenizer_threads: int = 0,
+                  cpus: int | None = None) -> tuple[int, int]:
+    """(engine torch threads, threads per tokenizer worker); 0 means decide."""
+    cpus = cpus or available_cpus()
+    tokenizer_threads = tokenizer_threads or 1
+    if not engine_threads:
+        reserved = min(tokenizer_workers * tokenizer_threads + 1, cpus // 2)
+        engine_threads = max(1, cpus - reserved)
+    return engine_threads, tokenizer_threads
+
+
+def describe_budget(config: ClusterConfig) -> str:
+    return (f"CPU budget on {available_cpus()} cores: engine {config.engine_threads} torch "
+            f"thread(s); {config.tokenizer_workers} tokenizer worker(s) x "
+            f"{config.tokenizer_threads} thread(s); detokenizer 1 thread")
+
+
+def child_env(role: str, config: ClusterConfig, env: dict[str, str]) -> dict[str, str]:
+    """The environment a role starts with; set before the interpreter so no library reads a
+    different value first."""
+    threads = {"engine": config.engine_threads,
+               "tokenizer": config.tokenizer_threads}.get(role, 1)
+    torch_threads = config.engine_threads if role == "engine" else 1
+    env.update({
+        "OMP_NUM_THREADS": str(torch_threads),
+        "MKL_NUM_THREADS": str(torch_threads),
+        "RAYON_NUM_THREADS": str(threads if role == "tokenizer" else 1),
+        "TOKENIZERS_PARALLELISM": "true" if role == "tokenizer" and threads > 1 else "false",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env

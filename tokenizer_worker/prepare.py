@@ -1,0 +1,172 @@
+"""Turns SubmitRequests into TokenizedRequests (or RequestErrors): chat template, batch encoding,
+validation against the vocabulary and the context length.
+
+Everything here is pure (no sockets), so it is unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ipc.codec import DecodeError, pack_ids, unpack_ids
+from ipc.messages import (
+    ERR_BAD_REQUEST, RequestError, RequestMeta, SamplingParams, SubmitRequest, TokenizedRequest,
+)
+from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
+
+MAX_PROMPT_CHARS = 8 * 1024 * 1024
+MAX_CHAT_MESSAGES = 4096
+
+
+class RequestRejected(ValueError):
+    def __init__(self, message: str, code: str = ERR_BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The HF ``tokenizers`` Tokenizer of a model directory (never transformers)."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+    return Tokenizer.from_file(str(path))
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be at least 1, got {self.vocab_size}")
+
+
+class RequestPreparer:
+    def __init__(self, tokenizer, chat_template: ChatTemplate | None, limits: Limits,
+                 tokenizer_index: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.limits = limits
+        self.tokenizer_index = tokenizer_index
+        # A debug knob for tests proving submit() never waits for tokenization.
+        self.debug_delay_s = float(os.environ.get("SPLITSERVE_DEBUG_TOKENIZE_DELAY_MS", "0")) / 1e3
+
+    def prepare_batch(self, requests: list[SubmitRequest]) -> list[TokenizedRequest | RequestError]:
+        """One result per request, in order. Text is encoded with one encode_batch per kind."""
+        t_start = time.monotonic()
+        if self.debug_delay_s:
+            time.sleep(self.debug_delay_s * len(requests))
+        results: list[TokenizedRequest | RequestError | None] = [None] * len(requests)
+        ids: list[list[int] | None] = [None] * len(requests)
+        plain, chat = [], []  # (position, text): raw prompts get the tokenizer's special tokens,
+        # rendered chats already carry theirs
+        for i, req in enumerate(requests):
+            try:
+                self._check_sampling(req.sampling)
+                if req.prompt is not None:
+                    plain.append((i, self._check_text(req.prompt)))
+                elif req.messages is not None:
+                    chat.append((i, self._render_chat(req)))
+                else:
+                    ids[i] = self._check_ids(req.prompt_token_ids or b"")
+            except RequestRejected as exc:
+                results[i] = _error(req, str(exc), exc.code)
+        for group, add_special in ((plain, True), (chat, False)):
+            if group:
+                encodings = self.tokenizer.encode_batch([t for _, t in group],
+                                                        add_special_tokens=add_special)
+                for (i, _), enc in zip(group, encodings):
+                    ids[i] = enc.ids
+        t_done = time.monotonic()
+        for i, req in enumerate(requests):
+            if results[i] is None:
+                try:
+                    results[i] = self._finish(req, ids[i] or [], t_start, t_done)
+                except RequestRejected as exc:
+                    results[i] = _error(req, str(exc), exc.code)
+        return results  # type: ignore[return-value]
+
+    def _finish(self, req: SubmitRequest, ids: list[int], t_start: float,
+                t_done: float) -> TokenizedRequest:
+        n = len(ids)
+        if n == 0:
+            raise RequestRejected("the prompt encodes to zero tokens")
+        room = self.limits.max_model_len - n
+        if room < 1:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; with at least one generated token that exceeds the "
+                f"context length of {self.limits.max_model_len} tokens")
+        sampling = req.sampling
+        if sampling.max_tokens > room:
+            # Clamp instead of refusing: the request still ends with reason "length" at the
+            # context limit, which is what a caller asking for "as much as fits" wants.
+            sampling = _with_max_tokens(sampling, room)
+        meta = RequestMeta(
+            request_id=req.request_id, client_id=req.client_id, prompt_tokens=n,
+            stop=list(sampling.stop), skip_special_tokens=sampling.skip_special_tokens,
+            tokenizer_index=self.tokenizer_index, t_submit=req.t_submit,
+            t_tokenize_start=t_start, t_tokenized=t_done)
+        return TokenizedRequest(request_id=req.request_id, token_ids=pack_ids(ids),
+                                sampling=sampling, meta=meta)
+
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        bad = [t for t in sampling.stop_token_ids if t >= self.limits.vocab_size]
+        if bad:
+            raise RequestRejected(f"stop_token_ids {bad[:8]} are outside the vocabulary "
+                                  f"(size {self.limits.vocab_size})")
+
+    def _check_text(self, text: str) -> str:
+        if not text:
+            raise RequestRejected("the prompt is empty")
+        if len(text) > MAX_PROMPT_CHARS:
+            raise RequestRejected(f"the prompt has more than {MAX_PROMPT_CHARS} characters")
+        return text
+
+    def _check_ids(self, packed: bytes) -> list[int]:
+        try:
+            arr = unpack_ids(packed)
+        except DecodeError as exc:
+            raise RequestRejected(str(exc)) from None
+        if arr.size == 0:
+            raise RequestRejected("prompt_token_ids is empty")
+        if int(arr.min()) < 0 or int(arr.max()) >= self.limits.vocab_size:
+            raise RequestRejected(
+                f"prompt_token_ids must be in [0, {self.limits.vocab_size}); got values in "
+                f"[{int(arr.min())}, {int(arr.max())}]")
+        return arr.tolist()
+
+    def _render_chat(self, req: SubmitRequest) -> str:
+        if self.chat_template is None:
+            raise RequestRejected("this model has no chat template; send a prompt instead")
+        messages = req.messages or []
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise RequestRejected(f"at most {MAX_CHAT_MESSAGES} chat messages")
+        for m in messages:
+            if not m.role:
+                raise RequestRejected("every chat message needs a non-empty role")
+        try:
+            text = self.chat_template.render(
+                [{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=req.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise RequestRejected(str(exc)) from None
+        return self._check_text(text)
+
+
+def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
+    fields = {name: getattr(sampling, name) for name in SamplingParams.__dataclass_fields__}
+    fields["max_tokens"] = max_tokens
+    return SamplingParams(**fields)
+
+
+def _error(req: SubmitRequest, message: str, code: str) -> RequestError:
+    return RequestError(request_id=req.request_id, client_id=req.client_id, message=message,
+                        code=code, t_submit=req.t_submit)

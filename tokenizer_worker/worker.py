@@ -1,0 +1,119 @@
+"""The tokenizer process: pull SubmitRequests, batch-encode whatever is queued at once, push
+TokenizedRequests to the engine and RequestErrors to the detokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import zmq
+
+from ipc.codec import DecodeError, salvage_fields
+from ipc.config import ClusterConfig
+from ipc.messages import ERR_BAD_REQUEST, ERR_UNAVAILABLE, RequestError, SubmitRequest
+from ipc.sockets import PullQueue, PushQueue
+from procs.worker_runtime import WorkerRuntime
+from tokenizer_worker.chat_template import ChatTemplate
+from tokenizer_worker.prepare import Limits, RequestPreparer, load_tokenizer
+
+logger = logging.getLogger("splitserve.tokenizer")
+
+
+def model_limits(config: ClusterConfig) -> Limits:
+    """The engine's resolved values when the supervisor filled them in, else the model's own."""
+    model_config = json.loads((Path(config.model_path) / "config.json").read_text())
+    max_len = config.max_model_len or int(model_config.get("max_position_embeddings", 2048))
+    vocab = config.vocab_size or int(model_config["vocab_size"])
+    return Limits(max_model_len=max_len, vocab_size=vocab)
+
+
+class TokenizerWorker:
+    def __init__(self, config: ClusterConfig, index: int, ctx: zmq.Context) -> None:
+        self.config, self.index = config, index
+        self.runtime = WorkerRuntime("tokenizer", index, config, ctx)
+        self.preparer = RequestPreparer(load_tokenizer(config.model_path),
+                                        ChatTemplate.from_model_dir(config.model_path),
+                                        model_limits(config), tokenizer_index=index)
+        # A small receive queue: when it fills, clients' round-robin skips this worker and, once
+        # every worker is full, submit() raises OverloadedError instead of queueing without bound.
+        self.inbox: PullQueue[SubmitRequest] = PullQueue(
+            ctx, config.tokenizer_addr(index), SubmitRequest, hwm=config.tokenizer_queue_max)
+        self.to_engine = PushQueue(ctx, config.engine_addr)
+        self.to_detok = PushQueue(ctx, config.detokenizer_addr)
+        self.served = 0
+        self.rejected = 0
+        self.tokenize_s = 0.0
+
+    def run(self) -> None:
+        self.runtime.announce([self.inbox.address])
+        while not self.runtime.stopping:
+            self.runtime.maybe_heartbeat(self._stats())
+            if not self.inbox.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):
+                continue
+            self.handle_frames(self.inbox.drain_frames(self.config.tokenizer_batch_max))
+        # Stopping: answer whatever is still queued, so no accepted request goes silent.
+        self.runtime.draining = True
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            frames = self.inbox.drain_frames(self.config.tokenizer_batch_max)
+            if frames:
+                self.handle_frames(frames)
+            else:
+                time.sleep(0.01)
+        self.close()
+
+    def handle_frames(self, frames: list[bytes]) -> None:
+        requests = []
+        for frame in frames:
+            try:
+                requests.append(self.inbox.decode(frame))
+            except DecodeError as exc:
+                self._reject_frame(frame, exc)
+        if not requests:
+            return
+        if self.runtime.draining:
+            for req in requests:
+                self._send_error(RequestError(req.request_id, req.client_id,
+                                              "unavailable: the cluster is shutting down",
+                                              ERR_UNAVAILABLE, req.t_submit))
+            return
+        t0 = time.monotonic()
+        results = self.preparer.prepare_batch(requests)
+        self.tokenize_s += time.monotonic() - t0
+        for result in results:
+            if isinstance(result, RequestError):
+                self._send_error(result)
+            else:
+                self.to_engine.put(result)
+                self.served += 1
+
+    def _reject_frame(self, frame: bytes, exc: DecodeError) -> None:
+        found = salvage_fields(frame, "request_id", "client_id")
+        rid, cid = found.get("request_id"), found.get("client_id")
+        if isinstance(rid, str) and rid and isinstance(cid, bytes) and cid:
+            self._send_error(RequestError(rid, cid, f"malformed request: {exc}", ERR_BAD_REQUEST))
+        else:
+            logger.warning("dropped a malformed frame nobody can be told about: %s", exc)
+
+    def _send_error(self, err: RequestError) -> None:
+        self.rejected += 1
+        self.to_detok.put(err)
+
+    def _stats(self) -> dict[str, float]:
+        return {"served": self.served, "rejected": self.rejected,
+                "tokenize_s": self.tokenize_s, "draining": float(self.runtime.draining)}
+
+    def close(self) -> None:
+        for q in (self.inbox, self.to_engine, self.to_detok):
+            q.close()
+        self.runtime.close()
+
+
+def main(config: ClusterConfig, index: int) -> None:
+    ctx = zmq.Context()
+    try:
+        TokenizerWorker(config, index, ctx).run()
+    finally:
+        ctx.term()
