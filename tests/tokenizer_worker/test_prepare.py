@@ -1,0 +1,94 @@
+"""The tokenizer worker's pure part: chat templates, encoding, validation."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from ipc.codec import pack_ids, unpack_id_list
+from ipc.messages import ChatMessage, RequestError, SamplingParams, SubmitRequest, TokenizedRequest
+from tokenizer_worker.chat_template import ChatTemplate
+from tokenizer_worker.prepare import Limits, RequestPreparer, load_tokenizer
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓ 日本"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+     {"role": "user", "content": "c\n\nd"}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def preparer(default_model_dir):
+    return RequestPreparer(load_tokenizer(default_model_dir),
+                           ChatTemplate.from_model_dir(default_model_dir),
+                           Limits(max_model_len=64, vocab_size=49152))
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(default_model_dir, hf_tokenizer, conversation,
+                                            add_generation_prompt):
+    ours = ChatTemplate.from_model_dir(default_model_dir).render(conversation,
+                                                                 add_generation_prompt)
+    theirs = hf_tokenizer.apply_chat_template(conversation, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+
+
+def test_chat_ids_match_transformers(preparer, hf_tokenizer):
+    conversation = CONVERSATIONS[0]
+    req = SubmitRequest("r", b"c", SamplingParams(), messages=[ChatMessage(**m)
+                                                              for m in conversation])
+    (out,) = preparer.prepare_batch([req])
+    expected = hf_tokenizer.apply_chat_template(conversation, tokenize=True,
+                                                add_generation_prompt=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(
+        expected, "keys") else expected
+    assert unpack_id_list(out.token_ids) == list(expected)
+
+
+def test_plain_prompt_matches_transformers_encode(preparer, hf_tokenizer):
+    (out,) = preparer.prepare_batch([SubmitRequest("r", b"c", SamplingParams(), prompt="Hello")])
+    assert unpack_id_list(out.token_ids) == hf_tokenizer("Hello")["input_ids"]
+    assert out.meta.prompt_tokens == len(unpack_id_list(out.token_ids))
+
+
+def _one(preparer, **kwargs):
+    sampling = kwargs.pop("sampling", SamplingParams())
+    return preparer.prepare_batch([SubmitRequest("r", b"c", sampling, **kwargs)])[0]
+
+
+def test_too_long_prompt_is_rejected(preparer):
+    out = _one(preparer, prompt="word " * 200)
+    assert isinstance(out, RequestError) and "context length of 64" in out.message
+
+
+def test_max_tokens_is_clamped_to_the_context(preparer):
+    out = _one(preparer, prompt="Hello", sampling=SamplingParams(max_tokens=1000))
+    assert isinstance(out, TokenizedRequest)
+    assert out.meta.prompt_tokens + out.sampling.max_tokens == 64
+
+
+def test_out_of_vocab_ids_and_stop_ids_are_rejected(preparer):
+    out = _one(preparer, prompt_token_ids=pack_ids([1, 49152]))
+    assert isinstance(out, RequestError) and "prompt_token_ids" in out.message
+    out = _one(preparer, prompt_token_ids=pack_ids([-1]))
+    assert isinstance(out, RequestError)
+    out = _one(preparer, prompt="x", sampling=SamplingParams(stop_token_ids=[10**6]))
+    assert isinstance(out, RequestError) and "stop_token_ids" in out.message
+
+
+def test_one_bad_request_does_not_spoil_the_batch(preparer):
+    reqs = [SubmitRequest("a", b"c", SamplingParams(), prompt="Hi"),
+            SubmitRequest("b", b"c", SamplingParams(), prompt="word " * 200),
+            SubmitRequest("c", b"c", SamplingParams(), prompt_token_ids=pack_ids([5, 6]))]
+    out = preparer.prepare_batch(reqs)
+    assert [type(o).__name__ for o in out] == ["TokenizedRequest", "RequestError",
+                                               "TokenizedRequest"]
+    assert unpack_id_list(out[2].token_ids) == [5, 6]
