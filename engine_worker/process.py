@@ -10,7 +10,9 @@ is never imported here, via the `imported_tokenizers` heartbeat stat).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import sys
 import time
 
@@ -34,6 +36,16 @@ SHUTDOWN_MAX_S = 20.0
 
 
 def make_engine(config: ClusterConfig):
+    # A test seam: "/path/to/file.py:function" building a stand-in engine (IPC tests that
+    # need no model).
+    factory = os.environ.get("SPLITSERVE_ENGINE_FACTORY")
+    if factory:
+        path, _, name = factory.rpartition(":")
+        spec = importlib.util.spec_from_file_location("splitserve_engine_factory", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return getattr(module, name)(config)
     from engine_worker.config import EngineConfig
     from engine_worker.engine import Engine
 
@@ -55,12 +67,11 @@ def tokenizer_modules_loaded() -> list[str]:
 
 class EngineProcess:
     def __init__(self, config: ClusterConfig, ctx: zmq.Context, engine=None) -> None:
-        from engine_worker.engine import EngineOverloaded
-
         self.config = config
         self.runtime = WorkerRuntime("engine", 0, config, ctx)
         self.engine = engine if engine is not None else make_engine(config)
-        self._overloaded = EngineOverloaded
+        # EngineOverloaded lives next to the engine class (the real one or a test stand-in).
+        self._overloaded = getattr(sys.modules[type(self.engine).__module__], "EngineOverloaded")
         self.inbox: PullQueue[TokenizedRequest | AbortRequests] = PullQueue(
             ctx, config.engine_addr, TokenizedRequest, AbortRequests, hwm=INBOX_HWM)
         self.outbox = PushQueue(ctx, config.detokenizer_addr)

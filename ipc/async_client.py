@@ -128,13 +128,14 @@ class AsyncClient:
         if self._submit is None:
             raise UnavailableError("the client is not started (await start()) or is closed")
         record = self._core.new_record(request_id, deadline_s)
-        frame = codec.encode(build_submit(
+        submit_msg = build_submit(
             self._core.client_id, record.wire_id, prompt=prompt, messages=messages,
             prompt_token_ids=prompt_token_ids, sampling=sampling, sampling_kwargs=sampling_kwargs,
-            add_generation_prompt=add_generation_prompt))
+            add_generation_prompt=add_generation_prompt, t_submit=time.monotonic())
+        record.t_submit = submit_msg.t_submit
+        frame = codec.encode(submit_msg)
         handle = AsyncRequestHandle(self, record)
         self._core.records[record.wire_id] = handle
-        record.t_submit = time.monotonic()
         try:
             self._submit.send(frame, zmq.NOBLOCK, copy=False)
         except zmq.Again:

@@ -108,7 +108,8 @@ class GenerationResult:
 
 def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
                  messages: list[Any] | None, prompt_token_ids: Any, sampling: SamplingParams | None,
-                 sampling_kwargs: dict[str, Any], add_generation_prompt: bool) -> SubmitRequest:
+                 sampling_kwargs: dict[str, Any], add_generation_prompt: bool,
+                 t_submit: float) -> SubmitRequest:
     """The SubmitRequest for one submit() call; anything invalid raises BadRequestError."""
     try:
         if sampling is None:
@@ -125,7 +126,7 @@ def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         return SubmitRequest(request_id=wire_id, client_id=client_id, sampling=sampling,
                              prompt=prompt, messages=chat, prompt_token_ids=packed,
-                             add_generation_prompt=add_generation_prompt)
+                             add_generation_prompt=add_generation_prompt, t_submit=t_submit)
     except (ValueError, TypeError, OverflowError) as exc:
         raise BadRequestError(str(exc)) from None
 
@@ -146,7 +147,7 @@ class RequestRecord:
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
         self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
-        self.t_submit = 0.0
+        self.t_submit = 0.0  # set from the SubmitRequest, right before the send
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.t_received: list[float] = []

@@ -63,7 +63,7 @@ class RequestPreparer:
         """One result per request, in order. Text is encoded with one encode_batch per kind."""
         t_start = time.monotonic()
         if self.debug_delay_s:
-            time.sleep(self.debug_delay_s * len(requests))
+            time.sleep(self.debug_delay_s)  # once per batch
         results: list[TokenizedRequest | RequestError | None] = [None] * len(requests)
         ids: list[list[int] | None] = [None] * len(requests)
         plain, chat = [], []  # (position, text): raw prompts get the tokenizer's special tokens,

@@ -1,0 +1,86 @@
+"""A stand-in engine with the real Engine's API, for IPC tests that need no model.
+
+It "generates" by echoing the prompt's ids cyclically, one token per request per step, and honours
+max_tokens, stop_token_ids, eos, abort and the waiting-queue bound.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ipc.codec import pack_ids
+from ipc.messages import EngineStats, RequestStart, StepOutput
+
+
+class EngineOverloaded(RuntimeError):
+    pass
+
+
+class FakeEngine:
+    vocab_size = 49152
+    max_model_len = 256
+    eos_token_ids = [2]
+    model_name = "fake-echo"
+
+    def __init__(self, max_waiting: int = 4096) -> None:
+        self.requests: dict[str, dict] = {}
+        self.aborted: set[str] = set()
+        self.max_waiting = max_waiting
+        self.step_no = 0
+
+    def add(self, request_id, prompt_token_ids, sampling, arrival_time=None):
+        if len(self.requests) >= self.max_waiting:
+            raise EngineOverloaded("fake queue full")
+        if len(prompt_token_ids) + 1 > self.max_model_len:
+            raise ValueError("prompt too long")
+        self.requests[request_id] = dict(ids=list(prompt_token_ids), sampling=sampling,
+                                         n=0, t=arrival_time or time.monotonic())
+
+    def abort(self, request_id):
+        self.aborted.add(request_id)
+
+    def has_work(self):
+        return bool(self.requests)
+
+    @property
+    def num_running(self):
+        return len(self.requests)
+
+    num_waiting = 0
+
+    def step(self) -> StepOutput:
+        self.step_no += 1
+        now = time.monotonic()
+        out = StepOutput(step=self.step_no, t_step=now, stats=EngineStats())
+        tokens = []
+        for rid, r in list(self.requests.items()):
+            if rid in self.aborted:
+                self.aborted.discard(rid)
+                del self.requests[rid]
+                out.finished_ids.append(rid)
+                out.finish_reasons.append("abort")
+                continue
+            token = r["ids"][r["n"] % len(r["ids"])]
+            if r["n"] == 0:
+                out.started.append(RequestStart(rid, r["t"], now, 0))
+            r["n"] += 1
+            out.request_ids.append(rid)
+            tokens.append(token)
+            s = r["sampling"]
+            reason = None
+            if token in s.stop_token_ids or (token in self.eos_token_ids and not s.ignore_eos):
+                reason = "stop"
+            elif r["n"] >= s.max_tokens:
+                reason = "length"
+            if reason:
+                del self.requests[rid]
+                out.finished_ids.append(rid)
+                out.finish_reasons.append(reason)
+        out.token_ids = pack_ids(tokens)
+        out.finish_errors = [""] * len(out.finished_ids)
+        time.sleep(0.002)
+        return out
+
+
+def make(config) -> FakeEngine:
+    return FakeEngine(config.max_waiting_requests)
