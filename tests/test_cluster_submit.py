@@ -1,0 +1,59 @@
+"""submit() hands the request to ZeroMQ and returns: it never waits for a tokenizer. With every
+tokenize batch slowed on purpose, submit calls still take microseconds (behavioural: far below
+the delay), and full queues are an explicit OverloadedError, never a silent drop."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from ipc.client import Client, OverloadedError
+from procs.launch_cluster import launch_cluster
+
+FAKE_ENGINE = f"{Path(__file__).parent / 'procs' / 'fake_engine.py'}:make"
+DELAY_MS = 400
+
+
+@pytest.fixture(scope="module")
+def slow_cluster():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
+        mp.setenv("SPLITSERVE_DEBUG_TOKENIZE_DELAY_MS", str(DELAY_MS))
+        with launch_cluster(None, tokenizer_workers=1, tokenizer_queue_max=4,
+                            max_model_len=0) as c:
+            yield c
+
+
+def test_submit_returns_before_tokenization(slow_cluster):
+    with Client(slow_cluster.client_addr) as client:
+        prompts = ["short", "a much longer prompt " * 50]
+        latencies, handles = [], []
+        for i in range(16):
+            t0 = time.perf_counter()
+            handles.append(client.submit(prompts[i % 2], max_tokens=1))
+            latencies.append(time.perf_counter() - t0)
+        assert max(latencies) < DELAY_MS / 1000 / 10
+        for h in handles:
+            r = h.result(timeout=60)
+            assert r.finish_reason == "length"
+            # the tokenizer really was slow: the wait is on the server side, after submit
+            assert r.timings.t_tokenized - r.t_submit >= DELAY_MS / 1000 * 0.9
+
+
+def test_full_queues_raise_overloaded_and_accepted_requests_still_finish(slow_cluster):
+    # Big frames fill the pipes and kernel buffers quickly; each is too long for the context,
+    # so the accepted ones end fast with a bad_request error once tokenized.
+    with Client(slow_cluster.client_addr, submit_hwm=2) as client:
+        accepted, overloaded = [], 0
+        big = "x " * 200_000
+        for _ in range(200):
+            try:
+                accepted.append(client.submit(big, max_tokens=1))
+            except OverloadedError:
+                overloaded += 1
+        assert overloaded > 0 and accepted
+        for h in accepted:
+            r = h.result(timeout=120, check=False)
+            assert r.finish_reason == "error" and r.error_code == "bad_request"
