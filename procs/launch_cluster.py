@@ -268,7 +268,7 @@ def make_config(model: str | os.PathLike | None = None, run_dir: str | None = No
     in. Returns (config, whether the run dir was created here and is ours to remove)."""
     model_path = str(resolve_model(model if model is not None else overrides.pop("model_path",
                                                                                    None)))
-    owns = run_dir is None
+    owns = run_dir is None or not Path(run_dir).exists()  # remove only what we created
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix="splitserve-")  # mode 0700
     else:

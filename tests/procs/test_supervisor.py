@@ -1,0 +1,101 @@
+"""The supervisor as a process: `splitserve launch`, SIGTERM with requests in flight, SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ipc.client import Client
+from procs.cli import build_parser
+
+FAKE_ENGINE = f"{Path(__file__).parent / 'fake_engine.py'}:make"
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Launched:
+    def __init__(self, run_dir: Path, *extra: str, env: dict | None = None) -> None:
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "procs.cli", "launch", "--run-dir", str(run_dir), *extra],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **(env or {})})
+        self.stderr: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.client_addr = None
+        for line in self.proc.stdout:
+            if line.startswith("client address: "):
+                self.client_addr = line.split(": ", 1)[1].strip()
+                break
+        assert self.client_addr, "the supervisor never printed its client address"
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def child_pids(self) -> list[int]:
+        return [int(m.group(1)) for line in self.stderr
+                if (m := re.search(r"^splitserve \w+\[\d+\] pid=(\d+) ready", line))]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie is dead; once its parent is gone, reaping it is init's job
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_all_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_with_requests_in_flight(tmp_path):
+    run_dir = tmp_path / "run"
+    sup = Launched(run_dir, "--tokenizer-workers", "2",
+                   env={"SPLITSERVE_ENGINE_FACTORY": FAKE_ENGINE})
+    pids = sup.child_pids()
+    assert len(pids) == 4
+    with Client(sup.client_addr, deadline_s=60) as client:
+        handles = [client.submit("in flight " * 3, max_tokens=240) for _ in range(8)]
+        next(handles[0].stream(timeout=30))  # generation is under way
+        sup.proc.send_signal(signal.SIGTERM)
+        results = [h.result(timeout=30, check=False) for h in handles]
+    assert all(r.finish_reason in ("abort", "length") for r in results)
+    assert any(r.finish_reason == "abort" for r in results)
+    assert sup.proc.wait(timeout=30) == 0
+    assert _wait_all_gone(pids)
+    assert not run_dir.exists()
+
+
+def test_children_die_with_a_killed_supervisor(tmp_path):
+    sup = Launched(tmp_path / "run", env={"SPLITSERVE_ENGINE_FACTORY": FAKE_ENGINE})
+    pids = sup.child_pids()
+    assert len(pids) == 3
+    sup.proc.kill()
+    sup.proc.wait()
+    assert _wait_all_gone(pids)
+
+
+def test_help_explains_every_knob():
+    help_text = build_parser()._subparsers._group_actions[0].choices["launch"].format_help()
+    for flag in ("--model", "--tokenizer-workers", "--engine-threads", "--max-batch-size",
+                 "--prefill-max-batch-size", "--prefill-max-tokens", "--prefill-chunk-tokens",
+                 "--kv-cache-tokens", "--block-size", "--no-prefix-cache",
+                 "--stream-interval-tokens", "--transport", "--port", "--run-dir"):
+        assert flag in help_text
