@@ -1,0 +1,355 @@
+#!/usr/bin/env python
+"""The serving benchmark: splitserve's cluster against a single-process baseline, one workload.
+
+    python scripts/bench_serving.py --num-requests 256 --prompt-tokens 256 --unique-prompts \\
+        --max-new-tokens 1 --modes inproc,inproc-pretok,cluster
+
+Modes (compared in one invocation, runs interleaved so machine drift hits all alike):
+  inproc          one process; submit() tokenizes in the caller's thread, an engine thread steps
+                  the Engine and detokenizes (the seeds' roseinfer with pretok off)
+  inproc-pretok   the same server, prompts tokenized before the timed region
+  cluster         splitserve: tokenizer worker processes, one engine process, a detokenizer
+                  process, driven through the client SDK; --tokenizer-workers 1,2 sweeps
+                  (modes cluster-tw1, cluster-tw2)
+Every mode keeps one server for all its runs; each run's prompts carry a run tag at their start
+so no run is served from the prefix cache of an earlier one (--no-run-tag turns that off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+for _path in (str(_REPO), str(_REPO / "scripts")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from ipc.messages import SamplingParams  # noqa: E402
+
+from bench import report  # noqa: E402
+from bench.metrics import median_summary, parse_goodput, summarize  # noqa: E402
+from bench.runner import EventCollector, RunOptions, run_once  # noqa: E402
+from bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requests  # noqa: E402
+
+BASE_MODES = ("inproc", "inproc-pretok", "cluster")
+# Engine knobs given identically to every mode: (flag, EngineConfig / ClusterConfig field).
+ENGINE_KNOBS = ("device", "dtype", "max_batch_size", "prefill_max_batch_size",
+                "prefill_max_tokens", "prefill_chunk_tokens", "block_size", "kv_cache_tokens",
+                "max_model_len", "max_waiting_requests")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_serving", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("what is compared")
+    g.add_argument("--model", default=None,
+                   help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct, "
+                        "provisioned on first use)")
+    g.add_argument("--modes", default="inproc,inproc-pretok,cluster",
+                   help="comma-separated modes: inproc, inproc-pretok, cluster (or cluster-twN); "
+                        "the first is the baseline of the ratios (default: %(default)s)")
+    g.add_argument("--tokenizer-workers", type=_int_list, default=[1],
+                   help="tokenizer worker processes of the cluster; a list (1,2,4) sweeps, one "
+                        "mode each: cluster-tw1, cluster-tw2, ... (default: 1)")
+    g.add_argument("--tokenizer-threads", type=int, default=0,
+                   help="threads per tokenizer worker (0: the supervisor's budget)")
+    g.add_argument("--stream-interval-tokens", type=int, default=1,
+                   help="the detokenizer sends a delta every this many tokens (default: 1)")
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=int, default=256, help="requests per run")
+    g.add_argument("--prompt-tokens", type=int, default=256,
+                   help="target length of each synthetic prompt in tokens (default: 256)")
+    g.add_argument("--prompt-tokens-range-ratio", type=float, default=0.0,
+                   help="vary lengths uniformly in [P*(1-r), P*(1+r)] tokens (default: 0)")
+    g.add_argument("--prompt", default=None,
+                   help="a literal prompt text for every request instead of synthetic text")
+    g.add_argument("--unique-prompts", action="store_true",
+                   help="give every request its own prompt text (default: all send the same "
+                        "one, which the prefix cache then shares)")
+    g.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="shared-prefix workload: every prompt starts with the same text this "
+                        "many tokens long (a system prompt), then --prompt-tokens of its own")
+    g.add_argument("--dataset-jsonl", default=None,
+                   help='prompts from a file: one {"prompt": str} or {"messages": [{"role", '
+                        '"content"}]} per line, optional "max_tokens"; cycled to --num-requests')
+    g.add_argument("--max-new-tokens", type=int, default=16,
+                   help="tokens to generate per request (default: 16)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence (every request makes "
+                        "--max-new-tokens)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
+
+    g = p.add_argument_group("arrival (default: a burst, every request at once)")
+    g.add_argument("--submit-interval-ms", type=float, default=0.0,
+                   help="a fixed gap between submits in milliseconds (0: burst)")
+    g.add_argument("--submit-schedule", choices=("relative", "absolute"), default="absolute",
+                   help="with --submit-interval-ms: absolute submits the i-th request at "
+                        "t0 + i*gap; relative sleeps the gap after each submit returns, so a slow "
+                        "submit delays all later ones (default: %(default)s)")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson-like arrivals at this many requests per second (default: inf, "
+                        "a burst)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="with --request-rate: gamma shape of the gaps; 1 is Poisson, <1 "
+                        "burstier, >1 steadier (default: 1)")
+    g.add_argument("--max-concurrency", type=int, default=0,
+                   help="at most this many requests in flight; submit waits for a slot "
+                        "(0: unlimited)")
+
+    g = p.add_argument_group("engine (the same for every mode)")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--engine-threads", type=int, default=0,
+                   help="torch threads of the engine in every mode (0: the cluster supervisor's "
+                        "budget for each cluster mode, and the same count for inproc)")
+    g.add_argument("--max-batch-size", type=int, default=32,
+                   help="requests decoded together per step (default: 32)")
+    g.add_argument("--prefill-max-batch-size", type=int, default=32,
+                   help="requests admitted to prefill per step (default: 32)")
+    g.add_argument("--prefill-max-tokens", type=int, default=4096,
+                   help="prompt tokens computed per step, all requests together (default: 4096)")
+    g.add_argument("--prefill-chunk-tokens", type=int, default=2048,
+                   help="prompt tokens one request computes per step (default: 2048)")
+    g.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    g.add_argument("--kv-cache-tokens", type=int, default=0,
+                   help="KV cache capacity in tokens of each engine (0: twice what "
+                        "--max-batch-size requests of the workload's longest length need)")
+    g.add_argument("--max-model-len", type=int, default=0,
+                   help="context length in tokens (0: the model's own)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    g.add_argument("--max-waiting-requests", type=int, default=4096,
+                   help="the engine's waiting-queue bound (overload beyond it)")
+
+    g = p.add_argument_group("runs and output")
+    g.add_argument("--warmup-runs", type=int, default=1,
+                   help="unreported runs per mode first (default: 1)")
+    g.add_argument("--repeat-runs", type=int, default=1,
+                   help="measured runs per mode; the report shows medians (default: 1)")
+    g.add_argument("--no-run-tag", action="store_true",
+                   help="send identical prompts in every run (later runs may then be served "
+                        "from the prefix cache of earlier ones)")
+    g.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
+                   help="SLOs in milliseconds, e.g. ttft:500 tpot:50 (keys: ttft, tpot, itl, "
+                        "e2el); goodput counts requests meeting all of them")
+    g.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="after the last submit, give up on unfinished requests after this long")
+    g.add_argument("--json", dest="json_path", default=None,
+                   help="write every per-request timestamp and the summaries here")
+    g.add_argument("--plot", dest="plot_path", default=None,
+                   help="write a PNG: TTFT CDF per mode and TTFT's parts stacked")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def expand_modes(modes_text: str, tokenizer_workers: list[int]) -> list[str]:
+    modes: list[str] = []
+    for mode in (m.strip() for m in modes_text.split(",") if m.strip()):
+        if mode == "cluster":
+            modes += [f"cluster-tw{n}" for n in tokenizer_workers]
+        elif mode in BASE_MODES or (mode.startswith("cluster-tw") and mode[10:].isdigit()
+                                    and int(mode[10:]) >= 1):
+            modes.append(mode)
+        else:
+            raise ValueError(f"unknown mode {mode!r} (known: {', '.join(BASE_MODES)}, "
+                             "cluster-twN)")
+    if not modes or len(set(modes)) != len(modes):
+        raise ValueError(f"--modes must name each mode once, got {modes}")
+    return modes
+
+
+def engine_knobs(args: argparse.Namespace) -> dict:
+    knobs = {name: getattr(args, name) for name in ENGINE_KNOBS}
+    knobs["enable_prefix_cache"] = not args.no_prefix_cache
+    return knobs
+
+
+def workload_kv_tokens(args: argparse.Namespace, requests, tokenizer) -> int:
+    """A KV pool sized for this workload: every decode slot holding the longest request, twice
+    over (room for the prefix cache). The engine's own CPU default sizes from free memory, and
+    several engines at once (one per mode) would then take most of the machine."""
+    longest_prompt = max(
+        len(tokenizer.encode(r.prompt if r.prompt is not None else
+                             "\n".join(m["content"] for m in r.messages)).ids) for r in requests)
+    longest = longest_prompt + 64 + max(r.max_tokens for r in requests)  # 64: run tag, template
+    tokens = 2 * min(args.max_batch_size, len(requests)) * longest
+    return -(-tokens // args.block_size) * args.block_size
+
+
+def engine_threads_for(args: argparse.Namespace, tokenizer_workers: int) -> int:
+    """The engine's torch threads: the flag, else what the supervisor budgets the engine."""
+    from procs.thread_budget import thread_budget
+
+    return thread_budget(tokenizer_workers, engine_threads=args.engine_threads,
+                         tokenizer_threads=args.tokenizer_threads)[0]
+
+
+def make_targets(modes: list[str], args: argparse.Namespace, model_path: str,
+                 collector: EventCollector, stack: contextlib.ExitStack) -> dict:
+    """One target per mode; the inproc modes share one in-process server."""
+    from bench.targets import ClusterTarget, InprocServer, InprocTarget
+
+    targets, server = {}, None
+    for mode in modes:
+        if mode.startswith("cluster-tw"):
+            workers = int(mode[len("cluster-tw"):])
+            knobs = engine_knobs(args) | {
+                "engine_threads": engine_threads_for(args, workers),
+                "tokenizer_threads": args.tokenizer_threads,
+                "stream_interval_tokens": args.stream_interval_tokens}
+            targets[mode] = ClusterTarget(mode, model_path, workers, knobs, collector)
+        else:
+            if server is None:
+                from engine_worker.config import EngineConfig
+
+                config = EngineConfig(model_path=model_path,
+                                      num_threads=engine_threads_for(args, 1),
+                                      **engine_knobs(args))
+                server = InprocServer(config, collector.deliver)
+                stack.callback(server.close)
+            targets[mode] = InprocTarget(mode, server, collector,
+                                         pretok=mode == "inproc-pretok")
+        stack.callback(targets[mode].close)
+    return targets
+
+
+def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
+                   workload: WorkloadSpec, arrival: ArrivalSpec, targets: dict,
+                   kv_auto: bool) -> dict:
+    from procs.thread_budget import available_cpus
+
+    w = workload
+    prompts = {"synthetic": f"synthetic, ~{w.prompt_tokens} tokens",
+               "literal": f"literal --prompt ({len(w.prompt_text or '')} characters)",
+               "shared-prefix": f"shared prefix of ~{w.shared_prefix_tokens} tokens + "
+                                f"~{w.prompt_tokens} tokens of its own"}.get(w.source, w.source)
+    if w.prompt_tokens_range_ratio and w.jsonl_path is None:
+        prompts += f" (range ratio {w.prompt_tokens_range_ratio:g})"
+    return {
+        "Model": model_path,
+        "Device": args.device if args.device != "auto" else _auto_device(),
+        "Dtype": args.dtype,
+        "Host CPUs": available_cpus(),
+        "Modes": ", ".join(modes),
+        "Mode details": {m: "; ".join(f"{k} {v}" for k, v in t.describe().items())
+                         for m, t in targets.items()},
+        "Requests": w.num_requests,
+        "Prompts": prompts,
+        "Unique prompts": w.unique_prompts or w.source == "shared-prefix",
+        "Max new tokens": w.max_new_tokens,
+        "Ignore EOS": args.ignore_eos,
+        "Temperature": args.temperature,
+        "Arrival": arrival.describe(),
+        "Max concurrency": args.max_concurrency or "unlimited",
+        "Engine": {"max_batch_size": args.max_batch_size,
+                   "prefill_max_batch_size": args.prefill_max_batch_size,
+                   "prefill_max_tokens": args.prefill_max_tokens,
+                   "prefill_chunk_tokens": args.prefill_chunk_tokens,
+                   "block_size": args.block_size,
+                   "kv_cache_tokens": f"{args.kv_cache_tokens}"
+                                      + (" (sized for this workload)" if kv_auto else ""),
+                   "max_model_len": args.max_model_len or "model's own",
+                   "prefix_cache": not args.no_prefix_cache,
+                   "max_waiting_requests": args.max_waiting_requests},
+        "Stream interval (tokens)": args.stream_interval_tokens,
+        "Runs": f"{args.warmup_runs} warmup + {args.repeat_runs} measured per mode, interleaved; "
+                f"medians reported; run tag {'off' if args.no_run_tag else 'on'}",
+        "Goodput SLOs (ms)": args.goodput_slos or "none",
+    }
+
+
+def _auto_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    """Everything but printing; returns the JSON document (also what the tests inspect)."""
+    from procs.model_store import resolve_model
+    from tokenizers import Tokenizer
+
+    model_path = str(resolve_model(args.model))
+    modes = expand_modes(args.modes, args.tokenizer_workers)
+    args.goodput_slos = parse_goodput(args.goodput)
+    workload = WorkloadSpec(
+        num_requests=args.num_requests, max_new_tokens=args.max_new_tokens,
+        prompt_tokens=args.prompt_tokens,
+        prompt_tokens_range_ratio=args.prompt_tokens_range_ratio, prompt_text=args.prompt,
+        unique_prompts=args.unique_prompts, shared_prefix_tokens=args.shared_prefix_tokens,
+        jsonl_path=args.dataset_jsonl, seed=args.seed)
+    arrival = ArrivalSpec(submit_interval_ms=args.submit_interval_ms,
+                          submit_schedule=args.submit_schedule, request_rate=args.request_rate,
+                          burstiness=args.burstiness, seed=args.seed)
+    if args.warmup_runs < 0 or args.repeat_runs < 1:
+        raise ValueError("--warmup-runs must be >= 0 and --repeat-runs >= 1")
+    tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+    requests = build_workload(workload, tokenizer)
+    kv_auto = args.kv_cache_tokens == 0
+    if kv_auto:
+        args.kv_cache_tokens = workload_kv_tokens(args, requests, tokenizer)
+    options = RunOptions(max_concurrency=args.max_concurrency,
+                         request_timeout_s=args.request_timeout_s, progress=not args.no_progress)
+
+    def sampling_for(request) -> SamplingParams:
+        return SamplingParams(max_tokens=request.max_tokens, temperature=args.temperature,
+                              ignore_eos=args.ignore_eos, seed=args.seed)
+
+    collector = EventCollector()
+    runs, summaries = [], []
+    with contextlib.ExitStack() as stack:
+        targets = make_targets(modes, args, model_path, collector, stack)
+        for round_index in range(args.warmup_runs + args.repeat_runs):
+            warmup = round_index < args.warmup_runs
+            for mode_index, mode in enumerate(modes):
+                # The same tag length in every mode keeps prompt lengths identical across modes.
+                tagged = requests if args.no_run_tag else salt_requests(
+                    requests, f"run {round_index}.{mode_index}")
+                result = run_once(targets[mode], collector, tagged, arrival, sampling_for,
+                                  options, mode=mode, run_index=round_index, warmup=warmup)
+                runs.append(result)
+                summaries.append(summarize(result.records, result.cpu_seconds,
+                                           args.goodput_slos))
+        setup = describe_setup(args, model_path, modes, workload, arrival, targets, kv_auto)
+    medians = {mode: median_summary([s for r, s in zip(runs, summaries)
+                                     if r.mode == mode and not r.warmup]) for mode in modes}
+    data = report.to_json(setup, runs, summaries, medians)
+    data["text"] = report.render(setup, medians, {m: args.repeat_runs for m in modes},
+                                 arrival.kind, baseline=modes[0])
+    return data
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    data = run_benchmark(args)
+    print(data["text"], flush=True)
+    if args.json_path:
+        report.write_json(args.json_path, data)
+        print(f"wrote {args.json_path}")
+    if args.plot_path:
+        report.plot(args.plot_path, report.load_runs(data), data["medians"])
+        print(f"wrote {args.plot_path}")
+    return data
+
+
+if __name__ == "__main__":
+    main()
