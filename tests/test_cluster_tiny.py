@@ -1,0 +1,116 @@
+"""A cluster with the real engine on the tiny random model (fast): end-to-end streaming, 64
+concurrent requests from two clients against the engine run in-process, and proof that the engine
+process never loads a tokenizer."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_worker.config import EngineConfig
+from engine_worker.engine import Engine
+from ipc.client import Client
+from ipc.codec import unpack_id_list
+from ipc.messages import SamplingParams
+from procs.launch_cluster import launch_cluster
+from tokenizer_worker.prepare import load_tokenizer
+
+ENGINE_KNOBS = dict(max_batch_size=32, prefill_max_batch_size=32, prefill_max_tokens=4096,
+                    prefill_chunk_tokens=2048, block_size=16, kv_cache_tokens=16384,
+                    max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    with launch_cluster(str(tiny_model_dir), tokenizer_workers=2, **ENGINE_KNOBS) as c:
+        yield c
+
+
+def test_streamed_chat_request(cluster):
+    with Client(cluster.client_addr, deadline_s=120) as client:
+        assert client.max_model_len == 1024 and client.welcome.vocab_size == 49152
+        handle = client.submit(messages=[{"role": "user", "content": "Hi there"}],
+                               max_tokens=12, temperature=0, ignore_eos=True)
+        deltas = list(handle.stream(timeout=60))
+        assert sum(d.finished for d in deltas) == 1
+        result = handle.result()
+        assert result.finish_reason == "length" and len(result.token_ids) == 12
+        assert result.text == "".join(d.text for d in deltas)
+        assert result.usage.completion_tokens == 12 and result.timings.t_first_token > 0
+
+
+def _prompts(n: int) -> list[str]:
+    rng = random.Random(7)
+    words = "the quick brown fox jumps over lazy dog paris london tokyo river mountain".split()
+    return [" ".join(rng.choice(words) for _ in range(rng.choice([1, 5, 30, 120])))
+            for _ in range(n)]
+
+
+def _in_process_greedy(model_dir: Path, id_lists: list[list[int]],
+                       max_tokens: list[int]) -> list[list[int]]:
+    engine = Engine(EngineConfig(model_path=str(model_dir), device="cpu", dtype="float32",
+                                 enable_prefix_cache=True, max_waiting_requests=4096,
+                                 num_threads=None, **ENGINE_KNOBS))
+    for i, (ids, n) in enumerate(zip(id_lists, max_tokens)):
+        engine.add(f"r{i}", ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(id_lists))}
+    while engine.has_work():
+        step = engine.step()
+        for rid, tok in zip(step.request_ids, unpack_id_list(step.token_ids)):
+            out[rid].append(tok)
+    return [out[f"r{i}"] for i in range(len(id_lists))]
+
+
+def test_64_concurrent_requests_from_two_clients_match_the_engine_in_process(
+        cluster, tiny_model_dir):
+    prompts = _prompts(64)
+    max_tokens = [4 + (i % 5) * 3 for i in range(64)]
+    tokenizer = load_tokenizer(tiny_model_dir)
+    id_lists = [tokenizer.encode(p).ids for p in prompts]
+    with Client(cluster.client_addr, deadline_s=120) as a, \
+            Client(cluster.client_addr, deadline_s=120) as b:
+        handles = [(a if i % 2 else b).submit(p, max_tokens=n, temperature=0, ignore_eos=True)
+                   for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+        results = [h.result(timeout=120) for h in handles]
+    expected = _in_process_greedy(tiny_model_dir, id_lists, max_tokens)
+    for r, ids, want, n in zip(results, id_lists, expected, max_tokens):
+        assert r.finish_reason == "length" and r.usage.prompt_tokens == len(ids)
+        assert r.token_ids == want
+        assert r.text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_abort_and_stop_token_with_the_real_engine(cluster):
+    with Client(cluster.client_addr, deadline_s=120) as client:
+        handle = client.submit("count with me", max_tokens=500, temperature=0, ignore_eos=True)
+        stream = handle.stream(timeout=60)
+        next(stream)
+        handle.abort()
+        assert list(stream)[-1].finish_reason == "abort"
+        first = client.submit("abc", max_tokens=5, temperature=0, ignore_eos=True).result(60)
+        stop_id = first.token_ids[2]
+        r = client.submit("abc", max_tokens=5, temperature=0, ignore_eos=True,
+                          stop_token_ids=[stop_id]).result(60)
+        assert r.finish_reason == "stop" and r.token_ids[-1] == stop_id
+        assert len(r.token_ids) == first.token_ids.index(stop_id) + 1
+
+
+def test_engine_process_never_loads_a_tokenizer(cluster):
+    with Client(cluster.client_addr, deadline_s=120) as client:
+        client.submit("make the engine step", max_tokens=3).result(timeout=60)
+        steps_before = cluster.worker_stats("engine").get("steps", 0)
+        client.submit(messages=[{"role": "user", "content": "and again"}],
+                      max_tokens=3).result(timeout=60)
+    deadline = time.monotonic() + 10  # wait for a heartbeat sent after those steps
+    while cluster.worker_stats("engine").get("steps", 0) <= steps_before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert cluster.worker_stats("engine")["imported_tokenizers"] == 0.0
+    # An outside check on the real process: no tokenizers extension is mapped into it.
+    engine_pid = cluster.pids["engine[0]"]
+    maps = Path(f"/proc/{engine_pid}/maps").read_text()
+    assert "tokenizers" not in maps
+    tokenizer_pid = cluster.pids["tokenizer[0]"]
+    assert "tokenizers" in Path(f"/proc/{tokenizer_pid}/maps").read_text()  # the check works
