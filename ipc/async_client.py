@@ -21,34 +21,19 @@ import zmq.asyncio
 
 from ipc import codec
 from ipc.client_common import (
-    ClientCore, Delta, GenerationResult, OverloadedError, RequestRecord, RequestTimeoutError,
-    UnavailableError, build_submit, closed_event, error_for, make_dealer, make_submit_socket,
-    prompt_kwargs, timeout_event,
+    ClientCore, Delta, GenerationResult, HandleBase, RequestRecord, RequestTimeoutError,
+    UnavailableError, closed_event, make_dealer, make_submit_socket, prompt_kwargs, timeout_event,
 )
 from ipc.messages import (
-    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, SamplingParams, StreamEvent,
+    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, SamplingParams,
 )
 from ipc.sockets import LINGER_MS
 
 
-class AsyncRequestHandle:
+class AsyncRequestHandle(HandleBase):
     def __init__(self, client: "AsyncClient", record: RequestRecord) -> None:
-        self._client = client
-        self._record = record
-        self._deltas: list[Delta] = []
+        super().__init__(client, record)
         self._changed = asyncio.Event()
-
-    @property
-    def request_id(self) -> str:
-        return self._record.request_id
-
-    @property
-    def t_submit(self) -> float:
-        return self._record.t_submit
-
-    @property
-    def done(self) -> bool:
-        return self._record.final is not None
 
     def _deliver(self, delta: Delta) -> None:
         self._deltas.append(delta)
@@ -60,10 +45,8 @@ class AsyncRequestHandle:
         while True:
             while len(self._deltas) <= i:
                 await self._changed.wait()
-            delta = self._deltas[i]
+            delta = self._next_delta(i)
             i += 1
-            if delta.error_code:
-                raise error_for(delta.error_code, delta.error or "request failed", self.request_id)
             yield delta
             if delta.finished:
                 return
@@ -127,22 +110,11 @@ class AsyncClient:
                deadline_s: float | None = None, **sampling_kwargs: Any) -> AsyncRequestHandle:
         if self._submit is None:
             raise UnavailableError("the client is not started (await start()) or is closed")
-        record = self._core.new_record(request_id, deadline_s)
-        submit_msg = build_submit(
-            self._core.client_id, record.wire_id, prompt=prompt, messages=messages,
-            prompt_token_ids=prompt_token_ids, sampling=sampling, sampling_kwargs=sampling_kwargs,
-            add_generation_prompt=add_generation_prompt, t_submit=time.monotonic())
-        record.t_submit = submit_msg.t_submit
-        frame = codec.encode(submit_msg)
-        handle = AsyncRequestHandle(self, record)
-        self._core.records[record.wire_id] = handle
-        try:
-            self._submit.send(frame, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            del self._core.records[record.wire_id]
-            raise OverloadedError("every tokenizer worker's queue is full; retry later",
-                                  record.request_id) from None
-        return handle
+        return self._core.submit(
+            self._submit, lambda record: AsyncRequestHandle(self, record), request_id,
+            deadline_s, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+            sampling=sampling, sampling_kwargs=sampling_kwargs,
+            add_generation_prompt=add_generation_prompt)
 
     async def generate(self, prompts: list[Any], sampling: SamplingParams | None = None, *,
                        check: bool = True, **sampling_kwargs: Any) -> list[GenerationResult]:
@@ -161,19 +133,13 @@ class AsyncClient:
                 now = time.monotonic()
                 for event in msg.events:
                     if (handle := self._core.records.get(event.request_id)) is not None:
-                        self._apply(handle, event, now)
+                        self._core.apply(handle, event, now)
             expired = self._core.expired(time.monotonic())
             if expired:
                 await self._dealer.send(codec.encode(ClientAbort(expired)))
                 for wire_id in expired:
-                    self._apply(self._core.records[wire_id],
+                    self._core.apply(self._core.records[wire_id],
                                 timeout_event(wire_id, self._core.deadline_s), time.monotonic())
-
-    def _apply(self, handle: AsyncRequestHandle, event: StreamEvent, now: float) -> None:
-        delta = handle._record.apply(event, now)
-        if event.finished:
-            self._core.records.pop(handle._record.wire_id, None)
-        handle._deliver(delta)
 
     def _send_soon(self, frame: bytes) -> None:
         if self._dealer is None:
@@ -198,7 +164,7 @@ class AsyncClient:
             self._dealer = None
         now = time.monotonic()
         for wire_id, handle in list(self._core.records.items()):
-            self._apply(handle, closed_event(wire_id), now)
+            self._core.apply(handle, closed_event(wire_id), now)
         if self._submit is not None:
             self._submit.close(linger=0)
             self._submit = None

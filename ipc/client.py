@@ -22,9 +22,9 @@ import zmq
 
 from ipc import codec
 from ipc.client_common import (
-    BadRequestError, ClientCore, Delta, GenerationResult, OverloadedError, RequestRecord,
-    RequestTimeoutError, SplitserveError, UnavailableError, build_submit, closed_event,
-    error_for, make_dealer, make_submit_socket, prompt_kwargs, timeout_event,
+    BadRequestError, ClientCore, Delta, GenerationResult, HandleBase, OverloadedError,
+    RequestRecord, RequestTimeoutError, SplitserveError, UnavailableError, closed_event,
+    make_dealer, make_submit_socket, prompt_kwargs, timeout_event,
 )
 from ipc.messages import (
     ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, SamplingParams,
@@ -36,24 +36,10 @@ __all__ = ["Client", "AsyncClient", "RequestHandle", "GenerationResult", "Delta"
            "RequestTimeoutError"]
 
 
-class RequestHandle:
+class RequestHandle(HandleBase):
     def __init__(self, client: "Client", record: RequestRecord) -> None:
-        self._client = client
-        self._record = record
-        self._deltas: list[Delta] = []
+        super().__init__(client, record)
         self._cond = threading.Condition()
-
-    @property
-    def request_id(self) -> str:
-        return self._record.request_id
-
-    @property
-    def t_submit(self) -> float:
-        return self._record.t_submit
-
-    @property
-    def done(self) -> bool:
-        return self._record.final is not None
 
     def _deliver(self, delta: Delta) -> None:  # receiver thread
         with self._cond:
@@ -67,10 +53,8 @@ class RequestHandle:
             with self._cond:
                 if not self._cond.wait_for(lambda: len(self._deltas) > i, timeout):
                     raise RequestTimeoutError(f"no event within {timeout} s", self.request_id)
-                delta = self._deltas[i]
+            delta = self._next_delta(i)
             i += 1
-            if delta.error_code:
-                raise error_for(delta.error_code, delta.error or "request failed", self.request_id)
             yield delta
             if delta.finished:
                 return
@@ -137,23 +121,11 @@ class Client:
         with self._lock:
             if self._closing.is_set():
                 raise UnavailableError("the client is closed")
-            record = self._core.new_record(request_id, deadline_s)
-            submit_msg = build_submit(
-                self._core.client_id, record.wire_id, prompt=prompt, messages=messages,
-                prompt_token_ids=prompt_token_ids, sampling=sampling,
-                sampling_kwargs=sampling_kwargs, add_generation_prompt=add_generation_prompt,
-                t_submit=time.monotonic())
-            record.t_submit = submit_msg.t_submit
-            frame = codec.encode(submit_msg)
-            handle = RequestHandle(self, record)
-            self._core.records[record.wire_id] = handle
-            try:
-                self._submit.send(frame, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                del self._core.records[record.wire_id]
-                raise OverloadedError("every tokenizer worker's queue is full; retry later",
-                                      record.request_id) from None
-        return handle
+            return self._core.submit(
+                self._submit, lambda record: RequestHandle(self, record), request_id, deadline_s,
+                prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+                sampling=sampling, sampling_kwargs=sampling_kwargs,
+                add_generation_prompt=add_generation_prompt)
 
     def generate(self, prompts: list[Any], sampling: SamplingParams | None = None, *,
                  check: bool = True, timeout: float | None = None,
@@ -194,13 +166,7 @@ class Client:
         for event in msg.events:
             handle = self._core.records.get(event.request_id)
             if handle is not None:
-                self._apply(handle, event, now)
-
-    def _apply(self, handle: RequestHandle, event, now: float) -> None:
-        delta = handle._record.apply(event, now)
-        if event.finished:
-            self._core.records.pop(handle._record.wire_id, None)
-        handle._deliver(delta)
+                self._core.apply(handle, event, now)
 
     def _expire(self, dealer: zmq.Socket) -> None:
         expired = self._core.expired(time.monotonic())
@@ -208,7 +174,7 @@ class Client:
             dealer.send(codec.encode(ClientAbort(expired)))
         for wire_id in expired:
             handle = self._core.records[wire_id]
-            self._apply(handle, timeout_event(wire_id, self._core.deadline_s), time.monotonic())
+            self._core.apply(handle, timeout_event(wire_id, self._core.deadline_s), time.monotonic())
 
     def _send_control(self, frame: bytes) -> None:
         with self._lock:
@@ -225,7 +191,7 @@ class Client:
         self._thread.join(timeout=5)
         now = time.monotonic()
         for wire_id, handle in list(self._core.records.items()):
-            self._apply(handle, closed_event(wire_id), now)
+            self._core.apply(handle, closed_event(wire_id), now)
         self._submit.close(linger=0)
         self._control.close(linger=0)
         self._ctx.term()

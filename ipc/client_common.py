@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from ipc import codec
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import (
     ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR, ChatMessage,
@@ -173,6 +174,34 @@ class RequestRecord:
                                 self.t_submit, list(self.t_received))
 
 
+class HandleBase:
+    """What sync and async handles share; each adds its own waiting (condition / event)."""
+
+    def __init__(self, client: Any, record: RequestRecord) -> None:
+        self._client = client
+        self._record = record
+        self._deltas: list[Delta] = []
+
+    @property
+    def request_id(self) -> str:
+        return self._record.request_id
+
+    @property
+    def t_submit(self) -> float:
+        return self._record.t_submit
+
+    @property
+    def done(self) -> bool:
+        return self._record.final is not None
+
+    def _next_delta(self, i: int) -> Delta:
+        """The i-th delta, raising the request's error if that delta ends it with one."""
+        delta = self._deltas[i]
+        if delta.error_code:
+            raise error_for(delta.error_code, delta.error or "request failed", self.request_id)
+        return delta
+
+
 class ClientCore:
     """Ids, records and deadlines; no sockets, no threads (the clients bring those)."""
 
@@ -196,6 +225,33 @@ class ClientCore:
             with self._heap_lock:
                 heapq.heappush(self._deadlines, (deadline, wire_id))
         return RequestRecord(request_id, wire_id, deadline)
+
+    def submit(self, sock: zmq.Socket, make_handle: Any, request_id: str | None,
+               deadline_s: float | None, **request: Any) -> Any:
+        """Builds, registers and sends one request without blocking; returns its handle.
+
+        Raises BadRequestError for invalid arguments, OverloadedError when every tokenizer's
+        pipe is full (the request was not accepted and is forgotten)."""
+        record = self.new_record(request_id, deadline_s)
+        msg = build_submit(self.client_id, record.wire_id, t_submit=time.monotonic(), **request)
+        record.t_submit = msg.t_submit
+        frame = codec.encode(msg)
+        handle = make_handle(record)
+        self.records[record.wire_id] = handle
+        try:
+            sock.send(frame, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            del self.records[record.wire_id]
+            raise OverloadedError("every tokenizer worker's queue is full; retry later",
+                                  record.request_id) from None
+        return handle
+
+    def apply(self, handle: Any, event: StreamEvent, now: float) -> None:
+        """Routes one event to its handle; a terminal event forgets the request."""
+        delta = handle._record.apply(event, now)
+        if event.finished:
+            self.records.pop(handle._record.wire_id, None)
+        handle._deliver(delta)
 
     def expired(self, now: float) -> list[str]:
         """Wire ids whose deadline passed and that are still open."""

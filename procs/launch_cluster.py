@@ -57,6 +57,7 @@ class Child:
     popen: subprocess.Popen
     ready: WorkerReady | None = None
     last_heartbeat: Heartbeat | None = None
+    silent_warned: bool = False
 
     @property
     def name(self) -> str:
@@ -157,12 +158,25 @@ class Cluster:
             self._receive(100)
             if self._stopping:
                 continue
+            self._warn_silent_children()
             dead = [c for c in self.children if c.popen.poll() is not None]
             if dead:
                 self.failure = ", ".join(f"{c.name} exited with code {c.popen.returncode}"
                                          for c in dead)
                 logger.error("%s; stopping the cluster", self.failure)
                 self._stop_children()
+
+    def _warn_silent_children(self) -> None:
+        # Only a warning: the engine heartbeats between steps, and one long prefill on a slow
+        # CPU can legitimately outlast the timeout. A later policy may act on it.
+        now = time.monotonic()
+        for c in self.children:
+            last = c.last_heartbeat.t if c.last_heartbeat else now
+            if now - last > self.config.heartbeat_timeout_s and not c.silent_warned:
+                c.silent_warned = True
+                logger.warning("%s sent no heartbeat for %.1f s", c.name, now - last)
+            elif now - last <= self.config.heartbeat_timeout_s:
+                c.silent_warned = False
 
     def is_running(self) -> bool:
         return not self._stopping and all(c.popen.poll() is None for c in self.children)

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from ipc.client import (
-    AsyncClient, BadRequestError, Client, OverloadedError, RequestTimeoutError, UnavailableError,
+    AsyncClient, BadRequestError, Client, RequestTimeoutError, UnavailableError,
 )
 from procs.launch_cluster import launch_cluster
 

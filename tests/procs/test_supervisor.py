@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
 from ipc.client import Client
 from procs.cli import build_parser
