@@ -74,9 +74,15 @@ def test_sigterm_with_requests_in_flight(tmp_path):
         handles = [client.submit("in flight " * 3, max_tokens=240) for _ in range(8)]
         next(handles[0].stream(timeout=30))  # generation is under way
         sup.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.03)  # the tokenizers are draining now: new submits are refused, loudly
+        late = [client.submit("too late", max_tokens=240) for _ in range(4)]
         results = [h.result(timeout=30, check=False) for h in handles]
+        late_results = [h.result(timeout=30, check=False) for h in late]
     assert all(r.finish_reason in ("abort", "length") for r in results)
     assert any(r.finish_reason == "abort" for r in results)
+    for r in late_results:
+        assert r.finish_reason == "abort" or (r.error_code == "unavailable"
+                                              and "shutting down" in r.error)
     assert sup.proc.wait(timeout=30) == 0
     assert _wait_all_gone(pids)
     assert not run_dir.exists()
