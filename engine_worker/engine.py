@@ -1,0 +1,222 @@
+"""The engine: owns the model, the paged KV cache, the prefix cache and the scheduler.
+
+One ``step()`` = schedule, one forward over every scheduled token, sample, apply stops, and one
+columnar ``StepOutput`` for all requests. The engine sees only token ids, never text."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ipc.codec import pack_ids
+from ipc.messages import (
+    FINISH_ABORT, FINISH_ERROR, EngineStats, RequestStart, SamplingParams, StepOutput,
+)
+from engine_worker.block_manager import KVBlockManager
+from engine_worker.config import EngineConfig
+from engine_worker.model import LlamaFamilyModel
+from engine_worker.model_runner import ModelRunner
+from engine_worker.prefix_cache import PrefixCache
+from engine_worker.request import EngineRequest
+from engine_worker.sampler import RequestSampler
+from engine_worker.scheduler import Scheduler
+
+logger = logging.getLogger("splitserve.engine")
+
+REMEMBERED_ABORTS = 100_000  # ids aborted before they arrived, newest kept
+
+
+class EngineOverloaded(RuntimeError):
+    """``max_waiting_requests`` requests are already waiting: back-pressure, retry later."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = _resolve_device(config.device)
+        dtype = _resolve_dtype(config.dtype, self.device)
+        from engine_worker.model_config import ModelConfig
+
+        model_config = ModelConfig.from_dir(config.model_path)
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                           self.max_model_len, model_config.max_position_embeddings)
+        model = LlamaFamilyModel.load(config.model_path, self.device, dtype, self.max_model_len)
+        self.model_config = model_config
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        self.model_name = os.path.basename(os.path.normpath(config.model_path))
+        num_blocks = self._num_kv_blocks(model, dtype)
+        self.blocks = KVBlockManager(num_blocks, config.block_size)
+        self.prefix_cache = PrefixCache(self.blocks) if config.enable_prefix_cache else None
+        self.scheduler = Scheduler(config, self.blocks, self.prefix_cache)
+        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.requests: dict[str, EngineRequest] = {}
+        self._pending_aborts: set[str] = set()
+        self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
+        self._early_finishes: list[tuple[str, str, str]] = []  # (id, reason, error)
+        self._step = 0
+        logger.info("engine ready: model=%s device=%s dtype=%s threads=%d kv_blocks=%d x %d "
+                    "tokens max_model_len=%d prefix_cache=%s", self.model_name, self.device,
+                    dtype, torch.get_num_threads(), num_blocks, config.block_size,
+                    self.max_model_len, config.enable_prefix_cache)
+
+    # --- public API -------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or self._pending_aborts
+                    or self._early_finishes)
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
+            sampling: SamplingParams, arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running or waiting")
+        if request_id in self._aborted_before_arrival:
+            del self._aborted_before_arrival[request_id]
+            self._early_finishes.append((request_id, FINISH_ABORT, ""))
+            return
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("the prompt must be a non-empty 1-D sequence of token ids")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        if ids.size >= self.max_model_len:
+            raise ValueError(f"the prompt has {ids.size} tokens; max_model_len is "
+                             f"{self.max_model_len}, which leaves no room for a generated token")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if ids.size + 1 > capacity:
+            raise ValueError(f"the prompt has {ids.size} tokens; the KV cache holds only "
+                             f"{capacity} tokens in all")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting "
+                                   f"(max_waiting_requests={self.config.max_waiting_requests})")
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        request = EngineRequest(
+            request_id, ids.tolist(), sampling, RequestSampler(sampling, self.device),
+            frozenset(stop_ids), self.max_model_len,
+            time.monotonic() if arrival_time is None else arrival_time)
+        self.requests[request_id] = request
+        self.scheduler.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self._pending_aborts.add(request_id)
+            return
+        self._aborted_before_arrival[request_id] = None
+        self._aborted_before_arrival.move_to_end(request_id)
+        while len(self._aborted_before_arrival) > REMEMBERED_ABORTS:
+            self._aborted_before_arrival.popitem(last=False)
+
+    def step(self) -> StepOutput:
+        t_start = time.monotonic()
+        self._step += 1
+        out = StepOutput(step=self._step, t_step=t_start)
+        for request_id, reason, error in self._early_finishes:
+            self._emit_finish(out, request_id, reason, error)
+        self._early_finishes.clear()
+        for request_id in self._pending_aborts:
+            self._finish(out, self.requests[request_id], FINISH_ABORT)
+        self._pending_aborts.clear()
+
+        batch = self.scheduler.schedule()
+        for request, message in batch.failed:
+            self._finish(out, request, FINISH_ERROR, message)
+        if batch.requests:
+            tokens = self.runner.run(batch.requests, batch.num_new_tokens)
+            emitted_ids, emitted_tokens = out.request_ids, []
+            for request, count, token in zip(batch.requests, batch.num_new_tokens, tokens):
+                request.num_computed += count
+                if token is None:
+                    continue
+                emitted_ids.append(request.request_id)
+                emitted_tokens.append(token)
+                if not request.started_sent:
+                    request.started_sent = True
+                    out.started.append(RequestStart(request.request_id, request.t_arrived,
+                                                    request.t_scheduled, request.cached_tokens))
+                reason = request.finish_reason_after(token)
+                if reason is not None:
+                    self._finish(out, request, reason)
+            out.token_ids = pack_ids(emitted_tokens)
+        out.t_step = time.monotonic()
+        out.stats = EngineStats(
+            running=self.num_running, waiting=self.num_waiting,
+            kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
+            prefill_tokens=batch.prefill_tokens, cached_tokens=batch.cached_tokens,
+            decode_tokens=batch.decode_tokens, preempted=batch.preempted,
+            step_ms=(out.t_step - t_start) * 1000.0)
+        return out
+
+    # --- internals --------------------------------------------------------------------------
+    def _finish(self, out: StepOutput, request: EngineRequest, reason: str,
+                error: str = "") -> None:
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+        self._emit_finish(out, request.request_id, reason, error)
+
+    @staticmethod
+    def _emit_finish(out: StepOutput, request_id: str, reason: str, error: str) -> None:
+        out.finished_ids.append(request_id)
+        out.finish_reasons.append(reason)
+        out.finish_errors.append(error)
+
+    def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
+        cfg = self.config
+        per_token = ModelRunner.bytes_per_token(model.config, dtype)
+        if cfg.kv_cache_tokens:
+            tokens = cfg.kv_cache_tokens
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            tokens = int(free * cfg.kv_cache_memory_fraction) // per_token
+        else:
+            budget = min(cfg.cpu_kv_cache_max_bytes, _available_memory_bytes() // 4)
+            tokens = min(cfg.max_batch_size * self.max_model_len, budget // per_token)
+        return max(1, tokens // cfg.block_size)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return getattr(torch, name)
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,171 @@
+"""Reads a Hugging Face checkpoint's config.json (with json, not transformers) into what our
+forward needs, and computes rotary inverse frequencies for the common rope scaling types."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
+    rope: dict = field(default_factory=dict)  # rope_theta, rope_type and scaling parameters
+    eos_token_ids: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        model_dir = Path(model_dir)
+        config_file = model_dir / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json")
+        cfg = json.loads(config_file.read_text())
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = _as_id_set(cfg.get("eos_token_id"))
+        generation_file = model_dir / "generation_config.json"
+        if generation_file.is_file():
+            eos |= _as_id_set(json.loads(generation_file.read_text()).get("eos_token_id"))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            rope=_rope_parameters(cfg),
+            eos_token_ids=eos,
+        )
+
+
+def _as_id_set(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    """Merges transformers 5's ``rope_parameters`` with the older ``rope_theta``/``rope_scaling``."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = rope_type
+    params.setdefault("original_max_position_embeddings",
+                      cfg.get("original_max_position_embeddings")
+                      or cfg.get("max_position_embeddings", 2048))
+    params["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
+    params["partial_rotary_factor"] = cfg.get("partial_rotary_factor", 1.0)
+    return params
+
+
+def rope_inverse_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos/sin)."""
+    base = float(rope["rope_theta"])
+    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base ** exponents)
+    rope_type = rope["rope_type"]
+    if rope_type == "default":
+        return inv_freq, 1.0
+    factor = float(rope.get("factor", 1.0))
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "dynamic":
+        # Dynamic NTK only changes the base once a sequence exceeds the original context; within
+        # it the frequencies are the default ones. We apply the scaled base statically when the
+        # configured context is longer, which is what a long-context deployment needs.
+        original = rope["original_max_position_embeddings"]
+        max_len = rope["max_position_embeddings"]
+        if max_len > original:
+            scaled = base * ((factor * max_len / original) - (factor - 1)) ** (dim / (dim - 2))
+            inv_freq = 1.0 / (scaled ** exponents)
+        return inv_freq, 1.0
+    if rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, rope, factor), 1.0
+    if rope_type == "yarn":
+        return _yarn_frequencies(rope, base, dim, factor)
+    raise ValueError(f"rope type {rope_type!r} is not supported")
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict, factor: float) -> torch.Tensor:
+    # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
+    low_freq_factor = float(rope.get("low_freq_factor", 1.0))
+    high_freq_factor = float(rope.get("high_freq_factor", 4.0))
+    original = float(rope["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original / low_freq_factor
+    high_freq_wavelen = original / high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_frequencies(rope: dict, base: float, dim: int, factor: float):
+    original = float(rope["original_max_position_embeddings"])
+    beta_fast = float(rope.get("beta_fast") or 32.0)
+    beta_slow = float(rope.get("beta_slow") or 1.0)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        if rope.get("mscale") and rope.get("mscale_all_dim"):
+            attention_factor = mscale(factor, rope["mscale"]) / mscale(factor, rope["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoids a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep_extrapolated = 1 - ramp
+    inv_freq = interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated
+    return inv_freq, float(attention_factor)

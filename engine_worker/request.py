@@ -1,0 +1,61 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
+
+from engine_worker.sampler import RequestSampler
+
+
+class EngineRequest:
+    """Tokens are prompt + generated; ``num_computed`` of them have their KV in the cache.
+
+    A step computes ``token_ids[num_computed:num_computed + n]``; when that reaches the end of
+    ``token_ids`` the step samples one new token. Decode is the case n == 1, chunked prefill and
+    recompute after preemption are the cases where the end is not reached yet."""
+
+    __slots__ = ("request_id", "token_ids", "prompt_len", "params", "sampler", "stop_ids",
+                 "max_total_len", "t_arrived", "t_scheduled", "num_computed", "block_ids",
+                 "block_keys", "cached_tokens", "started_sent", "num_generated")
+
+    def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 sampler: RequestSampler, stop_ids: frozenset[int], max_model_len: int,
+                 t_arrived: float) -> None:
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.prompt_len = len(token_ids)
+        self.params = params
+        self.sampler = sampler
+        self.stop_ids = stop_ids
+        self.max_total_len = min(max_model_len, self.prompt_len + params.max_tokens)
+        self.t_arrived = t_arrived
+        self.t_scheduled = 0.0
+        self.num_computed = 0
+        self.block_ids: list[int] = []
+        self.block_keys: list[int] = []  # prefix-cache chain keys of the leading full blocks
+        self.cached_tokens = 0
+        self.started_sent = False
+        self.num_generated = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to compute before the next sample."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_generated > 0 and self.remaining == 1
+
+    def finish_reason_after(self, token: int) -> str | None:
+        """Appends a sampled token and says whether (and why) the request is done."""
+        self.token_ids.append(token)
+        self.num_generated += 1
+        if token in self.stop_ids:
+            return FINISH_STOP
+        if len(self.token_ids) >= self.max_total_len:
+            return FINISH_LENGTH
+        return None

@@ -1,0 +1,171 @@
+"""Continuous-batching scheduler: decides, each step, which tokens of which requests to compute.
+
+Order of a step, oldest first (FCFS):
+1. every running request gets its next tokens: one (decode) or a chunk of its prompt (chunked
+   prefill, or recompute after preemption). When the KV pool has no block for it, the newest
+   running request is preempted (its blocks freed, itself put back at the head of the queue;
+   its emitted tokens stay, its prefix may stay in the prefix cache);
+2. waiting requests are admitted while the batch has room (``max_batch_size``), the step has
+   prefill budget (``prefill_max_batch_size`` requests, ``prefill_max_tokens`` tokens) and the
+   pool has blocks. A request never computes more than ``prefill_chunk_tokens`` in one step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_worker.block_manager import KVBlockManager
+from engine_worker.config import EngineConfig
+from engine_worker.prefix_cache import PrefixCache
+from engine_worker.request import EngineRequest
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    requests: list[EngineRequest] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    preempted: int = 0
+    failed: list[tuple[EngineRequest, str]] = field(default_factory=list)
+
+    def add(self, request: EngineRequest, num_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_tokens)
+        if request.is_decoding:
+            self.decode_tokens += num_tokens
+        else:
+            self.prefill_tokens += num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: KVBlockManager,
+                 prefix_cache: PrefixCache | None) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []  # admission order: the last one is the newest
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        token_budget = self.config.prefill_max_tokens
+        prefill_slots = self.config.prefill_max_batch_size
+        position = 0
+        while position < len(self.running):
+            request = self.running[position]
+            if request.is_decoding:
+                count = 1
+            else:
+                count = min(request.remaining, self.config.prefill_chunk_tokens, token_budget)
+                if count <= 0 or prefill_slots <= 0:
+                    position += 1
+                    continue
+            if not self._grow(request, count, batch):
+                continue  # preempted or failed: it left self.running at `position`
+            if not request.is_decoding:
+                token_budget -= count
+                prefill_slots -= 1
+            self._publish_full_blocks(request, request.num_computed + count)
+            batch.add(request, count)
+            position += 1
+        now = time.monotonic()
+        while (self.waiting and len(self.running) < self.config.max_batch_size
+               and prefill_slots > 0 and token_budget > 0):
+            request = self.waiting[0]
+            count = self._admit(request, token_budget)
+            if count == 0:
+                break  # FCFS: the head waits for blocks, nobody overtakes it
+            self.waiting.popleft()
+            self.running.append(request)
+            if not request.t_scheduled:
+                request.t_scheduled = now
+            batch.cached_tokens += request.num_computed if request.num_generated == 0 else 0
+            token_budget -= count
+            prefill_slots -= 1
+            self._publish_full_blocks(request, request.num_computed + count)
+            batch.add(request, count)
+        return batch
+
+    def _grow(self, request: EngineRequest, count: int, batch: ScheduledBatch) -> bool:
+        """Gives ``request`` blocks for ``count`` more tokens, preempting newer requests."""
+        needed = self.blocks.blocks_for(request.num_computed + count) - len(request.block_ids)
+        while needed > self.blocks.num_available:
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                self.running.pop()
+                self.free_blocks(request)
+                batch.failed.append((request, (
+                    f"the KV cache ({self.blocks.num_blocks} blocks of {self.blocks.block_size} "
+                    f"tokens) cannot hold this request's {request.num_computed + count} tokens")))
+                return False
+            self.preempt(victim)
+            batch.preempted += 1
+            if victim is request:
+                return False
+        if needed > 0:
+            request.block_ids.extend(self.blocks.allocate(needed))
+        return True
+
+    def _admit(self, request: EngineRequest, token_budget: int) -> int:
+        """Takes cached prefix blocks and fresh blocks for the first chunk; 0 = cannot yet."""
+        size = self.blocks.block_size
+        cached_blocks: list[int] = []
+        keys: list[int] = []
+        if self.prefix_cache is not None:
+            # At least one token must be computed to sample from, so never match the last one.
+            cached_blocks, keys = self.prefix_cache.match(request.token_ids,
+                                                          (request.num_tokens - 1) // size)
+        cached = len(cached_blocks) * size
+        count = min(request.num_tokens - cached, self.config.prefill_chunk_tokens, token_budget)
+        fresh = self.blocks.blocks_for(cached + count) - len(cached_blocks)
+        # Cached blocks nobody holds are counted as available; taking them uses that up.
+        reclaimed = sum(1 for b in cached_blocks if self.blocks.ref_counts[b] == 0)
+        if fresh + reclaimed > self.blocks.num_available:
+            return 0
+        for block in cached_blocks:
+            self.blocks.acquire(block)
+        request.block_ids = cached_blocks + self.blocks.allocate(fresh)
+        request.block_keys = keys
+        request.num_computed = cached
+        if request.num_generated == 0:
+            request.cached_tokens = cached
+        return count
+
+    def _publish_full_blocks(self, request: EngineRequest, computed_after_step: int) -> None:
+        """Registers the blocks this step fills, so later (and same-step) requests can share."""
+        if self.prefix_cache is None:
+            return
+        size = self.blocks.block_size
+        full = min(computed_after_step, request.num_tokens) // size
+        for index in range(len(request.block_keys), full):
+            tokens = tuple(request.token_ids[index * size:(index + 1) * size])
+            parent = request.block_keys[-1] if request.block_keys else 0
+            key = self.prefix_cache.chain_key(parent, tokens)
+            self.prefix_cache.register(request.block_ids[index], key, tokens)
+            request.block_keys.append(key)
+
+    def preempt(self, request: EngineRequest) -> None:
+        self.running.remove(request)
+        self.free_blocks(request)
+        self.waiting.appendleft(request)
+
+    def free_blocks(self, request: EngineRequest) -> None:
+        self.blocks.release(request.block_ids)
+        request.block_ids = []
+        request.block_keys = []
+        request.num_computed = 0
+
+    def remove(self, request: EngineRequest) -> None:
+        """Drops a finished or aborted request wherever it is and frees its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.free_blocks(request)

@@ -1,0 +1,52 @@
+"""Shared helpers for engine tests: run requests to completion, drive the model runner by hand."""
+
+from __future__ import annotations
+
+from ipc.codec import unpack_ids
+from ipc.messages import SamplingParams
+
+from engine_worker.engine import Engine
+from engine_worker.request import EngineRequest
+from engine_worker.sampler import RequestSampler
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def collect(engine: Engine, max_steps: int = 10_000, on_step=None) -> dict[str, dict]:
+    """Steps the engine until idle; returns per-request tokens, finish reason and start info."""
+    results: dict[str, dict] = {}
+    for step in range(max_steps):
+        if on_step is not None:
+            on_step(step, engine)
+        if not engine.has_work():
+            break
+        out = engine.step()
+        for request_id, token in zip(out.request_ids, unpack_ids(out.token_ids)):
+            results.setdefault(request_id, {"tokens": []})["tokens"].append(int(token))
+        for start in out.started:
+            entry = results.setdefault(start.request_id, {"tokens": []})
+            assert "start" not in entry, "RequestStart sent twice"
+            entry["start"] = start
+        for request_id, reason, error in zip(out.finished_ids, out.finish_reasons,
+                                             out.finish_errors):
+            entry = results.setdefault(request_id, {"tokens": []})
+            assert "reason" not in entry, "finished twice"
+            entry["reason"], entry["error"] = reason, error
+        if engine.has_work() is False and on_step is None:
+            break
+    return results
+
+
+def manual_request(engine: Engine, token_ids: list[int], name: str = "r") -> EngineRequest:
+    """A request the test drives through engine.runner directly (no scheduler)."""
+    params = greedy(1)
+    return EngineRequest(name, list(token_ids), params, RequestSampler(params, engine.device),
+                         frozenset(), engine.max_model_len, 0.0)
+
+
+def give_blocks(engine: Engine, request: EngineRequest, num_tokens: int) -> None:
+    needed = engine.blocks.blocks_for(num_tokens) - len(request.block_ids)
+    if needed > 0:
+        request.block_ids += engine.blocks.allocate(needed)

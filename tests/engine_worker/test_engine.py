@@ -1,0 +1,185 @@
+"""The Engine API: continuous batching against transformers.generate, stops, aborts, validation,
+back-pressure and seeded sampling."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from engine_worker.config import EngineConfig
+from engine_worker.engine import Engine, EngineOverloaded
+from ipc.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from tests.engine_worker.helpers import collect, greedy
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1467, 30]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    return Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=1024,
+                               max_waiting_requests=8))
+
+
+def assert_idle_and_leak_free(engine: Engine) -> None:
+    assert not engine.has_work() and engine.num_running == 0 and engine.num_waiting == 0
+    assert engine.blocks.num_available == engine.blocks.num_blocks
+    assert all(count == 0 for count in engine.blocks.ref_counts)
+
+
+@pytest.mark.slow
+def test_continuous_batching_matches_transformers_generate(default_model_dir):
+    prompts = [
+        "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+        "The three primary colors are", "Water boils at", "import numpy as np\n",
+        "My favourite book is", "The quick brown fox jumps over",
+    ]
+    from tokenizers import Tokenizer  # the test may tokenize; the engine never does
+
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    engine = Engine(EngineConfig(model_path=str(default_model_dir), dtype="float32"))
+    arrivals = {0: [0, 1, 2], 2: [3], 3: [4, 5], 7: [6], 12: [7]}  # step -> prompts arriving
+
+    def arrive(step, eng):
+        for i in arrivals.get(step, []):
+            eng.add(f"p{i}", ids[i], greedy(32))
+
+    results = collect(engine, on_step=arrive)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_dir),
+                                                           dtype=torch.float32).eval()
+    for i, prompt_ids in enumerate(ids):
+        expected = hf.generate(torch.tensor([prompt_ids]), attention_mask=None, max_new_tokens=32,
+                               do_sample=False)[0, len(prompt_ids):].tolist()
+        assert results[f"p{i}"]["tokens"] == expected, f"prompt {i} differs"
+        assert results[f"p{i}"]["reason"] == (FINISH_STOP if expected[-1] == 2 else FINISH_LENGTH)
+    assert_idle_and_leak_free(engine)
+
+
+def test_engine_imports_no_tokenizer_code(tiny_model_dir):
+    import subprocess
+
+    code = ("import sys; from engine_worker.engine import Engine; "
+            "from engine_worker.config import EngineConfig; "
+            f"Engine(EngineConfig(model_path={str(tiny_model_dir)!r}, kv_cache_tokens=256)); "
+            "bad = [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))]; "
+            "print('LOADED', bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "LOADED []" in out.stdout, out.stdout + out.stderr
+
+
+def test_stops_max_tokens_eos_and_context_limit(tiny_model_dir):
+    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=512,
+                                 max_model_len=len(PROMPT) + 5))
+    engine.add("len", PROMPT, greedy(3))
+    engine.add("ctx", PROMPT, greedy(100))
+    results = collect(engine)
+    assert len(results["len"]["tokens"]) == 3 and results["len"]["reason"] == FINISH_LENGTH
+    assert len(results["ctx"]["tokens"]) == 5 and results["ctx"]["reason"] == FINISH_LENGTH
+    # Greedy output is deterministic: its second token as a stop id ends the request there.
+    stop_token = results["len"]["tokens"][1]
+    engine.add("stop", PROMPT, greedy(3, stop_token_ids=[stop_token]))
+    engine.eos_token_ids.clear()
+    results = collect(engine)
+    assert results["stop"]["tokens"] == results_prefix(stop_token, results["stop"]["tokens"])
+    assert results["stop"]["reason"] == FINISH_STOP
+    assert_idle_and_leak_free(engine)
+
+
+def results_prefix(stop_token: int, tokens: list[int]) -> list[int]:
+    return tokens[:tokens.index(stop_token) + 1]
+
+
+def test_eos_stops_unless_ignore_eos(tiny_model_dir):
+    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=512))
+    engine.add("probe", PROMPT, greedy(4))
+    first = collect(engine)["probe"]["tokens"][0]
+    engine.eos_token_ids.add(first)  # make the model's first greedy token an eos id
+    engine.add("eos", PROMPT, greedy(4))
+    engine.add("ignore", PROMPT, greedy(4, ignore_eos=True))
+    results = collect(engine)
+    assert results["eos"]["tokens"] == [first] and results["eos"]["reason"] == FINISH_STOP
+    assert len(results["ignore"]["tokens"]) == 4 and results["ignore"]["reason"] == FINISH_LENGTH
+
+
+def test_abort_running_waiting_and_not_yet_arrived(tiny_engine):
+    engine = tiny_engine
+    engine.add("running", PROMPT, greedy(50))
+    engine.step()
+    engine.abort("early")  # not seen yet: remembered
+    engine.abort("running")
+    engine.add("waiting", PROMPT, greedy(50))
+    engine.abort("waiting")
+    engine.add("early", PROMPT, greedy(50))
+    out = engine.step()
+    assert sorted(out.finished_ids) == ["early", "running", "waiting"]
+    assert set(out.finish_reasons) == {FINISH_ABORT}
+    assert not out.request_ids
+    assert_idle_and_leak_free(engine)
+    assert engine.step().finished_ids == []  # an idle step returns at once, empty
+
+
+def test_invalid_requests_raise_clear_errors(tiny_engine):
+    engine = tiny_engine
+    with pytest.raises(ValueError, match="non-empty"):
+        engine.add("empty", [], greedy(1))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add("vocab", [1, engine.vocab_size], greedy(1))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add("negative", np.array([1, -3]), greedy(1))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add("long", [1] * engine.max_model_len, greedy(1))
+    with pytest.raises(ValueError, match="KV cache holds only"):
+        engine.add("pool", [1] * 1500, greedy(1))
+    engine.add("dup", PROMPT, greedy(1))
+    with pytest.raises(ValueError, match="already"):
+        engine.add("dup", PROMPT, greedy(1))
+    collect(engine)
+    assert_idle_and_leak_free(engine)
+
+
+def test_overload_raises_engine_overloaded(tiny_engine):
+    engine = tiny_engine
+    for i in range(engine.config.max_waiting_requests):
+        engine.add(f"q{i}", PROMPT, greedy(1))
+    with pytest.raises(EngineOverloaded):
+        engine.add("one-too-many", PROMPT, greedy(1))
+    results = collect(engine)
+    assert len(results) == engine.config.max_waiting_requests
+    assert_idle_and_leak_free(engine)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_engine):
+    engine = tiny_engine
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    engine.add("alone", PROMPT, params)
+    alone = collect(engine)["alone"]["tokens"]
+    engine.add("noise1", PROMPT[:4], SamplingParams(max_tokens=8, temperature=1.5))
+    engine.add("seeded", PROMPT, params)
+    engine.add("noise2", PROMPT[::-1], SamplingParams(max_tokens=8, temperature=0.7, top_p=0.5))
+    engine.add("other-seed", PROMPT, SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9,
+                                                    top_k=50, seed=99))
+    results = collect(engine)
+    assert results["seeded"]["tokens"] == alone
+    assert results["other-seed"]["tokens"] != alone  # 8 sampled tokens: a clash is negligible
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(tiny_engine):
+    engine = tiny_engine
+    engine.add("greedy", PROMPT, greedy(6))
+    engine.add("top_k1", PROMPT, SamplingParams(max_tokens=6, temperature=1.0, top_k=1))
+    engine.add("top_p", PROMPT, SamplingParams(max_tokens=6, temperature=0.8, top_p=1e-6, seed=3))
+    results = collect(engine)
+    assert results["top_k1"]["tokens"] == results["greedy"]["tokens"]
+    assert results["top_p"]["tokens"] == results["greedy"]["tokens"]
+
+
+def test_request_start_reported_once_with_queue_times(tiny_engine):
+    engine = tiny_engine
+    engine.add("a", PROMPT, greedy(3), arrival_time=1.0)
+    results = collect(engine)
+    start = results["a"]["start"]
+    assert start.t_arrived == 1.0 and start.t_scheduled > 1.0
