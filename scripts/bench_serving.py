@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "mode each: cluster-tw1, cluster-tw2, ... (default: 1)")
     g.add_argument("--tokenizer-threads", type=int, default=0,
                    help="threads per tokenizer worker (0: the supervisor's budget)")
+    g.add_argument("--client-submit-hwm", type=int, default=0,
+                   help="the cluster client's send queue per tokenizer worker, in requests; "
+                        "a full one makes submit() raise OverloadedError (0: --num-requests, so "
+                        "a whole burst fits; the SDK's own default is 64)")
+    g.add_argument("--tokenizer-batch-max", type=int, default=64,
+                   help="a tokenizer worker encodes at most this many queued requests in one "
+                        "batch (default: 64)")
     g.add_argument("--stream-interval-tokens", type=int, default=1,
                    help="the detokenizer sends a delta every this many tokens (default: 1)")
 
@@ -142,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("runs and output")
     g.add_argument("--warmup-runs", type=int, default=1,
                    help="unreported runs per mode first (default: 1)")
+    g.add_argument("--warmup-num-requests", type=int, default=16,
+                   help="requests in a warmup run: the first this many of the workload; it "
+                        "warms kernels and caches, it need not be the whole workload "
+                        "(default: 16)")
     g.add_argument("--repeat-runs", type=int, default=1,
                    help="measured runs per mode; the report shows medians (default: 1)")
     g.add_argument("--no-run-tag", action="store_true",
@@ -214,8 +225,11 @@ def make_targets(modes: list[str], args: argparse.Namespace, model_path: str,
             knobs = engine_knobs(args) | {
                 "engine_threads": engine_threads_for(args, workers),
                 "tokenizer_threads": args.tokenizer_threads,
+                "tokenizer_batch_max": args.tokenizer_batch_max,
                 "stream_interval_tokens": args.stream_interval_tokens}
-            targets[mode] = ClusterTarget(mode, model_path, workers, knobs, collector)
+            poll_s = 0.001 if args.max_concurrency else 0.02
+            targets[mode] = ClusterTarget(mode, model_path, workers, knobs, collector, poll_s,
+                                          args.client_submit_hwm or args.num_requests)
         else:
             if server is None:
                 from engine_worker.config import EngineConfig
@@ -270,8 +284,10 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
                    "prefix_cache": not args.no_prefix_cache,
                    "max_waiting_requests": args.max_waiting_requests},
         "Stream interval (tokens)": args.stream_interval_tokens,
-        "Runs": f"{args.warmup_runs} warmup + {args.repeat_runs} measured per mode, interleaved; "
-                f"medians reported; run tag {'off' if args.no_run_tag else 'on'}",
+        "Runs": f"{args.warmup_runs} warmup (of {min(args.warmup_num_requests, w.num_requests)} "
+                f"requests) + {args.repeat_runs} measured per mode, interleaved; "
+                f"medians reported; run tag {'off' if args.no_run_tag else 'on'}; "
+                "driver GC paused while submitting",
         "Goodput SLOs (ms)": args.goodput_slos or "none",
     }
 
@@ -299,8 +315,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     arrival = ArrivalSpec(submit_interval_ms=args.submit_interval_ms,
                           submit_schedule=args.submit_schedule, request_rate=args.request_rate,
                           burstiness=args.burstiness, seed=args.seed)
-    if args.warmup_runs < 0 or args.repeat_runs < 1:
-        raise ValueError("--warmup-runs must be >= 0 and --repeat-runs >= 1")
+    if args.warmup_runs < 0 or args.repeat_runs < 1 or args.warmup_num_requests < 1:
+        raise ValueError("--warmup-runs must be >= 0, --repeat-runs and "
+                         "--warmup-num-requests >= 1")
     tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
     requests = build_workload(workload, tokenizer)
     kv_auto = args.kv_cache_tokens == 0
@@ -319,10 +336,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         targets = make_targets(modes, args, model_path, collector, stack)
         for round_index in range(args.warmup_runs + args.repeat_runs):
             warmup = round_index < args.warmup_runs
+            batch = requests[:args.warmup_num_requests] if warmup else requests
             for mode_index, mode in enumerate(modes):
                 # The same tag length in every mode keeps prompt lengths identical across modes.
-                tagged = requests if args.no_run_tag else salt_requests(
-                    requests, f"run {round_index}.{mode_index}")
+                tagged = batch if args.no_run_tag else salt_requests(
+                    batch, f"run {round_index}.{mode_index}")
                 result = run_once(targets[mode], collector, tagged, arrival, sampling_for,
                                   options, mode=mode, run_index=round_index, warmup=warmup)
                 runs.append(result)
@@ -332,7 +350,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     medians = {mode: median_summary([s for r, s in zip(runs, summaries)
                                      if r.mode == mode and not r.warmup]) for mode in modes}
     data = report.to_json(setup, runs, summaries, medians)
-    data["text"] = report.render(setup, medians, {m: args.repeat_runs for m in modes},
+    data["text"] = report.render(setup, runs, medians, {m: args.repeat_runs for m in modes},
                                  arrival.kind, baseline=modes[0])
     return data
 

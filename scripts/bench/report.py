@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from bench.metrics import TTFT_PARTS, RequestRecord, ratio
@@ -134,12 +135,26 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}x"
 
 
-def render(setup: dict, medians: dict[str, dict], measured_runs: dict[str, int],
-           arrival_kind: str, baseline: str | None) -> str:
+def error_lines(runs: list[RunResult], mode: str) -> list[str]:
+    """Failed requests, loudly: the latency metrics above cover only the successful ones."""
+    errors = Counter(rec.error or rec.finish_reason for r in runs if r.mode == mode
+                     for rec in r.records if not rec.ok)
+    if not errors:
+        return []
+    total = sum(len(r.records) for r in runs if r.mode == mode)
+    lines = [f"WARNING: {sum(errors.values())} of {total} requests of {mode} failed (all runs, "
+             "warmups included); the latency metrics cover only the others:"]
+    lines += [f"  {count} x {message}" for message, count in errors.most_common(3)]
+    return lines
+
+
+def render(setup: dict, runs: list[RunResult], medians: dict[str, dict],
+           measured_runs: dict[str, int], arrival_kind: str, baseline: str | None) -> str:
     lines = header_lines(setup)
     for mode, summary in medians.items():
         lines.append("")
         lines += mode_block(mode, summary, measured_runs[mode], arrival_kind)
+        lines += error_lines(runs, mode)
     lines.append("")
     lines += comparison_lines(medians, baseline)
     return "\n".join(lines)

@@ -84,21 +84,25 @@ class ClusterTarget:
     are processes: each tokenizer worker, the engine, the detokenizer, and this process (client).
     """
 
-    POLL_S = 0.001  # how often the watcher looks for finished handles; only the progress bar
-    # and --max-concurrency wait on it, the timestamps are the SDK's own
-
     def __init__(self, name: str, model_path: str, tokenizer_workers: int,
-                 cluster_knobs: dict, collector: EventCollector) -> None:
+                 cluster_knobs: dict, collector: EventCollector, poll_s: float,
+                 submit_hwm: int) -> None:
+        """poll_s: how often the watcher looks for finished handles. Only the progress bar and
+        --max-concurrency wait on it (the timestamps are the SDK's own); each wake-up takes the
+        GIL from the submitting thread, so poll slowly unless a concurrency cap needs it."""
         from ipc.client import Client
         from procs.launch_cluster import launch_cluster
 
         self.name = name
         self._collector = collector
+        self._poll_s = poll_s
         self._stack = contextlib.ExitStack()
         try:
             self.cluster = self._stack.enter_context(launch_cluster(
                 model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs))
-            self.client = self._stack.enter_context(Client(self.cluster.client_addr))
+            self.client = self._stack.enter_context(Client(self.cluster.client_addr,
+                                                           submit_hwm=submit_hwm))
+            self._submit_hwm = submit_hwm
         except BaseException:
             self._stack.close()
             raise
@@ -112,7 +116,8 @@ class ClusterTarget:
         return {"tokenize": f"{c.tokenizer_workers} tokenizer worker process(es) x "
                             f"{c.tokenizer_threads} thread(s)",
                 "engine_threads": c.engine_threads,
-                "stream_interval_tokens": c.stream_interval_tokens}
+                "stream_interval_tokens": c.stream_interval_tokens,
+                "client submit_hwm": self._submit_hwm}
 
     def prepare(self, requests: list[BenchRequest]) -> None:
         pass
@@ -156,7 +161,7 @@ class ClusterTarget:
             for request_id in [rid for rid, h in live.items() if h.done]:
                 deltas = _deltas_of(live.pop(request_id))
                 self._collector.complete(request_id, functools.partial(_fill, deltas=deltas))
-            time.sleep(self.POLL_S)
+            time.sleep(self._poll_s)
 
 
 def _deltas_of(handle) -> list:

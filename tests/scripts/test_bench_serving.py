@@ -71,7 +71,7 @@ def test_every_mode_reports_consistent_metrics_and_the_json_round_trips(tiny_mod
         "--model", str(tiny_model_dir), "--modes", "inproc,inproc-pretok,cluster",
         "--num-requests", str(n), "--prompt-tokens", "48", "--unique-prompts",
         "--max-new-tokens", str(max_new), "--ignore-eos", "--warmup-runs", "1",
-        "--repeat-runs", "1", "--goodput", "ttft:60000", "tpot:60000", "--no-progress",
+        "--warmup-num-requests", "3", "--repeat-runs", "1", "--goodput", "ttft:60000", "tpot:60000", "--no-progress",
         "--json", str(json_path), "--plot", str(plot_path)])
     text = capsys.readouterr().out
     for line in ("Model: ", "Submit wall: ", "Submit latency p50/p95/p99", "Tokenize p50/p95/p99",
@@ -85,7 +85,7 @@ def test_every_mode_reports_consistent_metrics_and_the_json_round_trips(tiny_mod
     assert [(r.mode, r.warmup) for r in runs] == [(m, w) for w in (True, False) for m in MODES]
     stored = json.loads(json_path.read_text())
     for run, run_json in zip(runs, stored["runs"]):
-        assert len(run.records) == n and run.timed_out == 0
+        assert len(run.records) == (3 if run.warmup else n) and run.timed_out == 0
         for rec in run.records:
             _check_record(rec, run.mode, max_new)
         again = summarize(run.records, run.cpu_seconds, {"ttft": 60000.0, "tpot": 60000.0})
