@@ -1,0 +1,136 @@
+"""The benchmark's command line: every knob, with its unit in its name and its --help."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+BASE_MODES = ("inproc", "inproc-pretok", "cluster")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_serving", description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("what is compared")
+    g.add_argument("--model", default=None,
+                   help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct, "
+                        "provisioned on first use)")
+    g.add_argument("--modes", default="inproc,inproc-pretok,cluster",
+                   help="comma-separated modes: inproc, inproc-pretok, cluster (or cluster-twN); "
+                        "the first is the baseline of the ratios (default: %(default)s)")
+    g.add_argument("--tokenizer-workers", type=_int_list, default=[1],
+                   help="tokenizer worker processes of the cluster; a list (1,2,4) sweeps, one "
+                        "mode each: cluster-tw1, cluster-tw2, ... (default: 1)")
+    g.add_argument("--tokenizer-threads", type=int, default=0,
+                   help="threads per tokenizer worker (0: the supervisor's budget)")
+    g.add_argument("--client-submit-hwm", type=int, default=0,
+                   help="the cluster client's send queue per tokenizer worker, in requests; "
+                        "a full one makes submit() raise OverloadedError (0: --num-requests, so "
+                        "a whole burst fits; the SDK's own default is 64)")
+    g.add_argument("--tokenizer-batch-max", type=int, default=64,
+                   help="a tokenizer worker encodes at most this many queued requests in one "
+                        "batch (default: 64)")
+    g.add_argument("--stream-interval-tokens", type=int, default=1,
+                   help="the detokenizer sends a delta every this many tokens (default: 1)")
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=int, default=256, help="requests per run")
+    g.add_argument("--prompt-tokens", type=int, default=256,
+                   help="target length of each synthetic prompt in tokens (default: 256)")
+    g.add_argument("--prompt-tokens-range-ratio", type=float, default=0.0,
+                   help="vary lengths uniformly in [P*(1-r), P*(1+r)] tokens (default: 0)")
+    g.add_argument("--prompt", default=None,
+                   help="a literal prompt text for every request instead of synthetic text")
+    g.add_argument("--unique-prompts", action="store_true",
+                   help="give every request its own prompt text (default: all send the same "
+                        "one, which the prefix cache then shares)")
+    g.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="shared-prefix workload: every prompt starts with the same text this "
+                        "many tokens long (a system prompt), then --prompt-tokens of its own")
+    g.add_argument("--dataset-jsonl", default=None,
+                   help='prompts from a file: one {"prompt": str} or {"messages": [{"role", '
+                        '"content"}]} per line, optional "max_tokens"; cycled to --num-requests')
+    g.add_argument("--max-new-tokens", type=int, default=16,
+                   help="tokens to generate per request (default: 16)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence (every request makes "
+                        "--max-new-tokens)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
+
+    g = p.add_argument_group("arrival (default: a burst, every request at once)")
+    g.add_argument("--submit-interval-ms", type=float, default=0.0,
+                   help="a fixed gap between submits in milliseconds (0: burst)")
+    g.add_argument("--submit-schedule", choices=("relative", "absolute"), default="absolute",
+                   help="with --submit-interval-ms: absolute submits the i-th request at "
+                        "t0 + i*gap; relative sleeps the gap after each submit returns, so a slow "
+                        "submit delays all later ones (default: %(default)s)")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson-like arrivals at this many requests per second (default: inf, "
+                        "a burst)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="with --request-rate: gamma shape of the gaps; 1 is Poisson, <1 "
+                        "burstier, >1 steadier (default: 1)")
+    g.add_argument("--max-concurrency", type=int, default=0,
+                   help="at most this many requests in flight; submit waits for a slot "
+                        "(0: unlimited)")
+
+    g = p.add_argument_group("engine (the same for every mode)")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--engine-threads", type=int, default=0,
+                   help="torch threads of the engine in every mode (0: the cluster supervisor's "
+                        "budget for each cluster mode, and the same count for inproc)")
+    g.add_argument("--max-batch-size", type=int, default=32,
+                   help="requests decoded together per step (default: 32)")
+    g.add_argument("--prefill-max-batch-size", type=int, default=32,
+                   help="requests admitted to prefill per step (default: 32)")
+    g.add_argument("--prefill-max-tokens", type=int, default=4096,
+                   help="prompt tokens computed per step, all requests together (default: 4096)")
+    g.add_argument("--prefill-chunk-tokens", type=int, default=2048,
+                   help="prompt tokens one request computes per step (default: 2048)")
+    g.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    g.add_argument("--kv-cache-tokens", type=int, default=0,
+                   help="KV cache capacity in tokens of each engine (0: twice what "
+                        "--max-batch-size requests of the workload's longest length need)")
+    g.add_argument("--max-model-len", type=int, default=0,
+                   help="context length in tokens (0: the model's own)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    g.add_argument("--max-waiting-requests", type=int, default=4096,
+                   help="the engine's waiting-queue bound (overload beyond it)")
+
+    g = p.add_argument_group("runs and output")
+    g.add_argument("--warmup-runs", type=int, default=1,
+                   help="unreported runs per mode first (default: 1)")
+    g.add_argument("--warmup-num-requests", type=int, default=16,
+                   help="requests in a warmup run: the first this many of the workload; it "
+                        "warms kernels and caches, it need not be the whole workload "
+                        "(default: 16)")
+    g.add_argument("--repeat-runs", type=int, default=1,
+                   help="measured runs per mode; the report shows medians (default: 1)")
+    g.add_argument("--no-run-tag", action="store_true",
+                   help="send identical prompts in every run (later runs may then be served "
+                        "from the prefix cache of earlier ones)")
+    g.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
+                   help="SLOs in milliseconds, e.g. ttft:500 tpot:50 (keys: ttft, tpot, itl, "
+                        "e2el); goodput counts requests meeting all of them")
+    g.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="after the last submit, give up on unfinished requests after this long")
+    g.add_argument("--json", dest="json_path", default=None,
+                   help="write every per-request timestamp and the summaries here")
+    g.add_argument("--plot", dest="plot_path", default=None,
+                   help="write a PNG: TTFT CDF per mode and TTFT's parts stacked")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
