@@ -14,8 +14,11 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
 
-def collect(engine: Engine, max_steps: int = 10_000, on_step=None) -> dict[str, dict]:
-    """Steps the engine until idle; returns per-request tokens, finish reason and start info."""
+def collect(engine: Engine, max_steps: int = 10_000, on_step=None,
+            totals: dict | None = None) -> dict[str, dict]:
+    """Steps the engine until idle; returns per-request tokens, finish reason and start info.
+
+    ``totals`` (if given) accumulates the step stats: prefill_tokens, preempted, ..."""
     results: dict[str, dict] = {}
     for step in range(max_steps):
         if on_step is not None:
@@ -23,6 +26,9 @@ def collect(engine: Engine, max_steps: int = 10_000, on_step=None) -> dict[str, 
         if not engine.has_work():
             break
         out = engine.step()
+        if totals is not None:
+            for name in ("prefill_tokens", "cached_tokens", "decode_tokens", "preempted"):
+                totals[name] = totals.get(name, 0) + getattr(out.stats, name)
         for request_id, token in zip(out.request_ids, unpack_ids(out.token_ids)):
             results.setdefault(request_id, {"tokens": []})["tokens"].append(int(token))
         for start in out.started:
@@ -34,8 +40,6 @@ def collect(engine: Engine, max_steps: int = 10_000, on_step=None) -> dict[str, 
             entry = results.setdefault(request_id, {"tokens": []})
             assert "reason" not in entry, "finished twice"
             entry["reason"], entry["error"] = reason, error
-        if engine.has_work() is False and on_step is None:
-            break
     return results
 
 

@@ -41,7 +41,8 @@ def test_continuous_batching_matches_transformers_generate(default_model_dir):
 
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
     ids = [tokenizer.encode(p).ids for p in prompts]
-    engine = Engine(EngineConfig(model_path=str(default_model_dir), dtype="float32"))
+    engine = Engine(EngineConfig(model_path=str(default_model_dir), dtype="float32",
+                                 kv_cache_tokens=2048))
     arrivals = {0: [0, 1, 2], 2: [3], 3: [4, 5], 7: [6], 12: [7]}  # step -> prompts arriving
 
     def arrive(step, eng):
