@@ -22,7 +22,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         # Zeroed, not empty: padded attention reads unused slots with weight 0, and 0 * NaN
         # garbage would still poison the output.
         self.k_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
@@ -87,8 +87,10 @@ class ModelRunner:
             blocks = -(-int(context.max()) // size)
             batch.decode_rows = to_device(seq_starts[decode_seqs])
             batch.decode_block_tables = to_device(np.ascontiguousarray(tables[decode_seqs, :blocks]))
-            mask = np.arange(blocks * size)[None, :] < context[:, None]
-            batch.decode_mask = to_device(mask[:, None, None, :])
+            padding = np.arange(blocks * size)[None, None, :] >= context[:, None, None]
+            mask = torch.zeros(padding.shape, dtype=self.model.dtype)
+            batch.decode_mask = mask.masked_fill_(torch.from_numpy(padding), float("-inf")) \
+                .to(self.device)
         for i in np.nonzero(~single)[0]:
             start, n = int(starts[i]), int(lengths[i])
             seg = PrefillSegment(row_start=int(seq_starts[i]), num_tokens=n, start_position=start)

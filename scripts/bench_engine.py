@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""Engine-only benchmarks on the default model (no processes, no sockets, no tokenizer).
+
+  core    prefill tokens/s (one prompt of each --prefill-tokens length) and decode tokens/s at
+          each --decode-batch, for our engine and for transformers ``generate`` (batched, left
+          padding) in the same run, with ratios. Decode prompts have varied lengths (a batch of
+          real requests rarely shares one length), drawn from one seed for both.
+  prefix  --num-requests requests sharing a --shared-prefix-tokens system prompt plus a short
+          unique question: prompt tokens computed and TTFT p50 with and without the prefix cache.
+  mixed   short requests decoding while --long-prompts prompts of --long-prompt-tokens arrive:
+          inter-token latency (ITL) p50/p99 of the decoding requests with and without chunked
+          prefill.
+
+Every figure is printed with the torch thread count it ran with (--threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_worker.config import EngineConfig  # noqa: E402
+from engine_worker.engine import Engine  # noqa: E402
+from ipc.codec import unpack_ids  # noqa: E402
+from ipc.messages import SamplingParams  # noqa: E402
+from procs.model_store import resolve_model  # noqa: E402
+
+
+def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
+    return [1] + rng.integers(100, 40000, size=length - 1).tolist()
+
+
+def make_engine(args, **knobs) -> Engine:
+    knobs.setdefault("kv_cache_tokens", args.kv_cache_tokens)
+    return Engine(EngineConfig(model_path=str(args.model), dtype="float32",
+                               num_threads=args.threads, **knobs))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+# --- core: prefill and decode throughput against transformers ----------------------------------
+def engine_prefill_rate(engine: Engine, prompt: list[int], repeats: int) -> float:
+    best = float("inf")
+    for r in range(repeats):
+        engine.add(f"prefill{r}", prompt, greedy(1))
+        start = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        best = min(best, time.perf_counter() - start)
+    return len(prompt) / best
+
+
+def engine_decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    for i, prompt in enumerate(prompts):
+        engine.add(f"decode{i}", prompt, greedy(new_tokens + 1))
+    while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
+        engine.step()  # prefill everyone first
+    produced, start = 0, time.perf_counter()
+    while engine.has_work():
+        produced += len(engine.step().request_ids)
+    return produced / (time.perf_counter() - start)
+
+
+def hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding, as batched generation needs
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    return time.perf_counter() - start
+
+
+def run_core(args) -> None:
+    import transformers
+
+    rng = np.random.default_rng(0)
+    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=max(args.decode_batch))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(args.model),
+                                                           dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # count every requested token
+    rows = []
+    for length in args.prefill_tokens:
+        prompt = random_prompt(rng, length)
+        ours = engine_prefill_rate(engine, prompt, args.repeats)
+        theirs = length / min(hf_generate_seconds(hf, [prompt], 1) for _ in range(args.repeats))
+        rows.append((f"prefill {length} tokens", ours, theirs))
+    for batch in args.decode_batch:
+        low, high = args.decode_prompt_tokens // 2, args.decode_prompt_tokens * 3 // 2
+        prompts = [random_prompt(rng, int(n)) for n in rng.integers(low, high + 1, size=batch)]
+        ours = engine_decode_rate(engine, prompts, args.decode_tokens)
+        hf_generate_seconds(hf, prompts, 2)  # warm-up
+        elapsed = (hf_generate_seconds(hf, prompts, args.decode_tokens + 1)
+                   - hf_generate_seconds(hf, prompts, 1))
+        rows.append((f"decode batch {batch}", ours, batch * args.decode_tokens / elapsed))
+    print(f"\ncore (threads={torch.get_num_threads()}, fp32, {engine.model_name}; decode prompts "
+          f"{args.decode_prompt_tokens // 2}..{args.decode_prompt_tokens * 3 // 2} tokens, "
+          f"{args.decode_tokens} new tokens)")
+    print(f"{'':24s}{'engine tok/s':>14s}{'transformers':>14s}{'ratio':>8s}")
+    for name, ours, theirs in rows:
+        print(f"{name:24s}{ours:14.1f}{theirs:14.1f}{ours / theirs:8.2f}x")
+
+
+# --- prefix: shared system prompt ---------------------------------------------------------------
+def run_workload(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], int]]]):
+    """Steps the engine, adding requests at given steps; returns per-request timings."""
+    arrived, first, emitted = {}, {}, {}
+    prefill_tokens = step = 0
+    while step in arrivals or engine.has_work() or any(s > step for s in arrivals):
+        for request_id, prompt, max_tokens in arrivals.get(step, []):
+            arrived[request_id] = time.monotonic()
+            engine.add(request_id, prompt, greedy(max_tokens), arrival_time=arrived[request_id])
+        out = engine.step()
+        prefill_tokens += out.stats.prefill_tokens
+        for request_id in out.request_ids:
+            first.setdefault(request_id, out.t_step)
+            emitted.setdefault(request_id, []).append(out.t_step)
+        step += 1
+    ttft = np.array([first[r] - arrived[r] for r in arrived]) * 1000
+    return ttft, emitted, prefill_tokens
+
+
+def run_prefix(args) -> None:
+    rng = np.random.default_rng(1)
+    system = random_prompt(rng, args.shared_prefix_tokens)
+    questions = [rng.integers(100, 40000, size=16).tolist() for _ in range(args.num_requests)]
+    arrivals = {0: [(f"q{i}", system + q, args.new_tokens) for i, q in enumerate(questions)]}
+    print(f"\nprefix (threads={args.threads}): {args.num_requests} requests = "
+          f"{args.shared_prefix_tokens}-token shared prompt + 16 unique tokens, all at once")
+    figures = {}
+    for enabled in (False, True):
+        engine = make_engine(args, enable_prefix_cache=enabled)
+        ttft, _, computed = run_workload(engine, arrivals)
+        figures[enabled] = (computed, float(np.percentile(ttft, 50)))
+        print(f"  prefix cache {'on ' if enabled else 'off'}: prompt tokens computed {computed:7d}"
+              f"   TTFT p50 {figures[enabled][1]:9.1f} ms   p99 {np.percentile(ttft, 99):9.1f} ms")
+    (off_tokens, off_ttft), (on_tokens, on_ttft) = figures[False], figures[True]
+    print(f"  prefill tokens computed reduced by {100 * (1 - on_tokens / off_tokens):.1f}%, "
+          f"TTFT p50 {off_ttft / on_ttft:.1f}x lower")
+
+
+# --- mixed: long prompts arriving during decode -------------------------------------------------
+def run_mixed(args) -> None:
+    rng = np.random.default_rng(2)
+    decoders = [(f"d{i}", random_prompt(rng, 64), args.new_tokens * 8) for i in range(8)]
+    arrivals: dict[int, list] = {0: decoders}
+    for i in range(args.long_prompts):
+        arrivals[5 + 10 * i] = [(f"long{i}", random_prompt(rng, args.long_prompt_tokens), 4)]
+    print(f"\nmixed (threads={args.threads}): 8 requests decoding {args.new_tokens * 8} tokens; "
+          f"{args.long_prompts} prompts of {args.long_prompt_tokens} tokens arrive meanwhile")
+    p99 = {}
+    for chunk in (args.long_prompt_tokens, args.chunk_tokens):
+        engine = make_engine(args, prefill_chunk_tokens=chunk,
+                             prefill_max_tokens=max(chunk, 64 * 8), enable_prefix_cache=False)
+        _, emitted, _ = run_workload(engine, arrivals)
+        gaps = np.concatenate([np.diff(emitted[r]) for r, _, _ in decoders]) * 1000
+        p99[chunk] = float(np.percentile(gaps, 99))
+        label = "off" if chunk == args.long_prompt_tokens else f"{chunk} tokens"
+        print(f"  chunked prefill {label:>11s}: ITL p50 {np.percentile(gaps, 50):8.1f} ms   "
+              f"p99 {p99[chunk]:8.1f} ms   max {gaps.max():8.1f} ms")
+    print(f"  ITL p99 {p99[args.long_prompt_tokens] / p99[args.chunk_tokens]:.1f}x lower with "
+          "chunked prefill")
+
+
+def main() -> None:
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workloads", nargs="*", default=["core"],
+                        choices=["core", "prefix", "mixed"], help="what to run (default: core)")
+    parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--kv-cache-tokens", type=int, default=65536)
+    parser.add_argument("--prefill-tokens", type=ints, default=[256, 1024],
+                        help="prompt lengths for the prefill figures (comma-separated)")
+    parser.add_argument("--decode-batch", type=ints, default=[1, 8, 32],
+                        help="batch sizes for the decode figures (comma-separated)")
+    parser.add_argument("--decode-prompt-tokens", type=int, default=128,
+                        help="mean decode prompt length; lengths vary from half to 1.5x")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per figure")
+    parser.add_argument("--repeats", type=int, default=2, help="prefill runs; the best counts")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--shared-prefix-tokens", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=8, help="tokens per request (prefix)")
+    parser.add_argument("--long-prompts", type=int, default=3)
+    parser.add_argument("--long-prompt-tokens", type=int, default=2048)
+    parser.add_argument("--chunk-tokens", type=int, default=256,
+                        help="prefill_chunk_tokens for the chunked run of 'mixed'")
+    args = parser.parse_args()
+    args.model = resolve_model(args.model)
+    torch.set_num_threads(args.threads)
+    for workload in args.workloads:
+        {"core": run_core, "prefix": run_prefix, "mixed": run_mixed}[workload](args)
+
+
+if __name__ == "__main__":
+    main()
