@@ -39,7 +39,7 @@ def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
 
 def make_engine(args, **knobs) -> Engine:
     knobs.setdefault("kv_cache_tokens", args.kv_cache_tokens)
-    return Engine(EngineConfig(model_path=str(args.model), dtype="float32",
+    return Engine(EngineConfig(model_path=str(args.model), dtype=args.dtype,
                                num_threads=args.threads, **knobs))
 
 
@@ -89,8 +89,8 @@ def run_core(args) -> None:
 
     rng = np.random.default_rng(0)
     engine = make_engine(args, enable_prefix_cache=False, max_batch_size=max(args.decode_batch))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(args.model),
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(args.model), dtype=getattr(torch, args.dtype)).eval()
     hf.generation_config.eos_token_id = None  # count every requested token
     rows = []
     for length in args.prefill_tokens:
@@ -106,9 +106,9 @@ def run_core(args) -> None:
         elapsed = (hf_generate_seconds(hf, prompts, args.decode_tokens + 1)
                    - hf_generate_seconds(hf, prompts, 1))
         rows.append((f"decode batch {batch}", ours, batch * args.decode_tokens / elapsed))
-    print(f"\ncore (threads={torch.get_num_threads()}, fp32, {engine.model_name}; decode prompts "
-          f"{args.decode_prompt_tokens // 2}..{args.decode_prompt_tokens * 3 // 2} tokens, "
-          f"{args.decode_tokens} new tokens)")
+    print(f"\ncore (threads={torch.get_num_threads()}, {args.dtype} for both, "
+          f"{engine.model_name}; decode prompts {args.decode_prompt_tokens // 2}..{args.decode_prompt_tokens * 3 // 2} "
+          f"tokens, {args.decode_tokens} new tokens)")
     print(f"{'':24s}{'engine tok/s':>14s}{'transformers':>14s}{'ratio':>8s}")
     for name, ours, theirs in rows:
         print(f"{name:24s}{ours:14.1f}{theirs:14.1f}{ours / theirs:8.2f}x")
@@ -185,6 +185,8 @@ def main() -> None:
                         choices=["core", "prefix", "mixed"], help="what to run (default: core)")
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and activations, for the engine and transformers alike")
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
     parser.add_argument("--prefill-tokens", type=ints, default=[256, 1024],
                         help="prompt lengths for the prefill figures (comma-separated)")
