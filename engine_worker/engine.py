@@ -47,6 +47,11 @@ class Engine:
 
         model_config = ModelConfig.from_dir(config.model_path)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if model_config.sliding_window and self.max_model_len > model_config.sliding_window:
+            # Our attention is always full; within the window that equals sliding attention.
+            logger.warning("capping max_model_len %d to the model's sliding window %d",
+                           self.max_model_len, model_config.sliding_window)
+            self.max_model_len = model_config.sliding_window
         if self.max_model_len > model_config.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                            self.max_model_len, model_config.max_position_embeddings)

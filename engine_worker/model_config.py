@@ -28,6 +28,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
+    sliding_window: int = 0  # 0 = full attention; we attend fully, so context is capped to it
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type and scaling parameters
     eos_token_ids: set[int] = field(default_factory=set)
 
@@ -67,9 +68,17 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
             qk_norm=model_type == "qwen3",
+            sliding_window=_sliding_window(cfg),
             rope=_rope_parameters(cfg),
             eos_token_ids=eos,
         )
+
+
+def _sliding_window(cfg: dict) -> int:
+    window = cfg.get("sliding_window") or 0
+    if not cfg.get("use_sliding_window", cfg.get("model_type") == "mistral"):
+        return 0
+    return int(window)
 
 
 def _as_id_set(value) -> set[int]:
