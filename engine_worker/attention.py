@@ -39,7 +39,7 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     decode_rows: torch.Tensor | None = None  # [B] flat rows of decode tokens (None: no decode)
     decode_block_tables: torch.Tensor | None = None  # [B, blocks]
-    decode_mask: torch.Tensor | None = None  # [B, 1, blocks*block_size] additive (0 / -inf)
+    decode_mask: torch.Tensor | None = None  # [KV*B, 1, blocks*block_size] additive 0/-inf
     decode_is_whole_batch: bool = False  # rows are exactly 0..T-1: skip the row gathers
     prefills: list[PrefillSegment] = field(default_factory=list)
 
@@ -94,7 +94,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Query heads h*g .. h*g+g-1 share kv head h: make them that kv head's g query rows.
     grouped = q.view(batch_size, num_kv_heads, group, head_dim).transpose(0, 1)
     grouped = grouped.reshape(num_kv_heads * batch_size, group, head_dim)
-    scores = torch.baddbmm(batch.decode_mask.repeat(num_kv_heads, 1, 1), grouped,
+    scores = torch.baddbmm(batch.decode_mask, grouped,
                            keys.transpose(1, 2), alpha=head_dim ** -0.5)
     o = torch.bmm(scores.softmax(dim=-1), values)
     return o.view(num_kv_heads, batch_size, num_heads // num_kv_heads, head_dim) \

@@ -22,6 +22,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
+        self.num_kv_heads = cfg.num_kv_heads
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         # Zeroed, not empty: padded attention reads unused slots with weight 0, and 0 * NaN
         # garbage would still poison the output.
@@ -89,8 +90,9 @@ class ModelRunner:
             batch.decode_block_tables = to_device(np.ascontiguousarray(tables[decode_seqs, :blocks]))
             padding = np.arange(blocks * size)[None, None, :] >= context[:, None, None]
             mask = torch.zeros(padding.shape, dtype=self.model.dtype)
-            batch.decode_mask = mask.masked_fill_(torch.from_numpy(padding), float("-inf")) \
-                .to(self.device)
+            mask.masked_fill_(torch.from_numpy(padding), float("-inf"))
+            # One copy per kv head, built once per step rather than in every layer.
+            batch.decode_mask = mask.repeat(self.num_kv_heads, 1, 1).to(self.device)
         for i in np.nonzero(~single)[0]:
             start, n = int(starts[i]), int(lengths[i])
             seg = PrefillSegment(row_start=int(seq_starts[i]), num_tokens=n, start_position=start)
