@@ -44,6 +44,7 @@ from procs.openai_protocol import (
 logger = logging.getLogger("splitserve.http")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SSE_DONE = b"data: [DONE]\n\n"
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
@@ -120,10 +121,21 @@ class Frontend:
         try:
             await handle.result(timeout=self.settings.health_probe_timeout_s)
         except SplitserveError as exc:
-            handle.abort()
+            abort(handle)
             return f"probe failed: {exc}"
         self.last_alive = time.monotonic()
         return None
+
+
+def abort(handle: AsyncRequestHandle) -> None:
+    """handle.abort(), tolerating a known SDK bug: AsyncClient._send_soon hands the Future that
+    zmq.asyncio's send() returns to create_task(), which raises TypeError. By then zmq.asyncio
+    has already sent the ClientAbort frame (or queued it on the socket), so the abort is not
+    lost. Remove once ipc/async_client.py wraps the send in asyncio.ensure_future."""
+    try:
+        handle.abort()
+    except TypeError:
+        pass
 
 
 def api_error_from(exc: SplitserveError) -> APIError:
@@ -222,12 +234,16 @@ class GenerationCall:
             task.cancel()
         for i, handle in enumerate(self.handles):
             if self.finals[i] is None:
-                handle.abort()  # frees the request in the engine (a no-op if it has ended)
+                abort(handle)  # frees the request in the engine (a no-op if it has ended)
                 metrics.generations_in_flight.dec()
                 metrics.generations.labels(self.errors[i] or outcome).inc()
         metrics.in_flight.dec()
         if any(self._last_t):
             metrics.e2e.observe(max(self._last_t) - self.t_arrived)
+
+    async def aclose(self) -> None:
+        # For Starlette's BackgroundTask, which would run a plain function in a thread.
+        self.close()
 
     def fail(self, exc: SplitserveError) -> APIError:
         """A choice failed: the others are aborted, the client gets the error."""
@@ -271,12 +287,12 @@ def _sse(body: Any) -> bytes:
 
 def _submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionRequest,
                 fmt: ResponseFormat, default_max_tokens: int, t_arrived: float) -> GenerationCall:
-    client = frontend.require_client()
     prompts = body.prompts()
     if len(prompts) * body.n > MAX_CHOICES:
         raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts x n)", "n")
     max_tokens = body.max_tokens_or(default_max_tokens)
     samplings = [body.sampling(max_tokens, j) for j in range(body.n)]
+    client = frontend.require_client()  # after validation: bad input is a 400 even when down
     handles: list[AsyncRequestHandle] = []
     try:
         for prompt in prompts:
@@ -285,7 +301,7 @@ def _submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionRequ
                                              request_id=f"{fmt.id}-{len(handles)}"))
     except SplitserveError as exc:
         for h in handles:
-            h.abort()
+            abort(h)
         raise api_error_from(exc) from None
     return GenerationCall(frontend, handles, body.n, t_arrived)
 
@@ -313,7 +329,7 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
         raise
     return StreamingResponse(_stream(call, first, events, fmt), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(call.close))
+                             background=BackgroundTask(call.aclose))
 
 
 async def _collect(call: GenerationCall, events: AsyncIterator[tuple[int, Delta]],
@@ -417,7 +433,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         # FastAPI answers 422; OpenAI (and its SDK's BadRequestError) expect 400.
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # Drop "body" and the union members pydantic names in the path ("str", "list[int]").
+        loc = [str(p) for p in first.get("loc", ())
+               if p != "body" and not (isinstance(p, str) and (p in _TYPE_NAMES or "[" in p))]
         param = ".".join(loc) or None
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if param:

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ipc.messages import SamplingParams
 
@@ -102,7 +102,9 @@ class _GenerationRequest(BaseModel):
 
         With a seed, choice i uses seed + i: n choices with one seed must still differ (as with
         OpenAI), and the same request with the same seed must give the same n answers."""
-        seed = None if self.seed is None else (self.seed + choice) % (2**63)
+        seed = self.seed
+        if seed is not None and seed >= 0:  # a negative one is left for SamplingParams to refuse
+            seed = (seed + choice) % (2**63)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -130,6 +132,18 @@ class CompletionRequest(_GenerationRequest):
     def _neutral_values(self) -> dict[str, Any]:
         return {**super()._neutral_values(), "echo": False, "suffix": "", "logprobs": None,
                 "best_of": self.n}
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        # One clear message instead of pydantic's four (one per member of the union).
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(type(t) is int for t in x)
+        if isinstance(v, str) or (isinstance(v, list) and (
+                ids(v) or all(isinstance(x, str) for x in v) or all(ids(x) for x in v))):
+            return v
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a "
+                         "list of token id lists")
 
     def prompts(self) -> list[dict[str, Any]]:
         """One submit() keyword set per prompt of the batch."""

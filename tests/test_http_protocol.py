@@ -1,0 +1,148 @@
+"""The HTTP frontend's request parsing and error shape, without a cluster: the app answers
+validation errors before it needs one (and 503 for valid requests while it has none)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from procs.http_server import FrontendSettings, build_app
+from procs.openai_protocol import (
+    APIError, ChatCompletionRequest, ChatFormat, CompletionFormat, CompletionRequest,
+)
+
+
+@pytest.fixture(scope="module")
+def http():
+    # Not entered as a context manager: the lifespan (the cluster handshake) does not run.
+    app = build_app(FrontendSettings(client_addr="ipc:///nonexistent", model_name="m"))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": "hi", "max_tokens": -1}, None, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.5}, None, "temperature"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature", "number"),
+    ({"prompt": "hi", "top_p": 0}, None, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, None, "top_k"),
+    ({"prompt": "hi", "seed": -1}, None, "seed"),
+    ({"prompt": "hi", "stop": ["x"] * 17}, None, "stop"),
+    ({"prompt": "hi", "stop": [""]}, None, "stop"),
+    ({"prompt": "hi", "n": 0}, "n", "greater"),
+    ({"prompt": "hi", "n": 17}, "n", "less"),
+    ({"prompt": ["a"] * 20, "n": 16}, "n", "choices"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": ["a", ""]}, "prompt", "empty"),
+    ({"prompt": [[1, 2], []]}, "prompt", "empty"),
+    ({"prompt": ["a", 1]}, "prompt", ""),
+    ({}, "prompt", "required"),
+    ({"prompt": "hi", "logprobs": 2}, None, "logprobs is not supported"),
+    ({"prompt": "hi", "echo": True}, None, "echo is not supported"),
+    ({"prompt": "hi", "best_of": 3}, None, "best_of is not supported"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, None, "presence_penalty is not supported"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
+])
+def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words):
+    error = _error(http.post("/v1/completions", json={"model": "m", **body}), 400)
+    assert error["type"] == "invalid_request_error"
+    assert words.lower() in error["message"].lower()
+    if param is not None:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"messages": []}, "at least 1"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
+])
+def test_bad_chat_params_are_400(http, body, words):
+    error = _error(http.post("/v1/chat/completions", json={"model": "m", **body}), 400)
+    assert words in error["message"]
+
+
+def test_malformed_bodies_are_400_not_422_or_500(http):
+    for content in (b"{not json", b"[1, 2]", b"", b"\xff\xfe"):
+        r = http.post("/v1/completions", content=content,
+                      headers={"content-type": "application/json"})
+        _error(r, 400)
+
+
+def test_wrong_model_is_404_and_unknown_route_is_404(http):
+    error = _error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    _error(http.get("/v1/nothing-here"), 404)
+    _error(http.get("/v1/completions"), 405)
+
+
+def test_valid_request_without_a_cluster_is_503_and_health_says_so(http):
+    error = _error(http.post("/v1/completions", json={"model": "m", "prompt": "hi"}), 503)
+    assert error["code"] == "unavailable"
+    r = http.get("/health")
+    assert r.status_code == 503 and "not connected" in r.json()["reason"]
+
+
+def test_metrics_parse_and_count_answers_by_status(http):
+    http.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 0})
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    counted = {(s.labels["endpoint"], s.labels["status"]): s.value
+               for s in families["splitserve_http_requests"].samples
+               if s.name.endswith("_total")}
+    assert counted[("/v1/completions", "400")] >= 1
+    assert "splitserve_http_time_to_first_token_seconds" in families
+
+
+def test_sampling_mapping():
+    req = CompletionRequest(prompt="x", temperature=0, top_p=0.5, top_k=4, seed=7, stop="END",
+                            stop_token_ids=[3], ignore_eos=True, n=2)
+    a, b = req.sampling(5, 0), req.sampling(5, 1)
+    assert (a.max_tokens, a.temperature, a.top_p, a.top_k, a.stop, a.stop_token_ids,
+            a.ignore_eos) == (5, 0.0, 0.5, 4, ["END"], [3], True)
+    assert (a.seed, b.seed) == (7, 8)  # n choices with one seed differ, reproducibly
+    defaults = CompletionRequest(prompt="x").sampling(16, 0)
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.seed) == (1.0, 1.0, 0,
+                                                                                      None)
+    with pytest.raises(APIError) as info:
+        CompletionRequest(prompt="x", temperature=-1).sampling(16, 0)
+    assert info.value.status == 400
+
+
+def test_prompt_shapes():
+    assert CompletionRequest(prompt="a").prompts() == [{"prompt": "a"}]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == [{"prompt": "a"}, {"prompt": "b"}]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [{"prompt_token_ids": [1, 2]}]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [
+        {"prompt_token_ids": [1]}, {"prompt_token_ids": [2, 3]}]
+    chat = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_tokens=3, max_completion_tokens=9)
+    assert chat.prompts()[0]["messages"] == [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "ab"}]
+    assert chat.max_tokens_or(100) == 9  # the newer name wins
+
+
+def test_response_shapes():
+    chat = ChatFormat("m", include_usage=True)
+    assert chat.id.startswith("chatcmpl-")
+    assert chat.first_chunk(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    end = chat.chunk(0, "", "stop")["choices"][0]
+    assert end["delta"] == {} and end["finish_reason"] == "stop"
+    full = CompletionFormat("m").full([("hi", "length")], {"prompt_tokens": 1})
+    assert full["id"].startswith("cmpl-") and full["object"] == "text_completion"
+    assert full["choices"] == [{"index": 0, "text": "hi", "logprobs": None,
+                                "finish_reason": "length"}]
