@@ -40,9 +40,9 @@ def cluster(tiny_model_dir):
         yield c
 
 
-def start_frontend(cluster, port: int, **kwargs) -> subprocess.Popen:
-    popen = subprocess.Popen(frontend_command(cluster.client_addr, port=port, model_name="tiny",
-                                              **kwargs),
+def start_frontend(cluster, port: int, model_name: str = "tiny", **kwargs) -> subprocess.Popen:
+    popen = subprocess.Popen(frontend_command(cluster.client_addr, port=port,
+                                              model_name=model_name, **kwargs),
                              cwd=str(REPO_ROOT))
     try:
         wait_until_serving(f"http://127.0.0.1:{port}", popen, timeout_s=60)
