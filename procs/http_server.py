@@ -31,10 +31,15 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
+import zmq
+
 from ipc.async_client import AsyncClient, AsyncRequestHandle
 from ipc.client_common import Delta, SplitserveError
 from ipc.config import LOOPBACK_HOSTS
-from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE
+from ipc.messages import (
+    ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE, Heartbeat, WorkerReady,
+)
+from ipc.sockets import PushQueue
 from procs.http_metrics import HttpMetrics
 from procs.openai_protocol import (
     MAX_CHOICES, APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
@@ -57,6 +62,35 @@ class FrontendSettings:
     health_fresh_s: float = 5.0  # a token this recent proves the cluster alive: no probe
     health_probe_timeout_s: float = 10.0
     index: int = 0
+    url: str = ""  # where this frontend listens, for the start-up line and the supervisor
+    supervisor_addr: str = ""  # "" = not supervised; else WorkerReady + heartbeats go there
+    heartbeat_interval_s: float = 0.5
+
+
+class SupervisorLink:
+    """Reports to the supervisor as every worker does: WorkerReady once this frontend accepts
+    connections and has shaken hands with the cluster, then heartbeats carrying its stats."""
+
+    def __init__(self, address: str, index: int, interval_s: float) -> None:
+        self.index, self.interval_s = index, interval_s
+        self._ctx = zmq.Context()
+        self._queue = PushQueue(self._ctx, address, hwm=100)
+
+    def send(self, msg: Any) -> None:
+        try:
+            self._queue.put(msg, block=False)
+        except zmq.Again:  # the supervisor is not reading; heartbeats are best-effort
+            logger.warning("supervisor channel full; dropped a %s", type(msg).__name__)
+
+    async def heartbeats(self, frontend: "Frontend") -> None:
+        while True:
+            self.send(Heartbeat(role="http", index=self.index, pid=os.getpid(),
+                                t=time.monotonic(), stats=frontend.stats()))
+            await asyncio.sleep(self.interval_s)
+
+    def close(self) -> None:
+        self._queue.close()
+        self._ctx.term()
 
 
 class Frontend:
@@ -85,6 +119,11 @@ class Frontend:
         if self.client is not None:
             client, self.client = self.client, None
             await client.close()  # ClientBye: the cluster aborts whatever is still open
+
+    def stats(self) -> dict[str, float]:
+        value = self.metrics.registry.get_sample_value
+        return {"in_flight": value("splitserve_http_requests_in_flight") or 0.0,
+                "generations_in_flight": value("splitserve_generations_in_flight") or 0.0}
 
     def check_model(self, requested: str | None) -> None:
         if requested and requested != self.model_name:
@@ -378,12 +417,25 @@ def build_app(settings: FrontendSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await frontend.start()
-        print(f"splitserve http[{settings.index}] pid={os.getpid()} ready: model "
-              f"{frontend.model_name!r}, cluster at {settings.client_addr}",
+        print(f"splitserve http[{settings.index}] pid={os.getpid()} ready: {settings.url} "
+              f"model {frontend.model_name!r}, cluster at {settings.client_addr}",
               file=sys.stderr, flush=True)
+        link = heartbeats = None
+        if settings.supervisor_addr:
+            link = SupervisorLink(settings.supervisor_addr, settings.index,
+                                  settings.heartbeat_interval_s)
+            link.send(WorkerReady(role="http", index=settings.index, pid=os.getpid(),
+                                  addresses=[settings.url], model_name=frontend.model_name,
+                                  max_model_len=frontend.max_model_len,
+                                  vocab_size=frontend.client.welcome.vocab_size))
+            heartbeats = asyncio.get_running_loop().create_task(link.heartbeats(frontend))
         try:
             yield
         finally:
+            if heartbeats is not None:
+                heartbeats.cancel()
+            if link is not None:
+                link.close()
             await frontend.close()
 
     app = FastAPI(title="splitserve", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -410,9 +462,10 @@ def build_app(settings: FrontendSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         problem = await frontend.healthy()
+        who = {"pid": os.getpid(), "index": settings.index}
         if problem is None:
-            return _json({"status": "ok"})
-        return _json({"status": "unavailable", "reason": problem}, 503)
+            return _json({"status": "ok", **who})
+        return _json({"status": "unavailable", "reason": problem, **who}, 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -491,15 +544,17 @@ class _Server:
         return Server(config)
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A listening socket several frontend processes can bind at once; the kernel spreads new
-    connections over them."""
+def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """Bound and listening before the app starts, so the port (even 0) is known up front and
+    connections made once the supervisor hears WorkerReady wait in the backlog, never refused.
+    With ``reuse_port`` several frontends bind the same port; the kernel spreads connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.set_inheritable(True)
+    sock.listen(2048)
     return sock
 
 
@@ -557,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                    "$SPLITSERVE_API_KEY, or none)")
     p.add_argument("--index", type=int, default=0, help="this frontend's number (for logs)")
+    p.add_argument("--supervisor-addr", default="", metavar="ADDR",
+                   help="send WorkerReady and heartbeats (role 'http') to this supervisor socket")
+    p.add_argument("--heartbeat-interval-s", type=float, default=0.5, metavar="SECONDS")
     p.add_argument("--connect-timeout-s", type=float, default=30.0, metavar="SECONDS",
                    help="give up if the cluster does not answer the handshake (default 30)")
     p.add_argument("--health-fresh-s", type=float, default=5.0, metavar="SECONDS",
@@ -578,10 +636,14 @@ def main(argv: list[str] | None = None) -> None:
         die_with_parent()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format=(
         f"%(asctime)s http-{args.index} pid=%(process)d %(levelname)s %(name)s: %(message)s"))
+    sock = listening_socket(args.host, args.port, args.reuse_port)
+    host = f"[{args.host}]" if ":" in args.host else args.host
     settings = FrontendSettings(
         client_addr=args.client_addr, model_name=args.model_name, api_key=args.api_key,
         connect_timeout_s=args.connect_timeout_s, health_fresh_s=args.health_fresh_s,
-        health_probe_timeout_s=args.health_probe_timeout_s, index=args.index)
+        health_probe_timeout_s=args.health_probe_timeout_s, index=args.index,
+        url=f"http://{host}:{sock.getsockname()[1]}", supervisor_addr=args.supervisor_addr,
+        heartbeat_interval_s=args.heartbeat_interval_s)
     import uvicorn
 
     config = uvicorn.Config(build_app(settings), host=args.host, port=args.port, loop="uvloop",
@@ -589,8 +651,7 @@ def main(argv: list[str] | None = None) -> None:
                             log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.graceful_shutdown_s)
     server = _Server.make(config, under_supervisor)
-    sockets = [reuse_port_socket(args.host, args.port)] if args.reuse_port else None
-    server.run(sockets=sockets)
+    server.run(sockets=[sock])
     if not server.started:
         sys.exit(3)  # start-up failed (no cluster answered): the log above says why
 

@@ -5,6 +5,7 @@ raw HTTP over real sockets."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -40,10 +41,11 @@ def cluster(tiny_model_dir):
         yield c
 
 
-def start_frontend(cluster, port: int, model_name: str = "tiny", **kwargs) -> subprocess.Popen:
+def start_frontend(cluster, port: int, model_name: str = "tiny", env: dict | None = None,
+                   **kwargs) -> subprocess.Popen:
     popen = subprocess.Popen(frontend_command(cluster.client_addr, port=port,
                                               model_name=model_name, **kwargs),
-                             cwd=str(REPO_ROOT))
+                             cwd=str(REPO_ROOT), env=None if env is None else {**os.environ, **env})
     try:
         wait_until_serving(f"http://127.0.0.1:{port}", popen, timeout_s=60)
     except BaseException:
@@ -84,7 +86,7 @@ def metrics(base_url: str) -> dict[tuple[str, tuple], float]:
 
 def test_models_and_health(base_url, oai):
     assert [m.id for m in oai.models.list().data] == ["tiny"]
-    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
 
 
 def test_completion_matches_the_sdk_and_counts_tokens_like_the_tokenizer(cluster, oai, tokenizer):
@@ -247,17 +249,58 @@ def test_metrics_move_with_traffic(base_url, oai):
     assert after[("splitserve_http_requests_in_flight", ())] == 0
 
 
-def test_two_frontends_share_one_port(cluster):
+def test_two_frontends_share_one_port_and_their_metrics(cluster, tmp_path):
+    """SO_REUSEPORT: both processes answer on one port; with prometheus_client's multiprocess
+    mode either one's /metrics counts the requests both served."""
     port = free_port()
-    frontends = [start_frontend(cluster, port, index=i, reuse_port=True) for i in range(2)]
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    frontends = [start_frontend(cluster, port, index=i, reuse_port=True, env=env)
+                 for i in range(2)]
+    url = f"http://127.0.0.1:{port}"
     try:
-        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        for _ in range(4):  # a fresh connection each time: the kernel picks a frontend
-            with httpx.Client() as http:
-                r = http.post(f"http://127.0.0.1:{port}/v1/completions",
-                              json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
-                assert r.status_code == 200 and len(r.json()["choices"]) == 1
-        assert oai.models.list().data[0].id == "tiny"
+        pids = set()
+        for _ in range(200):  # a fresh connection each time: the kernel picks a frontend
+            pids.add(httpx.get(f"{url}/health").json()["pid"])
+            if len(pids) == 2:
+                break
+        assert pids == {p.pid for p in frontends}
+        for _ in range(6):
+            r = httpx.post(f"{url}/v1/completions",
+                           json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 1
+        ok = ("splitserve_http_requests_total",
+              (("endpoint", "/v1/completions"), ("status", "200")))
+        assert metrics(url)[ok] == 6
     finally:
         for popen in frontends:
             stop_frontend(popen)
+
+
+def test_supervised_frontend_reports_ready_and_heartbeats(cluster, tmp_path):
+    """What the supervisor relies on: WorkerReady (role http, its URL) once it serves, then
+    heartbeats with its in-flight counts, on the supervisor's own PULL socket."""
+    import zmq
+
+    from ipc.messages import Heartbeat, WorkerReady
+    from ipc.sockets import PullQueue
+
+    ctx = zmq.Context()
+    inbox = PullQueue(ctx, f"ipc://{tmp_path}/supervisor.sock", WorkerReady, Heartbeat)
+    popen = subprocess.Popen(frontend_command(
+        cluster.client_addr, port=0, index=3, extra_args=(
+            "--supervisor-addr", inbox.address, "--heartbeat-interval-s", "0.1")),
+        cwd=str(REPO_ROOT))
+    try:
+        assert inbox.wait(60_000)
+        ready = inbox.get()
+        assert isinstance(ready, WorkerReady) and (ready.role, ready.index) == ("http", 3)
+        assert ready.pid == popen.pid and ready.model_name == cluster.config.model_name
+        (url,) = ready.addresses
+        assert httpx.get(f"{url}/health").json()["pid"] == popen.pid  # serving already
+        assert inbox.wait(5_000)
+        beat = inbox.get()
+        assert isinstance(beat, Heartbeat) and beat.stats["in_flight"] == 0
+    finally:
+        stop_frontend(popen)
+        inbox.close()
+        ctx.term()
