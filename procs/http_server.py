@@ -34,7 +34,7 @@ from starlette.responses import Response, StreamingResponse
 import zmq
 
 from ipc.async_client import AsyncClient, AsyncRequestHandle
-from ipc.client_common import Delta, SplitserveError
+from ipc.client_common import ERR_TIMEOUT, Delta, SplitserveError
 from ipc.config import LOOPBACK_HOSTS
 from ipc.messages import (
     ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE, Heartbeat, WorkerReady,
@@ -59,6 +59,7 @@ class FrontendSettings:
     model_name: str = ""  # "" = the name the cluster reports
     api_key: str = ""  # "" = no authentication (loopback only)
     connect_timeout_s: float = 30.0
+    request_deadline_s: float = 0.0  # 0 = none; else unfinished requests end with a 504
     health_fresh_s: float = 5.0  # a token this recent proves the cluster alive: no probe
     health_probe_timeout_s: float = 10.0
     index: int = 0
@@ -108,8 +109,9 @@ class Frontend:
         self._probes = 0
 
     async def start(self) -> None:
-        self.client = await AsyncClient(self.settings.client_addr,
-                                        connect_timeout_s=self.settings.connect_timeout_s).start()
+        self.client = await AsyncClient(
+            self.settings.client_addr, connect_timeout_s=self.settings.connect_timeout_s,
+            deadline_s=self.settings.request_deadline_s or None).start()
         welcome = self.client.welcome
         assert welcome is not None
         self.model_name = self.model_name or welcome.model
@@ -186,6 +188,8 @@ def api_error_from(exc: SplitserveError) -> APIError:
         return APIError(429, message, "rate_limit_error", None, ERR_OVERLOADED)
     if exc.code == ERR_UNAVAILABLE:
         return APIError(503, message, "server_error", None, ERR_UNAVAILABLE)
+    if exc.code == ERR_TIMEOUT:
+        return APIError(504, message, "server_error", None, ERR_TIMEOUT)
     return APIError(500, message, "server_error", None, exc.code)
 
 
@@ -271,13 +275,13 @@ class GenerationCall:
         metrics = self.frontend.metrics
         for task in self._pumps:
             task.cancel()
-        for i, handle in enumerate(self.handles):
-            if self.finals[i] is None:
-                abort(handle)  # frees the request in the engine (a no-op if it has ended)
-                metrics.generations_in_flight.dec()
-                metrics.generations.labels(self.errors[i] or outcome).inc()
+        unfinished = [i for i, final in enumerate(self.finals) if final is None]
+        for i in unfinished:
+            abort(self.handles[i])  # frees the request in the engine (a no-op if it has ended)
+            metrics.generations_in_flight.dec()
+            metrics.generations.labels(self.errors[i] or outcome).inc()
         metrics.in_flight.dec()
-        if any(self._last_t):
+        if not unfinished:  # a latency only for answers given in full
             metrics.e2e.observe(max(self._last_t) - self.t_arrived)
 
     async def aclose(self) -> None:
@@ -617,6 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval-s", type=float, default=0.5, metavar="SECONDS")
     p.add_argument("--connect-timeout-s", type=float, default=30.0, metavar="SECONDS",
                    help="give up if the cluster does not answer the handshake (default 30)")
+    p.add_argument("--request-deadline-s", type=float, default=0.0, metavar="SECONDS",
+                   help="end a request not finished after this long with a 504 and abort it in "
+                   "the cluster (default 0: no deadline)")
     p.add_argument("--health-fresh-s", type=float, default=5.0, metavar="SECONDS",
                    help="/health probes the cluster only if no token arrived this recently")
     p.add_argument("--health-probe-timeout-s", type=float, default=10.0, metavar="SECONDS")
@@ -640,7 +647,8 @@ def main(argv: list[str] | None = None) -> None:
     host = f"[{args.host}]" if ":" in args.host else args.host
     settings = FrontendSettings(
         client_addr=args.client_addr, model_name=args.model_name, api_key=args.api_key,
-        connect_timeout_s=args.connect_timeout_s, health_fresh_s=args.health_fresh_s,
+        connect_timeout_s=args.connect_timeout_s, request_deadline_s=args.request_deadline_s,
+        health_fresh_s=args.health_fresh_s,
         health_probe_timeout_s=args.health_probe_timeout_s, index=args.index,
         url=f"http://{host}:{sock.getsockname()[1]}", supervisor_addr=args.supervisor_addr,
         heartbeat_interval_s=args.heartbeat_interval_s)

@@ -146,3 +146,16 @@ def test_response_shapes():
     assert full["id"].startswith("cmpl-") and full["object"] == "text_completion"
     assert full["choices"] == [{"index": 0, "text": "hi", "logprobs": None,
                                 "finish_reason": "length"}]
+
+
+def test_sdk_errors_map_to_statuses_clients_can_act_on():
+    from ipc.client_common import (
+        BadRequestError, OverloadedError, RequestTimeoutError, SplitserveError, UnavailableError,
+    )
+    from procs.http_server import api_error_from
+
+    statuses = {cls: api_error_from(cls("why")).status for cls in (
+        BadRequestError, OverloadedError, UnavailableError, RequestTimeoutError, SplitserveError)}
+    assert statuses == {BadRequestError: 400, OverloadedError: 429, UnavailableError: 503,
+                        RequestTimeoutError: 504, SplitserveError: 500}
+    assert api_error_from(OverloadedError("queue full")).body()["error"]["message"] == "queue full"
