@@ -127,10 +127,10 @@ def test_prompt_shapes():
     assert CompletionRequest(prompt=[1, 2]).prompts() == [{"prompt_token_ids": [1, 2]}]
     assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [
         {"prompt_token_ids": [1]}, {"prompt_token_ids": [2, 3]}]
-    chat = ChatCompletionRequest(messages=[
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        max_tokens=3, max_completion_tokens=9)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    chat = ChatCompletionRequest(messages=[{"role": "developer", "content": "be brief"},
+                                           {"role": "user", "content": parts}],
+                                 max_tokens=3, max_completion_tokens=9)
     assert chat.prompts()[0]["messages"] == [{"role": "system", "content": "be brief"},
                                              {"role": "user", "content": "ab"}]
     assert chat.max_tokens_or(100) == 9  # the newer name wins
