@@ -184,7 +184,8 @@ def run_once(target: Target, collector: EventCollector, requests: list[BenchRequ
     cpu_after = target.cpu_seconds()
     if bar is not None:
         bar.close()
-    cpu = {role: cpu_after[role] - cpu_before.get(role, 0.0) for role in cpu_after}
+    # Clock-tick rounding can make a near-idle role's difference a hair below zero.
+    cpu = {role: max(0.0, cpu_after[role] - cpu_before.get(role, 0.0)) for role in cpu_after}
     return RunResult(mode=mode, run_index=run_index, warmup=warmup,
                      records=[records[rid] for rid in ids], cpu_seconds=cpu, timed_out=timed_out)
 

@@ -70,7 +70,8 @@ class InprocTarget:
     def cpu_seconds(self) -> dict[str, float]:
         total = cpu_of([os.getpid()])
         client = cpu_of_threads(self._client_threads)
-        return {"client": client, "engine": total - client}
+        # Process and thread times tick at 10 ms each: clamp the rounding of an idle engine.
+        return {"client": client, "engine": max(0.0, total - client)}
 
     def close(self) -> None:
         pass  # the shared server is closed by whoever made it
