@@ -144,7 +144,8 @@ class AsyncClient:
     def _send_soon(self, frame: bytes) -> None:
         if self._dealer is None:
             return
-        task = asyncio.get_running_loop().create_task(self._dealer.send(frame))
+        # zmq.asyncio's send() returns a Future, not a coroutine: ensure_future takes both.
+        task = asyncio.ensure_future(self._dealer.send(frame))
         self._pending_sends.add(task)
         task.add_done_callback(self._pending_sends.discard)
 

@@ -35,7 +35,7 @@ import zmq
 
 from ipc.async_client import AsyncClient, AsyncRequestHandle
 from ipc.client_common import ERR_TIMEOUT, Delta, SplitserveError
-from ipc.config import LOOPBACK_HOSTS
+from ipc.config import LOOPBACK_HOSTS, ClusterConfig
 from ipc.messages import (
     ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE, Heartbeat, WorkerReady,
 )
@@ -162,21 +162,10 @@ class Frontend:
         try:
             await handle.result(timeout=self.settings.health_probe_timeout_s)
         except SplitserveError as exc:
-            abort(handle)
+            handle.abort()
             return f"probe failed: {exc}"
         self.last_alive = time.monotonic()
         return None
-
-
-def abort(handle: AsyncRequestHandle) -> None:
-    """handle.abort(), tolerating a known SDK bug: AsyncClient._send_soon hands the Future that
-    zmq.asyncio's send() returns to create_task(), which raises TypeError. By then zmq.asyncio
-    has already sent the ClientAbort frame (or queued it on the socket), so the abort is not
-    lost. Remove once ipc/async_client.py wraps the send in asyncio.ensure_future."""
-    try:
-        handle.abort()
-    except TypeError:
-        pass
 
 
 def api_error_from(exc: SplitserveError) -> APIError:
@@ -277,7 +266,7 @@ class GenerationCall:
             task.cancel()
         unfinished = [i for i, final in enumerate(self.finals) if final is None]
         for i in unfinished:
-            abort(self.handles[i])  # frees the request in the engine (a no-op if it has ended)
+            self.handles[i].abort()  # frees the request in the engine (a no-op if it has ended)
             metrics.generations_in_flight.dec()
             metrics.generations.labels(self.errors[i] or outcome).inc()
         metrics.in_flight.dec()
@@ -344,7 +333,7 @@ def _submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionRequ
                                              request_id=f"{fmt.id}-{len(handles)}"))
     except SplitserveError as exc:
         for h in handles:
-            abort(h)
+            h.abort()
         raise api_error_from(exc) from None
     return GenerationCall(frontend, handles, body.n, t_arrived)
 
@@ -662,6 +651,20 @@ def main(argv: list[str] | None = None) -> None:
     server.run(sockets=[sock])
     if not server.started:
         sys.exit(3)  # start-up failed (no cluster answered): the log above says why
+
+
+def main_from_config(config: ClusterConfig, index: int) -> None:
+    """The supervisor's way in (``python -m procs.run_worker http INDEX CONFIG``): one frontend
+    of the cluster, reporting to the supervisor like every other worker."""
+    argv = ["--client-addr", config.client_addr, "--host", config.http_host,
+            "--port", str(config.http_port or 0), "--index", str(index),
+            "--supervisor-addr", config.supervisor_addr,
+            "--heartbeat-interval-s", str(config.heartbeat_interval_s)]
+    if config.http_workers > 1:
+        argv.append("--reuse-port")
+    if config.http_api_key:
+        argv += ["--api-key", config.http_api_key]
+    main(argv)
 
 
 if __name__ == "__main__":
