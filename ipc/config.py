@@ -11,6 +11,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ipc.sockets import CurveKeys
 
 TRANSPORTS = ("ipc", "tcp")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
@@ -22,7 +26,7 @@ class ClusterConfig:
     model_path: str
     run_dir: str
     transport: str = "ipc"
-    host: str = "127.0.0.1"  # for tcp; anything but loopback needs CURVE keys
+    host: str = "127.0.0.1"  # tcp: where client-facing sockets bind; beyond loopback: CURVE
     base_port: int = 0  # for tcp: the client address; the others follow it
     tokenizer_workers: int = 1
 
@@ -54,11 +58,19 @@ class ClusterConfig:
     # detokenizer
     stream_interval_tokens: int = 1
 
+    # OpenAI-compatible HTTP frontends (procs/http_server.py); None: no frontend
+    http_port: int | None = None  # 0: any free port (one frontend) or one picked up front
+    http_host: str = "127.0.0.1"  # anything but loopback needs http_api_key
+    http_workers: int = 1  # frontend processes sharing the port (SO_REUSEPORT)
+    http_api_key: str = ""
+
     # supervision
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
 
-    # security (CURVE, required when host is not loopback)
+    # security: ZeroMQ CURVE on every socket, required when host is not loopback (and forced on
+    # by require_curve). The supervisor generates the server key pair; clients need the public key.
+    require_curve: bool = False
     curve_public_key: str = ""
     curve_secret_key: str = ""
 
@@ -71,27 +83,53 @@ class ClusterConfig:
             raise ValueError("tcp transport needs a base_port in 1..65471")
         if self.transport == "tcp" and self.host not in LOOPBACK_HOSTS and not self.curve_secret_key:
             raise ValueError(f"listening on {self.host} (not loopback) requires CURVE keys")
+        if self.require_curve and not self.curve_secret_key:
+            raise ValueError("require_curve is set but no CURVE keys were given")
+        if bool(self.curve_public_key) != bool(self.curve_secret_key):
+            raise ValueError("give both CURVE keys (public and secret) or neither")
+        if self.curve_secret_key:
+            from ipc.sockets import CurveKeys
+
+            CurveKeys(self.curve_public_key, self.curve_secret_key)  # checks their form
+        if self.http_port is not None:
+            if not 0 <= self.http_port < 65536:
+                raise ValueError(f"http_port must be in 0..65535, got {self.http_port}")
+            if self.http_host not in LOOPBACK_HOSTS and not self.http_api_key:
+                raise ValueError(f"an HTTP frontend on {self.http_host} (not loopback) requires "
+                                 "an API key")
         for name in ("max_batch_size", "prefill_max_batch_size", "prefill_max_tokens",
                      "prefill_chunk_tokens", "block_size", "engine_threads", "tokenizer_threads",
                      "stream_interval_tokens", "tokenizer_batch_max", "tokenizer_queue_max",
-                     "max_waiting_requests"):
+                     "max_waiting_requests", "http_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
+    @property
+    def curve(self) -> "CurveKeys | None":
+        """The server key pair when CURVE is on (every socket of the cluster uses it)."""
+        if not self.curve_secret_key:
+            return None
+        from ipc.sockets import CurveKeys
+
+        return CurveKeys(self.curve_public_key, self.curve_secret_key)
+
     # --- address plan -------------------------------------------------------------------------
-    def _addr(self, name: str, port_offset: int) -> str:
+    def _addr(self, name: str, port_offset: int, *, public: bool = False) -> str:
+        """Client-facing sockets bind on ``host``; internal ones (engine, detokenizer inbox,
+        supervisor) stay on loopback whatever ``host`` is: only this machine's processes use them."""
         if self.transport == "ipc":
             return f"ipc://{Path(self.run_dir) / name}.sock"
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = self.host if public or self.host in LOOPBACK_HOSTS else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
         return f"tcp://{host}:{self.base_port + port_offset}"
 
     @property
     def client_addr(self) -> str:
         """The detokenizer's ROUTER: clients connect here first (handshake, events, aborts)."""
-        return self._addr("client", 0)
+        return self._addr("client", 0, public=True)
 
     def tokenizer_addr(self, index: int) -> str:
-        return self._addr(f"tokenizer-{index}", 16 + index)
+        return self._addr(f"tokenizer-{index}", 16 + index, public=True)
 
     @property
     def tokenizer_addrs(self) -> list[str]:

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from ipc.config import TRANSPORTS
 from procs.launch_cluster import Cluster, launch_cluster, make_config
@@ -61,6 +62,18 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="with --transport tcp: the client port; internal ports follow it")
     g.add_argument("--run-dir", default=None, metavar="DIR",
                    help="where sockets and cluster.json live (default: a fresh private temp dir)")
+    h = p.add_argument_group("OpenAI-compatible HTTP frontend")
+    h.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help="serve the OpenAI API on this port (0: any free port); default: no "
+                        "HTTP frontend")
+    h.add_argument("--http-host", default="127.0.0.1", metavar="HOST",
+                   help="address the frontend listens on; anything but loopback needs "
+                        "--api-key (default 127.0.0.1)")
+    h.add_argument("--http-workers", type=int, default=1, metavar="N",
+                   help="frontend processes sharing the port (default 1)")
+    h.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY", ""), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                        "$SPLITSERVE_API_KEY, or none)")
     g.add_argument("--start-timeout-s", type=float, default=180.0, metavar="SECONDS",
                    help="give up if the processes are not ready within this (default 180)")
 
@@ -75,7 +88,14 @@ def cluster_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
         max_waiting_requests=args.max_waiting_requests,
         stream_interval_tokens=args.stream_interval_tokens, transport=args.transport,
-        base_port=args.port)
+        base_port=args.port, **http_kwargs(args))
+
+
+def http_kwargs(args: argparse.Namespace) -> dict:
+    if getattr(args, "http_port", None) is None:
+        return {}
+    return dict(http_port=args.http_port, http_host=args.http_host,
+                http_workers=args.http_workers, http_api_key=args.api_key)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -97,6 +117,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     started = True
     print(f"splitserve serving {cluster.config.model_name} at {cluster.client_addr}", flush=True)
     print(f"client address: {cluster.client_addr}", flush=True)
+    if cluster.http_url:
+        print(f"OpenAI API: {cluster.http_url}/v1 ({cluster.config.http_workers} frontend(s))",
+              flush=True)
     try:
         while not stop.wait(0.2) and cluster.failure is None:
             pass
@@ -150,6 +173,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+def run_bench(argv: list[str]) -> int:
+    """``splitserve bench ...`` is scripts/bench_serving.py (it lives with the other benchmarks
+    in a source checkout, which an editable install keeps at hand)."""
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    if not (scripts / "bench_serving.py").is_file():
+        print(f"splitserve bench needs a source checkout: {scripts}/bench_serving.py is missing",
+              file=sys.stderr)
+        return 2
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    import bench_serving
+
+    bench_serving.main(argv)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitserve", description="LLM serving with tokenization and detokenization in "
@@ -169,10 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     add_cluster_args(p)
     p.set_defaults(run=cmd_generate)
+    sub.add_parser("bench", add_help=False,
+                   help="the serving benchmark: inproc vs cluster, submit wall and TTFT "
+                        "(splitserve bench --help for its options)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        sys.exit(run_bench(argv[1:]))
     args = build_parser().parse_args(argv)
     quiet = args.command in ("chat", "generate")
     os.environ.setdefault("SPLITSERVE_LOG_LEVEL", "WARNING" if quiet else "INFO")

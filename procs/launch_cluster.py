@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -69,7 +70,8 @@ class Cluster:
         self.config = config
         self.owns_run_dir = owns_run_dir
         self.ctx = zmq.Context()
-        self.inbox = PullQueue(self.ctx, config.supervisor_addr, WorkerReady, Heartbeat)
+        self.inbox = PullQueue(self.ctx, config.supervisor_addr, WorkerReady, Heartbeat,
+                               curve=config.curve)
         self.children: list[Child] = []
         self.failure: str | None = None
         self._lock = threading.Lock()
@@ -107,6 +109,10 @@ class Cluster:
         rest = [self._spawn("detokenizer", 0)]
         rest += [self._spawn("tokenizer", i) for i in range(self.config.tokenizer_workers)]
         self._wait_ready(rest, timeout_s)
+        if self.config.http_port is not None:
+            # Last: a frontend's readiness is a handshake with the detokenizer.
+            frontends = [self._spawn("http", i) for i in range(self.config.http_workers)]
+            self._wait_ready(frontends, timeout_s)
         logger.info("cluster ready: %s", self.describe())
 
     def _spawn(self, role: str, index: int) -> Child:
@@ -195,12 +201,19 @@ class Cluster:
         return self.config.client_addr
 
     @property
+    def http_url(self) -> str | None:
+        """The first HTTP frontend's base URL (all of them share it), None without one."""
+        child = self._child("http", 0)
+        return child.ready.addresses[0] if child and child.ready else None
+
+    @property
     def pids(self) -> dict[str, int]:
         return {c.name: c.popen.pid for c in self.children}
 
     def describe(self) -> str:
-        return (f"client address {self.client_addr}; {self.config.tokenizer_workers} tokenizer "
-                f"worker(s); model {self.config.model_name or self.config.model_path} "
+        http = f"HTTP {self.http_url}; " if self.http_url else ""
+        return (f"client address {self.client_addr}; {http}"
+                f"{self.config.tokenizer_workers} tokenizer worker(s); model {self.config.model_name or self.config.model_path} "
                 f"(max_model_len {self.config.max_model_len}); pids {self.pids}")
 
     # --- shutdown -----------------------------------------------------------------------------
@@ -212,6 +225,10 @@ class Cluster:
         tokenizers = [c for c in self.children if c.role == "tokenizer"]
         engines = [c for c in self.children if c.role == "engine"]
         detoks = [c for c in self.children if c.role == "detokenizer"]
+        frontends = [c for c in self.children if c.role == "http"]
+        # Frontends stop accepting connections first; their open responses get the terminal
+        # events the rest of the shutdown produces, then they exit.
+        _signal(frontends, signal.SIGTERM)
         _signal(tokenizers, signal.SIGUSR1)  # stop accepting; new submits get "unavailable"
         time.sleep(0.1 if tokenizers else 0)  # let a batch being encoded reach the engine
         _signal(engines, signal.SIGTERM)
@@ -220,6 +237,7 @@ class Cluster:
         _wait(tokenizers, 10.0)
         _signal(detoks, signal.SIGTERM)
         _wait(detoks, 10.0)
+        _wait(frontends, 15.0)
 
     def shutdown(self) -> None:
         """Stops every child in order, reaps them, removes the run directory. Idempotent."""
@@ -276,6 +294,14 @@ def _wait(children: list[Child], timeout_s: float) -> None:
             c.popen.wait()
 
 
+def free_tcp_port(host: str) -> int:
+    """A port free right now, for frontends that must all bind the same one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def make_config(model: str | os.PathLike | None = None, run_dir: str | None = None,
                 **overrides: object) -> tuple[ClusterConfig, bool]:
     """A ClusterConfig with the model resolved, a private run dir and the thread budget filled
@@ -290,7 +316,11 @@ def make_config(model: str | os.PathLike | None = None, run_dir: str | None = No
     engine_threads, tokenizer_threads = thread_budget(
         int(overrides.get("tokenizer_workers", 1)),  # type: ignore[arg-type]
         engine_threads=int(overrides.pop("engine_threads", 0) or 0),  # type: ignore[arg-type]
-        tokenizer_threads=int(overrides.pop("tokenizer_threads", 0) or 0))  # type: ignore
+        tokenizer_threads=int(overrides.pop("tokenizer_threads", 0) or 0),  # type: ignore
+        http_workers=(int(overrides.get("http_workers", 1))  # type: ignore[arg-type]
+                      if overrides.get("http_port") is not None else 0))
+    if overrides.get("http_port") == 0 and int(overrides.get("http_workers", 1)) > 1:  # type: ignore
+        overrides["http_port"] = free_tcp_port(str(overrides.get("http_host", "127.0.0.1")))
     config = ClusterConfig(model_path=model_path, run_dir=run_dir, engine_threads=engine_threads,
                            tokenizer_threads=tokenizer_threads, **overrides)  # type: ignore
     return config, owns

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"usage: python -m procs.run_worker {{{','.join(ROLES)}}} INDEX CONFIG_PATH")
     role, index, config_path = args[0], int(args[1]), args[2]
     die_with_parent()
-    setup_logging(role, index if role == "tokenizer" else None)
+    setup_logging(role, index if role in ("tokenizer", "http") else None)
     config = ClusterConfig.read(config_path)
     try:
         if role == "tokenizer":
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         elif role == "detokenizer":
             from detok_worker.worker import main as run
         else:
-            sys.exit(f"role {role!r} has no worker yet")
+            from procs.http_server import main_from_config as run
         run(config, index)
     except Exception:
         logging.getLogger("splitserve.worker").exception("%s[%d] crashed", role, index)

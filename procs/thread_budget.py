@@ -21,12 +21,13 @@ def available_cpus() -> int:
 
 
 def thread_budget(tokenizer_workers: int, *, engine_threads: int = 0, tokenizer_threads: int = 0,
-                  cpus: int | None = None) -> tuple[int, int]:
-    """(engine torch threads, threads per tokenizer worker); 0 means decide."""
+                  http_workers: int = 0, cpus: int | None = None) -> tuple[int, int]:
+    """(engine torch threads, threads per tokenizer worker); 0 means decide. HTTP frontends
+    (one event-loop thread each) count like tokenizer workers."""
     cpus = cpus or available_cpus()
     tokenizer_threads = tokenizer_threads or 1
     if not engine_threads:
-        reserved = min(tokenizer_workers * tokenizer_threads + 1, cpus // 2)
+        reserved = min(tokenizer_workers * tokenizer_threads + http_workers + 1, cpus // 2)
         engine_threads = max(1, cpus - reserved)
     return engine_threads, tokenizer_threads
 
@@ -34,7 +35,9 @@ def thread_budget(tokenizer_workers: int, *, engine_threads: int = 0, tokenizer_
 def describe_budget(config: ClusterConfig) -> str:
     return (f"CPU budget on {available_cpus()} cores: engine {config.engine_threads} torch "
             f"thread(s); {config.tokenizer_workers} tokenizer worker(s) x "
-            f"{config.tokenizer_threads} thread(s); detokenizer 1 thread")
+            f"{config.tokenizer_threads} thread(s); detokenizer 1 thread"
+            + (f"; {config.http_workers} HTTP frontend(s) x 1 thread"
+               if config.http_port is not None else ""))
 
 
 def child_env(role: str, config: ClusterConfig, env: dict[str, str]) -> dict[str, str]:
@@ -50,4 +53,9 @@ def child_env(role: str, config: ClusterConfig, env: dict[str, str]) -> dict[str
         "TOKENIZERS_PARALLELISM": "true" if role == "tokenizer" and threads > 1 else "false",
         "PYTHONUNBUFFERED": "1",
     })
+    if role == "http":
+        # prometheus_client's multiprocess mode: every frontend's /metrics counts them all.
+        metrics_dir = os.path.join(config.run_dir, "metrics")
+        os.makedirs(metrics_dir, mode=0o700, exist_ok=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     return env

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import httpx
@@ -304,3 +305,44 @@ def test_supervised_frontend_reports_ready_and_heartbeats(cluster, tmp_path):
         stop_frontend(popen)
         inbox.close()
         ctx.term()
+
+
+def test_supervisor_starts_frontends_and_stops_them_in_order(tiny_model_dir):
+    """launch_cluster(http_port=0, http_workers=2): the supervisor picks one port, starts both
+    frontends after the rest is ready, and on shutdown a stream still open ends (it is told the
+    cluster stopped) before every frontend exits."""
+    with launch_cluster(str(tiny_model_dir), tokenizer_workers=1, kv_cache_tokens=16384,
+                        max_model_len=MAX_MODEL_LEN, http_port=0, http_workers=2) as cluster:
+        url = cluster.http_url
+        assert url and url.startswith("http://127.0.0.1:")
+        frontends = {c.popen.pid: c.popen for c in cluster.children if c.role == "http"}
+        assert len(frontends) == 2
+        seen = set()
+        for _ in range(200):
+            seen.add(httpx.get(f"{url}/health").json()["pid"])
+            if seen == set(frontends):
+                break
+        assert seen == set(frontends)
+        r = httpx.post(f"{url}/v1/completions",
+                       json={"model": cluster.config.model_name, "prompt": "hi", "max_tokens": 3,
+                             "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+        lines: list[str] = []
+        stopper = threading.Thread(target=cluster.shutdown)
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "model": cluster.config.model_name, "prompt": "hi", "max_tokens": LONG,
+                "ignore_eos": True, "stream": True}) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[len("data: "):])
+                    if len(lines) == 2:
+                        stopper.start()
+        stopper.join(timeout=60)
+        assert not stopper.is_alive()
+        assert all(p.poll() is not None for p in frontends.values())
+        # The stream ended properly: a last chunk saying why, then [DONE].
+        assert lines[-1] == "[DONE]", lines[-3:]
+        last = json.loads(lines[-2])
+        assert last.get("error") or last["choices"][0]["finish_reason"], last
+    assert not os.path.exists(cluster.config.run_dir)

@@ -20,7 +20,7 @@ def _int_list(text: str) -> list[int]:
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bench_serving", description=description,
+        prog="splitserve bench", description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what is compared")
     g.add_argument("--model", default=None,
