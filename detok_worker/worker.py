@@ -53,10 +53,10 @@ class Detokenizer:
         self.router = configure(ctx.socket(zmq.ROUTER), receives=True, sndhwm=100_000)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # never drop silently: raise instead
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client takes over
-        bind(self.router, config.client_addr)
+        bind(self.router, config.client_addr, config.curve)
         self.inbox: PullQueue[StepOutput | RequestError] = PullQueue(
-            ctx, config.detokenizer_addr, StepOutput, RequestError)
-        self.to_engine = PushQueue(ctx, config.engine_addr)
+            ctx, config.detokenizer_addr, StepOutput, RequestError, curve=config.curve)
+        self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
         self.welcome = codec.encode(ClientWelcome(
             tokenizer_addrs=config.tokenizer_addrs,
             model=config.model_name or Path(config.model_path).name,

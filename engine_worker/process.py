@@ -73,8 +73,9 @@ class EngineProcess:
         # EngineOverloaded lives next to the engine class (the real one or a test stand-in).
         self._overloaded = getattr(sys.modules[type(self.engine).__module__], "EngineOverloaded")
         self.inbox: PullQueue[TokenizedRequest | AbortRequests] = PullQueue(
-            ctx, config.engine_addr, TokenizedRequest, AbortRequests, hwm=INBOX_HWM)
-        self.outbox = PushQueue(ctx, config.detokenizer_addr)
+            ctx, config.engine_addr, TokenizedRequest, AbortRequests, hwm=INBOX_HWM,
+            curve=config.curve)
+        self.outbox = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
         self.live: set[str] = set()  # added to the engine and not finished yet
         self.pending = StepOutput(step=0, t_step=0.0)  # metas and errors awaiting the next send
         self.steps = 0

@@ -4,13 +4,19 @@ Every socket made here has a finite LINGER (closing never hangs on an absent pee
 receives, a MAXMSGSIZE (ZeroMQ drops the connection of a peer that sends a larger frame, before we
 ever allocate it). Binding an ``ipc://`` address removes a stale socket file first: a crashed run
 leaves one behind and a fresh bind over it would otherwise succeed while peers stay connected to a
-dead inode.
+dead inode; the bound socket file is then made owner-only (0600), on top of the run directory's 0700.
+
+CURVE: given ``CurveKeys``, a binding socket becomes a CURVE server (it needs the secret key) and a
+connecting socket a CURVE client of that server, with a fresh client key pair of its own. A peer
+that does not know the server's public key never completes the handshake: ZeroMQ delivers nothing
+of it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import zmq
@@ -23,6 +29,42 @@ logger = logging.getLogger("splitserve.ipc")
 
 LINGER_MS = 1000
 DEFAULT_HWM = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """The server key pair (Z85 text, 40 characters each); ``secret`` only where a socket binds."""
+
+    public: bytes
+    secret: bytes = b""
+
+    def __post_init__(self) -> None:
+        for name in ("public", "secret"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, value.encode("ascii"))
+        if len(self.public) != 40 or (self.secret and len(self.secret) != 40):
+            raise ValueError("CURVE keys are 40-character Z85 strings")
+
+    def make_server(self, sock: zmq.Socket) -> zmq.Socket:
+        if not self.secret:
+            raise ValueError("a CURVE server socket needs the server's secret key")
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        return sock
+
+    def make_client(self, sock: zmq.Socket) -> zmq.Socket:
+        public, secret = zmq.curve_keypair()
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        return sock
+
+
+def check_curve_available() -> None:
+    if not zmq.has("curve"):
+        raise RuntimeError("this pyzmq/libzmq build has no CURVE support (libsodium); it is "
+                           "required to listen beyond loopback")
 
 
 def remove_stale_ipc(address: str) -> None:
@@ -46,20 +88,32 @@ def configure(sock: zmq.Socket, *, receives: bool, sndhwm: int | None = None,
     return sock
 
 
-def bind(sock: zmq.Socket, address: str) -> zmq.Socket:
+def bind(sock: zmq.Socket, address: str, curve: CurveKeys | None = None) -> zmq.Socket:
+    if curve is not None:
+        curve.make_server(sock)
     remove_stale_ipc(address)
     sock.bind(address)
+    if address.startswith("ipc://"):
+        os.chmod(address[len("ipc://"):], 0o600)
+    return sock
+
+
+def connect(sock: zmq.Socket, address: str, curve: CurveKeys | None = None) -> zmq.Socket:
+    if curve is not None:
+        curve.make_client(sock)
+    sock.connect(address)
     return sock
 
 
 def open_socket(ctx: zmq.Context, kind: int, address: str, *, bind_it: bool,
-                sndhwm: int | None = None, rcvhwm: int | None = None) -> zmq.Socket:
+                sndhwm: int | None = None, rcvhwm: int | None = None,
+                curve: CurveKeys | None = None) -> zmq.Socket:
     receives = kind in (zmq.PULL, zmq.ROUTER, zmq.DEALER, zmq.PAIR)
     sock = configure(ctx.socket(kind), receives=receives, sndhwm=sndhwm, rcvhwm=rcvhwm)
     if bind_it:
-        bind(sock, address)
+        bind(sock, address, curve)
     else:
-        sock.connect(address)
+        connect(sock, address, curve)
     return sock
 
 
@@ -67,9 +121,9 @@ class PushQueue:
     """The sending end of a PUSH/PULL channel: ``put(message)``."""
 
     def __init__(self, ctx: zmq.Context, address: str, *, bind: bool = False,
-                 hwm: int = DEFAULT_HWM) -> None:
+                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
         self.address = address
-        self.socket = open_socket(ctx, zmq.PUSH, address, bind_it=bind, sndhwm=hwm)
+        self.socket = open_socket(ctx, zmq.PUSH, address, bind_it=bind, sndhwm=hwm, curve=curve)
 
     def put(self, msg: Any, *, block: bool = True, timeout_ms: int | None = None) -> None:
         """Raises zmq.Again when the pipe is full (non-blocking) or the timeout passes."""
@@ -95,10 +149,10 @@ class PullQueue(Generic[T]):
     """
 
     def __init__(self, ctx: zmq.Context, address: str, *kinds: type, bind: bool = True,
-                 hwm: int = DEFAULT_HWM) -> None:
+                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
         self.address = address
         self.kinds = kinds
-        self.socket = open_socket(ctx, zmq.PULL, address, bind_it=bind, rcvhwm=hwm)
+        self.socket = open_socket(ctx, zmq.PULL, address, bind_it=bind, rcvhwm=hwm, curve=curve)
 
     def decode(self, frame: bytes) -> T:
         return codec.decode_as(frame, *self.kinds)
@@ -134,10 +188,10 @@ class AsyncPullQueue(Generic[T]):
     """asyncio variant of PullQueue (works under uvloop)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, *kinds: type, bind: bool = True,
-                 hwm: int = DEFAULT_HWM) -> None:
+                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
         self.address = address
         self.kinds = kinds
-        self.socket = open_socket(ctx, zmq.PULL, address, bind_it=bind, rcvhwm=hwm)
+        self.socket = open_socket(ctx, zmq.PULL, address, bind_it=bind, rcvhwm=hwm, curve=curve)
 
     def empty(self) -> bool:
         return not (self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
@@ -154,9 +208,9 @@ class AsyncPullQueue(Generic[T]):
 
 class AsyncPushQueue:
     def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool = False,
-                 hwm: int = DEFAULT_HWM) -> None:
+                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
         self.address = address
-        self.socket = open_socket(ctx, zmq.PUSH, address, bind_it=bind, sndhwm=hwm)
+        self.socket = open_socket(ctx, zmq.PUSH, address, bind_it=bind, sndhwm=hwm, curve=curve)
 
     async def put(self, msg: Any) -> None:
         await self.socket.send(codec.encode(msg))

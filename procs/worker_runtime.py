@@ -38,7 +38,8 @@ class WorkerRuntime:
         self.pid = os.getpid()
         self.draining = False
         self.stopping = False
-        self._supervisor = PushQueue(ctx, config.supervisor_addr, hwm=100)
+        self._supervisor = PushQueue(ctx, config.supervisor_addr, hwm=100,
+                                     curve=config.curve)
         self._next_heartbeat = 0.0
         signal.signal(signal.SIGUSR1, self._on_drain)
         signal.signal(signal.SIGTERM, self._on_stop)

@@ -39,9 +39,10 @@ class TokenizerWorker:
         # A small receive queue: when it fills, clients' round-robin skips this worker and, once
         # every worker is full, submit() raises OverloadedError instead of queueing without bound.
         self.inbox: PullQueue[SubmitRequest] = PullQueue(
-            ctx, config.tokenizer_addr(index), SubmitRequest, hwm=config.tokenizer_queue_max)
-        self.to_engine = PushQueue(ctx, config.engine_addr)
-        self.to_detok = PushQueue(ctx, config.detokenizer_addr)
+            ctx, config.tokenizer_addr(index), SubmitRequest, hwm=config.tokenizer_queue_max,
+            curve=config.curve)
+        self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
+        self.to_detok = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
         self.served = 0
         self.rejected = 0
         self.tokenize_s = 0.0
