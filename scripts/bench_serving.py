@@ -92,17 +92,25 @@ def engine_threads_for(args: argparse.Namespace, tokenizer_workers: int) -> int:
 def make_targets(modes: list[str], args: argparse.Namespace, model_path: str,
                  collector: EventCollector, stack: contextlib.ExitStack) -> dict:
     """One target per mode; the inproc modes share one in-process server."""
-    from bench.targets import ClusterTarget, InprocServer, InprocTarget
+    from bench.targets import ClusterTarget, HttpTarget, InprocServer, InprocTarget
+
+    def cluster_knobs(workers: int) -> dict:
+        return engine_knobs(args) | {
+            "engine_threads": engine_threads_for(args, workers),
+            "tokenizer_threads": args.tokenizer_threads,
+            "tokenizer_batch_max": args.tokenizer_batch_max,
+            "stream_interval_tokens": args.stream_interval_tokens}
 
     targets, server = {}, None
     for mode in modes:
-        if mode.startswith("cluster-tw"):
+        if mode == "http":
+            workers = args.tokenizer_workers[0]
+            targets[mode] = HttpTarget(
+                mode, collector, endpoint=args.endpoint, model_path=model_path,
+                tokenizer_workers=workers, cluster_knobs=cluster_knobs(workers))
+        elif mode.startswith("cluster-tw"):
             workers = int(mode[len("cluster-tw"):])
-            knobs = engine_knobs(args) | {
-                "engine_threads": engine_threads_for(args, workers),
-                "tokenizer_threads": args.tokenizer_threads,
-                "tokenizer_batch_max": args.tokenizer_batch_max,
-                "stream_interval_tokens": args.stream_interval_tokens}
+            knobs = cluster_knobs(workers)
             poll_s = 0.001 if args.max_concurrency else 0.02
             targets[mode] = ClusterTarget(mode, model_path, workers, knobs, collector, poll_s,
                                           args.client_submit_hwm or 2 * args.num_requests + 64)

@@ -61,6 +61,11 @@ class RequestRecord:
         return self.error is None and self.finish_reason not in (None, "error", "abort")
 
     @property
+    def has_server_stamps(self) -> bool:
+        """False where the client could not see them (the OpenAI API carries none)."""
+        return bool(self.t_tokenized and self.t_scheduled and self.t_first_token)
+
+    @property
     def t_first_delta(self) -> float:
         return self.delta_times[0] if self.delta_times else self.t_done
 
@@ -145,17 +150,18 @@ def summarize(records: list[RequestRecord], cpu_seconds: dict[str, float],
 
     add("submit_latency_ms", [r.t_submit_done - r.t_submit for r in records])
     add("submit_lag_ms", [r.t_submit - r.t_planned for r in records])
-    add("tokenize_ms", [r.t_tokenized - r.t_tokenize_start for r in ok])
-    add("queue_wait_ms", [r.t_scheduled - r.t_tokenized for r in ok])
-    add("prefill_to_first_token_ms", [r.t_first_token - r.t_scheduled for r in ok])
+    stamped = [r for r in ok if r.has_server_stamps]
+    add("tokenize_ms", [r.t_tokenized - r.t_tokenize_start for r in stamped])
+    add("queue_wait_ms", [r.t_scheduled - r.t_tokenized for r in stamped])
+    add("prefill_to_first_token_ms", [r.t_first_token - r.t_scheduled for r in stamped])
     add("ttft_ms", [r.ttft for r in ok])
     add("tpot_ms", [r.tpot for r in ok if r.tpot is not None])
     add("itl_ms", [x for r in ok for x in r.itls])
     add("e2el_ms", [r.latency for r in ok])
     for name, _, _ in TTFT_PARTS:
-        add(f"ttft_part[{name}]_ms", [r.ttft_parts()[name] for r in ok])
+        add(f"ttft_part[{name}]_ms", [r.ttft_parts()[name] for r in stamped])
     for name, _, _ in TTFT_PARTS:  # means add up to the mean TTFT, which medians do not
-        values = [r.ttft_parts()[name] * 1e3 for r in ok]
+        values = [r.ttft_parts()[name] * 1e3 for r in stamped]
         out[f"ttft_part[{name}]_ms_mean"] = sum(values) / len(values) if values else None
     out["ttft_ms_mean"] = sum(r.ttft for r in ok) * 1e3 / len(ok) if ok else None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-BASE_MODES = ("inproc", "inproc-pretok", "cluster")
+BASE_MODES = ("inproc", "inproc-pretok", "cluster", "http")
 
 
 def _int_list(text: str) -> list[int]:
@@ -27,8 +27,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct, "
                         "provisioned on first use)")
     g.add_argument("--modes", default="inproc,inproc-pretok,cluster",
-                   help="comma-separated modes: inproc, inproc-pretok, cluster (or cluster-twN); "
-                        "the first is the baseline of the ratios (default: %(default)s)")
+                   help="comma-separated modes: inproc, inproc-pretok, cluster (or cluster-twN), "
+                        "http (the cluster through its OpenAI frontend, or --endpoint); the "
+                        "first is the baseline of the ratios (default: %(default)s)")
+    g.add_argument("--endpoint", default=None, metavar="URL",
+                   help="mode http drives this already-serving OpenAI-compatible frontend "
+                        "(e.g. http://127.0.0.1:8000) instead of launching a cluster with one")
     g.add_argument("--tokenizer-workers", type=_int_list, default=[1],
                    help="tokenizer worker processes of the cluster; a list (1,2,4) sweeps, one "
                         "mode each: cluster-tw1, cluster-tw2, ... (default: 1)")

@@ -141,3 +141,31 @@ def test_help_names_every_knob_with_its_unit():
                  "--tokenizer-workers", "--engine-threads", "--warmup-runs", "--repeat-runs",
                  "--json", "--plot", "--request-timeout-s", "--kv-cache-tokens"):
         assert flag in text, flag
+
+
+def test_http_mode_matches_the_sdk_and_drives_an_endpoint(tiny_model_dir, capsys):
+    """Mode http: the same workload through the cluster's own OpenAI frontend, then through
+    --endpoint (a frontend some other process launched). Counts agree with the SDK's; TTFT is
+    measured, its server-side parts are reported as not visible."""
+    from procs.launch_cluster import launch_cluster
+
+    common = ["--model", str(tiny_model_dir), "--num-requests", "5", "--max-new-tokens", "4",
+              "--ignore-eos", "--prompt-tokens", "40", "--unique-prompts", "--warmup-runs", "0",
+              "--no-progress"]
+    data = bench_serving.main(common + ["--modes", "cluster,http"])
+    medians = data["medians"]
+    for key in ("requests", "prompt_tokens_total", "output_tokens_total"):
+        assert medians["http"][key] == medians["cluster-tw1"][key], key
+    assert medians["http"]["errors"] == 0 and medians["http"]["ttft_ms_p50"] > 0
+    assert medians["http"]["tokenize_ms_p50"] is None
+    assert {k for k in medians["http"] if k.startswith("cpu_s[")} == {
+        "cpu_s[client]", "cpu_s[http]", "cpu_s[tokenizer]", "cpu_s[engine]",
+        "cpu_s[detokenizer]"}
+    assert "not visible to this client" in capsys.readouterr().out
+
+    with launch_cluster(str(tiny_model_dir), http_port=0, kv_cache_tokens=4096) as cluster:
+        data = bench_serving.main(common + ["--modes", "http", "--endpoint",
+                                            f"{cluster.http_url}/v1"])
+    (run,) = report.load_runs(data)
+    assert all(r.ok and r.output_tokens == 4 and r.delta_times for r in run.records)
+    assert data["medians"]["http"]["prompt_tokens_total"] == medians["http"]["prompt_tokens_total"]
