@@ -22,7 +22,8 @@ import zmq.asyncio
 from ipc import codec
 from ipc.client_common import (
     ClientCore, Delta, GenerationResult, HandleBase, RequestRecord, RequestTimeoutError,
-    UnavailableError, closed_event, make_dealer, make_submit_socket, prompt_kwargs, timeout_event,
+    UnavailableError, closed_event, curve_keys, make_dealer, make_submit_socket, prompt_kwargs,
+    timeout_event, tokenizer_addrs,
 )
 from ipc.messages import (
     ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, SamplingParams,
@@ -72,8 +73,11 @@ class AsyncRequestHandle(HandleBase):
 
 class AsyncClient:
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
-                 deadline_s: float | None = None, submit_hwm: int = 64) -> None:
+                 deadline_s: float | None = None, submit_hwm: int = 64,
+                 server_public_key: str | bytes | None = None) -> None:
+        """See ipc.client.Client for the arguments (server_public_key: the cluster's CURVE key)."""
         self.address = address
+        self._curve = curve_keys(server_public_key)
         self.connect_timeout_s = connect_timeout_s
         self.submit_hwm = submit_hwm
         self._core = ClientCore(deadline_s)
@@ -90,7 +94,8 @@ class AsyncClient:
 
     async def start(self) -> "AsyncClient":
         """The handshake; raises UnavailableError when nobody answers."""
-        dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, self.address)
+        dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, self.address,
+                             self._curve)
         await dealer.send(codec.encode(ClientHello(self._core.client_id)))
         if not await dealer.poll(int(self.connect_timeout_s * 1000)):
             dealer.close(linger=0)
@@ -99,8 +104,9 @@ class AsyncClient:
         self.welcome = codec.decode_as(await dealer.recv(), ClientWelcome)
         self._dealer = dealer
         # A plain socket: a NOBLOCK send never waits, so submit() needs no await.
-        self._submit = make_submit_socket(self._ctx, self.welcome.tokenizer_addrs,
-                                          self.submit_hwm)
+        self._submit = make_submit_socket(
+            self._ctx, tokenizer_addrs(self.address, self.welcome.tokenizer_addrs),
+            self.submit_hwm, self._curve)
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
         return self
 

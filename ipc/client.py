@@ -24,7 +24,7 @@ from ipc import codec
 from ipc.client_common import (
     BadRequestError, ClientCore, Delta, GenerationResult, HandleBase, OverloadedError,
     RequestRecord, RequestTimeoutError, SplitserveError, UnavailableError, closed_event,
-    make_dealer, make_submit_socket, prompt_kwargs, timeout_event,
+    curve_keys, make_dealer, make_submit_socket, prompt_kwargs, timeout_event, tokenizer_addrs,
 )
 from ipc.messages import (
     ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, SamplingParams,
@@ -77,24 +77,29 @@ class RequestHandle(HandleBase):
 
 class Client:
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
-                 deadline_s: float | None = None, submit_hwm: int = 64) -> None:
+                 deadline_s: float | None = None, submit_hwm: int = 64,
+                 server_public_key: str | bytes | None = None) -> None:
         """Connects and does the handshake (raises UnavailableError when nobody answers).
 
         deadline_s: a client-side limit per request; past it the request ends with a timeout
         error and is aborted in the cluster (a last resort against a hang, off by default).
+        server_public_key: the cluster's CURVE public key (the supervisor prints it and writes
+        it to curve_public.key in its run dir); needed when the cluster uses CURVE (--listen).
         """
+        curve = curve_keys(server_public_key)
         self._core = ClientCore(deadline_s)
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # user threads share the submit/control sockets
-        dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, address)
+        dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, address, curve)
         dealer.send(codec.encode(ClientHello(self._core.client_id)))
         if not dealer.poll(int(connect_timeout_s * 1000)):
             dealer.close(linger=0)
             self._ctx.term()
             raise UnavailableError(f"no splitserve cluster answered at {address} within "
-                                   f"{connect_timeout_s} s")
+                                   f"{connect_timeout_s} s" + _curve_hint(curve))
         self.welcome: ClientWelcome = codec.decode_as(dealer.recv(), ClientWelcome)
-        self._submit = make_submit_socket(self._ctx, self.welcome.tokenizer_addrs, submit_hwm)
+        self._submit = make_submit_socket(
+            self._ctx, tokenizer_addrs(address, self.welcome.tokenizer_addrs), submit_hwm, curve)
         self._control_addr = f"inproc://control-{self._core.client_id.decode()}"
         control_in = self._ctx.socket(zmq.PULL)
         control_in.bind(self._control_addr)
@@ -201,6 +206,11 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _curve_hint(curve: object) -> str:
+    return ("" if curve is not None else
+            " (a cluster that listens beyond loopback needs server_public_key=)")
 
 
 def _recv_nowait(sock: zmq.Socket) -> bytes | None:

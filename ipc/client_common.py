@@ -22,7 +22,7 @@ from ipc.messages import (
     ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR, ChatMessage,
     RequestTimings, SamplingParams, StreamEvent, SubmitRequest, Usage,
 )
-from ipc.sockets import LINGER_MS, configure
+from ipc.sockets import LINGER_MS, CurveKeys, configure, connect
 
 ERR_TIMEOUT = "timeout"
 
@@ -236,6 +236,9 @@ class ClientCore:
         msg = build_submit(self.client_id, record.wire_id, t_submit=time.monotonic(), **request)
         record.t_submit = msg.t_submit
         frame = codec.encode(msg)
+        if len(frame) > codec.MAX_FRAME_BYTES:  # the tokenizer's socket would drop it unseen
+            raise BadRequestError(f"the request is {len(frame)} bytes encoded; the limit is "
+                                  f"{codec.MAX_FRAME_BYTES}", record.request_id)
         handle = make_handle(record)
         self.records[record.wire_id] = handle
         try:
@@ -283,20 +286,54 @@ def closed_event(wire_id: str) -> StreamEvent:
                        error_code=ERR_UNAVAILABLE)
 
 
-def make_submit_socket(ctx: zmq.Context, addrs: list[str], hwm: int) -> zmq.Socket:
+def curve_keys(server_public_key: str | bytes | None) -> CurveKeys | None:
+    """The cluster's CURVE public key (Z85, as the supervisor prints it), or None for a cluster
+    without CURVE (ipc, or tcp on loopback)."""
+    if not server_public_key:
+        return None
+    try:
+        return CurveKeys(server_public_key.strip())
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise BadRequestError(f"server_public_key: {exc}") from None
+
+
+def make_submit_socket(ctx: zmq.Context, addrs: list[str], hwm: int,
+                       curve: CurveKeys | None = None) -> zmq.Socket:
     """A plain (sync) PUSH to every tokenizer: round-robin skips full pipes; NOBLOCK sends."""
     sock = configure(zmq.Socket(ctx, zmq.PUSH), receives=False, sndhwm=hwm)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
+    if curve is not None:
+        curve.make_client(sock)  # socket options: they hold for every connect below
     for addr in addrs:
         sock.connect(addr)
     return sock
 
 
-def make_dealer(sock: zmq.Socket, client_id: bytes, address: str) -> zmq.Socket:
+def make_dealer(sock: zmq.Socket, client_id: bytes, address: str,
+                curve: CurveKeys | None = None) -> zmq.Socket:
     sock.setsockopt(zmq.IDENTITY, client_id)
     configure(sock, receives=True)
-    sock.connect(address)
+    connect(sock, address, curve)
     return sock
+
+
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
+
+
+def tokenizer_addrs(client_addr: str, advertised: list[str]) -> list[str]:
+    """The tokenizer addresses as this client must dial them: a cluster bound to a wildcard host
+    (``--listen 0.0.0.0``) advertises that host, which only means "the host you reached me at"."""
+    if not client_addr.startswith("tcp://"):
+        return advertised
+    reached = client_addr[len("tcp://"):].rsplit(":", 1)[0]
+    out = []
+    for addr in advertised:
+        if addr.startswith("tcp://"):
+            host, port = addr[len("tcp://"):].rsplit(":", 1)
+            if host in _WILDCARD_HOSTS:
+                addr = f"tcp://{reached}:{port}"
+        out.append(addr)
+    return out
 
 
 def prompt_kwargs(p: Any) -> dict[str, Any]:

@@ -60,6 +60,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="ipc: unix sockets in the run dir; tcp: loopback ports from --port")
     g.add_argument("--port", type=int, default=0, metavar="PORT",
                    help="with --transport tcp: the client port; internal ports follow it")
+    g.add_argument("--listen", default=None, metavar="HOST",
+                   help="serve clients over tcp on HOST (e.g. 0.0.0.0; needs --port). Beyond "
+                        "loopback, ZeroMQ CURVE is switched on: the supervisor generates a key "
+                        "pair and prints the public key clients must pass (server_public_key=); "
+                        "internal sockets stay on loopback. Default: ipc/loopback only")
+    g.add_argument("--require-curve", action="store_true",
+                   help="use CURVE even on loopback/ipc (the public key is printed the same way)")
     g.add_argument("--run-dir", default=None, metavar="DIR",
                    help="where sockets and cluster.json live (default: a fresh private temp dir)")
     h = p.add_argument_group("OpenAI-compatible HTTP frontend")
@@ -87,8 +94,16 @@ def cluster_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
         max_waiting_requests=args.max_waiting_requests,
-        stream_interval_tokens=args.stream_interval_tokens, transport=args.transport,
-        base_port=args.port, **http_kwargs(args))
+        stream_interval_tokens=args.stream_interval_tokens, base_port=args.port,
+        require_curve=args.require_curve, **listen_kwargs(args), **http_kwargs(args))
+
+
+def listen_kwargs(args: argparse.Namespace) -> dict:
+    if args.listen is None:
+        return dict(transport=args.transport)
+    if not args.port:
+        raise SystemExit("--listen needs --port (the client port; the others follow it)")
+    return dict(transport="tcp", host=args.listen)
 
 
 def http_kwargs(args: argparse.Namespace) -> dict:
@@ -117,6 +132,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     started = True
     print(f"splitserve serving {cluster.config.model_name} at {cluster.client_addr}", flush=True)
     print(f"client address: {cluster.client_addr}", flush=True)
+    if cluster.curve_public_key:
+        print(f"curve public key: {cluster.curve_public_key} (also in "
+              f"{cluster.config.run_dir}/curve_public.key; clients pass it as "
+              "server_public_key=)", flush=True)
     if cluster.http_url:
         print(f"OpenAI API: {cluster.http_url}/v1 ({cluster.config.http_workers} frontend(s))",
               flush=True)
@@ -147,7 +166,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     with launch_cluster(args.model, run_dir=args.run_dir, start_timeout_s=args.start_timeout_s,
-                        **cluster_kwargs(args)) as cluster, Client(cluster.client_addr) as client:
+                        **cluster_kwargs(args)) as cluster, Client(
+            cluster.client_addr, server_public_key=cluster.curve_public_key) as client:
         handle = client.submit(messages=messages, max_tokens=args.max_tokens,
                                temperature=args.temperature, stop=args.stop)
         try:
@@ -164,7 +184,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ipc.client import Client
 
     with launch_cluster(args.model, run_dir=args.run_dir, start_timeout_s=args.start_timeout_s,
-                        **cluster_kwargs(args)) as cluster, Client(cluster.client_addr) as client:
+                        **cluster_kwargs(args)) as cluster, Client(
+            cluster.client_addr, server_public_key=cluster.curve_public_key) as client:
         results = client.generate(args.prompts, max_tokens=args.max_tokens,
                                   temperature=args.temperature, stop=args.stop, check=False)
         for prompt, r in zip(args.prompts, results):

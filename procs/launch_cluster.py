@@ -36,15 +36,16 @@ from typing import Iterator
 import zmq
 
 from ipc import codec
-from ipc.config import ClusterConfig
+from ipc.config import LOOPBACK_HOSTS, ClusterConfig
 from ipc.messages import Heartbeat, WorkerReady
-from ipc.sockets import PullQueue
+from ipc.sockets import PullQueue, check_curve_available
 from procs.model_store import resolve_model
 from procs.run_worker import PARENT_PID_ENV
 from procs.thread_budget import child_env, describe_budget, thread_budget
 
 logger = logging.getLogger("splitserve.supervisor")
 REPO_ROOT = Path(__file__).resolve().parents[1]
+CURVE_PUBLIC_KEY_FILE = "curve_public.key"
 
 
 class ClusterStartError(RuntimeError):
@@ -85,6 +86,10 @@ class Cluster:
     def start(cls, config: ClusterConfig, *, owns_run_dir: bool = True,
               start_timeout_s: float = 180.0) -> "Cluster":
         config.write()
+        if config.curve_public_key:  # for users: the key clients pass as server_public_key=
+            key_path = Path(config.run_dir) / CURVE_PUBLIC_KEY_FILE
+            key_path.write_text(config.curve_public_key + "\n")
+            key_path.chmod(0o600)
         cluster = cls(config, owns_run_dir=owns_run_dir)
         try:
             cluster._start_all(start_timeout_s)
@@ -207,6 +212,12 @@ class Cluster:
         return child.ready.addresses[0] if child and child.ready else None
 
     @property
+    def curve_public_key(self) -> str | None:
+        """The CURVE server public key clients need (Client(..., server_public_key=)), or None
+        when the cluster runs without CURVE."""
+        return self.config.curve_public_key or None
+
+    @property
     def pids(self) -> dict[str, int]:
         return {c.name: c.popen.pid for c in self.children}
 
@@ -321,9 +332,24 @@ def make_config(model: str | os.PathLike | None = None, run_dir: str | None = No
                       if overrides.get("http_port") is not None else 0))
     if overrides.get("http_port") == 0 and int(overrides.get("http_workers", 1)) > 1:  # type: ignore
         overrides["http_port"] = free_tcp_port(str(overrides.get("http_host", "127.0.0.1")))
+    overrides.update(curve_overrides(overrides))
     config = ClusterConfig(model_path=model_path, run_dir=run_dir, engine_threads=engine_threads,
                            tokenizer_threads=tokenizer_threads, **overrides)  # type: ignore
     return config, owns
+
+
+def curve_overrides(overrides: dict) -> dict:
+    """A fresh CURVE server key pair when the cluster listens beyond loopback (or require_curve
+    asks for CURVE anyway) and none was given; every socket of the cluster then uses it."""
+    if overrides.get("curve_secret_key"):
+        return {}
+    beyond_loopback = (overrides.get("transport") == "tcp"
+                       and overrides.get("host", "127.0.0.1") not in LOOPBACK_HOSTS)
+    if not (beyond_loopback or overrides.get("require_curve")):
+        return {}
+    check_curve_available()
+    public, secret = zmq.curve_keypair()
+    return {"curve_public_key": public.decode("ascii"), "curve_secret_key": secret.decode("ascii")}
 
 
 @contextlib.contextmanager
