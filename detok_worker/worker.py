@@ -2,11 +2,15 @@
 
 Sockets:
     ROUTER  client_addr       (bound, ROUTER_MANDATORY) handshake, events out, aborts/bye in
-    PULL    detokenizer_addr  (bound) StepOutput from the engine, RequestError from tokenizers
+    PULL    detokenizer_addr  (bound) StepOutput from the engine, RequestError from tokenizers,
+                              ClusterNotice from the supervisor (a worker died / is back)
     PUSH    engine_addr       AbortRequests: client aborts, matched stop strings, gone clients
 
 Every request it learns about (a RequestMeta or a RequestError) ends in exactly one terminal
 StreamEvent to its client; a client that disappeared has its requests aborted in the engine.
+When the supervisor reports the engine dead, every request held here ends with an "unavailable"
+error at once and that engine's late outputs are dropped; every notice is forwarded to each client
+with the ids of its requests known to be alive in the engine (see ipc.client_common.ClientCore).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from detok_worker.request_state import RequestState
 from ipc import codec
 from ipc.config import ClusterConfig
 from ipc.messages import (
-    ERR_UNAVAILABLE, FINISH_ABORT, FINISH_ERROR, FINISH_STOP, AbortRequests, ClientAbort,
-    ClientBye, ClientEvents, ClientHello, ClientWelcome, RequestError, StepOutput, StreamEvent,
+    ERR_UNAVAILABLE, FINISH_ABORT, FINISH_ERROR, FINISH_STOP, NOTICE_DIED, AbortRequests,
+    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, ClusterNotice, RequestError,
+    StepOutput, StreamEvent,
 )
 from ipc.sockets import LINGER_MS, PullQueue, PushQueue, bind, configure
 from procs.worker_runtime import WorkerRuntime
@@ -54,8 +59,9 @@ class Detokenizer:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # never drop silently: raise instead
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client takes over
         bind(self.router, config.client_addr, config.curve)
-        self.inbox: PullQueue[StepOutput | RequestError] = PullQueue(
-            ctx, config.detokenizer_addr, StepOutput, RequestError, curve=config.curve)
+        self.inbox: PullQueue[StepOutput | RequestError | ClusterNotice] = PullQueue(
+            ctx, config.detokenizer_addr, StepOutput, RequestError, ClusterNotice,
+            curve=config.curve)
         self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
         self.welcome = codec.encode(ClientWelcome(
             tokenizer_addrs=config.tokenizer_addrs,
@@ -66,6 +72,9 @@ class Detokenizer:
         self.ignored: OrderedDict[str, None] = OrderedDict()
         self.outgoing: dict[bytes, list[StreamEvent]] = {}
         self.aborts: list[str] = []
+        self.outgoing_notices: dict[bytes, list[ClusterNotice]] = {}  # sent after the events
+        self.dead_engine_pids: set[int] = set()
+        self.notices = 0
         self.steps = 0
         self.busy_s = 0.0
         self.events_sent = 0
@@ -96,6 +105,8 @@ class Detokenizer:
                     continue
                 if isinstance(msg, StepOutput):
                     self.handle_step(msg)
+                elif isinstance(msg, ClusterNotice):
+                    self.handle_notice(msg)
                 else:
                     self.handle_request_error(msg)
         self.flush()
@@ -152,10 +163,14 @@ class Detokenizer:
                 self.aborts.append(rid)  # the engine answers with finish "abort"
             elif len(info.pending_aborts) < MAX_PENDING_ABORTS:
                 info.pending_aborts.add(rid)  # still in a tokenizer: abort when it shows up
+                # ...and tell the engine now too (it remembers unknown ids for a while): after a
+                # detokenizer restart this process never sees the metas of older requests.
+                self.aborts.append(rid)
 
     def client_gone(self, client_id: bytes, reason: str) -> None:
         info = self.clients.pop(client_id, None)
         self.outgoing.pop(client_id, None)
+        self.outgoing_notices.pop(client_id, None)
         if info is None:
             return
         logger.info("client %r %s; aborting its %d requests", client_id, reason,
@@ -166,7 +181,33 @@ class Detokenizer:
             self.aborts.append(rid)
 
     # --- engine / tokenizer output ------------------------------------------------------------
+    def handle_notice(self, notice: ClusterNotice) -> None:
+        """A worker died or is back (from the supervisor): end what died with it, tell clients."""
+        self.notices += 1
+        logger.warning("%s[%d] (pid %d) %s%s", notice.role, notice.index, notice.pid,
+                       notice.event, f": {notice.detail}" if notice.detail else "")
+        if notice.event == NOTICE_DIED and notice.role == "engine":
+            if notice.pid:
+                self.dead_engine_pids.add(notice.pid)
+            now = time.monotonic()
+            message = (f"unavailable: the engine died ({notice.detail or 'exited'}); "
+                       "the request was lost with it")
+            for rid in list(self.states):
+                self._finish(rid, FINISH_ERROR, now, error=message, code=ERR_UNAVAILABLE)
+            self.ignored.clear()  # their engine finishes will never come
+        tokenizer_died = notice.event == NOTICE_DIED and notice.role == "tokenizer"
+        for client_id, info in self.clients.items():
+            alive = []
+            if tokenizer_died:  # its requests already in the engine are not lost
+                alive = [rid for rid in info.request_ids
+                         if self.states[rid].meta.tokenizer_index == notice.index]
+            self._queue_notice(client_id, ClusterNotice(
+                event=notice.event, role=notice.role, index=notice.index, pid=notice.pid,
+                detail=notice.detail, alive_ids=alive))
+
     def handle_step(self, out: StepOutput) -> None:
+        if out.engine_pid and out.engine_pid in self.dead_engine_pids:
+            return  # a dead engine's late output: its requests already ended here
         self.steps += 1
         for meta in out.new_requests:
             info = self.clients.get(meta.client_id)
@@ -239,6 +280,9 @@ class Detokenizer:
     def _queue(self, client_id: bytes, event: StreamEvent) -> None:
         self.outgoing.setdefault(client_id, []).append(event)
 
+    def _queue_notice(self, client_id: bytes, notice: ClusterNotice) -> None:
+        self.outgoing_notices.setdefault(client_id, []).append(notice)
+
     def flush(self) -> None:
         """One ClientEvents per client per pass, then the aborts this pass produced."""
         outgoing, self.outgoing = self.outgoing, {}
@@ -246,6 +290,11 @@ class Detokenizer:
             if client_id in self.clients:
                 self.events_sent += len(events)
                 self._send_frame(client_id, codec.encode(ClientEvents(events=events)))
+        notices, self.outgoing_notices = self.outgoing_notices, {}
+        for client_id, queued in notices.items():
+            for notice in queued:
+                if client_id in self.clients:
+                    self._send_frame(client_id, codec.encode(notice))
         if self.aborts:
             aborts, self.aborts = self.aborts, []
             try:
@@ -266,6 +315,7 @@ class Detokenizer:
     def stats(self) -> dict[str, float]:
         return {"clients": len(self.clients), "open_requests": len(self.states),
                 "steps": self.steps, "busy_s": self.busy_s, "events_sent": self.events_sent,
+                "notices": self.notices,
                 "pid": os.getpid()}
 
 

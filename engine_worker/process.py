@@ -151,6 +151,7 @@ class EngineProcess:
         self.send(out)
 
     def send(self, out: StepOutput) -> None:
+        out.engine_pid = self.runtime.pid
         try:
             self.outbox.put(out, timeout_ms=SEND_TIMEOUT_MS)
         except zmq.Again:

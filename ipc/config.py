@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ipc.sockets import CurveKeys
 
 TRANSPORTS = ("ipc", "tcp")
+RESTART_POLICIES = ("restart", "shutdown")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -66,7 +67,14 @@ class ClusterConfig:
 
     # supervision
     heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 10.0  # silent this long: a warning (and see hang_timeout_s)
+    # A child that exits unexpectedly: "restart" it (same role, index and addresses; clients are
+    # told, the requests it held end with an error) or "shutdown" the whole cluster in order.
+    restart_policy: str = "restart"
+    max_restarts: int = 5  # per child slot over the cluster's life; past it: shutdown
+    # Silent this long (no heartbeat): treated as dead (SIGKILL, then the policy). 0: never. The
+    # engine heartbeats between steps, so keep it well above the longest prefill step.
+    hang_timeout_s: float = 0.0
 
     # security: ZeroMQ CURVE on every socket, required when host is not loopback (and forced on
     # by require_curve). The supervisor generates the server key pair; clients need the public key.
@@ -75,6 +83,11 @@ class ClusterConfig:
     curve_secret_key: str = ""
 
     def __post_init__(self) -> None:
+        if self.restart_policy not in RESTART_POLICIES:
+            raise ValueError(f"restart_policy must be one of {RESTART_POLICIES}, "
+                             f"got {self.restart_policy!r}")
+        if self.max_restarts < 0 or self.hang_timeout_s < 0:
+            raise ValueError("max_restarts and hang_timeout_s must not be negative")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.tokenizer_workers < 1:

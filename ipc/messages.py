@@ -10,6 +10,7 @@ Channels (who sends what to whom):
     detokenizer -> engine      : AbortRequests (client aborts, stop strings, gone clients)
     engine      -> detokenizer : StepOutput (one message per engine step, columnar)
     any worker  -> supervisor  : WorkerReady, Heartbeat
+    supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
 
 Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
 different processes on one host compare directly.
@@ -239,6 +240,9 @@ class StepOutput:
     # Parallel to finish_errors: an ERR_* code where the reason is "error", else "". Optional so
     # that a StepOutput straight from Engine.step() (which leaves it empty) is still valid.
     finish_error_codes: list[str] = field(default_factory=list)
+    # The engine process that sent it: after the supervisor reports that engine dead, the
+    # detokenizer drops its late outputs (their requests already ended with an error).
+    engine_pid: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +322,31 @@ class StreamEvent:
 class ClientEvents:
     KIND = "events"
     events: list[StreamEvent]
+
+
+# ---------------------------------------------------------------------------------------------
+# supervisor -> detokenizer -> every client
+
+
+NOTICE_DIED = "died"  # the worker exited (or was killed for silence); the supervisor restarts it
+NOTICE_READY = "ready"  # its replacement reported ready
+
+
+@message
+@dataclass(slots=True)
+class ClusterNotice:
+    """A worker died or came back. The supervisor sends it to the detokenizer, which ends what
+    it can itself (the engine died: every request it holds) and forwards one to each client with
+    ``alive_ids`` set to that client's requests it knows are in the engine, so the client can end
+    with an error exactly the requests that died with the worker."""
+
+    KIND = "notice"
+    event: str
+    role: str
+    index: int
+    pid: int = 0
+    detail: str = ""  # e.g. "exited with code -9"
+    alive_ids: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------

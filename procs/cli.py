@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ipc.config import TRANSPORTS
+from ipc.config import RESTART_POLICIES, TRANSPORTS
 from procs.launch_cluster import Cluster, launch_cluster, make_config
 
 logger = logging.getLogger("splitserve.cli")
@@ -83,6 +83,15 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "$SPLITSERVE_API_KEY, or none)")
     g.add_argument("--start-timeout-s", type=float, default=180.0, metavar="SECONDS",
                    help="give up if the processes are not ready within this (default 180)")
+    f = p.add_argument_group("faults")
+    f.add_argument("--restart-policy", choices=RESTART_POLICIES, default="restart",
+                   help="when a worker process dies: restart it (its in-flight requests end with "
+                        "an 'unavailable' error) or shut the cluster down (default restart)")
+    f.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                   help="restarts per worker before the cluster shuts down instead (default 5)")
+    f.add_argument("--hang-timeout-s", type=float, default=0.0, metavar="SECONDS",
+                   help="kill and handle as dead a worker silent this long; keep it above the "
+                        "longest prefill step (default 0: never)")
 
 
 def cluster_kwargs(args: argparse.Namespace) -> dict:
@@ -95,7 +104,9 @@ def cluster_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
         max_waiting_requests=args.max_waiting_requests,
         stream_interval_tokens=args.stream_interval_tokens, base_port=args.port,
-        require_curve=args.require_curve, **listen_kwargs(args), **http_kwargs(args))
+        require_curve=args.require_curve, restart_policy=args.restart_policy,
+        max_restarts=args.max_restarts, hang_timeout_s=args.hang_timeout_s,
+        **listen_kwargs(args), **http_kwargs(args))
 
 
 def listen_kwargs(args: argparse.Namespace) -> dict:

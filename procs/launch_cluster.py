@@ -11,9 +11,18 @@ tokenizers; each reports WorkerReady. Shutdown is ordered so every request in fl
 terminal event: tokenizers stop accepting (they answer "unavailable"), the engine aborts what it
 runs, tokenizers exit, and the detokenizer, last, forwards everything and ends what is left.
 
-Policy on a child's unexpected exit (basic for now): the whole cluster stops in the same order;
-``Cluster.failure`` says why. Children are only ever started from the thread that called
-``start`` because PR_SET_PDEATHSIG fires when the *thread* that forked them exits.
+Policy on a child's unexpected exit (``restart_policy``): "restart" (the default) starts it again
+under the same role, index and addresses, at most ``max_restarts`` times per slot; before that the
+supervisor sends a ClusterNotice to the detokenizer, which ends every request that died with the
+worker (all of the engine's; a tokenizer's are ended by each client, which knows what it sent
+where) and forwards the notice to every client; a second notice says the replacement is ready. A
+dead detokenizer is noticed by clients themselves (their connection drops). "shutdown", or a slot
+out of restarts, stops the whole cluster in the same order as a shutdown; ``Cluster.failure`` says
+why. With ``hang_timeout_s`` set, a ready child silent that long is killed and handled as dead.
+
+Children are started from the thread that called ``start`` and, for restarts, from the watcher
+thread: PR_SET_PDEATHSIG fires when the *thread* that forked a child exits, and both live until
+``shutdown`` has stopped every child.
 """
 
 from __future__ import annotations
@@ -37,8 +46,8 @@ import zmq
 
 from ipc import codec
 from ipc.config import LOOPBACK_HOSTS, ClusterConfig
-from ipc.messages import Heartbeat, WorkerReady
-from ipc.sockets import PullQueue, check_curve_available
+from ipc.messages import NOTICE_DIED, NOTICE_READY, ClusterNotice, Heartbeat, WorkerReady
+from ipc.sockets import PullQueue, PushQueue, check_curve_available
 from procs.model_store import resolve_model
 from procs.run_worker import PARENT_PID_ENV
 from procs.thread_budget import child_env, describe_budget, thread_budget
@@ -60,6 +69,9 @@ class Child:
     ready: WorkerReady | None = None
     last_heartbeat: Heartbeat | None = None
     silent_warned: bool = False
+    last_seen: float = 0.0  # supervisor's monotonic clock: spawn, ready or latest heartbeat
+    restarted: bool = False  # a replacement whose readiness the detokenizer is still to hear of
+    killed_for: str = ""  # why the supervisor killed it (hang), for the log and the notice
 
     @property
     def name(self) -> str:
@@ -73,7 +85,10 @@ class Cluster:
         self.ctx = zmq.Context()
         self.inbox = PullQueue(self.ctx, config.supervisor_addr, WorkerReady, Heartbeat,
                                curve=config.curve)
+        # ClusterNotices go to the detokenizer's inbox (it forwards them to clients).
+        self.notices = PushQueue(self.ctx, config.detokenizer_addr, hwm=1000, curve=config.curve)
         self.children: list[Child] = []
+        self.restarts: dict[str, int] = {}  # child name -> restarts so far
         self.failure: str | None = None
         self._lock = threading.Lock()
         self._stopping = False
@@ -128,7 +143,7 @@ class Cluster:
         popen = subprocess.Popen(
             [sys.executable, "-m", "procs.run_worker", role, str(index),
              str(self.config.config_path)], env=env, cwd=str(REPO_ROOT))
-        child = Child(role, index, popen)
+        child = Child(role, index, popen, last_seen=time.monotonic())
         self.children.append(child)
         return child
 
@@ -156,8 +171,9 @@ class Cluster:
                 logger.warning("malformed frame on the supervisor socket: %s", exc)
                 continue
             child = self._child(msg.role, msg.index)
-            if child is None:
-                continue
+            if child is None or msg.pid != child.popen.pid:
+                continue  # unknown, or the last words of a process already replaced
+            child.last_seen = time.monotonic()
             if isinstance(msg, WorkerReady):
                 child.ready = msg
             else:
@@ -170,12 +186,62 @@ class Cluster:
             if self._stopping:
                 continue
             self._warn_silent_children()
+            self._kill_hung_children()
+            for c in self.children:
+                if c.restarted and c.ready is not None:
+                    c.restarted = False
+                    logger.warning("%s restarted: pid %d ready", c.name, c.popen.pid)
+                    self._notify(ClusterNotice(event=NOTICE_READY, role=c.role, index=c.index,
+                                               pid=c.popen.pid))
             dead = [c for c in self.children if c.popen.poll() is not None]
             if dead:
-                self.failure = ", ".join(f"{c.name} exited with code {c.popen.returncode}"
-                                         for c in dead)
-                logger.error("%s; stopping the cluster", self.failure)
+                self._handle_dead(dead)
+
+    def _handle_dead(self, dead: list[Child]) -> None:
+        """The restart policy: tell the detokenizer (it ends the requests that died), restart."""
+        for c in dead:
+            detail = c.killed_for or f"exited with code {c.popen.returncode}"
+            if c.role != "detokenizer":  # a detokenizer's clients see their connection drop
+                self._notify(ClusterNotice(event=NOTICE_DIED, role=c.role, index=c.index,
+                                           pid=c.popen.pid, detail=detail))
+            used = self.restarts.get(c.name, 0)
+            if self.config.restart_policy != "restart" or used >= self.config.max_restarts:
+                why = ("restart_policy is shutdown" if self.config.restart_policy != "restart"
+                       else f"it was restarted {used} times already (max_restarts)")
+                self.failure = f"{c.name} {detail}"
+                logger.error("%s (pid %d) %s; stopping the cluster: %s", c.name, c.popen.pid,
+                             detail, why)
                 self._stop_children()
+                return
+            with self._lock:
+                if self._stopping:
+                    return
+                self.restarts[c.name] = used + 1
+                self.children.remove(c)
+                new = self._spawn(c.role, c.index)
+                new.restarted = True
+            logger.warning("%s (pid %d) %s; restarting it as pid %d (restart %d of %d)",
+                           c.name, c.popen.pid, detail, new.popen.pid, used + 1,
+                           self.config.max_restarts)
+
+    def _kill_hung_children(self) -> None:
+        limit = self.config.hang_timeout_s
+        if not limit:
+            return
+        now = time.monotonic()
+        for c in self.children:
+            # Only once ready: loading a model is slow and says nothing until it is done.
+            if c.ready is not None and not c.killed_for and now - c.last_seen > limit:
+                c.killed_for = f"sent no heartbeat for {now - c.last_seen:.1f} s (hang_timeout_s)"
+                logger.error("%s (pid %d) %s; killing it", c.name, c.popen.pid, c.killed_for)
+                with contextlib.suppress(ProcessLookupError):
+                    c.popen.kill()
+
+    def _notify(self, notice: ClusterNotice) -> None:
+        try:
+            self.notices.put(notice, block=False)
+        except zmq.Again:
+            logger.error("the detokenizer is not reading; dropped notice %s", notice)
 
     def _warn_silent_children(self) -> None:
         # Only a warning: the engine heartbeats between steps, and one long prefill on a slow
@@ -232,11 +298,12 @@ class Cluster:
         with self._lock:
             if self._stopping:
                 return
-            self._stopping = True
-        tokenizers = [c for c in self.children if c.role == "tokenizer"]
-        engines = [c for c in self.children if c.role == "engine"]
-        detoks = [c for c in self.children if c.role == "detokenizer"]
-        frontends = [c for c in self.children if c.role == "http"]
+            self._stopping = True  # no restart starts a child after this
+            children = list(self.children)
+        tokenizers = [c for c in children if c.role == "tokenizer"]
+        engines = [c for c in children if c.role == "engine"]
+        detoks = [c for c in children if c.role == "detokenizer"]
+        frontends = [c for c in children if c.role == "http"]
         # Frontends stop accepting connections first; their open responses get the terminal
         # events the rest of the shutdown produces, then they exit.
         _signal(frontends, signal.SIGTERM)
@@ -261,6 +328,7 @@ class Cluster:
                 return
             self._closed = True
         self.inbox.close()
+        self.notices.socket.close(linger=0)
         self.ctx.term()
         self._remove_run_dir()
 

@@ -10,7 +10,7 @@ from ipc import codec
 from ipc.codec import DecodeError, decode, encode, pack_ids, salvage_fields, unpack_id_list
 from ipc.messages import (
     AbortRequests, ChatMessage, ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome,
-    EngineStats, Heartbeat, RequestError, RequestMeta, RequestStart, RequestTimings,
+    ClusterNotice, EngineStats, Heartbeat, RequestError, RequestMeta, RequestStart, RequestTimings,
     SamplingParams, StepOutput, StreamEvent, SubmitRequest, TokenizedRequest, Usage, WorkerReady,
 )
 
@@ -29,7 +29,8 @@ EXAMPLES = [
     StepOutput(step=3, t_step=9.0, new_requests=[META], request_ids=["r1"],
                token_ids=pack_ids([42]), started=[RequestStart("r1", 1.0, 2.0, 16)],
                finished_ids=["r1"], finish_reasons=["stop"], finish_errors=[""],
-               stats=EngineStats(running=1, step_ms=2.5), finish_error_codes=[""]),
+               stats=EngineStats(running=1, step_ms=2.5), finish_error_codes=[""],
+               engine_pid=77),
     ClientHello(b"c1"),
     ClientWelcome(["ipc:///x"], "m", 2048, 49152),
     ClientAbort(["r1"]),
@@ -38,6 +39,7 @@ EXAMPLES = [
                               Usage(3, 1, 0), RequestTimings(t_submit=1.0))]),
     WorkerReady("engine", 0, 123, ["ipc:///e"], "m", 2048, 49152),
     Heartbeat("tokenizer", 1, 124, 5.0, {"served": 3.0}),
+    ClusterNotice("died", "tokenizer", 1, 125, "exited with code -9", ["r1"]),
 ]
 
 
