@@ -22,11 +22,12 @@ import zmq.asyncio
 from ipc import codec
 from ipc.client_common import (
     ClientCore, Delta, GenerationResult, HandleBase, RequestRecord, RequestTimeoutError,
-    UnavailableError, closed_event, curve_keys, make_dealer, make_submit_socket, prompt_kwargs,
-    timeout_event, tokenizer_addrs,
+    UnavailableError, closed_event, curve_keys, disconnect_monitor, make_dealer,
+    make_submit_sockets, monitor_events, prompt_kwargs, timeout_event, tokenizer_addrs,
 )
 from ipc.messages import (
-    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, SamplingParams,
+    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, ClusterNotice,
+    SamplingParams, StreamEvent,
 )
 from ipc.sockets import LINGER_MS
 
@@ -83,7 +84,8 @@ class AsyncClient:
         self._core = ClientCore(deadline_s)
         self._ctx = zmq.asyncio.Context()
         self._dealer: zmq.asyncio.Socket | None = None
-        self._submit: zmq.Socket | None = None
+        self._submit: list[zmq.Socket] | None = None
+        self._monitor: zmq.Socket | None = None
         self._task: asyncio.Task | None = None
         self._pending_sends: set[asyncio.Task] = set()
         self.welcome: ClientWelcome | None = None
@@ -103,8 +105,9 @@ class AsyncClient:
                                    f"{self.connect_timeout_s} s")
         self.welcome = codec.decode_as(await dealer.recv(), ClientWelcome)
         self._dealer = dealer
-        # A plain socket: a NOBLOCK send never waits, so submit() needs no await.
-        self._submit = make_submit_socket(
+        self._monitor = disconnect_monitor(dealer)
+        # Plain sockets: a NOBLOCK send never waits, so submit() needs no await.
+        self._submit = make_submit_sockets(
             self._ctx, tokenizer_addrs(self.address, self.welcome.tokenizer_addrs),
             self.submit_hwm, self._curve)
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
@@ -129,23 +132,54 @@ class AsyncClient:
         return [await h.result(check=check) for h in handles]
 
     async def _receive_loop(self) -> None:
-        assert self._dealer is not None
+        assert self._dealer is not None and self._monitor is not None
         while True:
             if await self._dealer.poll(self._core.next_deadline_ms(100)):
-                try:
-                    msg = codec.decode_as(await self._dealer.recv(), ClientEvents)
-                except codec.DecodeError:
-                    continue
-                now = time.monotonic()
-                for event in msg.events:
-                    if (handle := self._core.records.get(event.request_id)) is not None:
-                        self._core.apply(handle, event, now)
+                self._route(await self._dealer.recv())
+            if monitor_events(self._monitor):
+                # The detokenizer is gone: route what it sent before, then end what is open.
+                while await self._dealer.poll(0):
+                    self._route(await self._dealer.recv())
+                lost = self._core.on_disconnected()
+                await self._dealer.send(codec.encode(ClientHello(self._core.client_id)))
+                await self._end_lost(lost)
             expired = self._core.expired(time.monotonic())
             if expired:
                 await self._dealer.send(codec.encode(ClientAbort(expired)))
                 for wire_id in expired:
                     self._core.apply(self._core.records[wire_id],
                                 timeout_event(wire_id, self._core.deadline_s), time.monotonic())
+
+    def _route(self, frame: bytes) -> None:
+        try:
+            msg = codec.decode_as(frame, ClientEvents, ClusterNotice, ClientWelcome)
+        except codec.DecodeError:
+            return
+        if isinstance(msg, ClusterNotice):
+            lost = self._core.on_notice(msg)
+            if lost:
+                self._send_soon(codec.encode(ClientAbort([wid for wid, _ in lost])))
+                self._apply_lost(lost)
+            return
+        if isinstance(msg, ClientWelcome):  # a restarted detokenizer answered our hello
+            self.welcome = msg
+            self._core.on_welcome()
+            return
+        now = time.monotonic()
+        for event in msg.events:
+            if (handle := self._core.records.get(event.request_id)) is not None:
+                self._core.apply(handle, event, now)
+
+    async def _end_lost(self, lost: list[tuple[str, StreamEvent]]) -> None:
+        if lost:
+            await self._dealer.send(codec.encode(ClientAbort([wid for wid, _ in lost])))
+            self._apply_lost(lost)
+
+    def _apply_lost(self, lost: list[tuple[str, StreamEvent]]) -> None:
+        now = time.monotonic()
+        for wire_id, event in lost:
+            if (handle := self._core.records.get(wire_id)) is not None:
+                self._core.apply(handle, event, now)
 
     def _send_soon(self, frame: bytes) -> None:
         if self._dealer is None:
@@ -167,13 +201,18 @@ class AsyncClient:
             await asyncio.gather(*self._pending_sends, return_exceptions=True)
         if self._dealer is not None:
             await self._dealer.send(codec.encode(ClientBye()))
+            self._dealer.disable_monitor()
             self._dealer.close(linger=LINGER_MS)
             self._dealer = None
         now = time.monotonic()
         for wire_id, handle in list(self._core.records.items()):
             self._core.apply(handle, closed_event(wire_id), now)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._submit is not None:
-            self._submit.close(linger=0)
+            for sock in self._submit:
+                sock.close(linger=0)
             self._submit = None
         self._ctx.term()
 

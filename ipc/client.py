@@ -24,10 +24,12 @@ from ipc import codec
 from ipc.client_common import (
     BadRequestError, ClientCore, Delta, GenerationResult, HandleBase, OverloadedError,
     RequestRecord, RequestTimeoutError, SplitserveError, UnavailableError, closed_event,
-    curve_keys, make_dealer, make_submit_socket, prompt_kwargs, timeout_event, tokenizer_addrs,
+    curve_keys, disconnect_monitor, make_dealer, make_submit_sockets, monitor_events,
+    prompt_kwargs, timeout_event, tokenizer_addrs,
 )
 from ipc.messages import (
-    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, SamplingParams,
+    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, ClusterNotice,
+    SamplingParams, StreamEvent,
 )
 from ipc.sockets import LINGER_MS
 
@@ -98,7 +100,7 @@ class Client:
             raise UnavailableError(f"no splitserve cluster answered at {address} within "
                                    f"{connect_timeout_s} s" + _curve_hint(curve))
         self.welcome: ClientWelcome = codec.decode_as(dealer.recv(), ClientWelcome)
-        self._submit = make_submit_socket(
+        self._submit = make_submit_sockets(
             self._ctx, tokenizer_addrs(address, self.welcome.tokenizer_addrs), submit_hwm, curve)
         self._control_addr = f"inproc://control-{self._core.client_id.decode()}"
         control_in = self._ctx.socket(zmq.PULL)
@@ -106,7 +108,9 @@ class Client:
         self._control = self._ctx.socket(zmq.PUSH)
         self._control.connect(self._control_addr)
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._receive_loop, args=(dealer, control_in),
+        monitor = disconnect_monitor(dealer)
+        self._thread = threading.Thread(target=self._receive_loop,
+                                        args=(dealer, control_in, monitor),
                                         name="splitserve-client", daemon=True)
         self._thread.start()
 
@@ -141,36 +145,64 @@ class Client:
         return [h.result(timeout, check=check) for h in handles]
 
     # --- the receiver thread ------------------------------------------------------------------
-    def _receive_loop(self, dealer: zmq.Socket, control_in: zmq.Socket) -> None:
+    def _receive_loop(self, dealer: zmq.Socket, control_in: zmq.Socket,
+                      monitor: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(control_in, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._closing.is_set():
                 ready = dict(poller.poll(self._core.next_deadline_ms(100)))
                 if control_in in ready:
                     while (frame := _recv_nowait(control_in)) is not None:
                         dealer.send(frame)
-                if dealer in ready:
+                if dealer in ready or monitor in ready:
                     while (frame := _recv_nowait(dealer)) is not None:
-                        self._route(frame)
+                        self._route(frame, dealer)
+                if monitor in ready and monitor_events(monitor):
+                    # The detokenizer is gone (whatever it sent before is routed above). Its
+                    # replacement binds the same address: the DEALER reconnects by itself and
+                    # these wait in its pipe until then.
+                    lost = self._core.on_disconnected()
+                    dealer.send(codec.encode(ClientHello(self._core.client_id)))
+                    self._end_lost(lost, dealer)
                 self._expire(dealer)
             while (frame := _recv_nowait(control_in)) is not None:
                 dealer.send(frame)
             dealer.send(codec.encode(ClientBye()))
         finally:
+            dealer.disable_monitor()
+            monitor.close(linger=0)
             dealer.close(linger=LINGER_MS)
             control_in.close(linger=0)
 
-    def _route(self, frame: bytes) -> None:
+    def _route(self, frame: bytes, dealer: zmq.Socket) -> None:
         try:
-            msg = codec.decode_as(frame, ClientEvents)
+            msg = codec.decode_as(frame, ClientEvents, ClusterNotice, ClientWelcome)
         except codec.DecodeError:
             return  # not from a splitserve detokenizer; nothing to attribute it to
+        if isinstance(msg, ClusterNotice):
+            self._end_lost(self._core.on_notice(msg), dealer)
+            return
+        if isinstance(msg, ClientWelcome):  # a restarted detokenizer answered our hello
+            self.welcome = msg
+            self._core.on_welcome()
+            return
         now = time.monotonic()
         for event in msg.events:
             handle = self._core.records.get(event.request_id)
             if handle is not None:
+                self._core.apply(handle, event, now)
+
+    def _end_lost(self, lost: list[tuple[str, StreamEvent]], dealer: zmq.Socket) -> None:
+        """Ends requests lost with a worker and aborts any copy still in the cluster."""
+        if not lost:
+            return
+        dealer.send(codec.encode(ClientAbort([wire_id for wire_id, _ in lost])))
+        now = time.monotonic()
+        for wire_id, event in lost:
+            if (handle := self._core.records.get(wire_id)) is not None:
                 self._core.apply(handle, event, now)
 
     def _expire(self, dealer: zmq.Socket) -> None:
@@ -197,7 +229,8 @@ class Client:
         now = time.monotonic()
         for wire_id, handle in list(self._core.records.items()):
             self._core.apply(handle, closed_event(wire_id), now)
-        self._submit.close(linger=0)
+        for sock in self._submit:
+            sock.close(linger=0)
         self._control.close(linger=0)
         self._ctx.term()
 

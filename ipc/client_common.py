@@ -19,8 +19,9 @@ import zmq
 from ipc import codec
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import (
-    ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR, ChatMessage,
-    RequestTimings, SamplingParams, StreamEvent, SubmitRequest, Usage,
+    ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR, NOTICE_DIED,
+    NOTICE_READY, ChatMessage, ClusterNotice, RequestTimings, SamplingParams, StreamEvent,
+    SubmitRequest, Usage,
 )
 from ipc.sockets import LINGER_MS, CurveKeys, configure, connect
 
@@ -144,7 +145,7 @@ class RequestRecord:
     """The client's view of one request; the handle classes wrap it."""
 
     __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
-                 "t_received", "final")
+                 "t_received", "final", "tokenizer", "seen")
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
         self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
@@ -153,6 +154,8 @@ class RequestRecord:
         self.token_ids: list[int] = []
         self.t_received: list[float] = []
         self.final: Delta | None = None
+        self.tokenizer = -1  # the index of the tokenizer worker it was sent to
+        self.seen = False  # an event arrived: it is past its tokenizer
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
         ids = unpack_id_list(event.token_ids) if event.token_ids else []
@@ -160,6 +163,7 @@ class RequestRecord:
                       event.error, event.error_code, event.usage, event.timings)
         self.text.append(event.text)
         self.token_ids.extend(ids)
+        self.seen = True
         if ids or event.text:
             self.t_received.append(t)
         if event.finished:
@@ -203,7 +207,14 @@ class HandleBase:
 
 
 class ClientCore:
-    """Ids, records and deadlines; no sockets, no threads (the clients bring those)."""
+    """Ids, records and deadlines; no sockets, no threads (the clients bring those).
+
+    Faults: each request is sent on the socket of one tokenizer worker and remembers which, so a
+    ClusterNotice "tokenizer i died" ends exactly the requests that were still in it (those the
+    detokenizer does not list alive) with an "unavailable" error; "engine died" ends everything
+    open; a lost detokenizer connection ends everything open too, and submits are refused until
+    the restarted detokenizer welcomed us again. The caller sends a ClientAbort for the ended ids
+    (any copy still on its way through the cluster is then freed)."""
 
     def __init__(self, deadline_s: float | None) -> None:
         self.client_id = f"c{secrets.token_hex(8)}".encode()
@@ -212,6 +223,9 @@ class ClientCore:
         self._deadlines: list[tuple[float, str]] = []
         self._heap_lock = threading.Lock()  # the sync client pushes and pops from two threads
         self._counter = itertools.count()
+        self._next_tokenizer = 0
+        self.down: set[int] = set()  # tokenizer workers reported dead and not back yet
+        self.reconnecting = False  # the detokenizer connection dropped; no welcome since
 
     def new_record(self, request_id: str | None, deadline_s: float | None) -> RequestRecord:
         if request_id is None:
@@ -226,12 +240,17 @@ class ClientCore:
                 heapq.heappush(self._deadlines, (deadline, wire_id))
         return RequestRecord(request_id, wire_id, deadline)
 
-    def submit(self, sock: zmq.Socket, make_handle: Any, request_id: str | None,
+    def submit(self, socks: list[zmq.Socket], make_handle: Any, request_id: str | None,
                deadline_s: float | None, **request: Any) -> Any:
         """Builds, registers and sends one request without blocking; returns its handle.
 
-        Raises BadRequestError for invalid arguments, OverloadedError when every tokenizer's
-        pipe is full (the request was not accepted and is forgotten)."""
+        ``socks``: one PUSH per tokenizer worker, tried round-robin, live workers first (a dead
+        one's socket queues for its replacement, the last resort). Raises BadRequestError for
+        invalid arguments, OverloadedError when every tokenizer's pipe is full, UnavailableError
+        while the detokenizer reconnects (the request was not accepted and is forgotten)."""
+        if self.reconnecting:
+            raise UnavailableError("the detokenizer connection was lost; reconnecting, retry "
+                                   "shortly", request_id)
         record = self.new_record(request_id, deadline_s)
         msg = build_submit(self.client_id, record.wire_id, t_submit=time.monotonic(), **request)
         record.t_submit = msg.t_submit
@@ -241,13 +260,55 @@ class ClientCore:
                                   f"{codec.MAX_FRAME_BYTES}", record.request_id)
         handle = make_handle(record)
         self.records[record.wire_id] = handle
-        try:
-            sock.send(frame, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            del self.records[record.wire_id]
-            raise OverloadedError("every tokenizer worker's queue is full; retry later",
-                                  record.request_id) from None
-        return handle
+        n = len(socks)
+        first = self._next_tokenizer
+        order = [(first + k) % n for k in range(n)]
+        if self.down:
+            order.sort(key=lambda i: i in self.down)  # stable: round-robin among the live ones
+        for i in order:
+            try:
+                socks[i].send(frame, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                continue
+            record.tokenizer = i
+            self._next_tokenizer = (i + 1) % n
+            return handle
+        self.records.pop(record.wire_id, None)
+        raise OverloadedError("every tokenizer worker's queue is full; retry later",
+                              record.request_id)
+
+    def on_notice(self, notice: ClusterNotice) -> list[tuple[str, StreamEvent]]:
+        """A worker died or is back: the terminal events for the open requests lost with it."""
+        if notice.event == NOTICE_READY:
+            if notice.role == "tokenizer":
+                self.down.discard(notice.index)
+            return []
+        if notice.event != NOTICE_DIED:
+            return []
+        detail = f" ({notice.detail})" if notice.detail else ""
+        if notice.role == "engine":
+            message = f"unavailable: the engine died{detail}; the request was lost with it"
+            lost = list(self.records)  # list(): atomic against a submitting thread
+        elif notice.role == "tokenizer":
+            self.down.add(notice.index)
+            message = (f"unavailable: tokenizer worker {notice.index} died{detail} before the "
+                       "request reached the engine; retry it")
+            alive = set(notice.alive_ids)
+            lost = [wid for wid, h in list(self.records.items())
+                    if h._record.tokenizer == notice.index and not h._record.seen
+                    and wid not in alive]
+        else:
+            return []
+        return [(wid, unavailable_event(wid, message)) for wid in lost]
+
+    def on_disconnected(self) -> list[tuple[str, StreamEvent]]:
+        """The detokenizer connection dropped: every open request's stream is gone with it."""
+        self.reconnecting = True
+        message = "unavailable: the connection to the detokenizer was lost (it died or stopped)"
+        return [(wid, unavailable_event(wid, message)) for wid in list(self.records)]
+
+    def on_welcome(self) -> None:
+        self.reconnecting = False
 
     def apply(self, handle: Any, event: StreamEvent, now: float) -> None:
         """Routes one event to its handle; a terminal event forgets the request."""
@@ -280,6 +341,11 @@ def timeout_event(wire_id: str, seconds: float | None) -> StreamEvent:
                        error_code=ERR_TIMEOUT)
 
 
+def unavailable_event(wire_id: str, message: str) -> StreamEvent:
+    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
+                       error=message, error_code=ERR_UNAVAILABLE)
+
+
 def closed_event(wire_id: str) -> StreamEvent:
     return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
                        error="the client was closed before the request finished",
@@ -297,16 +363,43 @@ def curve_keys(server_public_key: str | bytes | None) -> CurveKeys | None:
         raise BadRequestError(f"server_public_key: {exc}") from None
 
 
-def make_submit_socket(ctx: zmq.Context, addrs: list[str], hwm: int,
-                       curve: CurveKeys | None = None) -> zmq.Socket:
-    """A plain (sync) PUSH to every tokenizer: round-robin skips full pipes; NOBLOCK sends."""
-    sock = configure(zmq.Socket(ctx, zmq.PUSH), receives=False, sndhwm=hwm)
-    sock.setsockopt(zmq.LINGER, LINGER_MS)
-    if curve is not None:
-        curve.make_client(sock)  # socket options: they hold for every connect below
+def make_submit_sockets(ctx: zmq.Context, addrs: list[str], hwm: int,
+                        curve: CurveKeys | None = None) -> list[zmq.Socket]:
+    """One plain (sync) PUSH per tokenizer worker (NOBLOCK sends never wait): the client knows
+    which worker holds each request, so a worker's death ends exactly its requests."""
+    socks = []
     for addr in addrs:
+        sock = configure(zmq.Socket(ctx, zmq.PUSH), receives=False, sndhwm=hwm)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        if curve is not None:
+            curve.make_client(sock)
         sock.connect(addr)
-    return sock
+        socks.append(sock)
+    return socks
+
+
+def disconnect_monitor(dealer: zmq.Socket) -> zmq.Socket:
+    """A plain (sync, also under asyncio) socket that reports the DEALER's connection to the
+    detokenizer dropping; read it with monitor_events."""
+    addr = f"inproc://splitserve-monitor-{secrets.token_hex(8)}"
+    dealer.monitor(addr, zmq.EVENT_DISCONNECTED)
+    monitor = zmq.Socket(dealer.context, zmq.PAIR)
+    monitor.connect(addr)
+    return monitor
+
+
+def monitor_events(monitor: zmq.Socket) -> int:
+    """How many DISCONNECTED events are queued on ``monitor`` (read without blocking)."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    count = 0
+    while True:
+        try:
+            parts = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return count
+        if parse_monitor_message(parts)["event"] == zmq.EVENT_DISCONNECTED:
+            count += 1
 
 
 def make_dealer(sock: zmq.Socket, client_id: bytes, address: str,
