@@ -6,6 +6,7 @@ max_tokens, stop_token_ids, eos, abort and the waiting-queue bound.
 
 from __future__ import annotations
 
+import os
 import time
 
 from ipc.codec import pack_ids
@@ -22,11 +23,12 @@ class FakeEngine:
     eos_token_ids = [2]
     model_name = "fake-echo"
 
-    def __init__(self, max_waiting: int = 4096) -> None:
+    def __init__(self, max_waiting: int = 4096, step_s: float = 0.002) -> None:
         self.requests: dict[str, dict] = {}
         self.aborted: set[str] = set()
         self.max_waiting = max_waiting
         self.step_no = 0
+        self.step_s = step_s
 
     def add(self, request_id, prompt_token_ids, sampling, arrival_time=None):
         if len(self.requests) >= self.max_waiting:
@@ -78,9 +80,11 @@ class FakeEngine:
                 out.finish_reasons.append(reason)
         out.token_ids = pack_ids(tokens)
         out.finish_errors = [""] * len(out.finished_ids)
-        time.sleep(0.002)
+        time.sleep(self.step_s)
         return out
 
 
 def make(config) -> FakeEngine:
-    return FakeEngine(config.max_waiting_requests)
+    # SPLITSERVE_FAKE_STEP_S: seconds per step, to keep requests in flight (fault tests).
+    return FakeEngine(config.max_waiting_requests,
+                      float(os.environ.get("SPLITSERVE_FAKE_STEP_S", "0.002")))

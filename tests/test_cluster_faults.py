@@ -1,0 +1,224 @@
+"""Process faults on a real cluster: every accepted request ends with exactly one terminal event,
+the supervisor restarts the dead worker, and a fresh request succeeds afterwards.
+
+The stand-in engine (tests/procs/fake_engine.py, slowed with SPLITSERVE_FAKE_STEP_S) keeps
+requests in flight long enough to kill a process under them; tokenizers and the detokenizer are
+the real ones. The client-disconnect test runs the real engine on the tiny model, to see its KV
+blocks come back. Each fault test prints one row of the issue's table (-s shows them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ipc.client import Client
+from procs.launch_cluster import launch_cluster
+
+FAKE_ENGINE = f"{Path(__file__).parent / 'procs' / 'fake_engine.py'}:make"
+REPO = Path(__file__).resolve().parents[1]
+N = 12
+
+
+def poll(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not reached within {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
+        mp.setenv("SPLITSERVE_FAKE_STEP_S", "0.02")  # 240 tokens: ~5 s in flight
+        with launch_cluster(None, tokenizer_workers=2, heartbeat_interval_s=0.1,
+                            max_restarts=3) as c:
+            yield c
+
+
+def pid_of(cluster, role: str, index: int = 0) -> int:
+    return cluster._child(role, index).popen.pid
+
+
+def restarted(cluster, role: str, index: int, old_pid: int) -> bool:
+    child = cluster._child(role, index)
+    return child is not None and child.popen.pid != old_pid and child.ready is not None \
+        and child.popen.poll() is None
+
+
+def terminal_counts(handles) -> list[int]:
+    return [sum(d.finished for d in h._deltas) for h in handles]
+
+
+def account(fault: str, handles, timeout_s: float = 20.0) -> list:
+    """Waits for every handle's terminal event (the deadline is the test's, not the client's),
+    checks there is exactly one each, prints the table row, returns the results."""
+    results = [h.result(timeout=timeout_s, check=False) for h in handles]
+    counts = terminal_counts(handles)
+    ended = sum(c == 1 for c in counts)
+    lost = sum(c == 0 for c in counts)
+    print(f"\nFAULT | {fault} | requests {len(handles)} | ended correctly {ended} | lost {lost}")
+    assert counts == [1] * len(handles), counts
+    for r in results:  # finished normally, or a clear error; never a client-side timeout
+        assert r.finish_reason in ("length", "stop", "abort") or (
+            r.error_code == "unavailable" and r.error.startswith("unavailable: ")), r
+    return results
+
+
+def assert_serves(client) -> None:
+    result = client.submit("after the fault", max_tokens=3).result(timeout=30)
+    assert result.finish_reason == "length" and result.text.startswith("after")
+
+
+def test_tokenizer_killed_with_requests_queued_in_it(cluster):
+    with Client(cluster.client_addr, deadline_s=60) as client:
+        victim = pid_of(cluster, "tokenizer", 1)
+        os.kill(victim, signal.SIGSTOP)  # it reads nothing more: what it is sent stays queued
+        try:
+            handles = [client.submit(f"queued {i}", max_tokens=60) for i in range(N)]
+            held = [h for h in handles if h._record.tokenizer == 1]
+            assert len(held) == N // 2
+            next(handles[0].stream(timeout=30))  # worker 0's share is generating
+        finally:
+            os.kill(victim, signal.SIGKILL)
+        results = account("tokenizer[1] SIGKILL, half the requests queued in it", handles)
+        for h, r in zip(handles, results):
+            if h._record.tokenizer == 1:
+                assert "tokenizer worker 1 died" in r.error
+            else:
+                assert r.finish_reason == "length"
+        poll(lambda: restarted(cluster, "tokenizer", 1, victim), what="tokenizer restart")
+        poll(lambda: 1 not in client._core.down, what="the client hearing it is back")
+        # Both workers serve again: round-robin puts the next two on different workers.
+        fresh = [client.submit("after the fault", max_tokens=3) for _ in range(2)]
+        assert {h._record.tokenizer for h in fresh} == {0, 1}
+        assert all(h.result(timeout=30).text.startswith("after") for h in fresh)
+    assert cluster.restarts["tokenizer[1]"] == 1
+
+
+def test_engine_killed_with_requests_in_flight(cluster):
+    with Client(cluster.client_addr, deadline_s=60) as client:
+        handles = [client.submit(f"in flight {i}", max_tokens=240) for i in range(N)]
+        for h in handles:
+            next(h.stream(timeout=30))  # every one is generating
+        victim = pid_of(cluster, "engine")
+        os.kill(victim, signal.SIGKILL)
+        results = account("engine SIGKILL, all requests generating", handles)
+        assert all("the engine died" in r.error for r in results)
+        poll(lambda: restarted(cluster, "engine", 0, victim), what="engine restart")
+        assert_serves(client)
+
+
+def test_engine_killed_with_requests_still_in_a_tokenizer(cluster):
+    """Requests that had not reached the engine yet end too (the client ends all it has open)."""
+    with Client(cluster.client_addr, deadline_s=60) as client:
+        tok = pid_of(cluster, "tokenizer", 0)
+        os.kill(tok, signal.SIGSTOP)
+        try:
+            handles = [client.submit(f"mixed {i}", max_tokens=240) for i in range(N)]
+            generating = [h for h in handles if h._record.tokenizer == 1]
+            next(generating[0].stream(timeout=30))
+            victim = pid_of(cluster, "engine")
+            os.kill(victim, signal.SIGKILL)
+            account("engine SIGKILL, half generating, half stuck in a tokenizer", handles)
+        finally:
+            os.kill(tok, signal.SIGCONT)
+        poll(lambda: restarted(cluster, "engine", 0, victim), what="engine restart")
+        assert_serves(client)
+        # The stuck half reached the new engine after the fact; the client's aborts free them.
+        poll(lambda: cluster.worker_stats("engine").get("live", 1) == 0, what="engine empty")
+
+
+def test_detokenizer_killed_with_requests_in_flight(cluster):
+    with Client(cluster.client_addr, deadline_s=60) as client:
+        handles = [client.submit(f"streaming {i}", max_tokens=240) for i in range(N)]
+        for h in handles:
+            next(h.stream(timeout=30))
+        victim = pid_of(cluster, "detokenizer")
+        os.kill(victim, signal.SIGKILL)
+        results = account("detokenizer SIGKILL, all requests streaming", handles)
+        assert all("detokenizer" in r.error for r in results)
+        poll(lambda: restarted(cluster, "detokenizer", 0, victim), what="detokenizer restart")
+        poll(lambda: not client._core.reconnecting, what="the client's new handshake")
+        assert_serves(client)
+        # The requests the dead detokenizer streamed were aborted in the engine by the client.
+        poll(lambda: cluster.worker_stats("engine").get("live", 1) == 0, what="engine empty")
+        with Client(cluster.client_addr) as newcomer:  # new clients get in as well
+            assert_serves(newcomer)
+
+
+def test_restart_hygiene_no_zombies_no_run_dir(cluster):
+    """After the restarts above, a shutdown still stops every child (the replacements too) and
+    removes the run directory."""
+    pids = list(cluster.pids.values())
+    assert len(pids) == 4 and sum(cluster.restarts.values()) >= 4
+    run_dir = Path(cluster.config.run_dir)
+    cluster.shutdown()
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reaped already: not a zombie of ours
+    assert not run_dir.exists()
+
+
+def test_shutdown_policy_stops_the_cluster_and_ends_requests(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
+    monkeypatch.setenv("SPLITSERVE_FAKE_STEP_S", "0.02")
+    with launch_cluster(None, restart_policy="shutdown") as cluster:
+        with Client(cluster.client_addr, deadline_s=60) as client:
+            handles = [client.submit(f"doomed {i}", max_tokens=240) for i in range(4)]
+            next(handles[0].stream(timeout=30))
+            os.kill(pid_of(cluster, "engine"), signal.SIGKILL)
+            assert cluster.wait(timeout_s=20)
+            account("engine SIGKILL, restart_policy=shutdown", handles)
+        assert "engine[0]" in cluster.failure
+        poll(lambda: all(c.popen.poll() is not None for c in cluster.children),
+             what="every child stopped")
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import sys
+    from ipc.client import Client
+    client = Client(sys.argv[1])
+    handles = [client.submit("a client that vanishes " * 4, max_tokens=1900, ignore_eos=True,
+                             temperature=0) for _ in range(4)]
+    for h in handles:
+        next(h.stream(timeout=60))
+    print("streaming", flush=True)
+    sys.stdin.read()  # until killed
+""")
+
+
+def test_client_killed_mid_stream_frees_its_requests_and_kv(tiny_model_dir):
+    """A client process killed with SIGKILL never says goodbye: the detokenizer notices when its
+    next event cannot be delivered, and aborts its requests in the engine; their KV comes back."""
+    with launch_cluster(tiny_model_dir, enable_prefix_cache=False,
+                        heartbeat_interval_s=0.1) as cluster:
+        proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, cluster.client_addr],
+                                cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            assert proc.stdout.readline().strip() == "streaming"
+            poll(lambda: cluster.worker_stats("engine").get("kv_blocks_used", 0) > 0,
+                 what="KV in use")
+            proc.kill()
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        stats = poll(lambda: (s := cluster.worker_stats("engine")).get("live", 1) == 0
+                     and s.get("running", 1) == 0 and s.get("kv_blocks_used", 1) == 0 and s,
+                     what="the engine freeing the vanished client's requests")
+        assert stats["kv_blocks_available"] == stats["kv_blocks_total"]
+        assert cluster.worker_stats("detokenizer")["open_requests"] == 0
+        with Client(cluster.client_addr) as client:
+            assert client.submit("still serving", max_tokens=2).result(timeout=30).ok
