@@ -116,6 +116,12 @@ class EngineProcess:
             # Only a raw client bypassing the SDK can do this; the live request keeps its events.
             logger.warning("ignored a duplicate of live request %r", req.request_id)
             return
+        if req.meta.request_id != req.request_id:
+            # Only a raw sender can do this; the detokenizer tracks the request by meta's id.
+            self._finish_early(req.meta, FINISH_ERROR, f"meta.request_id "
+                               f"{req.meta.request_id!r} differs from request_id "
+                               f"{req.request_id!r}", ERR_BAD_REQUEST)
+            return
         if self.runtime.stopping:
             self._finish_early(req.meta, FINISH_ABORT, "", "")
             return
@@ -208,9 +214,15 @@ class EngineProcess:
         return pending
 
     def stats(self) -> dict[str, float]:
-        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "live": len(self.live), "steps": self.steps, "received": self.received,
-                "imported_tokenizers": float(bool(tokenizer_modules_loaded()))}
+        stats = {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                 "live": len(self.live), "steps": self.steps, "received": self.received,
+                 "imported_tokenizers": float(bool(tokenizer_modules_loaded()))}
+        blocks = getattr(self.engine, "blocks", None)  # the real engine's KV block manager
+        if blocks is not None:
+            # used: held by a running request; available: free or only cached (evictable).
+            stats.update(kv_blocks_total=blocks.num_blocks, kv_blocks_used=blocks.num_used,
+                         kv_blocks_available=blocks.num_available)
+        return stats
 
 
 def main(config: ClusterConfig, index: int = 0) -> None:

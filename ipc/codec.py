@@ -263,15 +263,17 @@ def salvage_fields(frame: bytes, *names: str) -> dict[str, Any]:
     """Best-effort read of a few top-level fields from a frame that failed to decode.
 
     ``names`` may be dotted paths into nested maps. Used to attribute an error to a request (and the client that sent it) instead of dropping the
-    frame silently. Invalid UTF-8 elsewhere in the frame is tolerated; a field comes back only
-    if it has a plain str/bytes value. Never raises.
+    frame silently. Invalid UTF-8 elsewhere in the frame is tolerated, and so are strings and
+    binaries over the decoding limits (a 20 MB prompt is still attributable: no value can be
+    longer than the frame, which the sockets cap already); a field comes back only if it has a
+    plain str/bytes value. Never raises.
     """
     if len(frame) > MAX_FRAME_BYTES:
         return {}
     try:
         obj = msgpack.unpackb(
             frame, raw=False, unicode_errors="surrogateescape", strict_map_key=False,
-            max_str_len=MAX_STR_BYTES, max_bin_len=MAX_BIN_BYTES, max_array_len=MAX_ARRAY_LEN,
+            max_str_len=len(frame), max_bin_len=len(frame), max_array_len=MAX_ARRAY_LEN,
             max_map_len=MAX_MAP_LEN, max_ext_len=0,
         )
     except Exception:

@@ -1,0 +1,265 @@
+"""Back-pressure under a flood and a bounded soak on the tiny model (issue 7 items 2 and 6,
+DESIGN.md properties 3 and 5).
+
+Flood: SPLITSERVE_FLOOD_N (default 10,000) requests submitted as fast as one client can. Every
+submit either raises OverloadedError at once (every tokenizer's pipe is full) or is accepted; every
+accepted request ends with exactly one terminal event (finished, or an "overloaded" error from the
+engine's bounded waiting queue). None is lost, and no process's memory grows beyond a bound.
+
+Soak: SPLITSERVE_SOAK_S (default 30) seconds of a mixed workload from several threads: short and
+long prompts, chat, token ids, streaming, aborts mid-stream, stop strings, bad requests and clients
+that leave with requests in flight. RSS of every process stays flat after a warm-up and, at the
+end, the engine holds no request and every KV block is back in the pool.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+
+import psutil
+import pytest
+
+from ipc.client import BadRequestError, Client, OverloadedError, SplitserveError
+from procs.launch_cluster import launch_cluster
+
+FLOOD_N = int(os.environ.get("SPLITSERVE_FLOOD_N", "10000"))
+SOAK_S = float(os.environ.get("SPLITSERVE_SOAK_S", "30"))
+DEADLINE_S = 120.0
+MB = 1024 * 1024
+# Generous bounds: a leak of even a few hundred bytes per request would cross them in the flood
+# (10,000 requests) or the soak (thousands of requests); allocator noise does not.
+FLOOD_RSS_GROWTH_MB = 120
+SOAK_RSS_GROWTH_MB = 40
+
+WORDS = "the quick brown fox jumps over lazy dog paris london tokyo river mountain".split()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    # Small bounds so that a flood reaches every one of them quickly: the clients' pipes
+    # (submit_hwm), the tokenizers' queues and the engine's waiting queue.
+    with launch_cluster(str(tiny_model_dir), tokenizer_workers=2, max_model_len=256,
+                        kv_cache_tokens=4096, max_batch_size=32, max_waiting_requests=64,
+                        tokenizer_queue_max=256) as c:
+        yield c
+
+
+def rss_mb(cluster) -> dict[str, float]:
+    out = {}
+    for name, pid in cluster.pids.items():
+        try:
+            out[name] = psutil.Process(pid).memory_info().rss / MB
+        except psutil.NoSuchProcess:
+            out[name] = float("nan")
+    return out
+
+
+class RssSampler:
+    """Samples every process's RSS in the background (peaks matter, not just the end)."""
+
+    def __init__(self, cluster, every_s: float = 0.25) -> None:
+        self.cluster, self.every_s = cluster, every_s
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), rss_mb(self.cluster)))
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peak(self, since: float = 0.0) -> dict[str, float]:
+        rows = [s for t, s in self.samples if t >= since]
+        return {name: max(r[name] for r in rows) for name in rows[0]}
+
+
+def wait_engine_idle(cluster, timeout_s: float = 60.0) -> dict[str, float]:
+    """The engine's heartbeat once it runs nothing, queues nothing and holds no KV block."""
+    deadline = time.monotonic() + timeout_s
+    stats: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        stats = cluster.worker_stats("engine")
+        if stats and stats["live"] == stats["running"] == stats["waiting"] == 0 \
+                and stats.get("kv_blocks_used", 0) == 0:
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"the engine did not become idle: {stats}")
+
+
+def _prompt(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def _assert_alive(cluster) -> None:
+    assert cluster.failure is None
+    assert all(c.popen.poll() is None for c in cluster.children)
+    restarts = getattr(cluster, "restarts", {})
+    assert not any(restarts.values()), f"processes were replaced: {restarts}"
+
+
+# --- flood ----------------------------------------------------------------------------------------
+
+def test_flood_every_request_ends_and_memory_stays_bounded(cluster):
+    rng = random.Random(1)
+    with Client(cluster.client_addr, submit_hwm=64) as client:
+        client.generate(["warm up"] * 8, max_tokens=2)  # first allocations are not growth
+        wait_engine_idle(cluster)
+        before = rss_mb(cluster)
+        sampler = RssSampler(cluster)
+        outcomes: Counter[str] = Counter()
+        handles = []
+        t0 = time.monotonic()
+        for i in range(FLOOD_N):
+            try:
+                handles.append(client.submit(_prompt(rng, 1 + i % 12), max_tokens=2,
+                                             temperature=0, ignore_eos=True))
+            except OverloadedError:
+                outcomes["overloaded at submit"] += 1
+        submit_wall = time.monotonic() - t0
+        deadline = time.monotonic() + DEADLINE_S
+        lost = 0
+        for h in handles:
+            try:
+                r = h.result(timeout=max(0.0, deadline - time.monotonic()), check=False)
+            except SplitserveError:  # RequestTimeoutError: no terminal event in time
+                lost += 1
+                continue
+            outcomes[r.finish_reason if r.ok else f"error {r.error_code}"] += 1
+        sampler.stop()
+        after = rss_mb(cluster)
+        peak = sampler.peak()
+    print(f"\nflood: {FLOOD_N} submits in {submit_wall:.2f} s, {len(handles)} accepted; "
+          f"outcomes {dict(outcomes)}; lost {lost}")
+    print("flood RSS MB (before / peak / after): " + ", ".join(
+        f"{n} {before[n]:.0f}/{peak[n]:.0f}/{after[n]:.0f}" for n in before))
+    assert lost == 0
+    assert sum(outcomes.values()) == FLOOD_N
+    assert set(outcomes) <= {"length", "overloaded at submit", "error overloaded"}, outcomes
+    assert outcomes["length"] > 0
+    assert outcomes["overloaded at submit"] + outcomes["error overloaded"] > 0, \
+        "the flood never reached a bound: make it bigger or the bounds smaller"
+    for name in before:
+        assert peak[name] - before[name] < FLOOD_RSS_GROWTH_MB, (name, before[name], peak[name])
+    stats = wait_engine_idle(cluster)
+    assert stats["kv_blocks_available"] == stats["kv_blocks_total"]
+    _assert_alive(cluster)
+    with Client(cluster.client_addr) as client:
+        assert client.submit("after the flood", max_tokens=2).result(timeout=DEADLINE_S).ok
+
+
+# --- soak -----------------------------------------------------------------------------------------
+
+class Worker(threading.Thread):
+    """One user of the cluster, running a random mix of request kinds until told to stop."""
+
+    def __init__(self, cluster, seed: int, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.rng, self.stop = cluster, random.Random(seed), stop
+        self.outcomes: Counter[str] = Counter()
+        self.problems: list[str] = []
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                with Client(self.cluster.client_addr, deadline_s=DEADLINE_S) as client:
+                    for _ in range(self.rng.randint(5, 30)):
+                        if self.stop.is_set():
+                            break
+                        self.one(client)
+                    if self.rng.random() < 0.3:  # leave with requests in flight
+                        for _ in range(3):
+                            client.submit(_prompt(self.rng, 8), max_tokens=64, ignore_eos=True)
+                        self.outcomes["left in flight"] += 3
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.problems.append(f"{type(exc).__name__}: {exc}")
+
+    def one(self, client: Client) -> None:
+        rng = self.rng
+        kind = rng.choice(["short", "long", "chat", "ids", "stream", "abort", "stop", "bad",
+                           "sampled"])
+        try:
+            if kind == "bad":
+                with pytest.raises(BadRequestError):
+                    client.submit(prompt_token_ids=[1, 2, 10**6], max_tokens=2).result(60)
+                self.outcomes["bad_request"] += 1
+                return
+            if kind in ("stream", "abort"):
+                h = client.submit(_prompt(rng, rng.randint(1, 40)), max_tokens=48,
+                                  ignore_eos=True, temperature=0)
+                deltas = []
+                for d in h.stream(timeout=60):
+                    deltas.append(d)
+                    if kind == "abort" and len(deltas) == 3:
+                        h.abort()
+                finals = [d for d in deltas if d.finished]
+                if len(finals) != 1:
+                    self.problems.append(f"{kind}: {len(finals)} terminal deltas")
+                self.outcomes[f"{kind}:{finals[-1].finish_reason}"] += 1
+                return
+            sampling = dict(max_tokens=rng.randint(1, 24), temperature=0)
+            if kind == "short":
+                h = client.submit(_prompt(rng, rng.randint(1, 5)), **sampling)
+            elif kind == "long":
+                h = client.submit(_prompt(rng, rng.randint(60, 180)), **sampling)
+            elif kind == "chat":
+                h = client.submit(messages=[{"role": "user", "content": _prompt(rng, 6)}],
+                                  **sampling)
+            elif kind == "ids":
+                h = client.submit(prompt_token_ids=[rng.randrange(49152) for _ in range(20)],
+                                  **sampling)
+            elif kind == "stop":
+                h = client.submit(_prompt(rng, 10), max_tokens=32, stop=[rng.choice(WORDS), "e"])
+            else:
+                h = client.submit(_prompt(rng, 10), max_tokens=16, temperature=0.8, top_p=0.9,
+                                  top_k=50, seed=rng.randrange(1000))
+            r = h.result(timeout=60, check=False)
+            self.outcomes[f"{kind}:{r.finish_reason}" + (f" {r.error_code}" if not r.ok else "")
+                          ] += 1
+            if not r.ok:
+                self.problems.append(f"{kind}: {r.error_code}: {r.error}")
+        except OverloadedError:
+            self.outcomes["overloaded at submit"] += 1
+        except SplitserveError as exc:
+            self.problems.append(f"{kind}: {type(exc).__name__}: {exc}")
+
+
+def test_soak_mixed_workload_rss_flat_and_kv_returns(cluster):
+    stop = threading.Event()
+    workers = [Worker(cluster, seed, stop) for seed in range(4)]
+    sampler = RssSampler(cluster, every_s=0.5)
+    t0 = time.monotonic()
+    for w in workers:
+        w.start()
+    warmup_end = t0 + SOAK_S / 3
+    time.sleep(SOAK_S)
+    stop.set()
+    for w in workers:
+        w.join(timeout=DEADLINE_S)
+    sampler.stop()
+    outcomes = sum((w.outcomes for w in workers), Counter())
+    problems = [p for w in workers for p in w.problems]
+    # Flat: the peak of the last two thirds against the level right after the warm-up.
+    rows = [(t, s) for t, s in sampler.samples if t >= warmup_end]
+    first = {n: max(s[n] for t, s in rows if t < warmup_end + 2.0) for n in rows[0][1]}
+    peak = sampler.peak(since=warmup_end)
+    print(f"\nsoak {SOAK_S:.0f} s: {sum(outcomes.values())} requests; {dict(outcomes)}")
+    print("soak RSS MB (after warm-up / peak): " + ", ".join(
+        f"{n} {first[n]:.0f}/{peak[n]:.0f}" for n in first))
+    assert not any(w.is_alive() for w in workers), "a soak worker hung"
+    assert not problems, problems[:10]
+    assert outcomes["abort:abort"] > 0 and outcomes["bad_request"] > 0
+    for name in first:
+        assert peak[name] - first[name] < SOAK_RSS_GROWTH_MB, (name, first[name], peak[name])
+    stats = wait_engine_idle(cluster)
+    assert stats["kv_blocks_available"] == stats["kv_blocks_total"]
+    assert cluster.worker_stats("detokenizer").get("open_requests", 0) == 0
+    _assert_alive(cluster)
