@@ -39,7 +39,7 @@ from ipc.config import LOOPBACK_HOSTS, ClusterConfig
 from ipc.messages import (
     ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE, Heartbeat, WorkerReady,
 )
-from ipc.sockets import PushQueue
+from ipc.sockets import CurveKeys, PushQueue
 from procs.http_metrics import HttpMetrics
 from procs.openai_protocol import (
     MAX_CHOICES, APIError, ChatCompletionRequest, ChatFormat, CompletionFormat,
@@ -66,16 +66,19 @@ class FrontendSettings:
     url: str = ""  # where this frontend listens, for the start-up line and the supervisor
     supervisor_addr: str = ""  # "" = not supervised; else WorkerReady + heartbeats go there
     heartbeat_interval_s: float = 0.5
+    server_public_key: str = ""  # the cluster's CURVE public key ("" = no CURVE)
 
 
 class SupervisorLink:
     """Reports to the supervisor as every worker does: WorkerReady once this frontend accepts
     connections and has shaken hands with the cluster, then heartbeats carrying its stats."""
 
-    def __init__(self, address: str, index: int, interval_s: float) -> None:
+    def __init__(self, address: str, index: int, interval_s: float,
+                 server_public_key: str = "") -> None:
         self.index, self.interval_s = index, interval_s
         self._ctx = zmq.Context()
-        self._queue = PushQueue(self._ctx, address, hwm=100)
+        self._queue = PushQueue(self._ctx, address, hwm=100,
+                                curve=CurveKeys(server_public_key) if server_public_key else None)
 
     def send(self, msg: Any) -> None:
         try:
@@ -111,7 +114,8 @@ class Frontend:
     async def start(self) -> None:
         self.client = await AsyncClient(
             self.settings.client_addr, connect_timeout_s=self.settings.connect_timeout_s,
-            deadline_s=self.settings.request_deadline_s or None).start()
+            deadline_s=self.settings.request_deadline_s or None,
+            server_public_key=self.settings.server_public_key or None).start()
         welcome = self.client.welcome
         assert welcome is not None
         self.model_name = self.model_name or welcome.model
@@ -416,7 +420,7 @@ def build_app(settings: FrontendSettings) -> FastAPI:
         link = heartbeats = None
         if settings.supervisor_addr:
             link = SupervisorLink(settings.supervisor_addr, settings.index,
-                                  settings.heartbeat_interval_s)
+                                  settings.heartbeat_interval_s, settings.server_public_key)
             link.send(WorkerReady(role="http", index=settings.index, pid=os.getpid(),
                                   addresses=[settings.url], model_name=frontend.model_name,
                                   max_model_len=frontend.max_model_len,
@@ -605,6 +609,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                    "$SPLITSERVE_API_KEY, or none)")
     p.add_argument("--index", type=int, default=0, help="this frontend's number (for logs)")
+    p.add_argument("--server-public-key", default=os.environ.get("SPLITSERVE_SERVER_PUBLIC_KEY",
+                                                                 ""), metavar="KEY",
+                   help="the cluster's CURVE public key, when it uses CURVE (--listen); "
+                        "default: $SPLITSERVE_SERVER_PUBLIC_KEY")
     p.add_argument("--supervisor-addr", default="", metavar="ADDR",
                    help="send WorkerReady and heartbeats (role 'http') to this supervisor socket")
     p.add_argument("--heartbeat-interval-s", type=float, default=0.5, metavar="SECONDS")
@@ -640,7 +648,8 @@ def main(argv: list[str] | None = None) -> None:
         health_fresh_s=args.health_fresh_s,
         health_probe_timeout_s=args.health_probe_timeout_s, index=args.index,
         url=f"http://{host}:{sock.getsockname()[1]}", supervisor_addr=args.supervisor_addr,
-        heartbeat_interval_s=args.heartbeat_interval_s)
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        server_public_key=args.server_public_key)
     import uvicorn
 
     config = uvicorn.Config(build_app(settings), host=args.host, port=args.port, loop="uvloop",
@@ -664,6 +673,8 @@ def main_from_config(config: ClusterConfig, index: int) -> None:
         argv.append("--reuse-port")
     if config.http_api_key:
         argv += ["--api-key", config.http_api_key]
+    if config.curve_public_key:
+        argv += ["--server-public-key", config.curve_public_key]
     main(argv)
 
 

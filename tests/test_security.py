@@ -243,3 +243,23 @@ def test_decoding_limits_hold_at_their_values(monkeypatch):
     for too_big in ("x" * 9, [0] * 5, {"a": 1, "b": 2, "c": 3}, b"y" * 65):
         with pytest.raises(codec.DecodeError):
             codec.unpack_frame(msgpack.packb(too_big))
+
+
+def test_supervised_http_frontend_works_under_curve(monkeypatch):
+    """The OpenAI frontend is a client of the cluster like any other: under CURVE it gets the
+    public key from the supervisor (its handshake and its heartbeats would fail without it)."""
+    import json
+    import urllib.request
+
+    monkeypatch.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
+    with launch_cluster(None, transport="tcp", host="127.0.0.1", base_port=free_port_block(1),
+                        require_curve=True, http_port=0) as cluster:
+        assert cluster.http_url
+        body = json.dumps({"model": cluster.config.model_name, "prompt": "over curve",
+                           "max_tokens": 2}).encode()
+        request = urllib.request.Request(f"{cluster.http_url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=DEADLINE_S) as reply:
+            answer = json.loads(reply.read())
+        assert answer["choices"][0]["text"] == "over curve"
+        _wait_for(lambda: cluster.worker_stats("http"), what="the frontend's heartbeats")
