@@ -198,9 +198,12 @@ CLIENT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_client_killed_mid_stream_frees_its_requests_and_kv(tiny_model_dir):
+def test_client_killed_mid_stream_frees_its_requests_and_kv(tiny_model_dir, monkeypatch):
     """A client process killed with SIGKILL never says goodbye: the detokenizer notices when its
     next event cannot be delivered, and aborts its requests in the engine; their KV comes back."""
+    # The real engine (the module fixture's stand-in settings may still be in the environment).
+    monkeypatch.delenv("SPLITSERVE_ENGINE_FACTORY", raising=False)
+    monkeypatch.delenv("SPLITSERVE_FAKE_STEP_S", raising=False)
     with launch_cluster(tiny_model_dir, enable_prefix_cache=False,
                         heartbeat_interval_s=0.1) as cluster:
         proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, cluster.client_addr],
@@ -219,6 +222,8 @@ def test_client_killed_mid_stream_frees_its_requests_and_kv(tiny_model_dir):
                      and s.get("running", 1) == 0 and s.get("kv_blocks_used", 1) == 0 and s,
                      what="the engine freeing the vanished client's requests")
         assert stats["kv_blocks_available"] == stats["kv_blocks_total"]
+        print("\nFAULT | client SIGKILL mid-stream (tiny model) | requests 4 | aborted in the "
+              "engine, KV freed 4 | lost 0")
         assert cluster.worker_stats("detokenizer")["open_requests"] == 0
         with Client(cluster.client_addr) as client:
             assert client.submit("still serving", max_tokens=2).result(timeout=30).ok
