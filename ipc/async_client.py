@@ -26,8 +26,7 @@ from ipc.client_common import (
     make_submit_sockets, monitor_events, prompt_kwargs, timeout_event, tokenizer_addrs,
 )
 from ipc.messages import (
-    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, ClusterNotice,
-    SamplingParams, StreamEvent,
+    ClientAbort, ClientBye, ClientHello, ClientWelcome, SamplingParams, StreamEvent,
 )
 from ipc.sockets import LINGER_MS
 
@@ -151,35 +150,17 @@ class AsyncClient:
                                 timeout_event(wire_id, self._core.deadline_s), time.monotonic())
 
     def _route(self, frame: bytes) -> None:
-        try:
-            msg = codec.decode_as(frame, ClientEvents, ClusterNotice, ClientWelcome)
-        except codec.DecodeError:
-            return
-        if isinstance(msg, ClusterNotice):
-            lost = self._core.on_notice(msg)
-            if lost:
-                self._send_soon(codec.encode(ClientAbort([wid for wid, _ in lost])))
-                self._apply_lost(lost)
-            return
-        if isinstance(msg, ClientWelcome):  # a restarted detokenizer answered our hello
-            self.welcome = msg
-            self._core.on_welcome()
-            return
-        now = time.monotonic()
-        for event in msg.events:
-            if (handle := self._core.records.get(event.request_id)) is not None:
-                self._core.apply(handle, event, now)
+        welcome, lost = self._core.route(frame)
+        if welcome is not None:
+            self.welcome = welcome
+        if lost:
+            self._send_soon(codec.encode(ClientAbort([wid for wid, _ in lost])))
+            self._core.end_lost(lost)
 
     async def _end_lost(self, lost: list[tuple[str, StreamEvent]]) -> None:
         if lost:
             await self._dealer.send(codec.encode(ClientAbort([wid for wid, _ in lost])))
-            self._apply_lost(lost)
-
-    def _apply_lost(self, lost: list[tuple[str, StreamEvent]]) -> None:
-        now = time.monotonic()
-        for wire_id, event in lost:
-            if (handle := self._core.records.get(wire_id)) is not None:
-                self._core.apply(handle, event, now)
+            self._core.end_lost(lost)
 
     def _send_soon(self, frame: bytes) -> None:
         if self._dealer is None:

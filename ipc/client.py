@@ -28,8 +28,7 @@ from ipc.client_common import (
     prompt_kwargs, timeout_event, tokenizer_addrs,
 )
 from ipc.messages import (
-    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, ClusterNotice,
-    SamplingParams, StreamEvent,
+    ClientAbort, ClientBye, ClientHello, ClientWelcome, SamplingParams, StreamEvent,
 )
 from ipc.sockets import LINGER_MS
 
@@ -178,32 +177,16 @@ class Client:
             control_in.close(linger=0)
 
     def _route(self, frame: bytes, dealer: zmq.Socket) -> None:
-        try:
-            msg = codec.decode_as(frame, ClientEvents, ClusterNotice, ClientWelcome)
-        except codec.DecodeError:
-            return  # not from a splitserve detokenizer; nothing to attribute it to
-        if isinstance(msg, ClusterNotice):
-            self._end_lost(self._core.on_notice(msg), dealer)
-            return
-        if isinstance(msg, ClientWelcome):  # a restarted detokenizer answered our hello
-            self.welcome = msg
-            self._core.on_welcome()
-            return
-        now = time.monotonic()
-        for event in msg.events:
-            handle = self._core.records.get(event.request_id)
-            if handle is not None:
-                self._core.apply(handle, event, now)
+        welcome, lost = self._core.route(frame)
+        if welcome is not None:
+            self.welcome = welcome
+        self._end_lost(lost, dealer)
 
     def _end_lost(self, lost: list[tuple[str, StreamEvent]], dealer: zmq.Socket) -> None:
         """Ends requests lost with a worker and aborts any copy still in the cluster."""
-        if not lost:
-            return
-        dealer.send(codec.encode(ClientAbort([wire_id for wire_id, _ in lost])))
-        now = time.monotonic()
-        for wire_id, event in lost:
-            if (handle := self._core.records.get(wire_id)) is not None:
-                self._core.apply(handle, event, now)
+        if lost:
+            dealer.send(codec.encode(ClientAbort([wire_id for wire_id, _ in lost])))
+            self._core.end_lost(lost)
 
     def _expire(self, dealer: zmq.Socket) -> None:
         expired = self._core.expired(time.monotonic())

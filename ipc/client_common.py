@@ -20,8 +20,8 @@ from ipc import codec
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import (
     ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR, NOTICE_DIED,
-    NOTICE_READY, ChatMessage, ClusterNotice, RequestTimings, SamplingParams, StreamEvent,
-    SubmitRequest, Usage,
+    NOTICE_READY, ChatMessage, ClientEvents, ClientWelcome, ClusterNotice, RequestTimings,
+    SamplingParams, StreamEvent, SubmitRequest, Usage,
 )
 from ipc.sockets import LINGER_MS, CurveKeys, configure, connect
 
@@ -309,6 +309,31 @@ class ClientCore:
 
     def on_welcome(self) -> None:
         self.reconnecting = False
+
+    def route(self, frame: bytes) -> tuple[ClientWelcome | None, list[tuple[str, StreamEvent]]]:
+        """One frame from the detokenizer: its events go to their handles. Returns the welcome of
+        a restarted detokenizer (else None) and the open requests a notice says were lost, which
+        the caller aborts in the cluster and then ends with ``end_lost``."""
+        try:
+            msg = codec.decode_as(frame, ClientEvents, ClusterNotice, ClientWelcome)
+        except codec.DecodeError:
+            return None, []  # not from a splitserve detokenizer; nothing to attribute it to
+        if isinstance(msg, ClusterNotice):
+            return None, self.on_notice(msg)
+        if isinstance(msg, ClientWelcome):  # a restarted detokenizer answered our hello
+            self.on_welcome()
+            return msg, []
+        now = time.monotonic()
+        for event in msg.events:
+            if (handle := self.records.get(event.request_id)) is not None:
+                self.apply(handle, event, now)
+        return None, []
+
+    def end_lost(self, lost: list[tuple[str, StreamEvent]]) -> None:
+        now = time.monotonic()
+        for wire_id, event in lost:
+            if (handle := self.records.get(wire_id)) is not None:
+                self.apply(handle, event, now)
 
     def apply(self, handle: Any, event: StreamEvent, now: float) -> None:
         """Routes one event to its handle; a terminal event forgets the request."""
