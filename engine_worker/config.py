@@ -31,6 +31,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's setting
     kv_cache_memory_fraction: float = 0.8  # CUDA only: share of free memory after weights
     cpu_kv_cache_max_bytes: int = 2 << 30  # CPU only: cap on the derived KV pool
+    # Decode keeps a contiguous copy of the decode batch's KV (all layers) while the batch is
+    # unchanged, instead of gathering it from the paged cache every layer of every step; this
+    # caps that copy's size (a larger batch falls back to the gather). 0 disables it.
+    decode_workspace_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -54,5 +58,7 @@ class EngineConfig:
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if not isinstance(self.decode_workspace_max_bytes, int) or self.decode_workspace_max_bytes < 0:
+            raise ValueError("decode_workspace_max_bytes must be an integer >= 0")
         if self.cpu_kv_cache_max_bytes < 1:
             raise ValueError("cpu_kv_cache_max_bytes must be positive")

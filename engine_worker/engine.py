@@ -64,7 +64,8 @@ class Engine:
         self.blocks = KVBlockManager(num_blocks, config.block_size)
         self.prefix_cache = PrefixCache(self.blocks) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache)
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size,
+                                  config.decode_workspace_max_bytes)
         self.requests: dict[str, EngineRequest] = {}
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
@@ -164,6 +165,8 @@ class Engine:
                 if reason is not None:
                     self._finish(out, request, reason)
             out.token_ids = pack_ids(emitted_tokens)
+        if not self.scheduler.running:
+            self.runner.drop_workspace()  # idle: do not hold the decode batch's KV copy
         out.t_step = time.monotonic()
         out.stats = EngineStats(
             running=self.num_running, waiting=self.num_waiting,

@@ -111,7 +111,7 @@ class LlamaFamilyModel:
                 q = F.rms_norm(q, (head_dim,), layer.q_norm, eps)
                 k = F.rms_norm(k, (head_dim,), layer.k_norm, eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch)
+            attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, i)
             hidden = hidden + F.linear(attn.reshape(num_tokens, q_size), layer.o_proj)
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_attention_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)

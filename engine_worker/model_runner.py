@@ -10,14 +10,18 @@ import itertools
 import numpy as np
 import torch
 
-from engine_worker.attention import AttentionBatch, PrefillSegment
+from engine_worker.attention import AttentionBatch, DecodeWorkspace, PrefillSegment
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import sample
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaFamilyModel, num_blocks: int, block_size: int) -> None:
+    # Spare columns a new decode workspace gets, so it serves this many steps before a rebuild.
+    WORKSPACE_HEADROOM = 32
+
+    def __init__(self, model: LlamaFamilyModel, num_blocks: int, block_size: int,
+                 decode_workspace_max_bytes: int = 1 << 30) -> None:
         cfg = model.config
         self.model = model
         self.device = model.device
@@ -28,6 +32,12 @@ class ModelRunner:
         # garbage would still poison the output.
         self.k_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        self.workspace_max_bytes = decode_workspace_max_bytes
+        self.workspace_bytes_per_token = self.bytes_per_token(cfg, model.dtype)
+        # The last step's decode workspace, the requests it holds (in order) and their contexts.
+        self._workspace: DecodeWorkspace | None = None
+        self._workspace_requests: list[EngineRequest] = []
+        self._workspace_context: np.ndarray | None = None
 
     @staticmethod
     def bytes_per_token(model_config, dtype: torch.dtype) -> int:
@@ -51,8 +61,12 @@ class ModelRunner:
         """Writes the scheduled tokens' KV; returns logits of the requests whose step reaches
         the end of their tokens, and those requests' indices."""
         (input_ids, positions, batch, logit_rows), emitting = self._prepare(requests, counts)
-        logits = self.model.forward(input_ids, positions, batch, self.k_cache, self.v_cache,
-                                    logit_rows)
+        try:
+            logits = self.model.forward(input_ids, positions, batch, self.k_cache, self.v_cache,
+                                        logit_rows)
+        except BaseException:
+            self.drop_workspace()  # it may hold only some layers' copies
+            raise
         return logits, emitting
 
     def _prepare(self, requests: list[EngineRequest], counts: list[int]):
@@ -85,14 +99,28 @@ class ModelRunner:
         if single.any():
             decode_seqs = np.nonzero(single)[0]
             context = ends[decode_seqs]
-            blocks = -(-int(context.max()) // size)
             batch.decode_rows = to_device(seq_starts[decode_seqs])
-            batch.decode_block_tables = to_device(np.ascontiguousarray(tables[decode_seqs, :blocks]))
-            padding = np.arange(blocks * size)[None, None, :] >= context[:, None, None]
+            ws = self._decode_workspace([requests[i] for i in decode_seqs], context)
+            if ws is None or ws.fresh:
+                blocks = (ws.capacity // size) if ws is not None else -(-int(context.max()) // size)
+                # Rows with fewer blocks read block 0 past their end; the mask zeroes those.
+                table = np.zeros((len(decode_seqs), blocks), dtype=np.int64)
+                width = min(blocks, tables.shape[1])
+                table[:, :width] = tables[decode_seqs, :width]
+                batch.decode_block_tables = to_device(table)
+            if ws is not None:
+                ws.new_positions = to_device(context - 1)
+                batch.decode_workspace = ws
+                columns = ws.capacity
+            else:
+                columns = batch.decode_block_tables.shape[1] * size
+            padding = np.arange(columns)[None, None, :] >= context[:, None, None]
             mask = torch.zeros(padding.shape, dtype=self.model.dtype)
             mask.masked_fill_(torch.from_numpy(padding), float("-inf"))
             # One copy per kv head, built once per step rather than in every layer.
             batch.decode_mask = mask.repeat(self.num_kv_heads, 1, 1).to(self.device)
+        else:
+            self.drop_workspace()
         for i in np.nonzero(~single)[0]:
             start, n = int(starts[i]), int(lengths[i])
             seg = PrefillSegment(row_start=int(seq_starts[i]), num_tokens=n, start_position=start)
@@ -106,3 +134,29 @@ class ModelRunner:
         if len(emitting) != total:
             logit_rows = to_device(seq_ends[emitting] - 1)
         return (to_device(input_ids), to_device(positions), batch, logit_rows), emitting
+
+    def _decode_workspace(self, decoding: list[EngineRequest],
+                          context: np.ndarray) -> DecodeWorkspace | None:
+        """The workspace for this step's decode rows: last step's when the same requests (same
+        order) each grew by exactly one token and still fit, else a fresh one (None: too big)."""
+        ws = self._workspace
+        longest = int(context.max())
+        if (ws is not None and longest <= ws.capacity
+                and len(decoding) == len(self._workspace_requests)
+                and all(a is b for a, b in zip(decoding, self._workspace_requests))
+                and np.array_equal(self._workspace_context + 1, context)):
+            ws.fresh = False
+        else:
+            self.drop_workspace()
+            size = self.block_size
+            capacity = -(-(longest + self.WORKSPACE_HEADROOM) // size) * size
+            if capacity * len(decoding) * self.workspace_bytes_per_token > self.workspace_max_bytes:
+                return None
+            ws = DecodeWorkspace(capacity=capacity, keys=[], values=[])
+            self._workspace, self._workspace_requests = ws, decoding
+        self._workspace_context = context
+        return ws
+
+    def drop_workspace(self) -> None:
+        """Frees the decode workspace (the engine calls this when nothing is running)."""
+        self._workspace, self._workspace_requests, self._workspace_context = None, [], None

@@ -184,3 +184,41 @@ def test_request_start_reported_once_with_queue_times(tiny_engine):
     results = collect(engine)
     start = results["a"]["start"]
     assert start.t_arrived == 1.0 and start.t_scheduled > 1.0
+
+
+def test_decode_workspace_matches_the_gather_path(tiny_model_dir):
+    """The persistent decode workspace (reused while the decode set is unchanged, rebuilt when
+    requests join, leave or outgrow it) gives the same logits as gathering every step."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 200, size=int(n)).tolist() for n in (5, 17, 40, 9, 33)]
+    sampling = SamplingParams(max_tokens=60, temperature=0.8, seed=11, ignore_eos=True)
+    logits = {}
+    for budget in (0, 1 << 30):
+        engine = Engine(EngineConfig(model_path=tiny_model_dir, dtype="float32", device="cpu",
+                                     kv_cache_tokens=4096, enable_prefix_cache=False,
+                                     decode_workspace_max_bytes=budget))
+        seen, original = [], engine.runner.compute_logits
+
+        def recording(requests, counts, original=original, seen=seen):
+            out, emitting = original(requests, counts)
+            seen.append(out.clone())
+            return out, emitting
+
+        engine.runner.compute_logits = recording
+        reused, make = [], engine.runner._decode_workspace
+
+        def tracking(*args, make=make, reused=reused):
+            ws = make(*args)
+            reused.append(ws is not None and not ws.fresh)
+            return ws
+
+        engine.runner._decode_workspace = tracking
+        arrivals = {0: [0, 1], 3: [2], 7: [3, 4]}  # joins rebuild; 60 tokens outgrow 32 spare
+        collect(engine, on_step=lambda step, e: [e.add(f"r{i}", prompts[i], sampling)
+                                                 for i in arrivals.get(step, [])])
+        assert engine.runner._workspace is None  # dropped once idle
+        assert (sum(reused) > 40) == (budget > 0) and (sum(reused) == 0) == (budget == 0)
+        logits[budget] = seen
+    assert len(logits[0]) == len(logits[1 << 30]) > 60
+    for gathered, kept in zip(logits[0], logits[1 << 30]):
+        torch.testing.assert_close(kept, gathered, rtol=0, atol=1e-5)
