@@ -260,6 +260,13 @@ class ClientCore:
                                   f"{codec.MAX_FRAME_BYTES}", record.request_id)
         handle = make_handle(record)
         self.records[record.wire_id] = handle
+        if self.reconnecting:
+            # The receiver thread saw the detokenizer connection drop after the check above: it
+            # may have listed the open requests before this one was registered, and the restarted
+            # detokenizer would drop this one's events until our new hello. Not sent: refuse it.
+            self.records.pop(record.wire_id, None)
+            raise UnavailableError("the detokenizer connection was lost; reconnecting, retry "
+                                   "shortly", record.request_id)
         n = len(socks)
         first = self._next_tokenizer
         order = [(first + k) % n for k in range(n)]
@@ -347,8 +354,11 @@ class ClientCore:
         out = []
         with self._heap_lock:
             while self._deadlines and self._deadlines[0][0] <= now:
-                _, wire_id = heapq.heappop(self._deadlines)
-                if wire_id in self.records:
+                deadline, wire_id = heapq.heappop(self._deadlines)
+                handle = self.records.get(wire_id)
+                # The same wire id may be open again (a user request_id reused after the first
+                # one ended or was refused): only the record this entry was pushed for expires.
+                if handle is not None and handle._record.deadline == deadline:
                     out.append(wire_id)
         return out
 

@@ -1,0 +1,85 @@
+"""ClientCore without sockets or threads: deadlines and the reconnect window."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ipc.client_common import ClientCore, RequestRecord, UnavailableError
+from ipc.messages import StreamEvent
+
+
+class Handle:
+    def __init__(self, record: RequestRecord) -> None:
+        self._record = record
+        self.deltas = []
+
+    def _deliver(self, delta) -> None:
+        self.deltas.append(delta)
+
+
+class Sock:
+    """A submit socket that accepts every frame; ``on_send`` runs first (a racing thread)."""
+
+    def __init__(self, on_send=None) -> None:
+        self.sent = []
+        self.on_send = on_send
+
+    def send(self, frame, flags=0, copy=True) -> None:
+        if self.on_send is not None:
+            self.on_send()
+        self.sent.append(frame)
+
+
+def submit(core: ClientCore, socks, request_id=None, deadline_s=None):
+    return core.submit(socks, Handle, request_id, deadline_s, prompt="hi", messages=None,
+                       prompt_token_ids=None, sampling=None, sampling_kwargs={},
+                       add_generation_prompt=True)
+
+
+def finish(core: ClientCore, handle: Handle) -> None:
+    core.apply(handle, StreamEvent(request_id=handle._record.wire_id, finished=True,
+                                   finish_reason="stop"), time.monotonic())
+
+
+def test_a_reused_request_id_keeps_its_own_deadline():
+    """The first request's heap entry must not time out a later request with the same id."""
+    core = ClientCore(deadline_s=None)
+    socks = [Sock()]
+    first = submit(core, socks, request_id="a", deadline_s=10.0)
+    finish(core, first)
+    second = submit(core, socks, request_id="a", deadline_s=100.0)
+    t_first_deadline = first._record.deadline
+    assert core.expired(t_first_deadline + 0.001) == []  # only the finished first one was due
+    assert core.expired(second._record.deadline + 0.001) == [second._record.wire_id]
+
+
+def test_a_submit_racing_the_disconnect_is_refused_not_orphaned():
+    """The receiver thread sees the detokenizer connection drop while submit() runs: the request
+    is either in the list of lost ones (and ends) or refused, never open and unlisted."""
+    core = ClientCore(deadline_s=None)
+    lost = []
+
+    def disconnect_now():  # stands for the receiver thread, between the check and the send
+        if not core.reconnecting:
+            lost.extend(core.on_disconnected())
+
+    socks = [Sock()]
+    # The receiver thread's snapshot happens after the check but before registration: emulate
+    # it by flipping the flag when the handle is made.
+    orig = ClientCore.new_record
+
+    def new_record(self, request_id, deadline_s):
+        record = orig(self, request_id, deadline_s)
+        disconnect_now()
+        return record
+
+    ClientCore.new_record = new_record
+    try:
+        with pytest.raises(UnavailableError):
+            submit(core, socks)
+    finally:
+        ClientCore.new_record = orig
+    assert core.records == {}  # nothing open that no terminal event will ever reach
+    assert socks[0].sent == []
