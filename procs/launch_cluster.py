@@ -92,6 +92,7 @@ class Cluster:
         self.failure: str | None = None
         self._lock = threading.Lock()
         self._stopping = False
+        self._stopped = threading.Event()  # the children are stopped (whoever stopped them)
         self._closed = False
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -296,10 +297,20 @@ class Cluster:
     # --- shutdown -----------------------------------------------------------------------------
     def _stop_children(self) -> None:
         with self._lock:
-            if self._stopping:
-                return
+            stopping_elsewhere = self._stopping
             self._stopping = True  # no restart starts a child after this
             children = list(self.children)
+        if stopping_elsewhere:
+            # Another thread (the watcher, on a failure) is stopping them: shutdown() must not
+            # close the sockets and remove the run directory under children still running.
+            self._stopped.wait()
+            return
+        try:
+            self._stop_in_order(children)
+        finally:
+            self._stopped.set()
+
+    def _stop_in_order(self, children: list[Child]) -> None:
         tokenizers = [c for c in children if c.role == "tokenizer"]
         engines = [c for c in children if c.role == "engine"]
         detoks = [c for c in children if c.role == "detokenizer"]

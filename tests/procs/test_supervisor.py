@@ -104,3 +104,34 @@ def test_help_explains_every_knob():
                  "--kv-cache-tokens", "--block-size", "--no-prefix-cache",
                  "--stream-interval-tokens", "--transport", "--port", "--run-dir"):
         assert flag in help_text
+
+
+def test_shutdown_waits_for_a_stop_the_watcher_began(tmp_path):
+    """A failure makes the watcher thread stop the children (restart_policy=shutdown, or a slot
+    out of restarts) and Cluster.wait() returns at once; the shutdown() that follows must not
+    return, close the sockets and remove the run directory while that stop is still going."""
+    from procs.launch_cluster import Child, Cluster
+    from ipc.config import ClusterConfig
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    config = ClusterConfig(model_path=str(tmp_path), run_dir=str(run_dir))
+    cluster = Cluster(config, owns_run_dir=True)
+    # An "engine" that takes 7 s to exit after SIGTERM: longer than shutdown()'s 5 s join.
+    slow = subprocess.Popen([sys.executable, "-c", (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(7), sys.exit(0)))\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert slow.stdout.readline().strip() == "up"
+        cluster.children.append(Child("engine", 0, slow))
+        cluster._watcher = threading.Thread(target=cluster._stop_children)  # the failure path
+        cluster._watcher.start()
+        time.sleep(0.3)
+        cluster.shutdown()
+        assert slow.poll() is not None, "shutdown() returned with a child still running"
+    finally:
+        if slow.poll() is None:
+            slow.kill()
+            slow.wait()
