@@ -47,7 +47,10 @@ class ClientInfo:
 
     def __init__(self) -> None:
         self.request_ids: set[str] = set()
-        self.pending_aborts: set[str] = set()
+        # Aborts for requests not seen here yet, oldest first. Some never show up (ended before
+        # the abort arrived, lost with a worker): the oldest are forgotten past the cap, which
+        # is safe because every abort also goes to the engine at once.
+        self.pending_aborts: OrderedDict[str, None] = OrderedDict()
 
 
 class Detokenizer:
@@ -159,13 +162,15 @@ class Detokenizer:
         if info is None:
             return
         for rid in request_ids:
-            if rid in info.request_ids:
-                self.aborts.append(rid)  # the engine answers with finish "abort"
-            elif len(info.pending_aborts) < MAX_PENDING_ABORTS:
-                info.pending_aborts.add(rid)  # still in a tokenizer: abort when it shows up
-                # ...and tell the engine now too (it remembers unknown ids for a while): after a
-                # detokenizer restart this process never sees the metas of older requests.
-                self.aborts.append(rid)
+            # Known here: the engine answers with finish "abort". Not seen yet: tell the engine
+            # now too (it remembers unknown ids for a while; after a detokenizer restart this
+            # process never sees the metas of older requests) and abort again when it shows up.
+            self.aborts.append(rid)
+            if rid not in info.request_ids:
+                info.pending_aborts[rid] = None
+                info.pending_aborts.move_to_end(rid)
+                if len(info.pending_aborts) > MAX_PENDING_ABORTS:
+                    info.pending_aborts.popitem(last=False)
 
     def client_gone(self, client_id: bytes, reason: str) -> None:
         info = self.clients.pop(client_id, None)
@@ -220,7 +225,7 @@ class Detokenizer:
                 self.states[meta.request_id] = RequestState(meta)
                 info.request_ids.add(meta.request_id)
                 if meta.request_id in info.pending_aborts:
-                    info.pending_aborts.discard(meta.request_id)
+                    del info.pending_aborts[meta.request_id]
                     self.aborts.append(meta.request_id)
         for start in out.started:
             if (state := self.states.get(start.request_id)) is not None:
@@ -256,7 +261,7 @@ class Detokenizer:
         info = self.clients.get(err.client_id)
         if info is None:
             return
-        info.pending_aborts.discard(err.request_id)
+        info.pending_aborts.pop(err.request_id, None)
         self._queue(err.client_id, StreamEvent(
             request_id=err.request_id, finished=True, finish_reason=FINISH_ERROR,
             error=err.message, error_code=err.code))
