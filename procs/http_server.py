@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -509,7 +510,9 @@ def _install_middleware(app: FastAPI, frontend: Frontend, api_key: str) -> None:
     @app.middleware("http")
     async def auth_and_count(request: Request, call_next: Any) -> Response:
         path = request.url.path
-        if api_key and path.startswith("/v1/") and request.headers.get("authorization") != expected:
+        given = request.headers.get("authorization") or ""
+        if api_key and path.startswith("/v1/") and not hmac.compare_digest(
+                given.encode(), expected.encode()):
             response: Response = _json(error_body(
                 "a valid API key is required (Authorization: Bearer ...)",
                 "invalid_request_error", None, "invalid_api_key"), 401)

@@ -104,8 +104,9 @@ class Cluster:
         config.write()
         if config.curve_public_key:  # for users: the key clients pass as server_public_key=
             key_path = Path(config.run_dir) / CURVE_PUBLIC_KEY_FILE
-            key_path.write_text(config.curve_public_key + "\n")
-            key_path.chmod(0o600)
+            fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(config.curve_public_key + "\n")
         cluster = cls(config, owns_run_dir=owns_run_dir)
         try:
             cluster._start_all(start_timeout_s)
@@ -182,6 +183,14 @@ class Cluster:
 
     # --- watching -----------------------------------------------------------------------------
     def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        except Exception as exc:  # noqa: BLE001 - nobody would supervise the cluster any more
+            logger.exception("the supervisor's watch loop failed; stopping the cluster")
+            self.failure = f"supervisor watch loop failed: {exc!r}"
+            self._stop_children()
+
+    def _watch_loop(self) -> None:
         while not self._stop_watch.is_set():
             self._receive(100)
             if self._stopping:
@@ -409,7 +418,8 @@ def make_config(model: str | os.PathLike | None = None, run_dir: str | None = No
         tokenizer_threads=int(overrides.pop("tokenizer_threads", 0) or 0),  # type: ignore
         http_workers=(int(overrides.get("http_workers", 1))  # type: ignore[arg-type]
                       if overrides.get("http_port") is not None else 0))
-    if overrides.get("http_port") == 0 and int(overrides.get("http_workers", 1)) > 1:  # type: ignore
+    if overrides.get("http_port") == 0:
+        # One concrete port up front: several frontends share it, and a restarted one keeps it.
         overrides["http_port"] = free_tcp_port(str(overrides.get("http_host", "127.0.0.1")))
     overrides.update(curve_overrides(overrides))
     config = ClusterConfig(model_path=model_path, run_dir=run_dir, engine_threads=engine_threads,
