@@ -220,6 +220,7 @@ class ClientCore:
         self.client_id = f"c{secrets.token_hex(8)}".encode()
         self.deadline_s = deadline_s
         self.records: dict[str, Any] = {}  # wire id -> handle
+        self.open_ids: set[str] = set()  # the callers' request ids of those records
         self._deadlines: list[tuple[float, str]] = []
         self._heap_lock = threading.Lock()  # the sync client pushes and pops from two threads
         self._counter = itertools.count()
@@ -228,11 +229,14 @@ class ClientCore:
         self.reconnecting = False  # the detokenizer connection dropped; no welcome since
 
     def new_record(self, request_id: str | None, deadline_s: float | None) -> RequestRecord:
+        seq = next(self._counter)
         if request_id is None:
-            request_id = f"r{next(self._counter)}"
-        wire_id = f"{self.client_id.decode()}:{request_id}"
-        if wire_id in self.records:
+            request_id = f"r{seq}"
+        elif request_id in self.open_ids:
             raise BadRequestError(f"request_id {request_id!r} is already in flight", request_id)
+        # Unique per submission, even when the caller reuses a request_id once it has ended: an
+        # abort that crossed the first one's finish must never end the second on arrival.
+        wire_id = f"{self.client_id.decode()}:{seq}:{request_id}"
         limit = deadline_s if deadline_s is not None else self.deadline_s
         deadline = time.monotonic() + limit if limit else None
         if deadline is not None:
@@ -260,11 +264,12 @@ class ClientCore:
                                   f"{codec.MAX_FRAME_BYTES}", record.request_id)
         handle = make_handle(record)
         self.records[record.wire_id] = handle
+        self.open_ids.add(record.request_id)
         if self.reconnecting:
             # The receiver thread saw the detokenizer connection drop after the check above: it
             # may have listed the open requests before this one was registered, and the restarted
             # detokenizer would drop this one's events until our new hello. Not sent: refuse it.
-            self.records.pop(record.wire_id, None)
+            self.forget(record)
             raise UnavailableError("the detokenizer connection was lost; reconnecting, retry "
                                    "shortly", record.request_id)
         n = len(socks)
@@ -280,7 +285,7 @@ class ClientCore:
             record.tokenizer = i
             self._next_tokenizer = (i + 1) % n
             return handle
-        self.records.pop(record.wire_id, None)
+        self.forget(record)
         raise OverloadedError("every tokenizer worker's queue is full; retry later",
                               record.request_id)
 
@@ -346,8 +351,12 @@ class ClientCore:
         """Routes one event to its handle; a terminal event forgets the request."""
         delta = handle._record.apply(event, now)
         if event.finished:
-            self.records.pop(handle._record.wire_id, None)
+            self.forget(handle._record)
         handle._deliver(delta)
+
+    def forget(self, record: RequestRecord) -> None:
+        self.records.pop(record.wire_id, None)
+        self.open_ids.discard(record.request_id)
 
     def expired(self, now: float) -> list[str]:
         """Wire ids whose deadline passed and that are still open."""

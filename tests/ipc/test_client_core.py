@@ -83,3 +83,20 @@ def test_a_submit_racing_the_disconnect_is_refused_not_orphaned():
         ClientCore.new_record = orig
     assert core.records == {}  # nothing open that no terminal event will ever reach
     assert socks[0].sent == []
+
+
+def test_a_reused_request_id_gets_a_new_wire_id_and_duplicates_in_flight_are_refused():
+    """The cluster keys everything by wire id: a request_id reused once its first request ended
+    must not meet that one's leftovers (an abort that crossed its finish would end it at once)."""
+    from ipc.client_common import BadRequestError
+
+    core = ClientCore(None)
+    first = submit(core, [Sock()], request_id="a")
+    with pytest.raises(BadRequestError, match="already in flight"):
+        submit(core, [Sock()], request_id="a")
+    core.apply(first, StreamEvent(request_id=first._record.wire_id, finished=True,
+                                  finish_reason="stop"), time.monotonic())
+    second = submit(core, [Sock()], request_id="a")
+    assert second._record.request_id == "a"
+    assert second._record.wire_id != first._record.wire_id
+    assert set(core.records) == {second._record.wire_id} and core.open_ids == {"a"}
