@@ -187,6 +187,17 @@ def _valid_sampling(sampling: dict) -> bool:
         return False
 
 
+def _with_sampling(draw, body: dict, how: str):
+    """A wild value in one sampling field ("sampling"), or a bad number ("bad_number", which must
+    fail unless it happens to be valid)."""
+    if how == "sampling":
+        body["sampling"][draw(sampling_fields)] = draw(wild)
+        return msgpack.packb(body), True, None
+    body["sampling"][draw(st.sampled_from(["temperature", "top_p", "top_k", "max_tokens",
+                                           "seed"]))] = draw(bad_numbers)
+    return msgpack.packb(body), True, not _valid_sampling(body["sampling"])
+
+
 # --- the tokenizer's ingress ----------------------------------------------------------------------
 
 @st.composite
@@ -196,13 +207,8 @@ def submit_frames(draw, rid: str, cid: bytes):
             "sampling": {"max_tokens": 2, "temperature": 0.0}, "prompt": "hello there"}
     how = draw(st.sampled_from(["sampling", "bad_number", "field", "utf8", "ids", "kind",
                                 "messages", "unknown_field", "raw", "request_id", "truncated"]))
-    if how == "sampling":
-        body["sampling"][draw(sampling_fields)] = draw(wild)
-        return msgpack.packb(body), True, None
-    if how == "bad_number":
-        body["sampling"][draw(st.sampled_from(["temperature", "top_p", "top_k", "max_tokens",
-                                               "seed"]))] = draw(bad_numbers)
-        return msgpack.packb(body), True, not _valid_sampling(body["sampling"])
+    if how in ("sampling", "bad_number"):
+        return _with_sampling(draw, body, how)
     if how == "field":
         field = draw(st.sampled_from(["prompt", "messages", "prompt_token_ids", "sampling",
                                       "add_generation_prompt", "t_submit"]))
@@ -212,14 +218,7 @@ def submit_frames(draw, rid: str, cid: bytes):
         return _with_raw_str(body, "prompt", draw(invalid_utf8)), True, True
     if how == "ids":
         del body["prompt"]
-        ids = draw(token_ids)
-        body["prompt_token_ids"] = draw(st.one_of(st.just(_pack_ids(ids)),
-                                                  st.binary(min_size=1, max_size=11)))
-        packed = body["prompt_token_ids"]
-        ok = (packed and len(packed) % 4 == 0
-              and all(0 <= i < 49152 for i in np.frombuffer(packed, "<i4"))
-              and len(packed) // 4 < MAX_MODEL_LEN)
-        return msgpack.packb(body), True, not ok
+        return _with_ids(draw, body, "prompt_token_ids", min_raw=1)
     if how == "kind":
         body["kind"] = draw(st.text(max_size=10).filter(lambda k: k != "submit"))
         return msgpack.packb(body), True, True
@@ -272,6 +271,17 @@ def test_fuzz_tokenizer_ingress(raw, tally):
 
 # --- the engine's ingress (internal, but reachable by anyone who can reach the run dir) ------------
 
+def _with_ids(draw, body: dict, key: str, min_raw: int):
+    """``body[key]`` = packed ids (maybe out of vocabulary or too many) or raw bytes; the frame
+    must fail unless they are a valid packed prompt."""
+    body[key] = packed = draw(st.one_of(st.just(_pack_ids(draw(token_ids))),
+                                        st.binary(min_size=min_raw, max_size=11)))
+    ok = (packed and len(packed) % 4 == 0
+          and all(0 <= i < 49152 for i in np.frombuffer(packed, "<i4"))
+          and len(packed) // 4 < MAX_MODEL_LEN)
+    return msgpack.packb(body), True, not ok
+
+
 @st.composite
 def tokenized_frames(draw, rid: str, cid: bytes):
     meta = {"request_id": rid, "client_id": cid, "prompt_tokens": 3}
@@ -280,21 +290,9 @@ def tokenized_frames(draw, rid: str, cid: bytes):
     how = draw(st.sampled_from(["ids", "sampling", "bad_number", "meta", "meta_id", "stop",
                                 "unknown_field", "utf8_stop", "raw"]))
     if how == "ids":
-        ids = draw(token_ids)
-        body["token_ids"] = draw(st.one_of(st.just(_pack_ids(ids)),
-                                           st.binary(min_size=0, max_size=11)))
-        packed = body["token_ids"]
-        ok = (packed and len(packed) % 4 == 0
-              and all(0 <= i < 49152 for i in np.frombuffer(packed, "<i4"))
-              and len(packed) // 4 < MAX_MODEL_LEN)
-        return msgpack.packb(body), True, not ok
-    if how == "sampling":
-        body["sampling"][draw(sampling_fields)] = draw(wild)
-        return msgpack.packb(body), True, None
-    if how == "bad_number":
-        body["sampling"][draw(st.sampled_from(["temperature", "top_p", "top_k", "max_tokens",
-                                               "seed"]))] = draw(bad_numbers)
-        return msgpack.packb(body), True, not _valid_sampling(body["sampling"])
+        return _with_ids(draw, body, "token_ids", min_raw=0)
+    if how in ("sampling", "bad_number"):
+        return _with_sampling(draw, body, how)
     if how == "meta":
         field = draw(st.sampled_from(["prompt_tokens", "stop", "skip_special_tokens",
                                       "tokenizer_index", "t_submit", "t_tokenized", "bogus"]))
