@@ -10,7 +10,8 @@ import itertools
 import numpy as np
 import torch
 
-from engine_worker.attention import AttentionBatch, DecodeWorkspace, PrefillSegment
+from engine_worker.attention import (AttentionBatch, ContinuationBatch, DecodeWorkspace,
+                                    PrefillSegment)
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import sample
@@ -19,6 +20,8 @@ from engine_worker.sampler import sample
 class ModelRunner:
     # Spare columns a new decode workspace gets, so it serves this many steps before a rebuild.
     WORKSPACE_HEADROOM = 32
+    # Attend all prefill continuations of a step together (False: one segment at a time).
+    batch_continuations = True
 
     def __init__(self, model: LlamaFamilyModel, num_blocks: int, block_size: int,
                  decode_workspace_max_bytes: int = 1 << 30) -> None:
@@ -121,7 +124,14 @@ class ModelRunner:
             batch.decode_mask = mask.repeat(self.num_kv_heads, 1, 1).to(self.device)
         else:
             self.drop_workspace()
-        for i in np.nonzero(~single)[0]:
+        prefilling = np.nonzero(~single)[0]
+        if self.batch_continuations:
+            continuing = prefilling[starts[prefilling] > 0]
+            if len(continuing):
+                batch.continuations = self._continuations(
+                    continuing, starts, lengths, seq_starts, tables, to_device)
+                prefilling = prefilling[starts[prefilling] == 0]
+        for i in prefilling:
             start, n = int(starts[i]), int(lengths[i])
             seg = PrefillSegment(row_start=int(seq_starts[i]), num_tokens=n, start_position=start)
             if start > 0:
@@ -134,6 +144,55 @@ class ModelRunner:
         if len(emitting) != total:
             logit_rows = to_device(seq_ends[emitting] - 1)
         return (to_device(input_ids), to_device(positions), batch, logit_rows), emitting
+
+    def _continuations(self, seqs: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                       seq_starts: np.ndarray, tables: np.ndarray, to_device) -> ContinuationBatch:
+        """The padded batch of the continuation sequences ``seqs``; sequences whose tables
+        begin with the same blocks (all before any of their new tokens) share those."""
+        size = self.block_size
+        # Segments with the same first block are adjacent; each such run is a candidate group.
+        seqs = seqs[np.argsort(tables[seqs, 0], kind="stable")]
+        count = len(seqs)
+        seg_starts, seg_lengths = starts[seqs], lengths[seqs]
+        blocks = -(-(seg_starts + seg_lengths) // size)
+        shared = np.zeros(count, dtype=np.int64)  # prefix blocks of each segment
+        groups = []
+        first = 0
+        while first < count:
+            end = first + 1
+            while end < count and tables[seqs[end], 0] == tables[seqs[first], 0]:
+                end += 1
+            if end - first > 1:
+                limit = int(seg_starts[first:end].min()) // size  # blocks before every query
+                rows = tables[seqs[first:end], :limit]
+                same = (rows == rows[0]).all(axis=0)
+                common = int(limit if same.all() else np.argmin(same))
+                if common:
+                    shared[first:end] = common
+                    groups.append((first, end, to_device(rows[0, :common].copy())))
+            first = end
+        rest_blocks = int((blocks - shared).max())
+        rest = np.zeros((count, rest_blocks), dtype=np.int64)  # pads read block 0, masked
+        for j, i in enumerate(seqs):
+            rest[j, :blocks[j] - shared[j]] = tables[i, shared[j]:blocks[j]]
+        max_tokens = int(seg_lengths.max())
+        # Query j of segment s sits at position start + j; rest column c holds position
+        # shared * size + c. Pad queries (j >= length) see every real key, so no row is empty.
+        query_pos = seg_starts[:, None] + np.arange(max_tokens)[None, :]
+        key_pos = shared[:, None] * size + np.arange(rest_blocks * size)[None, :]
+        hidden = ((key_pos[:, None, :] > query_pos[:, :, None])
+                  | (key_pos >= (seg_starts + seg_lengths)[:, None])[:, None, :])
+        mask = torch.zeros(hidden.shape, dtype=self.model.dtype)
+        mask.masked_fill_(torch.from_numpy(hidden), float("-inf"))
+        within = np.arange(max_tokens)[None, :]
+        real = within < seg_lengths[:, None]
+        gather_rows = seq_starts[seqs][:, None] + np.minimum(within, seg_lengths[:, None] - 1)
+        return ContinuationBatch(
+            max_tokens=max_tokens, gather_rows=to_device(gather_rows.reshape(-1)),
+            padded_index=to_device(np.nonzero(real.reshape(-1))[0]),
+            out_rows=to_device(gather_rows[real]),
+            rest_table=to_device(rest.reshape(-1)),
+            rest_mask=mask[:, :, None, :].to(self.device), groups=groups)
 
     def _decode_workspace(self, decoding: list[EngineRequest],
                           context: np.ndarray) -> DecodeWorkspace | None:

@@ -74,3 +74,36 @@ def test_rope_llama3_scaling_matches_transformers(tmp_path):
 @pytest.mark.slow
 def test_default_model_matches_transformers(default_model_dir):
     check_against_transformers(default_model_dir, decode_steps=3, chunk=6)
+
+
+def test_batched_continuations_match_per_segment_attention(tiny_model_dir):
+    """Continuations attended together (shared prefix blocks once, LSE-merged) give the same
+    logits as attending each segment on its own."""
+    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), dtype="float32",
+                                 kv_cache_tokens=1024, block_size=4))
+    prefix = [1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 504, 3458, 282]  # 3 whole blocks
+    first = manual_request(engine, prefix + [7, 8], "first")
+    give_blocks(engine, first, first.num_tokens)
+    engine.runner.compute_logits([first], [first.num_tokens])
+    sharing = []
+    for i, tail in enumerate([[11, 12, 13], [21, 22, 23, 24, 25, 26], [31]]):
+        r = manual_request(engine, prefix + tail, f"share{i}")
+        r.block_ids = list(first.block_ids[:3])
+        give_blocks(engine, r, r.num_tokens)
+        r.num_computed = len(prefix)
+        sharing.append(r)
+    chunked = manual_request(engine, [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], "chunked")
+    give_blocks(engine, chunked, chunked.num_tokens)
+    engine.runner.compute_logits([chunked], [5])
+    chunked.num_computed = 5
+    fresh = manual_request(engine, [1, 60, 61, 62, 63], "fresh")
+    give_blocks(engine, fresh, fresh.num_tokens)
+    requests = sharing + [chunked, fresh]
+    counts = [r.remaining for r in requests]
+    results = {}
+    for batched in (True, False):
+        engine.runner.batch_continuations = batched
+        results[batched] = engine.runner.compute_logits(requests, counts)
+    assert results[True][1] == results[False][1] == [0, 1, 2, 3, 4]
+    diff = (results[True][0] - results[False][0]).abs().max().item()
+    assert diff < 1e-5, diff
