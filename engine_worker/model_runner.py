@@ -20,8 +20,10 @@ from engine_worker.sampler import sample
 class ModelRunner:
     # Spare columns a new decode workspace gets, so it serves this many steps before a rebuild.
     WORKSPACE_HEADROOM = 32
-    # Attend all prefill continuations of a step together (False: one segment at a time).
-    batch_continuations = True
+    # Attend all prefill continuations of a step together (False: one segment at a time). The
+    # shared-prefix part uses PyTorch's fused CPU flash kernel (a private op, for its log-sum-exp):
+    # elsewhere (CUDA, a torch without it) each segment goes through SDPA on its own.
+    batch_continuations: bool | None = None  # None: decide from the device and the torch build
 
     def __init__(self, model: LlamaFamilyModel, num_blocks: int, block_size: int,
                  decode_workspace_max_bytes: int = 1 << 30) -> None:
@@ -35,6 +37,9 @@ class ModelRunner:
         # garbage would still poison the output.
         self.k_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        if self.batch_continuations is None:
+            self.batch_continuations = self.device.type == "cpu" and hasattr(
+                torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
         self.workspace_max_bytes = decode_workspace_max_bytes
         self.workspace_bytes_per_token = self.bytes_per_token(cfg, model.dtype)
         # The last step's decode workspace, the requests it holds (in order) and their contexts.
