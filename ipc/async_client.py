@@ -68,19 +68,21 @@ class AsyncRequestHandle(HandleBase):
 
     def abort(self) -> None:
         if not self.done:
+            self._record.aborted = True
             self._client._send_soon(codec.encode(ClientAbort([self._record.wire_id])))
 
 
 class AsyncClient:
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
                  deadline_s: float | None = None, submit_hwm: int = 64,
-                 server_public_key: str | bytes | None = None) -> None:
+                 server_public_key: str | bytes | None = None,
+                 tokenizer_retries: int = 1) -> None:
         """See ipc.client.Client for the arguments (server_public_key: the cluster's CURVE key)."""
         self.address = address
         self._curve = curve_keys(server_public_key)
         self.connect_timeout_s = connect_timeout_s
         self.submit_hwm = submit_hwm
-        self._core = ClientCore(deadline_s)
+        self._core = ClientCore(deadline_s, tokenizer_retries)
         self._ctx = zmq.asyncio.Context()
         self._dealer: zmq.asyncio.Socket | None = None
         self._submit: list[zmq.Socket] | None = None
@@ -150,11 +152,13 @@ class AsyncClient:
                                 timeout_event(wire_id, self._core.deadline_s), time.monotonic())
 
     def _route(self, frame: bytes) -> None:
-        welcome, lost = self._core.route(frame)
-        if welcome is not None:
-            self.welcome = welcome
-        if lost:
+        routed = self._core.route(frame)
+        if routed.welcome is not None:
+            self.welcome = routed.welcome
+        if lost := routed.lost:
             self._send_soon(codec.encode(ClientAbort([wid for wid, _ in lost])))
+            if routed.retry and self._submit is not None:
+                lost = self._core.resubmit(self._submit, lost)
             self._core.end_lost(lost)
 
     async def _end_lost(self, lost: list[tuple[str, StreamEvent]]) -> None:

@@ -73,22 +73,25 @@ class RequestHandle(HandleBase):
     def abort(self) -> None:
         """Asks the cluster to stop this request; its terminal event (reason "abort") follows."""
         if not self.done:
-            self._client._send_control(codec.encode(ClientAbort([self._record.wire_id])))
+            self._client._abort(self._record)
 
 
 class Client:
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
                  deadline_s: float | None = None, submit_hwm: int = 64,
-                 server_public_key: str | bytes | None = None) -> None:
+                 server_public_key: str | bytes | None = None,
+                 tokenizer_retries: int = 1) -> None:
         """Connects and does the handshake (raises UnavailableError when nobody answers).
 
         deadline_s: a client-side limit per request; past it the request ends with a timeout
         error and is aborted in the cluster (a last resort against a hang, off by default).
         server_public_key: the cluster's CURVE public key (the supervisor prints it and writes
         it to curve_public.key in its run dir); needed when the cluster uses CURVE (--listen).
+        tokenizer_retries: how many times a request still queued in a tokenizer worker that
+        died is sent again to a live one before it ends with an "unavailable" error.
         """
         curve = curve_keys(server_public_key)
-        self._core = ClientCore(deadline_s)
+        self._core = ClientCore(deadline_s, tokenizer_retries)
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # user threads share the submit/control sockets
         dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, address, curve)
@@ -177,15 +180,21 @@ class Client:
             control_in.close(linger=0)
 
     def _route(self, frame: bytes, dealer: zmq.Socket) -> None:
-        welcome, lost = self._core.route(frame)
-        if welcome is not None:
-            self.welcome = welcome
-        self._end_lost(lost, dealer)
+        routed = self._core.route(frame)
+        if routed.welcome is not None:
+            self.welcome = routed.welcome
+        self._end_lost(routed.lost, dealer, routed.retry)
 
-    def _end_lost(self, lost: list[tuple[str, StreamEvent]], dealer: zmq.Socket) -> None:
-        """Ends requests lost with a worker and aborts any copy still in the cluster."""
+    def _end_lost(self, lost: list[tuple[str, StreamEvent]], dealer: zmq.Socket,
+                  retry: bool = False) -> None:
+        """Aborts any copy still in the cluster of requests lost with a worker, sends those
+        lost with a tokenizer again where it can, and ends the rest."""
         if lost:
             dealer.send(codec.encode(ClientAbort([wire_id for wire_id, _ in lost])))
+            if retry:
+                with self._lock:  # the submit sockets, and wire ids against _abort
+                    if not self._closing.is_set():
+                        lost = self._core.resubmit(self._submit, lost)
             self._core.end_lost(lost)
 
     def _expire(self, dealer: zmq.Socket) -> None:
@@ -196,10 +205,11 @@ class Client:
             handle = self._core.records[wire_id]
             self._core.apply(handle, timeout_event(wire_id, self._core.deadline_s), time.monotonic())
 
-    def _send_control(self, frame: bytes) -> None:
-        with self._lock:
+    def _abort(self, record: RequestRecord) -> None:
+        with self._lock:  # the wire id is read where a resend cannot change it under us
+            record.aborted = True
             if not self._closing.is_set():
-                self._control.send(frame)
+                self._control.send(codec.encode(ClientAbort([record.wire_id])))
 
     # --- closing ------------------------------------------------------------------------------
     def close(self) -> None:

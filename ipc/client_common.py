@@ -6,6 +6,7 @@ the same ids never collide in the engine; users only ever see their own ids.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import secrets
@@ -19,7 +20,8 @@ import zmq
 from ipc import codec
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import (
-    ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR, NOTICE_DIED,
+    ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ABORT, FINISH_ERROR,
+    NOTICE_DIED,
     NOTICE_READY, ChatMessage, ClientEvents, ClientWelcome, ClusterNotice, RequestTimings,
     SamplingParams, StreamEvent, SubmitRequest, Usage,
 )
@@ -145,7 +147,7 @@ class RequestRecord:
     """The client's view of one request; the handle classes wrap it."""
 
     __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
-                 "t_received", "final", "tokenizer", "seen")
+                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted")
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
         self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
@@ -156,6 +158,11 @@ class RequestRecord:
         self.final: Delta | None = None
         self.tokenizer = -1  # the index of the tokenizer worker it was sent to
         self.seen = False  # an event arrived: it is past its tokenizer
+        # The request as sent, kept until it is past its tokenizer: if that worker dies first it
+        # is sent again (to another worker, under a fresh wire id).
+        self.pending: SubmitRequest | None = None
+        self.resubmits = 0
+        self.aborted = False  # the caller asked to abort it
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
         ids = unpack_id_list(event.token_ids) if event.token_ids else []
@@ -164,6 +171,7 @@ class RequestRecord:
         self.text.append(event.text)
         self.token_ids.extend(ids)
         self.seen = True
+        self.pending = None
         if ids or event.text:
             self.t_received.append(t)
         if event.finished:
@@ -206,19 +214,33 @@ class HandleBase:
         return delta
 
 
+@dataclass(slots=True)
+class Routed:
+    """What ClientCore.route found in one frame beyond events (see there)."""
+
+    welcome: ClientWelcome | None = None
+    lost: list[tuple[str, StreamEvent]] = field(default_factory=list)
+    retry: bool = False  # lost with a tokenizer worker: ClientCore.resubmit may send them again
+
+
 class ClientCore:
     """Ids, records and deadlines; no sockets, no threads (the clients bring those).
 
     Faults: each request is sent on the socket of one tokenizer worker and remembers which, so a
-    ClusterNotice "tokenizer i died" ends exactly the requests that were still in it (those the
-    detokenizer does not list alive) with an "unavailable" error; "engine died" ends everything
-    open; a lost detokenizer connection ends everything open too, and submits are refused until
-    the restarted detokenizer welcomed us again. The caller sends a ClientAbort for the ended ids
-    (any copy still on its way through the cluster is then freed)."""
+    ClusterNotice "tokenizer i died" finds exactly the requests that were still in it (those the
+    detokenizer does not list alive): each is sent again to a live worker under a fresh wire id,
+    up to ``tokenizer_retries`` times, and otherwise ends with an "unavailable" error. "engine
+    died" ends everything open; a lost detokenizer connection ends everything open too, and
+    submits are refused until the restarted detokenizer welcomed us again. The caller sends a
+    ClientAbort for the old wire ids of all of them (a copy the dead worker had already passed on
+    is then freed, and its events, under a wire id no longer open, are dropped here)."""
 
-    def __init__(self, deadline_s: float | None) -> None:
+    def __init__(self, deadline_s: float | None, tokenizer_retries: int = 1) -> None:
+        if tokenizer_retries < 0:
+            raise BadRequestError("tokenizer_retries must be >= 0")
         self.client_id = f"c{secrets.token_hex(8)}".encode()
         self.deadline_s = deadline_s
+        self.tokenizer_retries = tokenizer_retries
         self.records: dict[str, Any] = {}  # wire id -> handle
         self.open_ids: set[str] = set()  # the callers' request ids of those records
         self._deadlines: list[tuple[float, str]] = []
@@ -234,22 +256,27 @@ class ClientCore:
             request_id = f"r{seq}"
         elif request_id in self.open_ids:
             raise BadRequestError(f"request_id {request_id!r} is already in flight", request_id)
-        # Unique per submission, even when the caller reuses a request_id once it has ended: an
-        # abort that crossed the first one's finish must never end the second on arrival.
-        wire_id = f"{self.client_id.decode()}:{seq}:{request_id}"
         limit = deadline_s if deadline_s is not None else self.deadline_s
         deadline = time.monotonic() + limit if limit else None
-        if deadline is not None:
+        record = RequestRecord(request_id, self._wire_id(seq, request_id), deadline)
+        self._watch_deadline(record)
+        return record
+
+    def _wire_id(self, seq: int, request_id: str) -> str:
+        # Unique per submission, even when the caller reuses a request_id once it has ended: an
+        # abort that crossed the first one's finish must never end the second on arrival.
+        return f"{self.client_id.decode()}:{seq}:{request_id}"
+
+    def _watch_deadline(self, record: RequestRecord) -> None:
+        if record.deadline is not None:
             with self._heap_lock:
-                heapq.heappush(self._deadlines, (deadline, wire_id))
-        return RequestRecord(request_id, wire_id, deadline)
+                heapq.heappush(self._deadlines, (record.deadline, record.wire_id))
 
     def submit(self, socks: list[zmq.Socket], make_handle: Any, request_id: str | None,
                deadline_s: float | None, **request: Any) -> Any:
         """Builds, registers and sends one request without blocking; returns its handle.
 
-        ``socks``: one PUSH per tokenizer worker, tried round-robin, live workers first (a dead
-        one's socket queues for its replacement, the last resort). Raises BadRequestError for
+        ``socks``: one PUSH per tokenizer worker (see _send). Raises BadRequestError for
         invalid arguments, OverloadedError when every tokenizer's pipe is full, UnavailableError
         while the detokenizer reconnects (the request was not accepted and is forgotten)."""
         if self.reconnecting:
@@ -258,6 +285,7 @@ class ClientCore:
         record = self.new_record(request_id, deadline_s)
         msg = build_submit(self.client_id, record.wire_id, t_submit=time.monotonic(), **request)
         record.t_submit = msg.t_submit
+        record.pending = msg
         frame = codec.encode(msg)
         if len(frame) > codec.MAX_FRAME_BYTES:  # the tokenizer's socket would drop it unseen
             raise BadRequestError(f"the request is {len(frame)} bytes encoded; the limit is "
@@ -272,6 +300,15 @@ class ClientCore:
             self.forget(record)
             raise UnavailableError("the detokenizer connection was lost; reconnecting, retry "
                                    "shortly", record.request_id)
+        if self._send(socks, record, frame):
+            return handle
+        self.forget(record)
+        raise OverloadedError("every tokenizer worker's queue is full; retry later",
+                              record.request_id)
+
+    def _send(self, socks: list[zmq.Socket], record: RequestRecord, frame: bytes) -> bool:
+        """Round-robin over the tokenizer workers, live ones first (a dead one's socket queues
+        for its replacement, the last resort); False when none took it."""
         n = len(socks)
         first = self._next_tokenizer
         order = [(first + k) % n for k in range(n)]
@@ -284,10 +321,43 @@ class ClientCore:
                 continue
             record.tokenizer = i
             self._next_tokenizer = (i + 1) % n
-            return handle
-        self.forget(record)
-        raise OverloadedError("every tokenizer worker's queue is full; retry later",
-                              record.request_id)
+            return True
+        return False
+
+    def resubmit(self, socks: list[zmq.Socket],
+                 lost: list[tuple[str, StreamEvent]]) -> list[tuple[str, StreamEvent]]:
+        """Sends the requests a dead tokenizer held to live workers, each under a fresh wire id
+        (its t_submit kept: its latency counts from the first send); returns the ones that are
+        not sent again (out of retries, no worker with room), which end as ``lost`` says,
+        and those the caller had aborted, which end with reason "abort".
+
+        The caller serializes this with submit() and with reading a wire id for an abort (the
+        sync client's lock), so an abort either sees the new wire id or stops the resend."""
+        still_lost = []
+        for wire_id, event in lost:
+            handle = self.records.get(wire_id)
+            record = handle._record if handle is not None else None
+            if record is not None and record.aborted:
+                still_lost.append((wire_id, StreamEvent(request_id=wire_id, finished=True,
+                                                        finish_reason=FINISH_ABORT)))
+                continue
+            if (record is None or record.pending is None
+                    or record.resubmits >= self.tokenizer_retries):
+                still_lost.append((wire_id, event))
+                continue
+            new_id = self._wire_id(next(self._counter), record.request_id)
+            msg = dataclasses.replace(record.pending, request_id=new_id)
+            if not self._send(socks, record, codec.encode(msg)):
+                still_lost.append((wire_id, event))
+                continue
+            # Registered under the new id before the old one goes: apply() on the receiver
+            # thread and a user thread's check of open_ids never see the request missing.
+            self.records[new_id] = handle
+            self.records.pop(wire_id, None)
+            record.wire_id, record.pending = new_id, msg
+            record.resubmits += 1
+            self._watch_deadline(record)
+        return still_lost
 
     def on_notice(self, notice: ClusterNotice) -> list[tuple[str, StreamEvent]]:
         """A worker died or is back: the terminal events for the open requests lost with it."""
@@ -304,7 +374,7 @@ class ClientCore:
         elif notice.role == "tokenizer":
             self.down.add(notice.index)
             message = (f"unavailable: tokenizer worker {notice.index} died{detail} before the "
-                       "request reached the engine; retry it")
+                       "request reached the engine, and it could not be sent again; retry it")
             alive = set(notice.alive_ids)
             lost = [wid for wid, h in list(self.records.items())
                     if h._record.tokenizer == notice.index and not h._record.seen
@@ -322,24 +392,25 @@ class ClientCore:
     def on_welcome(self) -> None:
         self.reconnecting = False
 
-    def route(self, frame: bytes) -> tuple[ClientWelcome | None, list[tuple[str, StreamEvent]]]:
+    def route(self, frame: bytes) -> Routed:
         """One frame from the detokenizer: its events go to their handles. Returns the welcome of
-        a restarted detokenizer (else None) and the open requests a notice says were lost, which
-        the caller aborts in the cluster and then ends with ``end_lost``."""
+        a restarted detokenizer and the open requests a notice says were lost, which the caller
+        aborts in the cluster, sends again with ``resubmit`` where ``retry`` says so, and ends
+        with ``end_lost``."""
         try:
             msg = codec.decode_as(frame, ClientEvents, ClusterNotice, ClientWelcome)
         except codec.DecodeError:
-            return None, []  # not from a splitserve detokenizer; nothing to attribute it to
+            return Routed()  # not from a splitserve detokenizer; nothing to attribute it to
         if isinstance(msg, ClusterNotice):
-            return None, self.on_notice(msg)
+            return Routed(lost=self.on_notice(msg), retry=msg.role == "tokenizer")
         if isinstance(msg, ClientWelcome):  # a restarted detokenizer answered our hello
             self.on_welcome()
-            return msg, []
+            return Routed(welcome=msg)
         now = time.monotonic()
         for event in msg.events:
             if (handle := self.records.get(event.request_id)) is not None:
                 self.apply(handle, event, now)
-        return None, []
+        return Routed()
 
     def end_lost(self, lost: list[tuple[str, StreamEvent]]) -> None:
         now = time.monotonic()

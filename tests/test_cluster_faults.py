@@ -9,6 +9,7 @@ blocks come back. Each fault test prints one row of the issue's table (-s shows 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -80,30 +81,81 @@ def assert_serves(client) -> None:
     assert result.finish_reason == "length" and result.text.startswith("after")
 
 
+def kill_tokenizer_with_half_queued(cluster, client, index: int, fault: str):
+    """Stops worker ``index`` (it reads nothing more, so its share stays queued in it), submits
+    N requests, kills it; returns the handles, those it held, and the results."""
+    victim = pid_of(cluster, "tokenizer", index)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        handles = [client.submit(f"queued {i}", max_tokens=60) for i in range(N)]
+        held = [h for h in handles if h._record.tokenizer == index]
+        assert len(held) == N // 2
+        other = next(h for h in handles if h not in held)
+        next(other.stream(timeout=30))  # the other worker's share is generating
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    results = account(fault, handles)
+    poll(lambda: restarted(cluster, "tokenizer", index, victim), what="tokenizer restart")
+    poll(lambda: index not in client._core.down, what="the client hearing it is back")
+    return handles, held, results
+
+
 def test_tokenizer_killed_with_requests_queued_in_it(cluster):
+    """The requests still queued in the dead worker are sent again to the live one (under fresh
+    wire ids) and finish there, with their latency counted from the first submit."""
     with Client(cluster.client_addr, deadline_s=60) as client:
-        victim = pid_of(cluster, "tokenizer", 1)
-        os.kill(victim, signal.SIGSTOP)  # it reads nothing more: what it is sent stays queued
-        try:
-            handles = [client.submit(f"queued {i}", max_tokens=60) for i in range(N)]
-            held = [h for h in handles if h._record.tokenizer == 1]
-            assert len(held) == N // 2
-            next(handles[0].stream(timeout=30))  # worker 0's share is generating
-        finally:
-            os.kill(victim, signal.SIGKILL)
-        results = account("tokenizer[1] SIGKILL, half the requests queued in it", handles)
+        handles, held, results = kill_tokenizer_with_half_queued(
+            cluster, client, 1, "tokenizer[1] SIGKILL, half the requests queued in it")
+        assert [r.finish_reason for r in results] == ["length"] * N
         for h, r in zip(handles, results):
-            if h._record.tokenizer == 1:
-                assert "tokenizer worker 1 died" in r.error
-            else:
-                assert r.finish_reason == "length"
-        poll(lambda: restarted(cluster, "tokenizer", 1, victim), what="tokenizer restart")
-        poll(lambda: 1 not in client._core.down, what="the client hearing it is back")
+            assert h._record.resubmits == (1 if h in held else 0)
+            assert r.request_id == h.request_id and r.t_submit == h.t_submit
+        assert all(h._record.tokenizer == 0 for h in held)
         # Both workers serve again: round-robin puts the next two on different workers.
         fresh = [client.submit("after the fault", max_tokens=3) for _ in range(2)]
         assert {h._record.tokenizer for h in fresh} == {0, 1}
         assert all(h.result(timeout=30).text.startswith("after") for h in fresh)
     assert cluster.restarts["tokenizer[1]"] == 1
+
+
+def test_tokenizer_killed_without_retries_ends_its_requests_with_an_error(cluster):
+    before = cluster.restarts.get("tokenizer[0]", 0)
+    with Client(cluster.client_addr, deadline_s=60, tokenizer_retries=0) as client:
+        handles, held, results = kill_tokenizer_with_half_queued(
+            cluster, client, 0, "tokenizer[0] SIGKILL, no retries")
+        for h, r in zip(handles, results):
+            if h in held:
+                assert r.error_code == "unavailable" and "tokenizer worker 0 died" in r.error
+            else:
+                assert r.finish_reason == "length"
+        assert_serves(client)
+    assert cluster.restarts["tokenizer[0]"] == before + 1
+
+
+def test_async_client_sends_a_dead_tokenizers_requests_again(cluster):
+    """The asyncio client (the HTTP frontend's) takes the same path on its event loop."""
+    from ipc.async_client import AsyncClient
+
+    async def run():
+        async with AsyncClient(cluster.client_addr, deadline_s=60) as client:
+            victim = pid_of(cluster, "tokenizer", 1)
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                handles = [client.submit(f"async {i}", max_tokens=20) for i in range(N)]
+                held = [h for h in handles if h._record.tokenizer == 1]
+                await asyncio.sleep(0.2)
+            finally:
+                os.kill(victim, signal.SIGKILL)
+            results = [await h.result(timeout=30, check=False) for h in handles]
+            counts = terminal_counts(handles)
+            print(f"\nFAULT | tokenizer[1] SIGKILL, asyncio client | requests {N} | ended "
+                  f"correctly {counts.count(1)} | lost {counts.count(0)}")
+            assert counts == [1] * N
+            assert [r.finish_reason for r in results] == ["length"] * N
+            assert len(held) == N // 2 and all(h._record.resubmits == 1 for h in held)
+            poll(lambda: restarted(cluster, "tokenizer", 1, victim), what="tokenizer restart")
+
+    asyncio.run(run())
 
 
 def test_engine_killed_with_requests_in_flight(cluster):

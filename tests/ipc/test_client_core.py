@@ -100,3 +100,60 @@ def test_a_reused_request_id_gets_a_new_wire_id_and_duplicates_in_flight_are_ref
     assert second._record.request_id == "a"
     assert second._record.wire_id != first._record.wire_id
     assert set(core.records) == {second._record.wire_id} and core.open_ids == {"a"}
+
+
+def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_id():
+    """A tokenizer's death: what it held goes to a live worker under a new wire id (the old one
+    is aborted by the caller), keeping its t_submit and deadline; a second death of the same
+    request's worker, an abort the caller sent meanwhile, or a request already past its
+    tokenizer end it instead."""
+    from ipc import codec
+    from ipc.messages import ClusterNotice, SubmitRequest
+
+    core = ClientCore(deadline_s=50.0, tokenizer_retries=1)
+    socks = [Sock(), Sock()]
+    handles = [submit(core, socks, request_id=f"q{i}") for i in range(4)]
+    on_1 = [h for h in handles if h._record.tokenizer == 1]
+    assert len(on_1) == 2
+    started, aborted = on_1
+    core.apply(started, StreamEvent(request_id=started._record.wire_id, text="x"),
+               time.monotonic())  # past its tokenizer: not lost with it
+    aborted._record.aborted = True
+    waiting = submit(core, socks, request_id="w")
+    assert waiting._record.tokenizer == 0
+    waiting_wire, t_submit, deadline = (waiting._record.wire_id, waiting._record.t_submit,
+                                        waiting._record.deadline)
+    waiting._record.tokenizer = 1  # say it went to worker 1 too
+
+    def died(index):
+        notice = ClusterNotice(role="tokenizer", index=index, event="died")
+        routed = core.route(codec.encode(notice))
+        assert routed.retry
+        return routed.lost
+
+    lost = died(1)
+    assert {wid for wid, _ in lost} == {aborted._record.wire_id, waiting_wire}
+    sent_before = len(socks[0].sent)
+    ended = core.resubmit(socks, lost)
+    assert [(wid, ev.finish_reason) for wid, ev in ended] == [(aborted._record.wire_id, "abort")]
+    # The waiting one went to worker 0 (worker 1 is down) under a new wire id.
+    assert len(socks[0].sent) == sent_before + 1
+    resent = codec.decode_as(socks[0].sent[-1], SubmitRequest)
+    record = waiting._record
+    assert resent.request_id == record.wire_id != waiting_wire
+    assert resent.prompt == "hi" and resent.t_submit == t_submit == record.t_submit
+    assert record.tokenizer == 0 and record.resubmits == 1 and record.deadline == deadline
+    assert waiting_wire not in core.records and core.records[record.wire_id] is waiting
+    due = core.expired(deadline + 0.001)  # the deadline follows the new wire id
+    assert record.wire_id in due and waiting_wire not in due
+    core.end_lost(ended)
+    assert aborted.deltas[-1].finish_reason == "abort"
+    assert aborted._record.request_id not in core.open_ids
+    # Its new worker dies too: out of retries, it ends with the tokenizer's error.
+    lost = died(0)
+    assert waiting._record.wire_id in {wid for wid, _ in lost}
+    ended = core.resubmit(socks, lost)
+    core.end_lost(ended)
+    assert waiting.deltas[-1].error_code == "unavailable"
+    assert "tokenizer worker 0 died" in waiting.deltas[-1].error
+    assert "w" not in core.open_ids
