@@ -58,7 +58,11 @@ class ModelRunner:
         logits, emitting = self.compute_logits(requests, counts)
         result: list[int | None] = [None] * len(requests)
         if emitting:
-            tokens = sample(logits, [requests[i].sampler for i in emitting]).tolist()
+            samplers = [requests[i].sampler for i in emitting]
+            histories = None
+            if any(s.penalized for s in samplers):
+                histories = [(requests[i].token_ids, requests[i].prompt_len) for i in emitting]
+            tokens = sample(logits, samplers, histories).tolist()
             for index, token in zip(emitting, tokens):
                 result[index] = token
         return result

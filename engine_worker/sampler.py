@@ -1,9 +1,14 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, with a per-request seed.
+"""Batched sampling: penalties, greedy, temperature, top-k, top-p, with a per-request seed.
 
-Each sampling request owns a ``torch.Generator`` (seeded from its seed, or at random), and its
-noise is drawn from that generator alone, so a seeded request produces the same tokens whatever
-else shares its batch. Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)),
-which equals drawing from p, so the whole batch is one argmax after the per-row noise."""
+Each sampling request owns a ``torch.Generator`` (seeded from its seed, or at random) and draws
+one uniform from it per step, so a seeded request produces the same tokens whatever else shares
+its batch. A draw is an inverse-CDF lookup (cumsum + searchsorted) over the row's probabilities,
+or over its top-k / top-p candidates, found with a partial top-k rather than a sort of the whole
+vocabulary wherever the nucleus fits in the first ``CANDIDATES`` tokens.
+
+Penalties (repetition, then frequency and presence, before temperature) read per-request token
+statistics on the device that each request keeps up to date itself: it folds in only the tokens
+added since its last step, so a step costs O(batch x vocab), not O(batch x sequence length)."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from ipc.messages import SamplingParams
 class RequestSampler:
     """The per-request part: parameters and the request's own random stream."""
 
-    __slots__ = ("greedy", "temperature", "top_k", "top_p", "generator")
+    __slots__ = ("greedy", "temperature", "top_k", "top_p", "generator", "penalized",
+                 "presence", "frequency", "repetition", "counts", "seen", "folded")
 
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
         self.greedy = params.greedy
@@ -29,42 +35,148 @@ class RequestSampler:
             self.generator = torch.Generator(device=device)
             seed = params.seed if params.seed is not None else random.getrandbits(63)
             self.generator.manual_seed(seed)
+        self.penalized = params.penalized
+        self.presence = params.presence_penalty
+        self.frequency = params.frequency_penalty
+        self.repetition = params.repetition_penalty
+        self.counts: torch.Tensor | None = None  # [V] float: times each token was generated
+        self.seen: torch.Tensor | None = None  # [V] bool: in the prompt or generated
+        self.folded = 0  # how many of the request's tokens the two above account for
+
+    def fold(self, token_ids: list[int], prompt_len: int, vocab: int,
+             device: torch.device) -> None:
+        """Brings ``counts`` and ``seen`` up to date with the request's tokens."""
+        if self.counts is None:
+            self.counts = torch.zeros(vocab, device=device)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        if self.folded >= len(token_ids):
+            return
+        new = torch.tensor(token_ids[self.folded:], device=device)
+        self.seen[new] = True
+        generated = new[max(0, prompt_len - self.folded):]
+        if generated.numel():
+            self.counts.index_add_(0, generated, torch.ones_like(generated, dtype=torch.float32))
+        self.folded = len(token_ids)
 
 
-def sample(logits: torch.Tensor, samplers: list[RequestSampler]) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] (int64, on logits' device)."""
+def apply_penalties(logits: torch.Tensor, samplers: list[RequestSampler],
+                    histories: list[tuple[list[int], int]]) -> torch.Tensor:
+    """``logits`` with each penalized row's penalties applied (other rows unchanged).
+    ``histories``: per row, the request's tokens (prompt + generated) and its prompt length.
+    Only the (row, token) pairs already seen are touched, so the cost beyond one pass over the
+    rows' ``seen`` masks is O(distinct tokens), not O(rows x vocab)."""
+    rows = [i for i, s in enumerate(samplers) if s.penalized]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    for i in rows:
+        samplers[i].fold(*histories[i], vocab, device)
+    row_of, token = torch.stack([samplers[i].seen for i in rows]).nonzero(as_tuple=True)
+    counts = torch.stack([samplers[i].counts for i in rows])[row_of, token]
+
+    def per_pair(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, device=device, dtype=logits.dtype)[row_of]
+
+    logits = logits.clone()
+    at = (torch.tensor(rows, device=device)[row_of], token)
+    picked = logits[at]
+    rep = per_pair([samplers[i].repetition for i in rows])
+    picked = torch.where(picked > 0, picked / rep, picked * rep)
+    picked -= (per_pair([samplers[i].frequency for i in rows]) * counts
+               + per_pair([samplers[i].presence for i in rows]) * (counts > 0))
+    logits[at] = picked
+    return logits
+
+
+def sample(logits: torch.Tensor, samplers: list[RequestSampler],
+           histories: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] (int64, on logits' device). ``histories`` (see
+    apply_penalties) is needed when a sampler has penalties."""
+    if histories is not None:
+        logits = apply_penalties(logits, samplers, histories)
+    elif any(s.penalized for s in samplers):
+        raise ValueError("penalties need the requests' token histories")
     if all(s.greedy for s in samplers):
         return logits.argmax(dim=-1)
     device = logits.device
-    vocab = logits.shape[1]
-    temperatures = torch.tensor([1.0 if s.greedy else s.temperature for s in samplers],
-                                device=device)
-    logits = logits / temperatures.unsqueeze(1)
-    noise = torch.empty_like(logits)
-    for row, s in enumerate(samplers):
-        if s.greedy:
-            noise[row].fill_(1.0)  # p / 1 keeps the argmax of p
-        else:
-            noise[row].exponential_(generator=s.generator)
-    filtered = any(s.top_k or s.top_p < 1.0 for s in samplers)
-    if not filtered:
-        probs = logits.softmax(dim=-1)
-        chosen = (probs / noise).argmax(dim=-1)
-    else:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([s.top_k or vocab for s in samplers], device=device)
-        top_p = torch.tensor([s.top_p for s in samplers], device=device)
-        ranks = torch.arange(vocab, device=device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the first stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
-        # Noise is indexed by vocabulary id, so a row's draw does not depend on the sort.
-        picked = (probs / noise.gather(1, order)).argmax(dim=-1)
-        chosen = order.gather(1, picked.unsqueeze(1)).squeeze(1)
+    chosen = torch.empty(len(samplers), dtype=torch.long, device=device)
     greedy_rows = [i for i, s in enumerate(samplers) if s.greedy]
     if greedy_rows:
         rows = torch.tensor(greedy_rows, device=device)
         chosen[rows] = logits[rows].argmax(dim=-1)
+    drawn = [i for i, s in enumerate(samplers) if not s.greedy]
+    rows = torch.tensor(drawn, device=device)
+    subset = [samplers[i] for i in drawn]
+    temperatures = torch.tensor([s.temperature for s in subset], device=device)
+    probs = (logits[rows] / temperatures.unsqueeze(1)).softmax(dim=-1)
+    # One uniform per row and step, from the row's own generator: its draws never depend on
+    # what else shares the batch.
+    uniforms = torch.cat([torch.rand(1, generator=s.generator, device=device) for s in subset])
+    picked = torch.empty(len(subset), dtype=torch.long, device=device)
+    plain = [j for j, s in enumerate(subset) if not (s.top_k or s.top_p < 1.0)]
+    if plain:
+        index = torch.tensor(plain, device=device)
+        picked[index] = _inverse_cdf(probs[index], uniforms[index])
+    filtered = [j for j, s in enumerate(subset) if s.top_k or s.top_p < 1.0]
+    if filtered:
+        index = torch.tensor(filtered, device=device)
+        picked[index] = _filtered_draw(probs[index], uniforms[index],
+                                       [subset[j] for j in filtered])
+    chosen[rows] = picked
     return chosen
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the column drawn with probability proportional to ``weights`` (rows need not
+    sum to 1): the first whose running total exceeds u x the row's total. Zero weights are never
+    drawn (their running total does not rise past the previous column's)."""
+    totals = weights.cumsum(dim=-1)
+    target = (uniforms * totals[:, -1]).unsqueeze(1)
+    picked = torch.searchsorted(totals, target, right=True).squeeze(1)
+    return picked.clamp_(max=weights.shape[1] - 1)
+
+
+# A row with top_p but no top_k is first filtered among its CANDIDATES most likely tokens; only a
+# row whose nucleus is wider than that (a flat distribution) pays for a sort of the vocabulary.
+CANDIDATES = 256
+
+
+def _filtered_draw(probs: torch.Tensor, uniforms: torch.Tensor,
+                   samplers: list[RequestSampler]) -> torch.Tensor:
+    """A draw restricted to each row's top-k / top-p set: top-k keeps the k most likely tokens
+    (renormalized), then top-p drops a token once the tokens ranked above it reach top_p of the
+    mass (the first always stays). Exact: a row whose nucleus does not fit in the candidates is
+    drawn over its whole sorted vocabulary instead, with the same uniform."""
+    vocab = probs.shape[1]
+    k = min(vocab, max(s.top_k or CANDIDATES for s in samplers))
+    cand_p, cand_i = probs.topk(k, dim=-1)  # sorted, most likely first
+    picked, held = _nucleus_draw(cand_p, cand_i, uniforms, samplers)
+    wide = [j for j, s in enumerate(samplers)
+            if not s.top_k and s.top_p < 1.0 and held[j] < s.top_p]
+    if wide:
+        index = torch.tensor(wide, device=probs.device)
+        full_p, full_i = probs[index].sort(dim=-1, descending=True)
+        picked[index], _ = _nucleus_draw(full_p, full_i, uniforms[index],
+                                         [samplers[j] for j in wide])
+    return picked
+
+
+def _nucleus_draw(cand_p: torch.Tensor, cand_i: torch.Tensor, uniforms: torch.Tensor,
+                  samplers: list[RequestSampler]) -> tuple[torch.Tensor, list[float]]:
+    """Draws among sorted candidates (probabilities ``cand_p`` of the vocabulary ids ``cand_i``);
+    also returns the mass the candidates hold per row, before any renormalization."""
+    device, width = cand_p.device, cand_p.shape[1]
+    ranks = torch.arange(width, device=device).unsqueeze(0)
+    top_k = torch.tensor([min(s.top_k, width) if s.top_k else width for s in samplers],
+                         device=device)
+    cand_p = cand_p.masked_fill(ranks >= top_k.unsqueeze(1), 0.0)
+    held = cand_p.sum(dim=-1, keepdim=True)
+    has_k = torch.tensor([bool(s.top_k) for s in samplers], device=device).unsqueeze(1)
+    cand_p = torch.where(has_k, cand_p / held, cand_p)
+    # top_p == 1 filters nothing (an inf bound keeps rounding in the cumsum from dropping a tail).
+    top_p = torch.tensor([s.top_p if s.top_p < 1.0 else float("inf") for s in samplers],
+                         device=device).unsqueeze(1)
+    mass_before = cand_p.cumsum(dim=-1) - cand_p
+    cand_p = cand_p.masked_fill(mass_before >= top_p, 0.0)
+    picked = _inverse_cdf(cand_p, uniforms)
+    return cand_i.gather(1, picked.unsqueeze(1)).squeeze(1), held.squeeze(1).tolist()

@@ -40,6 +40,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(slots=True)
@@ -55,6 +56,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Penalties on tokens already there (OpenAI's meaning for the first two): the logit of a
+    # token drops by frequency_penalty per time it was generated and by presence_penalty once
+    # if it was; repetition_penalty (1 disables it) divides a positive logit of any token in
+    # the prompt or the output by it and multiplies a negative one.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
@@ -82,6 +90,14 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        v = self.repetition_penalty
+        if not _is_number(v) or not math.isfinite(v) or not (0.0 < v <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {v!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
         for t in self.stop_token_ids:
@@ -91,6 +107,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 def _is_number(v: object) -> bool:

@@ -72,9 +72,10 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
-    # Accepted only at their neutral value (see _reject_unsupported).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # not OpenAI's; vLLM and TGI take it too
+    # Accepted only at its neutral value (see _reject_unsupported).
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
@@ -88,7 +89,7 @@ class _GenerationRequest(BaseModel):
         return self
 
     def _neutral_values(self) -> dict[str, Any]:
-        return {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}}
+        return {"logit_bias": {}}
 
     @property
     def include_usage(self) -> bool:
@@ -113,7 +114,11 @@ class _GenerationRequest(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
                 seed=seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-                ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+                ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if self.repetition_penalty is None
+                                    else self.repetition_penalty))
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 

@@ -7,6 +7,9 @@
           real requests rarely shares one length), drawn from one seed for both.
   prefix  --num-requests requests sharing a --shared-prefix-tokens system prompt plus a short
           unique question: prompt tokens computed and TTFT p50 with and without the prefix cache.
+  sampling  decode tokens/s at the largest --decode-batch with each sampling setting (greedy,
+          temperature, top-p, top-k, repetition penalty), for our engine and transformers
+          ``generate`` with the same setting, in the same run.
   mixed   short requests decoding while --long-prompts prompts of --long-prompt-tokens arrive:
           inter-token latency (ITL) p50/p99 of the decoding requests with and without chunked
           prefill.
@@ -28,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine_worker.config import EngineConfig  # noqa: E402
 from engine_worker.engine import Engine  # noqa: E402
-from ipc.codec import unpack_ids  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from procs.model_store import resolve_model  # noqa: E402
 
@@ -43,8 +45,9 @@ def make_engine(args, **knobs) -> Engine:
                                num_threads=args.threads, **knobs))
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def greedy(max_tokens: int, **sampling) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling},
+                          ignore_eos=True)
 
 
 # --- core: prefill and decode throughput against transformers ----------------------------------
@@ -59,12 +62,14 @@ def engine_prefill_rate(engine: Engine, prompt: list[int], repeats: int) -> floa
     return len(prompt) / best
 
 
-def engine_decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+def engine_decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int,
+                       **sampling) -> float:
     """Decode tokens/s of ``new_tokens`` steps after everyone's prefill (the same count
-    hf_decode_rate times)."""
+    hf_decode_rate times). ``sampling``: SamplingParams fields (default greedy)."""
     engine_decode_rate.runs = getattr(engine_decode_rate, "runs", 0) + 1
     for i, prompt in enumerate(prompts):
-        engine.add(f"decode{engine_decode_rate.runs}.{i}", prompt, greedy(new_tokens + 1))
+        engine.add(f"decode{engine_decode_rate.runs}.{i}", prompt,
+                   greedy(new_tokens + 1, **sampling))
     while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
         engine.step()  # prefill everyone first
     produced, start = 0, time.perf_counter()
@@ -86,7 +91,7 @@ class _StepClock:
 
 
 def hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int,
-                        clock: _StepClock | None = None) -> float:
+                        clock: _StepClock | None = None, **sampling) -> float:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), 2, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -96,28 +101,60 @@ def hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int,
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=2,
-                       logits_processor=[clock] if clock is not None else None)
+                       min_new_tokens=new_tokens, pad_token_id=2,
+                       logits_processor=[clock] if clock is not None else None,
+                       **{"do_sample": False, **sampling})
     return time.perf_counter() - start
 
 
-def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int) -> float:
+def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int, **sampling) -> float:
     """Decode tokens/s of ``new_tokens`` steps after the prefill, timed inside generate (the
     difference of two whole generate calls is mostly prefill noise at batch 32)."""
     clock = _StepClock()
-    hf_generate_seconds(model, prompts, new_tokens + 1, clock)
+    hf_generate_seconds(model, prompts, new_tokens + 1, clock, **sampling)
     assert len(clock.times) == new_tokens + 1, len(clock.times)
     return len(prompts) * new_tokens / (clock.times[-1] - clock.times[0])
 
 
-def run_core(args) -> None:
+def load_hf(args):
     import transformers
 
-    rng = np.random.default_rng(0)
-    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=max(args.decode_batch))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(args.model), dtype=getattr(torch, args.dtype)).eval()
     hf.generation_config.eos_token_id = None  # count every requested token
+    return hf
+
+
+def decode_prompts(args, rng: np.random.Generator, batch: int) -> list[list[int]]:
+    low, high = args.decode_prompt_tokens // 2, args.decode_prompt_tokens * 3 // 2
+    return [random_prompt(rng, int(n)) for n in rng.integers(low, high + 1, size=batch)]
+
+
+def best_decode_rates(args, engine: Engine, hf, prompts: list[list[int]],
+                      ours_sampling: dict | None = None,
+                      hf_sampling: dict | None = None) -> tuple[float, float]:
+    """Best of --repeats for both, alternating, so a disturbance hits one run, not one side."""
+    hf_generate_seconds(hf, prompts, 2, **(hf_sampling or {}))  # warm-up
+    ours = theirs = 0.0
+    for _ in range(args.repeats):
+        ours = max(ours, engine_decode_rate(engine, prompts, args.decode_tokens,
+                                            **(ours_sampling or {})))
+        theirs = max(theirs, hf_decode_rate(hf, prompts, args.decode_tokens,
+                                            **(hf_sampling or {})))
+    return ours, theirs
+
+
+def print_rates(title: str, rows: list[tuple[str, float, float]]) -> None:
+    print(title)
+    print(f"{'':24s}{'engine tok/s':>14s}{'transformers':>14s}{'ratio':>8s}")
+    for name, ours, theirs in rows:
+        print(f"{name:24s}{ours:14.1f}{theirs:14.1f}{ours / theirs:8.2f}x")
+
+
+def run_core(args) -> None:
+    rng = np.random.default_rng(0)
+    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=max(args.decode_batch))
+    hf = load_hf(args)
     rows = []
     for length in args.prefill_tokens:
         prompt = random_prompt(rng, length)
@@ -125,21 +162,37 @@ def run_core(args) -> None:
         theirs = length / min(hf_generate_seconds(hf, [prompt], 1) for _ in range(args.repeats))
         rows.append((f"prefill {length} tokens", ours, theirs))
     for batch in args.decode_batch:
-        low, high = args.decode_prompt_tokens // 2, args.decode_prompt_tokens * 3 // 2
-        prompts = [random_prompt(rng, int(n)) for n in rng.integers(low, high + 1, size=batch)]
-        hf_generate_seconds(hf, prompts, 2)  # warm-up
-        # Best of --repeats for both, alternating, so a disturbance hits one run, not one side.
-        ours = theirs = 0.0
-        for _ in range(args.repeats):
-            ours = max(ours, engine_decode_rate(engine, prompts, args.decode_tokens))
-            theirs = max(theirs, hf_decode_rate(hf, prompts, args.decode_tokens))
+        ours, theirs = best_decode_rates(args, engine, hf, decode_prompts(args, rng, batch))
         rows.append((f"decode batch {batch}", ours, theirs))
-    print(f"\ncore (threads={torch.get_num_threads()}, {args.dtype} for both, "
-          f"{engine.model_name}; decode prompts {args.decode_prompt_tokens // 2}..{args.decode_prompt_tokens * 3 // 2} "
-          f"tokens, {args.decode_tokens} new tokens)")
-    print(f"{'':24s}{'engine tok/s':>14s}{'transformers':>14s}{'ratio':>8s}")
-    for name, ours, theirs in rows:
-        print(f"{name:24s}{ours:14.1f}{theirs:14.1f}{ours / theirs:8.2f}x")
+    print_rates(f"\ncore (threads={torch.get_num_threads()}, {args.dtype} for both, "
+                f"{engine.model_name}; decode prompts {args.decode_prompt_tokens // 2}.."
+                f"{args.decode_prompt_tokens * 3 // 2} tokens, {args.decode_tokens} new tokens)",
+                rows)
+
+
+# --- sampling: decode throughput with each sampling setting -------------------------------------
+# (name, our SamplingParams fields, transformers generate arguments): the same setting on both.
+SAMPLING_CASES = [
+    ("greedy", {}, {}),
+    ("temperature 0.7", {"temperature": 0.7},
+     {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}),
+    ("top-p 0.9", {"temperature": 0.7, "top_p": 0.9},
+     {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 0.9}),
+    ("top-k 50", {"temperature": 0.7, "top_k": 50},
+     {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 1.0}),
+    ("repetition 1.2", {"repetition_penalty": 1.2}, {"repetition_penalty": 1.2}),
+]
+
+
+def run_sampling(args) -> None:
+    batch = max(args.decode_batch)
+    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=batch)
+    hf = load_hf(args)
+    prompts = decode_prompts(args, np.random.default_rng(0), batch)
+    rows = [(name, *best_decode_rates(args, engine, hf, prompts, ours, theirs))
+            for name, ours, theirs in SAMPLING_CASES]
+    print_rates(f"\nsampling (threads={torch.get_num_threads()}, {args.dtype} for both, "
+                f"decode batch {batch}, {args.decode_tokens} new tokens)", rows)
 
 
 # --- prefix: shared system prompt ---------------------------------------------------------------
@@ -210,7 +263,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", default=["core"],
-                        choices=["core", "prefix", "mixed"], help="what to run (default: core)")
+                        choices=["core", "sampling", "prefix", "mixed"],
+                        help="what to run (default: core)")
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -236,7 +290,8 @@ def main() -> None:
     args.model = resolve_model(args.model)
     torch.set_num_threads(args.threads)
     for workload in args.workloads:
-        {"core": run_core, "prefix": run_prefix, "mixed": run_mixed}[workload](args)
+        {"core": run_core, "sampling": run_sampling, "prefix": run_prefix,
+         "mixed": run_mixed}[workload](args)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,10 @@ def _error(response, status: int) -> dict:
     ({"prompt": "hi", "logprobs": 2}, None, "logprobs is not supported"),
     ({"prompt": "hi", "echo": True}, None, "echo is not supported"),
     ({"prompt": "hi", "best_of": 3}, None, "best_of is not supported"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, None, "presence_penalty is not supported"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, None, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": -3}, None, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, None, "repetition_penalty"),
+    ({"prompt": "hi", "logit_bias": {"5": 1.0}}, None, "logit_bias is not supported"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
 ])
 def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words):
@@ -116,6 +119,10 @@ def test_sampling_mapping():
     defaults = CompletionRequest(prompt="x").sampling(16, 0)
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.seed) == (1.0, 1.0, 0,
                                                                                       None)
+    assert not defaults.penalized
+    p = CompletionRequest(prompt="x", presence_penalty=0.5, frequency_penalty=-0.25,
+                          repetition_penalty=1.3).sampling(16, 0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.3)
     with pytest.raises(APIError) as info:
         CompletionRequest(prompt="x", temperature=-1).sampling(16, 0)
     assert info.value.status == 400

@@ -105,6 +105,22 @@ def test_completion_matches_the_sdk_and_counts_tokens_like_the_tokenizer(cluster
     assert choice.text == sdk.text
 
 
+def test_penalties_reach_the_engine(cluster, oai):
+    """OpenAI's presence/frequency penalties and the extra repetition_penalty give what the SDK
+    gives with the same values, and change a greedy answer that repeats itself."""
+    prompt = "the the the the"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    plain = oai.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    penalized = oai.completions.create(**kw, frequency_penalty=2.0, presence_penalty=1.0,
+                                       extra_body={"ignore_eos": True,
+                                                   "repetition_penalty": 3.0}).choices[0].text
+    with Client(cluster.client_addr) as client:
+        sdk = client.submit(prompt, max_tokens=12, temperature=0, ignore_eos=True,
+                            frequency_penalty=2.0, presence_penalty=1.0,
+                            repetition_penalty=3.0).result(60)
+    assert penalized == sdk.text and penalized != plain
+
+
 def test_token_id_prompt_and_batch_with_n(oai, tokenizer):
     ids = tokenizer.encode("hello world").ids
     r = oai.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0,
