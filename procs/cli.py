@@ -169,6 +169,17 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="0 = greedy (default 0)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="a stop string (repeatable)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for a reproducible sample")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalize tokens already in the prompt or output (default 1: off)")
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "stop": args.stop,
+            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+            "repetition_penalty": args.repetition_penalty}
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -179,9 +190,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     with launch_cluster(args.model, run_dir=args.run_dir, start_timeout_s=args.start_timeout_s,
                         **cluster_kwargs(args)) as cluster, Client(
             cluster.client_addr, server_public_key=cluster.curve_public_key) as client:
-        handle = client.submit(messages=messages, max_tokens=args.max_tokens,
-                               temperature=args.temperature, stop=args.stop)
         try:
+            handle = client.submit(messages=messages, **_sampling_kwargs(args))
             for delta in handle.stream():
                 print(delta.text, end="", flush=True)
         except SplitserveError as exc:
@@ -192,13 +202,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ipc.client import Client
+    from ipc.client import Client, SplitserveError
 
     with launch_cluster(args.model, run_dir=args.run_dir, start_timeout_s=args.start_timeout_s,
                         **cluster_kwargs(args)) as cluster, Client(
             cluster.client_addr, server_public_key=cluster.curve_public_key) as client:
-        results = client.generate(args.prompts, max_tokens=args.max_tokens,
-                                  temperature=args.temperature, stop=args.stop, check=False)
+        try:
+            results = client.generate(args.prompts, check=False, **_sampling_kwargs(args))
+        except SplitserveError as exc:  # bad sampling values, refused before anything is sent
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         for prompt, r in zip(args.prompts, results):
             tail = f" [{r.finish_reason}{': ' + r.error if r.error else ''}]"
             print(f"{prompt!r} -> {r.text!r}{tail}", flush=True)
