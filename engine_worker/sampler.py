@@ -132,51 +132,78 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     drawn (their running total does not rise past the previous column's)."""
     totals = weights.cumsum(dim=-1)
     target = (uniforms * totals[:, -1]).unsqueeze(1)
-    picked = torch.searchsorted(totals, target, right=True).squeeze(1)
-    return picked.clamp_(max=weights.shape[1] - 1)
+    picked = torch.searchsorted(totals, target, right=True).clamp_(max=weights.shape[1] - 1)
+    if not bool((weights.gather(1, picked) > 0).all()):
+        # Only if the running total was not monotone (a parallel scan's rounding, e.g. on
+        # CUDA): step back to the nearest column at or before the pick that has weight.
+        columns = torch.arange(weights.shape[1], device=weights.device).expand_as(weights)
+        last_weighted = torch.where(weights > 0, columns, 0).cummax(dim=-1).values
+        picked = last_weighted.gather(1, picked)
+    return picked.squeeze(1)
 
 
-# A row with top_p but no top_k is first filtered among its CANDIDATES most likely tokens; only a
-# row whose nucleus is wider than that (a flat distribution) pays for a sort of the vocabulary.
+# Rows with top_k / top_p are first filtered among their CANDIDATES most likely tokens (a partial
+# top-k); only a row whose kept set reaches the least likely candidate's probability (a nucleus
+# wider than the candidates, or a tie there) pays for a sort of the whole vocabulary.
 CANDIDATES = 256
+
+
+def _canonical(probs: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorts each row by probability, most likely first, ties by vocabulary id: the order a
+    draw walks must not depend on how a top-k call happened to order ties, or a seeded row's
+    token would depend on the candidate width, which depends on the rest of the batch."""
+    by_id = ids.argsort(dim=-1)
+    probs, ids = probs.gather(1, by_id), ids.gather(1, by_id)
+    probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    return probs, ids.gather(1, order)
 
 
 def _filtered_draw(probs: torch.Tensor, uniforms: torch.Tensor,
                    samplers: list[RequestSampler]) -> torch.Tensor:
-    """A draw restricted to each row's top-k / top-p set: top-k keeps the k most likely tokens
-    (renormalized), then top-p drops a token once the tokens ranked above it reach top_p of the
-    mass (the first always stays). Exact: a row whose nucleus does not fit in the candidates is
-    drawn over its whole sorted vocabulary instead, with the same uniform."""
+    """A draw restricted to each row's top-k / top-p set: in the canonical order (see
+    _canonical), top-k keeps the first k tokens (renormalized), then top-p drops a token once
+    the tokens before it hold top_p of the mass (the first always stays).
+
+    Exact: a candidate set from topk() holds every token more likely than its last candidate,
+    but an arbitrary part of the tokens tied with it; a row whose kept set stays above that
+    probability is decided within the candidates, and any other row is drawn again, with the
+    same uniform, over its whole vocabulary."""
     vocab = probs.shape[1]
-    k = min(vocab, max(s.top_k or CANDIDATES for s in samplers))
-    cand_p, cand_i = probs.topk(k, dim=-1)  # sorted, most likely first
-    picked, held = _nucleus_draw(cand_p, cand_i, uniforms, samplers)
-    wide = [j for j, s in enumerate(samplers)
-            if not s.top_k and s.top_p < 1.0 and held[j] < s.top_p]
+    # One more than any row keeps at most, so a row that keeps its top_k still has a candidate
+    # after its last one to compare against.
+    k = min(vocab, max(s.top_k or CANDIDATES for s in samplers) + 1)
+    cand_p, cand_i = _canonical(*probs.topk(k, dim=-1))
+    picked, kept = _nucleus_draw(cand_p, cand_i, uniforms, samplers)
+    if k == vocab:
+        return picked
+    # The least likely kept candidate, against the least likely candidate overall.
+    least_kept = torch.where(kept, cand_p, float("inf")).amin(dim=-1)
+    wide = (least_kept <= cand_p[:, -1]).nonzero().flatten().tolist()
     if wide:
         index = torch.tensor(wide, device=probs.device)
-        full_p, full_i = probs[index].sort(dim=-1, descending=True)
+        ids = torch.arange(vocab, device=probs.device).expand(len(wide), vocab)
+        full_p, full_i = probs[index].sort(dim=-1, descending=True, stable=True)
+        full_i = ids.gather(1, full_i)  # ids were in ascending order: the sort is canonical
         picked[index], _ = _nucleus_draw(full_p, full_i, uniforms[index],
                                          [samplers[j] for j in wide])
     return picked
 
 
 def _nucleus_draw(cand_p: torch.Tensor, cand_i: torch.Tensor, uniforms: torch.Tensor,
-                  samplers: list[RequestSampler]) -> tuple[torch.Tensor, list[float]]:
-    """Draws among sorted candidates (probabilities ``cand_p`` of the vocabulary ids ``cand_i``);
-    also returns the mass the candidates hold per row, before any renormalization."""
+                  samplers: list[RequestSampler]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draws among candidates in canonical order (probabilities ``cand_p`` of the vocabulary
+    ids ``cand_i``); also returns which candidates each row kept."""
     device, width = cand_p.device, cand_p.shape[1]
     ranks = torch.arange(width, device=device).unsqueeze(0)
     top_k = torch.tensor([min(s.top_k, width) if s.top_k else width for s in samplers],
                          device=device)
     cand_p = cand_p.masked_fill(ranks >= top_k.unsqueeze(1), 0.0)
-    held = cand_p.sum(dim=-1, keepdim=True)
     has_k = torch.tensor([bool(s.top_k) for s in samplers], device=device).unsqueeze(1)
-    cand_p = torch.where(has_k, cand_p / held, cand_p)
+    cand_p = torch.where(has_k, cand_p / cand_p.sum(dim=-1, keepdim=True), cand_p)
     # top_p == 1 filters nothing (an inf bound keeps rounding in the cumsum from dropping a tail).
     top_p = torch.tensor([s.top_p if s.top_p < 1.0 else float("inf") for s in samplers],
                          device=device).unsqueeze(1)
     mass_before = cand_p.cumsum(dim=-1) - cand_p
     cand_p = cand_p.masked_fill(mass_before >= top_p, 0.0)
     picked = _inverse_cdf(cand_p, uniforms)
-    return cand_i.gather(1, picked.unsqueeze(1)).squeeze(1), held.squeeze(1).tolist()
+    return cand_i.gather(1, picked.unsqueeze(1)).squeeze(1), cand_p > 0

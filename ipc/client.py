@@ -93,7 +93,11 @@ class Client:
         curve = curve_keys(server_public_key)
         self._core = ClientCore(deadline_s, tokenizer_retries)
         self._ctx = zmq.Context()
-        self._lock = threading.Lock()  # user threads share the submit/control sockets
+        # _lock: the submit sockets, wire ids (a resend changes one) and _closing; the receiver
+        # thread takes it too, so nobody blocks while holding it. _control_lock: the control
+        # socket, whose blocking send waits for the receiver thread to drain the pipe.
+        self._lock = threading.Lock()
+        self._control_lock = threading.Lock()
         dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, address, curve)
         dealer.send(codec.encode(ClientHello(self._core.client_id)))
         if not dealer.poll(int(connect_timeout_s * 1000)):
@@ -206,10 +210,12 @@ class Client:
             self._core.apply(handle, timeout_event(wire_id, self._core.deadline_s), time.monotonic())
 
     def _abort(self, record: RequestRecord) -> None:
-        with self._lock:  # the wire id is read where a resend cannot change it under us
+        with self._lock:  # a resend either happened (new wire id) or will see the flag
             record.aborted = True
+            frame = codec.encode(ClientAbort([record.wire_id]))
+        with self._control_lock:
             if not self._closing.is_set():
-                self._control.send(codec.encode(ClientAbort([record.wire_id])))
+                self._control.send(frame)
 
     # --- closing ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -218,6 +224,8 @@ class Client:
             if self._closing.is_set():
                 return
             self._closing.set()
+        with self._control_lock:  # (not under _lock: the receiver may need it to drain for us)
+            pass  # an abort in the middle of its send has finished; later ones see _closing
         self._thread.join(timeout=5)
         now = time.monotonic()
         for wire_id, handle in list(self._core.records.items()):

@@ -347,7 +347,9 @@ class ClientCore:
                 continue
             new_id = self._wire_id(next(self._counter), record.request_id)
             msg = dataclasses.replace(record.pending, request_id=new_id)
-            if not self._send(socks, record, codec.encode(msg)):
+            frame = codec.encode(msg)
+            # The new id may be a digit longer: a frame past the limit would be dropped unseen.
+            if len(frame) > codec.MAX_FRAME_BYTES or not self._send(socks, record, frame):
                 still_lost.append((wire_id, event))
                 continue
             # Registered under the new id before the old one goes: apply() on the receiver

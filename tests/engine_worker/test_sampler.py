@@ -16,10 +16,12 @@ CPU = torch.device("cpu")
 
 
 def expected_distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The definition, written plainly: softmax at the temperature, keep the top_k most likely
-    (renormalized), then drop each token whose more likely tokens already hold top_p."""
+    """The definition, written plainly: softmax at the temperature, rank tokens by probability
+    (ties by id), keep the top_k first (renormalized), then drop each token whose predecessors
+    already hold top_p."""
     probs = (logits / p.temperature).softmax(-1).double()
-    order = probs.argsort(descending=True).tolist()
+    values = probs.tolist()
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
     keep = order[:p.top_k] if p.top_k > 0 else order
     total = sum(probs[i].item() for i in keep)
     out = torch.zeros_like(probs)
@@ -84,6 +86,22 @@ def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
              for logits in steps]
     assert mixed == alone
     assert len(set(alone)) > 1  # it really sampled
+
+
+@pytest.mark.parametrize("mine", [SamplingParams(temperature=1.0, top_k=50, seed=123),
+                                  SamplingParams(temperature=1.0, top_p=0.8, seed=123)],
+                         ids=["top_k", "top_p"])
+def test_ties_do_not_make_a_seeded_row_depend_on_the_candidate_width(mine):
+    """bf16 logits are full of ties; a wide top_k elsewhere in the batch widens the candidate
+    pass, and topk() orders ties differently at another width. The draw must not care."""
+    torch.manual_seed(1)
+    steps = [(torch.randn(4000) * 3).bfloat16().float() for _ in range(150)]
+    alone_sampler = RequestSampler(mine, CPU)
+    alone = [int(sample(logits.unsqueeze(0), [alone_sampler])[0]) for logits in steps]
+    batch = [RequestSampler(mine, CPU),
+             RequestSampler(SamplingParams(temperature=1.0, top_k=1000, seed=7), CPU)]
+    mixed = [int(sample(torch.stack([logits, logits.flip(0)]), batch)[0]) for logits in steps]
+    assert mixed == alone
 
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
