@@ -22,14 +22,15 @@ from ipc.messages import SamplingParams
 class RequestSampler:
     """The per-request part: parameters and the request's own random stream."""
 
-    __slots__ = ("greedy", "temperature", "top_k", "top_p", "generator", "penalized",
-                 "presence", "frequency", "repetition", "counts", "seen", "folded")
+    __slots__ = ("greedy", "temperature", "top_k", "top_p", "filtered", "generator",
+                 "penalized", "presence", "frequency", "repetition", "counts", "seen", "folded")
 
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
         self.greedy = params.greedy
         self.temperature = params.temperature
         self.top_k = params.top_k if params.top_k > 0 else 0
         self.top_p = params.top_p
+        self.filtered = bool(self.top_k) or self.top_p < 1.0  # draws from a top-k/top-p set
         self.generator = None
         if not self.greedy:
             self.generator = torch.Generator(device=device)
@@ -113,11 +114,11 @@ def sample(logits: torch.Tensor, samplers: list[RequestSampler],
     # what else shares the batch.
     uniforms = torch.cat([torch.rand(1, generator=s.generator, device=device) for s in subset])
     picked = torch.empty(len(subset), dtype=torch.long, device=device)
-    plain = [j for j, s in enumerate(subset) if not (s.top_k or s.top_p < 1.0)]
+    plain = [j for j, s in enumerate(subset) if not s.filtered]
     if plain:
         index = torch.tensor(plain, device=device)
         picked[index] = _inverse_cdf(probs[index], uniforms[index])
-    filtered = [j for j, s in enumerate(subset) if s.top_k or s.top_p < 1.0]
+    filtered = [j for j, s in enumerate(subset) if s.filtered]
     if filtered:
         index = torch.tensor(filtered, device=device)
         picked[index] = _filtered_draw(probs[index], uniforms[index],
@@ -181,9 +182,8 @@ def _filtered_draw(probs: torch.Tensor, uniforms: torch.Tensor,
     wide = (least_kept <= cand_p[:, -1]).nonzero().flatten().tolist()
     if wide:
         index = torch.tensor(wide, device=probs.device)
-        ids = torch.arange(vocab, device=probs.device).expand(len(wide), vocab)
+        # Columns are vocabulary ids in ascending order: a stable sort is the canonical one.
         full_p, full_i = probs[index].sort(dim=-1, descending=True, stable=True)
-        full_i = ids.gather(1, full_i)  # ids were in ascending order: the sort is canonical
         picked[index], _ = _nucleus_draw(full_p, full_i, uniforms[index],
                                          [samplers[j] for j in wide])
     return picked

@@ -45,7 +45,8 @@ def make_engine(args, **knobs) -> Engine:
                                num_threads=args.threads, **knobs))
 
 
-def greedy(max_tokens: int, **sampling) -> SamplingParams:
+def params(max_tokens: int, **sampling) -> SamplingParams:
+    """Greedy unless ``sampling`` says otherwise; every requested token is generated."""
     return SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling},
                           ignore_eos=True)
 
@@ -54,7 +55,7 @@ def greedy(max_tokens: int, **sampling) -> SamplingParams:
 def engine_prefill_rate(engine: Engine, prompt: list[int], repeats: int) -> float:
     best = float("inf")
     for r in range(repeats):
-        engine.add(f"prefill{r}", prompt, greedy(1))
+        engine.add(f"prefill{r}", prompt, params(1))
         start = time.perf_counter()
         while engine.has_work():
             engine.step()
@@ -69,7 +70,7 @@ def engine_decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int
     engine_decode_rate.runs = getattr(engine_decode_rate, "runs", 0) + 1
     for i, prompt in enumerate(prompts):
         engine.add(f"decode{engine_decode_rate.runs}.{i}", prompt,
-                   greedy(new_tokens + 1, **sampling))
+                   params(new_tokens + 1, **sampling))
     while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
         engine.step()  # prefill everyone first
     produced, start = 0, time.perf_counter()
@@ -203,7 +204,7 @@ def run_workload(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], 
     while step in arrivals or engine.has_work() or any(s > step for s in arrivals):
         for request_id, prompt, max_tokens in arrivals.get(step, []):
             arrived[request_id] = time.monotonic()
-            engine.add(request_id, prompt, greedy(max_tokens), arrival_time=arrived[request_id])
+            engine.add(request_id, prompt, params(max_tokens), arrival_time=arrived[request_id])
         out = engine.step()
         prefill_tokens += out.stats.prefill_tokens
         for request_id in out.request_ids:
