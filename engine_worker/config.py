@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")  # see engine_worker/weight_format.py
 
 
 @dataclass(slots=True)
@@ -18,7 +19,13 @@ class EngineConfig:
 
     model_path: str
     device: str = "auto"
+    # Activations and KV cache. auto: CUDA bf16 (fp16 without bf16); CPU bf16 where the CPU has
+    # native bf16 (AVX512-BF16 or AMX), else float32; a dense ``weights`` format sets it.
     dtype: str = "auto"
+    weights: str = "auto"  # linear layers' format: auto, bf16, fp32, int8, int4
+    # Steps of more tokens than this run on a dense copy of quantized weights (kept when memory
+    # allows); 0 = the measured crossover of the format.
+    quantized_max_tokens: int = 0
     max_batch_size: int = 32  # requests decoded together in one step
     prefill_max_batch_size: int = 32  # requests that may start (or continue) prefill in one step
     prefill_max_tokens: int = 4096  # prompt tokens computed per step, all requests together
@@ -44,12 +51,14 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         for name in ("max_batch_size", "prefill_max_batch_size", "prefill_max_tokens",
                      "prefill_chunk_tokens", "block_size", "max_waiting_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("kv_cache_tokens", "max_model_len"):
+        for name in ("kv_cache_tokens", "max_model_len", "quantized_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0 = derive), got {value!r}")

@@ -22,6 +22,7 @@ from engine_worker.block_manager import KVBlockManager
 from engine_worker.config import EngineConfig
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.model_runner import ModelRunner
+from engine_worker.weight_format import WeightFormat, dense_copy_fits, dtype_for_weights
 from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
@@ -37,12 +38,14 @@ class EngineOverloaded(RuntimeError):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, weight_format: WeightFormat | None = None) -> None:
+        """``weight_format`` overrides the one ``config.weights`` describes (tests build a
+        dequantized reference with it)."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
-        dtype = _resolve_dtype(config.dtype, self.device)
+        dtype = _resolve_dtype(config.dtype, self.device, config.weights)
         from engine_worker.model_config import ModelConfig
 
         model_config = ModelConfig.from_dir(config.model_path)
@@ -55,7 +58,13 @@ class Engine:
         if self.max_model_len > model_config.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                            self.max_model_len, model_config.max_position_embeddings)
-        model = LlamaFamilyModel.load(config.model_path, self.device, dtype, self.max_model_len)
+        if weight_format is None:
+            weight_format = WeightFormat(
+                config.weights, dtype, self.device, config.quantized_max_tokens,
+                dense_copy=dense_copy_fits(model_config, dtype, _memory_budget_bytes(self.device)))
+        dtype = weight_format.dtype
+        model = LlamaFamilyModel.load(config.model_path, self.device, dtype, self.max_model_len,
+                                      weight_format)
         self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = set(model_config.eos_token_ids)
@@ -71,10 +80,10 @@ class Engine:
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
         self._early_finishes: list[tuple[str, str, str]] = []  # (id, reason, error)
         self._step = 0
-        logger.info("engine ready: model=%s device=%s dtype=%s threads=%d kv_blocks=%d x %d "
+        logger.info("engine ready: model=%s device=%s dtype=%s %s threads=%d kv_blocks=%d x %d "
                     "tokens max_model_len=%d prefix_cache=%s", self.model_name, self.device,
-                    dtype, torch.get_num_threads(), num_blocks, config.block_size,
-                    self.max_model_len, config.enable_prefix_cache)
+                    dtype, weight_format.describe(), torch.get_num_threads(), num_blocks,
+                    config.block_size, self.max_model_len, config.enable_prefix_cache)
 
     # --- public API -------------------------------------------------------------------------
     @property
@@ -211,12 +220,36 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return getattr(torch, name)
+def _resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    implied = dtype_for_weights(weights)
+    if implied is not None:
+        return implied
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo: bf16 matmuls run natively (2x fp32 here);
+    without them torch emulates bf16 and fp32 is the faster choice."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def _memory_budget_bytes(device: torch.device) -> int:
+    """What extra weight copies may take: a quarter of free memory (the KV pool's rule)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 4
+    return _available_memory_bytes() // 4
 
 
 def _available_memory_bytes() -> int:
