@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ipc.config import WEIGHTS  # one list of weight formats for the cluster and engine configs
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")  # see engine_worker/weight_format.py
 
 
 @dataclass(slots=True)

@@ -51,6 +51,7 @@ def make_engine(config: ClusterConfig):
 
     return Engine(EngineConfig(
         model_path=config.model_path, device=config.device, dtype=config.dtype,
+        weights=config.weights,
         max_batch_size=config.max_batch_size, prefill_max_batch_size=config.prefill_max_batch_size,
         prefill_max_tokens=config.prefill_max_tokens,
         prefill_chunk_tokens=config.prefill_chunk_tokens, block_size=config.block_size,

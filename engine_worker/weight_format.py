@@ -18,13 +18,14 @@ import logging
 
 import torch
 
+from ipc.config import WEIGHTS
 from engine_worker.linear import (INT4_GROUP, BatchSizeSwitch, DenseLinear, Int4Groups,
                                   Int4Linear, Int8Blocks, Int8Linear, LinearWeight, WeightSource,
                                   dequantize, int4_supported, quantize_int4, quantize_int8)
 
 logger = logging.getLogger("splitserve.engine.weights")
 
-WEIGHT_FORMATS = ("auto", "bf16", "fp32", "int8", "int4")
+WEIGHT_FORMATS = WEIGHTS
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Largest step (tokens through a linear layer) that still runs on the quantized copy: measured
 # crossovers on a 2-core AVX-512 (BF16) CPU with bf16 activations, scripts/bench_engine.py

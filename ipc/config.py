@@ -20,6 +20,7 @@ TRANSPORTS = ("ipc", "tcp")
 RESTART_POLICIES = ("restart", "shutdown")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")  # the engine's weight formats
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class ClusterConfig:
     # engine
     device: str = "auto"  # auto, cpu, cuda
     dtype: str = "auto"  # auto, float32, bfloat16, float16
+    weights: str = "auto"  # auto, bf16, fp32, int8, int4 (engine_worker/weight_format.py)
     max_batch_size: int = 32
     prefill_max_batch_size: int = 32
     prefill_max_tokens: int = 4096
@@ -92,6 +94,8 @@ class ClusterConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.tokenizer_workers < 1:
             raise ValueError("tokenizer_workers must be at least 1")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.transport == "tcp" and not (0 < self.base_port < 65536 - 64):
             raise ValueError("tcp transport needs a base_port in 1..65471")
         if self.transport == "tcp" and self.host not in LOOPBACK_HOSTS and not self.curve_secret_key:

@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ipc.config import RESTART_POLICIES, TRANSPORTS
+from ipc.config import RESTART_POLICIES, TRANSPORTS, WEIGHTS
 from procs.launch_cluster import Cluster, launch_cluster, make_config
 
 logger = logging.getLogger("splitserve.cli")
@@ -35,7 +35,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="threads of the tokenizers library per tokenizer worker; 0 = 1")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the engine runs (auto: CUDA when present)")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="activations and KV cache; auto: bf16 on CUDA, and on a CPU with native "
+                        "bf16 (AVX512-BF16 or AMX), float32 on other CPUs (default auto)")
+    g.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="linear layers' weights. auto: the checkpoint's own precision (a GGUF's "
+                        "Q4_0/Q4_1 blocks on the int4 kernel, Q8_0 as int8, dense tensors in "
+                        "--dtype); bf16, fp32: dense; int8: per-channel int8; int4: group-32 "
+                        "int4 (lm_head included). Quantized layers serve small steps (decode, "
+                        "reading 2-4x fewer bytes) and keep a dense copy for large ones "
+                        "(prefill) when memory allows; int8/int4 run on CPU only (default auto)")
     g.add_argument("--max-batch-size", type=int, default=32, metavar="REQUESTS",
                    help="most requests decoded together in one engine step (default 32)")
     g.add_argument("--prefill-max-batch-size", type=int, default=32, metavar="REQUESTS",
@@ -98,6 +107,7 @@ def cluster_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         tokenizer_workers=args.tokenizer_workers, engine_threads=args.engine_threads,
         tokenizer_threads=args.tokenizer_threads, device=args.device, dtype=args.dtype,
+        weights=args.weights,
         max_batch_size=args.max_batch_size, prefill_max_batch_size=args.prefill_max_batch_size,
         prefill_max_tokens=args.prefill_max_tokens, prefill_chunk_tokens=args.prefill_chunk_tokens,
         kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,

@@ -13,6 +13,15 @@
   mixed   short requests decoding while --long-prompts prompts of --long-prompt-tokens arrive:
           inter-token latency (ITL) p50/p99 of the decoding requests with and without chunked
           prefill.
+  kernels every weight format's linear layers on the model's own shapes (30 layers of distinct
+          weights, in forward order, so they stream from memory as in a real step) at each
+          --kernel-rows: ms per forward, and the crossover where dense bf16 overtakes each
+          quantized format. torchao's CPU formats join when torchao is importable.
+  formats the engine in each --formats weight format: prefill tokens/s and decode tokens/s at
+          each --decode-batch, interleaved repeats, ratios to the first format.
+  bandwidth  memory read bandwidth (a reduction over 1 GiB), the weight bytes a batch-1 decode
+          step reads in each --formats format, and that format's measured batch-1 decode
+          against the bound bandwidth / bytes.
 
 Every figure is printed with the torch thread count it ran with (--threads).
 """
@@ -32,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine_worker.config import EngineConfig  # noqa: E402
 from engine_worker.engine import Engine  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
-from procs.model_store import resolve_model  # noqa: E402
+from procs.model_store import load_reference_model, resolve_model  # noqa: E402
 
 
 def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
@@ -41,8 +50,9 @@ def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
 
 def make_engine(args, **knobs) -> Engine:
     knobs.setdefault("kv_cache_tokens", args.kv_cache_tokens)
-    return Engine(EngineConfig(model_path=str(args.model), dtype=args.dtype,
-                               num_threads=args.threads, **knobs))
+    knobs.setdefault("dtype", args.dtype)
+    knobs.setdefault("weights", args.weights)
+    return Engine(EngineConfig(model_path=str(args.model), num_threads=args.threads, **knobs))
 
 
 def params(max_tokens: int, **sampling) -> SamplingParams:
@@ -118,10 +128,7 @@ def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int, **sampling)
 
 
 def load_hf(args):
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(args.model), dtype=getattr(torch, args.dtype)).eval()
+    hf = load_reference_model(args.model, getattr(torch, args.dtype))
     hf.generation_config.eos_token_id = None  # count every requested token
     return hf
 
@@ -257,6 +264,176 @@ def run_mixed(args) -> None:
           "chunked prefill")
 
 
+# --- weight formats: kernels, engine throughput, memory bandwidth -------------------------------
+FORMAT_DTYPES = {"fp32": "float32"}  # every other format runs the engine's auto dtype
+
+
+def kernel_formats() -> dict:
+    """name -> (build(weight float32) -> layer with apply(x), activation dtype)."""
+    from engine_worker.linear import DenseLinear, Int4Linear, Int8Linear, quantize_int4
+
+    bf16 = torch.bfloat16
+    formats = {
+        "fp32": (DenseLinear, torch.float32),
+        "bf16": (lambda w: DenseLinear(w.to(bf16)), bf16),
+        "int8": (lambda w: Int8Linear.from_weight(w, bf16), bf16),
+        "int4": (lambda w: Int4Linear(quantize_int4(w, bf16), bf16), bf16),
+    }
+    try:  # torchao's CPU weight-only formats (optional; not a dependency)
+        from torchao.prototype.quantization.int4.inference_workflow import (
+            PrototypeInt4WeightOnlyConfig)
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        def torchao(config):
+            def build(w):
+                layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=bf16)
+                layer.weight.data = w.to(bf16)
+                quantize_(layer, config)
+                return type("TorchaoLinear", (), {"apply": lambda self, x: layer(x)})()
+            return build
+
+        formats["ao-int8"] = (torchao(Int8WeightOnlyConfig()), bf16)
+        formats["ao-int4"] = (torchao(PrototypeInt4WeightOnlyConfig(group_size=32)), bf16)
+    except Exception as exc:  # noqa: BLE001 - any import or config failure just skips them
+        print(f"(torchao formats skipped: {type(exc).__name__}: {exc})")
+    return formats
+
+
+def run_kernels(args) -> None:
+    from engine_worker.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dir(args.model)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"qkv": (q + 2 * kv, cfg.hidden_size), "o_proj": (cfg.hidden_size, q),
+              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+              "down": (cfg.hidden_size, cfg.intermediate_size)}
+    formats = kernel_formats()
+    torch.manual_seed(0)
+    models = {}
+    for name, (build, dtype) in formats.items():
+        layers = [{s: build(torch.randn(n, k) * 0.05) for s, (n, k) in shapes.items()}
+                  for _ in range(cfg.num_layers)]
+        models[name] = (layers, build(torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.05), dtype)
+
+    def forward_ms(name: str, rows: int) -> dict[str, float]:
+        layers, head, dtype = models[name]
+        inputs = {s: torch.randn(rows, k).to(dtype) for s, (n, k) in shapes.items()}
+        spent = dict.fromkeys([*shapes, "lm_head"], 0.0)
+        for layer in layers:
+            for s in shapes:
+                start = time.perf_counter()
+                layer[s].apply(inputs[s])
+                spent[s] += time.perf_counter() - start
+        start = time.perf_counter()
+        head.apply(torch.randn(rows, cfg.hidden_size).to(dtype))
+        spent["lm_head"] = time.perf_counter() - start
+        return {k: v * 1e3 for k, v in spent.items()}
+
+    print(f"\nkernels (threads={torch.get_num_threads()}, {cfg.num_layers} layers of "
+          + ", ".join(f"{s} {n}x{k}" for s, (n, k) in shapes.items())
+          + f", lm_head {cfg.vocab_size}x{cfg.hidden_size}; best of {args.kernel_repeats} "
+          "interleaved runs; ms)")
+    totals: dict[tuple[str, int], float] = {}
+    with torch.inference_mode():
+        for rows in args.kernel_rows:
+            best: dict[str, dict[str, float]] = {}
+            for _ in range(args.kernel_repeats):
+                for name in formats:
+                    parts = best.setdefault(name, {})
+                    for part, ms in forward_ms(name, rows).items():
+                        parts[part] = min(parts.get(part, float("inf")), ms)
+            print(f"rows {rows}:")
+            for name, parts in best.items():
+                layers_ms = sum(v for k, v in parts.items() if k != "lm_head")
+                totals[name, rows] = layers_ms + parts["lm_head"]
+                print(f"  {name:8s} total {totals[name, rows]:8.2f}   layers {layers_ms:8.2f}   "
+                      f"lm_head {parts['lm_head']:7.2f}   | "
+                      + "  ".join(f"{k} {parts[k]:.2f}" for k in shapes))
+    for name in formats:
+        if name in ("fp32", "bf16"):
+            continue
+        faster = [r for r in args.kernel_rows if totals[name, r] < totals["bf16", r]]
+        print(f"{name}: faster than bf16 at rows {faster or 'none'}")
+
+
+def run_formats(args) -> None:
+    rng = np.random.default_rng(0)
+    formats = args.formats.split(",")
+    # KV for the largest decode batch only: five engines share the machine's memory.
+    kv_tokens = max(max(args.prefill_tokens), max(args.decode_batch) * (
+        args.decode_prompt_tokens * 3 // 2 + args.decode_tokens + 2 * 16)) + 64
+    engines = {f: make_engine(args, weights=f, dtype=FORMAT_DTYPES.get(f, "auto"),
+                              enable_prefix_cache=False, max_batch_size=max(args.decode_batch),
+                              kv_cache_tokens=kv_tokens)
+               for f in formats}
+    rows = []
+    for length in args.prefill_tokens:
+        prompt = random_prompt(rng, length)
+        rates = dict.fromkeys(formats, 0.0)
+        for _ in range(args.repeats):
+            for f in formats:
+                rates[f] = max(rates[f], engine_prefill_rate(engines[f], prompt, 1))
+        rows.append((f"prefill {length} tokens", rates))
+    for batch in args.decode_batch:
+        prompts = decode_prompts(args, rng, batch)
+        rates = dict.fromkeys(formats, 0.0)
+        for _ in range(args.repeats):
+            for f in formats:
+                rates[f] = max(rates[f], engine_decode_rate(engines[f], prompts, args.decode_tokens))
+        rows.append((f"decode batch {batch}", rates))
+    base = formats[0]
+    print(f"\nformats (threads={torch.get_num_threads()}, tokens/s, best of {args.repeats} "
+          f"interleaved; ratio to {base}; {args.decode_tokens} new tokens)")
+    for f in formats:
+        print(f"  {f}: {engines[f].runner.model.weight_format.describe()}, "
+              f"dtype {engines[f].runner.model.dtype}")
+    print(f"{'':24s}" + "".join(f"{f:>16s}" for f in formats))
+    for name, rates in rows:
+        print(f"{name:24s}" + "".join(
+            f"{rates[f]:9.1f} {rates[f] / rates[base]:5.2f}x" for f in formats))
+    args.format_rates = {name: rates for name, rates in rows}
+
+
+def read_bandwidth_gbs(repeats: int = 7) -> float:
+    """Read bandwidth of a float32 sum over 1 GiB (far beyond any cache), best of ``repeats``."""
+    buffer = torch.ones(1 << 28, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best / 1e9
+
+
+def decode_bytes_per_token(model) -> int:
+    """Weight bytes one batch-1 decode step reads: every linear layer's decode copy, one
+    embedding row and the norms (KV reads are left out: a few KiB at short context)."""
+    layers = sum(layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes
+                 + layer.down.nbytes + 2 * layer.input_norm.numel() * layer.input_norm.element_size()
+                 for layer in model.layers)
+    return layers + model.lm_head.nbytes + model.embed[0].numel() * model.embed.element_size()
+
+
+def run_bandwidth(args) -> None:
+    formats = args.formats.split(",")
+    gbs = read_bandwidth_gbs()
+    args.decode_batch = [1]
+    if not getattr(args, "format_rates", None):
+        run_formats(args)
+    measured = args.format_rates["decode batch 1"]
+    print(f"\nbandwidth (threads={torch.get_num_threads()}): measured read bandwidth "
+          f"{gbs:.1f} GB/s (float32 sum over 1 GiB, best of 7)")
+    print(f"{'':8s}{'MB read/token':>15s}{'bound tok/s':>13s}{'decode b=1':>12s}{'of bound':>10s}"
+          f"{'achieved GB/s':>15s}")
+    for f in formats:
+        engine = make_engine(args, weights=f, dtype=FORMAT_DTYPES.get(f, "auto"),
+                             kv_cache_tokens=1024)
+        nbytes = decode_bytes_per_token(engine.runner.model)
+        bound = gbs * 1e9 / nbytes
+        print(f"{f:8s}{nbytes / 1e6:15.1f}{bound:13.1f}{measured[f]:12.1f}"
+              f"{100 * measured[f] / bound:9.0f}%{measured[f] * nbytes / 1e9:15.1f}")
+
+
 def main() -> None:
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
@@ -264,12 +441,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", default=["core"],
-                        choices=["core", "sampling", "prefix", "mixed"],
+                        choices=["core", "sampling", "prefix", "mixed", "kernels", "formats",
+                                 "bandwidth"],
                         help="what to run (default: core)")
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and activations, for the engine and transformers alike")
+    parser.add_argument("--weights", default=None, choices=["auto", "bf16", "fp32", "int8", "int4"],
+                        help="the engine's weight format in core/sampling/prefix/mixed "
+                             "(default: dense in --dtype, as transformers runs)")
+    parser.add_argument("--formats", default="fp32,bf16,int8,int4,auto",
+                        help="weight formats compared by 'formats' and 'bandwidth' (fp32 runs "
+                             "float32 activations, the others the CPU's auto dtype)")
+    parser.add_argument("--kernel-rows", type=ints, default=[1, 2, 4, 8, 16, 32, 256],
+                        help="rows (tokens) per linear call for 'kernels'")
+    parser.add_argument("--kernel-repeats", type=int, default=5,
+                        help="interleaved runs of each format in 'kernels'; the best counts")
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
     parser.add_argument("--prefill-tokens", type=ints, default=[256, 1024],
                         help="prompt lengths for the prefill figures (comma-separated)")
@@ -289,10 +477,12 @@ def main() -> None:
                         help="prefill_chunk_tokens for the chunked run of 'mixed'")
     args = parser.parse_args()
     args.model = resolve_model(args.model)
+    args.weights = args.weights or {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
     torch.set_num_threads(args.threads)
     for workload in args.workloads:
         {"core": run_core, "sampling": run_sampling, "prefix": run_prefix,
-         "mixed": run_mixed}[workload](args)
+         "mixed": run_mixed, "kernels": run_kernels, "formats": run_formats,
+         "bandwidth": run_bandwidth}[workload](args)
 
 
 if __name__ == "__main__":

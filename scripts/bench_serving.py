@@ -38,7 +38,7 @@ from bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requ
 
 # Engine knobs given identically to every mode: flags named as EngineConfig / ClusterConfig
 # fields.
-ENGINE_KNOBS = ("device", "dtype", "max_batch_size", "prefill_max_batch_size",
+ENGINE_KNOBS = ("device", "dtype", "weights", "max_batch_size", "prefill_max_batch_size",
                 "prefill_max_tokens", "prefill_chunk_tokens", "block_size", "kv_cache_tokens",
                 "max_model_len", "max_waiting_requests")
 
@@ -145,6 +145,7 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
         "Model": model_path,
         "Device": args.device if args.device != "auto" else _auto_device(),
         "Dtype": args.dtype,
+        "Weights": args.weights,
         "Host CPUs": available_cpus(),
         "Modes": ", ".join(modes),
         "Mode details": {m: "; ".join(f"{k} {v}" for k, v in t.describe().items())

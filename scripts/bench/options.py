@@ -95,6 +95,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g = p.add_argument_group("engine (the same for every mode)")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--weights", default="auto", choices=("auto", "bf16", "fp32", "int8", "int4"),
+                   help="the engine's weight format (splitserve launch --help says what each is)")
     g.add_argument("--engine-threads", type=int, default=0,
                    help="torch threads of the engine in every mode (0: the cluster supervisor's "
                         "budget for each cluster mode, and the same count for inproc)")
