@@ -50,11 +50,11 @@ class LlamaFamilyModel:
         def take_optional(name: str) -> torch.Tensor | None:
             return take(name) if name in tensors else None
 
-        def linear(*names: str, bias: bool = False, dense: torch.Tensor | None = None):
+        def linear(*names: str, bias: bool = False):
             biases = None
             if bias and names[0].replace(".weight", ".bias") in tensors:
                 biases = torch.cat([take(n.replace(".weight", ".bias")) for n in names])
-            return fmt.linear([tensors.pop(n) for n in names], biases, dense)
+            return fmt.linear([tensors.pop(n) for n in names], biases)
 
         embed_source = tensors["model.embed_tokens.weight"]
         self.embed = take("model.embed_tokens.weight")
@@ -73,12 +73,12 @@ class LlamaFamilyModel:
             ))
         self.norm = take("model.norm.weight")
         if "lm_head.weight" in tensors and not config.tie_word_embeddings:
-            self.lm_head = linear("lm_head.weight")
+            self.lm_head = fmt.linear([tensors.pop("lm_head.weight")], None, head=True)
         else:
             # Tied: a quantized head is built from the checkpoint's own embedding tensor (its
             # blocks, for a GGUF); the dense head is the embedding table itself.
             tensors.pop("lm_head.weight", None)
-            self.lm_head = fmt.linear([embed_source], None, dense=self.embed)
+            self.lm_head = fmt.linear([embed_source], None, dense=self.embed, head=True)
         inv_freq, attention_scaling = rope_inverse_frequencies(config.rope, config.head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)

@@ -5,7 +5,10 @@
         tensors (safetensors, F16/F32) -> dense in the activation dtype
   bf16, fp32  dense weights in that dtype (quantized blocks are dequantized)
   int8  per-channel int8 for every linear layer, lm_head included
-  int4  group-32 int4 for every linear layer, lm_head included (GGUF Q4 blocks map exactly)
+  int4  group-32 int4 for every linear layer (GGUF Q4 blocks map exactly); the lm_head takes int4
+        only when the checkpoint's head is 4-bit already, else int8: re-quantizing this model's
+        Q8_0 head to int4 left 5 of 32 greedy continuations equal to float32's for 16 tokens,
+        int8 28 of 32 (float32 activations, the other layers exact)
 
 A quantized layer also keeps a dense copy, used by steps of more than ``max_tokens`` tokens
 (prefill and large decode batches, where dense GEMM beats the integer kernels), when that copy
@@ -30,7 +33,7 @@ DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Largest step (tokens through a linear layer) that still runs on the quantized copy: measured
 # crossovers on a 2-core AVX-512 (BF16) CPU with bf16 activations, scripts/bench_engine.py
 # kernels. Above it the dense bf16 copy is faster.
-QUANTIZED_MAX_TOKENS = {"int4": 8, "int8": 2}
+QUANTIZED_MAX_TOKENS = {"int4": 16, "int8": 4}
 
 
 def check_weights_and_dtype(weights: str, dtype: torch.dtype, device: torch.device) -> None:
@@ -90,12 +93,14 @@ class WeightFormat:
         return dequantize(source).to(device=self.device, dtype=self.dtype).contiguous()
 
     def linear(self, sources: list[WeightSource], bias: torch.Tensor | None = None,
-               dense: torch.Tensor | None = None) -> LinearWeight:
+               dense: torch.Tensor | None = None, head: bool = False) -> LinearWeight:
         """One linear layer from ``sources`` stacked along the output dimension (q/k/v,
         gate/up). ``dense``: the checkpoint's weights already in the activation dtype, to share
         (a tied lm_head's embedding table). A dense copy kept beside quantized weights holds the
-        checkpoint's weights, not the re-quantized ones."""
+        checkpoint's weights, not the re-quantized ones. ``head``: this is the lm_head."""
         kind = self._kind(sources)
+        if head and kind == "int4" and not all(isinstance(s, Int4Groups) for s in sources):
+            kind = "int8"
         source = _stack(sources)
         self.counts[kind] = self.counts.get(kind, 0) + 1
         if kind == "dense":

@@ -315,40 +315,49 @@ def run_kernels(args) -> None:
                   for _ in range(cfg.num_layers)]
         models[name] = (layers, build(torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.05), dtype)
 
-    def forward_ms(name: str, rows: int) -> dict[str, float]:
+    def call_ms(name: str, rows: int) -> dict[str, list[float]]:
+        """ms of every call of one forward's worth of linear layers, per shape, in order."""
         layers, head, dtype = models[name]
         inputs = {s: torch.randn(rows, k).to(dtype) for s, (n, k) in shapes.items()}
-        spent = dict.fromkeys([*shapes, "lm_head"], 0.0)
+        spent: dict[str, list[float]] = {s: [] for s in [*shapes, "lm_head"]}
         for layer in layers:
             for s in shapes:
                 start = time.perf_counter()
                 layer[s].apply(inputs[s])
-                spent[s] += time.perf_counter() - start
+                spent[s].append((time.perf_counter() - start) * 1e3)
         start = time.perf_counter()
         head.apply(torch.randn(rows, cfg.hidden_size).to(dtype))
-        spent["lm_head"] = time.perf_counter() - start
-        return {k: v * 1e3 for k, v in spent.items()}
+        spent["lm_head"].append((time.perf_counter() - start) * 1e3)
+        return spent
 
     print(f"\nkernels (threads={torch.get_num_threads()}, {cfg.num_layers} layers of "
           + ", ".join(f"{s} {n}x{k}" for s, (n, k) in shapes.items())
-          + f", lm_head {cfg.vocab_size}x{cfg.hidden_size}; best of {args.kernel_repeats} "
-          "interleaved runs; ms)")
+          + f", lm_head {cfg.vocab_size}x{cfg.hidden_size}; ms per forward: each call's best of "
+          f"{args.kernel_repeats} interleaved runs, summed)")
     totals: dict[tuple[str, int], float] = {}
     with torch.inference_mode():
+        # Warm-up at every size first: torch's bf16 GEMM ran a 60x slower path on the first
+        # batch-1 calls of a fresh process, until other sizes had run.
         for rows in args.kernel_rows:
-            best: dict[str, dict[str, float]] = {}
+            for name in formats:
+                call_ms(name, rows)
+        for rows in args.kernel_rows:
+            # Each call's minimum over the runs: on a shared machine a single short call often
+            # runs undisturbed even when no whole forward does.
+            best: dict[str, dict[str, list[float]]] = {}
             for _ in range(args.kernel_repeats):
                 for name in formats:
-                    parts = best.setdefault(name, {})
-                    for part, ms in forward_ms(name, rows).items():
-                        parts[part] = min(parts.get(part, float("inf")), ms)
+                    for part, times in call_ms(name, rows).items():
+                        kept = best.setdefault(name, {}).setdefault(part, times)
+                        kept[:] = [min(a, b) for a, b in zip(kept, times)]
             print(f"rows {rows}:")
             for name, parts in best.items():
-                layers_ms = sum(v for k, v in parts.items() if k != "lm_head")
-                totals[name, rows] = layers_ms + parts["lm_head"]
+                sums = {part: sum(times) for part, times in parts.items()}
+                layers_ms = sum(v for k, v in sums.items() if k != "lm_head")
+                totals[name, rows] = layers_ms + sums["lm_head"]
                 print(f"  {name:8s} total {totals[name, rows]:8.2f}   layers {layers_ms:8.2f}   "
-                      f"lm_head {parts['lm_head']:7.2f}   | "
-                      + "  ".join(f"{k} {parts[k]:.2f}" for k in shapes))
+                      f"lm_head {sums['lm_head']:7.2f}   | "
+                      + "  ".join(f"{k} {sums[k]:.2f}" for k in shapes))
     for name in formats:
         if name in ("fp32", "bf16"):
             continue

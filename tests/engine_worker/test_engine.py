@@ -13,6 +13,7 @@ import transformers
 from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine, EngineOverloaded
 from ipc.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from procs.model_store import load_reference_model
 from tests.engine_worker.helpers import collect, greedy
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1467, 30]
@@ -42,7 +43,7 @@ def test_continuous_batching_matches_transformers_generate(default_model_dir):
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
     ids = [tokenizer.encode(p).ids for p in prompts]
     engine = Engine(EngineConfig(model_path=str(default_model_dir), dtype="float32",
-                                 kv_cache_tokens=2048))
+                                 weights="fp32", kv_cache_tokens=2048))
     arrivals = {0: [0, 1, 2], 2: [3], 3: [4, 5], 7: [6], 12: [7]}  # step -> prompts arriving
 
     def arrive(step, eng):
@@ -50,8 +51,7 @@ def test_continuous_batching_matches_transformers_generate(default_model_dir):
             eng.add(f"p{i}", ids[i], greedy(32))
 
     results = collect(engine, on_step=arrive)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_dir),
-                                                           dtype=torch.float32).eval()
+    hf = load_reference_model(default_model_dir)
     for i, prompt_ids in enumerate(ids):
         expected = hf.generate(torch.tensor([prompt_ids]), attention_mask=None, max_new_tokens=32,
                                do_sample=False)[0, len(prompt_ids):].tolist()

@@ -185,3 +185,16 @@ def test_default_model_q4_1_blocks_map_exactly_in_fp32_not_bf16(default_model_di
     assert isinstance(tensors["model.layers.29.mlp.down_proj.weight"], Int4Groups)
     assert tensors["model.layers.0.self_attn.k_proj.weight"].q.shape == (192, 576)
     assert len(tensors) == 2 + 30 * 9
+
+
+def test_engine_on_a_gguf_imports_no_tokenizer_code(tiny_gguf):
+    import subprocess
+    import sys
+
+    code = ("import sys; from engine_worker.engine import Engine; "
+            "from engine_worker.config import EngineConfig; "
+            f"Engine(EngineConfig(model_path={str(tiny_gguf[0])!r}, kv_cache_tokens=256)); "
+            "bad = [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))]; "
+            "print('LOADED', bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "LOADED []" in out.stdout, out.stdout + out.stderr

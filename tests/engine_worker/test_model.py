@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine
-from procs.model_store import make_tiny_model
+from procs.model_store import load_reference_model, make_tiny_model
 from tests.engine_worker.helpers import give_blocks, manual_request
 
 TOLERANCE = 1e-4
@@ -21,10 +20,10 @@ def reference_last_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 
 def check_against_transformers(model_dir, decode_steps: int, chunk: int | None = None) -> None:
-    engine = Engine(EngineConfig(model_path=str(model_dir), dtype="float32",
+    # Dense fp32 weights: a GGUF checkpoint is dequantized exactly, as transformers does.
+    engine = Engine(EngineConfig(model_path=str(model_dir), dtype="float32", weights="fp32",
                                  kv_cache_tokens=1024, block_size=4))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
-                                                           dtype=torch.float32).eval()
+    hf = load_reference_model(model_dir)
     prompts = [[1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
                [1, 504, 3458, 282, 4649, 314, 253, 1467, 11, 4, 77, 9001, 18, 7]]
     requests = [manual_request(engine, p, f"r{i}") for i, p in enumerate(prompts)]

@@ -120,33 +120,65 @@ def fp32_continuations(default_model_dir, chat_prompts):
                                 weights="fp32", dtype="float32")
 
 
-# Every mode as served (auto: int4 decode + dense bf16 prefill) and the integer kernels alone.
+def agreement(got: list[list[int]], expected: list[list[int]], mode: str) -> float:
+    agree = sum(g == e for g, e in zip(got, expected))
+    first_difference = [next(i for i, (a, b) in enumerate(zip(g, e)) if a != b)
+                        for g, e in zip(got, expected) if g != e]
+    print(f"{mode}: {agree}/{len(got)} prompts agree with fp32 for {AGREEMENT_TOKENS} tokens; "
+          f"the others first differ at token {sorted(first_difference)}")
+    return agree / len(got)
+
+
+class Int4LayersDenseHead(WeightFormat):
+    """int4 transformer layers (the file's Q4_1 blocks, exact at float32) and the head dense: the
+    int4 kernel path alone, apart from any re-quantization."""
+
+    def linear(self, sources, bias=None, dense=None, head=False):
+        if head:
+            return WeightFormat("fp32", self.dtype, self.device).linear(sources, bias, dense)
+        return super().linear(sources, bias, dense, head)
+
+
+@pytest.mark.slow
+def test_int4_kernel_path_at_float32_agrees_with_fp32(default_model_dir, chat_prompts,
+                                                       fp32_continuations):
+    # Prefill runs on the dense copy (the same weights), every decode step on the int4 kernel.
+    fmt = Int4LayersDenseHead("int4", torch.float32, torch.device("cpu"),
+                              max_tokens=len(QUESTIONS))
+    engine = Engine(EngineConfig(model_path=str(default_model_dir), kv_cache_tokens=8192,
+                                 dtype="float32", max_batch_size=len(QUESTIONS)),
+                    weight_format=fmt)
+    for i, prompt in enumerate(chat_prompts[1]):
+        engine.add(f"p{i}", prompt, greedy(AGREEMENT_TOKENS, ignore_eos=True))
+    results = collect(engine)
+    got = [results[f"p{i}"]["tokens"] for i in range(len(QUESTIONS))]
+    assert agreement(got, fp32_continuations, "int4 layers, fp32 activations") >= 0.9
+
+
+# Floors on agreement with the float32 path, a little under what was measured (32 chat prompts,
+# 16 greedy tokens): bf16 activations alone leave 25/32 equal; auto (int4 layers, int8 head
+# re-quantized from the file's Q8_0, dense bf16 for large steps) 23/32; int8 re-quantizes the
+# file's Q4_1 blocks a second time, 17/32. They catch a broken path (an int4 head gave 5/32).
+AGREEMENT_FLOORS = {"auto": 0.65, "bf16": 0.65, "int4": 0.6, "int8": 0.45}
+# Every mode as served, and the integer kernels alone (every step on them).
 AGREEMENT_MODES = {"auto": {}, "bf16": {"weights": "bf16"},
                    "int8": {"weights": "int8", "quantized_max_tokens": ALL_QUANTIZED},
                    "int4": {"weights": "int4", "quantized_max_tokens": ALL_QUANTIZED}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", AGREEMENT_MODES)
-def test_greedy_continuations_agree_with_fp32(default_model_dir, chat_prompts,
-                                              fp32_continuations, mode):
-    got = greedy_continuations(default_model_dir, chat_prompts[1], AGREEMENT_TOKENS,
-                               **AGREEMENT_MODES[mode])
-    agree = sum(g == e for g, e in zip(got, fp32_continuations))
-    first_difference = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), None)
-                        for g, e in zip(got, fp32_continuations)]
-    print(f"{mode}: {agree}/{len(got)} prompts agree with fp32 for {AGREEMENT_TOKENS} tokens; "
-          f"first differing token of the others: {[i for i in first_difference if i is not None]}")
-    assert agree >= 0.9 * len(got)
+def test_fp32_path_answers_paris(chat_prompts, fp32_continuations):
+    assert "Paris" in chat_prompts[0].decode(fp32_continuations[0])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["auto", "bf16", "fp32", "int8", "int4"])
-def test_capital_of_france_in_every_weight_mode(default_model_dir, chat_prompts, mode):
+@pytest.mark.parametrize("mode", AGREEMENT_MODES)
+def test_every_weight_mode_agrees_with_fp32_and_answers_paris(default_model_dir, chat_prompts,
+                                                              fp32_continuations, mode):
     tokenizer, prompts = chat_prompts
-    knobs = {"weights": mode, "dtype": "float32" if mode == "fp32" else "auto"}
-    if mode in ("int8", "int4"):
-        knobs["quantized_max_tokens"] = ALL_QUANTIZED
-    tokens = greedy_continuations(default_model_dir, prompts[:1], 12, **knobs)[0]
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    assert "Paris" in text, text
+    got = greedy_continuations(default_model_dir, prompts, AGREEMENT_TOKENS,
+                               **AGREEMENT_MODES[mode])
+    assert agreement(got, fp32_continuations, mode) >= AGREEMENT_FLOORS[mode]
+    assert QUESTIONS[0] == "What is the capital of France?"
+    answer = tokenizer.decode(got[0], skip_special_tokens=True)
+    assert "Paris" in answer, answer
