@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
+from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
 
 
@@ -16,7 +17,8 @@ class EngineRequest:
 
     __slots__ = ("request_id", "token_ids", "prompt_len", "params", "sampler", "stop_ids",
                  "max_total_len", "t_arrived", "t_scheduled", "num_computed", "block_ids",
-                 "block_keys", "cached_tokens", "started_sent", "num_generated")
+                 "block_keys", "prefix_node", "cached_tokens", "started_sent",
+                 "num_generated")
 
     def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
                  sampler: RequestSampler, stop_ids: frozenset[int], max_model_len: int,
@@ -33,6 +35,7 @@ class EngineRequest:
         self.num_computed = 0
         self.block_ids: list[int] = []
         self.block_keys: list[int] = []  # prefix-cache chain keys of the leading full blocks
+        self.prefix_node = ROOT_NODE  # the prefix-cache node holding exactly those blocks
         self.cached_tokens = 0
         self.started_sent = False
         self.num_generated = 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.config import EngineConfig
-from engine_worker.prefix_cache import PrefixCache
+from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
 from engine_worker.request import EngineRequest
 
 
@@ -115,10 +115,11 @@ class Scheduler:
         size = self.blocks.block_size
         cached_blocks: list[int] = []
         keys: list[int] = []
+        node = ROOT_NODE
         if self.prefix_cache is not None:
             # At least one token must be computed to sample from, so never match the last one.
-            cached_blocks, keys = self.prefix_cache.match(request.token_ids,
-                                                          (request.num_tokens - 1) // size)
+            cached_blocks, keys, node = self.prefix_cache.match(
+                request.token_ids, (request.num_tokens - 1) // size)
         cached = len(cached_blocks) * size
         count = min(request.num_tokens - cached, self.config.prefill_chunk_tokens, token_budget)
         fresh = self.blocks.blocks_for(cached + count) - len(cached_blocks)
@@ -130,6 +131,7 @@ class Scheduler:
             self.blocks.acquire(block)
         request.block_ids = cached_blocks + self.blocks.allocate(fresh)
         request.block_keys = keys
+        request.prefix_node = node
         request.num_computed = cached
         if request.num_generated == 0:
             request.cached_tokens = cached
@@ -143,9 +145,9 @@ class Scheduler:
         full = min(computed_after_step, request.num_tokens) // size
         for index in range(len(request.block_keys), full):
             tokens = tuple(request.token_ids[index * size:(index + 1) * size])
-            parent = request.block_keys[-1] if request.block_keys else 0
-            key = self.prefix_cache.chain_key(parent, tokens)
-            self.prefix_cache.register(request.block_ids[index], key, tokens)
+            parent = request.block_keys[-1] if request.block_keys else None
+            key, request.prefix_node = self.prefix_cache.publish(
+                request.block_ids[index], tokens, parent, request.prefix_node)
             request.block_keys.append(key)
 
     def preempt(self, request: EngineRequest) -> None:
@@ -157,6 +159,7 @@ class Scheduler:
         self.blocks.release(request.block_ids)
         request.block_ids = []
         request.block_keys = []
+        request.prefix_node = ROOT_NODE
         request.num_computed = 0
 
     def remove(self, request: EngineRequest) -> None:
