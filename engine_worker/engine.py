@@ -16,7 +16,8 @@ import torch
 
 from ipc.codec import pack_ids
 from ipc.messages import (
-    FINISH_ABORT, FINISH_ERROR, EngineStats, RequestStart, SamplingParams, StepOutput,
+    ERR_BAD_REQUEST, FINISH_ABORT, FINISH_ERROR, EngineStats, RequestStart, SamplingParams,
+    StepOutput,
 )
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.config import EngineConfig
@@ -61,6 +62,14 @@ class Engine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.model_name = os.path.basename(os.path.normpath(config.model_path))
         num_blocks = self._num_kv_blocks(model, dtype)
+        capacity = num_blocks * config.block_size
+        if self.max_model_len > capacity:
+            # One request must always fit: the context the server offers is what its KV cache
+            # can hold (tokenizers clamp max_tokens to it, so no request fails half-way).
+            logger.warning("capping max_model_len %d to the KV cache's capacity of %d tokens "
+                           "(raise kv_cache_tokens for longer contexts)",
+                           self.max_model_len, capacity)
+            self.max_model_len = capacity
         self.blocks = KVBlockManager(num_blocks, config.block_size)
         self.prefix_cache = PrefixCache(self.blocks) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache)
@@ -69,7 +78,7 @@ class Engine:
         self.requests: dict[str, EngineRequest] = {}
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
-        self._early_finishes: list[tuple[str, str, str]] = []  # (id, reason, error)
+        self._early_finishes: list[tuple[str, str, str, str]] = []  # (id, reason, error, code)
         self._step = 0
         logger.info("engine ready: model=%s device=%s dtype=%s threads=%d kv_blocks=%d x %d "
                     "tokens max_model_len=%d prefix_cache=%s", self.model_name, self.device,
@@ -95,7 +104,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already running or waiting")
         if request_id in self._aborted_before_arrival:
             del self._aborted_before_arrival[request_id]
-            self._early_finishes.append((request_id, FINISH_ABORT, ""))
+            self._early_finishes.append((request_id, FINISH_ABORT, "", ""))
             return
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or ids.size == 0:
@@ -108,10 +117,6 @@ class Engine:
         if ids.size >= self.max_model_len:
             raise ValueError(f"the prompt has {ids.size} tokens; max_model_len is "
                              f"{self.max_model_len}, which leaves no room for a generated token")
-        capacity = self.blocks.num_blocks * self.blocks.block_size
-        if ids.size + 1 > capacity:
-            raise ValueError(f"the prompt has {ids.size} tokens; the KV cache holds only "
-                             f"{capacity} tokens in all")
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting "
                                    f"(max_waiting_requests={self.config.max_waiting_requests})")
@@ -138,8 +143,8 @@ class Engine:
         t_start = time.monotonic()
         self._step += 1
         out = StepOutput(step=self._step, t_step=t_start)
-        for request_id, reason, error in self._early_finishes:
-            self._emit_finish(out, request_id, reason, error)
+        for request_id, reason, error, code in self._early_finishes:
+            self._emit_finish(out, request_id, reason, error, code)
         self._early_finishes.clear()
         for request_id in self._pending_aborts:
             self._finish(out, self.requests[request_id], FINISH_ABORT)
@@ -147,7 +152,7 @@ class Engine:
 
         batch = self.scheduler.schedule()
         for request, message in batch.failed:
-            self._finish(out, request, FINISH_ERROR, message)
+            self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
         if batch.requests:
             tokens = self.runner.run(batch.requests, batch.num_new_tokens)
             emitted_ids, emitted_tokens = out.request_ids, []
@@ -178,16 +183,18 @@ class Engine:
 
     # --- internals --------------------------------------------------------------------------
     def _finish(self, out: StepOutput, request: EngineRequest, reason: str,
-                error: str = "") -> None:
+                error: str = "", code: str = "") -> None:
         self.scheduler.remove(request)
         del self.requests[request.request_id]
-        self._emit_finish(out, request.request_id, reason, error)
+        self._emit_finish(out, request.request_id, reason, error, code)
 
     @staticmethod
-    def _emit_finish(out: StepOutput, request_id: str, reason: str, error: str) -> None:
+    def _emit_finish(out: StepOutput, request_id: str, reason: str, error: str,
+                     code: str) -> None:
         out.finished_ids.append(request_id)
         out.finish_reasons.append(reason)
         out.finish_errors.append(error)
+        out.finish_error_codes.append(code)
 
     def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
         cfg = self.config

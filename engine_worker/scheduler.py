@@ -96,11 +96,12 @@ class Scheduler:
         while needed > self.blocks.num_available:
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
+                capacity = self.blocks.num_blocks * self.blocks.block_size
+                batch.failed.append((request, (
+                    f"the request needs {request.num_computed + count} tokens of KV cache; the "
+                    f"cache holds {capacity} tokens in all")))
                 self.running.pop()
                 self.free_blocks(request)
-                batch.failed.append((request, (
-                    f"the KV cache ({self.blocks.num_blocks} blocks of {self.blocks.block_size} "
-                    f"tokens) cannot hold this request's {request.num_computed + count} tokens")))
                 return False
             self.preempt(victim)
             batch.preempted += 1

@@ -133,7 +133,10 @@ def test_invalid_requests_raise_clear_errors(tiny_engine):
         engine.add("negative", np.array([1, -3]), greedy(1))
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add("long", [1] * engine.max_model_len, greedy(1))
-    with pytest.raises(ValueError, match="KV cache holds only"):
+    # The context is capped to what the 1024-token KV pool holds, so a prompt the pool cannot
+    # hold is refused up front as too long for the context.
+    assert engine.max_model_len == 1024
+    with pytest.raises(ValueError, match="max_model_len is 1024"):
         engine.add("pool", [1] * 1500, greedy(1))
     engine.add("dup", PROMPT, greedy(1))
     with pytest.raises(ValueError, match="already"):
