@@ -274,7 +274,7 @@ class Detokenizer:
         if info is not None:
             info.request_ids.discard(rid)
         self._queue(state.meta.client_id, state.final(
-            reason, time.monotonic(), stopped_by_string=stopped_by_string,
+            reason, t, stopped_by_string=stopped_by_string,
             error=error, error_code=code))
 
     def _ignore(self, rid: str) -> None:

@@ -54,7 +54,7 @@ class HttpMetrics:
             "to its first generated text.", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(
             "splitserve_http_e2e_request_latency_seconds", "From the HTTP request's arrival to "
-            "its last generated text.", buckets=LATENCY_BUCKETS, registry=r)
+            "the end of its answer (the last choice's terminal event).", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(
             "splitserve_time_per_output_token_seconds", "(last token - first token) / "
             "(tokens - 1), per engine request.", buckets=TOKEN_GAP_BUCKETS, registry=r)

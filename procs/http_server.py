@@ -275,8 +275,8 @@ class GenerationCall:
             metrics.generations_in_flight.dec()
             metrics.generations.labels(self.errors[i] or outcome).inc()
         metrics.in_flight.dec()
-        if not unfinished:  # a latency only for answers given in full
-            metrics.e2e.observe(max(self._last_t) - self.t_arrived)
+        if not unfinished:  # a latency only for answers given in full: arrival to last event
+            metrics.e2e.observe(max(f.t_received for f in self.finals) - self.t_arrived)
 
     async def aclose(self) -> None:
         # For Starlette's BackgroundTask, which would run a plain function in a thread.

@@ -50,6 +50,9 @@ def test_stream_end_to_end(client):
     t = result.timings
     assert t.t_submit <= t.t_tokenize_start <= t.t_tokenized <= t.t_arrived <= t.t_first_token \
         <= t.t_last_token <= t.t_finished
+    # It ended in the step that produced its last token: it finished at that step's time, not
+    # whenever the detokenizer got round to it.
+    assert t.t_finished == t.t_last_token
     assert len(result.t_received) == 9 and result.ttft_s > 0
 
 
