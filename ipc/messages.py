@@ -28,7 +28,6 @@ FINISH_STOP = "stop"  # eos, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context length
 FINISH_ABORT = "abort"  # the client (or a shutdown) aborted it
 FINISH_ERROR = "error"  # see StreamEvent.error / error_code
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
 
 # Error codes carried with FINISH_ERROR.
 ERR_BAD_REQUEST = "bad_request"  # the request itself is wrong; retrying it will not help

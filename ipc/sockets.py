@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import zmq
-import zmq.asyncio
 
 from ipc import codec
 
@@ -182,42 +181,3 @@ class PullQueue(Generic[T]):
 
     def close(self) -> None:
         self.socket.close(linger=0)
-
-
-class AsyncPullQueue(Generic[T]):
-    """asyncio variant of PullQueue (works under uvloop)."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, *kinds: type, bind: bool = True,
-                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
-        self.address = address
-        self.kinds = kinds
-        self.socket = open_socket(ctx, zmq.PULL, address, bind_it=bind, rcvhwm=hwm, curve=curve)
-
-    def empty(self) -> bool:
-        return not (self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-
-    async def get(self) -> T:
-        return codec.decode_as(await self.socket.recv(), *self.kinds)
-
-    def get_nowait(self) -> T:
-        return codec.decode_as(self.socket.recv(zmq.NOBLOCK), *self.kinds)
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-
-
-class AsyncPushQueue:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool = False,
-                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
-        self.address = address
-        self.socket = open_socket(ctx, zmq.PUSH, address, bind_it=bind, sndhwm=hwm, curve=curve)
-
-    async def put(self, msg: Any) -> None:
-        await self.socket.send(codec.encode(msg))
-
-    def put_nowait(self, msg: Any) -> None:
-        """Raises zmq.Again when the pipe is full."""
-        self.socket.send(codec.encode(msg), zmq.NOBLOCK)
-
-    def close(self) -> None:
-        self.socket.close(linger=LINGER_MS)

@@ -265,9 +265,6 @@ class Cluster:
             elif now - last <= self.config.heartbeat_timeout_s:
                 c.silent_warned = False
 
-    def is_running(self) -> bool:
-        return not self._stopping and all(c.popen.poll() is None for c in self.children)
-
     def worker_stats(self, role: str, index: int = 0) -> dict[str, float]:
         """The latest heartbeat stats of one worker ({} before its first heartbeat)."""
         child = self._child(role, index)
