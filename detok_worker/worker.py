@@ -69,7 +69,8 @@ class Detokenizer:
         self.welcome = codec.encode(ClientWelcome(
             tokenizer_addrs=config.tokenizer_addrs,
             model=config.model_name or Path(config.model_path).name,
-            max_model_len=config.max_model_len, vocab_size=config.vocab_size))
+            max_model_len=config.max_model_len, vocab_size=config.vocab_size,
+            max_waiting_requests=config.max_waiting_requests))
         self.clients: dict[bytes, ClientInfo] = {}
         self.states: dict[str, RequestState] = {}
         self.ignored: OrderedDict[str, None] = OrderedDict()

@@ -23,7 +23,8 @@ from ipc import codec
 from ipc.client_common import (
     ClientCore, Delta, GenerationResult, HandleBase, RequestRecord, RequestTimeoutError,
     UnavailableError, closed_event, curve_keys, disconnect_monitor, make_dealer,
-    make_submit_sockets, monitor_events, prompt_kwargs, timeout_event, tokenizer_addrs,
+    make_submit_sockets, monitor_events, prompt_kwargs, submit_hwm_for, timeout_event,
+    tokenizer_addrs,
 )
 from ipc.messages import (
     ClientAbort, ClientBye, ClientHello, ClientWelcome, SamplingParams, StreamEvent,
@@ -74,7 +75,7 @@ class AsyncRequestHandle(HandleBase):
 
 class AsyncClient:
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
-                 deadline_s: float | None = None, submit_hwm: int = 64,
+                 deadline_s: float | None = None, submit_hwm: int | None = None,
                  server_public_key: str | bytes | None = None,
                  tokenizer_retries: int = 1) -> None:
         """See ipc.client.Client for the arguments (server_public_key: the cluster's CURVE key)."""
@@ -110,7 +111,7 @@ class AsyncClient:
         # Plain sockets: a NOBLOCK send never waits, so submit() needs no await.
         self._submit = make_submit_sockets(
             self._ctx, tokenizer_addrs(self.address, self.welcome.tokenizer_addrs),
-            self.submit_hwm, self._curve)
+            submit_hwm_for(self.welcome, self.submit_hwm), self._curve)
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
         return self
 

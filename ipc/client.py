@@ -25,7 +25,7 @@ from ipc.client_common import (
     BadRequestError, ClientCore, Delta, GenerationResult, HandleBase, OverloadedError,
     RequestRecord, RequestTimeoutError, SplitserveError, UnavailableError, closed_event,
     curve_keys, disconnect_monitor, make_dealer, make_submit_sockets, monitor_events,
-    prompt_kwargs, timeout_event, tokenizer_addrs,
+    prompt_kwargs, submit_hwm_for, timeout_event, tokenizer_addrs,
 )
 from ipc.messages import (
     ClientAbort, ClientBye, ClientHello, ClientWelcome, SamplingParams, StreamEvent,
@@ -78,7 +78,7 @@ class RequestHandle(HandleBase):
 
 class Client:
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
-                 deadline_s: float | None = None, submit_hwm: int = 64,
+                 deadline_s: float | None = None, submit_hwm: int | None = None,
                  server_public_key: str | bytes | None = None,
                  tokenizer_retries: int = 1) -> None:
         """Connects and does the handshake (raises UnavailableError when nobody answers).
@@ -89,6 +89,8 @@ class Client:
         it to curve_public.key in its run dir); needed when the cluster uses CURVE (--listen).
         tokenizer_retries: how many times a request still queued in a tokenizer worker that
         died is sent again to a live one before it ends with an "unavailable" error.
+        submit_hwm: requests each tokenizer pipe holds before submit() raises OverloadedError;
+        default: the cluster's admission bound (max_waiting_requests) over its tokenizers.
         """
         curve = curve_keys(server_public_key)
         self._core = ClientCore(deadline_s, tokenizer_retries)
@@ -107,7 +109,8 @@ class Client:
                                    f"{connect_timeout_s} s" + _curve_hint(curve))
         self.welcome: ClientWelcome = codec.decode_as(dealer.recv(), ClientWelcome)
         self._submit = make_submit_sockets(
-            self._ctx, tokenizer_addrs(address, self.welcome.tokenizer_addrs), submit_hwm, curve)
+            self._ctx, tokenizer_addrs(address, self.welcome.tokenizer_addrs),
+            submit_hwm_for(self.welcome, submit_hwm), curve)
         self._control_addr = f"inproc://control-{self._core.client_id.decode()}"
         control_in = self._ctx.socket(zmq.PULL)
         control_in.bind(self._control_addr)

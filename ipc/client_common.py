@@ -480,6 +480,19 @@ def curve_keys(server_public_key: str | bytes | None) -> CurveKeys | None:
         raise BadRequestError(f"server_public_key: {exc}") from None
 
 
+MIN_SUBMIT_HWM = 64
+
+
+def submit_hwm_for(welcome: ClientWelcome, asked: int | None) -> int:
+    """Frames each tokenizer pipe holds before submit() says overloaded: as asked, or by
+    default the cluster's own admission bound spread over its tokenizer workers (a burst the
+    engine would queue must not be refused by a pipe that filled in microseconds)."""
+    if asked is not None:
+        return asked
+    workers = max(1, len(welcome.tokenizer_addrs))
+    return max(MIN_SUBMIT_HWM, -(-welcome.max_waiting_requests // workers))
+
+
 def make_submit_sockets(ctx: zmq.Context, addrs: list[str], hwm: int,
                         curve: CurveKeys | None = None) -> list[zmq.Socket]:
     """One plain (sync) PUSH per tokenizer worker (NOBLOCK sends never wait): the client knows

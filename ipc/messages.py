@@ -286,6 +286,9 @@ class ClientWelcome:
     model: str
     max_model_len: int
     vocab_size: int
+    # The cluster's admission bound (the engine's waiting queue): clients size their submit
+    # pipes from it, so a burst the cluster accepts is never refused by a small client pipe.
+    max_waiting_requests: int = 0
 
 
 @message

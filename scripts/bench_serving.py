@@ -113,7 +113,7 @@ def make_targets(modes: list[str], args: argparse.Namespace, model_path: str,
             knobs = cluster_knobs(workers)
             poll_s = 0.001 if args.max_concurrency else 0.02
             targets[mode] = ClusterTarget(mode, model_path, workers, knobs, collector, poll_s,
-                                          args.client_submit_hwm or 2 * args.num_requests + 64)
+                                          args.client_submit_hwm or None)
         else:
             if server is None:
                 from engine_worker.config import EngineConfig

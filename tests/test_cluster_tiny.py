@@ -114,3 +114,14 @@ def test_engine_process_never_loads_a_tokenizer(cluster):
     assert "tokenizers" not in maps
     tokenizer_pid = cluster.pids["tokenizer[0]"]
     assert "tokenizers" in Path(f"/proc/{tokenizer_pid}/maps").read_text()  # the check works
+
+
+def test_a_burst_of_a_thousand_submits_from_a_default_client_is_accepted(cluster):
+    """The seeds' workload from the SDK as shipped: submit() in a loop, no tuning. The pipes
+    are sized from the cluster's admission bound, so nothing is refused as overloaded while the
+    engine's waiting queue (4096 by default) has room."""
+    with Client(cluster.client_addr) as client:
+        handles = [client.submit(prompt_token_ids=[1, 2 + i % 1000, 3], max_tokens=1,
+                                 temperature=0) for i in range(1000)]
+        results = [h.result(timeout=240) for h in handles]
+    assert [r.finish_reason for r in results] == ["length"] * 1000

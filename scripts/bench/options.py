@@ -40,9 +40,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="threads per tokenizer worker (0: the supervisor's budget)")
     g.add_argument("--client-submit-hwm", type=int, default=0,
                    help="the cluster client's send queue per tokenizer worker, in requests; "
-                        "a full one makes submit() raise OverloadedError (0: 2 x --num-requests "
-                        "+ 64, so a whole burst fits: ZeroMQ refuses a little before the mark; "
-                        "the SDK's own default is 64)")
+                        "a full one makes submit() raise OverloadedError (0: the SDK's default, "
+                        "the cluster's max_waiting_requests spread over its tokenizer workers)")
     g.add_argument("--tokenizer-batch-max", type=int, default=64,
                    help="a tokenizer worker encodes at most this many queued requests in one "
                         "batch (default: 64)")

@@ -87,7 +87,7 @@ class ClusterTarget:
 
     def __init__(self, name: str, model_path: str, tokenizer_workers: int,
                  cluster_knobs: dict, collector: EventCollector, poll_s: float,
-                 submit_hwm: int) -> None:
+                 submit_hwm: int | None) -> None:
         """poll_s: how often the watcher looks for finished handles. Only the progress bar and
         --max-concurrency wait on it (the timestamps are the SDK's own); each wake-up takes the
         GIL from the submitting thread, so poll slowly unless a concurrency cap needs it."""
@@ -118,7 +118,7 @@ class ClusterTarget:
                             f"{c.tokenizer_threads} thread(s)",
                 "engine_threads": c.engine_threads,
                 "stream_interval_tokens": c.stream_interval_tokens,
-                "client submit_hwm": self._submit_hwm}
+                "client submit_hwm": self._submit_hwm or "SDK default (cluster admission bound)"}
 
     def prepare(self, requests: list[BenchRequest]) -> None:
         pass
