@@ -27,13 +27,25 @@ from detok_worker.request_state import RequestState
 from ipc import codec
 from ipc.config import ClusterConfig
 from ipc.messages import (
-    ERR_UNAVAILABLE, FINISH_ABORT, FINISH_ERROR, FINISH_STOP, NOTICE_DIED, AbortRequests,
-    ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome, ClusterNotice, RequestError,
-    StepOutput, StreamEvent,
+    ERR_UNAVAILABLE,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_STOP,
+    NOTICE_DIED,
+    AbortRequests,
+    ClientAbort,
+    ClientBye,
+    ClientEvents,
+    ClientHello,
+    ClientWelcome,
+    ClusterNotice,
+    RequestError,
+    StepOutput,
+    StreamEvent,
 )
 from ipc.sockets import LINGER_MS, PullQueue, PushQueue, bind, configure
-from procs.worker_runtime import WorkerRuntime
-from tokenizer_worker.prepare import load_tokenizer
+from runtime.model_files import load_tokenizer
+from runtime.worker import WorkerRuntime
 
 logger = logging.getLogger("splitserve.detokenizer")
 
@@ -69,8 +81,8 @@ class Detokenizer:
         self.welcome = codec.encode(ClientWelcome(
             tokenizer_addrs=config.tokenizer_addrs,
             model=config.model_name or Path(config.model_path).name,
-            max_model_len=config.max_model_len, vocab_size=config.vocab_size,
-            max_waiting_requests=config.max_waiting_requests))
+            max_model_len=config.engine.max_model_len, vocab_size=config.vocab_size,
+            max_waiting_requests=config.engine.max_waiting_requests))
         self.clients: dict[bytes, ClientInfo] = {}
         self.states: dict[str, RequestState] = {}
         self.ignored: OrderedDict[str, None] = OrderedDict()

@@ -11,7 +11,7 @@ Invariants (tests check them):
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Callable
+from collections.abc import Callable
 
 
 class KVBlockManager:

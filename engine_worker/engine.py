@@ -9,24 +9,29 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from ipc.codec import pack_ids
-from ipc.messages import (
-    ERR_BAD_REQUEST, FINISH_ABORT, FINISH_ERROR, EngineStats, RequestStart, SamplingParams,
-    StepOutput,
-)
 from engine_worker.block_manager import KVBlockManager
-from engine_worker.config import EngineConfig
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.model_runner import ModelRunner
 from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import Scheduler
+from ipc.codec import pack_ids
+from ipc.engine_config import EngineConfig
+from ipc.messages import (
+    ERR_BAD_REQUEST,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    EngineStats,
+    RequestStart,
+    SamplingParams,
+    StepOutput,
+)
 
 logger = logging.getLogger("splitserve.engine")
 
@@ -40,8 +45,8 @@ class EngineOverloaded(RuntimeError):
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        if config.engine_threads:
+            torch.set_num_threads(config.engine_threads)
         self.device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, self.device)
         from engine_worker.model_config import ModelConfig

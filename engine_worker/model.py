@@ -58,7 +58,8 @@ class LlamaFamilyModel:
                 k_norm=take_optional(p + "self_attn.k_norm.weight"),
                 o_proj=take(p + "self_attn.o_proj.weight"),
                 post_attention_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"),
+                                   take(p + "mlp.up_proj.weight")]),
                 down=take(p + "mlp.down_proj.weight"),
             ))
         self.norm = take("model.norm.weight")
@@ -72,7 +73,7 @@ class LlamaFamilyModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-             max_positions: int) -> "LlamaFamilyModel":
+             max_positions: int) -> LlamaFamilyModel:
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
         files = sorted(model_dir.glob("*.safetensors"))

@@ -10,8 +10,12 @@ import itertools
 import numpy as np
 import torch
 
-from engine_worker.attention import (AttentionBatch, ContinuationBatch, DecodeWorkspace,
-                                    PrefillSegment)
+from engine_worker.attention import (
+    AttentionBatch,
+    ContinuationBatch,
+    DecodeWorkspace,
+    PrefillSegment,
+)
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import sample
@@ -50,7 +54,8 @@ class ModelRunner:
     @staticmethod
     def bytes_per_token(model_config, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * element
+        return (2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
+                * element)
 
     def run(self, requests: list[EngineRequest], counts: list[int]) -> list[int | None]:
         """Computes the scheduled tokens; returns the sampled token per request (None where the

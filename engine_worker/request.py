@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
-
 from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
+from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 
 class EngineRequest:

@@ -17,9 +17,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine_worker.block_manager import KVBlockManager
-from engine_worker.config import EngineConfig
 from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
 from engine_worker.request import EngineRequest
+from ipc.engine_config import EngineConfig
 
 
 @dataclass(slots=True)

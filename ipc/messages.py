@@ -74,7 +74,8 @@ class SamplingParams:
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
+            raise ValueError("top_k must be an integer >= -1 (0 or -1 disable it), "
+                             f"got {self.top_k!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
             or not (0 <= self.seed <= MAX_SEED)
@@ -88,7 +89,8 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
+                                 "characters")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not (-2.0 <= v <= 2.0):

@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_worker.config import EngineConfig  # noqa: E402
 from engine_worker.engine import Engine  # noqa: E402
+from ipc.engine_config import EngineConfig  # noqa: E402
 from ipc.messages import SamplingParams  # noqa: E402
 from procs.model_store import resolve_model  # noqa: E402
 
@@ -42,7 +42,7 @@ def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
 def make_engine(args, **knobs) -> Engine:
     knobs.setdefault("kv_cache_tokens", args.kv_cache_tokens)
     return Engine(EngineConfig(model_path=str(args.model), dtype=args.dtype,
-                               num_threads=args.threads, **knobs))
+                               engine_threads=args.threads, **knobs))
 
 
 def params(max_tokens: int, **sampling) -> SamplingParams:

@@ -28,19 +28,15 @@ for _path in (str(_REPO), str(_REPO / "scripts")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from ipc.messages import SamplingParams  # noqa: E402
-
 from bench import report  # noqa: E402
 from bench.metrics import median_summary, parse_goodput, summarize  # noqa: E402
-from bench.options import BASE_MODES, build_parser as _build_parser  # noqa: E402
+from bench.options import BASE_MODES  # noqa: E402
+from bench.options import build_parser as _build_parser  # noqa: E402
 from bench.runner import EventCollector, RunOptions, run_once  # noqa: E402
 from bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requests  # noqa: E402
 
-# Engine knobs given identically to every mode: flags named as EngineConfig / ClusterConfig
-# fields.
-ENGINE_KNOBS = ("device", "dtype", "max_batch_size", "prefill_max_batch_size",
-                "prefill_max_tokens", "prefill_chunk_tokens", "block_size", "kv_cache_tokens",
-                "max_model_len", "max_waiting_requests")
+from ipc.messages import SamplingParams  # noqa: E402
+from procs.config_flags import ENGINE_KNOBS, knob_values  # noqa: E402
 
 
 def build_parser():
@@ -64,8 +60,9 @@ def expand_modes(modes_text: str, tokenizer_workers: list[int]) -> list[str]:
 
 
 def engine_knobs(args: argparse.Namespace) -> dict:
-    knobs = {name: getattr(args, name) for name in ENGINE_KNOBS}
-    knobs["enable_prefix_cache"] = not args.no_prefix_cache
+    """The engine's knobs, the same in every mode (the threads are decided per mode)."""
+    knobs = knob_values(args, ENGINE_KNOBS)
+    del knobs["engine_threads"]
     return knobs
 
 
@@ -116,10 +113,10 @@ def make_targets(modes: list[str], args: argparse.Namespace, model_path: str,
                                           args.client_submit_hwm or None)
         else:
             if server is None:
-                from engine_worker.config import EngineConfig
+                from ipc.engine_config import EngineConfig
 
                 config = EngineConfig(model_path=model_path,
-                                      num_threads=engine_threads_for(args, 1),
+                                      engine_threads=engine_threads_for(args, 1),
                                       **engine_knobs(args))
                 server = InprocServer(config, collector.deliver)
                 stack.callback(server.close)
@@ -165,7 +162,7 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
                    "kv_cache_tokens": f"{args.kv_cache_tokens}"
                                       + (" (sized for this workload)" if kv_auto else ""),
                    "max_model_len": args.max_model_len or "model's own",
-                   "prefix_cache": not args.no_prefix_cache,
+                   "prefix_cache": args.enable_prefix_cache,
                    "max_waiting_requests": args.max_waiting_requests},
         "Stream interval (tokens)": args.stream_interval_tokens,
         "Runs": f"{args.warmup_runs} warmup (of {min(args.warmup_num_requests, w.num_requests)} "
@@ -184,8 +181,9 @@ def _auto_device() -> str:
 
 def run_benchmark(args: argparse.Namespace) -> dict:
     """Everything but printing; returns the JSON document (also what the tests inspect)."""
-    from procs.model_store import resolve_model
     from tokenizers import Tokenizer
+
+    from procs.model_store import resolve_model
 
     model_path = str(resolve_model(args.model))
     modes = expand_modes(args.modes, args.tokenizer_workers)

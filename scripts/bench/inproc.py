@@ -13,13 +13,18 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ipc.codec import pack_ids, unpack_ids
 from ipc.messages import (
-    FINISH_ERROR, RequestTimings, SamplingParams, StepOutput, StreamEvent, Usage,
+    FINISH_ERROR,
+    RequestTimings,
+    SamplingParams,
+    StepOutput,
+    StreamEvent,
+    Usage,
 )
 
 logger = logging.getLogger("splitserve.bench.inproc")
@@ -49,8 +54,9 @@ class _Live:
 class InprocServer:
     def __init__(self, engine_config, deliver: Callable[[list[StreamEvent]], None],
                  name: str = "inproc") -> None:
-        from engine_worker.engine import Engine
         from tokenizers import Tokenizer
+
+        from engine_worker.engine import Engine
 
         model_dir = Path(engine_config.model_path)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -7,13 +7,13 @@ import gc
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
-
-from ipc.messages import RequestTimings, SamplingParams, StreamEvent
+from typing import Protocol
 
 from bench.metrics import RequestRecord
 from bench.workloads import ArrivalSpec, BenchRequest
+from ipc.messages import RequestTimings, SamplingParams, StreamEvent
 
 
 class Target(Protocol):

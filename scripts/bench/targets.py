@@ -11,12 +11,11 @@ import time
 
 import psutil
 
-from ipc.messages import SamplingParams
-
 from bench.inproc import InprocServer
 from bench.metrics import RequestRecord
 from bench.runner import EventCollector, copy_timings
 from bench.workloads import BenchRequest
+from ipc.messages import SamplingParams
 
 
 def cpu_of(pids: list[int]) -> float:
@@ -53,7 +52,7 @@ class InprocTarget:
     def describe(self) -> dict[str, object]:
         return {"tokenize": "before the timed region" if self.pretok
                 else "inside submit(), in the caller's thread",
-                "engine_threads": self.server.engine.config.num_threads,
+                "engine_threads": self.server.engine.config.engine_threads,
                 "detokenize": "in the engine thread"}
 
     def prepare(self, requests: list[BenchRequest]) -> None:
@@ -116,7 +115,7 @@ class ClusterTarget:
         c = self.cluster.config
         return {"tokenize": f"{c.tokenizer_workers} tokenizer worker process(es) x "
                             f"{c.tokenizer_threads} thread(s)",
-                "engine_threads": c.engine_threads,
+                "engine_threads": c.engine.engine_threads,
                 "stream_interval_tokens": c.stream_interval_tokens,
                 "client submit_hwm": self._submit_hwm or "SDK default (cluster admission bound)"}
 
@@ -260,7 +259,7 @@ class HttpTarget:
             c = self.cluster.config
             out["tokenize"] = (f"{c.tokenizer_workers} tokenizer worker process(es) x "
                                f"{c.tokenizer_threads} thread(s)")
-            out["engine_threads"] = c.engine_threads
+            out["engine_threads"] = c.engine.engine_threads
         return out
 
     def prepare(self, requests: list[BenchRequest]) -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from ipc.codec import unpack_ids
-from ipc.messages import SamplingParams
-
 from engine_worker.engine import Engine
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
+from ipc.codec import unpack_ids
+from ipc.messages import SamplingParams
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:

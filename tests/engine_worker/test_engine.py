@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine, EngineOverloaded
+from ipc.engine_config import EngineConfig
 from ipc.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 from tests.engine_worker.helpers import collect, greedy
 
@@ -64,7 +64,7 @@ def test_engine_imports_no_tokenizer_code(tiny_model_dir):
     import subprocess
 
     code = ("import sys; from engine_worker.engine import Engine; "
-            "from engine_worker.config import EngineConfig; "
+            "from ipc.engine_config import EngineConfig; "
             f"Engine(EngineConfig(model_path={str(tiny_model_dir)!r}, kv_cache_tokens=256)); "
             "bad = [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))]; "
             "print('LOADED', bad)")
@@ -217,8 +217,8 @@ def test_decode_workspace_matches_the_gather_path(tiny_model_dir):
 
         engine.runner._decode_workspace = tracking
         arrivals = {0: [0, 1], 3: [2], 7: [3, 4]}  # joins rebuild; 60 tokens outgrow 32 spare
-        collect(engine, on_step=lambda step, e: [e.add(f"r{i}", prompts[i], sampling)
-                                                 for i in arrivals.get(step, [])])
+        collect(engine, on_step=lambda step, e, arrivals=arrivals: [
+            e.add(f"r{i}", prompts[i], sampling) for i in arrivals.get(step, [])])
         assert engine.runner._workspace is None  # dropped once idle
         assert (sum(reused) > 40) == (budget > 0) and (sum(reused) == 0) == (budget == 0)
         logits[budget] = seen

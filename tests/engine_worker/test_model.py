@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine
+from ipc.engine_config import EngineConfig
 from procs.model_store import make_tiny_model
 from tests.engine_worker.helpers import give_blocks, manual_request
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine
+from ipc.engine_config import EngineConfig
 from ipc.messages import ERR_BAD_REQUEST, FINISH_ERROR, FINISH_LENGTH
 from tests.engine_worker.helpers import collect, greedy
 

@@ -4,14 +4,33 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ipc import codec
 from ipc.codec import DecodeError, decode, encode, pack_ids, salvage_fields, unpack_id_list
 from ipc.messages import (
-    AbortRequests, ChatMessage, ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome,
-    ClusterNotice, EngineStats, Heartbeat, RequestError, RequestMeta, RequestStart, RequestTimings,
-    SamplingParams, StepOutput, StreamEvent, SubmitRequest, TokenizedRequest, Usage, WorkerReady,
+    AbortRequests,
+    ChatMessage,
+    ClientAbort,
+    ClientBye,
+    ClientEvents,
+    ClientHello,
+    ClientWelcome,
+    ClusterNotice,
+    EngineStats,
+    Heartbeat,
+    RequestError,
+    RequestMeta,
+    RequestStart,
+    RequestTimings,
+    SamplingParams,
+    StepOutput,
+    StreamEvent,
+    SubmitRequest,
+    TokenizedRequest,
+    Usage,
+    WorkerReady,
 )
 
 META = RequestMeta(request_id="r1", client_id=b"c1", prompt_tokens=3, stop=["\n"],

@@ -6,7 +6,6 @@ max_tokens, stop_token_ids, eos, abort and the waiting-queue bound.
 
 from __future__ import annotations
 
-import os
 import time
 
 from ipc.codec import pack_ids
@@ -85,6 +84,10 @@ class FakeEngine:
 
 
 def make(config) -> FakeEngine:
-    # SPLITSERVE_FAKE_STEP_S: seconds per step, to keep requests in flight (fault tests).
-    return FakeEngine(config.max_waiting_requests,
-                      float(os.environ.get("SPLITSERVE_FAKE_STEP_S", "0.002")))
+    """The cluster's engine_factory (tests.procs.fake_engine:make)."""
+    return FakeEngine(config.engine.max_waiting_requests)
+
+
+def make_slow(config) -> FakeEngine:
+    """20 ms a step, so requests stay in flight for seconds (fault tests)."""
+    return FakeEngine(config.engine.max_waiting_requests, step_s=0.02)

@@ -11,11 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-
 from ipc.client import Client
 from procs.cli import build_parser
 
-FAKE_ENGINE = f"{Path(__file__).parent / 'fake_engine.py'}:make"
+FAKE_ENGINE = "tests.procs.fake_engine:make"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -66,8 +65,7 @@ def _wait_all_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
 
 def test_sigterm_with_requests_in_flight(tmp_path):
     run_dir = tmp_path / "run"
-    sup = Launched(run_dir, "--tokenizer-workers", "2",
-                   env={"SPLITSERVE_ENGINE_FACTORY": FAKE_ENGINE})
+    sup = Launched(run_dir, "--tokenizer-workers", "2", "--engine-factory", FAKE_ENGINE)
     pids = sup.child_pids()
     assert len(pids) == 4
     with Client(sup.client_addr, deadline_s=60) as client:
@@ -89,7 +87,7 @@ def test_sigterm_with_requests_in_flight(tmp_path):
 
 
 def test_children_die_with_a_killed_supervisor(tmp_path):
-    sup = Launched(tmp_path / "run", env={"SPLITSERVE_ENGINE_FACTORY": FAKE_ENGINE})
+    sup = Launched(tmp_path / "run", "--engine-factory", FAKE_ENGINE)
     pids = sup.child_pids()
     assert len(pids) == 3
     sup.proc.kill()
@@ -110,12 +108,12 @@ def test_shutdown_waits_for_a_stop_the_watcher_began(tmp_path):
     """A failure makes the watcher thread stop the children (restart_policy=shutdown, or a slot
     out of restarts) and Cluster.wait() returns at once; the shutdown() that follows must not
     return, close the sockets and remove the run directory while that stop is still going."""
-    from procs.launch_cluster import Child, Cluster
     from ipc.config import ClusterConfig
+    from procs.launch_cluster import Child, Cluster
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    config = ClusterConfig(model_path=str(tmp_path), run_dir=str(run_dir))
+    config = ClusterConfig.build(str(tmp_path), str(run_dir))
     cluster = Cluster(config, owns_run_dir=True)
     # An "engine" that takes 7 s to exit after SIGTERM: longer than shutdown()'s 5 s join.
     slow = subprocess.Popen([sys.executable, "-c", (

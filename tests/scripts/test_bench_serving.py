@@ -71,7 +71,8 @@ def test_every_mode_reports_consistent_metrics_and_the_json_round_trips(tiny_mod
         "--model", str(tiny_model_dir), "--modes", "inproc,inproc-pretok,cluster",
         "--num-requests", str(n), "--prompt-tokens", "48", "--unique-prompts",
         "--max-new-tokens", str(max_new), "--ignore-eos", "--warmup-runs", "1",
-        "--warmup-num-requests", "3", "--repeat-runs", "1", "--goodput", "ttft:60000", "tpot:60000", "--no-progress",
+        "--warmup-num-requests", "3", "--repeat-runs", "1", "--goodput", "ttft:60000",
+        "tpot:60000", "--no-progress",
         "--json", str(json_path), "--plot", str(plot_path)])
     text = capsys.readouterr().out
     for line in ("Model: ", "Submit wall: ", "Submit latency p50/p95/p99", "Tokenize p50/p95/p99",

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from procs.http_server import FrontendSettings, Frontend, GenerationCall
+from http_worker.frontend import Frontend, FrontendSettings
+from http_worker.generation import GenerationCall
 from procs.launch_cluster import launch_cluster
 
 
