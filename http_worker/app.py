@@ -27,12 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
 from http_worker.frontend import Frontend, FrontendSettings
-from http_worker.generation import (
-    ClientGone,
-    GenerationCall,
-    submit_all,
-    unless_disconnected,
-)
+from http_worker.generation import ClientGone, GenerationCall, submit_all, unless_disconnected
 from http_worker.protocol import (
     APIError,
     ChatCompletionRequest,

@@ -42,13 +42,7 @@ import zmq
 
 from ipc import codec
 from ipc.config import ClusterConfig
-from ipc.messages import (
-    NOTICE_DIED,
-    NOTICE_READY,
-    ClusterNotice,
-    Heartbeat,
-    WorkerReady,
-)
+from ipc.messages import NOTICE_DIED, NOTICE_READY, ClusterNotice, Heartbeat, WorkerReady
 from ipc.sockets import PullQueue, PushQueue
 from procs.children import Child, spawn, stop_in_order
 from procs.cluster_setup import make_config

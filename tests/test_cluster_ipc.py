@@ -11,13 +11,7 @@ import msgpack
 import pytest
 import zmq
 
-from ipc.client import (
-    AsyncClient,
-    BadRequestError,
-    Client,
-    RequestTimeoutError,
-    UnavailableError,
-)
+from ipc.client import AsyncClient, BadRequestError, Client, RequestTimeoutError, UnavailableError
 from procs.launch_cluster import launch_cluster
 
 FAKE_ENGINE = "tests.procs.fake_engine:make"  # a stand-in engine: no model, echoes

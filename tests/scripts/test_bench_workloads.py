@@ -13,12 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 from bench.metrics import RequestRecord, parse_goodput, summarize  # noqa: E402
-from bench.workloads import (  # noqa: E402
-    ArrivalSpec,
-    WorkloadSpec,
-    build_workload,
-    salt_requests,
-)
+from bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requests  # noqa: E402
 
 
 @pytest.fixture(scope="module")
