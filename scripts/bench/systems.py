@@ -1,0 +1,352 @@
+"""The systems the benchmark compares, behind one small interface (scripts.bench.runner.SystemUnderTest)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import queue
+import threading
+import time
+
+import psutil
+
+from ipc.messages import SamplingParams
+
+from scripts.bench.inproc import InprocServer
+from scripts.bench.metrics import RequestRecord
+from scripts.bench.runner import EventCollector, copy_timings
+from scripts.bench.workloads import BenchRequest
+
+
+def cpu_of(pids: list[int]) -> float:
+    """User+system CPU seconds of these processes (0 for any that has exited)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def cpu_of_threads(tids: set[int]) -> float:
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in tids)
+
+
+class InprocSystem:
+    """One process: the driver's main thread submits (tokenizing unless pretok), one engine
+    thread steps and detokenizes. inproc and inproc-pretok share one InprocServer (they differ
+    only in the submit path). CPU roles: "client" is the submitting and collecting threads
+    (including tokenization when not pretok), "engine" the rest of the process (the engine
+    thread, torch's worker threads, detokenization)."""
+
+    def __init__(self, name: str, server: InprocServer, collector: EventCollector,
+                 pretok: bool) -> None:
+        self.name = name
+        self.pretok = pretok
+        self.server = server
+        self._client_threads = {threading.main_thread().native_id, collector.thread_id}
+        self._ids: dict[int, list[int]] = {}
+
+    def describe(self) -> dict[str, object]:
+        return {"tokenize": "before the timed region" if self.pretok
+                else "inside submit(), in the caller's thread",
+                "engine_threads": self.server.engine.config.num_threads,
+                "detokenize": "in the engine thread"}
+
+    def prepare(self, requests: list[BenchRequest]) -> None:
+        self._ids = ({r.index: self.server.encode(r.prompt, r.messages) for r in requests}
+                     if self.pretok else {})
+
+    def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
+        self.server.submit(request_id, sampling, prompt=request.prompt, messages=request.messages,
+                           prompt_token_ids=self._ids.get(request.index))
+
+    def abort(self, request_id: str) -> None:
+        self.server.abort(request_id)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        total = cpu_of([os.getpid()])
+        client = cpu_of_threads(self._client_threads)
+        # Process and thread times tick at 10 ms each: clamp the rounding of an idle engine.
+        return {"client": client, "engine": max(0.0, total - client)}
+
+    def close(self) -> None:
+        pass  # the shared server is closed by whoever made it
+
+
+class ClusterSystem:
+    """The disaggregated cluster (supervisor as a library) driven through the sync client SDK.
+
+    The SDK stamps every delta's receive time in its own receiver thread; a watcher thread here
+    notices finished handles (``done``) and copies their deltas into the run's records. CPU roles
+    are processes: each tokenizer worker, the engine, the detokenizer, and this process (client).
+    """
+
+    def __init__(self, name: str, model_path: str, tokenizer_workers: int,
+                 cluster_knobs: dict, collector: EventCollector, poll_s: float,
+                 submit_hwm: int | None) -> None:
+        """poll_s: how often the watcher looks for finished handles. Only the progress bar and
+        --max-concurrency wait on it (the timestamps are the SDK's own); each wake-up takes the
+        GIL from the submitting thread, so poll slowly unless a concurrency cap needs it."""
+        from ipc.client import Client
+        from procs.launch_cluster import launch_cluster
+
+        self.name = name
+        self._collector = collector
+        self._poll_s = poll_s
+        self._stack = contextlib.ExitStack()
+        try:
+            self.cluster = self._stack.enter_context(launch_cluster(
+                model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs))
+            self.client = self._stack.enter_context(Client(self.cluster.client_addr,
+                                                           submit_hwm=submit_hwm))
+            self._submit_hwm = submit_hwm
+        except BaseException:
+            self._stack.close()
+            raise
+        self._new: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
+        self._watcher.start()
+
+    def describe(self) -> dict[str, object]:
+        c = self.cluster.config
+        return {"tokenize": f"{c.tokenizer_workers} tokenizer worker process(es) x "
+                            f"{c.tokenizer_threads} thread(s)",
+                "engine_threads": c.engine_threads,
+                "stream_interval_tokens": c.stream_interval_tokens,
+                "client submit_hwm": self._submit_hwm or "SDK default (cluster admission bound)"}
+
+    def prepare(self, requests: list[BenchRequest]) -> None:
+        pass
+
+    def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
+        handle = self.client.submit(prompt=request.prompt, messages=request.messages,
+                                    sampling=sampling, request_id=request_id)
+        self._new.put((request_id, handle))
+
+    def abort(self, request_id: str) -> None:
+        self._new.put((request_id, None))
+
+    def cpu_seconds(self) -> dict[str, float]:
+        roles: dict[str, list[int]] = {}
+        for child in self.cluster.children:
+            roles.setdefault(child.role, []).append(child.popen.pid)
+        out = {"client": cpu_of([os.getpid()])}
+        for role in ("tokenizer", "engine", "detokenizer"):  # the order requests flow
+            out[role] = cpu_of(roles.pop(role, []))
+        out.update({role: cpu_of(pids) for role, pids in roles.items()})
+        return out
+
+    def close(self) -> None:
+        self._closing.set()
+        self._watcher.join(timeout=5)
+        self._stack.close()
+
+    def _watch(self) -> None:
+        live: dict[str, object] = {}
+        while not self._closing.is_set():
+            while True:
+                try:
+                    request_id, handle = self._new.get_nowait()
+                except queue.Empty:
+                    break
+                if handle is None:  # abort
+                    if (h := live.pop(request_id, None)) is not None:
+                        h.abort()
+                else:
+                    live[request_id] = handle
+            for request_id in [rid for rid, h in live.items() if h.done]:
+                deltas = _deltas_of(live.pop(request_id))
+                self._collector.complete(request_id, functools.partial(_fill, deltas=deltas))
+            time.sleep(self._poll_s)
+
+
+def _deltas_of(handle) -> list:
+    """Every delta of a finished handle, the terminal one included (stream() raises the error of
+    a failed request after yielding what came before it)."""
+    out = []
+    try:
+        for delta in handle.stream(timeout=0):
+            out.append(delta)
+    except Exception as exc:  # the request ended with an error: keep it as a final "delta"
+        out.append(_ErrorEnd(str(exc)))
+    return out
+
+
+class _ErrorEnd:
+    def __init__(self, message: str) -> None:
+        self.error, self.t_received = message, time.monotonic()
+
+
+def _fill(rec: RequestRecord, deltas: list) -> None:
+    final = deltas[-1]
+    rec.delta_times = [d.t_received for d in deltas
+                       if not isinstance(d, _ErrorEnd) and d.token_ids]
+    rec.t_done = final.t_received
+    if isinstance(final, _ErrorEnd):
+        rec.finish_reason, rec.error = "error", final.error
+        return
+    rec.finish_reason, rec.error = final.finish_reason, final.error
+    if final.usage is not None:
+        rec.prompt_tokens = final.usage.prompt_tokens
+        rec.output_tokens = final.usage.completion_tokens
+        rec.cached_tokens = final.usage.cached_tokens
+    copy_timings(rec, final.timings)
+
+
+class HttpSystem:
+    """The OpenAI-compatible HTTP frontend, driven the way an HTTP user drives it: streamed
+    ``/v1/completions`` (or ``/v1/chat/completions`` for chat prompts) from one asyncio HTTP
+    client (httpx) on its own event-loop thread. ``submit`` hands the request to that loop and
+    returns; a delta's receive time is stamped when its SSE chunk is parsed.
+
+    Either launches its own cluster with a supervised frontend (mode ``http``), or drives a
+    frontend that is already serving (``--endpoint URL``; its processes are not ours, so only the
+    client's CPU time is known). The OpenAI API carries no server timestamps: TTFT and the
+    latencies are measured, TTFT's parts are not."""
+
+    def __init__(self, name: str, collector: EventCollector, *, endpoint: str | None = None,
+                 model_path: str | None = None, tokenizer_workers: int = 1,
+                 cluster_knobs: dict | None = None) -> None:
+        import asyncio
+
+        import httpx
+
+        self.name = name
+        self._collector = collector
+        self._stack = contextlib.ExitStack()
+        self.cluster = None
+        if endpoint is None:
+            from procs.launch_cluster import launch_cluster
+
+            self.cluster = self._stack.enter_context(launch_cluster(
+                model_path, tokenizer_workers=tokenizer_workers, http_port=0,
+                **(cluster_knobs or {})))
+            endpoint = self.cluster.http_url
+        self.url = endpoint.rstrip("/")
+        if self.url.endswith("/v1"):
+            self.url = self.url[:-3]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop",
+                                        daemon=True)
+        self._thread.start()
+        self._tasks: dict[str, object] = {}
+
+        async def make_client():
+            return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=1024))
+
+        self._http = self._call(make_client())
+        try:
+            models = self._call(self._http.get(f"{self.url}/v1/models"))
+            models.raise_for_status()
+            self.model = models.json()["data"][0]["id"]
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, coro):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def describe(self) -> dict[str, object]:
+        out: dict[str, object] = {"endpoint": self.url, "client": "httpx.AsyncClient, SSE"}
+        if self.cluster is not None:
+            c = self.cluster.config
+            out["tokenize"] = (f"{c.tokenizer_workers} tokenizer worker process(es) x "
+                               f"{c.tokenizer_threads} thread(s)")
+            out["engine_threads"] = c.engine_threads
+        return out
+
+    def prepare(self, requests: list[BenchRequest]) -> None:
+        pass
+
+    def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
+        import asyncio
+
+        self._tasks[request_id] = asyncio.run_coroutine_threadsafe(
+            self._one(request_id, request, sampling), self._loop)
+
+    def abort(self, request_id: str) -> None:
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()  # closes the connection: the frontend aborts it in the engine
+
+    def cpu_seconds(self) -> dict[str, float]:
+        out = {"client": cpu_of([os.getpid()])}
+        if self.cluster is not None:
+            roles: dict[str, list[int]] = {}
+            for child in self.cluster.children:
+                roles.setdefault(child.role, []).append(child.popen.pid)
+            for role in ("http", "tokenizer", "engine", "detokenizer"):
+                out[role] = cpu_of(roles.pop(role, []))
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "_http", None) is not None:
+            self._call(self._http.aclose())
+            self._http = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._stack.close()
+
+    async def _one(self, request_id: str, request: BenchRequest,
+                   sampling: SamplingParams) -> None:
+        import json
+
+        body: dict[str, object] = {
+            "model": self.model, "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature, "ignore_eos": sampling.ignore_eos,
+            "stream": True, "stream_options": {"include_usage": True}}
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if request.messages is not None:
+            path, body["messages"] = "/v1/chat/completions", request.messages
+        else:
+            path, body["prompt"] = "/v1/completions", request.prompt
+        times: list[float] = []
+        outcome: dict[str, object] = {"finish_reason": None, "error": None, "usage": None}
+        try:
+            async with self._http.stream("POST", self.url + path, json=body) as reply:
+                if reply.status_code != 200:
+                    text = (await reply.aread()).decode(errors="replace")
+                    outcome["error"] = f"HTTP {reply.status_code}: {text[:300]}"
+                else:
+                    async for line in reply.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        now = time.monotonic()
+                        chunk = json.loads(line[len("data: "):])
+                        if chunk.get("error"):
+                            outcome["error"] = str(chunk["error"].get("message", chunk["error"]))
+                        for choice in chunk.get("choices") or ():
+                            delta = choice.get("delta") or {}
+                            if choice.get("text") or delta.get("content"):
+                                times.append(now)
+                            outcome["finish_reason"] = (choice.get("finish_reason")
+                                                        or outcome["finish_reason"])
+                        if chunk.get("usage"):
+                            outcome["usage"] = chunk["usage"]
+        except Exception as exc:  # noqa: BLE001 - any transport failure ends the request
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+        t_done = time.monotonic()
+        self._tasks.pop(request_id, None)
+        self._collector.complete(request_id, functools.partial(
+            _fill_http, times=times, t_done=t_done, **outcome))
+
+
+def _fill_http(rec: RequestRecord, *, times: list[float], t_done: float,
+               finish_reason: str | None, error: str | None, usage: dict | None) -> None:
+    rec.delta_times, rec.t_done = times, t_done
+    rec.finish_reason = "error" if error else finish_reason
+    rec.error = error
+    if usage:
+        rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        rec.output_tokens = int(usage.get("completion_tokens", 0))
+        details = usage.get("prompt_tokens_details") or {}
+        rec.cached_tokens = int(details.get("cached_tokens") or 0)
