@@ -1,2 +1,2 @@
 """Pieces of the serving benchmark (scripts/bench_serving.py): workloads, the in-process
-baseline server, the cluster target, the runner, metrics and the report."""
+baseline server, the systems under test, the runner, metrics and the report."""

@@ -1,4 +1,5 @@
-"""The systems the benchmark compares, behind one small interface (scripts.bench.runner.SystemUnderTest)."""
+"""The systems the benchmark compares, behind one small interface
+(scripts.bench.runner.SystemUnderTest)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import time
 import psutil
 
 from ipc.messages import SamplingParams
-
 from scripts.bench.inproc import InprocServer
 from scripts.bench.metrics import RequestRecord
 from scripts.bench.runner import EventCollector, copy_timings
@@ -53,7 +53,7 @@ class InprocSystem:
     def describe(self) -> dict[str, object]:
         return {"tokenize": "before the timed region" if self.pretok
                 else "inside submit(), in the caller's thread",
-                "engine_threads": self.server.engine.config.num_threads,
+                "engine_threads": self.server.engine.config.engine_threads,
                 "detokenize": "in the engine thread"}
 
     def prepare(self, requests: list[BenchRequest]) -> None:
@@ -116,7 +116,7 @@ class ClusterSystem:
         c = self.cluster.config
         return {"tokenize": f"{c.tokenizer_workers} tokenizer worker process(es) x "
                             f"{c.tokenizer_threads} thread(s)",
-                "engine_threads": c.engine_threads,
+                "engine_threads": c.engine.engine_threads,
                 "stream_interval_tokens": c.stream_interval_tokens,
                 "client submit_hwm": self._submit_hwm or "SDK default (cluster admission bound)"}
 
@@ -260,7 +260,7 @@ class HttpSystem:
             c = self.cluster.config
             out["tokenize"] = (f"{c.tokenizer_workers} tokenizer worker process(es) x "
                                f"{c.tokenizer_threads} thread(s)")
-            out["engine_threads"] = c.engine_threads
+            out["engine_threads"] = c.engine.engine_threads
         return out
 
     def prepare(self, requests: list[BenchRequest]) -> None:

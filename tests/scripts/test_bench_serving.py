@@ -6,16 +6,12 @@ and consistent, and that the JSON file round-trips."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import bench_serving  # noqa: E402
-from bench import report  # noqa: E402
-from bench.metrics import PERCENTILES, summarize  # noqa: E402
+from scripts import bench_serving
+from scripts.bench import report
+from scripts.bench.metrics import PERCENTILES, summarize
 
 MODES = ["inproc", "inproc-pretok", "cluster-tw1"]
 PERCENTILE_KEYS = ("submit_latency_ms", "tokenize_ms", "queue_wait_ms",
