@@ -82,7 +82,8 @@ def engine_threads_for(args: argparse.Namespace, tokenizer_workers: int) -> int:
 def make_systems(modes: list[str], args: argparse.Namespace, model_path: str,
                  collector: EventCollector, stack: contextlib.ExitStack) -> dict:
     """One system under test per mode; the inproc modes share one in-process server."""
-    from scripts.bench.systems import ClusterSystem, HttpSystem, InprocServer, InprocSystem
+    from scripts.bench.http_system import HttpSystem
+    from scripts.bench.systems import ClusterSystem, InprocServer, InprocSystem
 
     def cluster_knobs(workers: int) -> dict:
         return engine_knobs(args) | {
@@ -111,7 +112,8 @@ def make_systems(modes: list[str], args: argparse.Namespace, model_path: str,
                 config = EngineConfig(model_path=model_path,
                                       engine_threads=engine_threads_for(args, 1),
                                       **engine_knobs(args))
-                server = InprocServer(config, collector.deliver)
+                server = InprocServer(config, collector.deliver,
+                                      stream_interval_tokens=args.stream_interval_tokens)
                 stack.callback(server.close)
             systems[mode] = InprocSystem(mode, server, collector,
                                          pretok=mode == "inproc-pretok")
@@ -145,6 +147,7 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
         "Max new tokens": w.max_new_tokens,
         "Ignore EOS": args.ignore_eos,
         "Temperature": args.temperature,
+        "Stop strings": args.stop or "none",
         "Arrival": arrival.describe(),
         "Max concurrency": args.max_concurrency or "unlimited",
         "Engine": {"max_batch_size": args.max_batch_size,
@@ -203,7 +206,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
     def sampling_for(request) -> SamplingParams:
         return SamplingParams(max_tokens=request.max_tokens, temperature=args.temperature,
-                              ignore_eos=args.ignore_eos, seed=args.seed)
+                              ignore_eos=args.ignore_eos, seed=args.seed, stop=list(args.stop))
 
     collector = EventCollector()
     runs, summaries = [], []

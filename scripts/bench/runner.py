@@ -1,5 +1,5 @@
-"""Drives one system under test through one workload run: submits on the arrival schedule, collects the
-stream events into RequestRecords, measures each role's CPU time over the run."""
+"""Drives one system under test through one workload run: submits on the arrival schedule,
+collects the stream events into RequestRecords, measures each role's CPU time over the run."""
 
 from __future__ import annotations
 
@@ -190,8 +190,9 @@ def run_once(system: SystemUnderTest, collector: EventCollector, requests: list[
                      records=[records[rid] for rid in ids], cpu_seconds=cpu, timed_out=timed_out)
 
 
-def _submit_all(system: SystemUnderTest, collector: EventCollector, records: dict[str, RequestRecord],
-                requests: list[BenchRequest], arrival: ArrivalSpec, sampling_for,
+def _submit_all(system: SystemUnderTest, collector: EventCollector,
+                records: dict[str, RequestRecord], requests: list[BenchRequest],
+                arrival: ArrivalSpec, sampling_for,
                 limiter: threading.BoundedSemaphore | None) -> None:
     offsets = arrival.offsets_s(len(requests))
     t0 = time.monotonic()
@@ -219,7 +220,8 @@ def _submit_all(system: SystemUnderTest, collector: EventCollector, records: dic
         rec.t_submit_done = time.monotonic()
 
 
-def _give_up(system: SystemUnderTest, collector: EventCollector, records: dict[str, RequestRecord]) -> int:
+def _give_up(system: SystemUnderTest, collector: EventCollector,
+             records: dict[str, RequestRecord]) -> int:
     """Aborts whatever has not finished and marks it as an error, so the run still reports."""
     late = [rid for rid, rec in records.items() if not rec.t_done]
     for rid in late:
