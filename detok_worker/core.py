@@ -26,8 +26,16 @@ from typing import NamedTuple
 from detok_worker.request_state import RequestState
 from ipc import codec
 from ipc.messages import (
-    ERR_INTERNAL, ERR_UNAVAILABLE, FINISH_ERROR, FINISH_STOP, NOTICE_DIED, ClusterNotice,
-    RequestError, RequestMeta, StepOutput, StreamEvent,
+    ERR_INTERNAL,
+    ERR_UNAVAILABLE,
+    FINISH_ERROR,
+    FINISH_STOP,
+    NOTICE_DIED,
+    ClusterNotice,
+    RequestError,
+    RequestMeta,
+    StepOutput,
+    StreamEvent,
 )
 
 logger = logging.getLogger("splitserve.detokenizer")

@@ -10,7 +10,7 @@ Each pass: receive and decode whatever is ready, hand it to the core, then send 
 produced: welcomes, one ClientEvents per client followed by its notices, one AbortRequests. A
 client whose queue is full (it stopped reading) or that is unreachable is dropped, and its
 requests are aborted in the same pass. When the supervisor reports the engine dead, the core
-ends every request it holds with an "unavailable" error (see ipc.client_common.ClientCore for
+ends every request it holds with an "unavailable" error (see ipc.client.core.ClientCore for
 what clients do with the notices).
 """
 

@@ -13,7 +13,6 @@ import time
 import psutil
 
 from ipc.messages import SamplingParams
-
 from scripts.bench.inproc import InprocServer
 from scripts.bench.metrics import RequestRecord
 from scripts.bench.runner import EventCollector, copy_timings

@@ -10,7 +10,13 @@ import pytest
 from detok_worker.core import DetokenizerCore, finishes_of
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import (
-    NOTICE_DIED, NOTICE_READY, ClusterNotice, RequestError, RequestMeta, RequestStart, StepOutput,
+    NOTICE_DIED,
+    NOTICE_READY,
+    ClusterNotice,
+    RequestError,
+    RequestMeta,
+    RequestStart,
+    StepOutput,
 )
 from runtime.model_files import load_tokenizer
 

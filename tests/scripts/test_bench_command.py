@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
+from procs.children import REPO_ROOT
 from procs.cli import run_bench
-from procs.launch_cluster import REPO_ROOT
 
 
 def test_bench_runs_from_any_directory_and_relative_paths_stay_the_callers(tiny_model_dir,

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from engine_worker.config import EngineConfig
 from ipc.codec import unpack_id_list
+from ipc.engine_config import EngineConfig
 from ipc.messages import SamplingParams, StreamEvent
 from scripts.bench.inproc import InprocServer
 
@@ -41,7 +41,7 @@ def make_server(tiny_model_dir):
         inbox = Inbox()
         # No prefix cache: a repeated prompt is computed the same way twice.
         config = EngineConfig(model_path=str(tiny_model_dir), dtype="float32",
-                              kv_cache_tokens=4096, enable_prefix_cache=False, num_threads=1)
+                              kv_cache_tokens=4096, enable_prefix_cache=False, engine_threads=1)
         server = InprocServer(config, inbox.deliver,
                               stream_interval_tokens=stream_interval_tokens)
         servers.append(server)
