@@ -16,8 +16,8 @@ then done per group:
 While the set of decoding sequences stays the same from one step to the next, the gather is
 skipped: a ``DecodeWorkspace`` keeps every layer's padded [kv_heads * batch, capacity, head_dim]
 copy of the decode batch's keys and values from the step that built it, and each later step only
-writes its one new token per sequence into it (re-gathering ~all the KV every layer every step was
-13 ms of a 105 ms batch-32 step in fp32, 12 ms of 51 ms in bf16, on 2 CPU cores).
+writes its one new token per sequence into it (re-gathering nearly all the KV in every layer of
+every step is a real share of a decode step; the README has the figure).
 
 Every layer writes all new k/v into the cache before any attention reads it, so a sequence may
 read blocks another sequence of the same step is computing (in-batch prefix dedup relies on it).

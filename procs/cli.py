@@ -11,11 +11,13 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
 from ipc.config import TRANSPORTS
+from procs.children import REPO_ROOT
 from procs.cluster_setup import make_config
 from procs.config_flags import (
     ENGINE_KNOBS,
@@ -184,20 +186,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def run_bench(argv: list[str]) -> int:
-    """``splitserve bench ...`` is scripts/bench_serving.py (it lives with the other benchmarks
-    in a source checkout, which an editable install keeps at hand)."""
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    if not (scripts / "bench_serving.py").is_file():
-        print(f"splitserve bench needs a source checkout: {scripts}/bench_serving.py is missing",
+def run_bench(argv: list[str], root: Path = REPO_ROOT) -> int:
+    """``splitserve bench ...`` is ``python -m scripts.bench_serving ...`` of the source checkout
+    this package runs from (the benchmark is not part of an installed wheel; an editable install
+    keeps the checkout at hand). It runs in a child process with the checkout on PYTHONPATH and
+    the caller's working directory, so relative paths among the arguments mean what they say."""
+    if not (root / "scripts" / "bench_serving.py").is_file():
+        print("splitserve bench needs a source checkout of splitserve (the benchmark is not "
+              f"installed with the package; {root / 'scripts' / 'bench_serving.py'} is "
+              "missing): clone the repository, `pip install -e .` there, then run "
+              "`splitserve bench` or `python -m scripts.bench_serving` from its root",
               file=sys.stderr)
         return 2
-    if str(scripts) not in sys.path:
-        sys.path.insert(0, str(scripts))
-    import bench_serving
-
-    bench_serving.main(argv)
-    return 0
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    # -P (Python 3.11+): the working directory does not shadow the checkout's packages.
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    child = subprocess.Popen([sys.executable, *safe_path, "-m", "scripts.bench_serving", *argv],
+                             env=env)
+    # Ctrl-C reaches the child too; wait while it shuts its clusters down.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code = child.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 128 - code if code < 0 else code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,19 +20,15 @@ Every figure is printed with the torch thread count it ran with (--threads).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine_worker.engine import Engine  # noqa: E402
-from ipc.engine_config import EngineConfig  # noqa: E402
-from ipc.messages import SamplingParams  # noqa: E402
-from procs.model_store import resolve_model  # noqa: E402
+from engine_worker.engine import Engine
+from ipc.engine_config import EngineConfig
+from ipc.messages import SamplingParams
+from procs.model_store import resolve_model
 
 
 def random_prompt(rng: np.random.Generator, length: int) -> list[int]:

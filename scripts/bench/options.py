@@ -69,6 +69,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "--max-new-tokens)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 is greedy (default: 0)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a stop string for every request, in every mode (repeatable)")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
 
     g = p.add_argument_group("arrival (default: a burst, every request at once)")

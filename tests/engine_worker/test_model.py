@@ -9,7 +9,7 @@ import transformers
 
 from engine_worker.engine import Engine
 from ipc.engine_config import EngineConfig
-from procs.model_store import make_tiny_model
+from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import give_blocks, manual_request
 
 TOLERANCE = 1e-4
