@@ -249,7 +249,7 @@ class Detokenizer:
             logger.error("step %d has %d tokens for %d requests; dropped its tokens",
                          out.step, len(ids), len(out.request_ids))
             ids = []
-        finishing = set(out.finished_ids)
+        finishing = {record.request_id for record in out.finished}
         for rid, token_id in zip(out.request_ids, ids):
             state = self.states.get(rid)
             if state is None:
@@ -260,15 +260,13 @@ class Detokenizer:
                 self.aborts.append(rid)  # frees its KV blocks in the engine
             elif rid not in finishing and state.should_stream(interval):
                 self._queue(state.meta.client_id, state.delta())
-        codes = out.finish_error_codes or [""] * len(out.finished_ids)
-        errors = out.finish_errors or [""] * len(out.finished_ids)
-        for rid, reason, error, code in zip(out.finished_ids, out.finish_reasons, errors, codes):
+        for record in out.finished:
+            rid = record.request_id
             if rid in self.ignored:  # already ended here (stop string or gone client)
                 del self.ignored[rid]
                 continue
             if rid in self.states:
-                self._finish(rid, reason, out.t_step, error=error,
-                             code=code or ("internal" if reason == FINISH_ERROR else ""))
+                self._finish(rid, record.reason, out.t_step, error=record.error, code=record.code)
 
     def handle_request_error(self, err: RequestError) -> None:
         info = self.clients.get(err.client_id)

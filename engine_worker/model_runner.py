@@ -82,7 +82,7 @@ class ModelRunner:
             logits = self.model.forward(input_ids, positions, batch, self.k_cache, self.v_cache,
                                         logit_rows)
         except BaseException:
-            self.drop_workspace()  # it may hold only some layers' copies
+            self.reset()  # it may hold only some layers' copies
             raise
         return logits, emitting
 
@@ -137,7 +137,7 @@ class ModelRunner:
             # One copy per kv head, built once per step rather than in every layer.
             batch.decode_mask = mask.repeat(self.num_kv_heads, 1, 1).to(self.device)
         else:
-            self.drop_workspace()
+            self.reset()
         prefilling = np.nonzero(~single)[0]
         if self.batch_continuations:
             continuing = prefilling[starts[prefilling] > 0]
@@ -220,7 +220,7 @@ class ModelRunner:
                 and np.array_equal(self._workspace_context + 1, context)):
             ws.fresh = False
         else:
-            self.drop_workspace()
+            self.reset()
             size = self.block_size
             capacity = -(-(longest + self.WORKSPACE_HEADROOM) // size) * size
             if capacity * len(decoding) * self.workspace_bytes_per_token > self.workspace_max_bytes:
@@ -230,6 +230,6 @@ class ModelRunner:
         self._workspace_context = context
         return ws
 
-    def drop_workspace(self) -> None:
+    def reset(self) -> None:
         """Frees the decode workspace (the engine calls this when nothing is running)."""
         self._workspace, self._workspace_requests, self._workspace_context = None, [], None

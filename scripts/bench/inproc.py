@@ -179,9 +179,7 @@ class InprocServer:
                 live.text.append(piece)
             live.ids.append(token)
             touched[rid] = live
-        finished = {rid: (reason, error) for rid, reason, error in
-                    zip(out.finished_ids, out.finish_reasons,
-                        out.finish_errors or [""] * len(out.finished_ids))}
+        finished = {record.request_id: (record.reason, record.error) for record in out.finished}
         events = []
         for rid, live in touched.items():
             if rid not in finished:

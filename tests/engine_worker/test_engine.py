@@ -116,11 +116,11 @@ def test_abort_running_waiting_and_not_yet_arrived(tiny_engine):
     engine.abort("waiting")
     engine.add("early", PROMPT, greedy(50))
     out = engine.step()
-    assert sorted(out.finished_ids) == ["early", "running", "waiting"]
-    assert set(out.finish_reasons) == {FINISH_ABORT}
+    assert sorted(r.request_id for r in out.finished) == ["early", "running", "waiting"]
+    assert {r.reason for r in out.finished} == {FINISH_ABORT}
     assert not out.request_ids
     assert_idle_and_leak_free(engine)
-    assert engine.step().finished_ids == []  # an idle step returns at once, empty
+    assert engine.step().finished == []  # an idle step returns at once, empty
 
 
 def test_invalid_requests_raise_clear_errors(tiny_engine):
