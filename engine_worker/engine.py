@@ -76,8 +76,8 @@ class Engine:
                            "(raise kv_cache_tokens for longer contexts)",
                            self.max_model_len, capacity)
             self.max_model_len = capacity
-        self.blocks = KVBlockManager(num_blocks, config.block_size)
-        self.prefix_cache = PrefixCache(self.blocks) if config.enable_prefix_cache else None
+        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
+        self.blocks = KVBlockManager(num_blocks, config.block_size, self.prefix_cache)
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   config.decode_workspace_max_bytes)
