@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.model_runner import ModelRunner
@@ -87,9 +88,9 @@ class Engine:
         self._early_finishes: list[FinishRecord] = []
         self._step = 0
         logger.info("engine ready: model=%s device=%s dtype=%s threads=%d kv_blocks=%d x %d "
-                    "tokens max_model_len=%d prefix_cache=%s", self.model_name, self.device,
-                    dtype, torch.get_num_threads(), num_blocks, config.block_size,
-                    self.max_model_len, config.enable_prefix_cache)
+                    "tokens max_model_len=%d prefix_cache=%s attention=%s", self.model_name,
+                    self.device, dtype, torch.get_num_threads(), num_blocks, config.block_size,
+                    self.max_model_len, config.enable_prefix_cache, self.runner.attention.name)
 
     # --- public API -------------------------------------------------------------------------
     @property
@@ -207,7 +208,7 @@ class Engine:
 
     def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
         cfg = self.config
-        per_token = ModelRunner.bytes_per_token(model.config, dtype)
+        per_token = kv_bytes_per_token(model.config, dtype)
         if cfg.kv_cache_tokens:
             tokens = cfg.kv_cache_tokens
         elif self.device.type == "cuda":
