@@ -51,7 +51,8 @@ class KVBlockManager:
                 block = self.free.popleft()
             else:
                 block, _ = self.evictable.popitem(last=False)
-                self.prefix_cache.forget(block)  # only a prefix cache makes blocks evictable
+                assert self.prefix_cache is not None  # only it makes a block evictable
+                self.prefix_cache.forget(block)
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks

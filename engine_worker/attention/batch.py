@@ -39,12 +39,32 @@ class StepBatch:
 
 
 @dataclass(slots=True)
+class DecodeWorkspace:
+    """Contiguous decode keys/values per layer, valid for one fixed, ordered set of sequences.
+
+    ``fresh``: this step builds the copies (gather from the paged cache); otherwise it appends
+    the new tokens at ``new_positions``. Attention reads all ``capacity`` columns (the mask
+    hides the unused ones): a column slice is strided, and batched matmuls copy it (bf16)
+    or run slower (fp32) than over the few spare columns."""
+
+    capacity: int  # columns per row (a multiple of the block size)
+    sequences: list  # the decoding requests it holds, in row order
+    context: np.ndarray  # [B] their context lengths in the step that last used it
+    keys: list = field(default_factory=list)  # per layer: [KV * B, capacity, D], filled by
+    values: list = field(default_factory=list)  # the forward of the step that builds it
+    new_positions: torch.Tensor | None = None  # [B] column of this step's token per sequence
+    fresh: bool = True
+
+
+@dataclass(slots=True)
 class DecodeBatch:
-    """The step's decode rows, attended together as one padded batch of key columns."""
+    """The step's decode rows, attended together as one padded batch of key columns: gathered
+    from the cache (``block_tables``) or kept from the last step (``workspace``)."""
 
     rows: torch.Tensor | None  # [B] their flat rows; None: they are the whole step
     mask: torch.Tensor  # [KV * B, 1, columns] additive 0/-inf: hides columns past each context
     block_tables: torch.Tensor | None = None  # [B, columns / block_size] blocks to gather
+    workspace: DecodeWorkspace | None = None  # set by a backend that keeps decode keys
 
 
 @dataclass(slots=True)
@@ -56,29 +76,6 @@ class PrefillSegment:
     start_position: int  # tokens already in the cache before this segment
     block_table: torch.Tensor | None = None  # only for continuations
     mask: torch.Tensor | None = None  # [num_tokens, start_position + num_tokens], True = attend
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of every new token
-    decode: DecodeBatch | None = None
-    prefills: list[PrefillSegment] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class DecodeWorkspace:
-    """Contiguous decode keys/values per layer, valid for one fixed, ordered set of sequences.
-
-    ``fresh``: this step builds the copies (gather from the paged cache); otherwise it appends
-    the new tokens at ``new_positions``. Attention reads all ``capacity`` columns (the mask
-    hides the unused ones): a column slice is strided, and batched matmuls copy it (bf16)
-    or run slower (fp32) than over the few spare columns."""
-
-    capacity: int  # columns per row (a multiple of the block size)
-    keys: list  # per layer: [KV * B, capacity, D] (filled by the first step's forward)
-    values: list
-    new_positions: torch.Tensor | None = None  # [B] column of this step's token per sequence
-    fresh: bool = True
 
 
 @dataclass(slots=True)
@@ -101,8 +98,11 @@ class ContinuationBatch:
 
 
 @dataclass(slots=True)
-class PagedCpuMetadata(AttentionMetadata):
-    """The paged CPU backend's step: decode keys kept between steps, continuations batched."""
+class AttentionMetadata:
+    """What every layer's attention reads in one step (built once per step by ``prepare``)."""
 
-    workspace: DecodeWorkspace | None = None  # set: decode reads it instead of gathering
-    continuations: ContinuationBatch | None = None  # set: prefills hold only fresh prompts
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    decode: DecodeBatch | None = None
+    prefills: list[PrefillSegment] = field(default_factory=list)  # one SDPA call each
+    # Set by a backend that batches continuations; ``prefills`` then holds only fresh prompts.
+    continuations: ContinuationBatch | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_worker.attention.batch import (AttentionMetadata, DecodeWorkspace, PagedCpuMetadata,
+from engine_worker.attention.batch import (AttentionMetadata, DecodeBatch, DecodeWorkspace,
                                            StepBatch)
 from engine_worker.attention.continuations import attend_continuations, build_continuations
 from engine_worker.attention.kernels import decode_attention
@@ -32,33 +32,25 @@ class PagedCpuBackend(SdpaBackend):
     def __init__(self, cache: PagedKVCache, workspace_max_bytes: int) -> None:
         super().__init__(cache)
         self.workspace_max_bytes = workspace_max_bytes
-        # The last step's decode workspace, the requests it holds (in order) and their contexts.
-        self._workspace: DecodeWorkspace | None = None
-        self._workspace_requests: list = []
-        self._workspace_context: np.ndarray | None = None
+        self._workspace: DecodeWorkspace | None = None  # the last step's
 
     def reset(self) -> None:
         """Frees the decode workspace."""
-        self._workspace, self._workspace_requests, self._workspace_context = None, [], None
+        self._workspace = None
 
     # --- prepare ------------------------------------------------------------------------------
-    def _new_metadata(self, step: StepBatch) -> PagedCpuMetadata:
-        return PagedCpuMetadata(slot_mapping=self._device(step.slots))
-
-    def _prepare_decode(self, step: StepBatch, seqs: np.ndarray,
-                        metadata: PagedCpuMetadata) -> None:
+    def _prepare_decode(self, step: StepBatch, seqs: np.ndarray) -> DecodeBatch | None:
         if not len(seqs):
             self.reset()
-            return
+            return None
         context = step.ends[seqs]
         ws = self._decode_workspace([step.sequences[i] for i in seqs], context)
         if ws is None:
-            super()._prepare_decode(step, seqs, metadata)
-            return
+            return super()._prepare_decode(step, seqs)
         ws.new_positions = self._device(context - 1)
-        metadata.workspace = ws
-        metadata.decode = self._decode_batch(step, seqs, ws.capacity // step.block_size,
-                                             ws.capacity, with_tables=ws.fresh)
+        decode = self._decode_batch(step, seqs, ws.capacity, with_tables=ws.fresh)
+        decode.workspace = ws
+        return decode
 
     def _decode_workspace(self, decoding: list, context: np.ndarray) -> DecodeWorkspace | None:
         """The workspace for this step's decode rows: last step's when the same requests (same
@@ -66,23 +58,22 @@ class PagedCpuBackend(SdpaBackend):
         ws = self._workspace
         longest = int(context.max())
         if (ws is not None and longest <= ws.capacity
-                and len(decoding) == len(self._workspace_requests)
-                and all(a is b for a, b in zip(decoding, self._workspace_requests))
-                and np.array_equal(self._workspace_context + 1, context)):
+                and len(decoding) == len(ws.sequences)
+                and all(a is b for a, b in zip(decoding, ws.sequences))
+                and np.array_equal(ws.context + 1, context)):
             ws.fresh = False
-        else:
-            self.reset()
-            size = self.cache.block_size
-            capacity = -(-(longest + self.WORKSPACE_HEADROOM) // size) * size
-            if capacity * len(decoding) * self.cache.bytes_per_token > self.workspace_max_bytes:
-                return None
-            ws = DecodeWorkspace(capacity=capacity, keys=[], values=[])
-            self._workspace, self._workspace_requests = ws, decoding
-        self._workspace_context = context
-        return ws
+            ws.context = context
+            return ws
+        self.reset()
+        size = self.cache.block_size
+        capacity = -(-(longest + self.WORKSPACE_HEADROOM) // size) * size
+        if capacity * len(decoding) * self.cache.bytes_per_token > self.workspace_max_bytes:
+            return None
+        self._workspace = DecodeWorkspace(capacity=capacity, sequences=decoding, context=context)
+        return self._workspace
 
     def _prepare_prefills(self, step: StepBatch, seqs: np.ndarray,
-                          metadata: PagedCpuMetadata) -> None:
+                          metadata: AttentionMetadata) -> None:
         continuing = seqs[step.starts[seqs] > 0]
         if len(continuing):
             metadata.continuations = build_continuations(step, continuing, self.cache.dtype,
@@ -92,12 +83,12 @@ class PagedCpuBackend(SdpaBackend):
 
     # --- forward ------------------------------------------------------------------------------
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        ws = metadata.workspace
+                decode: DecodeBatch) -> torch.Tensor:
+        ws = decode.workspace
         if ws is None:
-            return super()._decode(q, k, v, layer, metadata)
+            return super()._decode(q, k, v, layer, decode)
         if ws.fresh:
-            keys, values = self._gather_decode(layer, metadata.decode)
+            keys, values = self._gather_decode(layer, decode)
             ws.keys.append(keys)
             ws.values.append(values)
         else:
@@ -108,7 +99,7 @@ class PagedCpuBackend(SdpaBackend):
                 k.transpose(0, 1)
             values.view(kv_heads, batch_size, -1, head_dim)[:, rows, ws.new_positions] = \
                 v.transpose(0, 1)
-        return decode_attention(q, keys, values, metadata.decode.mask)
+        return decode_attention(q, keys, values, decode.mask)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                  metadata: AttentionMetadata, out: torch.Tensor) -> None:

@@ -24,26 +24,21 @@ class SdpaBackend(AttentionBackend):
 
     # --- prepare (host side, once per step) ---------------------------------------------------
     def prepare(self, step: StepBatch) -> AttentionMetadata:
-        metadata = self._new_metadata(step)
+        metadata = AttentionMetadata(slot_mapping=self._device(step.slots))
         decoding = step.lengths == 1
-        self._prepare_decode(step, np.nonzero(decoding)[0], metadata)
+        metadata.decode = self._prepare_decode(step, np.nonzero(decoding)[0])
         self._prepare_prefills(step, np.nonzero(~decoding)[0], metadata)
         return metadata
 
-    def _new_metadata(self, step: StepBatch) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self._device(step.slots))
+    def _prepare_decode(self, step: StepBatch, seqs: np.ndarray) -> DecodeBatch | None:
+        if not len(seqs):
+            return None
+        blocks = -(-int(step.ends[seqs].max()) // step.block_size)
+        return self._decode_batch(step, seqs, blocks * step.block_size, with_tables=True)
 
-    def _prepare_decode(self, step: StepBatch, seqs: np.ndarray,
-                        metadata: AttentionMetadata) -> None:
-        if len(seqs):
-            context = step.ends[seqs]
-            blocks = -(-int(context.max()) // step.block_size)
-            metadata.decode = self._decode_batch(step, seqs, blocks, blocks * step.block_size,
-                                                 with_tables=True)
-
-    def _decode_batch(self, step: StepBatch, seqs: np.ndarray, blocks: int, columns: int,
+    def _decode_batch(self, step: StepBatch, seqs: np.ndarray, columns: int,
                       with_tables: bool) -> DecodeBatch:
-        """Decode rows ``seqs`` over ``columns`` key columns (``blocks`` table entries each)."""
+        """Decode rows ``seqs`` over ``columns`` key columns (a multiple of the block size)."""
         context = step.ends[seqs]
         rows = None if len(seqs) == len(step.sequences) else self._device(step.row_starts[seqs])
         padding = np.arange(columns)[None, None, :] >= context[:, None, None]
@@ -54,6 +49,7 @@ class SdpaBackend(AttentionBackend):
         tables = None
         if with_tables:
             # Rows with fewer blocks read block 0 past their end; the mask zeroes those.
+            blocks = columns // step.block_size
             table = np.zeros((len(seqs), blocks), dtype=np.int64)
             width = min(blocks, step.block_tables.shape[1])
             table[:, :width] = step.block_tables[seqs, :width]
@@ -82,24 +78,26 @@ class SdpaBackend(AttentionBackend):
         self.cache.write(layer, metadata.slot_mapping, k, v)
         decode = metadata.decode
         if decode is not None and decode.rows is None:  # decode rows only: no row gathers
-            return self._decode(q, k, v, layer, metadata)
+            return self._decode(q, k, v, layer, decode)
         out = torch.empty_like(q)
         if decode is not None:
             rows = decode.rows
-            out[rows] = self._decode(q[rows], k[rows], v[rows], layer, metadata)
+            out[rows] = self._decode(q[rows], k[rows], v[rows], layer, decode)
         self._prefill(q, k, v, layer, metadata, out)
         return out
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                decode: DecodeBatch) -> torch.Tensor:
         """q [B, H, D] of the decode rows; their new k/v [B, KV, D] are in the cache already."""
-        keys, values = self._gather_decode(layer, metadata.decode)
-        return decode_attention(q, keys, values, metadata.decode.mask)
+        keys, values = self._gather_decode(layer, decode)
+        return decode_attention(q, keys, values, decode.mask)
 
     def _gather_decode(self, layer: int, decode: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's keys and values at the decode rows' blocks, [KV * B, columns, D] each."""
-        return (gather_decode(self.cache.layer_keys[layer], decode.block_tables),
-                gather_decode(self.cache.layer_values[layer], decode.block_tables))
+        tables = decode.block_tables
+        assert tables is not None, "a decode batch without a workspace has block tables"
+        return (gather_decode(self.cache.layer_keys[layer], tables),
+                gather_decode(self.cache.layer_values[layer], tables))
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                  metadata: AttentionMetadata, out: torch.Tensor) -> None:
