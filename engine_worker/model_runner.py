@@ -85,11 +85,11 @@ class ModelRunner:
                                           for r, n in zip(requests, counts)),
             dtype=np.int64, count=total)
         width = max(len(r.block_ids) for r in requests)
-        tables = np.zeros((num_seqs, width), dtype=np.int64)
+        tables: np.ndarray = np.zeros((num_seqs, width), dtype=np.int64)
         for i, r in enumerate(requests):
             tables[i, :len(r.block_ids)] = r.block_ids
         size = self.block_size
-        seq_of_row = np.repeat(np.arange(num_seqs), lengths)
+        seq_of_row: np.ndarray = np.repeat(np.arange(num_seqs), lengths)
         positions = np.arange(total) - row_starts[seq_of_row] + starts[seq_of_row]
         slots = tables[seq_of_row, positions // size] * size + positions % size
         step = StepBatch(sequences=requests, starts=starts, lengths=lengths,

@@ -29,5 +29,6 @@ class AttentionBackend(ABC):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], this step's k/v [T, KV, D] -> attention output [T, H, D]."""
 
+    @abstractmethod
     def reset(self) -> None:
         """Drops whatever is kept between steps (the engine is idle, or a forward failed)."""

@@ -30,7 +30,7 @@ def build_continuations(step: StepBatch, seqs: np.ndarray, dtype: torch.dtype,
     count = len(seqs)
     seg_starts, seg_lengths = step.starts[seqs], step.lengths[seqs]
     blocks = -(-(seg_starts + seg_lengths) // size)
-    shared = np.zeros(count, dtype=np.int64)  # prefix blocks of each segment
+    shared: np.ndarray = np.zeros(count, dtype=np.int64)  # prefix blocks of each segment
     groups = []
     first = 0
     while first < count:
@@ -47,7 +47,7 @@ def build_continuations(step: StepBatch, seqs: np.ndarray, dtype: torch.dtype,
                 groups.append((first, end, to_device(rows[0, :common].copy(), device)))
         first = end
     rest_blocks = int((blocks - shared).max())
-    rest = np.zeros((count, rest_blocks), dtype=np.int64)  # pads read block 0, masked
+    rest: np.ndarray = np.zeros((count, rest_blocks), dtype=np.int64)  # pads read block 0, masked
     for j, i in enumerate(seqs):
         rest[j, :blocks[j] - shared[j]] = tables[i, shared[j]:blocks[j]]
     max_tokens = int(seg_lengths.max())

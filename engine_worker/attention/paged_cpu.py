@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_worker.attention.batch import (AttentionMetadata, DecodeBatch, DecodeWorkspace,
-                                           StepBatch)
+from engine_worker.attention.batch import AttentionMetadata, DecodeBatch, DecodeWorkspace, StepBatch
 from engine_worker.attention.continuations import attend_continuations, build_continuations
 from engine_worker.attention.kernels import decode_attention
 from engine_worker.attention.kv_cache import PagedKVCache

@@ -13,14 +13,22 @@ import numpy as np
 import torch
 
 from engine_worker.attention.backend import AttentionBackend
-from engine_worker.attention.batch import (AttentionMetadata, DecodeBatch, PrefillSegment,
-                                           StepBatch, to_device)
+from engine_worker.attention.batch import (
+    AttentionMetadata,
+    DecodeBatch,
+    PrefillSegment,
+    StepBatch,
+    to_device,
+)
 from engine_worker.attention.kernels import decode_attention, gather_decode, segment_attention
 from engine_worker.attention.kv_cache import gather
 
 
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
+
+    def reset(self) -> None:
+        """Nothing to drop: every step is prepared from scratch."""
 
     # --- prepare (host side, once per step) ---------------------------------------------------
     def prepare(self, step: StepBatch) -> AttentionMetadata:
@@ -50,7 +58,7 @@ class SdpaBackend(AttentionBackend):
         if with_tables:
             # Rows with fewer blocks read block 0 past their end; the mask zeroes those.
             blocks = columns // step.block_size
-            table = np.zeros((len(seqs), blocks), dtype=np.int64)
+            table: np.ndarray = np.zeros((len(seqs), blocks), dtype=np.int64)
             width = min(blocks, step.block_tables.shape[1])
             table[:, :width] = step.block_tables[seqs, :width]
             tables = self._device(table)
