@@ -21,12 +21,10 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from detok_worker.request_state import RequestState
 from ipc import codec
 from ipc.messages import (
-    ERR_INTERNAL,
     ERR_UNAVAILABLE,
     FINISH_ERROR,
     FINISH_STOP,
@@ -42,23 +40,6 @@ logger = logging.getLogger("splitserve.detokenizer")
 
 MAX_IGNORED = 100_000  # ids stopped/abandoned here whose engine finish has not arrived yet
 MAX_PENDING_ABORTS = 10_000  # per client: aborts for requests not seen yet
-
-
-class Finish(NamedTuple):
-    request_id: str
-    reason: str
-    error: str
-    code: str
-
-
-def finishes_of(out: StepOutput) -> list[Finish]:
-    """The requests a step ended. The one place that reads how a StepOutput carries them."""
-    n = len(out.finished_ids)
-    errors = out.finish_errors or [""] * n
-    codes = out.finish_error_codes or [""] * n
-    return [Finish(rid, reason, error, code or (ERR_INTERNAL if reason == FINISH_ERROR else ""))
-            for rid, reason, error, code in zip(out.finished_ids, out.finish_reasons, errors,
-                                                 codes)]
 
 
 @dataclass(slots=True)
@@ -169,7 +150,7 @@ class DetokenizerCore:
             logger.error("step %d has %d tokens for %d requests; dropped its tokens",
                          out.step, len(ids), len(out.request_ids))
             ids = []
-        finishes = finishes_of(out)
+        finishes = out.finished
         finishing = {f.request_id for f in finishes}
         for rid, token_id in zip(out.request_ids, ids):
             state = self.states.get(rid)

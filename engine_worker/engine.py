@@ -14,13 +14,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.model_runner import ModelRunner
 from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
-from engine_worker.scheduler import Scheduler
+from engine_worker.scheduler import ScheduledBatch, Scheduler
 from ipc.codec import pack_ids
 from ipc.engine_config import EngineConfig
 from ipc.messages import (
@@ -28,6 +29,7 @@ from ipc.messages import (
     FINISH_ABORT,
     FINISH_ERROR,
     EngineStats,
+    FinishRecord,
     RequestStart,
     SamplingParams,
     StepOutput,
@@ -75,20 +77,20 @@ class Engine:
                            "(raise kv_cache_tokens for longer contexts)",
                            self.max_model_len, capacity)
             self.max_model_len = capacity
-        self.blocks = KVBlockManager(num_blocks, config.block_size)
-        self.prefix_cache = PrefixCache(self.blocks) if config.enable_prefix_cache else None
+        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
+        self.blocks = KVBlockManager(num_blocks, config.block_size, self.prefix_cache)
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   config.decode_workspace_max_bytes)
         self.requests: dict[str, EngineRequest] = {}
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
-        self._early_finishes: list[tuple[str, str, str, str]] = []  # (id, reason, error, code)
+        self._early_finishes: list[FinishRecord] = []
         self._step = 0
         logger.info("engine ready: model=%s device=%s dtype=%s threads=%d kv_blocks=%d x %d "
-                    "tokens max_model_len=%d prefix_cache=%s", self.model_name, self.device,
-                    dtype, torch.get_num_threads(), num_blocks, config.block_size,
-                    self.max_model_len, config.enable_prefix_cache)
+                    "tokens max_model_len=%d prefix_cache=%s attention=%s", self.model_name,
+                    self.device, dtype, torch.get_num_threads(), num_blocks, config.block_size,
+                    self.max_model_len, config.enable_prefix_cache, self.runner.attention.name)
 
     # --- public API -------------------------------------------------------------------------
     @property
@@ -109,7 +111,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already running or waiting")
         if request_id in self._aborted_before_arrival:
             del self._aborted_before_arrival[request_id]
-            self._early_finishes.append((request_id, FINISH_ABORT, "", ""))
+            self._early_finishes.append(FinishRecord(request_id, FINISH_ABORT))
             return
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or ids.size == 0:
@@ -145,65 +147,68 @@ class Engine:
             self._aborted_before_arrival.popitem(last=False)
 
     def step(self) -> StepOutput:
+        """Schedule, run the batch, postprocess: one StepOutput for every request touched."""
         t_start = time.monotonic()
         self._step += 1
         out = StepOutput(step=self._step, t_step=t_start)
-        for request_id, reason, error, code in self._early_finishes:
-            self._emit_finish(out, request_id, reason, error, code)
-        self._early_finishes.clear()
-        for request_id in self._pending_aborts:
-            self._finish(out, self.requests[request_id], FINISH_ABORT)
-        self._pending_aborts.clear()
-
+        self._finish_aborted(out)
         batch = self.scheduler.schedule()
         for request, message in batch.failed:
             self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
         if batch.requests:
             tokens = self.runner.run(batch.requests, batch.num_new_tokens)
-            emitted_ids, emitted_tokens = out.request_ids, []
-            for request, count, token in zip(batch.requests, batch.num_new_tokens, tokens):
-                request.num_computed += count
-                if token is None:
-                    continue
-                emitted_ids.append(request.request_id)
-                emitted_tokens.append(token)
-                if not request.started_sent:
-                    request.started_sent = True
-                    out.started.append(RequestStart(request.request_id, request.t_arrived,
-                                                    request.t_scheduled, request.cached_tokens))
-                reason = request.finish_reason_after(token)
-                if reason is not None:
-                    self._finish(out, request, reason)
-            out.token_ids = pack_ids(emitted_tokens)
+            self._postprocess(out, batch, tokens)
         if not self.scheduler.running:
-            self.runner.drop_workspace()  # idle: do not hold the decode batch's KV copy
+            self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
         out.t_step = time.monotonic()
-        out.stats = EngineStats(
-            running=self.num_running, waiting=self.num_waiting,
-            kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
-            prefill_tokens=batch.prefill_tokens, cached_tokens=batch.cached_tokens,
-            decode_tokens=batch.decode_tokens, preempted=batch.preempted,
-            step_ms=(out.t_step - t_start) * 1000.0)
+        out.stats = self._stats(batch, (out.t_step - t_start) * 1000.0)
         return out
 
     # --- internals --------------------------------------------------------------------------
+    def _finish_aborted(self, out: StepOutput) -> None:
+        """Ends the requests aborted since the last step (and those aborted before arrival)."""
+        out.finished.extend(self._early_finishes)
+        self._early_finishes.clear()
+        for request_id in self._pending_aborts:
+            self._finish(out, self.requests[request_id], FINISH_ABORT)
+        self._pending_aborts.clear()
+
+    def _postprocess(self, out: StepOutput, batch: ScheduledBatch,
+                     tokens: list[int | None]) -> None:
+        """Advances every scheduled request, appends the sampled tokens, applies stops."""
+        emitted_tokens = []
+        for request, count, token in zip(batch.requests, batch.num_new_tokens, tokens):
+            request.num_computed += count
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_token(token)
+            out.request_ids.append(request.request_id)
+            emitted_tokens.append(token)
+            if not request.started_sent:
+                request.started_sent = True
+                out.started.append(RequestStart(request.request_id, request.t_arrived,
+                                                request.t_scheduled, request.cached_tokens))
+            reason = request.finish_reason()
+            if reason is not None:
+                self._finish(out, request, reason)
+        out.token_ids = pack_ids(emitted_tokens)
+
     def _finish(self, out: StepOutput, request: EngineRequest, reason: str,
                 error: str = "", code: str = "") -> None:
         self.scheduler.remove(request)
         del self.requests[request.request_id]
-        self._emit_finish(out, request.request_id, reason, error, code)
+        out.finished.append(FinishRecord(request.request_id, reason, error, code))
 
-    @staticmethod
-    def _emit_finish(out: StepOutput, request_id: str, reason: str, error: str,
-                     code: str) -> None:
-        out.finished_ids.append(request_id)
-        out.finish_reasons.append(reason)
-        out.finish_errors.append(error)
-        out.finish_error_codes.append(code)
+    def _stats(self, batch: ScheduledBatch, step_ms: float) -> EngineStats:
+        return EngineStats(
+            running=self.num_running, waiting=self.num_waiting,
+            kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
+            prefill_tokens=batch.prefill_tokens, cached_tokens=batch.cached_tokens,
+            decode_tokens=batch.decode_tokens, preempted=batch.preempted, step_ms=step_ms)
 
     def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
         cfg = self.config
-        per_token = ModelRunner.bytes_per_token(model.config, dtype)
+        per_token = kv_bytes_per_token(model.config, dtype)
         if cfg.kv_cache_tokens:
             tokens = cfg.kv_cache_tokens
         elif self.device.type == "cuda":

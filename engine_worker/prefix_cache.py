@@ -20,8 +20,6 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from engine_worker.block_manager import KVBlockManager
-
 ROOT_NODE = 0  # the empty prefix
 NO_NODE = -1  # a request whose published chain is not in the cache (a key collision took it)
 
@@ -35,14 +33,15 @@ class CachedBlock:
 
 
 class PrefixCache:
-    def __init__(self, blocks: KVBlockManager) -> None:
-        self.blocks = blocks
+    """What each cached block holds. ``KVBlockManager`` owns the blocks: it keeps the unheld
+    cached ones (LRU), asks ``holds`` on release and calls ``forget`` when it evicts one."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.root_key = secrets.randbits(63)
         self.block_of_key: dict[int, int] = {}
         self.entries: dict[int, CachedBlock] = {}  # block id -> what it holds
         self._next_node = ROOT_NODE + 1
-        blocks.on_evict = self.forget
-        blocks.is_cached = self.entries.__contains__
 
     @staticmethod
     def chain_key(parent_key: int, tokens: tuple[int, ...]) -> int:
@@ -53,7 +52,7 @@ class PrefixCache:
 
         Returns (block ids, chain keys, node of the last block or ROOT_NODE); takes no
         references (the caller acquires)."""
-        size = self.blocks.block_size
+        size = self.block_size
         found, keys = [], []
         key, node = self.root_key, ROOT_NODE
         for i in range(min(max_blocks, len(token_ids) // size)):
@@ -93,6 +92,9 @@ class PrefixCache:
         self.block_of_key[key] = block
         self.entries[block] = CachedBlock(key, tokens, node, parent_node)
         return key, node
+
+    def holds(self, block: int) -> bool:
+        return block in self.entries
 
     def forget(self, block: int) -> None:
         entry = self.entries.pop(block, None)

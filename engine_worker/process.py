@@ -25,6 +25,7 @@ from ipc.messages import (
     FINISH_ABORT,
     FINISH_ERROR,
     AbortRequests,
+    FinishRecord,
     RequestMeta,
     StepOutput,
     TokenizedRequest,
@@ -134,16 +135,9 @@ class EngineProcess:
         self.steps += 1
         pending = self.take_pending()
         out.new_requests = pending.new_requests + list(out.new_requests)
-        if out.finished_ids and not out.finish_error_codes:
-            out.finish_error_codes = ["" for _ in out.finished_ids]
-        if out.finished_ids and not out.finish_errors:
-            out.finish_errors = ["" for _ in out.finished_ids]
-        for rid in out.finished_ids:
-            self.live.discard(rid)
-        out.finished_ids += pending.finished_ids
-        out.finish_reasons += pending.finish_reasons
-        out.finish_errors += pending.finish_errors
-        out.finish_error_codes += pending.finish_error_codes
+        for record in out.finished:
+            self.live.discard(record.request_id)
+        out.finished += pending.finished
         self.send(out)
 
     def send(self, out: StepOutput) -> None:
@@ -179,12 +173,8 @@ class EngineProcess:
 
     # --- helpers ------------------------------------------------------------------------------
     def _finish_early(self, meta: RequestMeta, reason: str, error: str, code: str) -> None:
-        p = self.pending
-        p.new_requests.append(meta)
-        p.finished_ids.append(meta.request_id)
-        p.finish_reasons.append(reason)
-        p.finish_errors.append(error)
-        p.finish_error_codes.append(code)
+        self.pending.new_requests.append(meta)
+        self.pending.finished.append(FinishRecord(meta.request_id, reason, error, code))
 
     def _reject_frame(self, frame: bytes, exc: DecodeError) -> None:
         found = salvage_fields(frame, "request_id", "meta.client_id")
@@ -195,7 +185,7 @@ class EngineProcess:
             self._finish_early(meta, FINISH_ERROR, f"malformed request: {exc}", ERR_BAD_REQUEST)
 
     def _has_pending(self) -> bool:
-        return bool(self.pending.new_requests or self.pending.finished_ids)
+        return bool(self.pending.new_requests or self.pending.finished)
 
     def take_pending(self) -> StepOutput:
         pending, self.pending = self.pending, StepOutput(step=0, t_step=0.0)

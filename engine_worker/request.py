@@ -52,11 +52,16 @@ class EngineRequest:
     def is_decoding(self) -> bool:
         return self.num_generated > 0 and self.remaining == 1
 
-    def finish_reason_after(self, token: int) -> str | None:
-        """Appends a sampled token and says whether (and why) the request is done."""
+    def append_token(self, token: int) -> None:
+        """Adds a sampled token; its KV is computed by the next step that schedules it."""
         self.token_ids.append(token)
         self.num_generated += 1
-        if token in self.stop_ids:
+
+    def finish_reason(self) -> str | None:
+        """Why the request is done after its last sampled token, or None if it goes on."""
+        if self.num_generated == 0:
+            return None
+        if self.token_ids[-1] in self.stop_ids:
             return FINISH_STOP
         if len(self.token_ids) >= self.max_total_len:
             return FINISH_LENGTH

@@ -243,6 +243,21 @@ class EngineStats:
     step_ms: float = 0.0
 
 
+@dataclass(slots=True)
+class FinishRecord:
+    """A request that ended in this step (or before it reached the engine) and why."""
+
+    request_id: str
+    reason: str  # a FINISH_* value
+    error: str = ""  # what went wrong, when the reason is FINISH_ERROR
+    code: str = ""  # an ERR_* code, when the reason is FINISH_ERROR
+
+    def __post_init__(self) -> None:
+        # Every error reaches the client with a code; one its sender left out is ours.
+        if self.reason == FINISH_ERROR and not self.code:
+            self.code = ERR_INTERNAL
+
+
 @message
 @dataclass(slots=True)
 class StepOutput:
@@ -255,13 +270,8 @@ class StepOutput:
     request_ids: list[str] = field(default_factory=list)
     token_ids: bytes = b""  # packed int32, one new token per entry of request_ids
     started: list[RequestStart] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
-    finish_errors: list[str] = field(default_factory=list)  # "" unless the reason is "error"
+    finished: list[FinishRecord] = field(default_factory=list)
     stats: EngineStats | None = None
-    # Parallel to finish_errors: an ERR_* code where the reason is "error", else "". Optional so
-    # that a StepOutput straight from Engine.step() (which leaves it empty) is still valid.
-    finish_error_codes: list[str] = field(default_factory=list)
     # The engine process that sent it: after the supervisor reports that engine dead, the
     # detokenizer drops its late outputs (their requests already ended with an error).
     engine_pid: int = 0

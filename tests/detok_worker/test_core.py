@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from detok_worker.core import DetokenizerCore, finishes_of
+from detok_worker.core import DetokenizerCore
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import (
     NOTICE_DIED,
     NOTICE_READY,
     ClusterNotice,
+    FinishRecord,
     RequestError,
     RequestMeta,
     RequestStart,
@@ -39,9 +40,7 @@ def step(n: int, *, metas=(), tokens=(), finished=(), started=(), pid: int = 0) 
     return StepOutput(
         step=n, t_step=10.0 + n, new_requests=list(metas),
         request_ids=[rid for rid, _ in tokens], token_ids=pack_ids([t for _, t in tokens]),
-        started=list(started), finished_ids=[f[0] for f in finished],
-        finish_reasons=[f[1] for f in finished], finish_errors=[f[2] for f in finished],
-        finish_error_codes=[f[3] for f in finished], engine_pid=pid)
+        started=list(started), finished=[FinishRecord(*f) for f in finished], engine_pid=pid)
 
 
 def core_with_clients(tokenizer, *clients: bytes, **kwargs) -> DetokenizerCore:
@@ -173,12 +172,13 @@ def test_a_request_error_is_the_requests_terminal_event(tokenizer):
     assert set(out.events) == {CLIENT} and not core.clients[CLIENT].pending_aborts
 
 
-def test_an_engine_error_without_a_code_is_internal(tokenizer):
-    out = step(1, finished=[("a", "error", "boom", ""), ("b", "length")])
-    assert [tuple(f) for f in finishes_of(out)] == [("a", "error", "boom", "internal"),
-                                                     ("b", "length", "", "")]
-    out.finish_errors, out.finish_error_codes = [], []  # straight from Engine.step(): optional
-    assert [f.code for f in finishes_of(out)] == ["internal", ""]
+def test_an_engine_error_without_a_code_reaches_the_client_as_internal(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    core.on_step_output(step(1, metas=[meta("a"), meta("b")],
+                             finished=[("a", "error", "boom", ""), ("b", "length")]))
+    events = {e.request_id: e for e in core.take_output().events[CLIENT]}
+    assert (events["a"].error, events["a"].error_code) == ("boom", "internal")
+    assert (events["b"].finish_reason, events["b"].error_code) == ("length", None)
 
 
 def test_a_dead_engine_ends_every_request_and_its_late_output_is_dropped(tokenizer):

@@ -34,11 +34,10 @@ def collect(engine: Engine, max_steps: int = 10_000, on_step=None,
             entry = results.setdefault(start.request_id, {"tokens": []})
             assert "start" not in entry, "RequestStart sent twice"
             entry["start"] = start
-        for request_id, reason, error in zip(out.finished_ids, out.finish_reasons,
-                                             out.finish_errors):
-            entry = results.setdefault(request_id, {"tokens": []})
+        for record in out.finished:
+            entry = results.setdefault(record.request_id, {"tokens": []})
             assert "reason" not in entry, "finished twice"
-            entry["reason"], entry["error"] = reason, error
+            entry["reason"], entry["error"] = record.reason, record.error
     return results
 
 

@@ -33,8 +33,8 @@ def publish_chain(cache, blocks, ids):
 
 
 def test_prefix_cache_shares_verifies_and_evicts_lru():
-    blocks = KVBlockManager(num_blocks=4, block_size=2)
-    cache = PrefixCache(blocks)
+    cache = PrefixCache(block_size=2)
+    blocks = KVBlockManager(num_blocks=4, block_size=2, prefix_cache=cache)
     ids = [5, 6, 7, 8, 9]
     owned, keys, node = publish_chain(cache, blocks, ids[:4])
     found, found_keys, found_node = cache.match(ids, max_blocks=10)
@@ -64,8 +64,8 @@ def test_prefix_cache_refuses_a_block_whose_chain_key_collides(monkeypatch):
     computed after [X], although its key and its own tokens are the same."""
     monkeypatch.setattr(PrefixCache, "chain_key", staticmethod(lambda parent, tokens:
                                                                hash(tokens)))
-    blocks = KVBlockManager(num_blocks=8, block_size=2)
-    cache = PrefixCache(blocks)
+    cache = PrefixCache(block_size=2)
+    blocks = KVBlockManager(num_blocks=8, block_size=2, prefix_cache=cache)
     x, y, z, w = [1, 2], [3, 4], [5, 6], [7, 8]
     after_x, _, _ = publish_chain(cache, blocks, x + z)
     after_y, _, _ = publish_chain(cache, blocks, y + w)
@@ -80,8 +80,8 @@ def test_prefix_cache_refuses_a_block_whose_chain_key_collides(monkeypatch):
 
 
 def test_prefix_cache_never_matches_through_a_recached_parent():
-    blocks = KVBlockManager(num_blocks=2, block_size=2)
-    cache = PrefixCache(blocks)
+    cache = PrefixCache(block_size=2)
+    blocks = KVBlockManager(num_blocks=2, block_size=2, prefix_cache=cache)
     first, _, _ = publish_chain(cache, blocks, [1, 2, 3, 4])
     blocks.release(first[:1])  # the head becomes evictable, its child stays held
     taken = blocks.allocate(1)  # no free block: evicts the head, whose node is gone for good

@@ -113,8 +113,7 @@ def test_a_request_the_pool_cannot_hold_is_a_bad_request(default_model_dir):
     finished = {}
     while engine.has_work():
         out = engine.step()
-        finished.update(zip(out.finished_ids, zip(out.finish_reasons, out.finish_errors,
-                                                  out.finish_error_codes)))
+        finished.update((r.request_id, (r.reason, r.error, r.code)) for r in out.finished)
     reason, error, code = finished["big"]
     assert reason == FINISH_ERROR and code == ERR_BAD_REQUEST
     assert "64 tokens" in error and "65 tokens" in error

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from ipc.codec import pack_ids
-from ipc.messages import EngineStats, RequestStart, StepOutput
+from ipc.messages import EngineStats, FinishRecord, RequestStart, StepOutput
 
 
 class EngineOverloaded(RuntimeError):
@@ -58,8 +58,7 @@ class FakeEngine:
             if rid in self.aborted:
                 self.aborted.discard(rid)
                 del self.requests[rid]
-                out.finished_ids.append(rid)
-                out.finish_reasons.append("abort")
+                out.finished.append(FinishRecord(rid, "abort"))
                 continue
             token = r["ids"][r["n"] % len(r["ids"])]
             if r["n"] == 0:
@@ -75,10 +74,8 @@ class FakeEngine:
                 reason = "length"
             if reason:
                 del self.requests[rid]
-                out.finished_ids.append(rid)
-                out.finish_reasons.append(reason)
+                out.finished.append(FinishRecord(rid, reason))
         out.token_ids = pack_ids(tokens)
-        out.finish_errors = [""] * len(out.finished_ids)
         time.sleep(self.step_s)
         return out
 
