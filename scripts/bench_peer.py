@@ -24,9 +24,7 @@ import contextlib
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -103,19 +101,6 @@ def requests_for(args: argparse.Namespace, level: int) -> int:
     return max(args.min_requests, args.requests_per_stream * level)
 
 
-def default_gguf() -> Path:
-    """The GGUF splitserve's default model comes from, cached beside the converted model."""
-    from procs import model_store
-
-    path = model_store.cache_root() / "gguf" / Path(model_store.DEFAULT_MODEL_GGUF).name
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="splitserve-gguf-") as tmp:
-            fetched = model_store._fetch_gguf(Path(tmp))  # the model store's own download
-            shutil.move(str(fetched), path)
-    return path
-
-
 def run_order(targets: list[str], repeat: int) -> list[str]:
     """The targets rotated by one per repeat: each goes first as often as the others."""
     k = repeat % len(targets)
@@ -131,7 +116,7 @@ def idle_cpu_percent(servers: dict, seconds: float = 2.0) -> dict[str, float]:
 
 def run_benchmark(args: argparse.Namespace) -> dict:
     from bench.peer_client import run_chats
-    from bench.peer_servers import LlamaServer, SplitserveServer
+    from bench.peer_servers import LlamaServer, SplitserveServer, default_gguf
     from bench.peer_workload import PromptCounter, build_chats
     from procs.model_store import resolve_model
 

@@ -10,6 +10,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import shutil
 import sys
 import tempfile
 import threading
@@ -21,6 +22,19 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def default_gguf() -> Path:
+    """The GGUF splitserve's default model comes from, cached beside the converted model."""
+    from procs import model_store
+
+    path = model_store.cache_root() / "gguf" / Path(model_store.DEFAULT_MODEL_GGUF).name
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="splitserve-gguf-") as tmp:
+            fetched = model_store._fetch_gguf(Path(tmp))  # the model store's own download
+            shutil.move(str(fetched), path)
+    return path
 
 
 def free_port() -> int:
