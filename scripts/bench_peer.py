@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--warmup-requests", type=int, default=8,
                    help="requests (8 at a time) sent to each server before measuring")
     o = p.add_argument_group("output")
+    o.add_argument("--statistic", choices=peer_report.STATISTICS, default="median",
+                   help="what the comparison tables show per figure: the median over repeats or "
+                        "the best repeat (on a busy shared machine, what each server can do); "
+                        "the JSON and the all-servers table keep both (default: median)")
     o.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="write every run's records and the statistics here")
     return p
@@ -136,6 +140,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             servers[s.name] = s
         peers = [n for n, s in servers.items() if isinstance(s, LlamaServer)]
         ours = [n for n in servers if n not in peers]
+        load_before = os.getloadavg()
         idle = idle_cpu_percent(servers)
         _log(f"servers up; idle CPU %: {json.dumps({k: round(v, 1) for k, v in idle.items()})}")
         if args.warmup_requests:
@@ -160,19 +165,21 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                          f"{summary['output_throughput_tps']:7.1f} tok/s, errors "
                          f"{summary['errors']}")
         described = {name: s.describe() for name, s in servers.items()}
+        load_after = os.getloadavg()
     stats = {name: {level: peer_report.aggregate(
         [r["summary"] for r in runs if r["target"] == name and r["concurrency"] == level])
         for level in args.concurrency} for name in servers}
-    comparisons = {name: peer_report.comparison_rows(stats, name, peers, args.concurrency)
-                   for name in ours}
+    comparisons = {name: peer_report.comparison_rows(stats, name, peers, args.concurrency,
+                                                     args.statistic) for name in ours}
     setup = {"gguf": str(gguf), "servers": described, "idle_cpu_percent": idle,
+             "load_average": {"before": load_before, "after": load_after},
              "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
                      f"{platform.python_version()}",
              "workload": f"streamed chat, {args.prompt_tokens}-token prompts (distinct real "
                          f"text), {args.output_tokens} output tokens (ignore_eos, greedy), "
                          f"closed loop; requests per run max({args.min_requests}, "
                          f"{args.requests_per_stream} x streams); {args.repeats} repeats, "
-                         "interleaved; medians",
+                         f"interleaved; comparisons show the {args.statistic}",
              "client": "openai.AsyncOpenAI (one per run), stream_options.include_usage"}
     return {"setup": setup, "runs": runs, "stats": stats, "comparisons": comparisons,
             "text": render(setup, stats, comparisons, args.concurrency)}
@@ -185,6 +192,11 @@ def render(setup: dict, stats: dict, comparisons: dict, levels: list[int]) -> st
     lines += [f"- `{name}`: `{cmd}`" for name, cmd in setup["servers"].items()]
     lines.append("- idle CPU % before the runs: " + ", ".join(
         f"{k} {v:.1f}" for k, v in setup["idle_cpu_percent"].items()))
+    load = setup["load_average"]
+    lines.append("- load average (1, 5, 15 min) before: "
+                 + ", ".join(f"{x:.1f}" for x in load["before"]) + "; after: "
+                 + ", ".join(f"{x:.1f}" for x in load["after"])
+                 + " (other work on the machine slows every server; runs are interleaved)")
     for name, rows in comparisons.items():
         lines += ["", peer_report.markdown_comparison(rows, name)]
     lines += ["", "All servers (median [min-max] over repeats):", "",

@@ -165,3 +165,14 @@ def test_client_against_a_real_splitserve_server(tiny_model_dir):
         assert rec.t_submit < rec.delta_times[0] <= rec.t_done
     summary = summarize(records, {"server": cpu})
     assert summary["errors"] == 0 and summary["output_tokens_total"] == 42
+
+
+def test_best_statistic_takes_each_figures_best_repeat():
+    stats = {"ours": {1: peer_report.aggregate([_run(10, 0.1), _run(40, 0.3)])},
+             "peer": {1: peer_report.aggregate([_run(20, 0.2)])}}
+    row, = peer_report.comparison_rows(stats, "ours", ["peer"], [1], "best")
+    assert row["figures"]["ttft_ms_p50"]["ours"] == pytest.approx(100)  # the lowest
+    assert row["figures"]["itl_ms_p50"]["ours"] == pytest.approx(25)
+    assert "best repeat" in peer_report.markdown_comparison([row], "ours")
+    with pytest.raises(ValueError, match="statistic"):
+        peer_report.comparison_rows(stats, "ours", ["peer"], [1], "mean")
