@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_peer.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("servers")
-    g.add_argument("--llama-server", required=True, metavar="PATH",
+    g.add_argument("--llama-server", default=None, metavar="PATH",
                    help="the llama-server binary (scripts/build_llama_server.sh builds one)")
     g.add_argument("--gguf", default=None, metavar="PATH",
                    help="the GGUF llama.cpp serves (default: the one splitserve's default model "
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the comparison tables show per figure: the median over repeats or "
                         "the best repeat (on a busy shared machine, what each server can do); "
                         "the JSON and the all-servers table keep both (default: median)")
+    o.add_argument("--from-json", default=None, metavar="PATH",
+                   help="run nothing: print the tables of an earlier --json file again (e.g. "
+                        "with the other --statistic)")
     o.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="write every run's records and the statistics here")
     return p
@@ -96,6 +99,10 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
                          f"--parallel {args.parallel}: its extra requests would queue")
     if args.prompt_tokens + args.output_tokens + 16 > args.ctx_per_slot:
         raise ValueError("--ctx-per-slot is too small for --prompt-tokens + --output-tokens")
+    if args.from_json:
+        return args
+    if args.llama_server is None:
+        raise ValueError("--llama-server PATH is required (scripts/build_llama_server.sh)")
     if not os.access(args.llama_server, os.X_OK):
         raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
     return args
@@ -171,7 +178,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         for level in args.concurrency} for name in servers}
     comparisons = {name: peer_report.comparison_rows(stats, name, peers, args.concurrency,
                                                      args.statistic) for name in ours}
-    setup = {"gguf": str(gguf), "servers": described, "idle_cpu_percent": idle,
+    setup = {"gguf": str(gguf), "servers": described, "peers": peers, "ours": ours, "idle_cpu_percent": idle,
              "load_average": {"before": load_before, "after": load_after},
              "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
                      f"{platform.python_version()}",
@@ -179,7 +186,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                          f"text), {args.output_tokens} output tokens (ignore_eos, greedy), "
                          f"closed loop; requests per run max({args.min_requests}, "
                          f"{args.requests_per_stream} x streams); {args.repeats} repeats, "
-                         f"interleaved; comparisons show the {args.statistic}",
+                         "interleaved",
              "client": "openai.AsyncOpenAI (one per run), stream_options.include_usage"}
     return {"setup": setup, "runs": runs, "stats": stats, "comparisons": comparisons,
             "text": render(setup, stats, comparisons, args.concurrency)}
@@ -192,7 +199,7 @@ def render(setup: dict, stats: dict, comparisons: dict, levels: list[int]) -> st
     lines += [f"- `{name}`: `{cmd}`" for name, cmd in setup["servers"].items()]
     lines.append("- idle CPU % before the runs: " + ", ".join(
         f"{k} {v:.1f}" for k, v in setup["idle_cpu_percent"].items()))
-    load = setup["load_average"]
+    load = setup.get("load_average") or {"before": (), "after": ()}
     lines.append("- load average (1, 5, 15 min) before: "
                  + ", ".join(f"{x:.1f}" for x in load["before"]) + "; after: "
                  + ", ".join(f"{x:.1f}" for x in load["after"])
@@ -202,6 +209,21 @@ def render(setup: dict, stats: dict, comparisons: dict, levels: list[int]) -> st
     lines += ["", "All servers (median [min-max] over repeats):", "",
               peer_report.markdown_all(stats, levels)]
     return "\n".join(lines)
+
+
+def render_saved(path: str, statistic: str) -> dict:
+    """The tables of an earlier run's JSON, with ``statistic`` in the comparisons."""
+    data = json.loads(Path(path).read_text())
+    stats = {t: {int(level): s for level, s in by_level.items()}
+             for t, by_level in data["stats"].items()}
+    levels = sorted({level for by_level in stats.values() for level in by_level})
+    setup = data["setup"]
+    peers = setup.get("peers") or [t for t in stats if t.startswith("llama.cpp")]
+    ours = setup.get("ours") or [t for t in stats if t not in peers]
+    comparisons = {name: peer_report.comparison_rows(stats, name, peers, levels, statistic)
+                   for name in ours}
+    return dict(data, stats=stats, comparisons=comparisons,
+                text=render(setup, stats, comparisons, levels))
 
 
 def _log(text: str) -> None:
@@ -216,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    data = run_benchmark(args)
+    data = render_saved(args.from_json, args.statistic) if args.from_json else run_benchmark(args)
     print(data["text"], flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(data, indent=1))

@@ -176,3 +176,21 @@ def test_best_statistic_takes_each_figures_best_repeat():
     assert "best repeat" in peer_report.markdown_comparison([row], "ours")
     with pytest.raises(ValueError, match="statistic"):
         peer_report.comparison_rows(stats, "ours", ["peer"], [1], "mean")
+
+
+def test_saved_json_renders_again_with_either_statistic(tmp_path):
+    import json
+
+    stats = {"splitserve defaults": {1: peer_report.aggregate([_run(30, 0.05), _run(10, 0.05)])},
+             "llama.cpp t2": {1: peer_report.aggregate([_run(20, 0.2)])}}
+    setup = {"gguf": "m.gguf", "host": "h", "workload": "w", "client": "c",
+             "servers": {"splitserve defaults": "splitserve launch", "llama.cpp t2": "llama"},
+             "idle_cpu_percent": {}, "peers": ["llama.cpp t2"], "ours": ["splitserve defaults"]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"setup": setup, "runs": [], "stats": stats}))
+    median = bench_peer.render_saved(str(path), "median")
+    best = bench_peer.render_saved(str(path), "best")
+    fig = "output_throughput_tps"
+    assert (best["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"]
+            > median["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"])
+    assert "best repeat" in best["text"] and "(medians;" in median["text"]
