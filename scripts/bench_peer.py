@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--repeats", type=int, default=3, help="measured runs per server and level")
     w.add_argument("--warmup-requests", type=int, default=8,
                    help="requests (8 at a time) sent to each server before measuring")
+    w.add_argument("--nice", type=int, default=None, metavar="N",
+                   help="run every server and this client at this niceness (negative needs "
+                        "root): on a machine shared with other work, both peers get the CPU "
+                        "first, alike (default: unchanged)")
     o = p.add_argument_group("output")
     o.add_argument("--statistic", choices=peer_report.STATISTICS, default="median",
                    help="what the comparison tables show per figure: the median over repeats or "
@@ -118,6 +122,21 @@ def run_order(targets: list[str], repeat: int) -> list[str]:
     return targets[k:] + targets[:k]
 
 
+def renice(servers: dict, niceness: int) -> None:
+    """Every thread of every server process (children included) and of this client at
+    ``niceness``. Linux keeps a niceness per thread (a thread started later inherits its
+    starter's), so each running thread is set, not only each process's first one."""
+    import psutil
+
+    procs = [psutil.Process()]
+    for s in servers.values():
+        root = psutil.Process(s.popen.pid)
+        procs += [root, *root.children(recursive=True)]
+    for proc in procs:
+        for thread in proc.threads():
+            os.setpriority(os.PRIO_PROCESS, thread.id, niceness)
+
+
 def idle_cpu_percent(servers: dict, seconds: float = 2.0) -> dict[str, float]:
     """Each server's CPU use while idle: a server that spins would slow the one measured."""
     before = {name: s.cpu_seconds() for name, s in servers.items()}
@@ -147,6 +166,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             servers[s.name] = s
         peers = [n for n, s in servers.items() if isinstance(s, LlamaServer)]
         ours = [n for n in servers if n not in peers]
+        if args.nice is not None:
+            renice(servers, args.nice)
         load_before = os.getloadavg()
         idle = idle_cpu_percent(servers)
         _log(f"servers up; idle CPU %: {json.dumps({k: round(v, 1) for k, v in idle.items()})}")
@@ -180,6 +201,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                                                      args.statistic) for name in ours}
     setup = {"gguf": str(gguf), "servers": described, "peers": peers, "ours": ours, "idle_cpu_percent": idle,
              "load_average": {"before": load_before, "after": load_after},
+             "niceness": args.nice,
              "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
                      f"{platform.python_version()}",
              "workload": f"streamed chat, {args.prompt_tokens}-token prompts (distinct real "
@@ -199,6 +221,8 @@ def render(setup: dict, stats: dict, comparisons: dict, levels: list[int]) -> st
     lines += [f"- `{name}`: `{cmd}`" for name, cmd in setup["servers"].items()]
     lines.append("- idle CPU % before the runs: " + ", ".join(
         f"{k} {v:.1f}" for k, v in setup["idle_cpu_percent"].items()))
+    if setup.get("niceness") is not None:
+        lines.append(f"- servers and client at niceness {setup['niceness']}")
     load = setup.get("load_average") or {"before": (), "after": ()}
     lines.append("- load average (1, 5, 15 min) before: "
                  + ", ".join(f"{x:.1f}" for x in load["before"]) + "; after: "
