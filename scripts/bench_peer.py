@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -250,6 +251,10 @@ def render_saved(path: str, statistic: str) -> dict:
                 text=render(setup, stats, comparisons, levels))
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -262,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the servers on a plain kill, too
     data = render_saved(args.from_json, args.statistic) if args.from_json else run_benchmark(args)
     print(data["text"], flush=True)
     if args.json_path:

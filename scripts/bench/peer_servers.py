@@ -84,7 +84,9 @@ class _Server:
 
     def close(self) -> None:
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGINT)  # both shut down cleanly on SIGINT
+            # Both shut down cleanly on SIGTERM (SIGINT may be ignored: a background job's
+            # children inherit that).
+            self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout=30)
             except subprocess.TimeoutExpired:
