@@ -126,7 +126,9 @@ def run_order(targets: list[str], repeat: int) -> list[str]:
 def renice(servers: dict, niceness: int) -> None:
     """Every thread of every server process (children included) and of this client at
     ``niceness``. Linux keeps a niceness per thread (a thread started later inherits its
-    starter's), so each running thread is set, not only each process's first one."""
+    starter's), so each running thread is set, not only each process's first one; and where
+    the kernel groups each session for scheduling (autogroup: each server runs in its own
+    session), a niceness only weighs inside its group, so the group's own is set too."""
     import psutil
 
     procs = [psutil.Process()]
@@ -136,6 +138,9 @@ def renice(servers: dict, niceness: int) -> None:
     for proc in procs:
         for thread in proc.threads():
             os.setpriority(os.PRIO_PROCESS, thread.id, niceness)
+        autogroup = Path(f"/proc/{proc.pid}/autogroup")
+        if autogroup.exists():
+            autogroup.write_text(str(niceness))
 
 
 def idle_cpu_percent(servers: dict, seconds: float = 2.0) -> dict[str, float]:
