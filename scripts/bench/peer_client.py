@@ -14,10 +14,13 @@ def _client(base_url: str):
     import httpx
     from openai import AsyncOpenAI
 
-    # Room for every stream at once on one connection each; no retries (a failure must show).
+    # One fresh connection per request, for every server alike: llama-server sometimes closes
+    # a kept-alive connection just as the next request goes out on it ("Server disconnected
+    # without sending a response"; ~1 request in 8 at one stream). A new loopback connection
+    # costs well under a millisecond. No retries: a failure must show.
     http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
                              limits=httpx.Limits(max_connections=None,
-                                                 max_keepalive_connections=256))
+                                                 max_keepalive_connections=0))
     return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http)
 
 
@@ -49,7 +52,10 @@ async def _one(client, model: str, rec: RequestRecord, messages, max_tokens: int
                 details = getattr(chunk.usage, "prompt_tokens_details", None)
                 rec.cached_tokens = int(getattr(details, "cached_tokens", 0) or 0)
     except Exception as exc:  # noqa: BLE001 - any failure ends this request, and is reported
-        rec.error = f"{type(exc).__name__}: {exc}"[:300]
+        # The openai SDK wraps transport failures ("Connection error."): keep what it wraps.
+        cause = exc.__cause__ or exc.__context__
+        detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        rec.error = f"{type(exc).__name__}: {exc}{detail}"[:300]
     rec.t_done = time.monotonic()
     if rec.error is None and rec.finish_reason is None:
         rec.error = "the stream ended without a finish_reason"
