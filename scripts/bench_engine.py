@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -265,8 +266,7 @@ def run_peer(args) -> None:
     from scripts.bench import peer_engine as pe
 
     if not pe.llama_cpp_available():
-        raise SystemExit("the peer workload needs llama-cpp-python: pip install 'splitserve[peer]' "
-                         "(it builds llama.cpp from source, ~5 minutes)")
+        raise SystemExit(pe.NEEDS_PEER_EXTRA)
     gguf = Path(args.gguf) if args.gguf else pe.default_gguf()
     rng = np.random.default_rng(3)
     engine = make_engine(args, enable_prefix_cache=False, max_batch_size=1)

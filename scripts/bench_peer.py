@@ -3,7 +3,7 @@
 same run.
 
     scripts/build_llama_server.sh /work/peer/llama.cpp-build     # prints BIN
-    python scripts/bench_peer.py --llama-server BIN/llama-server --llama-threads 1,2 \\
+    python -m scripts.bench_peer --llama-server BIN/llama-server --llama-threads 1,2 \\
         --splitserve "" --splitserve "--dtype bfloat16 --engine-threads 2" --json peer.json
 
 Every server is a real process started as a user starts it: llama-server on the GGUF the default
@@ -29,18 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-for _path in (str(_REPO), str(_REPO / "scripts")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from bench import peer_report  # noqa: E402
-from bench.metrics import summarize  # noqa: E402
-from bench.options import _int_list  # noqa: E402
+from scripts.bench import peer_report
+from scripts.bench.metrics import summarize
+from scripts.bench.options import _int_list
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_peer.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_peer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("servers")
     g.add_argument("--llama-server", default=None, metavar="PATH",
@@ -151,10 +146,10 @@ def idle_cpu_percent(servers: dict, seconds: float = 2.0) -> dict[str, float]:
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
-    from bench.peer_client import run_chats
-    from bench.peer_servers import LlamaServer, SplitserveServer, default_gguf
-    from bench.peer_workload import PromptCounter, build_chats
     from procs.model_store import resolve_model
+    from scripts.bench.peer_client import run_chats
+    from scripts.bench.peer_servers import LlamaServer, SplitserveServer, default_gguf
+    from scripts.bench.peer_workload import PromptCounter, build_chats
 
     gguf = Path(args.gguf) if args.gguf else default_gguf()
     counter = PromptCounter(resolve_model(None))
@@ -205,7 +200,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         for level in args.concurrency} for name in servers}
     comparisons = {name: peer_report.comparison_rows(stats, name, peers, args.concurrency,
                                                      args.statistic) for name in ours}
-    setup = {"gguf": str(gguf), "servers": described, "peers": peers, "ours": ours, "idle_cpu_percent": idle,
+    setup = {"gguf": str(gguf), "servers": described, "peers": peers, "ours": ours,
+             "idle_cpu_percent": idle,
              "load_average": {"before": load_before, "after": load_after},
              "niceness": args.nice,
              "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from bench.metrics import RequestRecord
+from scripts.bench.metrics import RequestRecord
 
 
 def _client(base_url: str):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.peer_servers import default_gguf  # noqa: F401 - the peer's GGUF, re-exported
+from scripts.bench.peer_servers import default_gguf  # noqa: F401 - the peer's GGUF, re-exported
 
 
 # --- memory bandwidth ---------------------------------------------------------------------------
@@ -81,6 +81,10 @@ def bound_line(name: str, weight_bytes: int, bandwidth_gbs: float, rate: float |
 
 
 # --- llama.cpp through llama-cpp-python ---------------------------------------------------------
+NEEDS_PEER_EXTRA = ("the llama.cpp peer needs llama-cpp-python: pip install 'splitserve[peer]' "
+                    "(it builds llama.cpp from source, ~5 minutes)")
+
+
 def llama_cpp_available() -> bool:
     try:
         import llama_cpp  # noqa: F401
@@ -94,7 +98,10 @@ class LlamaCppPeer:
     greedy (argmax of the last logits), as our engine's figures are."""
 
     def __init__(self, gguf: str | Path, threads: int, n_ctx: int) -> None:
-        import llama_cpp
+        try:
+            import llama_cpp  # the optional `peer` extra
+        except ImportError:
+            raise RuntimeError(NEEDS_PEER_EXTRA) from None
 
         self.version = llama_cpp.__version__
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads,

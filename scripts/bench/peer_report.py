@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from bench.metrics import ratio
+from scripts.bench.metrics import ratio
 
 # (label, summary key, higher is better, decimals): the figures compared per concurrency.
 FIGURES = (
@@ -96,7 +96,7 @@ def comparison_rows(stats: dict[str, dict[int, dict]], ours: str, peers: list[st
         at_level = {t: stats[t][level] for t in [ours, *peers] if level in stats.get(t, {})}
         peer = best_of(at_level, peers, statistic)
         row = {"concurrency": level, "peer": peer, "figures": {}, "statistic": statistic}
-        for label, key, higher, _ in FIGURES:
+        for _label, key, higher, _ in FIGURES:
             a = pick(at_level.get(ours, {}), key, higher, statistic)
             b = pick(at_level[peer], key, higher, statistic) if peer else None
             row["figures"][key] = {"ours": a, "theirs": b, "ratio": ratio(a, b),

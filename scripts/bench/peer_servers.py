@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
-import shutil
 import sys
 import tempfile
 import threading

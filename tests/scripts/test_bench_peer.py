@@ -5,15 +5,12 @@ the tiny model. The benchmark itself (timings) is not a test."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import bench_peer  # noqa: E402
-from bench import peer_report  # noqa: E402
-from bench.metrics import RequestRecord, summarize  # noqa: E402
+from scripts import bench_peer
+from scripts.bench import peer_report
+from scripts.bench.metrics import RequestRecord, summarize
 
 
 def _args(*extra: str):
@@ -116,7 +113,7 @@ def test_comparison_takes_llama_at_its_best_per_level():
 
 
 def test_chats_are_distinct_real_text_of_the_asked_length(default_model_dir):
-    from bench.peer_workload import PromptCounter, build_chats
+    from scripts.bench.peer_workload import PromptCounter, build_chats
 
     counter = PromptCounter(default_model_dir)
     chats = build_chats(counter, 12, 158, start=5)
@@ -132,8 +129,8 @@ def test_chats_are_distinct_real_text_of_the_asked_length(default_model_dir):
 def test_weight_bytes_count_a_tied_lm_head_once(tiny_model_dir):
     import torch
 
-    from bench.peer_engine import weight_bytes_per_token
     from engine_worker.model import LlamaFamilyModel
+    from scripts.bench.peer_engine import weight_bytes_per_token
 
     model = LlamaFamilyModel.load(tiny_model_dir, torch.device("cpu"), torch.bfloat16, 64)
     assert model.lm_head is model.embed
@@ -144,9 +141,9 @@ def test_weight_bytes_count_a_tied_lm_head_once(tiny_model_dir):
 
 
 def test_client_against_a_real_splitserve_server(tiny_model_dir):
-    from bench.peer_client import run_chats
-    from bench.peer_servers import SplitserveServer
-    from bench.peer_workload import PromptCounter, build_chats
+    from scripts.bench.peer_client import run_chats
+    from scripts.bench.peer_servers import SplitserveServer
+    from scripts.bench.peer_workload import PromptCounter, build_chats
 
     chats = build_chats(PromptCounter(tiny_model_dir), 6, 60)
     server = SplitserveServer(f"--model {tiny_model_dir} --kv-cache-tokens 4096")
