@@ -67,6 +67,7 @@ class _Server:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.keep_log = False  # a server's log outlives it only where it failed
         self.log = tempfile.NamedTemporaryFile(prefix=f"peer-{re.sub(r'[^a-z0-9]+', '-', name)}-",
                                                suffix=".log", delete=False, mode="w+")
 
@@ -78,6 +79,7 @@ class _Server:
 
     def _check_alive(self) -> None:
         if self.popen.poll() is not None:
+            self.keep_log = True  # the error below names it
             raise RuntimeError(f"{self.name} exited with status {self.popen.returncode} "
                                f"while starting; its log ({self.log.name}) ends:\n"
                                f"{self.log_tail()}")
@@ -90,9 +92,12 @@ class _Server:
             try:
                 self.popen.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                self.keep_log = True
                 self.popen.kill()
                 self.popen.wait()
         self.log.close()
+        if not self.keep_log:
+            Path(self.log.name).unlink(missing_ok=True)
 
 
 class LlamaServer(_Server):
@@ -121,8 +126,10 @@ class LlamaServer(_Server):
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass  # not listening yet, or 503 while the model loads
             if time.monotonic() > deadline:
+                self.keep_log = True
                 self.close()
-                raise RuntimeError(f"{self.name} not healthy after {start_timeout_s:.0f} s")
+                raise RuntimeError(f"{self.name} not healthy after {start_timeout_s:.0f} s; "
+                                   f"its log: {self.log.name}")
             time.sleep(0.2)
 
     def describe(self) -> str:
@@ -161,8 +168,10 @@ class SplitserveServer(_Server):
         while not found.wait(0.2):
             self._check_alive()
             if time.monotonic() > deadline:
+                self.keep_log = True
                 self.close()
-                raise RuntimeError(f"{self.name} printed no API address in {start_timeout_s:.0f} s")
+                raise RuntimeError(f"{self.name} printed no API address in "
+                                   f"{start_timeout_s:.0f} s; its log: {self.log.name}")
         self.url = holder["url"]
 
     def describe(self) -> str:

@@ -5,6 +5,7 @@ the tiny model. The benchmark itself (timings) is not a test."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -153,6 +154,7 @@ def test_client_against_a_real_splitserve_server(tiny_model_dir):
     finally:
         server.close()
     assert server.popen.returncode == 0
+    assert not Path(server.log.name).exists()  # a clean stop leaves no log behind
     assert "splitserve launch --http-port 0 --model" in server.describe()
     assert cpu > 0
     for rec in records:
@@ -191,3 +193,13 @@ def test_saved_json_renders_again_with_either_statistic(tmp_path):
     assert (best["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"]
             > median["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"])
     assert "best repeat" in best["text"] and "(medians;" in median["text"]
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
+    from scripts.bench.peer_servers import SplitserveServer
+
+    with pytest.raises(RuntimeError, match="exited with status") as failure:
+        SplitserveServer(f"--model {tmp_path}")  # no config.json: the CLI refuses it
+    log = str(failure.value).split("its log (", 1)[1].split(")", 1)[0]
+    assert Path(log).is_file()
+    Path(log).unlink()
