@@ -38,9 +38,16 @@ class Launched:
         for line in self.proc.stderr:
             self.stderr.append(line)
 
-    def child_pids(self) -> list[int]:
-        return [int(m.group(1)) for line in self.stderr
-                if (m := re.search(r"^splitserve \w+\[\d+\] pid=(\d+) ready", line))]
+    def child_pids(self, expected: int) -> list[int]:
+        """The pids of the children's start-up lines (every child printed one before the
+        supervisor printed its address; the pump thread may still be reading them)."""
+        deadline = time.monotonic() + 30
+        while True:
+            pids = [int(m.group(1)) for line in list(self.stderr)
+                    if (m := re.search(r"^splitserve \w+\[\d+\] pid=(\d+) ready", line))]
+            if len(pids) >= expected or time.monotonic() > deadline:
+                return pids
+            time.sleep(0.05)
 
 
 def _gone(pid: int) -> bool:
@@ -66,7 +73,7 @@ def _wait_all_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
 def test_sigterm_with_requests_in_flight(tmp_path):
     run_dir = tmp_path / "run"
     sup = Launched(run_dir, "--tokenizer-workers", "2", "--engine-factory", FAKE_ENGINE)
-    pids = sup.child_pids()
+    pids = sup.child_pids(4)
     assert len(pids) == 4
     with Client(sup.client_addr, deadline_s=60) as client:
         handles = [client.submit("in flight " * 3, max_tokens=240) for _ in range(8)]
@@ -76,7 +83,11 @@ def test_sigterm_with_requests_in_flight(tmp_path):
         late = [client.submit("too late", max_tokens=240) for _ in range(4)]
         results = [h.result(timeout=30, check=False) for h in handles]
         late_results = [h.result(timeout=30, check=False) for h in late]
-    assert all(r.finish_reason in ("abort", "length") for r in results)
+    # Each ends: generating ones finish or are aborted; one still queued in a draining
+    # tokenizer (possible on a loaded machine) is refused as unavailable, never lost.
+    for r in results:
+        assert r.finish_reason in ("abort", "length") or (
+            r.error_code == "unavailable" and "shutting down" in r.error), r
     assert any(r.finish_reason == "abort" for r in results)
     for r in late_results:
         assert r.finish_reason == "abort" or (r.error_code == "unavailable"
@@ -88,7 +99,7 @@ def test_sigterm_with_requests_in_flight(tmp_path):
 
 def test_children_die_with_a_killed_supervisor(tmp_path):
     sup = Launched(tmp_path / "run", "--engine-factory", FAKE_ENGINE)
-    pids = sup.child_pids()
+    pids = sup.child_pids(3)
     assert len(pids) == 3
     sup.proc.kill()
     sup.proc.wait()
