@@ -11,12 +11,7 @@ Channels (who sends what to whom):
     engine      -> detokenizer : StepOutput (one message per engine step, columnar)
     any worker  -> supervisor  : WorkerReady, Heartbeat
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
-
-One-answer queries (ipc/queries.py), each ending in exactly one reply or a RequestError:
-
-    client      -> tokenizer i : TokenizeRequest (tokenize, detokenize, tokenizer info)
-    tokenizer i -> detokenizer : TokenizeResult, routed on to the client
-    client      -> detokenizer : EngineStatsQuery; detokenizer -> client : EngineStatsReport
+    one-answer queries (tokenize, detokenize, tokenizer info, engine stats): ipc/queries.py
 
 Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
 different processes on one host compare directly.
