@@ -65,7 +65,13 @@ class RequestState:
         event = StreamEvent(request_id=self.meta.request_id, text=self.unsent_text,
                             token_ids=pack_ids(self.unsent_ids))
         self.unsent_text, self.unsent_ids, self.sent_any = "", [], True
+        if self.meta.continuous_usage_stats:
+            event.usage = self.usage()
         return event
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.meta.prompt_tokens,
+                     completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens)
 
     def final(self, reason: str, t_finished: float, *, stopped_by_string: bool = False,
               error: str | None = None, error_code: str | None = None) -> StreamEvent:
@@ -76,9 +82,7 @@ class RequestState:
         event.finish_reason = reason
         event.error = error or None
         event.error_code = error_code or None
-        event.usage = Usage(prompt_tokens=self.meta.prompt_tokens,
-                            completion_tokens=self.completion_tokens,
-                            cached_tokens=self.cached_tokens)
+        event.usage = self.usage()
         self.timings.t_finished = t_finished
         event.timings = self.timings
         return event

@@ -87,6 +87,8 @@ class Engine:
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
         self._early_finishes: list[FinishRecord] = []
         self._step = 0
+        # Counters since start, reported with every step's stats (Prometheus counters).
+        self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
         logger.info("engine ready: model=%s device=%s dtype=%s threads=%d kv_blocks=%d x %d "
                     "tokens max_model_len=%d prefix_cache=%s attention=%s", self.model_name,
                     self.device, dtype, torch.get_num_threads(), num_blocks, config.block_size,
@@ -200,11 +202,17 @@ class Engine:
         out.finished.append(FinishRecord(request.request_id, reason, error, code))
 
     def _stats(self, batch: ScheduledBatch, step_ms: float) -> EngineStats:
+        self._prefix_queried_total += batch.queried_tokens
+        self._prefix_hit_total += batch.cached_tokens
+        self._preemptions_total += batch.preempted
         return EngineStats(
             running=self.num_running, waiting=self.num_waiting,
             kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
             prefill_tokens=batch.prefill_tokens, cached_tokens=batch.cached_tokens,
-            decode_tokens=batch.decode_tokens, preempted=batch.preempted, step_ms=step_ms)
+            decode_tokens=batch.decode_tokens, preempted=batch.preempted, step_ms=step_ms,
+            prefix_queried_tokens_total=self._prefix_queried_total,
+            prefix_hit_tokens_total=self._prefix_hit_total,
+            preemptions_total=self._preemptions_total)
 
     def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
         cfg = self.config

@@ -29,6 +29,7 @@ class ScheduledBatch:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cached_tokens: int = 0
+    queried_tokens: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     preempted: int = 0
     failed: list[tuple[EngineRequest, str]] = field(default_factory=list)
 
@@ -84,6 +85,8 @@ class Scheduler:
             if not request.t_scheduled:
                 request.t_scheduled = now
             batch.cached_tokens += request.num_computed if request.num_generated == 0 else 0
+            if request.num_generated == 0 and self.prefix_cache is not None:
+                batch.queried_tokens += request.num_tokens
             token_budget -= count
             prefill_slots -= 1
             self._publish_full_blocks(request, request.num_computed + count)

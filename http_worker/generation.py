@@ -177,7 +177,8 @@ def submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionReque
         for prompt in prompts:
             for sampling in samplings:
                 handles.append(client.submit(**prompt, sampling=sampling,
-                                             request_id=f"{fmt.id}-{len(handles)}"))
+                                             request_id=f"{fmt.id}-{len(handles)}",
+                                             continuous_usage_stats=body.continuous_usage))
     except SplitserveError as exc:
         for h in handles:
             h.abort()

@@ -5,6 +5,7 @@ by hand because they are on the per-token path and json.dumps of a dict is the c
 Value checks live in one place, ``SamplingParams.__post_init__``; the models here only check
 types and shapes, and turn OpenAI features we do not implement into a clear 400 instead of
 silently ignoring them (a client asking for logprobs must not get a response without them).
+Fields the models do not declare are kept as extras and judged by ``http_worker.fields``.
 """
 
 from __future__ import annotations
@@ -49,17 +50,19 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (vLLM's extension)
 
 
 class _GenerationRequest(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's SDKs send extras."""
+    """Fields both endpoints share. Other fields are judged by http_worker.fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -95,8 +98,15 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def max_tokens_or(self, default: int) -> int:
-        return self.max_tokens if self.max_tokens is not None else default
+        for given in (self.max_completion_tokens, self.max_tokens):  # the newer name wins
+            if given is not None:
+                return given
+        return default
 
     def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
         """The SamplingParams of one choice; bad values raise APIError(400).
@@ -170,15 +180,16 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # passed to the chat template, which may show it
 
     def as_dict(self) -> dict[str, str]:
         content = self.content
@@ -188,12 +199,13 @@ class ChatMessageIn(BaseModel):
             content = "".join(part.text for part in content)  # type: ignore[misc]
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        named = {"name": self.name} if self.name else {}
+        return {"role": role, "content": content or "", **named}
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -205,14 +217,10 @@ class ChatCompletionRequest(_GenerationRequest):
         return {**super()._neutral_values(), "logprobs": False, "top_logprobs": 0,
                 "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
 
-    def max_tokens_or(self, default: int) -> int:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return super().max_tokens_or(default)
-
     def prompts(self) -> list[dict[str, Any]]:
         return [{"messages": [m.as_dict() for m in self.messages],
-                 "add_generation_prompt": self.add_generation_prompt}]
+                 "add_generation_prompt": self.add_generation_prompt,
+                 "chat_template_kwargs": self.chat_template_kwargs}]
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -236,11 +244,13 @@ class ResponseFormat:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, model: str, include_usage: bool = False) -> None:
+    def __init__(self, model: str, include_usage: bool = False,
+                 continuous_usage: bool = False) -> None:
         self.id = new_id(self.id_prefix)
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # each chunk: its choice's usage so far
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -253,13 +263,20 @@ class ResponseFormat:
         body["usage"] = usage
         return body
 
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, index: int, text: str, finish_reason: str | None,
+              usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [self._chunk_choice(index, text, finish_reason)])
-        if self.include_usage:
-            body["usage"] = None  # OpenAI: null on every chunk but the last when usage is asked
+        self._chunk_usage(body, usage)
         return body
 
-    def first_chunk(self, index: int) -> dict[str, Any] | None:
+    def _chunk_usage(self, body: dict[str, Any], usage: dict[str, Any] | None) -> None:
+        if self.continuous_usage and usage is not None:
+            body["usage"] = usage
+        elif self.include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the last when usage is asked
+
+    def first_chunk(self, index: int, usage: dict[str, Any] | None = None
+                    ) -> dict[str, Any] | None:
         return None
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -294,12 +311,12 @@ class ChatFormat(ResponseFormat):
         delta = {"content": text} if text or reason is None else {}
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
-    def first_chunk(self, index: int) -> dict[str, Any] | None:
+    def first_chunk(self, index: int, usage: dict[str, Any] | None = None
+                    ) -> dict[str, Any] | None:
         # OpenAI's first chunk of each choice names the role, with empty content.
         body = self._envelope(self.object_chunk, [{"index": index, "delta": {
             "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        if self.include_usage:
-            body["usage"] = None
+        self._chunk_usage(body, usage)
         return body
 
 

@@ -11,6 +11,7 @@ Channels (who sends what to whom):
     engine      -> detokenizer : StepOutput (one message per engine step, columnar)
     any worker  -> supervisor  : WorkerReady, Heartbeat
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
+    one-answer queries (tokenize, detokenize, tokenizer info, engine stats): ipc/queries.py
 
 Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
 different processes on one host compare directly.
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ipc.codec import message
+from ipc.json_values import check_chat_template_kwargs
 
 # Finish reasons (the field's vocabulary: OpenAI / vLLM / SGLang).
 FINISH_STOP = "stop"  # eos, a stop token id or a stop string
@@ -123,6 +126,7 @@ def _is_number(v: object) -> bool:
 class ChatMessage:
     role: str
     content: str
+    name: str | None = None  # the speaker's name, which a chat template may show
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +147,9 @@ class SubmitRequest:
     prompt_token_ids: bytes | None = None  # packed int32, see ipc.codec.pack_ids
     add_generation_prompt: bool = True  # for messages: end with the assistant turn's header
     t_submit: float = 0.0
+    # For messages: extra variables of the chat template, e.g. {"enable_thinking": False}.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    continuous_usage_stats: bool = False  # every event carries the usage so far, not the last only
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 256:
@@ -156,6 +163,10 @@ class SubmitRequest:
             raise ValueError("messages is empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
+        if self.chat_template_kwargs:
+            if self.messages is None:
+                raise ValueError("chat_template_kwargs applies to chat messages only")
+            check_chat_template_kwargs(self.chat_template_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,6 +188,7 @@ class RequestMeta:
     t_submit: float = 0.0
     t_tokenize_start: float = 0.0
     t_tokenized: float = 0.0
+    continuous_usage_stats: bool = False  # see SubmitRequest
 
 
 @message
@@ -241,6 +253,11 @@ class EngineStats:
     decode_tokens: int = 0
     preempted: int = 0
     step_ms: float = 0.0
+    # Since the engine started (a restarted engine counts from 0 again): prompt tokens looked up
+    # in the prefix cache when a request was admitted, those found there, and preemptions.
+    prefix_queried_tokens_total: int = 0
+    prefix_hit_tokens_total: int = 0
+    preemptions_total: int = 0
 
 
 @dataclass(slots=True)

@@ -175,3 +175,29 @@ def test_sdk_errors_map_to_statuses_clients_can_act_on():
     assert statuses == {BadRequestError: 400, OverloadedError: 429, UnavailableError: 503,
                         RequestTimeoutError: 504, SplitserveError: 500}
     assert api_error_from(OverloadedError("queue full")).body()["error"]["message"] == "queue full"
+
+
+def test_the_api_key_guards_v1_and_the_tokenizer_endpoints_not_version_or_metrics():
+    app = build_app(FrontendSettings(client_addr="ipc:///nonexistent", model_name="m",
+                                     api_key="sesame"))
+    http = TestClient(app, raise_server_exceptions=False)
+    for method, path in (("post", "/tokenize"), ("post", "/detokenize"),
+                         ("get", "/tokenizer_info"), ("get", "/v1/models")):
+        assert _error(http.request(method.upper(), path, json={"prompt": "x"}), 401)["code"] == \
+            "invalid_api_key"
+    key = {"Authorization": "Bearer sesame"}
+    # With the key: past the guard (503: this app has no cluster behind it).
+    assert http.post("/tokenize", json={"prompt": "x"}, headers=key).status_code == 503
+    assert http.get("/version").json()["version"]
+    assert http.get("/metrics").status_code == 200
+
+
+def test_tokenizer_endpoints_check_the_body_before_needing_a_cluster(http):
+    assert _error(http.post("/tokenize", content=b"{oops"), 400)["message"]
+    assert _error(http.post("/tokenize", json=[1]), 400)["message"]
+    assert _error(http.post("/tokenize", json={"prompt": "x", "extra": 1}), 400)["param"] == \
+        "extra"
+    assert _error(http.post("/detokenize", json={"tokens": ["a"]}), 400)["param"].startswith(
+        "tokens")
+    assert _error(http.post("/tokenize", json={"prompt": "x", "model": "gpt"}), 404)
+    assert _error(http.post("/tokenize", json={"prompt": "x"}), 503)["code"] == "unavailable"

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ipc.codec import DecodeError, pack_ids, unpack_ids
 from ipc.messages import (
     ERR_BAD_REQUEST,
+    ChatMessage,
     RequestError,
     RequestMeta,
     SamplingParams,
@@ -102,7 +104,8 @@ class RequestPreparer:
             request_id=req.request_id, client_id=req.client_id, prompt_tokens=n,
             stop=list(sampling.stop), skip_special_tokens=sampling.skip_special_tokens,
             tokenizer_index=self.tokenizer_index, t_submit=req.t_submit,
-            t_tokenize_start=t_start, t_tokenized=t_done)
+            t_tokenize_start=t_start, t_tokenized=t_done,
+            continuous_usage_stats=req.continuous_usage_stats)
         return TokenizedRequest(request_id=req.request_id, token_ids=pack_ids(ids),
                                 sampling=sampling, meta=meta)
 
@@ -133,21 +136,26 @@ class RequestPreparer:
         return arr.tolist()
 
     def _render_chat(self, req: SubmitRequest) -> str:
-        if self.chat_template is None:
-            raise RequestRejected("this model has no chat template; send a prompt instead")
-        messages = req.messages or []
-        if len(messages) > MAX_CHAT_MESSAGES:
-            raise RequestRejected(f"at most {MAX_CHAT_MESSAGES} chat messages")
-        for m in messages:
-            if not m.role:
-                raise RequestRejected("every chat message needs a non-empty role")
-        try:
-            text = self.chat_template.render(
-                [{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=req.add_generation_prompt)
-        except ChatTemplateError as exc:
-            raise RequestRejected(str(exc)) from None
-        return self._check_text(text)
+        return self._check_text(render_chat(self.chat_template, req.messages or [],
+                                            req.add_generation_prompt, req.chat_template_kwargs))
+
+
+def render_chat(template: ChatTemplate | None, messages: list[ChatMessage],
+                add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+    """The chat as the model's template writes it; RequestRejected says what is wrong."""
+    if template is None:
+        raise RequestRejected("this model has no chat template; send a prompt instead")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise RequestRejected(f"at most {MAX_CHAT_MESSAGES} chat messages")
+    for m in messages:
+        if not m.role:
+            raise RequestRejected("every chat message needs a non-empty role")
+    try:
+        return template.render([{"role": m.role, "content": m.content,
+                                 **({"name": m.name} if m.name else {})} for m in messages],
+                               add_generation_prompt=add_generation_prompt, extra=extra)
+    except ChatTemplateError as exc:
+        raise RequestRejected(str(exc)) from None
 
 
 def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:

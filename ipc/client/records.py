@@ -9,13 +9,15 @@ from ipc.client.errors import ERR_TIMEOUT, error_for
 from ipc.client.results import Delta, GenerationResult
 from ipc.codec import unpack_id_list
 from ipc.messages import ERR_UNAVAILABLE, FINISH_ERROR, StreamEvent, SubmitRequest
+from ipc.queries import TokenizeRequest
 
 
 class RequestRecord:
     """The client's view of one request; the handle classes wrap it."""
 
     __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
-                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted")
+                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted",
+                 "query", "reply")
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
         self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
@@ -28,9 +30,11 @@ class RequestRecord:
         self.seen = False  # an event arrived: it is past its tokenizer
         # The request as sent, kept until it is past its tokenizer: if that worker dies first it
         # is sent again (to another worker, under a fresh wire id).
-        self.pending: SubmitRequest | None = None
+        self.pending: SubmitRequest | TokenizeRequest | None = None
         self.resubmits = 0
         self.aborted = False  # the caller asked to abort it
+        self.query = False  # a one-answer query (ipc.queries), not a generation
+        self.reply: Any = None  # a query's answer (TokenizeResult, EngineStatsReport)
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
         ids = unpack_id_list(event.token_ids) if event.token_ids else []

@@ -33,6 +33,7 @@ from ipc.messages import (
     Usage,
     WorkerReady,
 )
+from ipc.queries import EngineStatsQuery, EngineStatsReport, TokenizeRequest, TokenizeResult
 
 META = RequestMeta(request_id="r1", client_id=b"c1", prompt_tokens=3, stop=["\n"],
                    t_submit=1.5, t_tokenized=2.0)
@@ -60,6 +61,19 @@ EXAMPLES = [
     WorkerReady("engine", 0, 123, ["ipc:///e"], "m", 2048, 49152),
     Heartbeat("tokenizer", 1, 124, 5.0, {"served": 3.0}),
     ClusterNotice("died", "tokenizer", 1, 125, "exited with code -9", ["r1"]),
+    SubmitRequest("r4", b"c1", SamplingParams(), messages=[ChatMessage("user", "hi")],
+                  chat_template_kwargs={"enable_thinking": False, "n": [1, {"x": None}]},
+                  continuous_usage_stats=True),
+    TokenizeRequest("q1", b"c1", messages=[ChatMessage("user", "hi")], add_special_tokens=False,
+                    chat_template_kwargs={"enable_thinking": False}, return_token_strs=True),
+    TokenizeRequest("q2", b"c1", detokenize_ids=pack_ids([1, 2])),
+    TokenizeRequest("q3", b"c1", info=True),
+    TokenizeResult("q1", b"c1", pack_ids([1, 2]), "", 2048, ["a", "b"]),
+    TokenizeResult("q3", b"c1", info={"eos_token": "</s>", "bos_token": None, "n": 3.5,
+                                      "nested": {"a": [1, "x"]}}),
+    EngineStatsQuery("q4"),
+    EngineStatsReport("q4", EngineStats(running=2, waiting=1, kv_blocks_used=3,
+                                        kv_blocks_total=8, preemptions_total=4), 9.5, 77),
 ]
 
 
@@ -70,6 +84,38 @@ def test_round_trip(msg):
 
 def test_every_registered_kind_has_an_example():
     assert {type(m).KIND for m in EXAMPLES} == set(codec._REGISTRY)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"x": b"bytes"}, "JSON value"),
+    ({"x": float("nan")}, "finite"),
+    ({"messages": []}, "may not set 'messages'"),
+    ({"add_generation_prompt": False}, "may not set"),
+    ({"a": [[[[[[[[[1]]]]]]]]]}, "deeper"),
+    ({"a": list(range(5000))}, "more than"),
+    ({f"k{i}": 1 for i in range(65)}, "at most 64 keys"),
+    ({"": 1}, "non-empty strings"),
+])
+def test_chat_template_kwargs_are_bounded_json(kwargs, fragment):
+    for make in (lambda: SubmitRequest("r", b"c", SamplingParams(), chat_template_kwargs=kwargs,
+                                       messages=[ChatMessage("user", "hi")]),
+                 lambda: TokenizeRequest("q", b"c", chat_template_kwargs=kwargs,
+                                         messages=[ChatMessage("user", "hi")])):
+        with pytest.raises(ValueError, match=fragment):
+            make()
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda: SubmitRequest("r", b"c", SamplingParams(), prompt="x",
+                           chat_template_kwargs={"a": 1}), "chat messages only"),
+    (lambda: TokenizeRequest("q", b"c"), "exactly one"),
+    (lambda: TokenizeRequest("q", b"c", prompt="x", info=True), "exactly one"),
+    (lambda: TokenizeRequest("q", b"c", prompt=""), "empty"),
+    (lambda: TokenizeRequest("q", b"c", messages=[]), "empty"),
+])
+def test_invalid_queries_are_refused(make, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        make()
 
 
 def test_ids_are_packed_int32():
