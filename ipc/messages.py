@@ -98,6 +98,7 @@ class RequestMeta:
     # so the detokenizer can turn them into text and token strings.
     prompt_token_ids: bytes = b""
     echo: bool = False
+    prompt_logprobs: bool = False  # their values come in StepOutput.prompt_logprobs
     include_stop_str_in_output: bool = False
 
 

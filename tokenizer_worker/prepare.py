@@ -106,6 +106,7 @@ class RequestPreparer:
             t_tokenize_start=t_start, t_tokenized=t_done,
             # The detokenizer turns these into the echoed text and the prompt's token strings.
             prompt_token_ids=packed if sampling.scores_prompt else b"", echo=sampling.echo,
+            prompt_logprobs=sampling.prompt_logprobs is not None,
             include_stop_str_in_output=sampling.include_stop_str_in_output)
         return TokenizedRequest(request_id=req.request_id, token_ids=packed,
                                 sampling=sampling, meta=meta)

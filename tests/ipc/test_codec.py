@@ -47,7 +47,7 @@ SCORING = SamplingParams(max_tokens=0, logprobs=5, prompt_logprobs=20, echo=True
                          logit_bias={7: -100.0, 49151: 2.5}, include_stop_str_in_output=True)
 SCORING_META = RequestMeta(request_id="r4", client_id=b"c1", prompt_tokens=3,
                            prompt_token_ids=pack_ids([1, 2, 3]), echo=True,
-                           include_stop_str_in_output=True)
+                           prompt_logprobs=True, include_stop_str_in_output=True)
 ENTRY = LogprobEntry(42, " the", -0.25, b" the", [TopLogprob(42, " the", -0.25, b" the"),
                                                    TopLogprob(7, "\ufffd", -3.5, b"\xe2\x80")])
 

@@ -109,6 +109,7 @@ def test_prompt_ids_reach_the_detokenizer_only_when_echo_or_prompt_logprobs_ask(
     for sampling in (SamplingParams(echo=True), SamplingParams(max_tokens=0, prompt_logprobs=2)):
         out = _one(preparer, prompt="Hello there", sampling=sampling)
         assert out.meta.prompt_token_ids == out.token_ids and out.meta.echo == sampling.echo
+        assert out.meta.prompt_logprobs == (sampling.prompt_logprobs is not None)
     stops = _one(preparer, prompt="x", sampling=SamplingParams(include_stop_str_in_output=True))
     assert stops.meta.include_stop_str_in_output
 
