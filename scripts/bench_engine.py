@@ -19,9 +19,9 @@
           bandwidth bound of each (weight bytes read per token / the measured read bandwidth)
           and, with --llama-bench PATH, llama.cpp's own llama-bench figures.
   bandwidth  the read bandwidth (GB/s) at --threads and our engine's batch-1 decode bound.
-  logprobs  decode tokens/s at the largest --decode-batch with no request, one and every
-          request asking for top-20 logprobs; the logprob work of a step alone; prefill with
-          prompt logprobs (scripts/bench/engine_logprobs.py).
+  logprobs  decode steps at the largest --decode-batch with one request's (then every
+          request's) top-20 logprobs switched on every other step; the logprob work of a step
+          alone; prefill with prompt logprobs (scripts/bench/engine_logprobs.py).
 
 Every figure is printed with the torch thread count it ran with (--threads).
 """
@@ -70,14 +70,13 @@ def engine_prefill_rate(engine: Engine, prompt: list[int], repeats: int) -> floa
 
 
 def engine_decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int,
-                       overrides: dict[int, dict] | None = None, **sampling) -> float:
+                       **sampling) -> float:
     """Decode tokens/s of ``new_tokens`` steps after everyone's prefill (the same count
-    hf_decode_rate times). ``sampling``: SamplingParams fields (default greedy); ``overrides``:
-    more fields for the requests at some indices."""
+    hf_decode_rate times). ``sampling``: SamplingParams fields (default greedy)."""
     engine_decode_rate.runs = getattr(engine_decode_rate, "runs", 0) + 1
     for i, prompt in enumerate(prompts):
         engine.add(f"decode{engine_decode_rate.runs}.{i}", prompt,
-                   params(new_tokens + 1, **sampling, **(overrides or {}).get(i, {})))
+                   params(new_tokens + 1, **sampling))
     while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
         engine.step()  # prefill everyone first
     produced, start = 0, time.perf_counter()
