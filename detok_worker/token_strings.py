@@ -10,7 +10,6 @@ cached: a stream asks for the same few thousand ids again and again.
 
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
@@ -41,7 +40,8 @@ class TokenStrings:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        decoder = json.dumps(json.loads(tokenizer.to_str()).get("decoder"))
+        # The decoder's own JSON only (the whole tokenizer's is megabytes, slow to parse).
+        decoder = tokenizer.decoder.__getstate__().decode() if tokenizer.decoder else ""
         self.byte_level = '"ByteLevel"' in decoder
         self.byte_fallback = '"ByteFallback"' in decoder
         self.alphabet = byte_level_alphabet() if self.byte_level else {}
