@@ -47,7 +47,9 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per generated token (0: only the token's own)
     prompt_logprobs: int | None = None  # the same for every prompt token but the first
     echo: bool = False  # the prompt (text and ids) comes back ahead of the output
-    min_tokens: int = 0  # eos and stop_token_ids cannot be sampled before this many tokens
+    # eos and stop_token_ids cannot be sampled before this many tokens (stop strings, matched
+    # in the detokenizer, still end the request)
+    min_tokens: int = 0
     min_p: float = 0.0  # keeps tokens with probability >= min_p x the top one's (0 disables)
     # OpenAI's logit_bias: added to the raw logits of these token ids before sampling.
     logit_bias: dict[int, float] = field(default_factory=dict)
