@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from detok_worker.request_state import RequestState
+from detok_worker.token_strings import TokenStrings
 from ipc import codec
 from ipc.messages import (
     ERR_UNAVAILABLE,
@@ -75,6 +76,7 @@ class DetokenizerCore:
             raise ValueError(f"stream_interval_tokens must be at least 1, got "
                              f"{stream_interval_tokens}")
         self.tokenizer = tokenizer
+        self._strings: TokenStrings | None = None  # built on first use (logprobs, echo)
         self.stream_interval_tokens = stream_interval_tokens
         self.max_pending_aborts = max_pending_aborts
         self.max_ignored = max_ignored
@@ -172,23 +174,29 @@ class DetokenizerCore:
         for start in out.started:
             if (state := self.states.get(start.request_id)) is not None:
                 state.on_start(start)
+        for chunk in out.prompt_logprobs:  # ahead of the request's first token
+            if (state := self.states.get(chunk.request_id)) is not None:
+                state.on_prompt_logprobs(self.strings, chunk)
         ids = codec.unpack_id_list(out.token_ids)
         if len(ids) != len(out.request_ids):
             logger.error("step %d has %d tokens for %d requests; dropped its tokens",
                          out.step, len(ids), len(out.request_ids))
             ids = []
+        logprobs = {e.row: e for e in out.logprobs if e.row < len(ids)}
         finishes = out.finished
         finishing = {f.request_id for f in finishes}
-        for rid, token_id in zip(out.request_ids, ids):
+        for row, (rid, token_id) in enumerate(zip(out.request_ids, ids)):
             state = self.states.get(rid)
             if state is None:
                 continue  # stopped here already, or its client is gone
-            if state.on_token(self.tokenizer, token_id, out.t_step):
+            values = logprobs.get(row) if logprobs else None
+            if state.on_token(self.tokenizer, token_id, out.t_step,
+                              None if values is None else (self.strings, values)):
                 self._finish(rid, FINISH_STOP, out.t_step, stopped_by_string=True)
                 self._ignore(rid)
                 self.output.aborts.append(rid)  # frees its KV blocks in the engine
             elif rid not in finishing and state.should_stream(self.stream_interval_tokens):
-                self._queue(state.meta.client_id, state.delta())
+                self._queue(state.meta.client_id, state.delta(self._prompt_strings(state)))
         for finish in finishes:
             if finish.request_id in self.ignored:  # already ended here
                 del self.ignored[finish.request_id]
@@ -248,7 +256,18 @@ class DetokenizerCore:
         if info is not None:
             info.request_ids.discard(rid)
         self._queue(state.meta.client_id, state.final(
-            reason, t, stopped_by_string=stopped_by_string, error=error, error_code=code))
+            reason, t, stopped_by_string=stopped_by_string, error=error, error_code=code,
+            strings=self._prompt_strings(state)))
+
+    @property
+    def strings(self) -> TokenStrings:
+        """Token strings for logprobs and echo, built the first time a request asks."""
+        if self._strings is None:
+            self._strings = TokenStrings(self.tokenizer)
+        return self._strings
+
+    def _prompt_strings(self, state: RequestState) -> TokenStrings | None:
+        return self.strings if state.meta.prompt_token_ids and not state.sent_any else None
 
     def _ignore(self, rid: str) -> None:
         self.ignored[rid] = None

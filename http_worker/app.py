@@ -30,14 +30,12 @@ from starlette.responses import Response, StreamingResponse
 from http_worker.fields import check_fields
 from http_worker.frontend import Frontend, FrontendSettings
 from http_worker.generation import ClientGone, GenerationCall, submit_all, unless_disconnected
-from http_worker.protocol import (
-    APIError,
-    ChatCompletionRequest,
+from http_worker.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from http_worker.responses import (
     ChatFormat,
+    ChoiceOutput,
     CompletionFormat,
-    CompletionRequest,
     ResponseFormat,
-    error_body,
     models_body,
     usage_body,
 )
@@ -91,11 +89,10 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
 
 async def _collect(call: GenerationCall, events: AsyncIterator[tuple[int, Delta]],
                    fmt: ResponseFormat) -> dict[str, Any]:
-    texts: list[list[str]] = [[] for _ in call.handles]
+    choices = [ChoiceOutput() for _ in call.handles]
     async for i, delta in events:
-        texts[i].append(delta.text)
+        choices[i].add(delta)
     call.close()
-    choices = [("".join(t), f.finish_reason if f else None) for t, f in zip(texts, call.finals)]
     return fmt.full(choices, call.usage())
 
 
@@ -111,10 +108,9 @@ async def _stream(call: GenerationCall, first: tuple[int, Delta],
                 yield _sse(chunk)
         i, delta = first
         while True:
-            if delta.text or delta.finished:
-                yield _sse(fmt.chunk(i, delta.text,
-                                     delta.finish_reason if delta.finished else None,
-                                     _usage_so_far(delta)))
+            out = ChoiceOutput().add(delta)
+            if out.has_content:
+                yield _sse(fmt.chunk(i, out, _usage_so_far(delta)))
             try:
                 i, delta = await events.__anext__()
             except StopAsyncIteration:
@@ -191,13 +187,17 @@ def build_app(settings: FrontendSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         check_fields(body, settings.lenient_fields)
-        fmt = CompletionFormat(frontend.model_name, body.include_usage, body.continuous_usage)
+        fmt = CompletionFormat(frontend.model_name, body.include_usage, body.continuous_usage,
+                               logprobs=body.logprobs, echo=body.echo,
+                               prompt_logprobs=body.prompt_logprobs is not None)
         return await _generate(request, body, fmt, COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         check_fields(body, settings.lenient_fields)
-        fmt = ChatFormat(frontend.model_name, body.include_usage, body.continuous_usage)
+        fmt = ChatFormat(frontend.model_name, body.include_usage, body.continuous_usage,
+                         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                         prompt_logprobs=body.prompt_logprobs is not None)
         # No limit asked: as much as the context allows (the tokenizer clamps it to the room).
         return await _generate(request, body, fmt, max(1, frontend.max_model_len))
 

@@ -25,25 +25,8 @@ from http_worker.protocol import APIError
 
 logger = logging.getLogger("splitserve.http")
 
-# --- the other half of issue 15 -----------------------------------------------------------------
-# Fields the `logprobs` branch implements (engine, wire, detokenizer, SDK, response formats).
-# Until it lands they are refused here like any known field we do not implement; once its request
-# models declare them they never reach this module (a declared field is not an extra), and the
-# merge deletes this list.
-LOGPROBS_BRANCH_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "echo": (False,),
-    "prompt_logprobs": (),
-    "min_tokens": (0,),
-    "min_p": (0, 0.0),
-    "logit_bias": (),
-    "include_stop_str_in_output": (False,),
-}
-
 # Known fields we do not implement -> the values (besides null, [] and {}) that ask for nothing.
 NOT_IMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    **LOGPROBS_BRANCH_FIELDS,
     # OpenAI
     "functions": (), "function_call": ("none",), "audio": (), "modalities": (["text"],),
     "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),

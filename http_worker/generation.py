@@ -15,10 +15,9 @@ from http_worker.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    ResponseFormat,
     bad_request,
-    usage_body,
 )
+from http_worker.responses import ResponseFormat, usage_body
 from ipc.client import ERR_TIMEOUT, AsyncRequestHandle, Delta, SplitserveError
 from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE
 

@@ -100,20 +100,27 @@ class RequestPreparer:
             # Clamp instead of refusing: the request still ends with reason "length" at the
             # context limit, which is what a caller asking for "as much as fits" wants.
             sampling = _with_max_tokens(sampling, room)
+        packed = pack_ids(ids)
         meta = RequestMeta(
             request_id=req.request_id, client_id=req.client_id, prompt_tokens=n,
             stop=list(sampling.stop), skip_special_tokens=sampling.skip_special_tokens,
             tokenizer_index=self.tokenizer_index, t_submit=req.t_submit,
             t_tokenize_start=t_start, t_tokenized=t_done,
-            continuous_usage_stats=req.continuous_usage_stats)
-        return TokenizedRequest(request_id=req.request_id, token_ids=pack_ids(ids),
+            continuous_usage_stats=req.continuous_usage_stats,
+            # The detokenizer turns these into the echoed text and the prompt's token strings.
+            prompt_token_ids=packed if sampling.scores_prompt else b"", echo=sampling.echo,
+            prompt_logprobs=sampling.prompt_logprobs is not None,
+            include_stop_str_in_output=sampling.include_stop_str_in_output)
+        return TokenizedRequest(request_id=req.request_id, token_ids=packed,
                                 sampling=sampling, meta=meta)
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
-        bad = [t for t in sampling.stop_token_ids if t >= self.limits.vocab_size]
-        if bad:
-            raise RequestRejected(f"stop_token_ids {bad[:8]} are outside the vocabulary "
-                                  f"(size {self.limits.vocab_size})")
+        for name, ids in (("stop_token_ids", sampling.stop_token_ids),
+                          ("logit_bias", sampling.logit_bias)):
+            bad = [t for t in ids if t >= self.limits.vocab_size]
+            if bad:
+                raise RequestRejected(f"{name} {bad[:8]} are outside the vocabulary "
+                                      f"(size {self.limits.vocab_size})")
 
     def _check_text(self, text: str) -> str:
         if not text:
@@ -161,6 +168,7 @@ def render_chat(template: ChatTemplate | None, messages: list[ChatMessage],
 def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
     fields = {name: getattr(sampling, name) for name in SamplingParams.__dataclass_fields__}
     fields["max_tokens"] = max_tokens
+    fields["min_tokens"] = min(sampling.min_tokens, max_tokens)
     return SamplingParams(**fields)
 
 
