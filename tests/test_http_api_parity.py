@@ -142,8 +142,8 @@ def test_unknown_fields_are_refused_by_name_and_logged_and_ignored_when_lenient(
 def test_known_refusals_through_the_openai_client(oai):
     with pytest.raises(openai.BadRequestError) as caught:
         oai.completions.create(model="tiny", prompt="hi", max_tokens=2,
-                               extra_body={"min_p": 0.1})
-    assert caught.value.body["param"] == "min_p"
+                               extra_body={"use_beam_search": True})
+    assert caught.value.body["param"] == "use_beam_search"
     with pytest.raises(openai.BadRequestError) as caught:
         oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
                                     extra_body={"guided_json": {"type": "object"}})
