@@ -9,28 +9,45 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from ipc.codec import pack_ids
-from ipc.messages import (
-    FINISH_ABORT, FINISH_ERROR, EngineStats, RequestStart, SamplingParams, StepOutput,
-)
+from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
-from engine_worker.config import EngineConfig
+from engine_worker.device import (
+    available_memory_bytes,
+    resolve_device,
+    resolve_dtype,
+    weight_copy_budget_bytes,
+)
 from engine_worker.model import LlamaFamilyModel
-from engine_worker.model_runner import ModelRunner
-from engine_worker.weight_format import WeightFormat, dense_copy_fits, dtype_for_weights
+from engine_worker.model_runner import ModelRunner, StepResult
 from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
-from engine_worker.scheduler import Scheduler
+from engine_worker.scheduler import ScheduledBatch, Scheduler
+from engine_worker.weight_format import WeightFormat, dense_copy_fits
+from ipc.codec import pack_ids
+from ipc.engine_config import EngineConfig
+from ipc.messages import (
+    ERR_BAD_REQUEST,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    EngineStats,
+    FinishRecord,
+    RequestStart,
+    SamplingParams,
+    StepOutput,
+)
 
 logger = logging.getLogger("splitserve.engine")
 
 REMEMBERED_ABORTS = 100_000  # ids aborted before they arrived, newest kept
+# Prompt logprobs need a row of logits per prompt position: a step computes at most this many
+# logits for them (64 Mi floats, 256 MiB in float32), i.e. ~1,365 positions of a 49k vocabulary.
+PROMPT_LOGITS_PER_STEP = 1 << 26
 
 
 class EngineOverloaded(RuntimeError):
@@ -42,10 +59,10 @@ class Engine:
         """``weight_format`` overrides the one ``config.weights`` describes (tests build a
         dequantized reference with it)."""
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        self.device = _resolve_device(config.device)
-        dtype = _resolve_dtype(config.dtype, self.device, config.weights)
+        if config.engine_threads:
+            torch.set_num_threads(config.engine_threads)
+        self.device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, self.device, config.weights)
         from engine_worker.model_config import ModelConfig
 
         model_config = ModelConfig.from_dir(config.model_path)
@@ -61,7 +78,8 @@ class Engine:
         if weight_format is None:
             weight_format = WeightFormat(
                 config.weights, dtype, self.device, config.quantized_max_tokens,
-                dense_copy=dense_copy_fits(model_config, dtype, _memory_budget_bytes(self.device)))
+                dense_copy=dense_copy_fits(model_config, dtype,
+                                           weight_copy_budget_bytes(self.device)))
         dtype = weight_format.dtype
         model = LlamaFamilyModel.load(config.model_path, self.device, dtype, self.max_model_len,
                                       weight_format)
@@ -70,20 +88,32 @@ class Engine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.model_name = os.path.basename(os.path.normpath(config.model_path))
         num_blocks = self._num_kv_blocks(model, dtype)
-        self.blocks = KVBlockManager(num_blocks, config.block_size)
-        self.prefix_cache = PrefixCache(self.blocks) if config.enable_prefix_cache else None
-        self.scheduler = Scheduler(config, self.blocks, self.prefix_cache)
+        capacity = num_blocks * config.block_size
+        if self.max_model_len > capacity:
+            # One request must always fit: the context the server offers is what its KV cache
+            # can hold (tokenizers clamp max_tokens to it, so no request fails half-way).
+            logger.warning("capping max_model_len %d to the KV cache's capacity of %d tokens "
+                           "(raise kv_cache_tokens for longer contexts)",
+                           self.max_model_len, capacity)
+            self.max_model_len = capacity
+        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
+        self.blocks = KVBlockManager(num_blocks, config.block_size, self.prefix_cache)
+        prompt_logprob_tokens = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
+        self.scheduler = Scheduler(config, self.blocks, self.prefix_cache, prompt_logprob_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   config.decode_workspace_max_bytes)
         self.requests: dict[str, EngineRequest] = {}
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
-        self._early_finishes: list[tuple[str, str, str]] = []  # (id, reason, error)
+        self._early_finishes: list[FinishRecord] = []
         self._step = 0
+        # Counters since start, reported with every step's stats (Prometheus counters).
+        self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
         logger.info("engine ready: model=%s device=%s dtype=%s %s threads=%d kv_blocks=%d x %d "
-                    "tokens max_model_len=%d prefix_cache=%s", self.model_name, self.device,
-                    dtype, weight_format.describe(), torch.get_num_threads(), num_blocks,
-                    config.block_size, self.max_model_len, config.enable_prefix_cache)
+                    "tokens max_model_len=%d prefix_cache=%s attention=%s", self.model_name,
+                    self.device, dtype, weight_format.describe(), torch.get_num_threads(),
+                    num_blocks, config.block_size, self.max_model_len,
+                    config.enable_prefix_cache, self.runner.attention.name)
 
     # --- public API -------------------------------------------------------------------------
     @property
@@ -104,7 +134,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already running or waiting")
         if request_id in self._aborted_before_arrival:
             del self._aborted_before_arrival[request_id]
-            self._early_finishes.append((request_id, FINISH_ABORT, ""))
+            self._early_finishes.append(FinishRecord(request_id, FINISH_ABORT))
             return
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or ids.size == 0:
@@ -117,19 +147,14 @@ class Engine:
         if ids.size >= self.max_model_len:
             raise ValueError(f"the prompt has {ids.size} tokens; max_model_len is "
                              f"{self.max_model_len}, which leaves no room for a generated token")
-        capacity = self.blocks.num_blocks * self.blocks.block_size
-        if ids.size + 1 > capacity:
-            raise ValueError(f"the prompt has {ids.size} tokens; the KV cache holds only "
-                             f"{capacity} tokens in all")
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting "
                                    f"(max_waiting_requests={self.config.max_waiting_requests})")
-        stop_ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids |= self.eos_token_ids
+        stop_ids = frozenset(sampling.stop_token_ids) | (
+            frozenset() if sampling.ignore_eos else frozenset(self.eos_token_ids))
         request = EngineRequest(
-            request_id, ids.tolist(), sampling, RequestSampler(sampling, self.device),
-            frozenset(stop_ids), self.max_model_len,
+            request_id, ids.tolist(), sampling, RequestSampler(sampling, self.device, stop_ids),
+            stop_ids, self.max_model_len,
             time.monotonic() if arrival_time is None else arrival_time)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
@@ -144,120 +169,87 @@ class Engine:
             self._aborted_before_arrival.popitem(last=False)
 
     def step(self) -> StepOutput:
+        """Schedule, run the batch, postprocess: one StepOutput for every request touched."""
         t_start = time.monotonic()
         self._step += 1
         out = StepOutput(step=self._step, t_step=t_start)
-        for request_id, reason, error in self._early_finishes:
-            self._emit_finish(out, request_id, reason, error)
+        self._finish_aborted(out)
+        batch = self.scheduler.schedule()
+        for request, message in batch.failed:
+            self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
+        if batch.requests:
+            self._postprocess(out, batch, self.runner.run(batch.requests, batch.num_new_tokens))
+        if not self.scheduler.running:
+            self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
+        out.t_step = time.monotonic()
+        out.stats = self._stats(batch, (out.t_step - t_start) * 1000.0)
+        return out
+
+    # --- internals --------------------------------------------------------------------------
+    def _finish_aborted(self, out: StepOutput) -> None:
+        """Ends the requests aborted since the last step (and those aborted before arrival)."""
+        out.finished.extend(self._early_finishes)
         self._early_finishes.clear()
         for request_id in self._pending_aborts:
             self._finish(out, self.requests[request_id], FINISH_ABORT)
         self._pending_aborts.clear()
 
-        batch = self.scheduler.schedule()
-        for request, message in batch.failed:
-            self._finish(out, request, FINISH_ERROR, message)
-        if batch.requests:
-            tokens = self.runner.run(batch.requests, batch.num_new_tokens)
-            emitted_ids, emitted_tokens = out.request_ids, []
-            for request, count, token in zip(batch.requests, batch.num_new_tokens, tokens):
-                request.num_computed += count
-                if token is None:
-                    continue
-                emitted_ids.append(request.request_id)
+    def _postprocess(self, out: StepOutput, batch: ScheduledBatch, result: StepResult) -> None:
+        """Advances every scheduled request, appends the sampled tokens, applies stops."""
+        for entry in result.prompt_logprobs:  # always ahead of the request's first token
+            request = self.requests[entry.request_id]
+            request.prompt_logprobs_from = entry.start + len(entry.logprobs) // 4
+        out.prompt_logprobs = result.prompt_logprobs
+        emitted_tokens = []
+        for index, (request, count) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            request.num_computed += count
+            token = result.tokens[index]
+            if token is not None:
+                request.append_token(token)
+                if (logprobs := result.logprobs.get(index)) is not None:
+                    logprobs.row = len(out.request_ids)
+                    out.logprobs.append(logprobs)
+                out.request_ids.append(request.request_id)
                 emitted_tokens.append(token)
-                if not request.started_sent:
-                    request.started_sent = True
-                    out.started.append(RequestStart(request.request_id, request.t_arrived,
-                                                    request.t_scheduled, request.cached_tokens))
-                reason = request.finish_reason_after(token)
-                if reason is not None:
-                    self._finish(out, request, reason)
-            out.token_ids = pack_ids(emitted_tokens)
-        if not self.scheduler.running:
-            self.runner.drop_workspace()  # idle: do not hold the decode batch's KV copy
-        out.t_step = time.monotonic()
-        out.stats = EngineStats(
+            elif request.samples or request.remaining:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            if not request.started_sent:
+                request.started_sent = True
+                out.started.append(RequestStart(request.request_id, request.t_arrived,
+                                                request.t_scheduled, request.cached_tokens))
+            reason = request.finish_reason()
+            if reason is not None:
+                self._finish(out, request, reason)
+        out.token_ids = pack_ids(emitted_tokens)
+
+    def _finish(self, out: StepOutput, request: EngineRequest, reason: str,
+                error: str = "", code: str = "") -> None:
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+        out.finished.append(FinishRecord(request.request_id, reason, error, code))
+
+    def _stats(self, batch: ScheduledBatch, step_ms: float) -> EngineStats:
+        self._prefix_queried_total += batch.queried_tokens
+        self._prefix_hit_total += batch.cached_tokens
+        self._preemptions_total += batch.preempted
+        return EngineStats(
             running=self.num_running, waiting=self.num_waiting,
             kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
             prefill_tokens=batch.prefill_tokens, cached_tokens=batch.cached_tokens,
-            decode_tokens=batch.decode_tokens, preempted=batch.preempted,
-            step_ms=(out.t_step - t_start) * 1000.0)
-        return out
-
-    # --- internals --------------------------------------------------------------------------
-    def _finish(self, out: StepOutput, request: EngineRequest, reason: str,
-                error: str = "") -> None:
-        self.scheduler.remove(request)
-        del self.requests[request.request_id]
-        self._emit_finish(out, request.request_id, reason, error)
-
-    @staticmethod
-    def _emit_finish(out: StepOutput, request_id: str, reason: str, error: str) -> None:
-        out.finished_ids.append(request_id)
-        out.finish_reasons.append(reason)
-        out.finish_errors.append(error)
+            decode_tokens=batch.decode_tokens, preempted=batch.preempted, step_ms=step_ms,
+            prefix_queried_tokens_total=self._prefix_queried_total,
+            prefix_hit_tokens_total=self._prefix_hit_total,
+            preemptions_total=self._preemptions_total)
 
     def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
         cfg = self.config
-        per_token = ModelRunner.bytes_per_token(model.config, dtype)
+        per_token = kv_bytes_per_token(model.config, dtype)
         if cfg.kv_cache_tokens:
             tokens = cfg.kv_cache_tokens
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             tokens = int(free * cfg.kv_cache_memory_fraction) // per_token
         else:
-            budget = min(cfg.cpu_kv_cache_max_bytes, _available_memory_bytes() // 4)
+            budget = min(cfg.cpu_kv_cache_max_bytes, available_memory_bytes() // 4)
             tokens = min(cfg.max_batch_size * self.max_model_len, budget // per_token)
         return max(1, tokens // cfg.block_size)
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    implied = dtype_for_weights(weights)
-    if implied is not None:
-        return implied
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo: bf16 matmuls run natively (2x fp32 here);
-    without them torch emulates bf16 and fp32 is the faster choice."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
-
-
-def _memory_budget_bytes(device: torch.device) -> int:
-    """What extra weight copies may take: a quarter of free memory (the KV pool's rule)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] // 4
-    return _available_memory_bytes() // 4
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

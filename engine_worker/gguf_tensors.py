@@ -101,6 +101,8 @@ def _reader_class():
         takes ~10^6 small slices of the buffer, and on an ``np.memmap`` each one runs a Python
         ``__array_finalize__`` (3x slower for this model's 49k-token vocabulary)."""
 
+        _buffer: np.ndarray
+
         @property
         def data(self) -> np.ndarray:
             return self._buffer

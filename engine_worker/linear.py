@@ -20,7 +20,7 @@ Q8_0 tensor: int8 with one scale per 32 columns), from a checkpoint's own blocks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Protocol, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,7 @@ class Int4Groups:
     def group(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
 
-    def rounded(self, dtype: torch.dtype) -> "Int4Groups":
+    def rounded(self, dtype: torch.dtype) -> Int4Groups:
         """The groups with scale and zero as the kernel holds them (rounded to ``dtype``)."""
         return Int4Groups(self.q, self.scale.to(dtype).float(), self.zero.to(dtype).float())
 
@@ -69,7 +69,7 @@ class Int8Blocks:
     scale: torch.Tensor
 
 
-WeightSource = Union[torch.Tensor, Int4Groups, Int8Blocks]
+WeightSource: TypeAlias = torch.Tensor | Int4Groups | Int8Blocks
 
 
 def dequantize(source: WeightSource) -> torch.Tensor:
@@ -138,7 +138,7 @@ class Int8Linear:
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype,
-                    bias: torch.Tensor | None = None) -> "Int8Linear":
+                    bias: torch.Tensor | None = None) -> Int8Linear:
         return cls(*quantize_int8(weight, dtype), dtype, bias)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Our own forward for the Llama family (Llama/SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with
-q/k norm), loaded from safetensors or from a GGUF at its own precision. It runs on a flat batch of
-tokens from many sequences and reads/writes the paged KV cache through
-``engine_worker.attention``. Linear layers are ``LinearWeight``s (``engine_worker.linear``): the
-forward calls ``apply`` whatever format ``WeightFormat`` gave them."""
+q/k norm), loaded from safetensors or from a GGUF at its own precision. It runs on a flat batch
+of tokens from many sequences and reads/writes the paged KV cache through an
+``engine_worker.attention`` backend. Linear layers are ``LinearWeight``s
+(``engine_worker.linear``): the forward calls ``apply`` whatever format ``WeightFormat`` gave
+them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from engine_worker.attention import AttentionBatch, paged_attention
+from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.gguf_tensors import read_gguf
 from engine_worker.linear import LinearWeight, WeightSource
 from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
@@ -87,7 +88,7 @@ class LlamaFamilyModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-             max_positions: int, weight_format: WeightFormat | None = None) -> "LlamaFamilyModel":
+             max_positions: int, weight_format: WeightFormat | None = None) -> LlamaFamilyModel:
         """A checkpoint directory: config.json plus either *.safetensors or one *.gguf."""
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
@@ -98,10 +99,11 @@ class LlamaFamilyModel:
             logger.warning("ignored %d unexpected weights, e.g. %s", len(leftover), leftover[:3])
         return model
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionBackend, metadata: AttentionMetadata,
                 logit_rows: torch.Tensor | None) -> torch.Tensor:
-        """input_ids/positions [T]; returns logits [len(logit_rows), vocab] (float32)."""
+        """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step.
+        Returns logits [len(logit_rows), vocab] (float32)."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -120,7 +122,7 @@ class LlamaFamilyModel:
                 q = F.rms_norm(q, (head_dim,), layer.q_norm, eps)
                 k = F.rms_norm(k, (head_dim,), layer.k_norm, eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, i)
+            attn = attention.forward(q, k, v, i, metadata)
             hidden = hidden + layer.o_proj.apply(attn.reshape(num_tokens, q_size))
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_attention_norm, eps)
             gate, up = layer.gate_up.apply(x).chunk(2, dim=-1)

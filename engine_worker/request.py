@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
-
+from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
+from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 
 class EngineRequest:
@@ -16,7 +16,8 @@ class EngineRequest:
 
     __slots__ = ("request_id", "token_ids", "prompt_len", "params", "sampler", "stop_ids",
                  "max_total_len", "t_arrived", "t_scheduled", "num_computed", "block_ids",
-                 "block_keys", "cached_tokens", "started_sent", "num_generated")
+                 "block_keys", "prefix_node", "cached_tokens", "started_sent",
+                 "num_generated", "samples", "prompt_logprobs_from")
 
     def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
                  sampler: RequestSampler, stop_ids: frozenset[int], max_model_len: int,
@@ -33,9 +34,14 @@ class EngineRequest:
         self.num_computed = 0
         self.block_ids: list[int] = []
         self.block_keys: list[int] = []  # prefix-cache chain keys of the leading full blocks
+        self.prefix_node = ROOT_NODE  # the prefix-cache node holding exactly those blocks
         self.cached_tokens = 0
         self.started_sent = False
         self.num_generated = 0
+        self.samples = params.max_tokens > 0  # max_tokens 0: the prompt is scored, nothing drawn
+        # The next prompt position whose logprob is still to be sent (positions from 1 have one);
+        # prompt_len when none are wanted, or all were sent.
+        self.prompt_logprobs_from = 1 if params.prompt_logprobs is not None else self.prompt_len
 
     @property
     def num_tokens(self) -> int:
@@ -50,11 +56,23 @@ class EngineRequest:
     def is_decoding(self) -> bool:
         return self.num_generated > 0 and self.remaining == 1
 
-    def finish_reason_after(self, token: int) -> str | None:
-        """Appends a sampled token and says whether (and why) the request is done."""
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still to be computed: the request computes every prompt position
+        itself (a block taken from the prefix cache has no logits)."""
+        return self.prompt_logprobs_from < self.prompt_len
+
+    def append_token(self, token: int) -> None:
+        """Adds a sampled token; its KV is computed by the next step that schedules it."""
         self.token_ids.append(token)
         self.num_generated += 1
-        if token in self.stop_ids:
+
+    def finish_reason(self) -> str | None:
+        """Why the request is done after its last sampled token, or None if it goes on."""
+        if self.num_generated == 0:
+            # Scoring only (max_tokens 0): done once the whole prompt is computed.
+            return FINISH_LENGTH if not self.samples and self.remaining == 0 else None
+        if self.token_ids[-1] in self.stop_ids:
             return FINISH_STOP
         if len(self.token_ids) >= self.max_total_len:
             return FINISH_LENGTH

@@ -21,10 +21,22 @@ import logging
 
 import torch
 
-from ipc.config import WEIGHTS
-from engine_worker.linear import (INT4_GROUP, BatchSizeSwitch, DenseLinear, Int4Groups,
-                                  Int4Linear, Int8Blocks, Int8Linear, LinearWeight, WeightSource,
-                                  dequantize, int4_supported, quantize_int4, quantize_int8)
+from engine_worker.linear import (
+    INT4_GROUP,
+    BatchSizeSwitch,
+    DenseLinear,
+    Int4Groups,
+    Int4Linear,
+    Int8Blocks,
+    Int8Linear,
+    LinearWeight,
+    WeightSource,
+    dequantize,
+    int4_supported,
+    quantize_int4,
+    quantize_int8,
+)
+from ipc.engine_config import WEIGHTS
 
 logger = logging.getLogger("splitserve.engine.weights")
 
@@ -157,11 +169,13 @@ class WeightFormat:
 def _stack(sources: list[WeightSource]) -> WeightSource:
     if len(sources) == 1:
         return sources[0]
-    if all(isinstance(s, Int4Groups) for s in sources) and len({s.group for s in sources}) == 1:
-        return Int4Groups(torch.cat([s.q for s in sources]), torch.cat([s.scale for s in sources]),
-                          torch.cat([s.zero for s in sources]))
-    if all(isinstance(s, Int8Blocks) for s in sources):
-        return Int8Blocks(torch.cat([s.q for s in sources]), torch.cat([s.scale for s in sources]))
+    int4 = [s for s in sources if isinstance(s, Int4Groups)]
+    if len(int4) == len(sources) and len({s.group for s in int4}) == 1:
+        return Int4Groups(torch.cat([s.q for s in int4]), torch.cat([s.scale for s in int4]),
+                          torch.cat([s.zero for s in int4]))
+    int8 = [s for s in sources if isinstance(s, Int8Blocks)]
+    if len(int8) == len(sources):
+        return Int8Blocks(torch.cat([s.q for s in int8]), torch.cat([s.scale for s in int8]))
     if all(isinstance(s, torch.Tensor) for s in sources):
         return torch.cat(sources)
     return torch.cat([dequantize(s) for s in sources])  # mixed block types: no common blocks

@@ -14,7 +14,8 @@ import sys
 import types
 import typing
 from array import array
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -95,7 +96,11 @@ def unpack_frame(frame: bytes) -> Any:
         return msgpack.unpackb(
             frame,
             raw=False,
-            strict_map_key=True,
+            # Integer keys are allowed (logit_bias maps token ids); every map is then decoded
+            # against its field's type, which checks each key's type (dec_dict below). Map
+            # lengths are capped, and int and float hashes cannot be made to collide more than
+            # a few times within msgpack's 64-bit range.
+            strict_map_key=False,
             max_str_len=MAX_STR_BYTES,
             max_bin_len=MAX_BIN_BYTES,
             max_array_len=MAX_ARRAY_LEN,
@@ -117,7 +122,8 @@ def decode_as(frame: bytes, *kinds: type[_T]) -> _T:
     msg = decode(frame)
     if kinds and not isinstance(msg, kinds):
         allowed = ", ".join(k.KIND for k in kinds)  # type: ignore[attr-defined]
-        raise DecodeError(f"message kind {type(msg).KIND!r} is not accepted here (expected {allowed})")
+        raise DecodeError(f"message kind {type(msg).KIND!r} is not accepted here "
+                          f"(expected {allowed})")
     return msg
 
 
@@ -203,7 +209,7 @@ def _make_decoder(hint: Any) -> Callable[[Any, str], Any]:
             }
 
         return dec_dict
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return lambda v, w: _decode_dataclass(hint, v, w)
     if hint is float:
 
@@ -262,11 +268,11 @@ def unpack_id_list(data: bytes) -> list[int]:
 def salvage_fields(frame: bytes, *names: str) -> dict[str, Any]:
     """Best-effort read of a few top-level fields from a frame that failed to decode.
 
-    ``names`` may be dotted paths into nested maps. Used to attribute an error to a request (and the client that sent it) instead of dropping the
-    frame silently. Invalid UTF-8 elsewhere in the frame is tolerated, and so are strings and
-    binaries over the decoding limits (a 20 MB prompt is still attributable: no value can be
-    longer than the frame, which the sockets cap already); a field comes back only if it has a
-    plain str/bytes value. Never raises.
+    ``names`` may be dotted paths into nested maps. Used to attribute an error to a request (and
+    the client that sent it) instead of dropping the frame silently. Invalid UTF-8 elsewhere in
+    the frame is tolerated, and so are strings and binaries over the decoding limits (a 20 MB
+    prompt is still attributable: no value can be longer than the frame, which the sockets cap
+    already); a field comes back only if it has a plain str/bytes value. Never raises.
     """
     if len(frame) > MAX_FRAME_BYTES:
         return {}

@@ -13,35 +13,38 @@
   mixed   short requests decoding while --long-prompts prompts of --long-prompt-tokens arrive:
           inter-token latency (ITL) p50/p99 of the decoding requests with and without chunked
           prefill.
-  kernels every weight format's linear layers on the model's own shapes (30 layers of distinct
-          weights, in forward order, so they stream from memory as in a real step) at each
-          --kernel-rows: ms per forward, and the crossover where dense bf16 overtakes each
-          quantized format. torchao's CPU formats join when torchao is importable.
-  formats the engine in each --formats weight format: prefill tokens/s and decode tokens/s at
-          each --decode-batch, interleaved repeats, ratios to the first format.
-  bandwidth  memory read bandwidth (a reduction over 1 GiB), the weight bytes a batch-1 decode
-          step reads in each --formats format, and that format's measured batch-1 decode
-          against the bound bandwidth / bytes.
+  peer    llama.cpp (llama-cpp-python, the optional `peer` extra) on the GGUF our default model
+          comes from, same threads, same prompts, alternating with our engine: prefill tokens/s
+          at each --prefill-tokens and decode tokens/s at batch 1, with ratios; then the batch-1
+          bandwidth bound of each (weight bytes read per token / the measured read bandwidth)
+          and, with --llama-bench PATH, llama.cpp's own llama-bench figures.
+  kernels, formats, bandwidth  weight formats: the linear layers alone at each --kernel-rows,
+          the engine in each --formats format, and batch-1 decode of each against the read
+          bandwidth bound (scripts/bench/engine_formats.py).
+  logprobs  decode steps at the largest --decode-batch with one request's (then every
+          request's) top-20 logprobs switched on every other step; the logprob work of a step
+          alone; prefill with prompt logprobs (scripts/bench/engine_logprobs.py).
 
-Every figure is printed with the torch thread count it ran with (--threads).
+Engines run --dtype/--weights; unset, 'core', 'sampling', 'prefix', 'mixed' and 'logprobs' run
+dense float32 (as transformers does) and 'peer' runs the default launch (auto/auto). Every figure
+is printed with the torch thread count it ran with (--threads).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine_worker.engine import Engine
+from ipc.engine_config import EngineConfig
+from ipc.messages import SamplingParams
+from procs.model_store import load_reference_model, resolve_model
 
-from engine_worker.config import EngineConfig  # noqa: E402
-from engine_worker.engine import Engine  # noqa: E402
-from ipc.messages import SamplingParams  # noqa: E402
-from procs.model_store import load_reference_model, resolve_model  # noqa: E402
+DENSE_WEIGHTS = {"float32": "fp32", "bfloat16": "bf16", "auto": "auto"}
 
 
 def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
@@ -49,10 +52,16 @@ def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
 
 
 def make_engine(args, **knobs) -> Engine:
+    """An engine on --dtype/--weights (unset: dense float32, as transformers runs)."""
     knobs.setdefault("kv_cache_tokens", args.kv_cache_tokens)
-    knobs.setdefault("dtype", args.dtype)
-    knobs.setdefault("weights", args.weights)
-    return Engine(EngineConfig(model_path=str(args.model), num_threads=args.threads, **knobs))
+    knobs.setdefault("dtype", args.dtype or "float32")
+    knobs.setdefault("weights", args.weights or DENSE_WEIGHTS[knobs["dtype"]])
+    return Engine(EngineConfig(model_path=str(args.model), engine_threads=args.threads, **knobs))
+
+
+def default_launch_knobs(args) -> dict[str, str]:
+    """What `splitserve launch` runs unless told otherwise (what 'peer' compares)."""
+    return {"dtype": args.dtype or "auto", "weights": args.weights or "auto"}
 
 
 def params(max_tokens: int, **sampling) -> SamplingParams:
@@ -128,7 +137,8 @@ def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int, **sampling)
 
 
 def load_hf(args):
-    hf = load_reference_model(args.model, getattr(torch, args.dtype))
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    hf = load_reference_model(args.model, dtype)
     hf.generation_config.eos_token_id = None  # count every requested token
     return hf
 
@@ -152,9 +162,10 @@ def best_decode_rates(args, engine: Engine, hf, prompts: list[list[int]],
     return ours, theirs
 
 
-def print_rates(title: str, rows: list[tuple[str, float, float]]) -> None:
+def print_rates(title: str, rows: list[tuple[str, float, float]],
+                peer: str = "transformers") -> None:
     print(title)
-    print(f"{'':24s}{'engine tok/s':>14s}{'transformers':>14s}{'ratio':>8s}")
+    print(f"{'':24s}{'engine tok/s':>14s}{peer:>14s}{'ratio':>8s}")
     for name, ours, theirs in rows:
         print(f"{name:24s}{ours:14.1f}{theirs:14.1f}{ours / theirs:8.2f}x")
 
@@ -172,7 +183,7 @@ def run_core(args) -> None:
     for batch in args.decode_batch:
         ours, theirs = best_decode_rates(args, engine, hf, decode_prompts(args, rng, batch))
         rows.append((f"decode batch {batch}", ours, theirs))
-    print_rates(f"\ncore (threads={torch.get_num_threads()}, {args.dtype} for both, "
+    print_rates(f"\ncore (threads={torch.get_num_threads()}, {args.dtype or 'float32'} for both, "
                 f"{engine.model_name}; decode prompts {args.decode_prompt_tokens // 2}.."
                 f"{args.decode_prompt_tokens * 3 // 2} tokens, {args.decode_tokens} new tokens)",
                 rows)
@@ -199,7 +210,8 @@ def run_sampling(args) -> None:
     prompts = decode_prompts(args, np.random.default_rng(0), batch)
     rows = [(name, *best_decode_rates(args, engine, hf, prompts, ours, theirs))
             for name, ours, theirs in SAMPLING_CASES]
-    print_rates(f"\nsampling (threads={torch.get_num_threads()}, {args.dtype} for both, "
+    print_rates(f"\nsampling (threads={torch.get_num_threads()}, "
+                f"{args.dtype or 'float32'} for both, "
                 f"decode batch {batch}, {args.decode_tokens} new tokens)", rows)
 
 
@@ -264,183 +276,67 @@ def run_mixed(args) -> None:
           "chunked prefill")
 
 
-# --- weight formats: kernels, engine throughput, memory bandwidth -------------------------------
-FORMAT_DTYPES = {"fp32": "float32"}  # every other format runs the engine's auto dtype
+# --- peer: llama.cpp on the same GGUF -----------------------------------------------------------
+def run_peer(args) -> None:
+    from scripts.bench import peer_engine as pe
 
-
-def kernel_formats() -> dict:
-    """name -> (build(weight float32) -> layer with apply(x), activation dtype)."""
-    from engine_worker.linear import DenseLinear, Int4Linear, Int8Linear, quantize_int4
-
-    bf16 = torch.bfloat16
-    formats = {
-        "fp32": (DenseLinear, torch.float32),
-        "bf16": (lambda w: DenseLinear(w.to(bf16)), bf16),
-        "int8": (lambda w: Int8Linear.from_weight(w, bf16), bf16),
-        "int4": (lambda w: Int4Linear(quantize_int4(w, bf16), bf16), bf16),
-    }
-    try:  # torchao's CPU weight-only formats (optional; not a dependency)
-        from torchao.prototype.quantization.int4.inference_workflow import (
-            PrototypeInt4WeightOnlyConfig)
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-        def torchao(config):
-            def build(w):
-                layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=bf16)
-                layer.weight.data = w.to(bf16)
-                quantize_(layer, config)
-                return type("TorchaoLinear", (), {"apply": lambda self, x: layer(x)})()
-            return build
-
-        formats["ao-int8"] = (torchao(Int8WeightOnlyConfig()), bf16)
-        formats["ao-int4"] = (torchao(PrototypeInt4WeightOnlyConfig(group_size=32)), bf16)
-    except Exception as exc:  # noqa: BLE001 - any import or config failure just skips them
-        print(f"(torchao formats skipped: {type(exc).__name__}: {exc})")
-    return formats
-
-
-def run_kernels(args) -> None:
-    from engine_worker.model_config import ModelConfig
-
-    cfg = ModelConfig.from_dir(args.model)
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"qkv": (q + 2 * kv, cfg.hidden_size), "o_proj": (cfg.hidden_size, q),
-              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
-              "down": (cfg.hidden_size, cfg.intermediate_size)}
-    formats = kernel_formats()
-    torch.manual_seed(0)
-    models = {}
-    for name, (build, dtype) in formats.items():
-        layers = [{s: build(torch.randn(n, k) * 0.05) for s, (n, k) in shapes.items()}
-                  for _ in range(cfg.num_layers)]
-        models[name] = (layers, build(torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.05), dtype)
-
-    def call_ms(name: str, rows: int) -> dict[str, list[float]]:
-        """ms of every call of one forward's worth of linear layers, per shape, in order."""
-        layers, head, dtype = models[name]
-        inputs = {s: torch.randn(rows, k).to(dtype) for s, (n, k) in shapes.items()}
-        spent: dict[str, list[float]] = {s: [] for s in [*shapes, "lm_head"]}
-        for layer in layers:
-            for s in shapes:
-                start = time.perf_counter()
-                layer[s].apply(inputs[s])
-                spent[s].append((time.perf_counter() - start) * 1e3)
-        start = time.perf_counter()
-        head.apply(torch.randn(rows, cfg.hidden_size).to(dtype))
-        spent["lm_head"].append((time.perf_counter() - start) * 1e3)
-        return spent
-
-    print(f"\nkernels (threads={torch.get_num_threads()}, {cfg.num_layers} layers of "
-          + ", ".join(f"{s} {n}x{k}" for s, (n, k) in shapes.items())
-          + f", lm_head {cfg.vocab_size}x{cfg.hidden_size}; ms per forward: each call's best of "
-          f"{args.kernel_repeats} interleaved runs, summed)")
-    totals: dict[tuple[str, int], float] = {}
-    with torch.inference_mode():
-        # Warm-up at every size first: torch's bf16 GEMM ran a 60x slower path on the first
-        # batch-1 calls of a fresh process, until other sizes had run.
-        for rows in args.kernel_rows:
-            for name in formats:
-                call_ms(name, rows)
-        for rows in args.kernel_rows:
-            # Each call's minimum over the runs: on a shared machine a single short call often
-            # runs undisturbed even when no whole forward does.
-            best: dict[str, dict[str, list[float]]] = {}
-            for _ in range(args.kernel_repeats):
-                for name in formats:
-                    for part, times in call_ms(name, rows).items():
-                        kept = best.setdefault(name, {}).setdefault(part, times)
-                        kept[:] = [min(a, b) for a, b in zip(kept, times)]
-            print(f"rows {rows}:")
-            for name, parts in best.items():
-                sums = {part: sum(times) for part, times in parts.items()}
-                layers_ms = sum(v for k, v in sums.items() if k != "lm_head")
-                totals[name, rows] = layers_ms + sums["lm_head"]
-                print(f"  {name:8s} total {totals[name, rows]:8.2f}   layers {layers_ms:8.2f}   "
-                      f"lm_head {sums['lm_head']:7.2f}   | "
-                      + "  ".join(f"{k} {sums[k]:.2f}" for k in shapes))
-    for name in formats:
-        if name in ("fp32", "bf16"):
-            continue
-        faster = [r for r in args.kernel_rows if totals[name, r] < totals["bf16", r]]
-        print(f"{name}: faster than bf16 at rows {faster or 'none'}")
-
-
-def run_formats(args) -> None:
-    rng = np.random.default_rng(0)
-    formats = args.formats.split(",")
-    # KV for the largest decode batch only: five engines share the machine's memory.
-    kv_tokens = max(max(args.prefill_tokens), max(args.decode_batch) * (
-        args.decode_prompt_tokens * 3 // 2 + args.decode_tokens + 2 * 16)) + 64
-    engines = {f: make_engine(args, weights=f, dtype=FORMAT_DTYPES.get(f, "auto"),
-                              enable_prefix_cache=False, max_batch_size=max(args.decode_batch),
-                              kv_cache_tokens=kv_tokens)
-               for f in formats}
+    if not pe.llama_cpp_available():
+        raise SystemExit(pe.NEEDS_PEER_EXTRA)
+    gguf = Path(args.gguf) if args.gguf else pe.default_gguf()
+    rng = np.random.default_rng(3)
+    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=1,
+                         **default_launch_knobs(args))
+    longest = max(*args.prefill_tokens, args.decode_prompt_tokens + args.decode_tokens + 1)
+    peer = pe.LlamaCppPeer(gguf, args.threads, n_ctx=longest + 16)
+    warm = random_prompt(rng, 16)
+    engine_decode_rate(engine, [warm], 2)  # warm-ups: first-call allocations on both sides
+    peer.decode_rate(warm, 2)
     rows = []
     for length in args.prefill_tokens:
         prompt = random_prompt(rng, length)
-        rates = dict.fromkeys(formats, 0.0)
-        for _ in range(args.repeats):
-            for f in formats:
-                rates[f] = max(rates[f], engine_prefill_rate(engines[f], prompt, 1))
-        rows.append((f"prefill {length} tokens", rates))
-    for batch in args.decode_batch:
-        prompts = decode_prompts(args, rng, batch)
-        rates = dict.fromkeys(formats, 0.0)
-        for _ in range(args.repeats):
-            for f in formats:
-                rates[f] = max(rates[f], engine_decode_rate(engines[f], prompts, args.decode_tokens))
-        rows.append((f"decode batch {batch}", rates))
-    base = formats[0]
-    print(f"\nformats (threads={torch.get_num_threads()}, tokens/s, best of {args.repeats} "
-          f"interleaved; ratio to {base}; {args.decode_tokens} new tokens)")
-    for f in formats:
-        print(f"  {f}: {engines[f].runner.model.weight_format.describe()}, "
-              f"dtype {engines[f].runner.model.dtype}")
-    print(f"{'':24s}" + "".join(f"{f:>16s}" for f in formats))
-    for name, rates in rows:
-        print(f"{name:24s}" + "".join(
-            f"{rates[f]:9.1f} {rates[f] / rates[base]:5.2f}x" for f in formats))
-    args.format_rates = {name: rates for name, rates in rows}
+        ours = theirs = 0.0
+        for _ in range(args.repeats):  # alternating: a disturbance hits one run, not one side
+            ours = max(ours, engine_prefill_rate(engine, prompt, 1))
+            theirs = max(theirs, peer.prefill_rate(prompt, 1))
+        rows.append((f"prefill {length} tokens", ours, theirs))
+    prompt = random_prompt(rng, args.decode_prompt_tokens)
+    decode = [0.0, 0.0]
+    for _ in range(args.repeats):
+        decode[0] = max(decode[0], engine_decode_rate(engine, [prompt], args.decode_tokens))
+        decode[1] = max(decode[1], peer.decode_rate(prompt, args.decode_tokens))
+    rows.append(("decode batch 1", *decode))
+    peer.close()
+    ours = (f"{engine.runner.model.weight_format.describe()}, activations "
+            f"{engine.runner.model.dtype}")
+    print_rates(f"\npeer (threads={args.threads} for both; ours {ours}; llama.cpp "
+                f"{peer.version} on {gguf.name}; decode after a "
+                f"{args.decode_prompt_tokens}-token prompt, {args.decode_tokens} new tokens)",
+                rows, peer="llama.cpp")
+    bandwidth = pe.read_bandwidth_gbs(args.threads)
+    print(f"batch-1 decode bandwidth bound (read bandwidth {bandwidth:.1f} GB/s at "
+          f"{args.threads} threads):")
+    print(pe.bound_line("engine", pe.weight_bytes_per_token(engine.runner.model),
+                        bandwidth, decode[0]))
+    print(pe.bound_line("llama.cpp (GGUF as stored)", pe.gguf_weight_bytes_per_token(gguf),
+                        bandwidth, decode[1]))
+    if args.llama_bench:
+        figures = pe.llama_bench(args.llama_bench, gguf, args.threads, args.prefill_tokens,
+                                 args.decode_tokens)
+        print(f"llama-bench (threads={args.threads}): "
+              + ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in figures))
 
 
-def read_bandwidth_gbs(repeats: int = 7) -> float:
-    """Read bandwidth of a float32 sum over 1 GiB (far beyond any cache), best of ``repeats``."""
-    buffer = torch.ones(1 << 28, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best / 1e9
+def run_weight_formats(args) -> None:
+    from scripts.bench import engine_formats  # it imports this module
+
+    {"kernels": engine_formats.run_kernels, "formats": engine_formats.run_formats,
+     "bandwidth": engine_formats.run_bandwidth}[args.workload](args)
 
 
-def decode_bytes_per_token(model) -> int:
-    """Weight bytes one batch-1 decode step reads: every linear layer's decode copy, one
-    embedding row and the norms (KV reads are left out: a few KiB at short context)."""
-    layers = sum(layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes
-                 + layer.down.nbytes + 2 * layer.input_norm.numel() * layer.input_norm.element_size()
-                 for layer in model.layers)
-    return layers + model.lm_head.nbytes + model.embed[0].numel() * model.embed.element_size()
+def run_logprobs(args) -> None:
+    from scripts.bench.engine_logprobs import run_logprobs as run  # it imports this module
 
-
-def run_bandwidth(args) -> None:
-    formats = args.formats.split(",")
-    gbs = read_bandwidth_gbs()
-    args.decode_batch = [1]
-    if not getattr(args, "format_rates", None):
-        run_formats(args)
-    measured = args.format_rates["decode batch 1"]
-    print(f"\nbandwidth (threads={torch.get_num_threads()}): measured read bandwidth "
-          f"{gbs:.1f} GB/s (float32 sum over 1 GiB, best of 7)")
-    print(f"{'':8s}{'MB read/token':>15s}{'bound tok/s':>13s}{'decode b=1':>12s}{'of bound':>10s}"
-          f"{'achieved GB/s':>15s}")
-    for f in formats:
-        engine = make_engine(args, weights=f, dtype=FORMAT_DTYPES.get(f, "auto"),
-                             kv_cache_tokens=1024)
-        nbytes = decode_bytes_per_token(engine.runner.model)
-        bound = gbs * 1e9 / nbytes
-        print(f"{f:8s}{nbytes / 1e6:15.1f}{bound:13.1f}{measured[f]:12.1f}"
-              f"{100 * measured[f] / bound:9.0f}%{measured[f] * nbytes / 1e9:15.1f}")
+    run(args)
 
 
 def main() -> None:
@@ -450,19 +346,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", default=["core"],
-                        choices=["core", "sampling", "prefix", "mixed", "kernels", "formats",
-                                 "bandwidth"],
+                        choices=["core", "sampling", "prefix", "mixed", "peer", "kernels",
+                                 "formats", "bandwidth", "logprobs"],
                         help="what to run (default: core)")
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
+    parser.add_argument("--gguf", default=None,
+                        help="the GGUF llama.cpp runs in 'peer' (default: the one the default "
+                             "model is converted from)")
+    parser.add_argument("--llama-bench", default=None, metavar="PATH",
+                        help="'peer' also runs this llama-bench binary (scripts/"
+                             "build_llama_server.sh builds one)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="weights and activations, for the engine and transformers alike")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                        help="the engine's activations (and transformers' dtype in 'core' and "
+                             "'sampling'); default: float32, 'peer' auto")
     parser.add_argument("--weights", default=None, choices=["auto", "bf16", "fp32", "int8", "int4"],
-                        help="the engine's weight format in core/sampling/prefix/mixed "
-                             "(default: dense in --dtype, as transformers runs)")
+                        help="the engine's weight format (default: dense in --dtype, 'peer' "
+                             "auto; splitserve launch --help says what each is)")
     parser.add_argument("--formats", default="fp32,bf16,int8,int4,auto",
-                        help="weight formats compared by 'formats' and 'bandwidth' (fp32 runs "
-                             "float32 activations, the others the CPU's auto dtype)")
+                        help="weight formats 'formats' and 'bandwidth' compare (fp32 and bf16 "
+                             "run their own dtype, the others the CPU's auto dtype)")
     parser.add_argument("--kernel-rows", type=ints, default=[1, 2, 4, 8, 16, 32, 256],
                         help="rows (tokens) per linear call for 'kernels'")
     parser.add_argument("--kernel-repeats", type=int, default=5,
@@ -486,12 +389,13 @@ def main() -> None:
                         help="prefill_chunk_tokens for the chunked run of 'mixed'")
     args = parser.parse_args()
     args.model = resolve_model(args.model)
-    args.weights = args.weights or {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
     torch.set_num_threads(args.threads)
     for workload in args.workloads:
+        args.workload = workload
         {"core": run_core, "sampling": run_sampling, "prefix": run_prefix,
-         "mixed": run_mixed, "kernels": run_kernels, "formats": run_formats,
-         "bandwidth": run_bandwidth}[workload](args)
+         "mixed": run_mixed, "peer": run_peer, "kernels": run_weight_formats,
+         "formats": run_weight_formats, "bandwidth": run_weight_formats,
+         "logprobs": run_logprobs}[workload](args)
 
 
 if __name__ == "__main__":

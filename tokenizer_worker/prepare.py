@@ -6,14 +6,19 @@ Everything here is pure (no sockets), so it is unit-tested directly.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 from ipc.codec import DecodeError, pack_ids, unpack_ids
 from ipc.messages import (
-    ERR_BAD_REQUEST, RequestError, RequestMeta, SamplingParams, SubmitRequest, TokenizedRequest,
+    ERR_BAD_REQUEST,
+    ChatMessage,
+    RequestError,
+    RequestMeta,
+    SamplingParams,
+    SubmitRequest,
+    TokenizedRequest,
 )
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 
@@ -25,16 +30,6 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, code: str = ERR_BAD_REQUEST) -> None:
         super().__init__(message)
         self.code = code
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The HF ``tokenizers`` Tokenizer of a model directory (never transformers)."""
-    from tokenizers import Tokenizer
-
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
-    return Tokenizer.from_file(str(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +51,10 @@ class RequestPreparer:
         self.chat_template = chat_template
         self.limits = limits
         self.tokenizer_index = tokenizer_index
-        # A debug knob for tests proving submit() never waits for tokenization.
-        self.debug_delay_s = float(os.environ.get("SPLITSERVE_DEBUG_TOKENIZE_DELAY_MS", "0")) / 1e3
 
     def prepare_batch(self, requests: list[SubmitRequest]) -> list[TokenizedRequest | RequestError]:
         """One result per request, in order. Text is encoded with one encode_batch per kind."""
         t_start = time.monotonic()
-        if self.debug_delay_s:
-            time.sleep(self.debug_delay_s)  # once per batch
         results: list[TokenizedRequest | RequestError | None] = [None] * len(requests)
         ids: list[list[int] | None] = [None] * len(requests)
         plain, chat = [], []  # (position, text): raw prompts get the tokenizer's special tokens,
@@ -109,19 +100,27 @@ class RequestPreparer:
             # Clamp instead of refusing: the request still ends with reason "length" at the
             # context limit, which is what a caller asking for "as much as fits" wants.
             sampling = _with_max_tokens(sampling, room)
+        packed = pack_ids(ids)
         meta = RequestMeta(
             request_id=req.request_id, client_id=req.client_id, prompt_tokens=n,
             stop=list(sampling.stop), skip_special_tokens=sampling.skip_special_tokens,
             tokenizer_index=self.tokenizer_index, t_submit=req.t_submit,
-            t_tokenize_start=t_start, t_tokenized=t_done)
-        return TokenizedRequest(request_id=req.request_id, token_ids=pack_ids(ids),
+            t_tokenize_start=t_start, t_tokenized=t_done,
+            continuous_usage_stats=req.continuous_usage_stats,
+            # The detokenizer turns these into the echoed text and the prompt's token strings.
+            prompt_token_ids=packed if sampling.scores_prompt else b"", echo=sampling.echo,
+            prompt_logprobs=sampling.prompt_logprobs is not None,
+            include_stop_str_in_output=sampling.include_stop_str_in_output)
+        return TokenizedRequest(request_id=req.request_id, token_ids=packed,
                                 sampling=sampling, meta=meta)
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
-        bad = [t for t in sampling.stop_token_ids if t >= self.limits.vocab_size]
-        if bad:
-            raise RequestRejected(f"stop_token_ids {bad[:8]} are outside the vocabulary "
-                                  f"(size {self.limits.vocab_size})")
+        for name, ids in (("stop_token_ids", sampling.stop_token_ids),
+                          ("logit_bias", sampling.logit_bias)):
+            bad = [t for t in ids if t >= self.limits.vocab_size]
+            if bad:
+                raise RequestRejected(f"{name} {bad[:8]} are outside the vocabulary "
+                                      f"(size {self.limits.vocab_size})")
 
     def _check_text(self, text: str) -> str:
         if not text:
@@ -144,26 +143,32 @@ class RequestPreparer:
         return arr.tolist()
 
     def _render_chat(self, req: SubmitRequest) -> str:
-        if self.chat_template is None:
-            raise RequestRejected("this model has no chat template; send a prompt instead")
-        messages = req.messages or []
-        if len(messages) > MAX_CHAT_MESSAGES:
-            raise RequestRejected(f"at most {MAX_CHAT_MESSAGES} chat messages")
-        for m in messages:
-            if not m.role:
-                raise RequestRejected("every chat message needs a non-empty role")
-        try:
-            text = self.chat_template.render(
-                [{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=req.add_generation_prompt)
-        except ChatTemplateError as exc:
-            raise RequestRejected(str(exc)) from None
-        return self._check_text(text)
+        return self._check_text(render_chat(self.chat_template, req.messages or [],
+                                            req.add_generation_prompt, req.chat_template_kwargs))
+
+
+def render_chat(template: ChatTemplate | None, messages: list[ChatMessage],
+                add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+    """The chat as the model's template writes it; RequestRejected says what is wrong."""
+    if template is None:
+        raise RequestRejected("this model has no chat template; send a prompt instead")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise RequestRejected(f"at most {MAX_CHAT_MESSAGES} chat messages")
+    for m in messages:
+        if not m.role:
+            raise RequestRejected("every chat message needs a non-empty role")
+    try:
+        return template.render([{"role": m.role, "content": m.content,
+                                 **({"name": m.name} if m.name else {})} for m in messages],
+                               add_generation_prompt=add_generation_prompt, extra=extra)
+    except ChatTemplateError as exc:
+        raise RequestRejected(str(exc)) from None
 
 
 def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
     fields = {name: getattr(sampling, name) for name in SamplingParams.__dataclass_fields__}
     fields["max_tokens"] = max_tokens
+    fields["min_tokens"] = min(sampling.min_tokens, max_tokens)
     return SamplingParams(**fields)
 
 

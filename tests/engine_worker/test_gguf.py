@@ -14,11 +14,11 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine
 from engine_worker.gguf_tensors import UnsupportedGGUFType, _parse, _reader_class, read_gguf
 from engine_worker.linear import Int4Groups, Int4Linear, Int8Blocks, dequantize
 from engine_worker.weight_format import WeightFormat
+from ipc.engine_config import EngineConfig
 from procs.model_store import gguf_file
 from tests.engine_worker.helpers import give_blocks, manual_request
 
@@ -140,8 +140,9 @@ def test_gguf_checkpoint_matches_its_dequantized_weights(tiny_gguf):
                                quantized_max_tokens=1 << 20, **config))
     kinds = auto.runner.model.weight_format.counts
     assert kinds == {"int4": 6, "dense": 2, "int8": 1}, kinds  # 2 layers x (qkv, o, gate_up)
-    exact_weights = Engine(EngineConfig(model_path=str(gguf_dir), **config), weight_format=WeightFormat(
-        "auto", torch.float32, torch.device("cpu"), reference_for=torch.float32))
+    exact_weights = Engine(EngineConfig(model_path=str(gguf_dir), **config),
+                           weight_format=WeightFormat("auto", torch.float32, torch.device("cpu"),
+                                                      reference_for=torch.float32))
     expected = last_logits(exact_weights, PROMPT)
     diff = (last_logits(auto, PROMPT) - expected).abs().max().item()
     assert diff < 1e-4 * expected.abs().max().item(), diff
@@ -192,7 +193,7 @@ def test_engine_on_a_gguf_imports_no_tokenizer_code(tiny_gguf):
     import sys
 
     code = ("import sys; from engine_worker.engine import Engine; "
-            "from engine_worker.config import EngineConfig; "
+            "from ipc.engine_config import EngineConfig; "
             f"Engine(EngineConfig(model_path={str(tiny_gguf[0])!r}, kv_cache_tokens=256)); "
             "bad = [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))]; "
             "print('LOADED', bad)")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine
 from engine_worker.weight_format import WeightFormat
+from ipc.engine_config import EngineConfig
 from tests.engine_worker.helpers import collect, give_blocks, greedy, manual_request
 
 PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
@@ -77,10 +77,12 @@ def test_default_model_kernels_match_dequantized_reference(default_model_dir, we
 
 
 QUESTIONS = [
-    "What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?",
+    "What is the capital of France?", "Name three primary colors.",
+    "How many legs does a spider have?",
     "Write a haiku about the sea.", "What is 12 times 12?", "Who wrote Romeo and Juliet?",
     "Explain photosynthesis in one sentence.", "What is the boiling point of water?",
-    "Give me a synonym for happy.", "What does a compiler do?", "Translate 'good morning' to Spanish.",
+    "Give me a synonym for happy.", "What does a compiler do?",
+    "Translate 'good morning' to Spanish.",
     "What is the largest planet in the solar system?", "Describe a cat in five words.",
     "Why is the sky blue?", "List two benefits of exercise.", "What is an atom?",
     "Suggest a name for a pet goldfish.", "What is the square root of 81?",

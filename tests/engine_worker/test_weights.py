@@ -7,11 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_worker.config import EngineConfig
-from engine_worker.engine import _resolve_dtype, cpu_has_native_bf16
-from engine_worker.linear import (BatchSizeSwitch, DenseLinear, Int4Groups, Int4Linear,
-                                  Int8Linear, dequantize, quantize_int4, quantize_int8)
+from engine_worker.device import cpu_has_native_bf16, resolve_dtype
+from engine_worker.linear import (
+    BatchSizeSwitch,
+    DenseLinear,
+    Int4Groups,
+    Int4Linear,
+    Int8Linear,
+    dequantize,
+    quantize_int4,
+    quantize_int8,
+)
 from engine_worker.weight_format import WeightFormat, check_weights_and_dtype
+from ipc.engine_config import EngineConfig
 
 CPU = torch.device("cpu")
 
@@ -118,9 +126,9 @@ def test_weights_and_dtype_knobs():
         check_weights_and_dtype("bf16", torch.float32, CPU)
     with pytest.raises(ValueError, match="CPU kernels only"):
         check_weights_and_dtype("int4", torch.bfloat16, torch.device("cuda"))
-    assert _resolve_dtype("auto", CPU, "fp32") == torch.float32
-    assert _resolve_dtype("auto", CPU, "bf16") == torch.bfloat16
-    assert _resolve_dtype("float32", CPU, "int4") == torch.float32
+    assert resolve_dtype("auto", CPU, "fp32") == torch.float32
+    assert resolve_dtype("auto", CPU, "bf16") == torch.bfloat16
+    assert resolve_dtype("float32", CPU, "int4") == torch.float32
     flags = set()
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -129,4 +137,4 @@ def test_weights_and_dtype_knobs():
                 break
     native = bool(flags & {"avx512_bf16", "amx_bf16"})
     assert cpu_has_native_bf16() == native
-    assert _resolve_dtype("auto", CPU, "auto") == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", CPU, "auto") == (torch.bfloat16 if native else torch.float32)

@@ -1,4 +1,4 @@
-"""The client SDK (sync; the asyncio twin is ipc.async_client.AsyncClient, re-exported here).
+"""The sync client (the asyncio twin is ipc.client.async_client.AsyncClient).
 
     with Client(cluster.client_addr) as client:
         handle = client.submit(messages=[{"role": "user", "content": "Hi"}], max_tokens=32)
@@ -14,45 +14,60 @@ thread owns it and routes events to handles.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import zmq
 
 from ipc import codec
-from ipc.client_common import (
-    BadRequestError, ClientCore, Delta, GenerationResult, HandleBase, OverloadedError,
-    RequestRecord, RequestTimeoutError, SplitserveError, UnavailableError, closed_event,
-    curve_keys, disconnect_monitor, make_dealer, make_submit_sockets, monitor_events,
-    prompt_kwargs, timeout_event, tokenizer_addrs,
+from ipc.client.core import ClientCore
+from ipc.client.errors import RequestTimeoutError, UnavailableError
+from ipc.client.queries import Builder, QueryMethods
+from ipc.client.records import HandleBase, RequestRecord, closed_event, timeout_event
+from ipc.client.requests import prompt_kwargs
+from ipc.client.results import Delta, GenerationResult
+from ipc.client.transport import (
+    curve_keys,
+    disconnect_monitor,
+    make_dealer,
+    make_submit_sockets,
+    monitor_events,
+    submit_hwm_for,
+    tokenizer_addrs,
 )
 from ipc.messages import (
-    ClientAbort, ClientBye, ClientHello, ClientWelcome, SamplingParams, StreamEvent,
+    ClientAbort,
+    ClientBye,
+    ClientHello,
+    ClientWelcome,
+    SamplingParams,
+    StreamEvent,
 )
 from ipc.sockets import LINGER_MS
 
-__all__ = ["Client", "AsyncClient", "RequestHandle", "GenerationResult", "Delta",
-           "SplitserveError", "BadRequestError", "OverloadedError", "UnavailableError",
-           "RequestTimeoutError"]
-
 
 class RequestHandle(HandleBase):
-    def __init__(self, client: "Client", record: RequestRecord) -> None:
+    def __init__(self, client: Client, record: RequestRecord) -> None:
         super().__init__(client, record)
         self._cond = threading.Condition()
 
-    def _deliver(self, delta: Delta) -> None:  # receiver thread
+    def deliver(self, delta: Delta) -> None:  # receiver thread
         with self._cond:
             self._deltas.append(delta)
             self._cond.notify_all()
+
+    def _has_delta(self, i: int) -> bool:
+        return len(self._deltas) > i
 
     def stream(self, timeout: float | None = None) -> Iterator[Delta]:
         """Yields deltas as they arrive; an error ending raises its SplitserveError."""
         i = 0
         while True:
             with self._cond:
-                if not self._cond.wait_for(lambda: len(self._deltas) > i, timeout):
+                if not self._cond.wait_for(functools.partial(self._has_delta, i), timeout):
                     raise RequestTimeoutError(f"no event within {timeout} s", self.request_id)
             delta = self._next_delta(i)
             i += 1
@@ -65,20 +80,20 @@ class RequestHandle(HandleBase):
     def result(self, timeout: float | None = None, *, check: bool = True) -> GenerationResult:
         """Waits for the terminal event. ``check``: raise the error of a failed request."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._record.final is not None, timeout):
+            if not self._cond.wait_for(lambda: self.record.final is not None, timeout):
                 raise RequestTimeoutError(f"not finished within {timeout} s", self.request_id)
-        result = self._record.result()
+        result = self.record.result()
         return result.raise_for_error() if check else result
 
     def abort(self) -> None:
         """Asks the cluster to stop this request; its terminal event (reason "abort") follows."""
         if not self.done:
-            self._client._abort(self._record)
+            self._client._abort(self.record)
 
 
-class Client:
+class Client(QueryMethods):
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
-                 deadline_s: float | None = None, submit_hwm: int = 64,
+                 deadline_s: float | None = None, submit_hwm: int | None = None,
                  server_public_key: str | bytes | None = None,
                  tokenizer_retries: int = 1) -> None:
         """Connects and does the handshake (raises UnavailableError when nobody answers).
@@ -89,9 +104,12 @@ class Client:
         it to curve_public.key in its run dir); needed when the cluster uses CURVE (--listen).
         tokenizer_retries: how many times a request still queued in a tokenizer worker that
         died is sent again to a live one before it ends with an "unavailable" error.
+        submit_hwm: requests each tokenizer pipe holds before submit() raises OverloadedError;
+        default: the cluster's admission bound (max_waiting_requests) over its tokenizers.
         """
         curve = curve_keys(server_public_key)
         self._core = ClientCore(deadline_s, tokenizer_retries)
+        self.client_id = self._core.client_id
         self._ctx = zmq.Context()
         # _lock: the submit sockets, wire ids (a resend changes one) and _closing; the receiver
         # thread takes it too, so nobody blocks while holding it. _control_lock: the control
@@ -107,7 +125,8 @@ class Client:
                                    f"{connect_timeout_s} s" + _curve_hint(curve))
         self.welcome: ClientWelcome = codec.decode_as(dealer.recv(), ClientWelcome)
         self._submit = make_submit_sockets(
-            self._ctx, tokenizer_addrs(address, self.welcome.tokenizer_addrs), submit_hwm, curve)
+            self._ctx, tokenizer_addrs(address, self.welcome.tokenizer_addrs),
+            submit_hwm_for(self.welcome, submit_hwm), curve)
         self._control_addr = f"inproc://control-{self._core.client_id.decode()}"
         control_in = self._ctx.socket(zmq.PULL)
         control_in.bind(self._control_addr)
@@ -132,7 +151,12 @@ class Client:
     def submit(self, prompt: str | None = None, *, messages: list[Any] | None = None,
                prompt_token_ids: Any = None, sampling: SamplingParams | None = None,
                request_id: str | None = None, add_generation_prompt: bool = True,
-               deadline_s: float | None = None, **sampling_kwargs: Any) -> RequestHandle:
+               deadline_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+               continuous_usage_stats: bool = False, **sampling_kwargs: Any) -> RequestHandle:
+        """Sampling keywords are SamplingParams' fields (max_completion_tokens is accepted as
+        max_tokens' other name). chat_template_kwargs: extra chat template variables (with
+        messages), e.g. {"enable_thinking": False}. continuous_usage_stats: every delta carries
+        the usage so far, not only the last."""
         with self._lock:
             if self._closing.is_set():
                 raise UnavailableError("the client is closed")
@@ -140,7 +164,9 @@ class Client:
                 self._submit, lambda record: RequestHandle(self, record), request_id, deadline_s,
                 prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                 sampling=sampling, sampling_kwargs=sampling_kwargs,
-                add_generation_prompt=add_generation_prompt)
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+                continuous_usage_stats=continuous_usage_stats)
 
     def generate(self, prompts: list[Any], sampling: SamplingParams | None = None, *,
                  check: bool = True, timeout: float | None = None,
@@ -149,6 +175,25 @@ class Client:
         handles = [self.submit(**prompt_kwargs(p), sampling=sampling, **sampling_kwargs)
                    for p in prompts]
         return [h.result(timeout, check=check) for h in handles]
+
+    def _ask(self, build: Builder, timeout: float | None, read: Callable[[Any], Any], *,
+             to_detokenizer: bool = False) -> Any:
+        """Sends one query (see QueryMethods) and returns read(its reply)."""
+        def make(record: RequestRecord) -> RequestHandle:
+            return RequestHandle(self, record)
+        with self._lock:
+            if self._closing.is_set():
+                raise UnavailableError("the client is closed")
+            if not to_detokenizer:
+                handle = self._core.send(self._submit, make, None, timeout, build)
+            else:
+                handle, frame = self._core.open_query(make, timeout, build)
+        if to_detokenizer:
+            with self._control_lock:
+                if not self._closing.is_set():
+                    self._control.send(frame)
+        handle.result()  # raises the query's error
+        return read(handle.record.reply)
 
     # --- the receiver thread ------------------------------------------------------------------
     def _receive_loop(self, dealer: zmq.Socket, control_in: zmq.Socket,
@@ -207,7 +252,8 @@ class Client:
             dealer.send(codec.encode(ClientAbort(expired)))
         for wire_id in expired:
             handle = self._core.records[wire_id]
-            self._core.apply(handle, timeout_event(wire_id, self._core.deadline_s), time.monotonic())
+            self._core.apply(handle, timeout_event(wire_id, self._core.deadline_s),
+                             time.monotonic())
 
     def _abort(self, record: RequestRecord) -> None:
         with self._lock:  # a resend either happened (new wire id) or will see the flag
@@ -235,7 +281,7 @@ class Client:
         self._control.close(linger=0)
         self._ctx.term()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -252,6 +298,3 @@ def _recv_nowait(sock: zmq.Socket) -> bytes | None:
         return sock.recv(zmq.NOBLOCK)
     except zmq.Again:
         return None
-
-
-from ipc.async_client import AsyncClient  # noqa: E402  (re-export; it imports nothing from here)
