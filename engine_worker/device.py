@@ -1,5 +1,6 @@
 """Where the engine runs and in what precision: the device, the activation dtype ``auto``
-resolves to, and the memory that extra copies (KV cache, dense weight copies) may take."""
+resolves to, the memory that extra copies (KV cache, dense weight copies) may take, and how many
+prompt tokens one step computes there."""
 
 from __future__ import annotations
 
@@ -61,3 +62,17 @@ def weight_copy_budget_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 4
     return available_memory_bytes() // 4
+
+
+# Prompt tokens one step may compute when prefill_max_tokens is 0. A step holds up the decode of
+# every running request, so on a CPU (a few hundred to a few thousand prompt tokens/s for a small
+# model) a smaller budget keeps each step, and the gap between two tokens of a stream, short; a
+# GPU computes thousands of tokens in milliseconds and wants large steps.
+PREFILL_TOKENS_CUDA = 4096
+PREFILL_TOKENS_CPU = 512
+
+
+def resolve_prefill_tokens(configured: int, device: torch.device) -> int:
+    if configured:
+        return configured
+    return PREFILL_TOKENS_CUDA if device.type == "cuda" else PREFILL_TOKENS_CPU

@@ -5,6 +5,7 @@ columnar ``StepOutput`` for all requests. The engine sees only token ids, never 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from engine_worker.device import (
     available_memory_bytes,
     resolve_device,
     resolve_dtype,
+    resolve_prefill_tokens,
     weight_copy_budget_bytes,
 )
 from engine_worker.model import LlamaFamilyModel
@@ -28,6 +30,7 @@ from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import ScheduledBatch, Scheduler
+from engine_worker.thread_tuner import ThreadTuner
 from engine_worker.weight_format import WeightFormat, dense_copy_fits
 from ipc.codec import pack_ids
 from ipc.engine_config import EngineConfig
@@ -58,10 +61,12 @@ class Engine:
     def __init__(self, config: EngineConfig, weight_format: WeightFormat | None = None) -> None:
         """``weight_format`` overrides the one ``config.weights`` describes (tests build a
         dequantized reference with it)."""
-        self.config = config
         if config.engine_threads:
             torch.set_num_threads(config.engine_threads)
         self.device = resolve_device(config.device)
+        config = dataclasses.replace(config, prefill_max_tokens=resolve_prefill_tokens(
+            config.prefill_max_tokens, self.device))
+        self.config = config
         dtype = resolve_dtype(config.dtype, self.device, config.weights)
         from engine_worker.model_config import ModelConfig
 
@@ -102,6 +107,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache, prompt_logprob_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   config.decode_workspace_max_bytes)
+        self.threads = ThreadTuner(torch.get_num_threads(),
+                                   config.adaptive_threads and self.device.type == "cpu")
         self.requests: dict[str, EngineRequest] = {}
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
@@ -110,9 +117,10 @@ class Engine:
         # Counters since start, reported with every step's stats (Prometheus counters).
         self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
         logger.info("engine ready: model=%s device=%s dtype=%s %s threads=%d kv_blocks=%d x %d "
-                    "tokens max_model_len=%d prefix_cache=%s attention=%s", self.model_name,
-                    self.device, dtype, weight_format.describe(), torch.get_num_threads(),
-                    num_blocks, config.block_size, self.max_model_len,
+                    "tokens max_model_len=%d prefill_max_tokens=%d prefix_cache=%s attention=%s",
+                    self.model_name, self.device, dtype, weight_format.describe(),
+                    torch.get_num_threads(), num_blocks, config.block_size, self.max_model_len,
+                    config.prefill_max_tokens,
                     config.enable_prefix_cache, self.runner.attention.name)
 
     # --- public API -------------------------------------------------------------------------
@@ -178,7 +186,7 @@ class Engine:
         for request, message in batch.failed:
             self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
         if batch.requests:
-            self._postprocess(out, batch, self.runner.run(batch.requests, batch.num_new_tokens))
+            self._postprocess(out, batch, self._run(batch))
         if not self.scheduler.running:
             self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
         out.t_step = time.monotonic()
@@ -186,6 +194,23 @@ class Engine:
         return out
 
     # --- internals --------------------------------------------------------------------------
+    def _run(self, batch: ScheduledBatch) -> StepResult:
+        """The forward and sampling, on the thread count the tuner picks for this kind of step
+        (decode steps by batch size, prefill steps by their power-of-two token bucket)."""
+        if batch.prefill_tokens:
+            kind, size = "prefill", (batch.prefill_tokens + batch.decode_tokens).bit_length()
+        else:
+            kind, size = "decode", batch.decode_tokens
+        switches = self.threads.switches
+        self.threads.threads_for(kind, size)
+        t_start = time.perf_counter()
+        result = self.runner.run(batch.requests, batch.num_new_tokens)
+        self.threads.record(time.perf_counter() - t_start)
+        if self.threads.switches != switches:
+            logger.info("torch threads per kind of step now %s (measured)",
+                        self.threads.describe())
+        return result
+
     def _finish_aborted(self, out: StepOutput) -> None:
         """Ends the requests aborted since the last step (and those aborted before arrival)."""
         out.finished.extend(self._early_finishes)

@@ -39,8 +39,11 @@ class EngineConfig:
                                unit="REQUESTS", minimum=1)
     prefill_max_batch_size: int = knob(32, "most requests that may start (or continue) prefill "
                                        "in one step", unit="REQUESTS", minimum=1)
-    prefill_max_tokens: int = knob(4096, "most prompt tokens computed in one step, all "
-                                   "requests together", unit="TOKENS", minimum=1)
+    prefill_max_tokens: int = knob(0, "most prompt tokens computed in one step, all requests "
+                                   "together; 0 = 4096 on CUDA, 512 on CPU (a CPU computes "
+                                   "~1-2k prompt tokens/s, so a step, and the decode of every "
+                                   "running request waiting on it, stays well under a second)",
+                                   unit="TOKENS", minimum=0)
     prefill_chunk_tokens: int = knob(2048, "long prompts are prefilled in chunks of this many "
                                      "tokens per step", unit="TOKENS", minimum=1)
     block_size: int = knob(16, "tokens per KV cache block", unit="TOKENS", minimum=1)
@@ -55,6 +58,11 @@ class EngineConfig:
     engine_threads: int = knob(0, "torch intra-op threads in the engine; 0 = leave torch's "
                                "setting (the supervisor decides it from the cores)", unit="N",
                                minimum=0)
+    adaptive_threads: bool = knob(True, "CPU: the engine times a few steps now and then on one "
+                                  "thread and on engine_threads, and runs each kind of step "
+                                  "(decode, prefill) on the faster (on a machine busy with "
+                                  "other work one thread can be several times faster)",
+                                  flag="--no-adaptive-threads")
     kv_cache_memory_fraction: float = knob(0.8, "CUDA only: share of the free memory after the "
                                            "weights that the KV cache takes", minimum=0.01,
                                            maximum=1.0)

@@ -224,3 +224,27 @@ def test_decode_workspace_matches_the_gather_path(tiny_model_dir):
     assert len(logits[0]) == len(logits[1 << 30]) > 60
     for gathered, kept in zip(logits[0], logits[1 << 30]):
         torch.testing.assert_close(kept, gathered, rtol=0, atol=1e-5)
+
+
+def test_cpu_steps_take_a_bounded_number_of_prompt_tokens(tiny_model_dir):
+    """prefill_max_tokens 0 on CPU: a burst of prompts is spread over steps of at most 512 prompt
+    tokens (a step stalls every decoding request), and a request still decoding gets its token
+    in every one of those steps."""
+    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=8192))
+    assert engine.config.prefill_max_tokens == 512
+    engine.add("early", PROMPT, greedy(12, ignore_eos=True))
+    engine.step()
+    for i in range(8):
+        engine.add(f"burst{i}", [5 + i] * 200, greedy(1, ignore_eos=True))
+    prefill_steps = 0
+    while engine.num_waiting or any(not r.is_decoding for r in engine.scheduler.running):
+        out = engine.step()
+        prefill_steps += 1
+        assert 0 < out.stats.prefill_tokens <= 512
+        assert "early" in out.request_ids  # it decodes meanwhile
+    assert prefill_steps == 4  # 1,600 prompt tokens in steps of at most 512
+    collect(engine)
+    assert_idle_and_leak_free(engine)
+    explicit = Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=1024,
+                                   prefill_max_tokens=4096))
+    assert explicit.config.prefill_max_tokens == 4096
