@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-PROBE_PAIRS = 4  # adjacent (one thread, all threads) step pairs per probe
+PROBE_PAIRS = 4  # adjacent (one thread, all threads) step pairs per probe, at most
 FIRST_PROBE_AFTER = 16  # steps of a kind before its first probe
 MAX_PROBE_INTERVAL = 4096  # steps between probes once a choice has kept winning
 MARGIN = 0.05  # the other setting must be this much faster (median ratio) to take over
+# A ratio beyond this either way is decisive: two such pairs end the probe, and the next probe
+# waits four times longer instead of twice (the loser's steps are then expensive: on a busy
+# machine the all-threads steps took 2-6x the one-thread ones).
+DECISIVE = 1.5
 
 
 @dataclass(slots=True)
@@ -82,11 +86,14 @@ class ThreadTuner:
         state.pending = None
         one, many = (first_seconds, seconds) if first_threads == 1 else (seconds, first_seconds)
         state.ratios.append(many / max(one, 1e-9))
-        if len(state.ratios) >= PROBE_PAIRS:
+        decisive = len(state.ratios) == 2 and (min(state.ratios) > DECISIVE
+                                                or max(state.ratios) < 1 / DECISIVE)
+        if decisive or len(state.ratios) >= PROBE_PAIRS:
             self._decide(state)
 
     def _decide(self, state: _Kind) -> None:
         ratio = statistics.median(state.ratios)
+        growth = 4 if not 1 / DECISIVE <= ratio <= DECISIVE else 2
         if ratio < 1 - MARGIN:
             best = self.max_threads
         elif ratio > 1 + MARGIN:
@@ -97,7 +104,7 @@ class ThreadTuner:
             self.switches += 1
             state.threads, state.interval = best, FIRST_PROBE_AFTER
         else:
-            state.interval = min(state.interval * 2, MAX_PROBE_INTERVAL)
+            state.interval = min(state.interval * growth, MAX_PROBE_INTERVAL)
         state.probing, state.countdown, state.ratios = False, state.interval, []
 
     def describe(self) -> dict[str, int]:

@@ -21,15 +21,17 @@ def test_a_busy_machine_moves_decode_to_one_thread_and_back_when_it_clears():
     before = torch.get_num_threads()
     try:
         tuner = ThreadTuner(2)
-        busy = drive(tuner, FIRST_PROBE_AFTER + 2 * PROBE_PAIRS, lambda t: 0.05 if t == 2 else 0.01)
+        busy = drive(tuner, FIRST_PROBE_AFTER + 5, lambda t: 0.05 if t == 2 else 0.01)
         assert busy[:FIRST_PROBE_AFTER] == [2] * FIRST_PROBE_AFTER  # all cores until measured
-        assert sorted(busy[FIRST_PROBE_AFTER:]) == [1] * PROBE_PAIRS + [2] * PROBE_PAIRS
+        # 5x slower is decisive: two pairs end the probe.
+        assert sorted(busy[FIRST_PROBE_AFTER:FIRST_PROBE_AFTER + 4]) == [1, 1, 2, 2]
+        assert busy[-1] == 1
         assert tuner.describe() == {"decode": 1} and tuner.switches == 1
         assert torch.get_num_threads() == 1
         # The machine gets quiet: the next probe finds all threads faster again.
-        quiet = drive(tuner, FIRST_PROBE_AFTER + 2 * PROBE_PAIRS,
-                      lambda t: 0.006 if t == 2 else 0.01)
-        assert quiet[:FIRST_PROBE_AFTER] == [1] * FIRST_PROBE_AFTER
+        quiet = drive(tuner, FIRST_PROBE_AFTER + 5, lambda t: 0.006 if t == 2 else 0.01)
+        assert quiet[:FIRST_PROBE_AFTER - 1] == [1] * (FIRST_PROBE_AFTER - 1)
+        assert quiet[-1] == 2
         assert tuner.describe() == {"decode": 2} and tuner.switches == 2
     finally:
         torch.set_num_threads(before)
@@ -41,9 +43,12 @@ def test_a_choice_that_keeps_winning_is_probed_less_often():
         tuner = ThreadTuner(2)
         used = drive(tuner, 2000, lambda t: 0.006 if t == 2 else 0.01)
         assert tuner.describe() == {"decode": 2} and tuner.switches == 0
-        # Probes after 16, 32, 64, 128, 256 and 512 more steps (the next after 1024 more falls
-        # past step 2000): each costs PROBE_PAIRS steps on the slower setting.
-        assert used.count(1) == 6 * PROBE_PAIRS
+        # 0.6 is decisive: probes of 2 pairs after 16, 64, 256 and 1024 more steps, each costing
+        # 2 steps on the slower setting.
+        assert used.count(1) == 4 * 2
+        close = drive(ThreadTuner(2), 2000, lambda t: 0.009 if t == 2 else 0.01)
+        # 0.9: all 4 pairs, intervals doubling: 16, 32, 64, 128, 256, 512 (then past 2000).
+        assert close.count(1) == 6 * PROBE_PAIRS
     finally:
         torch.set_num_threads(before)
 
