@@ -56,6 +56,8 @@ def make_engine(args, **knobs) -> Engine:
     knobs.setdefault("kv_cache_tokens", args.kv_cache_tokens)
     knobs.setdefault("dtype", args.dtype or "float32")
     knobs.setdefault("weights", args.weights or DENSE_WEIGHTS[knobs["dtype"]])
+    # Figures are printed with the thread count they ran with: the engine keeps it.
+    knobs.setdefault("adaptive_threads", False)
     return Engine(EngineConfig(model_path=str(args.model), engine_threads=args.threads, **knobs))
 
 
