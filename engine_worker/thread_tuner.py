@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 PROBE_PAIRS = 4  # adjacent (one thread, all threads) step pairs per probe, at most
-FIRST_PROBE_AFTER = 16  # steps of a kind before its first probe
+FIRST_PROBE_AFTER = 4  # steps of a kind before its first probe: settled in the first requests
 MAX_PROBE_INTERVAL = 4096  # steps between probes once a choice has kept winning
 MARGIN = 0.05  # the other setting must be this much faster (median ratio) to take over
 # A ratio beyond this either way is decisive: two such pairs end the probe, and the next probe

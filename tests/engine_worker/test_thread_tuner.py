@@ -43,12 +43,12 @@ def test_a_choice_that_keeps_winning_is_probed_less_often():
         tuner = ThreadTuner(2)
         used = drive(tuner, 2000, lambda t: 0.006 if t == 2 else 0.01)
         assert tuner.describe() == {"decode": 2} and tuner.switches == 0
-        # 0.6 is decisive: probes of 2 pairs after 16, 64, 256 and 1024 more steps, each costing
-        # 2 steps on the slower setting.
-        assert used.count(1) == 4 * 2
+        # 0.6 is decisive: probes of 2 pairs after 4, 16, 64, 256 and 1024 more steps, each
+        # costing 2 steps on the slower setting.
+        assert used.count(1) == 5 * 2
         close = drive(ThreadTuner(2), 2000, lambda t: 0.009 if t == 2 else 0.01)
-        # 0.9: all 4 pairs, intervals doubling: 16, 32, 64, 128, 256, 512 (then past 2000).
-        assert close.count(1) == 6 * PROBE_PAIRS
+        # 0.9: all 4 pairs, intervals doubling: 4, 8, ..., 512 (8 probes; the next falls past 2000).
+        assert close.count(1) == 8 * PROBE_PAIRS
     finally:
         torch.set_num_threads(before)
 
