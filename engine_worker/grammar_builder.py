@@ -1,0 +1,156 @@
+"""Grammar matchers for the engine, built from data and off the step.
+
+A tokenizer worker sends the vocabulary once (``GrammarVocabulary``) and, with each constrained
+request, its grammar as text (llguidance's Lark dialect, already checked there; see
+tokenizer_worker.grammar_compiler). Turning that text into a matcher (lexer and parser tables)
+takes about a millisecond for a typical JSON schema and ~15 ms for a 120-field one, so it runs
+on a background thread: llguidance releases the GIL while it builds, and the step loop never
+waits. Built matchers are cached by grammar text (bounded LRU), warmed by one mask computation,
+and each request gets a copy (microseconds).
+
+Grammars are built with ``no_forcing``: llguidance would otherwise tokenize the text a grammar
+forces (``{"name": "``) canonically, which needs a real tokenizer; without it the mask allows
+every token consistent with the forced text and the model picks one. The vocabulary-only
+tokenizer below raises if it is ever asked to tokenize, so this is checked, not assumed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+
+from ipc.messages import FINISH_ERROR, FINISH_STOP, GrammarVocabulary
+
+logger = logging.getLogger("splitserve.engine")
+
+NO_FORCING = '%llguidance {"no_forcing": true}\n'
+MAX_CACHED_GRAMMARS = 128
+
+
+class GrammarUnavailable(RuntimeError):
+    """A constrained request arrived before any vocabulary did."""
+
+
+class _VocabularyOnly:
+    """What llguidance.LLTokenizer reads from a tokenizer object, from data alone."""
+
+    is_tokenizer_wrapper = True
+
+    def __init__(self, tokens: list[bytes], special_ids: list[int], eos_id: int) -> None:
+        self.tokens = tokens
+        self.special_token_ids = special_ids
+        self.eos_token_id = eos_id
+        self.bos_token_id = None
+
+    def __call__(self, text: str) -> list[int]:
+        raise RuntimeError(f"the engine does not tokenize (the grammar asked for {text!r:.40})")
+
+
+def backend_tokenizer(vocabulary: GrammarVocabulary,
+                      eos_ids: list[int] | None = None) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer from the vocabulary's data; ``eos_ids`` (the engine's stop ids)
+    override the vocabulary's. About 0.3 s for 49k tokens: call it off the step."""
+    eos = sorted(set(eos_ids or vocabulary.eos_ids))
+    tokens = vocabulary.token_table()
+    wrapper = _VocabularyOnly(tokens, vocabulary.special_id_list(), eos[0])
+    return llguidance.LLTokenizer(wrapper, eos_token=eos)
+
+
+class RequestGrammar:
+    """One request's matcher: not ready until the background build is done. ``matcher`` is
+    touched only by the step loop once ready; ``error`` is set when the build failed or the
+    matcher refused a token (the request then ends with an error)."""
+
+    __slots__ = ("_future", "matcher", "error")
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+        self.matcher: llguidance.LLMatcher | None = None
+        self.error = ""
+
+    def ready(self) -> bool:
+        if self.matcher is None and not self.error:
+            if not self._future.done():
+                return False
+            try:
+                self.matcher = self._future.result()
+            except Exception as exc:  # a build error ends the request, never the engine
+                self.error = f"the grammar could not be built: {exc}"
+        return True
+
+    def accept(self, token: int) -> str | None:
+        """Advances the matcher; FINISH_STOP when the grammar is complete (nothing but eos may
+        follow), FINISH_ERROR when it refused the token (see ``error``), else None."""
+        if self.matcher is None:
+            raise RuntimeError("accept() before the grammar is ready")
+        if not self.matcher.consume_token(token):
+            self.error = f"the grammar refused token {token}: {self.matcher.get_error()}"
+            return FINISH_ERROR
+        return FINISH_STOP if self.matcher.is_stopped() else None
+
+
+class GrammarBuilder:
+    """Builds RequestGrammars on one background thread (so its cache needs no lock)."""
+
+    def __init__(self, vocabulary: GrammarVocabulary | None = None,
+                 eos_ids: list[int] | None = None,
+                 max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-build")
+        self._eos_ids = eos_ids
+        self._tokenizer: Future | None = None
+        self.fingerprint = ""
+        self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.max_cached = max_cached
+        self.built = 0  # grammars built (cache misses)
+        if vocabulary is not None:
+            self.set_vocabulary(vocabulary)
+
+    def set_vocabulary(self, vocabulary: GrammarVocabulary) -> bool:
+        """Takes the vocabulary (the first one; an identical copy from another worker is a
+        no-op). False when it differs from the one in use: the sender's grammars would not fit."""
+        digest = vocabulary.fingerprint or vocabulary.digest()
+        if self._tokenizer is not None:
+            if digest != self.fingerprint:
+                logger.error("a worker sent a different vocabulary (%s, in use: %s)",
+                             digest[:12], self.fingerprint[:12])
+                return False
+            return True
+        self.fingerprint = digest
+        self._tokenizer = self._pool.submit(backend_tokenizer, vocabulary, self._eos_ids)
+        return True
+
+    @property
+    def has_vocabulary(self) -> bool:
+        return self._tokenizer is not None
+
+    def request(self, grammar: str) -> RequestGrammar:
+        """A RequestGrammar whose matcher is built in the background."""
+        if self._tokenizer is None:
+            raise GrammarUnavailable("no grammar vocabulary has reached the engine")
+        return RequestGrammar(self._pool.submit(self._matcher_for, grammar))
+
+    def _matcher_for(self, grammar: str) -> llguidance.LLMatcher:
+        template = self._templates.get(grammar)
+        if template is None:
+            tokenizer = self._tokenizer.result()  # type: ignore[union-attr]
+            text = llguidance.LLMatcher.grammar_from_lark(NO_FORCING + grammar)
+            template = llguidance.LLMatcher(tokenizer, text, log_level=0)
+            if template.is_error():
+                raise ValueError(template.get_error())
+            # The first mask builds the lexer's start states; copies then begin warm.
+            template.compute_bitmask()
+            if template.is_error():
+                raise ValueError(template.get_error())
+            self.built += 1
+            self._templates[grammar] = template
+            while len(self._templates) > self.max_cached:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(grammar)
+        return template.deep_copy()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
