@@ -176,9 +176,10 @@ class StructuredOutputSpec:
 
     @classmethod
     def json_schema(cls, schema: Any) -> "StructuredOutputSpec":
-        """From a parsed schema; keys sorted and no spaces, so equal schemas share a cache entry."""
-        return cls(STRUCTURED_JSON_SCHEMA, json.dumps(schema, sort_keys=True,
-                                                      separators=(",", ":"), ensure_ascii=False))
+        """From a parsed schema, without spaces. Keys keep their order: the output follows the
+        order of ``properties``, as clients expect."""
+        return cls(STRUCTURED_JSON_SCHEMA, json.dumps(schema, separators=(",", ":"),
+                                                      ensure_ascii=False))
 
     def cache_key(self) -> tuple[str, str, tuple[str, ...]]:
         return (self.kind, self.text, tuple(self.choices))

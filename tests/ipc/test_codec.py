@@ -10,8 +10,9 @@ from ipc import codec
 from ipc.codec import DecodeError, decode, encode, pack_ids, salvage_fields, unpack_id_list
 from ipc.messages import (
     AbortRequests, ChatMessage, ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome,
-    ClusterNotice, EngineStats, Heartbeat, RequestError, RequestMeta, RequestStart, RequestTimings,
-    SamplingParams, StepOutput, StreamEvent, SubmitRequest, TokenizedRequest, Usage, WorkerReady,
+    ClusterNotice, EngineStats, GrammarVocabulary, Heartbeat, RequestError, RequestMeta,
+    RequestStart, RequestTimings, SamplingParams, StepOutput, StreamEvent, SubmitRequest,
+    TokenizedRequest, Usage, WorkerReady,
 )
 
 META = RequestMeta(request_id="r1", client_id=b"c1", prompt_tokens=3, stop=["\n"],
@@ -40,6 +41,7 @@ EXAMPLES = [
     WorkerReady("engine", 0, 123, ["ipc:///e"], "m", 2048, 49152),
     Heartbeat("tokenizer", 1, 124, 5.0, {"served": 3.0}),
     ClusterNotice("died", "tokenizer", 1, 125, "exited with code -9", ["r1"]),
+    GrammarVocabulary(8, b"<e>ab\xc3", pack_ids([3, 4, 5, 6]), pack_ids([0]), [0], "f00d"),
 ]
 
 
