@@ -16,7 +16,7 @@ from engine_worker.grammar_mask import GrammarMasker
 EOS = 0
 SPECIAL = [EOS, 1]  # 1 is a special token that is not eos: never text
 MERGES = [b'{"', b'": ', b'", "', b'"}', b', ', b'true', b'false', b'null', b'red', b'green',
-          b'name', b'age', b'tags', b'ab', b'12', b'\xc3', b'\xa9']  # the last two: half of é
+          b'name', b'age', b'tags', b'ab', b'12', b'\n', b'\xc3', b'\xa9']  # last two: half of é
 
 
 def tiny_vocabulary(padding: int = 40) -> GrammarVocabulary:
