@@ -22,6 +22,7 @@ class GrammarMasker:
         self.executor = llguidance.LLExecutor(threads)
         self._bitmask = np.empty((0, 0), dtype=np.int32)
 
+    @torch.inference_mode()  # the step's logits are inference tensors
     def apply(self, logits: torch.Tensor,
               grammars: Sequence[RequestGrammar | None]) -> list[int]:
         """Masks ``logits`` [rows, vocab] in place where ``grammars[row]`` is set (each must be
