@@ -16,7 +16,7 @@ class EngineRequest:
 
     __slots__ = ("request_id", "token_ids", "prompt_len", "params", "sampler", "stop_ids",
                  "max_total_len", "t_arrived", "t_scheduled", "num_computed", "block_ids",
-                 "block_keys", "cached_tokens", "started_sent", "num_generated")
+                 "block_keys", "cached_tokens", "started_sent", "num_generated", "grammar")
 
     def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
                  sampler: RequestSampler, stop_ids: frozenset[int], max_model_len: int,
@@ -36,6 +36,12 @@ class EngineRequest:
         self.cached_tokens = 0
         self.started_sent = False
         self.num_generated = 0
+        self.grammar = None  # a RequestGrammar (engine_worker.grammar_builder) if constrained
+
+    @property
+    def ready(self) -> bool:
+        """False while the request's grammar is still being built: it waits, others go on."""
+        return self.grammar is None or self.grammar.ready()
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ Order of a step, oldest first (FCFS):
 2. waiting requests are admitted while the batch has room (``max_batch_size``), the step has
    prefill budget (``prefill_max_batch_size`` requests, ``prefill_max_tokens`` tokens) and the
    pool has blocks. A request never computes more than ``prefill_chunk_tokens`` in one step.
+   One whose grammar is still being built is passed over until it is ready.
 """
 
 from __future__ import annotations
@@ -75,11 +76,14 @@ class Scheduler:
         now = time.monotonic()
         while (self.waiting and len(self.running) < self.config.max_batch_size
                and prefill_slots > 0 and token_budget > 0):
-            request = self.waiting[0]
+            # Requests whose grammar is still being built are passed over, not waited for.
+            request = next((r for r in self.waiting if r.ready), None)
+            if request is None:
+                break
             count = self._admit(request, token_budget)
             if count == 0:
-                break  # FCFS: the head waits for blocks, nobody overtakes it
-            self.waiting.popleft()
+                break  # FCFS: the first ready request waits for blocks, nobody overtakes it
+            self.waiting.remove(request)
             self.running.append(request)
             if not request.t_scheduled:
                 request.t_scheduled = now
