@@ -6,7 +6,7 @@ tokenizer_worker.grammar_compiler). Turning that text into a matcher (lexer and 
 takes about a millisecond for a typical JSON schema and ~15 ms for a 120-field one, so it runs
 on a background thread: llguidance releases the GIL while it builds, and the step loop never
 waits. Built matchers are cached by grammar text (bounded LRU), warmed by one mask computation,
-and each request gets a copy (microseconds).
+and each request gets a copy (microseconds; a cached grammar's request is ready at once).
 
 Grammars are built with ``no_forcing``: llguidance would otherwise tokenize the text a grammar
 forces (``{"name": "``) canonically, which needs a real tokenizer; without it the mask allows
@@ -17,6 +17,7 @@ tokenizer below raises if it is ever asked to tokenize, so this is checked, not 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -93,7 +94,7 @@ class RequestGrammar:
 
 
 class GrammarBuilder:
-    """Builds RequestGrammars on one background thread (so its cache needs no lock)."""
+    """Builds RequestGrammars on one background thread; cached ones are copied on the spot."""
 
     def __init__(self, vocabulary: GrammarVocabulary | None = None,
                  eos_ids: list[int] | None = None,
@@ -103,6 +104,7 @@ class GrammarBuilder:
         self._tokenizer: Future | None = None
         self.fingerprint = ""
         self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the step loop reads the cache, the build thread fills it
         self.max_cached = max_cached
         self.built = 0  # grammars built (cache misses)
         if vocabulary is not None:
@@ -127,13 +129,22 @@ class GrammarBuilder:
         return self._tokenizer is not None
 
     def request(self, grammar: str) -> RequestGrammar:
-        """A RequestGrammar whose matcher is built in the background."""
+        """A RequestGrammar for ``grammar``: ready at once when it is cached (a copy takes
+        microseconds), else built in the background."""
         if self._tokenizer is None:
             raise GrammarUnavailable("no grammar vocabulary has reached the engine")
+        with self._lock:
+            template = self._templates.get(grammar)
+            if template is not None:
+                self._templates.move_to_end(grammar)
+                done: Future = Future()
+                done.set_result(template.deep_copy())
+                return RequestGrammar(done)
         return RequestGrammar(self._pool.submit(self._matcher_for, grammar))
 
     def _matcher_for(self, grammar: str) -> llguidance.LLMatcher:
-        template = self._templates.get(grammar)
+        with self._lock:  # built meanwhile by an earlier request for the same text?
+            template = self._templates.get(grammar)
         if template is None:
             tokenizer = self._tokenizer.result()  # type: ignore[union-attr]
             text = llguidance.LLMatcher.grammar_from_lark(NO_FORCING + grammar)
@@ -145,12 +156,12 @@ class GrammarBuilder:
             if template.is_error():
                 raise ValueError(template.get_error())
             self.built += 1
+        with self._lock:
             self._templates[grammar] = template
+            self._templates.move_to_end(grammar)
             while len(self._templates) > self.max_cached:
                 self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(grammar)
-        return template.deep_copy()
+            return template.deep_copy()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

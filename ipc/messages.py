@@ -151,12 +151,13 @@ class StructuredOutputSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
-            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
-                             f"got {self.kind!r}")
+            raise ValueError(f"structured output kind must be one of "
+                             f"{', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
         if not isinstance(self.text, str):
             raise ValueError("structured output text must be a string")
         if len(self.text) > MAX_STRUCTURED_TEXT_CHARS:
-            raise ValueError(f"the {self.kind} is longer than {MAX_STRUCTURED_TEXT_CHARS} characters")
+            raise ValueError(f"the {self.kind} is longer than {MAX_STRUCTURED_TEXT_CHARS} "
+                             f"characters")
         needs_text = self.kind in (STRUCTURED_JSON_SCHEMA, STRUCTURED_REGEX, STRUCTURED_GRAMMAR)
         if needs_text and not self.text:
             raise ValueError(f"a {self.kind} structured output needs a non-empty {self.kind}")

@@ -314,8 +314,8 @@ def child(args) -> dict:
     module = __import__(args.child)
     result["import_ms"] = (time.perf_counter() - t) * 1e3
     loaded = set(sys.modules)
-    result["imports tokenizers/transformers"] = any(m.split(".")[0] in ("tokenizers", "transformers")
-                                                    for m in loaded)
+    result["imports tokenizers/transformers"] = any(
+        m.split(".")[0] in ("tokenizers", "transformers") for m in loaded)
     result["imports torch"] = "torch" in loaded
     del module
     cls = Llguidance if args.child == "llguidance" else Xgrammar

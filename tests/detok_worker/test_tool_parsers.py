@@ -13,7 +13,8 @@ from detok_worker.tool_parsers import (
     TOOL_PARSERS, HermesToolParser, ParsedDelta, ToolCallDelta, parse_complete,
 )
 
-WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+WEATHER = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+           '\n</tool_call>')
 TRICKY = ('<tool_call>\n{"name": "say", "arguments": {"text": "a \\"}\\" </tool_call> {[", '
           '"n": [1, {"x": "]"}]}}\n</tool_call>')
 
@@ -37,7 +38,8 @@ def calls_of(text):
       ("call_1", "get_weather", {"city": "Oslo", "days": 3})]),
     (TRICKY, "", [("call_0", "say", {"text": 'a "}" </tool_call> {[', "n": [1, {"x": "]"}]})]),
     # Arguments before the name: parsed when the call closes.
-    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', "", [("call_0", "f", {"a": 1})]),
+    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', "",
+     [("call_0", "f", {"a": 1})]),
     # Not a call: kept as text, tags and all.
     ("<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
     # Cut off after a complete object (eos or max tokens before the closing tag).

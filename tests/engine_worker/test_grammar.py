@@ -156,6 +156,8 @@ def test_template_cache_is_bounded(vocabulary, compiler):
     for text in texts + texts[-1:]:
         wait_ready(builder.request(text))
     assert builder.built == 3 and len(builder._templates) == 2
+    cached = builder.request(texts[2])
+    assert cached.ready() and cached.matcher is not None  # a copy on the spot, no waiting
     wait_ready(builder.request(texts[0]))  # evicted: built again
     assert builder.built == 4
     builder.close()

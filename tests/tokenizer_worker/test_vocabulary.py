@@ -9,7 +9,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from ipc.codec import decode, encode
 from tokenizer_worker.vocabulary import grammar_vocabulary
 
-TEXTS = ['{"name": "Zoë", "tags": ["a", "b"]}', "héllo wörld ✓ 日本語 🙂", "x = [1, 2, 3]\n\ttab",
+TEXTS = ['{"name": "Zoë", "tags": ["a", "b"]}', "héllo wörld ✓ 日本語 🙂",
+         "x = [1, 2, 3]\n\ttab",
          "The quick brown fox jumps over the lazy dog. " * 3]
 
 
