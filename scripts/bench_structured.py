@@ -8,6 +8,7 @@
            mask call for the constrained rows, then sampling.
   compile  a large schema (--schema-fields properties): the tokenizer-side compile (check) and
            the engine-side build, cold and cached.
+  mask     the grammar's work per step alone, without the model (best-of timings).
   itl      step times of an unconstrained decoding batch while new large schemas build on the
            engine's background thread, against the same batch with nothing building.
 
@@ -52,6 +53,7 @@ class ConstrainedRun:
         self.runner, self.grammars, self.masker = runner, grammars, GrammarMasker()
         self.grammar_s: list[float] = []
         self.finished = 0
+        self.outputs: dict[str, list[int]] = {}  # the tokens each row produced under its grammar
 
     def __call__(self, requests, counts):
         logits, emitting = self.runner.compute_logits(requests, counts)
@@ -66,7 +68,10 @@ class ConstrainedRun:
         tokens = sample(logits, [r.sampler for r in rows]).tolist()
         t = time.perf_counter()
         for request, grammar, token in zip(rows, grammars, tokens):
-            if grammar is not None and grammar.accept(token) is not None:
+            if grammar is None:
+                continue
+            self.outputs.setdefault(request.request_id, []).append(token)
+            if grammar.accept(token) is not None:
                 del self.grammars[request.request_id]  # complete: unconstrained from here
                 self.finished += 1
         if any(g is not None for g in grammars):
@@ -112,13 +117,30 @@ def decode_once(engine, batch_prompts, new_tokens, grammar_text, builder, run_id
     return produced / elapsed, constrained, elapsed
 
 
+def valid_outputs(run: ConstrainedRun, tokenizer) -> tuple[int, str]:
+    """How many completed rows are schema-valid JSON, and one of them."""
+    import jsonschema
+    valid, sample_text = 0, ""
+    for rid, tokens in run.outputs.items():
+        if rid in run.grammars:
+            continue  # not complete within the tokens decoded
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        try:
+            jsonschema.validate(json.loads(text), NESTED_SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            continue
+        valid, sample_text = valid + 1, sample_text or text
+    return valid, sample_text
+
+
 def run_decode(args, tokenizer, template, compiler, builder) -> None:
     grammar = compiler.compile(StructuredOutputSpec.json_schema(NESTED_SCHEMA))
     batch_prompts = prompts(args, tokenizer, template)
     print(f"\ndecode: batch {args.batch}, {args.decode_tokens} new tokens, greedy, "
           f"threads {torch.get_num_threads()}, best of {args.repeats}, interleaved")
     print(f"{'dtype':10s}{'plain tok/s':>13s}{'json tok/s':>12s}{'ratio':>8s}"
-          f"{'grammar ms/step':>17s}{'step ms':>9s}{'share':>8s}{'completed':>11s}")
+          f"{'grammar ms/step':>17s}{'step ms':>9s}{'share':>8s}{'completed':>11s}"
+          f"{'(schema-valid)':>15s}")
     for dtype in args.dtype.split(","):
         engine = Engine(EngineConfig(model_path=str(args.model), dtype=dtype,
                                      num_threads=args.threads, enable_prefix_cache=False,
@@ -136,9 +158,38 @@ def run_decode(args, tokenizer, template, compiler, builder) -> None:
                 constrained, completed = rate, run.finished
                 grammar_ms = float(np.mean(run.grammar_s)) * 1e3
                 step_ms = elapsed / args.decode_tokens * 1e3
+                valid, sample_text = valid_outputs(run, tokenizer)
         print(f"{dtype:10s}{plain:13.1f}{constrained:12.1f}{constrained / plain:7.2f}x"
               f"{grammar_ms:17.2f}{step_ms:9.1f}{grammar_ms / step_ms:7.1%}"
-              f"{completed:>8.0f}/{args.batch}")
+              f"{completed:>8.0f}/{args.batch}{valid:>7d} valid")
+        if sample_text:
+            print(f"  e.g. {sample_text}")
+
+
+def run_mask(args, compiler, builder, vocab_size: int) -> None:
+    """The grammar's work per step alone (no model): --batch rows on the nested schema, random
+    logits, one batched mask + apply, greedy pick, every matcher advanced. Best-of timing, so
+    it is the least disturbed by other work on the machine; compare with a measured step."""
+    text = compiler.compile(StructuredOutputSpec.json_schema(NESTED_SCHEMA))
+    masker, generator = GrammarMasker(), torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(args.repeats):
+        grammars = [builder.request(text) for _ in range(args.batch)]
+        for g in grammars:
+            while not g.ready():
+                time.sleep(0.0005)
+        for _ in range(args.decode_tokens):
+            logits = torch.randn(args.batch, vocab_size, generator=generator)
+            t = time.perf_counter()
+            masker.apply(logits, grammars)
+            for row, token in enumerate(logits.argmax(dim=-1).tolist()):
+                if grammars[row] is not None and grammars[row].accept(token) is not None:
+                    grammars[row] = None  # complete: unconstrained from here
+            times.append(time.perf_counter() - t)
+    ms = np.array(times) * 1e3
+    print(f"\nmask: batch {args.batch}, nested schema, {len(times)} steps: grammar work per step "
+          f"min {ms.min():.2f} / p50 {np.percentile(ms, 50):.2f} / p90 "
+          f"{np.percentile(ms, 90):.2f} ms")
 
 
 def run_compile(args, compiler, builder) -> None:
@@ -210,7 +261,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", default=["decode", "compile"],
-                        choices=["decode", "compile", "itl"])
+                        choices=["decode", "compile", "itl", "mask"])
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated")
@@ -232,6 +283,8 @@ def main() -> None:
             run_decode(args, tokenizer, template, compiler, builder)
         elif workload == "compile":
             run_compile(args, compiler, builder)
+        elif workload == "mask":
+            run_mask(args, compiler, builder, config["vocab_size"])
         else:
             run_itl(args, tokenizer, template, compiler, builder)
     builder.close()
