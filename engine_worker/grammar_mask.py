@@ -26,35 +26,45 @@ class GrammarMasker:
     def apply(self, logits: torch.Tensor,
               grammars: Sequence[RequestGrammar | None]) -> list[int]:
         """Masks ``logits`` [rows, vocab] in place where ``grammars[row]`` is set (each must be
-        ready). Returns the rows whose matcher is in an error state: their mask allows nothing
-        useful, so the caller ends those requests with ``grammar.error``."""
+        ready). Returns the rows whose grammar failed (its build, or its matcher is in an error
+        state): those rows are left unmasked and the caller ends their requests with
+        ``grammar.error``."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return []
-        vocab = logits.shape[1]
-        bitmask = self._rows(len(rows), (vocab + 31) // 32)
-        matchers = []
-        for slot, row in enumerate(rows):
-            matcher = grammars[row].matcher  # type: ignore[union-attr]
-            if matcher is None:
-                raise RuntimeError(f"row {row}: the grammar is not ready")
-            matchers.append((matcher, slot))
-        self.executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data,
-                                              bitmask.shape[1] * 4, len(rows))
         failed = []
+        matchers = []
         for row in rows:
+            grammar = grammars[row]
+            if not grammar.ready():  # type: ignore[union-attr]
+                raise RuntimeError(f"row {row}: the grammar is not built yet")
+            if grammar.matcher is None:  # type: ignore[union-attr]
+                failed.append(row)  # the build failed; ready() set grammar.error
+            else:
+                matchers.append((grammar.matcher, len(matchers)))  # type: ignore[union-attr]
+        vocab = logits.shape[1]
+        bitmask = self._rows(len(matchers), (vocab + 31) // 32)
+        if matchers:
+            self.executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data,
+                                                  bitmask.shape[1] * 4, len(matchers))
+        build_failed = set(failed)
+        masked_rows = [row for row in rows if row not in build_failed]
+        for slot, row in enumerate(masked_rows):
             grammar = grammars[row]
             if grammar.matcher.is_error():  # type: ignore[union-attr]
                 grammar.error = grammar.error or grammar.matcher.get_error()  # type: ignore
                 failed.append(row)
+                bitmask[slot] = -1  # all bits set: leave the row as it was
+        if not matchers:
+            return failed
         allowed = unpack_bitmask(bitmask, vocab, logits.device)
-        if len(rows) == logits.shape[0]:
+        if len(masked_rows) == logits.shape[0]:
             logits.masked_fill_(~allowed, float("-inf"))
         else:
-            index = torch.tensor(rows, device=logits.device)
+            index = torch.tensor(masked_rows, device=logits.device)
             masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
             logits.index_copy_(0, index, masked)
-        return failed
+        return sorted(failed)
 
     def _rows(self, count: int, words: int) -> np.ndarray:
         if self._bitmask.shape[0] < count or self._bitmask.shape[1] != words:

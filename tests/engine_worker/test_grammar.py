@@ -132,6 +132,15 @@ def test_a_refused_token_and_a_bad_grammar_end_the_request_with_an_error(builder
     assert grammar.accept(z) == FINISH_ERROR and "refused token" in grammar.error
     broken = wait_ready(builder.request("start: undefined_rule"))
     assert broken.matcher is None and "could not be built" in broken.error
+    # In a batch: the failed rows are reported and left as they were, the good one masked.
+    good = build(builder, compiler, StructuredOutputSpec("regex", "ab"))
+    logits = torch.randn(4, vocabulary.vocab_size, generator=torch.Generator().manual_seed(2))
+    before = logits.clone()
+    assert GrammarMasker().apply(logits, [grammar, None, broken, good]) == [0, 2]
+    assert torch.equal(logits[:3], before[:3])
+    assert torch.isfinite(logits[3]).sum() == 2  # "a" or "ab"
+    with pytest.raises(RuntimeError, match="not built yet"):
+        GrammarMasker().apply(logits, [RequestGrammar(Future())])
 
 
 def test_ready_waits_for_the_build_and_the_vocabulary_is_required(vocabulary):
