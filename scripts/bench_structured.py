@@ -50,21 +50,28 @@ class ConstrainedRun:
     matchers advanced. Times the grammar's part of each step."""
 
     def __init__(self, runner, grammars: dict) -> None:
-        self.runner, self.grammars, self.masker = runner, grammars, GrammarMasker()
+        self.runner, self.grammars = runner, grammars
+        self.masker = GrammarMasker(runner.model.config.vocab_size)
         self.grammar_s: list[float] = []
         self.finished = 0
         self.outputs: dict[str, list[int]] = {}  # the tokens each row produced under its grammar
 
     def __call__(self, requests, counts):
-        logits, emitting = self.runner.compute_logits(requests, counts)
-        result = [None] * len(requests)
-        if not emitting:
-            return result
-        rows = [requests[i] for i in emitting]
+        # The rows that sample this step are known before the forward: start their masks, so
+        # the fill overlaps the model, then wait for it (the wait is what the step pays).
+        rows = [r for r, n in zip(requests, counts) if r.num_computed + n == r.num_tokens]
         grammars = [self.grammars.get(r.request_id) for r in rows]
         t = time.perf_counter()
-        assert not self.masker.apply(logits, grammars)
+        self.masker.begin(grammars)
         spent = time.perf_counter() - t
+        logits, emitting = self.runner.compute_logits(requests, counts)
+        assert [requests[i] for i in emitting] == rows
+        result = [None] * len(requests)
+        t = time.perf_counter()
+        assert not self.masker.finish(logits)
+        spent += time.perf_counter() - t
+        if not emitting:
+            return result
         tokens = sample(logits, [r.sampler for r in rows]).tolist()
         t = time.perf_counter()
         for request, grammar, token in zip(rows, grammars, tokens):
@@ -171,7 +178,7 @@ def run_mask(args, compiler, builder, vocab_size: int) -> None:
     logits, one batched mask + apply, greedy pick, every matcher advanced. Best-of timing, so
     it is the least disturbed by other work on the machine; compare with a measured step."""
     text = compiler.compile(StructuredOutputSpec.json_schema(NESTED_SCHEMA))
-    masker, generator = GrammarMasker(), torch.Generator().manual_seed(0)
+    masker, generator = GrammarMasker(vocab_size), torch.Generator().manual_seed(0)
     times = []
     for _ in range(args.repeats):
         grammars = [builder.request(text) for _ in range(args.batch)]

@@ -44,15 +44,17 @@ def sample_constrained(grammars: list[RequestGrammar | None], vocab_size: int, s
     """Greedy over random logits, every row masked by its grammar each step. Returns each
     row's tokens and how it ended (a finish reason, or None if still going after ``steps``)."""
     generator = torch.Generator().manual_seed(seed)
-    masker = GrammarMasker()
+    masker = GrammarMasker(vocab_size)
     tokens: list[list[int]] = [[] for _ in grammars]
     ended: list[str | None] = [None] * len(grammars)
     for _ in range(steps):
         live = [i for i in range(len(grammars)) if ended[i] is None]
         if not live:
             break
+        # As the engine will: the fill starts before the logits exist and overlaps the forward.
+        masker.begin([grammars[i] for i in live])
         logits = torch.randn(len(live), vocab_size, generator=generator)
-        failed = masker.apply(logits, [grammars[i] for i in live])
+        failed = masker.finish(logits)
         assert not failed, [grammars[live[r]].error for r in failed]
         for row, token in zip(live, logits.argmax(dim=-1).tolist()):
             tokens[row].append(token)
@@ -61,6 +63,7 @@ def sample_constrained(grammars: list[RequestGrammar | None], vocab_size: int, s
                 ended[row] = grammar.accept(token)
                 if ended[row] is None and token == EOS:
                     ended[row] = "eos"
+    masker.close()
     return tokens, ended
 
 

@@ -20,7 +20,7 @@ from tokenizer_worker.grammar_compiler import GrammarCompiler
 from engine_worker.grammar_builder import (
     GrammarBuilder, GrammarUnavailable, RequestGrammar, backend_tokenizer,
 )
-from engine_worker.grammar_mask import GrammarMasker, unpack_bitmask
+from engine_worker.grammar_mask import GrammarMasker, unpack_bitmask, unpack_bitmask_on
 from tests.engine_worker.grammar_helpers import (
     EOS, SPECIAL, sample_constrained, text_of, tiny_vocabulary, wait_ready,
 )
@@ -93,7 +93,7 @@ def test_unconstrained_rows_are_untouched_and_constrained_rows_allow_only_gramma
     grammar = build(builder, compiler, StructuredOutputSpec("choice", choices=["true", "null"]))
     logits = torch.randn(3, vocabulary.vocab_size, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
-    assert GrammarMasker().apply(logits, [None, grammar, None]) == []
+    assert GrammarMasker(vocabulary.vocab_size).apply(logits, [None, grammar, None]) == []
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     table = vocabulary.token_table()
@@ -102,12 +102,12 @@ def test_unconstrained_rows_are_untouched_and_constrained_rows_allow_only_gramma
     assert torch.equal(logits[1][allowed], before[1][allowed])
     # No row constrained: nothing is touched (and no mask is computed).
     same = before.clone()
-    assert GrammarMasker().apply(same, [None, None, None]) == [] and torch.equal(same, before)
+    assert GrammarMasker(vocabulary.vocab_size).apply(same, [None, None, None]) == [] and torch.equal(same, before)
 
 
 def test_special_padding_and_eos_tokens(builder, compiler, vocabulary):
     grammar = build(builder, compiler, StructuredOutputSpec("regex", "a[a-z]*"))
-    masker = GrammarMasker()
+    masker = GrammarMasker(vocabulary.vocab_size)
     first = torch.zeros(1, vocabulary.vocab_size)
     masker.apply(first, [grammar])
     open_ids = set(torch.isfinite(first[0]).nonzero().flatten().tolist())
@@ -136,11 +136,11 @@ def test_a_refused_token_and_a_bad_grammar_end_the_request_with_an_error(builder
     good = build(builder, compiler, StructuredOutputSpec("regex", "ab"))
     logits = torch.randn(4, vocabulary.vocab_size, generator=torch.Generator().manual_seed(2))
     before = logits.clone()
-    assert GrammarMasker().apply(logits, [grammar, None, broken, good]) == [0, 2]
+    assert GrammarMasker(vocabulary.vocab_size).apply(logits, [grammar, None, broken, good]) == [0, 2]
     assert torch.equal(logits[:3], before[:3])
     assert torch.isfinite(logits[3]).sum() == 2  # "a" or "ab"
     with pytest.raises(RuntimeError, match="not built yet"):
-        GrammarMasker().apply(logits, [RequestGrammar(Future())])
+        GrammarMasker(vocabulary.vocab_size).apply(logits, [RequestGrammar(Future())])
 
 
 def test_ready_waits_for_the_build_and_the_vocabulary_is_required(vocabulary):
@@ -183,6 +183,28 @@ def test_unpack_bitmask_matches_bit_order():
     padded[:, :vocab] = allowed
     words = np.packbits(padded, axis=1, bitorder="little").view(np.int32)
     assert np.array_equal(unpack_bitmask(words, vocab, torch.device("cpu")).numpy(), allowed)
+    # The accelerator path (shifts on the device), run here on the CPU.
+    assert np.array_equal(unpack_bitmask_on(words, vocab, torch.device("cpu")).numpy(), allowed)
+
+
+def test_masker_protocol_and_the_torch_path(builder, compiler, vocabulary):
+    masker = GrammarMasker(vocabulary.vocab_size)
+    grammar = build(builder, compiler, StructuredOutputSpec("regex", "ab"))
+    with pytest.raises(RuntimeError, match="without begin"):
+        masker.finish(torch.zeros(1, vocabulary.vocab_size))
+    masker.begin([grammar])
+    with pytest.raises(RuntimeError, match="twice"):
+        masker.begin([grammar])
+    wide = torch.zeros(1, vocabulary.vocab_size + 1)
+    with pytest.raises(ValueError, match="wide"):
+        masker.finish(wide)
+    # float64 logits take the torch path (as a GPU's would): same result as the numpy path.
+    for dtype in (torch.float64, torch.float32):
+        logits = torch.zeros(2, vocabulary.vocab_size, dtype=dtype)
+        masker.begin([None, grammar])
+        assert masker.finish(logits) == []
+        assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[1]).sum() == 2
+    masker.close()
 
 
 def test_engine_side_needs_no_tokenizer_library(tmp_path, vocabulary):
@@ -198,7 +220,7 @@ def test_engine_side_needs_no_tokenizer_library(tmp_path, vocabulary):
         "g = b.request('start: %json {\"type\": \"object\"}')\n"
         "import time\n"
         "while not g.ready(): time.sleep(0.001)\n"
-        "logits = torch.zeros(1, v.vocab_size); assert GrammarMasker().apply(logits, [g]) == []\n"
+        "logits = torch.zeros(1, v.vocab_size); assert GrammarMasker(v.vocab_size).apply(logits, [g]) == []\n"
         "assert torch.isfinite(logits).sum() > 0\n"
         "print('LOADED', [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))])"
     )
