@@ -10,9 +10,9 @@ import logging
 
 from tokenizers.decoders import DecodeStream
 
+from detok_worker.stop_strings import StopStringMatcher
 from ipc.codec import pack_ids
 from ipc.messages import RequestMeta, RequestStart, RequestTimings, StreamEvent, Usage
-from detok_worker.stop_strings import StopStringMatcher
 
 logger = logging.getLogger("splitserve.detokenizer")
 

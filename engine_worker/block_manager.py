@@ -11,11 +11,16 @@ Invariants (tests check them):
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Callable
+
+from engine_worker.prefix_cache import PrefixCache
 
 
 class KVBlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """``prefix_cache`` (optional) is told which blocks are evicted and asked which released
+    blocks it holds; without one, a released block is free at once."""
+
+    def __init__(self, num_blocks: int, block_size: int,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -23,8 +28,7 @@ class KVBlockManager:
         self.ref_counts = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # oldest release first
-        self.on_evict: Callable[[int], None] = lambda block: None  # the prefix cache forgets it
-        self.is_cached: Callable[[int], bool] = lambda block: False
+        self.prefix_cache = prefix_cache
 
     @property
     def num_available(self) -> int:
@@ -47,7 +51,8 @@ class KVBlockManager:
                 block = self.free.popleft()
             else:
                 block, _ = self.evictable.popitem(last=False)
-                self.on_evict(block)
+                assert self.prefix_cache is not None  # only it makes a block evictable
+                self.prefix_cache.forget(block)
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks
@@ -67,7 +72,7 @@ class KVBlockManager:
                 raise RuntimeError(f"KV block {block} released more often than taken")
             self.ref_counts[block] = count
             if count == 0:
-                if self.is_cached(block):
+                if self.prefix_cache is not None and self.prefix_cache.holds(block):
                     self.evictable[block] = None
                 else:
                     self.free.append(block)

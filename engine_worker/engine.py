@@ -9,23 +9,31 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from ipc.codec import pack_ids
-from ipc.messages import (
-    FINISH_ABORT, FINISH_ERROR, EngineStats, RequestStart, SamplingParams, StepOutput,
-)
+from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
-from engine_worker.config import EngineConfig
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.model_runner import ModelRunner
 from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
-from engine_worker.scheduler import Scheduler
+from engine_worker.scheduler import ScheduledBatch, Scheduler
+from ipc.codec import pack_ids
+from ipc.engine_config import EngineConfig
+from ipc.messages import (
+    ERR_BAD_REQUEST,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    EngineStats,
+    FinishRecord,
+    RequestStart,
+    SamplingParams,
+    StepOutput,
+)
 
 logger = logging.getLogger("splitserve.engine")
 
@@ -39,8 +47,8 @@ class EngineOverloaded(RuntimeError):
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        if config.engine_threads:
+            torch.set_num_threads(config.engine_threads)
         self.device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, self.device)
         from engine_worker.model_config import ModelConfig
@@ -61,20 +69,28 @@ class Engine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.model_name = os.path.basename(os.path.normpath(config.model_path))
         num_blocks = self._num_kv_blocks(model, dtype)
-        self.blocks = KVBlockManager(num_blocks, config.block_size)
-        self.prefix_cache = PrefixCache(self.blocks) if config.enable_prefix_cache else None
+        capacity = num_blocks * config.block_size
+        if self.max_model_len > capacity:
+            # One request must always fit: the context the server offers is what its KV cache
+            # can hold (tokenizers clamp max_tokens to it, so no request fails half-way).
+            logger.warning("capping max_model_len %d to the KV cache's capacity of %d tokens "
+                           "(raise kv_cache_tokens for longer contexts)",
+                           self.max_model_len, capacity)
+            self.max_model_len = capacity
+        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
+        self.blocks = KVBlockManager(num_blocks, config.block_size, self.prefix_cache)
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   config.decode_workspace_max_bytes)
         self.requests: dict[str, EngineRequest] = {}
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
-        self._early_finishes: list[tuple[str, str, str]] = []  # (id, reason, error)
+        self._early_finishes: list[FinishRecord] = []
         self._step = 0
         logger.info("engine ready: model=%s device=%s dtype=%s threads=%d kv_blocks=%d x %d "
-                    "tokens max_model_len=%d prefix_cache=%s", self.model_name, self.device,
-                    dtype, torch.get_num_threads(), num_blocks, config.block_size,
-                    self.max_model_len, config.enable_prefix_cache)
+                    "tokens max_model_len=%d prefix_cache=%s attention=%s", self.model_name,
+                    self.device, dtype, torch.get_num_threads(), num_blocks, config.block_size,
+                    self.max_model_len, config.enable_prefix_cache, self.runner.attention.name)
 
     # --- public API -------------------------------------------------------------------------
     @property
@@ -95,7 +111,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already running or waiting")
         if request_id in self._aborted_before_arrival:
             del self._aborted_before_arrival[request_id]
-            self._early_finishes.append((request_id, FINISH_ABORT, ""))
+            self._early_finishes.append(FinishRecord(request_id, FINISH_ABORT))
             return
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or ids.size == 0:
@@ -108,10 +124,6 @@ class Engine:
         if ids.size >= self.max_model_len:
             raise ValueError(f"the prompt has {ids.size} tokens; max_model_len is "
                              f"{self.max_model_len}, which leaves no room for a generated token")
-        capacity = self.blocks.num_blocks * self.blocks.block_size
-        if ids.size + 1 > capacity:
-            raise ValueError(f"the prompt has {ids.size} tokens; the KV cache holds only "
-                             f"{capacity} tokens in all")
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting "
                                    f"(max_waiting_requests={self.config.max_waiting_requests})")
@@ -135,63 +147,68 @@ class Engine:
             self._aborted_before_arrival.popitem(last=False)
 
     def step(self) -> StepOutput:
+        """Schedule, run the batch, postprocess: one StepOutput for every request touched."""
         t_start = time.monotonic()
         self._step += 1
         out = StepOutput(step=self._step, t_step=t_start)
-        for request_id, reason, error in self._early_finishes:
-            self._emit_finish(out, request_id, reason, error)
+        self._finish_aborted(out)
+        batch = self.scheduler.schedule()
+        for request, message in batch.failed:
+            self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
+        if batch.requests:
+            tokens = self.runner.run(batch.requests, batch.num_new_tokens)
+            self._postprocess(out, batch, tokens)
+        if not self.scheduler.running:
+            self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
+        out.t_step = time.monotonic()
+        out.stats = self._stats(batch, (out.t_step - t_start) * 1000.0)
+        return out
+
+    # --- internals --------------------------------------------------------------------------
+    def _finish_aborted(self, out: StepOutput) -> None:
+        """Ends the requests aborted since the last step (and those aborted before arrival)."""
+        out.finished.extend(self._early_finishes)
         self._early_finishes.clear()
         for request_id in self._pending_aborts:
             self._finish(out, self.requests[request_id], FINISH_ABORT)
         self._pending_aborts.clear()
 
-        batch = self.scheduler.schedule()
-        for request, message in batch.failed:
-            self._finish(out, request, FINISH_ERROR, message)
-        if batch.requests:
-            tokens = self.runner.run(batch.requests, batch.num_new_tokens)
-            emitted_ids, emitted_tokens = out.request_ids, []
-            for request, count, token in zip(batch.requests, batch.num_new_tokens, tokens):
-                request.num_computed += count
-                if token is None:
-                    continue
-                emitted_ids.append(request.request_id)
-                emitted_tokens.append(token)
-                if not request.started_sent:
-                    request.started_sent = True
-                    out.started.append(RequestStart(request.request_id, request.t_arrived,
-                                                    request.t_scheduled, request.cached_tokens))
-                reason = request.finish_reason_after(token)
-                if reason is not None:
-                    self._finish(out, request, reason)
-            out.token_ids = pack_ids(emitted_tokens)
-        if not self.scheduler.running:
-            self.runner.drop_workspace()  # idle: do not hold the decode batch's KV copy
-        out.t_step = time.monotonic()
-        out.stats = EngineStats(
+    def _postprocess(self, out: StepOutput, batch: ScheduledBatch,
+                     tokens: list[int | None]) -> None:
+        """Advances every scheduled request, appends the sampled tokens, applies stops."""
+        emitted_tokens = []
+        for request, count, token in zip(batch.requests, batch.num_new_tokens, tokens):
+            request.num_computed += count
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_token(token)
+            out.request_ids.append(request.request_id)
+            emitted_tokens.append(token)
+            if not request.started_sent:
+                request.started_sent = True
+                out.started.append(RequestStart(request.request_id, request.t_arrived,
+                                                request.t_scheduled, request.cached_tokens))
+            reason = request.finish_reason()
+            if reason is not None:
+                self._finish(out, request, reason)
+        out.token_ids = pack_ids(emitted_tokens)
+
+    def _finish(self, out: StepOutput, request: EngineRequest, reason: str,
+                error: str = "", code: str = "") -> None:
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+        out.finished.append(FinishRecord(request.request_id, reason, error, code))
+
+    def _stats(self, batch: ScheduledBatch, step_ms: float) -> EngineStats:
+        return EngineStats(
             running=self.num_running, waiting=self.num_waiting,
             kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
             prefill_tokens=batch.prefill_tokens, cached_tokens=batch.cached_tokens,
-            decode_tokens=batch.decode_tokens, preempted=batch.preempted,
-            step_ms=(out.t_step - t_start) * 1000.0)
-        return out
-
-    # --- internals --------------------------------------------------------------------------
-    def _finish(self, out: StepOutput, request: EngineRequest, reason: str,
-                error: str = "") -> None:
-        self.scheduler.remove(request)
-        del self.requests[request.request_id]
-        self._emit_finish(out, request.request_id, reason, error)
-
-    @staticmethod
-    def _emit_finish(out: StepOutput, request_id: str, reason: str, error: str) -> None:
-        out.finished_ids.append(request_id)
-        out.finish_reasons.append(reason)
-        out.finish_errors.append(error)
+            decode_tokens=batch.decode_tokens, preempted=batch.preempted, step_ms=step_ms)
 
     def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
         cfg = self.config
-        per_token = ModelRunner.bytes_per_token(model.config, dtype)
+        per_token = kv_bytes_per_token(model.config, dtype)
         if cfg.kv_cache_tokens:
             tokens = cfg.kv_cache_tokens
         elif self.device.type == "cuda":

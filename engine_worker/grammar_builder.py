@@ -35,12 +35,13 @@ class GrammarUnavailable(RuntimeError):
     """A constrained request arrived before any vocabulary did."""
 
 
-class _VocabularyOnly:
+class _VocabularyOnly(llguidance.TokenizerWrapper):
     """What llguidance.LLTokenizer reads from a tokenizer object, from data alone."""
 
     is_tokenizer_wrapper = True
 
     def __init__(self, tokens: list[bytes], special_ids: list[int], eos_id: int) -> None:
+        # The base class would call a real tokenizer here; this one has only the data.
         self.tokens = tokens
         self.special_token_ids = special_ids
         self.eos_token_id = eos_id

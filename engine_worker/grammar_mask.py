@@ -12,9 +12,9 @@ returns at once: unconstrained batches pay nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
 
 import llguidance
 import numpy as np
@@ -39,8 +39,8 @@ class GrammarMasker:
         self.executor = llguidance.LLExecutor(threads)
         self._thread: ThreadPoolExecutor | None = None
         self._pending: _Fill | None = None
-        self._bitmask = np.empty((0, self.words), dtype=np.int32)
-        self._buffer = np.empty((0, self.words * 4, 8), dtype=np.float32)
+        self._bitmask: np.ndarray = np.empty((0, self.words), dtype=np.int32)
+        self._buffer: np.ndarray = np.empty((0, self.words * 4, 8), dtype=np.float32)
 
     def apply(self, logits: torch.Tensor,
               grammars: Sequence[RequestGrammar | None]) -> list[int]:
@@ -53,7 +53,9 @@ class GrammarMasker:
         ready); the step must not advance a matcher before ``finish``."""
         if self._pending is not None:
             raise RuntimeError("begin() twice without finish()")
-        rows, failed, matchers = [], [], []
+        rows: list[int] = []
+        failed: list[int] = []
+        matchers: list[tuple[llguidance.LLMatcher, int]] = []
         for row, grammar in enumerate(grammars):
             if grammar is None:
                 continue

@@ -1,6 +1,6 @@
 """Our own forward for the Llama family (Llama/SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with
 q/k norm), loaded straight from safetensors. It runs on a flat batch of tokens from many sequences
-and reads/writes the paged KV cache through ``engine_worker.attention``."""
+and reads/writes the paged KV cache through an ``engine_worker.attention`` backend."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from engine_worker.attention import AttentionBatch, paged_attention
+from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
 
 logger = logging.getLogger("splitserve.engine.model")
@@ -58,7 +58,8 @@ class LlamaFamilyModel:
                 k_norm=take_optional(p + "self_attn.k_norm.weight"),
                 o_proj=take(p + "self_attn.o_proj.weight"),
                 post_attention_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"),
+                                   take(p + "mlp.up_proj.weight")]),
                 down=take(p + "mlp.down_proj.weight"),
             ))
         self.norm = take("model.norm.weight")
@@ -72,7 +73,7 @@ class LlamaFamilyModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-             max_positions: int) -> "LlamaFamilyModel":
+             max_positions: int) -> LlamaFamilyModel:
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
         files = sorted(model_dir.glob("*.safetensors"))
@@ -89,10 +90,11 @@ class LlamaFamilyModel:
             logger.warning("ignored %d unexpected weights, e.g. %s", len(leftover), leftover[:3])
         return model
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionBackend, metadata: AttentionMetadata,
                 logit_rows: torch.Tensor | None) -> torch.Tensor:
-        """input_ids/positions [T]; returns logits [len(logit_rows), vocab] (float32)."""
+        """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step.
+        Returns logits [len(logit_rows), vocab] (float32)."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -111,7 +113,7 @@ class LlamaFamilyModel:
                 q = F.rms_norm(q, (head_dim,), layer.q_norm, eps)
                 k = F.rms_norm(k, (head_dim,), layer.k_norm, eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, i)
+            attn = attention.forward(q, k, v, i, metadata)
             hidden = hidden + F.linear(attn.reshape(num_tokens, q_size), layer.o_proj)
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_attention_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)

@@ -38,7 +38,7 @@ class ModelConfig:
                              f"num_key_value_heads ({self.num_kv_heads})")
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
         config_file = model_dir / "config.json"
         if not config_file.is_file():
@@ -90,7 +90,8 @@ def _as_id_set(value) -> set[int]:
 
 
 def _rope_parameters(cfg: dict) -> dict:
-    """Merges transformers 5's ``rope_parameters`` with the older ``rope_theta``/``rope_scaling``."""
+    """Merges transformers 5's ``rope_parameters`` with the older ``rope_theta`` and
+    ``rope_scaling``."""
     params = dict(cfg.get("rope_scaling") or {})
     params.update(cfg.get("rope_parameters") or {})
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -159,7 +160,8 @@ def _yarn_frequencies(rope: dict, base: float, dim: int, factor: float):
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         if rope.get("mscale") and rope.get("mscale_all_dim"):
-            attention_factor = mscale(factor, rope["mscale"]) / mscale(factor, rope["mscale_all_dim"])
+            attention_factor = (mscale(factor, rope["mscale"])
+                                / mscale(factor, rope["mscale_all_dim"]))
         else:
             attention_factor = mscale(factor)
 

@@ -10,9 +10,7 @@ is never imported here, via the `imported_tokenizers` heartbeat stat).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 import sys
 import time
 
@@ -21,11 +19,20 @@ import zmq
 from ipc.codec import DecodeError, salvage_fields, unpack_id_list
 from ipc.config import ClusterConfig
 from ipc.messages import (
-    ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, FINISH_ABORT, FINISH_ERROR, AbortRequests,
-    RequestMeta, StepOutput, TokenizedRequest,
+    ERR_BAD_REQUEST,
+    ERR_INTERNAL,
+    ERR_OVERLOADED,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    AbortRequests,
+    FinishRecord,
+    RequestMeta,
+    StepOutput,
+    TokenizedRequest,
 )
 from ipc.sockets import PullQueue, PushQueue
-from procs.worker_runtime import WorkerRuntime
+from runtime.factories import load_factory
+from runtime.worker import WorkerRuntime
 
 logger = logging.getLogger("splitserve.engine")
 
@@ -36,27 +43,11 @@ SHUTDOWN_MAX_S = 20.0
 
 
 def make_engine(config: ClusterConfig):
-    # A test seam: "/path/to/file.py:function" building a stand-in engine (IPC tests that
-    # need no model).
-    factory = os.environ.get("SPLITSERVE_ENGINE_FACTORY")
-    if factory:
-        path, _, name = factory.rpartition(":")
-        spec = importlib.util.spec_from_file_location("splitserve_engine_factory", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return getattr(module, name)(config)
-    from engine_worker.config import EngineConfig
+    if config.engine_factory:  # a test seam: a stand-in engine (no model)
+        return load_factory(config.engine_factory)(config)
     from engine_worker.engine import Engine
 
-    return Engine(EngineConfig(
-        model_path=config.model_path, device=config.device, dtype=config.dtype,
-        max_batch_size=config.max_batch_size, prefill_max_batch_size=config.prefill_max_batch_size,
-        prefill_max_tokens=config.prefill_max_tokens,
-        prefill_chunk_tokens=config.prefill_chunk_tokens, block_size=config.block_size,
-        kv_cache_tokens=config.kv_cache_tokens, max_model_len=config.max_model_len,
-        enable_prefix_cache=config.enable_prefix_cache,
-        max_waiting_requests=config.max_waiting_requests, num_threads=config.engine_threads))
+    return Engine(config.engine)
 
 
 def tokenizer_modules_loaded() -> list[str]:
@@ -71,7 +62,7 @@ class EngineProcess:
         self.runtime = WorkerRuntime("engine", 0, config, ctx)
         self.engine = engine if engine is not None else make_engine(config)
         # EngineOverloaded lives next to the engine class (the real one or a test stand-in).
-        self._overloaded = getattr(sys.modules[type(self.engine).__module__], "EngineOverloaded")
+        self._overloaded = sys.modules[type(self.engine).__module__].EngineOverloaded
         self.inbox: PullQueue[TokenizedRequest | AbortRequests] = PullQueue(
             ctx, config.engine_addr, TokenizedRequest, AbortRequests, hwm=INBOX_HWM,
             curve=config.curve)
@@ -144,16 +135,9 @@ class EngineProcess:
         self.steps += 1
         pending = self.take_pending()
         out.new_requests = pending.new_requests + list(out.new_requests)
-        if out.finished_ids and not out.finish_error_codes:
-            out.finish_error_codes = ["" for _ in out.finished_ids]
-        if out.finished_ids and not out.finish_errors:
-            out.finish_errors = ["" for _ in out.finished_ids]
-        for rid in out.finished_ids:
-            self.live.discard(rid)
-        out.finished_ids += pending.finished_ids
-        out.finish_reasons += pending.finish_reasons
-        out.finish_errors += pending.finish_errors
-        out.finish_error_codes += pending.finish_error_codes
+        for record in out.finished:
+            self.live.discard(record.request_id)
+        out.finished += pending.finished
         self.send(out)
 
     def send(self, out: StepOutput) -> None:
@@ -189,12 +173,8 @@ class EngineProcess:
 
     # --- helpers ------------------------------------------------------------------------------
     def _finish_early(self, meta: RequestMeta, reason: str, error: str, code: str) -> None:
-        p = self.pending
-        p.new_requests.append(meta)
-        p.finished_ids.append(meta.request_id)
-        p.finish_reasons.append(reason)
-        p.finish_errors.append(error)
-        p.finish_error_codes.append(code)
+        self.pending.new_requests.append(meta)
+        self.pending.finished.append(FinishRecord(meta.request_id, reason, error, code))
 
     def _reject_frame(self, frame: bytes, exc: DecodeError) -> None:
         found = salvage_fields(frame, "request_id", "meta.client_id")
@@ -205,7 +185,7 @@ class EngineProcess:
             self._finish_early(meta, FINISH_ERROR, f"malformed request: {exc}", ERR_BAD_REQUEST)
 
     def _has_pending(self) -> bool:
-        return bool(self.pending.new_requests or self.pending.finished_ids)
+        return bool(self.pending.new_requests or self.pending.finished)
 
     def take_pending(self) -> StepOutput:
         pending, self.pending = self.pending, StepOutput(step=0, t_step=0.0)

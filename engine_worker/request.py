@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
-
+from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
+from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 
 class EngineRequest:
@@ -16,7 +16,8 @@ class EngineRequest:
 
     __slots__ = ("request_id", "token_ids", "prompt_len", "params", "sampler", "stop_ids",
                  "max_total_len", "t_arrived", "t_scheduled", "num_computed", "block_ids",
-                 "block_keys", "cached_tokens", "started_sent", "num_generated", "grammar")
+                 "block_keys", "prefix_node", "cached_tokens", "started_sent",
+                 "num_generated", "grammar")
 
     def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
                  sampler: RequestSampler, stop_ids: frozenset[int], max_model_len: int,
@@ -33,6 +34,7 @@ class EngineRequest:
         self.num_computed = 0
         self.block_ids: list[int] = []
         self.block_keys: list[int] = []  # prefix-cache chain keys of the leading full blocks
+        self.prefix_node = ROOT_NODE  # the prefix-cache node holding exactly those blocks
         self.cached_tokens = 0
         self.started_sent = False
         self.num_generated = 0
@@ -56,11 +58,16 @@ class EngineRequest:
     def is_decoding(self) -> bool:
         return self.num_generated > 0 and self.remaining == 1
 
-    def finish_reason_after(self, token: int) -> str | None:
-        """Appends a sampled token and says whether (and why) the request is done."""
+    def append_token(self, token: int) -> None:
+        """Adds a sampled token; its KV is computed by the next step that schedules it."""
         self.token_ids.append(token)
         self.num_generated += 1
-        if token in self.stop_ids:
+
+    def finish_reason(self) -> str | None:
+        """Why the request is done after its last sampled token, or None if it goes on."""
+        if self.num_generated == 0:
+            return None
+        if self.token_ids[-1] in self.stop_ids:
             return FINISH_STOP
         if len(self.token_ids) >= self.max_total_len:
             return FINISH_LENGTH

@@ -47,16 +47,17 @@ class RequestSampler:
     def fold(self, token_ids: list[int], prompt_len: int, vocab: int,
              device: torch.device) -> None:
         """Brings ``counts`` and ``seen`` up to date with the request's tokens."""
-        if self.counts is None:
+        if self.counts is None or self.seen is None:
             self.counts = torch.zeros(vocab, device=device)
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        counts, seen = self.counts, self.seen
         if self.folded >= len(token_ids):
             return
         new = torch.tensor(token_ids[self.folded:], device=device)
-        self.seen[new] = True
+        seen[new] = True
         generated = new[max(0, prompt_len - self.folded):]
         if generated.numel():
-            self.counts.index_add_(0, generated, torch.ones_like(generated, dtype=torch.float32))
+            counts.index_add_(0, generated, torch.ones_like(generated, dtype=torch.float32))
         self.folded = len(token_ids)
 
 

@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine_worker.block_manager import KVBlockManager
-from engine_worker.config import EngineConfig
-from engine_worker.prefix_cache import PrefixCache
+from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
 from engine_worker.request import EngineRequest
+from ipc.engine_config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -77,9 +77,10 @@ class Scheduler:
         while (self.waiting and len(self.running) < self.config.max_batch_size
                and prefill_slots > 0 and token_budget > 0):
             # Requests whose grammar is still being built are passed over, not waited for.
-            request = next((r for r in self.waiting if r.ready), None)
-            if request is None:
+            first_ready = next((r for r in self.waiting if r.ready), None)
+            if first_ready is None:
                 break
+            request = first_ready
             count = self._admit(request, token_budget)
             if count == 0:
                 break  # FCFS: the first ready request waits for blocks, nobody overtakes it
@@ -100,11 +101,12 @@ class Scheduler:
         while needed > self.blocks.num_available:
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
+                capacity = self.blocks.num_blocks * self.blocks.block_size
+                batch.failed.append((request, (
+                    f"the request needs {request.num_computed + count} tokens of KV cache; the "
+                    f"cache holds {capacity} tokens in all")))
                 self.running.pop()
                 self.free_blocks(request)
-                batch.failed.append((request, (
-                    f"the KV cache ({self.blocks.num_blocks} blocks of {self.blocks.block_size} "
-                    f"tokens) cannot hold this request's {request.num_computed + count} tokens")))
                 return False
             self.preempt(victim)
             batch.preempted += 1
@@ -119,10 +121,11 @@ class Scheduler:
         size = self.blocks.block_size
         cached_blocks: list[int] = []
         keys: list[int] = []
+        node = ROOT_NODE
         if self.prefix_cache is not None:
             # At least one token must be computed to sample from, so never match the last one.
-            cached_blocks, keys = self.prefix_cache.match(request.token_ids,
-                                                          (request.num_tokens - 1) // size)
+            cached_blocks, keys, node = self.prefix_cache.match(
+                request.token_ids, (request.num_tokens - 1) // size)
         cached = len(cached_blocks) * size
         count = min(request.num_tokens - cached, self.config.prefill_chunk_tokens, token_budget)
         fresh = self.blocks.blocks_for(cached + count) - len(cached_blocks)
@@ -134,6 +137,7 @@ class Scheduler:
             self.blocks.acquire(block)
         request.block_ids = cached_blocks + self.blocks.allocate(fresh)
         request.block_keys = keys
+        request.prefix_node = node
         request.num_computed = cached
         if request.num_generated == 0:
             request.cached_tokens = cached
@@ -147,9 +151,9 @@ class Scheduler:
         full = min(computed_after_step, request.num_tokens) // size
         for index in range(len(request.block_keys), full):
             tokens = tuple(request.token_ids[index * size:(index + 1) * size])
-            parent = request.block_keys[-1] if request.block_keys else 0
-            key = self.prefix_cache.chain_key(parent, tokens)
-            self.prefix_cache.register(request.block_ids[index], key, tokens)
+            parent = request.block_keys[-1] if request.block_keys else None
+            key, request.prefix_node = self.prefix_cache.publish(
+                request.block_ids[index], tokens, parent, request.prefix_node)
             request.block_keys.append(key)
 
     def preempt(self, request: EngineRequest) -> None:
@@ -161,6 +165,7 @@ class Scheduler:
         self.blocks.release(request.block_ids)
         request.block_ids = []
         request.block_keys = []
+        request.prefix_node = ROOT_NODE
         request.num_computed = 0
 
     def remove(self, request: EngineRequest) -> None:

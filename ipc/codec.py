@@ -14,7 +14,8 @@ import sys
 import types
 import typing
 from array import array
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -117,7 +118,8 @@ def decode_as(frame: bytes, *kinds: type[_T]) -> _T:
     msg = decode(frame)
     if kinds and not isinstance(msg, kinds):
         allowed = ", ".join(k.KIND for k in kinds)  # type: ignore[attr-defined]
-        raise DecodeError(f"message kind {type(msg).KIND!r} is not accepted here (expected {allowed})")
+        raise DecodeError(f"message kind {type(msg).KIND!r} is not accepted here "
+                          f"(expected {allowed})")
     return msg
 
 
@@ -203,7 +205,7 @@ def _make_decoder(hint: Any) -> Callable[[Any, str], Any]:
             }
 
         return dec_dict
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return lambda v, w: _decode_dataclass(hint, v, w)
     if hint is float:
 
@@ -262,11 +264,11 @@ def unpack_id_list(data: bytes) -> list[int]:
 def salvage_fields(frame: bytes, *names: str) -> dict[str, Any]:
     """Best-effort read of a few top-level fields from a frame that failed to decode.
 
-    ``names`` may be dotted paths into nested maps. Used to attribute an error to a request (and the client that sent it) instead of dropping the
-    frame silently. Invalid UTF-8 elsewhere in the frame is tolerated, and so are strings and
-    binaries over the decoding limits (a 20 MB prompt is still attributable: no value can be
-    longer than the frame, which the sockets cap already); a field comes back only if it has a
-    plain str/bytes value. Never raises.
+    ``names`` may be dotted paths into nested maps. Used to attribute an error to a request (and
+    the client that sent it) instead of dropping the frame silently. Invalid UTF-8 elsewhere in
+    the frame is tolerated, and so are strings and binaries over the decoding limits (a 20 MB
+    prompt is still attributable: no value can be longer than the frame, which the sockets cap
+    already); a field comes back only if it has a plain str/bytes value. Never raises.
     """
     if len(frame) > MAX_FRAME_BYTES:
         return {}

@@ -1,7 +1,8 @@
 """Cluster configuration and the address plan, computed in one place.
 
-The supervisor builds one ``ClusterConfig``, writes it as JSON into the run directory and hands
-every child the path; each process derives every address it binds or connects from it.
+The supervisor builds one ``ClusterConfig`` (the engine's knobs nested in it as an
+``EngineConfig``), writes it as JSON into the run directory and hands every child the path; each
+process derives every address it binds or connects from it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from ipc.engine_config import EngineConfig
+from ipc.knobs import check_knobs, knob
 
 if TYPE_CHECKING:
     from ipc.sockets import CurveKeys
@@ -24,77 +28,75 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    model_path: str
-    run_dir: str
-    transport: str = "ipc"
-    host: str = "127.0.0.1"  # tcp: where client-facing sockets bind; beyond loopback: CURVE
-    base_port: int = 0  # for tcp: the client address; the others follow it
-    tokenizer_workers: int = 1
+    engine: EngineConfig  # the engine's knobs (and the model directory every process reads)
+    run_dir: str = knob("", "where sockets and cluster.json live", cli=False)
+    transport: str = knob("ipc", "ipc: unix sockets in the run dir; tcp: loopback ports from "
+                          "base_port", choices=TRANSPORTS, cli=False)
+    host: str = knob("127.0.0.1", "tcp: where client-facing sockets bind; beyond loopback, "
+                     "CURVE is required", cli=False)
+    base_port: int = knob(0, "tcp: the client port; the internal ports follow it", cli=False,
+                          minimum=0)
 
-    # CPU budget, decided by the supervisor so roles never oversubscribe the cores.
-    engine_threads: int = 1
-    tokenizer_threads: int = 1
+    tokenizer_workers: int = knob(1, "tokenizer processes; clients spread submits over them",
+                                  unit="N", minimum=1)
+    # CPU budget: the supervisor decides what is 0 so roles never oversubscribe the cores.
+    tokenizer_threads: int = knob(0, "threads of the tokenizers library per tokenizer worker; "
+                                  "0 = 1", unit="N", minimum=0)
+    tokenizer_batch_max: int = knob(64, "a tokenizer worker encodes at most this many queued "
+                                    "requests in one batch", unit="REQUESTS", minimum=1)
+    tokenizer_queue_max: int = knob(1024, "requests a tokenizer worker queues before clients "
+                                    "skip it", unit="REQUESTS", minimum=1)
+    stream_interval_tokens: int = knob(1, "the detokenizer sends a text delta every this many "
+                                       "tokens (the first at once)", unit="TOKENS", minimum=1)
 
-    # engine
-    device: str = "auto"  # auto, cpu, cuda
-    dtype: str = "auto"  # auto, float32, bfloat16, float16
-    max_batch_size: int = 32
-    prefill_max_batch_size: int = 32
-    prefill_max_tokens: int = 4096
-    prefill_chunk_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_tokens: int = 0  # 0: derive from memory
-    max_model_len: int = 0  # 0: the model's own limit (the supervisor fills in the engine's value)
-    enable_prefix_cache: bool = True
-    max_waiting_requests: int = 4096
+    # What the engine resolved; 0/"" until the engine reported ready (the supervisor fills them
+    # in, with the engine's max_model_len, for the processes started after it).
+    vocab_size: int = knob(0, "the model's vocabulary size", cli=False, minimum=0)
+    model_name: str = knob("", "the served model's name", cli=False)
 
-    # what the engine resolved; 0/"" until the engine reported ready (the supervisor fills them in)
-    vocab_size: int = 0
-    model_name: str = ""
+    # OpenAI-compatible HTTP frontends (http_worker/); None: no frontend.
+    http_port: int | None = knob(None, "serve the OpenAI API on this port (0: any free port); "
+                                 "default: no HTTP frontend", unit="PORT", cli=False)
+    http_host: str = knob("127.0.0.1", "address the frontend listens on; anything but "
+                          "loopback needs an API key", cli=False)
+    http_workers: int = knob(1, "frontend processes sharing the port", unit="N", minimum=1)
+    http_api_key: str = knob("", "require 'Authorization: Bearer KEY' on /v1/*", cli=False)
 
-    # tokenizer workers
-    tokenizer_batch_max: int = 64
-    tokenizer_queue_max: int = 1024
+    heartbeat_interval_s: float = knob(0.5, "how often every worker reports to the supervisor",
+                                       unit="SECONDS", minimum=0.01, cli=False)
+    heartbeat_timeout_s: float = knob(10.0, "a worker silent this long is logged", minimum=0.0,
+                                      unit="SECONDS", cli=False)
+    restart_policy: str = knob("restart", "when a worker process dies: restart it (its "
+                               "in-flight requests end with an 'unavailable' error) or shut the "
+                               "cluster down", choices=RESTART_POLICIES)
+    max_restarts: int = knob(5, "restarts per worker before the cluster shuts down instead",
+                             unit="N", minimum=0)
+    hang_timeout_s: float = knob(0.0, "kill and handle as dead a worker silent this long; keep "
+                                 "it above the longest prefill step (0: never)", unit="SECONDS",
+                                 minimum=0.0)
 
-    # detokenizer
-    stream_interval_tokens: int = 1
-
-    # OpenAI-compatible HTTP frontends (procs/http_server.py); None: no frontend
-    http_port: int | None = None  # 0: any free port (one frontend) or one picked up front
-    http_host: str = "127.0.0.1"  # anything but loopback needs http_api_key
-    http_workers: int = 1  # frontend processes sharing the port (SO_REUSEPORT)
-    http_api_key: str = ""
-
-    # supervision
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 10.0  # silent this long: a warning (and see hang_timeout_s)
-    # A child that exits unexpectedly: "restart" it (same role, index and addresses; clients are
-    # told, the requests it held end with an error) or "shutdown" the whole cluster in order.
-    restart_policy: str = "restart"
-    max_restarts: int = 5  # per child slot over the cluster's life; past it: shutdown
-    # Silent this long (no heartbeat): treated as dead (SIGKILL, then the policy). 0: never. The
-    # engine heartbeats between steps, so keep it well above the longest prefill step.
-    hang_timeout_s: float = 0.0
-
-    # security: ZeroMQ CURVE on every socket, required when host is not loopback (and forced on
+    # Security: ZeroMQ CURVE on every socket, required when host is not loopback (and forced on
     # by require_curve). The supervisor generates the server key pair; clients need the public key.
-    require_curve: bool = False
-    curve_public_key: str = ""
-    curve_secret_key: str = ""
+    require_curve: bool = knob(False, "use CURVE even on loopback/ipc (the public key is "
+                               "printed the same way)")
+    curve_public_key: str = knob("", "the cluster's CURVE public key", cli=False)
+    curve_secret_key: str = knob("", "the cluster's CURVE secret key", cli=False)
+
+    # Test seams: "module:callable" building a stand-in for a role's core from this config
+    # (an engine without a model; a slow request preparer). Empty in production.
+    engine_factory: str = knob("", "builds the engine object", cli=False)
+    preparer_factory: str = knob("", "builds the tokenizer workers' request preparer", cli=False)
 
     def __post_init__(self) -> None:
-        if self.restart_policy not in RESTART_POLICIES:
-            raise ValueError(f"restart_policy must be one of {RESTART_POLICIES}, "
-                             f"got {self.restart_policy!r}")
-        if self.max_restarts < 0 or self.hang_timeout_s < 0:
-            raise ValueError("max_restarts and hang_timeout_s must not be negative")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.tokenizer_workers < 1:
-            raise ValueError("tokenizer_workers must be at least 1")
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
+        if not self.run_dir:
+            raise ValueError("run_dir is required")
+        check_knobs(self)
         if self.transport == "tcp" and not (0 < self.base_port < 65536 - 64):
             raise ValueError("tcp transport needs a base_port in 1..65471")
-        if self.transport == "tcp" and self.host not in LOOPBACK_HOSTS and not self.curve_secret_key:
+        if (self.transport == "tcp" and self.host not in LOOPBACK_HOSTS
+                and not self.curve_secret_key):
             raise ValueError(f"listening on {self.host} (not loopback) requires CURVE keys")
         if self.require_curve and not self.curve_secret_key:
             raise ValueError("require_curve is set but no CURVE keys were given")
@@ -110,15 +112,31 @@ class ClusterConfig:
             if self.http_host not in LOOPBACK_HOSTS and not self.http_api_key:
                 raise ValueError(f"an HTTP frontend on {self.http_host} (not loopback) requires "
                                  "an API key")
-        for name in ("max_batch_size", "prefill_max_batch_size", "prefill_max_tokens",
-                     "prefill_chunk_tokens", "block_size", "engine_threads", "tokenizer_threads",
-                     "stream_interval_tokens", "tokenizer_batch_max", "tokenizer_queue_max",
-                     "max_waiting_requests", "http_workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @classmethod
+    def build(cls, model_path: str, run_dir: str, **knobs: Any) -> ClusterConfig:
+        """One flat set of knobs (what ``launch_cluster`` and the command lines take), split
+        between the engine's and the cluster's; an unknown name raises TypeError."""
+        engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+        cluster_names = {f.name for f in dataclasses.fields(cls)} - {"engine"}
+        unknown = set(knobs) - engine_names - cluster_names
+        if unknown:
+            raise TypeError(f"unknown knobs: {sorted(unknown)} (engine: {sorted(engine_names)}; "
+                            f"cluster: {sorted(cluster_names)})")
+        engine = EngineConfig(model_path=model_path,
+                              **{k: v for k, v in knobs.items() if k in engine_names})
+        return cls(engine=engine, run_dir=run_dir,
+                   **{k: v for k, v in knobs.items() if k in cluster_names})
+
+    def with_engine(self, **changes: Any) -> ClusterConfig:
+        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **changes))
 
     @property
-    def curve(self) -> "CurveKeys | None":
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def curve(self) -> CurveKeys | None:
         """The server key pair when CURVE is on (every socket of the cluster uses it)."""
         if not self.curve_secret_key:
             return None
@@ -129,7 +147,8 @@ class ClusterConfig:
     # --- address plan -------------------------------------------------------------------------
     def _addr(self, name: str, port_offset: int, *, public: bool = False) -> str:
         """Client-facing sockets bind on ``host``; internal ones (engine, detokenizer inbox,
-        supervisor) stay on loopback whatever ``host`` is: only this machine's processes use them."""
+        supervisor) stay on loopback whatever ``host`` is: only this machine's processes use
+        them."""
         if self.transport == "ipc":
             return f"ipc://{Path(self.run_dir) / name}.sock"
         host = self.host if public or self.host in LOOPBACK_HOSTS else "127.0.0.1"
@@ -171,13 +190,16 @@ class ClusterConfig:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ClusterConfig":
+    def from_json(cls, text: str) -> ClusterConfig:
         data = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown cluster config keys: {sorted(unknown)}")
-        return cls(**data)
+        engine = data.pop("engine", None)
+        if not isinstance(engine, dict):
+            raise ValueError("the cluster config needs an 'engine' object")
+        for kind, given in ((cls, data), (EngineConfig, engine)):
+            unknown = set(given) - {f.name for f in dataclasses.fields(kind)}
+            if unknown:
+                raise ValueError(f"unknown {kind.__name__} keys: {sorted(unknown)}")
+        return cls(engine=EngineConfig(**engine), **data)
 
     def write(self) -> Path:
         path = self.config_path
@@ -190,5 +212,5 @@ class ClusterConfig:
         return path
 
     @classmethod
-    def read(cls, path: str | os.PathLike) -> "ClusterConfig":
+    def read(cls, path: str | os.PathLike) -> ClusterConfig:
         return cls.from_json(Path(path).read_text())

@@ -35,7 +35,6 @@ FINISH_STOP = "stop"  # eos, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context length
 FINISH_ABORT = "abort"  # the client (or a shutdown) aborted it
 FINISH_ERROR = "error"  # see StreamEvent.error / error_code
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
 
 # Error codes carried with FINISH_ERROR.
 ERR_BAD_REQUEST = "bad_request"  # the request itself is wrong; retrying it will not help
@@ -82,7 +81,8 @@ class SamplingParams:
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
+            raise ValueError("top_k must be an integer >= -1 (0 or -1 disable it), "
+                             f"got {self.top_k!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
             or not (0 <= self.seed <= MAX_SEED)
@@ -96,7 +96,8 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
+                                 "characters")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not (-2.0 <= v <= 2.0):
@@ -176,7 +177,7 @@ class StructuredOutputSpec:
             raise ValueError(f"a {self.kind} structured output takes no choices")
 
     @classmethod
-    def json_schema(cls, schema: Any) -> "StructuredOutputSpec":
+    def json_schema(cls, schema: Any) -> StructuredOutputSpec:
         """From a parsed schema, without spaces. Keys keep their order: the output follows the
         order of ``properties``, as clients expect."""
         return cls(STRUCTURED_JSON_SCHEMA, json.dumps(schema, separators=(",", ":"),
@@ -362,6 +363,21 @@ class EngineStats:
     step_ms: float = 0.0
 
 
+@dataclass(slots=True)
+class FinishRecord:
+    """A request that ended in this step (or before it reached the engine) and why."""
+
+    request_id: str
+    reason: str  # a FINISH_* value
+    error: str = ""  # what went wrong, when the reason is FINISH_ERROR
+    code: str = ""  # an ERR_* code, when the reason is FINISH_ERROR
+
+    def __post_init__(self) -> None:
+        # Every error reaches the client with a code; one its sender left out is ours.
+        if self.reason == FINISH_ERROR and not self.code:
+            self.code = ERR_INTERNAL
+
+
 @message
 @dataclass(slots=True)
 class StepOutput:
@@ -374,13 +390,8 @@ class StepOutput:
     request_ids: list[str] = field(default_factory=list)
     token_ids: bytes = b""  # packed int32, one new token per entry of request_ids
     started: list[RequestStart] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
-    finish_errors: list[str] = field(default_factory=list)  # "" unless the reason is "error"
+    finished: list[FinishRecord] = field(default_factory=list)
     stats: EngineStats | None = None
-    # Parallel to finish_errors: an ERR_* code where the reason is "error", else "". Optional so
-    # that a StepOutput straight from Engine.step() (which leaves it empty) is still valid.
-    finish_error_codes: list[str] = field(default_factory=list)
     # The engine process that sent it: after the supervisor reports that engine dead, the
     # detokenizer drops its late outputs (their requests already ended with an error).
     engine_pid: int = 0
@@ -407,6 +418,9 @@ class ClientWelcome:
     model: str
     max_model_len: int
     vocab_size: int
+    # The cluster's admission bound (the engine's waiting queue): clients size their submit
+    # pipes from it, so a burst the cluster accepts is never refused by a small client pipe.
+    max_waiting_requests: int = 0
 
 
 @message

@@ -4,7 +4,8 @@ Every socket made here has a finite LINGER (closing never hangs on an absent pee
 receives, a MAXMSGSIZE (ZeroMQ drops the connection of a peer that sends a larger frame, before we
 ever allocate it). Binding an ``ipc://`` address removes a stale socket file first: a crashed run
 leaves one behind and a fresh bind over it would otherwise succeed while peers stay connected to a
-dead inode; the bound socket file is then made owner-only (0600), on top of the run directory's 0700.
+dead inode; the bound socket file is then made owner-only (0600), on top of the run directory's
+0700.
 
 CURVE: given ``CurveKeys``, a binding socket becomes a CURVE server (it needs the secret key) and a
 connecting socket a CURVE client of that server, with a fresh client key pair of its own. A peer
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import zmq
-import zmq.asyncio
 
 from ipc import codec
 
@@ -31,14 +31,19 @@ LINGER_MS = 1000
 DEFAULT_HWM = 10_000
 
 
+def _as_bytes(value: bytes | str) -> bytes:
+    return value.encode("ascii") if isinstance(value, str) else value
+
+
 @dataclass(frozen=True, slots=True)
 class CurveKeys:
     """The server key pair (Z85 text, 40 characters each); ``secret`` only where a socket binds."""
 
-    public: bytes
-    secret: bytes = b""
+    public: bytes | str
+    secret: bytes | str = b""
 
     def __post_init__(self) -> None:
+        # Given as Z85 text or bytes; kept as bytes, which is what ZeroMQ's options take.
         for name in ("public", "secret"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -50,12 +55,12 @@ class CurveKeys:
         if not self.secret:
             raise ValueError("a CURVE server socket needs the server's secret key")
         sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, _as_bytes(self.secret))
         return sock
 
     def make_client(self, sock: zmq.Socket) -> zmq.Socket:
         public, secret = zmq.curve_keypair()
-        sock.setsockopt(zmq.CURVE_SERVERKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, _as_bytes(self.public))
         sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         return sock
@@ -172,7 +177,7 @@ class PullQueue(Generic[T]):
 
     def drain_frames(self, limit: int) -> list[bytes]:
         """Whatever is queued right now, at most ``limit`` frames, without waiting."""
-        frames = []
+        frames: list[bytes] = []
         while len(frames) < limit:
             try:
                 frames.append(self.socket.recv(zmq.NOBLOCK))
@@ -182,42 +187,3 @@ class PullQueue(Generic[T]):
 
     def close(self) -> None:
         self.socket.close(linger=0)
-
-
-class AsyncPullQueue(Generic[T]):
-    """asyncio variant of PullQueue (works under uvloop)."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, *kinds: type, bind: bool = True,
-                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
-        self.address = address
-        self.kinds = kinds
-        self.socket = open_socket(ctx, zmq.PULL, address, bind_it=bind, rcvhwm=hwm, curve=curve)
-
-    def empty(self) -> bool:
-        return not (self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-
-    async def get(self) -> T:
-        return codec.decode_as(await self.socket.recv(), *self.kinds)
-
-    def get_nowait(self) -> T:
-        return codec.decode_as(self.socket.recv(zmq.NOBLOCK), *self.kinds)
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-
-
-class AsyncPushQueue:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool = False,
-                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
-        self.address = address
-        self.socket = open_socket(ctx, zmq.PUSH, address, bind_it=bind, sndhwm=hwm, curve=curve)
-
-    async def put(self, msg: Any) -> None:
-        await self.socket.send(codec.encode(msg))
-
-    def put_nowait(self, msg: Any) -> None:
-        """Raises zmq.Again when the pipe is full."""
-        self.socket.send(codec.encode(msg), zmq.NOBLOCK)
-
-    def close(self) -> None:
-        self.socket.close(linger=LINGER_MS)

@@ -11,12 +11,24 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from ipc.config import RESTART_POLICIES, TRANSPORTS
-from procs.launch_cluster import Cluster, launch_cluster, make_config
+from ipc.config import TRANSPORTS
+from procs.children import REPO_ROOT
+from procs.cluster_setup import make_config
+from procs.config_flags import (
+    ENGINE_KNOBS,
+    FAULT_KNOBS,
+    TESTING_KNOBS,
+    TOKENIZER_KNOBS,
+    add_cluster_flags,
+    add_engine_flags,
+    knob_values,
+)
+from procs.launch_cluster import Cluster, launch_cluster
 
 logger = logging.getLogger("splitserve.cli")
 
@@ -26,36 +38,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, metavar="PATH",
                    help="a local Hugging Face checkpoint directory (Llama family); default: "
                         "SmolLM2-135M-Instruct, provisioned automatically on first use")
-    g.add_argument("--tokenizer-workers", type=int, default=1, metavar="N",
-                   help="tokenizer processes; clients spread submits over them (default 1)")
-    g.add_argument("--engine-threads", type=int, default=0, metavar="N",
-                   help="torch intra-op threads in the engine; 0 = decide from the cores, "
-                        "leaving room for tokenizers and the detokenizer (default 0)")
-    g.add_argument("--tokenizer-threads", type=int, default=0, metavar="N",
-                   help="threads of the tokenizers library per tokenizer worker; 0 = 1")
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="where the engine runs (auto: CUDA when present)")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    g.add_argument("--max-batch-size", type=int, default=32, metavar="REQUESTS",
-                   help="most requests decoded together in one engine step (default 32)")
-    g.add_argument("--prefill-max-batch-size", type=int, default=32, metavar="REQUESTS",
-                   help="most requests admitted to prefill in one step (default 32)")
-    g.add_argument("--prefill-max-tokens", type=int, default=4096, metavar="TOKENS",
-                   help="most prompt tokens computed in one step (default 4096)")
-    g.add_argument("--prefill-chunk-tokens", type=int, default=2048, metavar="TOKENS",
-                   help="long prompts are prefilled in chunks of this many tokens (default 2048)")
-    g.add_argument("--kv-cache-tokens", type=int, default=0, metavar="TOKENS",
-                   help="KV cache capacity in tokens; 0 = derive from memory (default 0)")
-    g.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
-                   help="tokens per KV cache block (default 16)")
-    g.add_argument("--max-model-len", type=int, default=0, metavar="TOKENS",
-                   help="context length (prompt + output); 0 = the model's own (default 0)")
-    g.add_argument("--no-prefix-cache", action="store_true",
-                   help="disable sharing KV blocks between requests with equal prompt prefixes")
-    g.add_argument("--max-waiting-requests", type=int, default=4096, metavar="REQUESTS",
-                   help="engine queue bound; beyond it requests fail with 'overloaded'")
-    g.add_argument("--stream-interval-tokens", type=int, default=1, metavar="TOKENS",
-                   help="send a text delta every this many tokens (the first at once)")
+    add_cluster_flags(g, TOKENIZER_KNOBS)
     g.add_argument("--transport", default="ipc", choices=TRANSPORTS,
                    help="ipc: unix sockets in the run dir; tcp: loopback ports from --port")
     g.add_argument("--port", type=int, default=0, metavar="PORT",
@@ -65,10 +48,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "loopback, ZeroMQ CURVE is switched on: the supervisor generates a key "
                         "pair and prints the public key clients must pass (server_public_key=); "
                         "internal sockets stay on loopback. Default: ipc/loopback only")
-    g.add_argument("--require-curve", action="store_true",
-                   help="use CURVE even on loopback/ipc (the public key is printed the same way)")
+    add_cluster_flags(g, ("require_curve",))
     g.add_argument("--run-dir", default=None, metavar="DIR",
                    help="where sockets and cluster.json live (default: a fresh private temp dir)")
+    g.add_argument("--start-timeout-s", type=float, default=180.0, metavar="SECONDS",
+                   help="give up if the processes are not ready within this (default 180)")
+    add_engine_flags(p.add_argument_group("engine"))
     h = p.add_argument_group("OpenAI-compatible HTTP frontend")
     h.add_argument("--http-port", type=int, default=None, metavar="PORT",
                    help="serve the OpenAI API on this port (0: any free port); default: no "
@@ -76,37 +61,20 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--http-host", default="127.0.0.1", metavar="HOST",
                    help="address the frontend listens on; anything but loopback needs "
                         "--api-key (default 127.0.0.1)")
-    h.add_argument("--http-workers", type=int, default=1, metavar="N",
-                   help="frontend processes sharing the port (default 1)")
+    add_cluster_flags(h, ("http_workers",))
     h.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY", ""), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                         "$SPLITSERVE_API_KEY, or none)")
-    g.add_argument("--start-timeout-s", type=float, default=180.0, metavar="SECONDS",
-                   help="give up if the processes are not ready within this (default 180)")
-    f = p.add_argument_group("faults")
-    f.add_argument("--restart-policy", choices=RESTART_POLICIES, default="restart",
-                   help="when a worker process dies: restart it (its in-flight requests end with "
-                        "an 'unavailable' error) or shut the cluster down (default restart)")
-    f.add_argument("--max-restarts", type=int, default=5, metavar="N",
-                   help="restarts per worker before the cluster shuts down instead (default 5)")
-    f.add_argument("--hang-timeout-s", type=float, default=0.0, metavar="SECONDS",
-                   help="kill and handle as dead a worker silent this long; keep it above the "
-                        "longest prefill step (default 0: never)")
+    add_cluster_flags(p.add_argument_group("faults"), FAULT_KNOBS)
+    add_cluster_flags(p.add_argument_group("testing (stand-ins for a role's core)"),
+                      TESTING_KNOBS)
 
 
 def cluster_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        tokenizer_workers=args.tokenizer_workers, engine_threads=args.engine_threads,
-        tokenizer_threads=args.tokenizer_threads, device=args.device, dtype=args.dtype,
-        max_batch_size=args.max_batch_size, prefill_max_batch_size=args.prefill_max_batch_size,
-        prefill_max_tokens=args.prefill_max_tokens, prefill_chunk_tokens=args.prefill_chunk_tokens,
-        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
-        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
-        max_waiting_requests=args.max_waiting_requests,
-        stream_interval_tokens=args.stream_interval_tokens, base_port=args.port,
-        require_curve=args.require_curve, restart_policy=args.restart_policy,
-        max_restarts=args.max_restarts, hang_timeout_s=args.hang_timeout_s,
-        **listen_kwargs(args), **http_kwargs(args))
+    return dict(base_port=args.port,
+                **knob_values(args, ENGINE_KNOBS + TOKENIZER_KNOBS + FAULT_KNOBS + TESTING_KNOBS
+                              + ("require_curve",)),
+                **listen_kwargs(args), **http_kwargs(args))
 
 
 def listen_kwargs(args: argparse.Namespace) -> dict:
@@ -218,20 +186,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def run_bench(argv: list[str]) -> int:
-    """``splitserve bench ...`` is scripts/bench_serving.py (it lives with the other benchmarks
-    in a source checkout, which an editable install keeps at hand)."""
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    if not (scripts / "bench_serving.py").is_file():
-        print(f"splitserve bench needs a source checkout: {scripts}/bench_serving.py is missing",
+def run_bench(argv: list[str], root: Path = REPO_ROOT) -> int:
+    """``splitserve bench ...`` is ``python -m scripts.bench_serving ...`` of the source checkout
+    this package runs from (the benchmark is not part of an installed wheel; an editable install
+    keeps the checkout at hand). It runs in a child process with the checkout on PYTHONPATH and
+    the caller's working directory, so relative paths among the arguments mean what they say."""
+    if not (root / "scripts" / "bench_serving.py").is_file():
+        print("splitserve bench needs a source checkout of splitserve (the benchmark is not "
+              f"installed with the package; {root / 'scripts' / 'bench_serving.py'} is "
+              "missing): clone the repository, `pip install -e .` there, then run "
+              "`splitserve bench` or `python -m scripts.bench_serving` from its root",
               file=sys.stderr)
         return 2
-    if str(scripts) not in sys.path:
-        sys.path.insert(0, str(scripts))
-    import bench_serving
-
-    bench_serving.main(argv)
-    return 0
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    # -P (Python 3.11+): the working directory does not shadow the checkout's packages.
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    child = subprocess.Popen([sys.executable, *safe_path, "-m", "scripts.bench_serving", *argv],
+                             env=env)
+    # Ctrl-C reaches the child too; wait while it shuts its clusters down.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code = child.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 128 - code if code < 0 else code
 
 
 def build_parser() -> argparse.ArgumentParser:

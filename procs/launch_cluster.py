@@ -32,28 +32,24 @@ import dataclasses
 import logging
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import zmq
 
 from ipc import codec
-from ipc.config import LOOPBACK_HOSTS, ClusterConfig
+from ipc.config import ClusterConfig
 from ipc.messages import NOTICE_DIED, NOTICE_READY, ClusterNotice, Heartbeat, WorkerReady
-from ipc.sockets import PullQueue, PushQueue, check_curve_available
-from procs.model_store import resolve_model
-from procs.run_worker import PARENT_PID_ENV
-from procs.thread_budget import child_env, describe_budget, thread_budget
+from ipc.sockets import PullQueue, PushQueue
+from procs.children import Child, spawn, stop_in_order
+from procs.cluster_setup import make_config
+from procs.thread_budget import describe_budget
 
 logger = logging.getLogger("splitserve.supervisor")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+
 CURVE_PUBLIC_KEY_FILE = "curve_public.key"
 
 
@@ -61,30 +57,13 @@ class ClusterStartError(RuntimeError):
     pass
 
 
-@dataclasses.dataclass(slots=True)
-class Child:
-    role: str
-    index: int
-    popen: subprocess.Popen
-    ready: WorkerReady | None = None
-    last_heartbeat: Heartbeat | None = None
-    silent_warned: bool = False
-    last_seen: float = 0.0  # supervisor's monotonic clock: spawn, ready or latest heartbeat
-    restarted: bool = False  # a replacement whose readiness the detokenizer is still to hear of
-    killed_for: str = ""  # why the supervisor killed it (hang), for the log and the notice
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}[{self.index}]"
-
-
 class Cluster:
     def __init__(self, config: ClusterConfig, *, owns_run_dir: bool) -> None:
         self.config = config
         self.owns_run_dir = owns_run_dir
         self.ctx = zmq.Context()
-        self.inbox = PullQueue(self.ctx, config.supervisor_addr, WorkerReady, Heartbeat,
-                               curve=config.curve)
+        self.inbox: PullQueue[WorkerReady | Heartbeat] = PullQueue(
+            self.ctx, config.supervisor_addr, WorkerReady, Heartbeat, curve=config.curve)
         # ClusterNotices go to the detokenizer's inbox (it forwards them to clients).
         self.notices = PushQueue(self.ctx, config.detokenizer_addr, hwm=1000, curve=config.curve)
         self.children: list[Child] = []
@@ -100,7 +79,7 @@ class Cluster:
     # --- start-up -----------------------------------------------------------------------------
     @classmethod
     def start(cls, config: ClusterConfig, *, owns_run_dir: bool = True,
-              start_timeout_s: float = 180.0) -> "Cluster":
+              start_timeout_s: float = 180.0) -> Cluster:
         config.write()
         if config.curve_public_key:  # for users: the key clients pass as server_public_key=
             key_path = Path(config.run_dir) / CURVE_PUBLIC_KEY_FILE
@@ -125,8 +104,8 @@ class Cluster:
         ready = self._wait_ready([engine], timeout_s)[0]
         # Hand the engine's resolved limits to everyone started after it.
         self.config = dataclasses.replace(
-            self.config, max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
-            model_name=ready.model_name)
+            self.config.with_engine(max_model_len=ready.max_model_len),
+            vocab_size=ready.vocab_size, model_name=ready.model_name)
         self.config.write()
         rest = [self._spawn("detokenizer", 0)]
         rest += [self._spawn("tokenizer", i) for i in range(self.config.tokenizer_workers)]
@@ -138,14 +117,7 @@ class Cluster:
         logger.info("cluster ready: %s", self.describe())
 
     def _spawn(self, role: str, index: int) -> Child:
-        env = child_env(role, self.config, dict(os.environ))
-        env[PARENT_PID_ENV] = str(os.getpid())
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
-                                            if p)
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "procs.run_worker", role, str(index),
-             str(self.config.config_path)], env=env, cwd=str(REPO_ROOT))
-        child = Child(role, index, popen, last_seen=time.monotonic())
+        child = spawn(role, index, self.config)
         self.children.append(child)
         return child
 
@@ -265,9 +237,6 @@ class Cluster:
             elif now - last <= self.config.heartbeat_timeout_s:
                 c.silent_warned = False
 
-    def is_running(self) -> bool:
-        return not self._stopping and all(c.popen.poll() is None for c in self.children)
-
     def worker_stats(self, role: str, index: int = 0) -> dict[str, float]:
         """The latest heartbeat stats of one worker ({} before its first heartbeat)."""
         child = self._child(role, index)
@@ -300,8 +269,9 @@ class Cluster:
     def describe(self) -> str:
         http = f"HTTP {self.http_url}; " if self.http_url else ""
         return (f"client address {self.client_addr}; {http}"
-                f"{self.config.tokenizer_workers} tokenizer worker(s); model {self.config.model_name or self.config.model_path} "
-                f"(max_model_len {self.config.max_model_len}); pids {self.pids}")
+                f"{self.config.tokenizer_workers} tokenizer worker(s); model "
+                f"{self.config.model_name or self.config.model_path} (max_model_len "
+                f"{self.config.engine.max_model_len}); pids {self.pids}")
 
     # --- shutdown -----------------------------------------------------------------------------
     def _stop_children(self) -> None:
@@ -315,27 +285,9 @@ class Cluster:
             self._stopped.wait()
             return
         try:
-            self._stop_in_order(children)
+            stop_in_order(children)
         finally:
             self._stopped.set()
-
-    def _stop_in_order(self, children: list[Child]) -> None:
-        tokenizers = [c for c in children if c.role == "tokenizer"]
-        engines = [c for c in children if c.role == "engine"]
-        detoks = [c for c in children if c.role == "detokenizer"]
-        frontends = [c for c in children if c.role == "http"]
-        # Frontends stop accepting connections first; their open responses get the terminal
-        # events the rest of the shutdown produces, then they exit.
-        _signal(frontends, signal.SIGTERM)
-        _signal(tokenizers, signal.SIGUSR1)  # stop accepting; new submits get "unavailable"
-        time.sleep(0.1 if tokenizers else 0)  # let a batch being encoded reach the engine
-        _signal(engines, signal.SIGTERM)
-        _wait(engines, 30.0)
-        _signal(tokenizers, signal.SIGTERM)
-        _wait(tokenizers, 10.0)
-        _signal(detoks, signal.SIGTERM)
-        _wait(detoks, 10.0)
-        _wait(frontends, 15.0)
 
     def shutdown(self) -> None:
         """Stops every child in order, reaps them, removes the run directory. Idempotent."""
@@ -368,77 +320,11 @@ class Cluster:
             time.sleep(0.1)
         return self.failure is not None
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _signal(children: list[Child], sig: int) -> None:
-    for c in children:
-        if c.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                c.popen.send_signal(sig)
-
-
-def _wait(children: list[Child], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    for c in children:
-        try:
-            c.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.error("%s did not exit in %.0f s; killing it", c.name, timeout_s)
-            c.popen.kill()
-            c.popen.wait()
-
-
-def free_tcp_port(host: str) -> int:
-    """A port free right now, for frontends that must all bind the same one."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def make_config(model: str | os.PathLike | None = None, run_dir: str | None = None,
-                **overrides: object) -> tuple[ClusterConfig, bool]:
-    """A ClusterConfig with the model resolved, a private run dir and the thread budget filled
-    in. Returns (config, whether the run dir was created here and is ours to remove)."""
-    model_path = str(resolve_model(model if model is not None else overrides.pop("model_path",
-                                                                                   None)))
-    owns = run_dir is None or not Path(run_dir).exists()  # remove only what we created
-    if run_dir is None:
-        run_dir = tempfile.mkdtemp(prefix="splitserve-")  # mode 0700
-    else:
-        Path(run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-    engine_threads, tokenizer_threads = thread_budget(
-        int(overrides.get("tokenizer_workers", 1)),  # type: ignore[arg-type]
-        engine_threads=int(overrides.pop("engine_threads", 0) or 0),  # type: ignore[arg-type]
-        tokenizer_threads=int(overrides.pop("tokenizer_threads", 0) or 0),  # type: ignore
-        http_workers=(int(overrides.get("http_workers", 1))  # type: ignore[arg-type]
-                      if overrides.get("http_port") is not None else 0))
-    if overrides.get("http_port") == 0:
-        # One concrete port up front: several frontends share it, and a restarted one keeps it.
-        overrides["http_port"] = free_tcp_port(str(overrides.get("http_host", "127.0.0.1")))
-    overrides.update(curve_overrides(overrides))
-    config = ClusterConfig(model_path=model_path, run_dir=run_dir, engine_threads=engine_threads,
-                           tokenizer_threads=tokenizer_threads, **overrides)  # type: ignore
-    return config, owns
-
-
-def curve_overrides(overrides: dict) -> dict:
-    """A fresh CURVE server key pair when the cluster listens beyond loopback (or require_curve
-    asks for CURVE anyway) and none was given; every socket of the cluster then uses it."""
-    if overrides.get("curve_secret_key"):
-        return {}
-    beyond_loopback = (overrides.get("transport") == "tcp"
-                       and overrides.get("host", "127.0.0.1") not in LOOPBACK_HOSTS)
-    if not (beyond_loopback or overrides.get("require_curve")):
-        return {}
-    check_curve_available()
-    public, secret = zmq.curve_keypair()
-    return {"curve_public_key": public.decode("ascii"), "curve_secret_key": secret.decode("ascii")}
 
 
 @contextlib.contextmanager

@@ -137,36 +137,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-
-def make_tiny_model(out_dir: str | os.PathLike, *, num_layers: int = 2, hidden_size: int = 64,
-                    seed: int = 0, architecture: str = "llama") -> Path:
-    """Writes a tiny random model with the default model's tokenizer (for fast tests/benches).
-
-    ``architecture`` is one of llama, qwen2, qwen3, mistral.
-    """
-    import torch
-    import transformers
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    source = ensure_default_model()
-    common = dict(
-        vocab_size=49152, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-        pad_token_id=2, tie_word_embeddings=True,
-    )
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[architecture]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**common)).to(torch.float32).eval()
-    model.save_pretrained(str(out), safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "generation_config.json"):
-        if (source / name).exists():
-            shutil.copy(source / name, out / name)
-    return out

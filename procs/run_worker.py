@@ -3,34 +3,17 @@
     python -m procs.run_worker ROLE INDEX CONFIG_PATH
 
 The supervisor sets the thread budget in the environment (OMP_NUM_THREADS, RAYON_NUM_THREADS,
-TOKENIZERS_PARALLELISM) before the interpreter starts, so no library reads it too early.
+TOKENIZERS_PARALLELISM) before the interpreter starts, so no library reads it too early. This
+module sits with the supervisor, above the roles: it is the only place that imports them all.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import signal
 import sys
 
 from ipc.config import ROLES, ClusterConfig
-from procs.worker_runtime import setup_logging
-
-PR_SET_PDEATHSIG = 1
-PARENT_PID_ENV = "SPLITSERVE_SUPERVISOR_PID"
-
-
-def die_with_parent() -> None:
-    """Asks Linux to SIGKILL us when the supervisor dies, however it dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    expected = os.environ.get(PARENT_PID_ENV)
-    if expected and os.getppid() != int(expected):
-        os._exit(1)  # the supervisor died before prctl took effect
+from runtime.process import die_with_parent, setup_logging
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         elif role == "detokenizer":
             from detok_worker.worker import main as run
         else:
-            from procs.http_server import main_from_config as run
+            from http_worker.server import main_from_config as run
         run(config, index)
     except Exception:
         logging.getLogger("splitserve.worker").exception("%s[%d] crashed", role, index)

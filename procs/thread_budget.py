@@ -33,7 +33,7 @@ def thread_budget(tokenizer_workers: int, *, engine_threads: int = 0, tokenizer_
 
 
 def describe_budget(config: ClusterConfig) -> str:
-    return (f"CPU budget on {available_cpus()} cores: engine {config.engine_threads} torch "
+    return (f"CPU budget on {available_cpus()} cores: engine {config.engine.engine_threads} torch "
             f"thread(s); {config.tokenizer_workers} tokenizer worker(s) x "
             f"{config.tokenizer_threads} thread(s); detokenizer 1 thread"
             + (f"; {config.http_workers} HTTP frontend(s) x 1 thread"
@@ -43,9 +43,9 @@ def describe_budget(config: ClusterConfig) -> str:
 def child_env(role: str, config: ClusterConfig, env: dict[str, str]) -> dict[str, str]:
     """The environment a role starts with; set before the interpreter so no library reads a
     different value first."""
-    threads = {"engine": config.engine_threads,
+    threads = {"engine": config.engine.engine_threads,
                "tokenizer": config.tokenizer_threads}.get(role, 1)
-    torch_threads = config.engine_threads if role == "engine" else 1
+    torch_threads = config.engine.engine_threads if role == "engine" else 1
     env.update({
         "OMP_NUM_THREADS": str(torch_threads),
         "MKL_NUM_THREADS": str(torch_threads),

@@ -13,6 +13,12 @@
   mixed   short requests decoding while --long-prompts prompts of --long-prompt-tokens arrive:
           inter-token latency (ITL) p50/p99 of the decoding requests with and without chunked
           prefill.
+  peer    llama.cpp (llama-cpp-python, the optional `peer` extra) on the GGUF our default model
+          comes from, same threads, same prompts, alternating with our engine: prefill tokens/s
+          at each --prefill-tokens and decode tokens/s at batch 1, with ratios; then the batch-1
+          bandwidth bound of each (weight bytes read per token / the measured read bandwidth)
+          and, with --llama-bench PATH, llama.cpp's own llama-bench figures.
+  bandwidth  the read bandwidth (GB/s) at --threads and our engine's batch-1 decode bound.
 
 Every figure is printed with the torch thread count it ran with (--threads).
 """
@@ -20,19 +26,16 @@ Every figure is printed with the torch thread count it ran with (--threads).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine_worker.config import EngineConfig  # noqa: E402
-from engine_worker.engine import Engine  # noqa: E402
-from ipc.messages import SamplingParams  # noqa: E402
-from procs.model_store import resolve_model  # noqa: E402
+from engine_worker.engine import Engine
+from ipc.engine_config import EngineConfig
+from ipc.messages import SamplingParams
+from procs.model_store import resolve_model
 
 
 def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
@@ -42,7 +45,7 @@ def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
 def make_engine(args, **knobs) -> Engine:
     knobs.setdefault("kv_cache_tokens", args.kv_cache_tokens)
     return Engine(EngineConfig(model_path=str(args.model), dtype=args.dtype,
-                               num_threads=args.threads, **knobs))
+                               engine_threads=args.threads, **knobs))
 
 
 def params(max_tokens: int, **sampling) -> SamplingParams:
@@ -145,9 +148,10 @@ def best_decode_rates(args, engine: Engine, hf, prompts: list[list[int]],
     return ours, theirs
 
 
-def print_rates(title: str, rows: list[tuple[str, float, float]]) -> None:
+def print_rates(title: str, rows: list[tuple[str, float, float]],
+                peer: str = "transformers") -> None:
     print(title)
-    print(f"{'':24s}{'engine tok/s':>14s}{'transformers':>14s}{'ratio':>8s}")
+    print(f"{'':24s}{'engine tok/s':>14s}{peer:>14s}{'ratio':>8s}")
     for name, ours, theirs in rows:
         print(f"{name:24s}{ours:14.1f}{theirs:14.1f}{ours / theirs:8.2f}x")
 
@@ -257,6 +261,67 @@ def run_mixed(args) -> None:
           "chunked prefill")
 
 
+# --- peer: llama.cpp on the same GGUF -----------------------------------------------------------
+def run_peer(args) -> None:
+    from scripts.bench import peer_engine as pe
+
+    if not pe.llama_cpp_available():
+        raise SystemExit(pe.NEEDS_PEER_EXTRA)
+    gguf = Path(args.gguf) if args.gguf else pe.default_gguf()
+    rng = np.random.default_rng(3)
+    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=1)
+    longest = max(*args.prefill_tokens, args.decode_prompt_tokens + args.decode_tokens + 1)
+    peer = pe.LlamaCppPeer(gguf, args.threads, n_ctx=longest + 16)
+    warm = random_prompt(rng, 16)
+    engine_decode_rate(engine, [warm], 2)  # warm-ups: first-call allocations on both sides
+    peer.decode_rate(warm, 2)
+    rows = []
+    for length in args.prefill_tokens:
+        prompt = random_prompt(rng, length)
+        ours = theirs = 0.0
+        for _ in range(args.repeats):  # alternating: a disturbance hits one run, not one side
+            ours = max(ours, engine_prefill_rate(engine, prompt, 1))
+            theirs = max(theirs, peer.prefill_rate(prompt, 1))
+        rows.append((f"prefill {length} tokens", ours, theirs))
+    prompt = random_prompt(rng, args.decode_prompt_tokens)
+    decode = [0.0, 0.0]
+    for _ in range(args.repeats):
+        decode[0] = max(decode[0], engine_decode_rate(engine, [prompt], args.decode_tokens))
+        decode[1] = max(decode[1], peer.decode_rate(prompt, args.decode_tokens))
+    rows.append(("decode batch 1", *decode))
+    peer.close()
+    print_rates(f"\npeer (threads={args.threads} for both; ours {args.dtype} from the dequantized "
+                f"GGUF, llama.cpp {peer.version} on {gguf.name}; decode after a "
+                f"{args.decode_prompt_tokens}-token prompt, {args.decode_tokens} new tokens)",
+                rows, peer="llama.cpp")
+    bandwidth = pe.read_bandwidth_gbs(args.threads)
+    print(f"batch-1 decode bandwidth bound (read bandwidth {bandwidth:.1f} GB/s at "
+          f"{args.threads} threads):")
+    print(pe.bound_line(f"engine ({args.dtype})", pe.weight_bytes_per_token(engine.runner.model),
+                        bandwidth, decode[0]))
+    print(pe.bound_line("llama.cpp (GGUF as stored)", pe.gguf_weight_bytes_per_token(gguf),
+                        bandwidth, decode[1]))
+    if args.llama_bench:
+        figures = pe.llama_bench(args.llama_bench, gguf, args.threads, args.prefill_tokens,
+                                 args.decode_tokens)
+        print(f"llama-bench (threads={args.threads}): "
+              + ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in figures))
+
+
+def run_bandwidth(args) -> None:
+    from scripts.bench import peer_engine as pe
+
+    bandwidth = pe.read_bandwidth_gbs(args.threads)
+    print(f"\nbandwidth: read {bandwidth:.1f} GB/s with {args.threads} torch thread(s)")
+    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=1)
+    prompt = random_prompt(np.random.default_rng(4), args.decode_prompt_tokens)
+    engine_decode_rate(engine, [prompt], 2)  # warm-up
+    rate = max(engine_decode_rate(engine, [prompt], args.decode_tokens)
+               for _ in range(args.repeats))
+    print(pe.bound_line(f"engine ({args.dtype})", pe.weight_bytes_per_token(engine.runner.model),
+                        bandwidth, rate))
+
+
 def main() -> None:
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
@@ -264,9 +329,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", default=["core"],
-                        choices=["core", "sampling", "prefix", "mixed"],
+                        choices=["core", "sampling", "prefix", "mixed", "peer", "bandwidth"],
                         help="what to run (default: core)")
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
+    parser.add_argument("--gguf", default=None,
+                        help="the GGUF llama.cpp runs in 'peer' (default: the one the default "
+                             "model is converted from)")
+    parser.add_argument("--llama-bench", default=None, metavar="PATH",
+                        help="'peer' also runs this llama-bench binary (scripts/"
+                             "build_llama_server.sh builds one)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and activations, for the engine and transformers alike")
@@ -292,7 +363,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for workload in args.workloads:
         {"core": run_core, "sampling": run_sampling, "prefix": run_prefix,
-         "mixed": run_mixed}[workload](args)
+         "mixed": run_mixed, "peer": run_peer, "bandwidth": run_bandwidth}[workload](args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ per-token mask time of one matcher and of a batch of matchers filled in one call
 is driven through the same target texts: at each step the longest allowed token that continues
 the target is taken, so both backends see the same token sequences.
 
-    python scripts/bench_grammar.py [--batch 32] [--threads 1,2] [--repeats 3]
+    python -m scripts.bench_grammar [--batch 32] [--threads 1,2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 NESTED_SCHEMA = {
     "type": "object",
@@ -325,11 +324,12 @@ def child(args) -> dict:
     walker = Walker(tokens, special)
     for kind, spec in SPECS.items():
         r = result.setdefault(kind, {})
-        r["worker_compile_ms"], wire = best_ms(lambda: backend.compile_worker(kind, spec),
-                                               args.repeats)
+        r["worker_compile_ms"], wire = best_ms(
+            lambda kind=kind, spec=spec: backend.compile_worker(kind, spec), args.repeats)
         r["wire_bytes"] = len(wire)
-        r["engine_build_ms"], template = best_ms(lambda: backend.build_engine(wire), args.repeats)
-        r["fork_ms"], _ = best_ms(lambda: backend.fork(template), args.repeats)
+        r["engine_build_ms"], template = best_ms(lambda wire=wire: backend.build_engine(wire),
+                                                 args.repeats)
+        r["fork_ms"], _ = best_ms(lambda template=template: backend.fork(template), args.repeats)
         mask_s, accept_s = walk_one(backend, template, targets(kind, 8), walker, eos)
         r["mask_us_mean"] = float(np.mean(mask_s)) * 1e6
         r["mask_us_p99"] = float(np.percentile(mask_s, 99)) * 1e6
@@ -415,11 +415,11 @@ def main() -> None:
             if importlib.util.find_spec(name) is None:
                 print(f"{name} is not installed: skipped (pip install {name})")
                 continue
-            cmd = [sys.executable, __file__, "--child", name, "--vocab", str(vocab_path),
-                   "--batch", str(args.batch), "--threads", args.threads,
-                   "--repeats", str(args.repeats)]
+            cmd = [sys.executable, "-m", "scripts.bench_grammar", "--child", name,
+                   "--vocab", str(vocab_path), "--batch", str(args.batch),
+                   "--threads", args.threads, "--repeats", str(args.repeats)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
             results[name] = json.loads(out.stdout.strip().splitlines()[-1])
     args.vocab_size = json.loads((args.model / "config.json").read_text())["vocab_size"]
     report(results, args)

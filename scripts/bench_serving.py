@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The serving benchmark: splitserve's cluster against a single-process baseline, one workload.
 
-    python scripts/bench_serving.py --num-requests 256 --prompt-tokens 256 --unique-prompts \\
+    python -m scripts.bench_serving --num-requests 256 --prompt-tokens 256 --unique-prompts \\
         --max-new-tokens 1 --modes inproc,inproc-pretok,cluster
 
 Modes (compared in one invocation, runs interleaved so machine drift hits all alike):
@@ -20,27 +20,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-for _path in (str(_REPO), str(_REPO / "scripts")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from ipc.messages import SamplingParams  # noqa: E402
-
-from bench import report  # noqa: E402
-from bench.metrics import median_summary, parse_goodput, summarize  # noqa: E402
-from bench.options import BASE_MODES, build_parser as _build_parser  # noqa: E402
-from bench.runner import EventCollector, RunOptions, run_once  # noqa: E402
-from bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requests  # noqa: E402
-
-# Engine knobs given identically to every mode: flags named as EngineConfig / ClusterConfig
-# fields.
-ENGINE_KNOBS = ("device", "dtype", "max_batch_size", "prefill_max_batch_size",
-                "prefill_max_tokens", "prefill_chunk_tokens", "block_size", "kv_cache_tokens",
-                "max_model_len", "max_waiting_requests")
+from ipc.messages import SamplingParams
+from procs.config_flags import ENGINE_KNOBS, knob_values
+from scripts.bench import report
+from scripts.bench.metrics import median_summary, parse_goodput, summarize
+from scripts.bench.options import BASE_MODES
+from scripts.bench.options import build_parser as _build_parser
+from scripts.bench.runner import EventCollector, RunOptions, run_once
+from scripts.bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requests
 
 
 def build_parser():
@@ -64,8 +53,9 @@ def expand_modes(modes_text: str, tokenizer_workers: list[int]) -> list[str]:
 
 
 def engine_knobs(args: argparse.Namespace) -> dict:
-    knobs = {name: getattr(args, name) for name in ENGINE_KNOBS}
-    knobs["enable_prefix_cache"] = not args.no_prefix_cache
+    """The engine's knobs, the same in every mode (the threads are decided per mode)."""
+    knobs = knob_values(args, ENGINE_KNOBS)
+    del knobs["engine_threads"]
     return knobs
 
 
@@ -89,10 +79,11 @@ def engine_threads_for(args: argparse.Namespace, tokenizer_workers: int) -> int:
                          tokenizer_threads=args.tokenizer_threads)[0]
 
 
-def make_targets(modes: list[str], args: argparse.Namespace, model_path: str,
+def make_systems(modes: list[str], args: argparse.Namespace, model_path: str,
                  collector: EventCollector, stack: contextlib.ExitStack) -> dict:
-    """One target per mode; the inproc modes share one in-process server."""
-    from bench.targets import ClusterTarget, HttpTarget, InprocServer, InprocTarget
+    """One system under test per mode; the inproc modes share one in-process server."""
+    from scripts.bench.http_system import HttpSystem
+    from scripts.bench.systems import ClusterSystem, InprocServer, InprocSystem
 
     def cluster_knobs(workers: int) -> dict:
         return engine_knobs(args) | {
@@ -101,36 +92,37 @@ def make_targets(modes: list[str], args: argparse.Namespace, model_path: str,
             "tokenizer_batch_max": args.tokenizer_batch_max,
             "stream_interval_tokens": args.stream_interval_tokens}
 
-    targets, server = {}, None
+    systems, server = {}, None
     for mode in modes:
         if mode == "http":
             workers = args.tokenizer_workers[0]
-            targets[mode] = HttpTarget(
+            systems[mode] = HttpSystem(
                 mode, collector, endpoint=args.endpoint, model_path=model_path,
                 tokenizer_workers=workers, cluster_knobs=cluster_knobs(workers))
         elif mode.startswith("cluster-tw"):
             workers = int(mode[len("cluster-tw"):])
             knobs = cluster_knobs(workers)
             poll_s = 0.001 if args.max_concurrency else 0.02
-            targets[mode] = ClusterTarget(mode, model_path, workers, knobs, collector, poll_s,
-                                          args.client_submit_hwm or 2 * args.num_requests + 64)
+            systems[mode] = ClusterSystem(mode, model_path, workers, knobs, collector, poll_s,
+                                          args.client_submit_hwm or None)
         else:
             if server is None:
-                from engine_worker.config import EngineConfig
+                from ipc.engine_config import EngineConfig
 
                 config = EngineConfig(model_path=model_path,
-                                      num_threads=engine_threads_for(args, 1),
+                                      engine_threads=engine_threads_for(args, 1),
                                       **engine_knobs(args))
-                server = InprocServer(config, collector.deliver)
+                server = InprocServer(config, collector.deliver,
+                                      stream_interval_tokens=args.stream_interval_tokens)
                 stack.callback(server.close)
-            targets[mode] = InprocTarget(mode, server, collector,
+            systems[mode] = InprocSystem(mode, server, collector,
                                          pretok=mode == "inproc-pretok")
-        stack.callback(targets[mode].close)
-    return targets
+        stack.callback(systems[mode].close)
+    return systems
 
 
 def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
-                   workload: WorkloadSpec, arrival: ArrivalSpec, targets: dict,
+                   workload: WorkloadSpec, arrival: ArrivalSpec, systems: dict,
                    kv_auto: bool) -> dict:
     from procs.thread_budget import available_cpus
 
@@ -148,13 +140,14 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
         "Host CPUs": available_cpus(),
         "Modes": ", ".join(modes),
         "Mode details": {m: "; ".join(f"{k} {v}" for k, v in t.describe().items())
-                         for m, t in targets.items()},
+                         for m, t in systems.items()},
         "Requests": w.num_requests,
         "Prompts": prompts,
         "Unique prompts": w.unique_prompts or w.source == "shared-prefix",
         "Max new tokens": w.max_new_tokens,
         "Ignore EOS": args.ignore_eos,
         "Temperature": args.temperature,
+        "Stop strings": args.stop or "none",
         "Arrival": arrival.describe(),
         "Max concurrency": args.max_concurrency or "unlimited",
         "Engine": {"max_batch_size": args.max_batch_size,
@@ -165,7 +158,7 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
                    "kv_cache_tokens": f"{args.kv_cache_tokens}"
                                       + (" (sized for this workload)" if kv_auto else ""),
                    "max_model_len": args.max_model_len or "model's own",
-                   "prefix_cache": not args.no_prefix_cache,
+                   "prefix_cache": args.enable_prefix_cache,
                    "max_waiting_requests": args.max_waiting_requests},
         "Stream interval (tokens)": args.stream_interval_tokens,
         "Runs": f"{args.warmup_runs} warmup (of {min(args.warmup_num_requests, w.num_requests)} "
@@ -184,8 +177,9 @@ def _auto_device() -> str:
 
 def run_benchmark(args: argparse.Namespace) -> dict:
     """Everything but printing; returns the JSON document (also what the tests inspect)."""
-    from procs.model_store import resolve_model
     from tokenizers import Tokenizer
+
+    from procs.model_store import resolve_model
 
     model_path = str(resolve_model(args.model))
     modes = expand_modes(args.modes, args.tokenizer_workers)
@@ -212,12 +206,12 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
     def sampling_for(request) -> SamplingParams:
         return SamplingParams(max_tokens=request.max_tokens, temperature=args.temperature,
-                              ignore_eos=args.ignore_eos, seed=args.seed)
+                              ignore_eos=args.ignore_eos, seed=args.seed, stop=list(args.stop))
 
     collector = EventCollector()
     runs, summaries = [], []
     with contextlib.ExitStack() as stack:
-        targets = make_targets(modes, args, model_path, collector, stack)
+        systems = make_systems(modes, args, model_path, collector, stack)
         for round_index in range(args.warmup_runs + args.repeat_runs):
             warmup = round_index < args.warmup_runs
             batch = requests[:args.warmup_num_requests] if warmup else requests
@@ -225,12 +219,12 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 # The same tag length in every mode keeps prompt lengths identical across modes.
                 tagged = batch if args.no_run_tag else salt_requests(
                     batch, f"run {round_index}.{mode_index}")
-                result = run_once(targets[mode], collector, tagged, arrival, sampling_for,
+                result = run_once(systems[mode], collector, tagged, arrival, sampling_for,
                                   options, mode=mode, run_index=round_index, warmup=warmup)
                 runs.append(result)
                 summaries.append(summarize(result.records, result.cpu_seconds,
                                            args.goodput_slos))
-        setup = describe_setup(args, model_path, modes, workload, arrival, targets, kv_auto)
+        setup = describe_setup(args, model_path, modes, workload, arrival, systems, kv_auto)
     medians = {mode: median_summary([s for r, s in zip(runs, summaries)
                                      if r.mode == mode and not r.warmup]) for mode in modes}
     data = report.to_json(setup, runs, summaries, medians)

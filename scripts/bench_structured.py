@@ -12,34 +12,30 @@
   itl      step times of an unconstrained decoding batch while new large schemas build on the
            engine's background thread, against the same batch with nothing building.
 
-    python scripts/bench_structured.py decode compile itl [--dtype float32,bfloat16]
+    python -m scripts.bench_structured decode compile itl [--dtype float32,bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine_worker.config import EngineConfig  # noqa: E402
-from engine_worker.engine import Engine  # noqa: E402
-from engine_worker.grammar_builder import GrammarBuilder, backend_tokenizer  # noqa: E402
-from engine_worker.grammar_mask import GrammarMasker  # noqa: E402
-from engine_worker.sampler import sample  # noqa: E402
-from ipc.messages import SamplingParams, StructuredOutputSpec  # noqa: E402
-from procs.model_store import resolve_model  # noqa: E402
-from scripts.bench_grammar import NESTED_SCHEMA, large_schema  # noqa: E402
-from tokenizer_worker.chat_template import ChatTemplate  # noqa: E402
-from tokenizer_worker.grammar_compiler import GrammarCompiler  # noqa: E402
-from tokenizer_worker.prepare import load_tokenizer  # noqa: E402
-from tokenizer_worker.vocabulary import grammar_vocabulary  # noqa: E402
+from engine_worker.engine import Engine
+from engine_worker.grammar_builder import GrammarBuilder, backend_tokenizer
+from engine_worker.grammar_mask import GrammarMasker
+from engine_worker.sampler import sample
+from ipc.engine_config import EngineConfig
+from ipc.messages import SamplingParams, StructuredOutputSpec
+from procs.model_store import resolve_model
+from runtime.model_files import load_tokenizer
+from scripts.bench_grammar import NESTED_SCHEMA, large_schema
+from tokenizer_worker.chat_template import ChatTemplate
+from tokenizer_worker.grammar_compiler import GrammarCompiler
+from tokenizer_worker.vocabulary import grammar_vocabulary
 
 PEOPLE = ["Ada", "Bob", "Chen", "Dana", "Emil", "Fay", "Gus", "Hana"]
 CITIES = ["Paris", "Lima", "Oslo", "Kyiv"]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from procs.model_store import ensure_default_model, make_tiny_model
+from procs.model_store import ensure_default_model
+from scripts.bench.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")

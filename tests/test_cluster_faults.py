@@ -1,7 +1,7 @@
 """Process faults on a real cluster: every accepted request ends with exactly one terminal event,
 the supervisor restarts the dead worker, and a fresh request succeeds afterwards.
 
-The stand-in engine (tests/procs/fake_engine.py, slowed with SPLITSERVE_FAKE_STEP_S) keeps
+The stand-in engine (tests/procs/fake_engine.py, 20 ms a step) keeps
 requests in flight long enough to kill a process under them; tokenizers and the detokenizer are
 the real ones. The client-disconnect test runs the real engine on the tiny model, to see its KV
 blocks come back. Each fault test prints one row of the issue's table (-s shows them).
@@ -23,7 +23,7 @@ import pytest
 from ipc.client import Client
 from procs.launch_cluster import launch_cluster
 
-FAKE_ENGINE = f"{Path(__file__).parent / 'procs' / 'fake_engine.py'}:make"
+SLOW_FAKE_ENGINE = "tests.procs.fake_engine:make_slow"  # 20 ms a step
 REPO = Path(__file__).resolve().parents[1]
 N = 12
 
@@ -39,12 +39,10 @@ def poll(predicate, timeout_s: float = 20.0, what: str = "condition"):
 
 @pytest.fixture(scope="module")
 def cluster():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
-        mp.setenv("SPLITSERVE_FAKE_STEP_S", "0.02")  # 240 tokens: ~5 s in flight
-        with launch_cluster(None, tokenizer_workers=2, heartbeat_interval_s=0.1,
-                            max_restarts=3) as c:
-            yield c
+    # 240 tokens: ~5 s in flight
+    with launch_cluster(None, tokenizer_workers=2, heartbeat_interval_s=0.1, max_restarts=3,
+                        engine_factory=SLOW_FAKE_ENGINE) as c:
+        yield c
 
 
 def pid_of(cluster, role: str, index: int = 0) -> int:
@@ -88,7 +86,7 @@ def kill_tokenizer_with_half_queued(cluster, client, index: int, fault: str):
     os.kill(victim, signal.SIGSTOP)
     try:
         handles = [client.submit(f"queued {i}", max_tokens=60) for i in range(N)]
-        held = [h for h in handles if h._record.tokenizer == index]
+        held = [h for h in handles if h.tokenizer_index == index]
         assert len(held) == N // 2
         other = next(h for h in handles if h not in held)
         next(other.stream(timeout=30))  # the other worker's share is generating
@@ -108,12 +106,12 @@ def test_tokenizer_killed_with_requests_queued_in_it(cluster):
             cluster, client, 1, "tokenizer[1] SIGKILL, half the requests queued in it")
         assert [r.finish_reason for r in results] == ["length"] * N
         for h, r in zip(handles, results):
-            assert h._record.resubmits == (1 if h in held else 0)
+            assert h.resubmits == (1 if h in held else 0)
             assert r.request_id == h.request_id and r.t_submit == h.t_submit
-        assert all(h._record.tokenizer == 0 for h in held)
+        assert all(h.tokenizer_index == 0 for h in held)
         # Both workers serve again: round-robin puts the next two on different workers.
         fresh = [client.submit("after the fault", max_tokens=3) for _ in range(2)]
-        assert {h._record.tokenizer for h in fresh} == {0, 1}
+        assert {h.tokenizer_index for h in fresh} == {0, 1}
         assert all(h.result(timeout=30).text.startswith("after") for h in fresh)
     assert cluster.restarts["tokenizer[1]"] == 1
 
@@ -134,7 +132,7 @@ def test_tokenizer_killed_without_retries_ends_its_requests_with_an_error(cluste
 
 def test_async_client_sends_a_dead_tokenizers_requests_again(cluster):
     """The asyncio client (the HTTP frontend's) takes the same path on its event loop."""
-    from ipc.async_client import AsyncClient
+    from ipc.client import AsyncClient
 
     async def run():
         async with AsyncClient(cluster.client_addr, deadline_s=60) as client:
@@ -142,7 +140,7 @@ def test_async_client_sends_a_dead_tokenizers_requests_again(cluster):
             os.kill(victim, signal.SIGSTOP)
             try:
                 handles = [client.submit(f"async {i}", max_tokens=20) for i in range(N)]
-                held = [h for h in handles if h._record.tokenizer == 1]
+                held = [h for h in handles if h.tokenizer_index == 1]
                 await asyncio.sleep(0.2)
             finally:
                 os.kill(victim, signal.SIGKILL)
@@ -152,7 +150,7 @@ def test_async_client_sends_a_dead_tokenizers_requests_again(cluster):
                   f"correctly {counts.count(1)} | lost {counts.count(0)}")
             assert counts == [1] * N
             assert [r.finish_reason for r in results] == ["length"] * N
-            assert len(held) == N // 2 and all(h._record.resubmits == 1 for h in held)
+            assert len(held) == N // 2 and all(h.resubmits == 1 for h in held)
             poll(lambda: restarted(cluster, "tokenizer", 1, victim), what="tokenizer restart")
 
     asyncio.run(run())
@@ -178,7 +176,7 @@ def test_engine_killed_with_requests_still_in_a_tokenizer(cluster):
         os.kill(tok, signal.SIGSTOP)
         try:
             handles = [client.submit(f"mixed {i}", max_tokens=240) for i in range(N)]
-            generating = [h for h in handles if h._record.tokenizer == 1]
+            generating = [h for h in handles if h.tokenizer_index == 1]
             next(generating[0].stream(timeout=30))
             victim = pid_of(cluster, "engine")
             os.kill(victim, signal.SIGKILL)
@@ -222,10 +220,9 @@ def test_restart_hygiene_no_zombies_no_run_dir(cluster):
     assert not run_dir.exists()
 
 
-def test_shutdown_policy_stops_the_cluster_and_ends_requests(monkeypatch):
-    monkeypatch.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
-    monkeypatch.setenv("SPLITSERVE_FAKE_STEP_S", "0.02")
-    with launch_cluster(None, restart_policy="shutdown") as cluster:
+def test_shutdown_policy_stops_the_cluster_and_ends_requests():
+    with launch_cluster(None, restart_policy="shutdown",
+                        engine_factory=SLOW_FAKE_ENGINE) as cluster:
         with Client(cluster.client_addr, deadline_s=60) as client:
             handles = [client.submit(f"doomed {i}", max_tokens=240) for i in range(4)]
             next(handles[0].stream(timeout=30))
@@ -250,12 +247,9 @@ CLIENT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_client_killed_mid_stream_frees_its_requests_and_kv(tiny_model_dir, monkeypatch):
+def test_client_killed_mid_stream_frees_its_requests_and_kv(tiny_model_dir):
     """A client process killed with SIGKILL never says goodbye: the detokenizer notices when its
     next event cannot be delivered, and aborts its requests in the engine; their KV comes back."""
-    # The real engine (the module fixture's stand-in settings may still be in the environment).
-    monkeypatch.delenv("SPLITSERVE_ENGINE_FACTORY", raising=False)
-    monkeypatch.delenv("SPLITSERVE_FAKE_STEP_S", raising=False)
     with launch_cluster(tiny_model_dir, enable_prefix_cache=False,
                         heartbeat_interval_s=0.1) as cluster:
         proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, cluster.client_addr],

@@ -6,27 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
-from ipc.client import (
-    AsyncClient, BadRequestError, Client, RequestTimeoutError, UnavailableError,
-)
+from ipc.client import AsyncClient, BadRequestError, Client, RequestTimeoutError, UnavailableError
 from procs.launch_cluster import launch_cluster
 
-FAKE_ENGINE = f"{Path(__file__).parent / 'procs' / 'fake_engine.py'}:make"
+FAKE_ENGINE = "tests.procs.fake_engine:make"  # a stand-in engine: no model, echoes
 TOKENIZE_DELAY_MS = 300
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
-        with launch_cluster(None, tokenizer_workers=2, stream_interval_tokens=1) as c:
-            yield c
+    with launch_cluster(None, tokenizer_workers=2, stream_interval_tokens=1,
+                        engine_factory=FAKE_ENGINE) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +46,9 @@ def test_stream_end_to_end(client):
     t = result.timings
     assert t.t_submit <= t.t_tokenize_start <= t.t_tokenized <= t.t_arrived <= t.t_first_token \
         <= t.t_last_token <= t.t_finished
+    # It ended in the step that produced its last token: it finished at that step's time, not
+    # whenever the detokenizer got round to it.
+    assert t.t_finished == t.t_last_token
     assert len(result.t_received) == 9 and result.ttft_s > 0
 
 
@@ -92,7 +91,7 @@ def test_invalid_arguments_fail_at_submit(client, kwargs):
 def test_malformed_frames_sent_raw_to_a_tokenizer(cluster, client):
     handle = client.submit("warm", max_tokens=1)  # a real wire id to attribute the errors to
     handle.result(timeout=30)
-    wire_prefix = handle._record.wire_id.rsplit(":", 1)[0]
+    wire_prefix = handle.wire_id.rsplit(":", 1)[0]
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(cluster.config.tokenizer_addr(0))

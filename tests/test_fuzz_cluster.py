@@ -269,7 +269,7 @@ def test_fuzz_tokenizer_ingress(raw, tally):
     raw.check_exactly_once()
 
 
-# --- the engine's ingress (internal, but reachable by anyone who can reach the run dir) ------------
+# --- the engine's ingress (internal, but reachable by anyone who can reach the run dir) ----------
 
 def _with_ids(draw, body: dict, key: str, min_raw: int):
     """``body[key]`` = packed ids (maybe out of vocabulary or too many) or raw bytes; the frame

@@ -7,9 +7,14 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from procs.http_server import FrontendSettings, build_app
-from procs.openai_protocol import (
-    APIError, ChatCompletionRequest, ChatFormat, CompletionFormat, CompletionRequest,
+from http_worker.app import build_app
+from http_worker.frontend import FrontendSettings
+from http_worker.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
 )
 
 
@@ -156,10 +161,14 @@ def test_response_shapes():
 
 
 def test_sdk_errors_map_to_statuses_clients_can_act_on():
-    from ipc.client_common import (
-        BadRequestError, OverloadedError, RequestTimeoutError, SplitserveError, UnavailableError,
+    from http_worker.generation import api_error_from
+    from ipc.client import (
+        BadRequestError,
+        OverloadedError,
+        RequestTimeoutError,
+        SplitserveError,
+        UnavailableError,
     )
-    from procs.http_server import api_error_from
 
     statuses = {cls: api_error_from(cls("why")).status for cls in (
         BadRequestError, OverloadedError, UnavailableError, RequestTimeoutError, SplitserveError)}

@@ -263,7 +263,8 @@ def test_soak_mixed_workload_rss_flat_and_kv_returns(cluster):
     assert stats["kv_blocks_available"] == stats["kv_blocks_total"]
     deadline = time.monotonic() + 30  # heartbeats lag: poll, then require the quiet state
     while time.monotonic() < deadline and any(
-            cluster.worker_stats("detokenizer").get(key, 1) for key in ("open_requests", "clients")):
+            cluster.worker_stats("detokenizer").get(key, 1)
+            for key in ("open_requests", "clients")):
         time.sleep(0.1)
     detok = cluster.worker_stats("detokenizer")
     assert detok["open_requests"] == 0 and detok["clients"] == 0, detok

@@ -18,13 +18,14 @@ import zmq
 
 from ipc import codec
 from ipc.client import AsyncClient, Client, UnavailableError
-from ipc.client_common import tokenizer_addrs
+from ipc.client.transport import tokenizer_addrs
 from ipc.config import ClusterConfig
 from procs.cli import build_parser, cluster_kwargs
-from procs.launch_cluster import CURVE_PUBLIC_KEY_FILE, curve_overrides, launch_cluster
+from procs.cluster_setup import curve_overrides
+from procs.launch_cluster import CURVE_PUBLIC_KEY_FILE, launch_cluster
 
 REPO = Path(__file__).resolve().parents[1]
-FAKE_ENGINE = f"{Path(__file__).parent / 'procs' / 'fake_engine.py'}:make"
+FAKE_ENGINE = "tests.procs.fake_engine:make"  # a stand-in engine: no model, echoes
 DEADLINE_S = 30
 
 
@@ -61,9 +62,8 @@ def _wait_for(predicate, timeout_s: float = DEADLINE_S, what: str = "condition")
 
 # --- files and permissions ----------------------------------------------------------------------
 
-def test_run_dir_is_0700_and_socket_files_are_owner_only(monkeypatch):
-    monkeypatch.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
-    with launch_cluster(None, tokenizer_workers=2) as cluster:
+def test_run_dir_is_0700_and_socket_files_are_owner_only():
+    with launch_cluster(None, tokenizer_workers=2, engine_factory=FAKE_ENGINE) as cluster:
         run_dir = Path(cluster.config.run_dir)
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         socks = sorted(run_dir.glob("*.sock"))
@@ -83,14 +83,14 @@ def test_run_dir_is_0700_and_socket_files_are_owner_only(monkeypatch):
 
 def test_tcp_beyond_loopback_needs_curve_keys(tmp_path):
     with pytest.raises(ValueError, match="requires CURVE keys"):
-        ClusterConfig(model_path="m", run_dir=str(tmp_path), transport="tcp", host="0.0.0.0",
+        ClusterConfig.build("m", str(tmp_path), transport="tcp", host="0.0.0.0",
                       base_port=5000)
     with pytest.raises(ValueError, match="no CURVE keys"):
-        ClusterConfig(model_path="m", run_dir=str(tmp_path), require_curve=True)
+        ClusterConfig.build("m", str(tmp_path), require_curve=True)
     with pytest.raises(ValueError, match="40-character"):
-        ClusterConfig(model_path="m", run_dir=str(tmp_path), curve_public_key="short",
+        ClusterConfig.build("m", str(tmp_path), curve_public_key="short",
                       curve_secret_key="short")
-    loopback = ClusterConfig(model_path="m", run_dir=str(tmp_path), transport="tcp",
+    loopback = ClusterConfig.build("m", str(tmp_path), transport="tcp",
                              base_port=5000)
     assert loopback.client_addr == "tcp://127.0.0.1:5000" and loopback.curve is None
     assert curve_overrides(dict(transport="tcp", host="127.0.0.1")) == {}
@@ -102,7 +102,7 @@ def test_listen_flag_switches_on_curve_and_keeps_internal_sockets_on_loopback(tm
     assert (kwargs["transport"], kwargs["host"]) == ("tcp", "0.0.0.0")
     kwargs.update(curve_overrides(kwargs), engine_threads=1, tokenizer_threads=1)
     assert len(kwargs["curve_public_key"]) == len(kwargs["curve_secret_key"]) == 40
-    config = ClusterConfig(model_path="m", run_dir=str(tmp_path), **kwargs)
+    config = ClusterConfig.build("m", str(tmp_path), **kwargs)
     assert config.curve is not None
     assert config.client_addr == "tcp://0.0.0.0:5000"
     assert config.tokenizer_addr(0) == "tcp://0.0.0.0:5016"
@@ -118,12 +118,10 @@ def test_listen_flag_switches_on_curve_and_keeps_internal_sockets_on_loopback(tm
 
 @pytest.fixture(scope="module")
 def curve_cluster():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
-        # The test can only listen on loopback, so CURVE is forced on as --listen would do.
-        with launch_cluster(None, transport="tcp", host="127.0.0.1",
-                            base_port=free_port_block(1), require_curve=True) as c:
-            yield c
+    # The test can only listen on loopback, so CURVE is forced on as --listen would do.
+    with launch_cluster(None, transport="tcp", host="127.0.0.1", base_port=free_port_block(1),
+                        require_curve=True, engine_factory=FAKE_ENGINE) as c:
+        yield c
 
 
 def test_curve_public_key_is_published(curve_cluster):
@@ -212,7 +210,8 @@ def test_no_pickle_anywhere():
     pattern = re.compile(r"\bpickle\b|\bcPickle\b|\bdill\b|recv_pyobj|send_pyobj|torch\.load\(|"
                          r"\bmarshal\.loads?\b|yaml\.load\(")
     offenders = []
-    for top in ("ipc", "procs", "tokenizer_worker", "detok_worker", "engine_worker", "scripts"):
+    for top in ("ipc", "procs", "runtime", "tokenizer_worker", "detok_worker", "engine_worker",
+                "scripts"):
         for path in (REPO / top).rglob("*.py"):
             for n, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#", 1)[0]
@@ -245,15 +244,14 @@ def test_decoding_limits_hold_at_their_values(monkeypatch):
             codec.unpack_frame(msgpack.packb(too_big))
 
 
-def test_supervised_http_frontend_works_under_curve(monkeypatch):
+def test_supervised_http_frontend_works_under_curve():
     """The OpenAI frontend is a client of the cluster like any other: under CURVE it gets the
     public key from the supervisor (its handshake and its heartbeats would fail without it)."""
     import json
     import urllib.request
 
-    monkeypatch.setenv("SPLITSERVE_ENGINE_FACTORY", FAKE_ENGINE)
     with launch_cluster(None, transport="tcp", host="127.0.0.1", base_port=free_port_block(1),
-                        require_curve=True, http_port=0) as cluster:
+                        require_curve=True, http_port=0, engine_factory=FAKE_ENGINE) as cluster:
         assert cluster.http_url
         body = json.dumps({"model": cluster.config.model_name, "prompt": "over curve",
                            "max_tokens": 2}).encode()

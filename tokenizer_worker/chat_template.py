@@ -59,7 +59,7 @@ class ChatTemplate:
         self.special_tokens = special_tokens
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ChatTemplate | None":
+    def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
         """None when the model has no chat template (chat requests are then rejected)."""
         model_dir = Path(model_dir)
         config = {}

@@ -21,8 +21,12 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ipc.messages import (
-    STRUCTURED_CHOICE, STRUCTURED_GRAMMAR, STRUCTURED_JSON_OBJECT, STRUCTURED_JSON_SCHEMA,
-    STRUCTURED_REGEX, StructuredOutputSpec,
+    STRUCTURED_CHOICE,
+    STRUCTURED_GRAMMAR,
+    STRUCTURED_JSON_OBJECT,
+    STRUCTURED_JSON_SCHEMA,
+    STRUCTURED_REGEX,
+    StructuredOutputSpec,
 )
 
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -6,14 +6,17 @@ Everything here is pure (no sockets), so it is unit-tested directly.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from ipc.codec import DecodeError, pack_ids, unpack_ids
 from ipc.messages import (
-    ERR_BAD_REQUEST, RequestError, RequestMeta, SamplingParams, SubmitRequest, TokenizedRequest,
+    ERR_BAD_REQUEST,
+    RequestError,
+    RequestMeta,
+    SamplingParams,
+    SubmitRequest,
+    TokenizedRequest,
 )
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 
@@ -25,16 +28,6 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, code: str = ERR_BAD_REQUEST) -> None:
         super().__init__(message)
         self.code = code
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The HF ``tokenizers`` Tokenizer of a model directory (never transformers)."""
-    from tokenizers import Tokenizer
-
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
-    return Tokenizer.from_file(str(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +49,10 @@ class RequestPreparer:
         self.chat_template = chat_template
         self.limits = limits
         self.tokenizer_index = tokenizer_index
-        # A debug knob for tests proving submit() never waits for tokenization.
-        self.debug_delay_s = float(os.environ.get("SPLITSERVE_DEBUG_TOKENIZE_DELAY_MS", "0")) / 1e3
 
     def prepare_batch(self, requests: list[SubmitRequest]) -> list[TokenizedRequest | RequestError]:
         """One result per request, in order. Text is encoded with one encode_batch per kind."""
         t_start = time.monotonic()
-        if self.debug_delay_s:
-            time.sleep(self.debug_delay_s)  # once per batch
         results: list[TokenizedRequest | RequestError | None] = [None] * len(requests)
         ids: list[list[int] | None] = [None] * len(requests)
         plain, chat = [], []  # (position, text): raw prompts get the tokenizer's special tokens,

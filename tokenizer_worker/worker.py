@@ -14,9 +14,11 @@ from ipc.codec import DecodeError, salvage_fields
 from ipc.config import ClusterConfig
 from ipc.messages import ERR_BAD_REQUEST, ERR_UNAVAILABLE, RequestError, SubmitRequest
 from ipc.sockets import PullQueue, PushQueue
-from procs.worker_runtime import WorkerRuntime
+from runtime.factories import load_factory
+from runtime.model_files import load_tokenizer
+from runtime.worker import WorkerRuntime
 from tokenizer_worker.chat_template import ChatTemplate
-from tokenizer_worker.prepare import Limits, RequestPreparer, load_tokenizer
+from tokenizer_worker.prepare import Limits, RequestPreparer
 
 logger = logging.getLogger("splitserve.tokenizer")
 
@@ -24,18 +26,25 @@ logger = logging.getLogger("splitserve.tokenizer")
 def model_limits(config: ClusterConfig) -> Limits:
     """The engine's resolved values when the supervisor filled them in, else the model's own."""
     model_config = json.loads((Path(config.model_path) / "config.json").read_text())
-    max_len = config.max_model_len or int(model_config.get("max_position_embeddings", 2048))
+    max_len = config.engine.max_model_len or int(model_config.get("max_position_embeddings",
+                                                                   2048))
     vocab = config.vocab_size or int(model_config["vocab_size"])
     return Limits(max_model_len=max_len, vocab_size=vocab)
+
+
+def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:
+    if config.preparer_factory:  # a test seam: e.g. a deliberately slow preparer
+        return load_factory(config.preparer_factory)(config, index)
+    return RequestPreparer(load_tokenizer(config.model_path),
+                           ChatTemplate.from_model_dir(config.model_path), model_limits(config),
+                           tokenizer_index=index)
 
 
 class TokenizerWorker:
     def __init__(self, config: ClusterConfig, index: int, ctx: zmq.Context) -> None:
         self.config, self.index = config, index
         self.runtime = WorkerRuntime("tokenizer", index, config, ctx)
-        self.preparer = RequestPreparer(load_tokenizer(config.model_path),
-                                        ChatTemplate.from_model_dir(config.model_path),
-                                        model_limits(config), tokenizer_index=index)
+        self.preparer = make_preparer(config, index)
         # A small receive queue: when it fills, clients' round-robin skips this worker and, once
         # every worker is full, submit() raises OverloadedError instead of queueing without bound.
         self.inbox: PullQueue[SubmitRequest] = PullQueue(

@@ -1,2 +1,3 @@
-"""Pieces of the serving benchmark (scripts/bench_serving.py): workloads, the in-process
-baseline server, the cluster target, the runner, metrics and the report."""
+"""Pieces of the serving benchmark (scripts/bench_serving.py): the systems under test (the
+in-process baseline server, the cluster, the HTTP frontend), workloads, the runner, metrics, the
+targets and the report, and the tiny random-weight model tool."""

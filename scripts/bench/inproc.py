@@ -1,10 +1,12 @@
-"""The baseline the cluster must beat: a classic single-process server.
+"""The baseline the cluster must beat: the same cores in one process, no process boundary.
 
-``submit()`` tokenizes in the caller's thread (the seeds' ``add_request`` with pretok off), then
-hands the ids to one engine thread through a queue. The engine thread adds requests between
-steps, steps the Engine, detokenizes each new token with the ``tokenizers`` DecodeStream in the
-same thread and hands one list of StreamEvents per step to ``deliver``. Everything shares one
-interpreter (and its GIL), which is exactly what splitserve's separate processes avoid.
+``submit()`` does in the caller's thread what a tokenizer worker does (the SDK's request
+building, then the tokenizer worker's RequestPreparer: chat template, encoding, validation; the
+seeds' ``add_request`` with pretok off), then hands the TokenizedRequest to one engine thread
+through a queue. The engine thread adds requests between steps, steps the Engine, and feeds each
+StepOutput to a DetokenizerCore (incremental decoding, stop strings, stream interval), handing
+its events for the step to ``deliver``. Everything shares one interpreter (and its GIL), which is
+exactly what splitserve's separate processes avoid; the cores are the ones the cluster runs.
 """
 
 from __future__ import annotations
@@ -13,94 +15,93 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
-from ipc.codec import pack_ids, unpack_ids
+from detok_worker.core import DetokenizerCore
+from engine_worker.engine import Engine, EngineOverloaded
+from ipc.client.requests import build_submit
+from ipc.codec import unpack_id_list
 from ipc.messages import (
-    FINISH_ERROR, RequestTimings, SamplingParams, StepOutput, StreamEvent, Usage,
+    ERR_BAD_REQUEST,
+    ERR_INTERNAL,
+    ERR_OVERLOADED,
+    FINISH_ERROR,
+    RequestError,
+    RequestMeta,
+    SamplingParams,
+    StreamEvent,
+    TokenizedRequest,
 )
+from runtime.model_files import load_tokenizer
+from tokenizer_worker.chat_template import ChatTemplate
+from tokenizer_worker.prepare import Limits, RequestPreparer
 
 logger = logging.getLogger("splitserve.bench.inproc")
 
-
-@dataclass(slots=True)
-class _Submitted:
-    request_id: str
-    token_ids: list[int]
-    sampling: SamplingParams
-    timings: RequestTimings
+CLIENT_ID = b"inproc"
 
 
-@dataclass(slots=True)
-class _Live:
-    """A request the engine thread is serving: its incremental decoder and its timings."""
+class _Abort:
+    __slots__ = ("request_id",)
 
-    decoder: object
-    timings: RequestTimings
-    prompt_tokens: int
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    text: list[str] = field(default_factory=list)  # this step's pieces
-    ids: list[int] = field(default_factory=list)  # this step's tokens
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
 
 
 class InprocServer:
-    def __init__(self, engine_config, deliver: Callable[[list[StreamEvent]], None],
-                 name: str = "inproc") -> None:
-        from engine_worker.engine import Engine
-        from tokenizers import Tokenizer
-
-        model_dir = Path(engine_config.model_path)
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self._chat_template = None
-        self._model_dir = model_dir
+    def __init__(self, engine_config, deliver: Callable[[list[StreamEvent]], None], *,
+                 stream_interval_tokens: int = 1, name: str = "inproc") -> None:
+        model_dir = engine_config.model_path
         self.engine = Engine(engine_config)
+        # Each role loads its own tokenizer, as the cluster's processes do.
+        self.preparer = RequestPreparer(
+            load_tokenizer(model_dir), ChatTemplate.from_model_dir(model_dir),
+            Limits(max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size))
+        self.detokenizer = DetokenizerCore(load_tokenizer(model_dir),
+                                           stream_interval_tokens=stream_interval_tokens)
+        self.detokenizer.on_hello(CLIENT_ID)
+        self.detokenizer.take_output()  # the welcome: nobody to send it to
         self._deliver = deliver
-        self._inbox: queue.SimpleQueue[_Submitted | str | None] = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}
+        self._inbox: queue.SimpleQueue[TokenizedRequest | RequestError | _Abort | None] = \
+            queue.SimpleQueue()
+        self._new_metas: list[RequestMeta] = []  # added since the last step
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
     # --- the caller's side ----------------------------------------------------------------------
-    def encode(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
-        """Token ids the way a tokenizer worker makes them: raw prompts get the tokenizer's
-        special tokens, rendered chats already carry theirs."""
-        if messages is not None:
-            return self.tokenizer.encode(self._render_chat(messages),
-                                         add_special_tokens=False).ids
-        return self.tokenizer.encode(prompt, add_special_tokens=True).ids
-
-    def _render_chat(self, messages: list[dict]) -> str:
-        if self._chat_template is None:
-            from tokenizer_worker.chat_template import ChatTemplate
-
-            self._chat_template = ChatTemplate.from_model_dir(self._model_dir)
-            if self._chat_template is None:
-                raise ValueError("this model has no chat template")
-        return self._chat_template.render(messages, add_generation_prompt=True)
+    def pretokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
+        """The prompt's token ids exactly as submit() would make them (for inproc-pretok)."""
+        result = self._prepare("pretokenize", SamplingParams(), time.monotonic(), prompt,
+                               messages, None)
+        if isinstance(result, RequestError):
+            raise ValueError(result.message)
+        return unpack_id_list(result.token_ids)
 
     def submit(self, request_id: str, sampling: SamplingParams, *, prompt: str | None = None,
                messages: list[dict] | None = None,
                prompt_token_ids: list[int] | None = None) -> float:
-        """Returns at once when given ids; otherwise tokenizes first, in this thread. Returns
-        t_submit (taken before tokenizing)."""
+        """Tokenizes (or, given ids, validates them) in this thread, then queues the request for
+        the engine thread. Returns t_submit (taken before tokenizing)."""
         t_submit = time.monotonic()
-        if prompt_token_ids is None:
-            ids = self.encode(prompt, messages)
-            t_tokenized = time.monotonic()
-            timings = RequestTimings(t_submit=t_submit, t_tokenize_start=t_submit,
-                                     t_tokenized=t_tokenized)
-        else:  # pretokenized: tokenization happened outside the timed region
-            ids = prompt_token_ids
-            timings = RequestTimings(t_submit=t_submit, t_tokenize_start=t_submit,
-                                     t_tokenized=t_submit)
-        self._inbox.put(_Submitted(request_id, ids, sampling, timings))
+        result = self._prepare(request_id, sampling, t_submit, prompt, messages,
+                               prompt_token_ids)
+        if prompt_token_ids is not None and isinstance(result, TokenizedRequest):
+            # Pretokenized: tokenization happened outside the timed region.
+            result.meta.t_tokenize_start = result.meta.t_tokenized = t_submit
+        self._inbox.put(result)
         return t_submit
 
+    def _prepare(self, request_id: str, sampling: SamplingParams, t_submit: float,
+                 prompt: str | None, messages: list[dict] | None,
+                 prompt_token_ids: list[int] | None) -> TokenizedRequest | RequestError:
+        """The client SDK's SubmitRequest, then what a tokenizer worker makes of it."""
+        request = build_submit(CLIENT_ID, request_id, prompt=prompt, messages=messages,
+                               prompt_token_ids=prompt_token_ids, sampling=sampling,
+                               sampling_kwargs={}, add_generation_prompt=True, t_submit=t_submit)
+        return self.preparer.prepare_batch([request])[0]
+
     def abort(self, request_id: str) -> None:
-        self._inbox.put(request_id)
+        self._inbox.put(_Abort(request_id))
 
     def close(self) -> None:
         self._inbox.put(None)
@@ -124,80 +125,51 @@ class InprocServer:
                 for item in items:
                     if item is None:
                         return
-                    if isinstance(item, str):
-                        self.engine.abort(item)
-                    else:
-                        self._add(item)
+                    self._take(item)
                 if self.engine.has_work():
-                    events = self._events(self.engine.step())
-                    if events:
-                        self._deliver(events)
+                    out = self.engine.step()
+                    # As the engine process does: metas ride ahead of their requests' tokens.
+                    out.new_requests = self._new_metas + list(out.new_requests)
+                    self._new_metas = []
+                    self.detokenizer.on_step_output(out)
+                self._flush()
         except Exception:  # a dead engine thread must not hang the benchmark silently
             logger.exception("the in-process engine thread failed")
-            self._deliver([self._error_event(rid, "the in-process engine thread failed")
-                           for rid in list(self._live)])
+            self.detokenizer.end_all(FINISH_ERROR, time.monotonic(), code=ERR_INTERNAL,
+                                     error="the in-process engine thread failed")
+            self._flush()
 
-    def _add(self, sub: _Submitted) -> None:
-        from tokenizers.decoders import DecodeStream
+    def _take(self, item: TokenizedRequest | RequestError | _Abort) -> None:
+        if isinstance(item, _Abort):
+            self.detokenizer.on_client_abort(CLIENT_ID, [item.request_id])
+        elif isinstance(item, RequestError):
+            self.detokenizer.on_request_error(item)
+        else:
+            self._add(item)
 
-        sub.timings.t_arrived = time.monotonic()
+    def _add(self, req: TokenizedRequest) -> None:
+        """What the engine process does with a TokenizedRequest; a refusal ends that request."""
         try:
-            self.engine.add(sub.request_id, sub.token_ids, sub.sampling,
-                            arrival_time=sub.timings.t_arrived)
-        except Exception as exc:  # overload or bad input: that request ends, the rest go on
-            self._deliver([StreamEvent(request_id=sub.request_id, finished=True,
-                                       finish_reason=FINISH_ERROR, error=str(exc),
-                                       timings=sub.timings)])
-            return
-        self._live[sub.request_id] = _Live(
-            decoder=DecodeStream(skip_special_tokens=sub.sampling.skip_special_tokens),
-            timings=sub.timings, prompt_tokens=len(sub.token_ids))
+            self.engine.add(req.request_id, unpack_id_list(req.token_ids), req.sampling,
+                            arrival_time=time.monotonic())
+        except EngineOverloaded as exc:
+            self._refuse(req, f"overloaded: {exc}", ERR_OVERLOADED)
+        except ValueError as exc:
+            self._refuse(req, str(exc), ERR_BAD_REQUEST)
+        except Exception as exc:  # the engine must keep serving everyone else
+            logger.exception("engine.add failed for %r", req.request_id)
+            self._refuse(req, f"internal error: {exc}", ERR_INTERNAL)
+        else:
+            self._new_metas.append(req.meta)
 
-    def _events(self, out: StepOutput) -> list[StreamEvent]:
-        for start in out.started:
-            live = self._live.get(start.request_id)
-            if live is not None:
-                live.timings.t_scheduled = start.t_scheduled
-                live.cached_tokens = start.cached_tokens
-        touched: dict[str, _Live] = {}
-        for rid, token in zip(out.request_ids, unpack_ids(out.token_ids).tolist()):
-            live = self._live.get(rid)
-            if live is None:
-                continue
-            if live.output_tokens == 0:
-                live.timings.t_first_token = out.t_step
-            live.timings.t_last_token = out.t_step
-            live.output_tokens += 1
-            piece = live.decoder.step(self.tokenizer, token)
-            if piece:
-                live.text.append(piece)
-            live.ids.append(token)
-            touched[rid] = live
-        finished = {rid: (reason, error) for rid, reason, error in
-                    zip(out.finished_ids, out.finish_reasons,
-                        out.finish_errors or [""] * len(out.finished_ids))}
-        events = []
-        for rid, live in touched.items():
-            if rid not in finished:
-                events.append(StreamEvent(request_id=rid, text="".join(live.text),
-                                          token_ids=pack_ids(live.ids)))
-                live.text.clear()
-                live.ids.clear()
-        for rid, (reason, error) in finished.items():
-            live = self._live.pop(rid, None)
-            if live is None:
-                continue
-            live.timings.t_finished = time.monotonic()
-            events.append(StreamEvent(
-                request_id=rid, text="".join(live.text), token_ids=pack_ids(live.ids),
-                finished=True, finish_reason=reason, error=error or None,
-                usage=Usage(prompt_tokens=live.prompt_tokens,
-                            completion_tokens=live.output_tokens,
-                            cached_tokens=live.cached_tokens),
-                timings=live.timings))
-        return events
+    def _refuse(self, req: TokenizedRequest, message: str, code: str) -> None:
+        self.detokenizer.on_request_error(RequestError(
+            req.request_id, CLIENT_ID, message, code, req.meta.t_submit))
 
-    def _error_event(self, request_id: str, message: str) -> StreamEvent:
-        live = self._live.pop(request_id)
-        return StreamEvent(request_id=request_id, finished=True, finish_reason=FINISH_ERROR,
-                           error=message, timings=live.timings)
+    def _flush(self) -> None:
+        out = self.detokenizer.take_output()
+        for request_id in out.aborts:  # stop strings matched: free their KV blocks
+            self.engine.abort(request_id)
+        events = out.events.get(CLIENT_ID)
+        if events:
+            self._deliver(events)

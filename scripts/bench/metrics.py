@@ -96,7 +96,7 @@ class RequestRecord:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "RequestRecord":
+    def from_json(cls, data: dict) -> RequestRecord:
         return cls(**data)
 
 

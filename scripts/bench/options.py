@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from procs.config_flags import add_cluster_flags, add_engine_flags
+
 BASE_MODES = ("inproc", "inproc-pretok", "cluster", "http")
 
 
@@ -12,7 +14,8 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -36,18 +39,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-workers", type=_int_list, default=[1],
                    help="tokenizer worker processes of the cluster; a list (1,2,4) sweeps, one "
                         "mode each: cluster-tw1, cluster-tw2, ... (default: 1)")
-    g.add_argument("--tokenizer-threads", type=int, default=0,
-                   help="threads per tokenizer worker (0: the supervisor's budget)")
     g.add_argument("--client-submit-hwm", type=int, default=0,
                    help="the cluster client's send queue per tokenizer worker, in requests; "
-                        "a full one makes submit() raise OverloadedError (0: 2 x --num-requests "
-                        "+ 64, so a whole burst fits: ZeroMQ refuses a little before the mark; "
-                        "the SDK's own default is 64)")
-    g.add_argument("--tokenizer-batch-max", type=int, default=64,
-                   help="a tokenizer worker encodes at most this many queued requests in one "
-                        "batch (default: 64)")
-    g.add_argument("--stream-interval-tokens", type=int, default=1,
-                   help="the detokenizer sends a delta every this many tokens (default: 1)")
+                        "a full one makes submit() raise OverloadedError (0: the SDK's default, "
+                        "the cluster's max_waiting_requests spread over its tokenizer workers)")
+    add_cluster_flags(g, ("tokenizer_threads", "tokenizer_batch_max", "stream_interval_tokens"))
 
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=256, help="requests per run")
@@ -73,6 +69,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "--max-new-tokens)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 is greedy (default: 0)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a stop string for every request, in every mode (repeatable)")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
 
     g = p.add_argument_group("arrival (default: a burst, every request at once)")
@@ -92,29 +90,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="at most this many requests in flight; submit waits for a slot "
                         "(0: unlimited)")
 
-    g = p.add_argument_group("engine (the same for every mode)")
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    g.add_argument("--engine-threads", type=int, default=0,
-                   help="torch threads of the engine in every mode (0: the cluster supervisor's "
-                        "budget for each cluster mode, and the same count for inproc)")
-    g.add_argument("--max-batch-size", type=int, default=32,
-                   help="requests decoded together per step (default: 32)")
-    g.add_argument("--prefill-max-batch-size", type=int, default=32,
-                   help="requests admitted to prefill per step (default: 32)")
-    g.add_argument("--prefill-max-tokens", type=int, default=4096,
-                   help="prompt tokens computed per step, all requests together (default: 4096)")
-    g.add_argument("--prefill-chunk-tokens", type=int, default=2048,
-                   help="prompt tokens one request computes per step (default: 2048)")
-    g.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
-    g.add_argument("--kv-cache-tokens", type=int, default=0,
-                   help="KV cache capacity in tokens of each engine (0: twice what "
-                        "--max-batch-size requests of the workload's longest length need)")
-    g.add_argument("--max-model-len", type=int, default=0,
-                   help="context length in tokens (0: the model's own)")
-    g.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
-    g.add_argument("--max-waiting-requests", type=int, default=4096,
-                   help="the engine's waiting-queue bound (overload beyond it)")
+    add_engine_flags(p.add_argument_group("engine (the same for every mode)"), help_overrides={
+        "engine_threads": "torch threads of the engine in every mode (0: the cluster "
+                          "supervisor's budget for each cluster mode, and the same count for "
+                          "inproc)",
+        "kv_cache_tokens": "KV cache capacity in tokens of each engine (0: twice what "
+                           "--max-batch-size requests of the workload's longest length need)"})
 
     g = p.add_argument_group("runs and output")
     g.add_argument("--warmup-runs", type=int, default=1,

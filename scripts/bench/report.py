@@ -6,8 +6,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from bench.metrics import TTFT_PARTS, RequestRecord, ratio
-from bench.runner import RunResult
+from scripts.bench.metrics import TTFT_PARTS, RequestRecord, ratio
+from scripts.bench.runner import RunResult
+from scripts.bench.targets import SERVING_TARGETS, targets_apply
 
 # (label, metric key prefix, unit) for the "p50/p95/p99" lines, in the seeds' order.
 PERCENTILE_LINES = (
@@ -38,13 +39,6 @@ COMPARED = (
     ("output throughput (tok/s)", "output_throughput_tps"),
 )
 
-# The targets splitserve holds itself to against the single-process baseline:
-# (label, key, the ratio mode/baseline must be at most this).
-TARGETS = (
-    ("submit wall >=10x lower", "submit_wall_s", 0.1),
-    ("submit latency p99 >=10x lower", "submit_latency_ms_p99", 0.1),
-    ("TTFT p50 no worse", "ttft_ms_p50", 1.0),
-)
 RATIO_KEYS = (("submit wall", "submit_wall_s"), ("submit p99", "submit_latency_ms_p99"),
               ("TTFT p50", "ttft_ms_p50"), ("TTFT p99", "ttft_ms_p99"),
               ("throughput", "request_throughput_rps"))
@@ -124,14 +118,13 @@ def comparison_lines(medians: dict[str, dict], baseline: str | None,
                            for label, key in RATIO_KEYS)
         lines.append(f"{mode} vs {baseline}: {ratios}")
     for mode in modes:
-        if (not mode.startswith("cluster") or arrival_kind != "burst"
-                or not baseline.startswith("inproc")):
-            continue  # stated against the single process, for a burst (where submit wall counts)
+        if not targets_apply(mode, baseline, arrival_kind):
+            continue
         checks = []
-        for label, key, limit in TARGETS:
-            r = ratio(medians[mode].get(key), base.get(key))
-            verdict = "n/a" if r is None else ("met" if r <= limit else "MISSED")
-            checks.append(f"{label} ({_ratio(medians[mode].get(key), base.get(key))}): {verdict}")
+        for target in SERVING_TARGETS:
+            value, base_value = medians[mode].get(target.metric), base.get(target.metric)
+            checks.append(f"{target.label} ({_ratio(value, base_value)}): "
+                          f"{target.verdict(ratio(value, base_value))}")
         lines.append(f"targets {mode} vs {baseline}: " + "; ".join(checks))
     return lines
 

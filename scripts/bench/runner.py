@@ -1,5 +1,5 @@
-"""Drives one target through one workload run: submits on the arrival schedule, collects the
-stream events into RequestRecords, measures each role's CPU time over the run."""
+"""Drives one system under test through one workload run: submits on the arrival schedule,
+collects the stream events into RequestRecords, measures each role's CPU time over the run."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import gc
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from ipc.messages import RequestTimings, SamplingParams, StreamEvent
+from scripts.bench.metrics import RequestRecord
+from scripts.bench.workloads import ArrivalSpec, BenchRequest
 
-from bench.metrics import RequestRecord
-from bench.workloads import ArrivalSpec, BenchRequest
 
-
-class Target(Protocol):
+class SystemUnderTest(Protocol):
     """A system under test. Events for its requests go to the EventCollector it was given."""
 
     name: str
@@ -40,9 +40,9 @@ class Target(Protocol):
 class EventCollector:
     """Fills in the run's records as requests progress and counts them down.
 
-    Two ways in: ``deliver(events)`` for a target that produces raw StreamEvents (the in-process
+    Two ways in: ``deliver(events)`` for a system that produces raw StreamEvents (the in-process
     server; one collector thread stamps them where a real client would receive them), and
-    ``complete(request_id, fill)`` for a target whose client already holds the whole outcome
+    ``complete(request_id, fill)`` for a system whose client already holds the whole outcome
     with its own receive stamps (the cluster SDK's GenerationResult)."""
 
     def __init__(self) -> None:
@@ -148,11 +148,11 @@ class RunOptions:
     progress: bool = True
 
 
-def run_once(target: Target, collector: EventCollector, requests: list[BenchRequest],
+def run_once(system: SystemUnderTest, collector: EventCollector, requests: list[BenchRequest],
              arrival: ArrivalSpec, sampling_for, options: RunOptions, *, mode: str,
              run_index: int, warmup: bool) -> RunResult:
     """Runs the workload once; ``sampling_for(request)`` gives each request's SamplingParams."""
-    target.prepare(requests)
+    system.prepare(requests)
     records = {f"{mode}-{run_index}-{r.index}": RequestRecord(index=r.index,
                                                               request_id=f"{mode}-{run_index}-{r.index}")
                for r in requests}
@@ -169,19 +169,19 @@ def run_once(target: Target, collector: EventCollector, requests: list[BenchRequ
             bar.update(1)
 
     all_done = collector.expect(records, on_done)
-    cpu_before = target.cpu_seconds()
+    cpu_before = system.cpu_seconds()
     # The driver's own garbage (records, handles, the workload) must not land on a submit():
     # a gen-2 collection here takes tens of ms. Paused for the submit loop, in every mode alike.
     gc.collect()
     gc.disable()
     try:
-        _submit_all(target, collector, records, requests, arrival, sampling_for, limiter)
+        _submit_all(system, collector, records, requests, arrival, sampling_for, limiter)
     finally:
         gc.enable()
     timed_out = 0
     if not all_done.wait(options.request_timeout_s):
-        timed_out = _give_up(target, collector, records)
-    cpu_after = target.cpu_seconds()
+        timed_out = _give_up(system, collector, records)
+    cpu_after = system.cpu_seconds()
     if bar is not None:
         bar.close()
     # Clock-tick rounding can make a near-idle role's difference a hair below zero.
@@ -190,8 +190,9 @@ def run_once(target: Target, collector: EventCollector, requests: list[BenchRequ
                      records=[records[rid] for rid in ids], cpu_seconds=cpu, timed_out=timed_out)
 
 
-def _submit_all(target: Target, collector: EventCollector, records: dict[str, RequestRecord],
-                requests: list[BenchRequest], arrival: ArrivalSpec, sampling_for,
+def _submit_all(system: SystemUnderTest, collector: EventCollector,
+                records: dict[str, RequestRecord], requests: list[BenchRequest],
+                arrival: ArrivalSpec, sampling_for,
                 limiter: threading.BoundedSemaphore | None) -> None:
     offsets = arrival.offsets_s(len(requests))
     t0 = time.monotonic()
@@ -211,7 +212,7 @@ def _submit_all(target: Target, collector: EventCollector, records: dict[str, Re
         rec.t_planned = planned
         rec.t_submit = time.monotonic()
         try:
-            target.submit(rid, request, sampling_for(request))
+            system.submit(rid, request, sampling_for(request))
         except Exception as exc:  # refused at once (overload, bad input): that request ends
             rec.t_submit_done = time.monotonic()
             collector.complete(rid, fail(f"submit raised {type(exc).__name__}: {exc}"))
@@ -219,11 +220,12 @@ def _submit_all(target: Target, collector: EventCollector, records: dict[str, Re
         rec.t_submit_done = time.monotonic()
 
 
-def _give_up(target: Target, collector: EventCollector, records: dict[str, RequestRecord]) -> int:
+def _give_up(system: SystemUnderTest, collector: EventCollector,
+             records: dict[str, RequestRecord]) -> int:
     """Aborts whatever has not finished and marks it as an error, so the run still reports."""
     late = [rid for rid, rec in records.items() if not rec.t_done]
     for rid in late:
-        target.abort(rid)
+        system.abort(rid)
         collector.complete(rid, fail("timed out (--request-timeout-s)", "abort"))
     return len(late)
 

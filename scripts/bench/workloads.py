@@ -50,7 +50,8 @@ class WorkloadSpec:
         sources = [self.prompt_text is not None, self.jsonl_path is not None,
                    self.shared_prefix_tokens > 0]
         if sum(sources) > 1:
-            raise ValueError("give at most one of a literal prompt, a JSONL file or a shared prefix")
+            raise ValueError("give at most one of a literal prompt, a JSONL file or a shared "
+                             "prefix")
 
     @property
     def source(self) -> str:

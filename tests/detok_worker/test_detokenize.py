@@ -8,7 +8,7 @@ from detok_worker.request_state import RequestState
 from detok_worker.stop_strings import StopStringMatcher
 from ipc.codec import unpack_id_list
 from ipc.messages import RequestMeta
-from tokenizer_worker.prepare import load_tokenizer
+from runtime.model_files import load_tokenizer
 
 TEXTS = ["Héllo wörld! 日本語のテキスト 🙂🚀 naïve café", "ascii only, plain text.\nline two",
          "emoji split 👨‍👩‍👧‍👦 and ∑∫√ math"]

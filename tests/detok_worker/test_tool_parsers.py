@@ -7,10 +7,15 @@ import itertools
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from detok_worker.tool_parsers import (
-    TOOL_PARSERS, HermesToolParser, ParsedDelta, ToolCallDelta, parse_complete,
+    TOOL_PARSERS,
+    HermesToolParser,
+    ParsedDelta,
+    ToolCallDelta,
+    parse_complete,
 )
 
 WEATHER = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'

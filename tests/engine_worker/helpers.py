@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from ipc.codec import unpack_ids
-from ipc.messages import SamplingParams
-
 from engine_worker.engine import Engine
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
+from ipc.codec import unpack_ids
+from ipc.messages import SamplingParams
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -35,11 +34,10 @@ def collect(engine: Engine, max_steps: int = 10_000, on_step=None,
             entry = results.setdefault(start.request_id, {"tokens": []})
             assert "start" not in entry, "RequestStart sent twice"
             entry["start"] = start
-        for request_id, reason, error in zip(out.finished_ids, out.finish_reasons,
-                                             out.finish_errors):
-            entry = results.setdefault(request_id, {"tokens": []})
+        for record in out.finished:
+            entry = results.setdefault(record.request_id, {"tokens": []})
             assert "reason" not in entry, "finished twice"
-            entry["reason"], entry["error"] = reason, error
+            entry["reason"], entry["error"] = record.reason, record.error
     return results
 
 

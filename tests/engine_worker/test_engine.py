@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine, EngineOverloaded
+from ipc.engine_config import EngineConfig
 from ipc.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 from tests.engine_worker.helpers import collect, greedy
 
@@ -64,7 +64,7 @@ def test_engine_imports_no_tokenizer_code(tiny_model_dir):
     import subprocess
 
     code = ("import sys; from engine_worker.engine import Engine; "
-            "from engine_worker.config import EngineConfig; "
+            "from ipc.engine_config import EngineConfig; "
             f"Engine(EngineConfig(model_path={str(tiny_model_dir)!r}, kv_cache_tokens=256)); "
             "bad = [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))]; "
             "print('LOADED', bad)")
@@ -116,11 +116,11 @@ def test_abort_running_waiting_and_not_yet_arrived(tiny_engine):
     engine.abort("waiting")
     engine.add("early", PROMPT, greedy(50))
     out = engine.step()
-    assert sorted(out.finished_ids) == ["early", "running", "waiting"]
-    assert set(out.finish_reasons) == {FINISH_ABORT}
+    assert sorted(r.request_id for r in out.finished) == ["early", "running", "waiting"]
+    assert {r.reason for r in out.finished} == {FINISH_ABORT}
     assert not out.request_ids
     assert_idle_and_leak_free(engine)
-    assert engine.step().finished_ids == []  # an idle step returns at once, empty
+    assert engine.step().finished == []  # an idle step returns at once, empty
 
 
 def test_invalid_requests_raise_clear_errors(tiny_engine):
@@ -133,7 +133,10 @@ def test_invalid_requests_raise_clear_errors(tiny_engine):
         engine.add("negative", np.array([1, -3]), greedy(1))
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add("long", [1] * engine.max_model_len, greedy(1))
-    with pytest.raises(ValueError, match="KV cache holds only"):
+    # The context is capped to what the 1024-token KV pool holds, so a prompt the pool cannot
+    # hold is refused up front as too long for the context.
+    assert engine.max_model_len == 1024
+    with pytest.raises(ValueError, match="max_model_len is 1024"):
         engine.add("pool", [1] * 1500, greedy(1))
     engine.add("dup", PROMPT, greedy(1))
     with pytest.raises(ValueError, match="already"):
@@ -205,18 +208,18 @@ def test_decode_workspace_matches_the_gather_path(tiny_model_dir):
             return out, emitting
 
         engine.runner.compute_logits = recording
-        reused, make = [], engine.runner._decode_workspace
+        reused, make = [], engine.runner.attention._decode_workspace
 
         def tracking(*args, make=make, reused=reused):
             ws = make(*args)
             reused.append(ws is not None and not ws.fresh)
             return ws
 
-        engine.runner._decode_workspace = tracking
+        engine.runner.attention._decode_workspace = tracking
         arrivals = {0: [0, 1], 3: [2], 7: [3, 4]}  # joins rebuild; 60 tokens outgrow 32 spare
-        collect(engine, on_step=lambda step, e: [e.add(f"r{i}", prompts[i], sampling)
-                                                 for i in arrivals.get(step, [])])
-        assert engine.runner._workspace is None  # dropped once idle
+        collect(engine, on_step=lambda step, e, arrivals=arrivals: [
+            e.add(f"r{i}", prompts[i], sampling) for i in arrivals.get(step, [])])
+        assert engine.runner.attention._workspace is None  # dropped once idle
         assert (sum(reused) > 40) == (budget > 0) and (sum(reused) == 0) == (budget == 0)
         logits[budget] = seen
     assert len(logits[0]) == len(logits[1 << 30]) > 60

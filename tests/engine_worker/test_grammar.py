@@ -14,16 +14,23 @@ import numpy as np
 import pytest
 import torch
 
-from ipc.messages import FINISH_ERROR, FINISH_STOP, StructuredOutputSpec
-from tokenizer_worker.grammar_compiler import GrammarCompiler
-
 from engine_worker.grammar_builder import (
-    GrammarBuilder, GrammarUnavailable, RequestGrammar, backend_tokenizer,
+    GrammarBuilder,
+    GrammarUnavailable,
+    RequestGrammar,
+    backend_tokenizer,
 )
 from engine_worker.grammar_mask import GrammarMasker, unpack_bitmask, unpack_bitmask_on
+from ipc.messages import FINISH_ERROR, FINISH_STOP, StructuredOutputSpec
 from tests.engine_worker.grammar_helpers import (
-    EOS, SPECIAL, sample_constrained, text_of, tiny_vocabulary, wait_ready,
+    EOS,
+    SPECIAL,
+    sample_constrained,
+    text_of,
+    tiny_vocabulary,
+    wait_ready,
 )
+from tokenizer_worker.grammar_compiler import GrammarCompiler
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
@@ -102,7 +109,8 @@ def test_unconstrained_rows_are_untouched_and_constrained_rows_allow_only_gramma
     assert torch.equal(logits[1][allowed], before[1][allowed])
     # No row constrained: nothing is touched (and no mask is computed).
     same = before.clone()
-    assert GrammarMasker(vocabulary.vocab_size).apply(same, [None, None, None]) == [] and torch.equal(same, before)
+    assert GrammarMasker(vocabulary.vocab_size).apply(same, [None, None, None]) == []
+    assert torch.equal(same, before)
 
 
 def test_special_padding_and_eos_tokens(builder, compiler, vocabulary):
@@ -136,7 +144,8 @@ def test_a_refused_token_and_a_bad_grammar_end_the_request_with_an_error(builder
     good = build(builder, compiler, StructuredOutputSpec("regex", "ab"))
     logits = torch.randn(4, vocabulary.vocab_size, generator=torch.Generator().manual_seed(2))
     before = logits.clone()
-    assert GrammarMasker(vocabulary.vocab_size).apply(logits, [grammar, None, broken, good]) == [0, 2]
+    masker = GrammarMasker(vocabulary.vocab_size)
+    assert masker.apply(logits, [grammar, None, broken, good]) == [0, 2]
     assert torch.equal(logits[:3], before[:3])
     assert torch.isfinite(logits[3]).sum() == 2  # "a" or "ab"
     with pytest.raises(RuntimeError, match="not built yet"):
@@ -220,7 +229,8 @@ def test_engine_side_needs_no_tokenizer_library(tmp_path, vocabulary):
         "g = b.request('start: %json {\"type\": \"object\"}')\n"
         "import time\n"
         "while not g.ready(): time.sleep(0.001)\n"
-        "logits = torch.zeros(1, v.vocab_size); assert GrammarMasker(v.vocab_size).apply(logits, [g]) == []\n"
+        "logits = torch.zeros(1, v.vocab_size)\n"
+        "assert GrammarMasker(v.vocab_size).apply(logits, [g]) == []\n"
         "assert torch.isfinite(logits).sum() > 0\n"
         "print('LOADED', [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))])"
     )

@@ -5,11 +5,11 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from engine_worker.block_manager import KVBlockManager
-from engine_worker.config import EngineConfig
 from engine_worker.grammar_builder import RequestGrammar
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import Scheduler
+from ipc.engine_config import EngineConfig
 from tests.engine_worker.helpers import greedy
 
 

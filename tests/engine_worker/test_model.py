@@ -7,9 +7,12 @@ import pytest
 import torch
 import transformers
 
-from engine_worker.config import EngineConfig
+from engine_worker.attention import PagedCpuBackend, PagedKVCache, SdpaBackend, select_backend
+from engine_worker.attention.continuations import fused_cpu_kernel_available
 from engine_worker.engine import Engine
-from procs.model_store import make_tiny_model
+from engine_worker.model_config import ModelConfig
+from ipc.engine_config import EngineConfig
+from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import give_blocks, manual_request
 
 TOLERANCE = 1e-4
@@ -20,9 +23,12 @@ def reference_last_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0, -1].float()
 
 
-def check_against_transformers(model_dir, decode_steps: int, chunk: int | None = None) -> None:
+def check_against_transformers(model_dir, decode_steps: int, chunk: int | None = None,
+                               backend=None) -> None:
     engine = Engine(EngineConfig(model_path=str(model_dir), dtype="float32",
                                  kv_cache_tokens=1024, block_size=4))
+    if backend is not None:
+        engine.runner.attention = backend(engine.runner.kv_cache)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
                                                            dtype=torch.float32).eval()
     prompts = [[1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
@@ -54,6 +60,22 @@ def check_against_transformers(model_dir, decode_steps: int, chunk: int | None =
 def test_tiny_models_match_transformers(tmp_path, architecture):
     model_dir = make_tiny_model(tmp_path / architecture, architecture=architecture)
     check_against_transformers(model_dir, decode_steps=4, chunk=5)
+
+
+def test_sdpa_backend_matches_transformers(tmp_path):
+    """The backend CUDA and torch builds without the fused CPU kernel get: gathered decode,
+    continuations one segment at a time."""
+    model_dir = make_tiny_model(tmp_path / "llama", architecture="llama")
+    check_against_transformers(model_dir, decode_steps=3, chunk=5, backend=SdpaBackend)
+
+
+def test_backend_is_chosen_from_the_device_and_the_torch_build(tiny_model_dir):
+    config = ModelConfig.from_dir(tiny_model_dir)
+    on_cpu = PagedKVCache(config, 4, 4, torch.float32, torch.device("cpu"))
+    expected = PagedCpuBackend if fused_cpu_kernel_available() else SdpaBackend
+    assert type(select_backend(on_cpu, 1 << 20)) is expected
+    elsewhere = PagedKVCache(config, 4, 4, torch.float32, torch.device("meta"))
+    assert type(select_backend(elsewhere, 1 << 20)) is SdpaBackend
 
 
 def test_rope_llama3_scaling_matches_transformers(tmp_path):
@@ -101,8 +123,9 @@ def test_batched_continuations_match_per_segment_attention(tiny_model_dir):
     requests = sharing + [chunked, fresh]
     counts = [r.remaining for r in requests]
     results = {}
-    for batched in (True, False):
-        engine.runner.batch_continuations = batched
+    for batched, backend in ((True, PagedCpuBackend(engine.runner.kv_cache, 1 << 30)),
+                             (False, SdpaBackend(engine.runner.kv_cache))):
+        engine.runner.attention = backend
         results[batched] = engine.runner.compute_logits(requests, counts)
     assert results[True][1] == results[False][1] == [0, 1, 2, 3, 4]
     diff = (results[True][0] - results[False][0]).abs().max().item()

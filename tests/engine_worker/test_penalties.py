@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine
 from engine_worker.sampler import RequestSampler, apply_penalties, sample
+from ipc.engine_config import EngineConfig
 from ipc.messages import SamplingParams
 from tests.engine_worker.helpers import collect, greedy
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_worker.config import EngineConfig
 from engine_worker.engine import Engine
-from ipc.messages import FINISH_ERROR, FINISH_LENGTH
+from ipc.engine_config import EngineConfig
+from ipc.messages import ERR_BAD_REQUEST, FINISH_ERROR, FINISH_LENGTH
 from tests.engine_worker.helpers import collect, greedy
 
 pytestmark = pytest.mark.slow
@@ -92,12 +92,29 @@ def test_in_batch_dedup_prefills_once(default_model_dir):
     assert engine.blocks.num_available == engine.blocks.num_blocks
 
 
-def test_request_outgrowing_the_pool_finishes_with_error(default_model_dir):
+def test_context_is_capped_to_the_kv_pool_so_no_request_outgrows_it(default_model_dir):
     engine = Engine(EngineConfig(model_path=str(default_model_dir), block_size=16,
                                  kv_cache_tokens=64))
+    assert engine.max_model_len == 64  # the model's own 8192 would not fit the pool
     engine.add("big", SYSTEM[:40], greedy(60, ignore_eos=True))
     results = collect(engine)
-    assert results["big"]["reason"] == FINISH_ERROR and "KV cache" in results["big"]["error"]
-    # The last token sampled is the one computed into the pool's last slot.
-    assert len(results["big"]["tokens"]) == 64 - 40 + 1
+    assert results["big"]["reason"] == FINISH_LENGTH and results["big"]["error"] == ""
+    assert len(results["big"]["tokens"]) == 64 - 40
+    assert engine.blocks.num_available == engine.blocks.num_blocks
+
+
+def test_a_request_the_pool_cannot_hold_is_a_bad_request(default_model_dir):
+    """Unreachable through the capped context; if it ever happens it is the caller's size
+    against the server's capacity (bad_request, naming both), not an internal error."""
+    engine = Engine(EngineConfig(model_path=str(default_model_dir), block_size=16,
+                                 kv_cache_tokens=64))
+    engine.max_model_len = 1000  # what the cap above prevents
+    engine.add("big", SYSTEM[:40], greedy(60, ignore_eos=True))
+    finished = {}
+    while engine.has_work():
+        out = engine.step()
+        finished.update((r.request_id, (r.reason, r.error, r.code)) for r in out.finished)
+    reason, error, code = finished["big"]
+    assert reason == FINISH_ERROR and code == ERR_BAD_REQUEST
+    assert "64 tokens" in error and "65 tokens" in error
     assert engine.blocks.num_available == engine.blocks.num_blocks

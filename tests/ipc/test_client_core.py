@@ -6,16 +6,18 @@ import time
 
 import pytest
 
-from ipc.client_common import ClientCore, RequestRecord, UnavailableError
+from ipc.client.core import ClientCore
+from ipc.client.errors import UnavailableError
+from ipc.client.records import HandleBase, RequestRecord
 from ipc.messages import StreamEvent
 
 
-class Handle:
+class Handle(HandleBase):
     def __init__(self, record: RequestRecord) -> None:
-        self._record = record
+        super().__init__(None, record)
         self.deltas = []
 
-    def _deliver(self, delta) -> None:
+    def deliver(self, delta) -> None:
         self.deltas.append(delta)
 
 
@@ -39,7 +41,7 @@ def submit(core: ClientCore, socks, request_id=None, deadline_s=None):
 
 
 def finish(core: ClientCore, handle: Handle) -> None:
-    core.apply(handle, StreamEvent(request_id=handle._record.wire_id, finished=True,
+    core.apply(handle, StreamEvent(request_id=handle.record.wire_id, finished=True,
                                    finish_reason="stop"), time.monotonic())
 
 
@@ -50,9 +52,9 @@ def test_a_reused_request_id_keeps_its_own_deadline():
     first = submit(core, socks, request_id="a", deadline_s=10.0)
     finish(core, first)
     second = submit(core, socks, request_id="a", deadline_s=100.0)
-    t_first_deadline = first._record.deadline
+    t_first_deadline = first.record.deadline
     assert core.expired(t_first_deadline + 0.001) == []  # only the finished first one was due
-    assert core.expired(second._record.deadline + 0.001) == [second._record.wire_id]
+    assert core.expired(second.record.deadline + 0.001) == [second.record.wire_id]
 
 
 def test_a_submit_racing_the_disconnect_is_refused_not_orphaned():
@@ -88,18 +90,18 @@ def test_a_submit_racing_the_disconnect_is_refused_not_orphaned():
 def test_a_reused_request_id_gets_a_new_wire_id_and_duplicates_in_flight_are_refused():
     """The cluster keys everything by wire id: a request_id reused once its first request ended
     must not meet that one's leftovers (an abort that crossed its finish would end it at once)."""
-    from ipc.client_common import BadRequestError
+    from ipc.client.errors import BadRequestError
 
     core = ClientCore(None)
     first = submit(core, [Sock()], request_id="a")
     with pytest.raises(BadRequestError, match="already in flight"):
         submit(core, [Sock()], request_id="a")
-    core.apply(first, StreamEvent(request_id=first._record.wire_id, finished=True,
+    core.apply(first, StreamEvent(request_id=first.record.wire_id, finished=True,
                                   finish_reason="stop"), time.monotonic())
     second = submit(core, [Sock()], request_id="a")
-    assert second._record.request_id == "a"
-    assert second._record.wire_id != first._record.wire_id
-    assert set(core.records) == {second._record.wire_id} and core.open_ids == {"a"}
+    assert second.record.request_id == "a"
+    assert second.record.wire_id != first.record.wire_id
+    assert set(core.records) == {second.record.wire_id} and core.open_ids == {"a"}
 
 
 def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_id():
@@ -113,17 +115,17 @@ def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_i
     core = ClientCore(deadline_s=50.0, tokenizer_retries=1)
     socks = [Sock(), Sock()]
     handles = [submit(core, socks, request_id=f"q{i}") for i in range(4)]
-    on_1 = [h for h in handles if h._record.tokenizer == 1]
+    on_1 = [h for h in handles if h.record.tokenizer == 1]
     assert len(on_1) == 2
     started, aborted = on_1
-    core.apply(started, StreamEvent(request_id=started._record.wire_id, text="x"),
+    core.apply(started, StreamEvent(request_id=started.record.wire_id, text="x"),
                time.monotonic())  # past its tokenizer: not lost with it
-    aborted._record.aborted = True
+    aborted.record.aborted = True
     waiting = submit(core, socks, request_id="w")
-    assert waiting._record.tokenizer == 0
-    waiting_wire, t_submit, deadline = (waiting._record.wire_id, waiting._record.t_submit,
-                                        waiting._record.deadline)
-    waiting._record.tokenizer = 1  # say it went to worker 1 too
+    assert waiting.record.tokenizer == 0
+    waiting_wire, t_submit, deadline = (waiting.record.wire_id, waiting.record.t_submit,
+                                        waiting.record.deadline)
+    waiting.record.tokenizer = 1  # say it went to worker 1 too
 
     def died(index):
         notice = ClusterNotice(role="tokenizer", index=index, event="died")
@@ -132,14 +134,14 @@ def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_i
         return routed.lost
 
     lost = died(1)
-    assert {wid for wid, _ in lost} == {aborted._record.wire_id, waiting_wire}
+    assert {wid for wid, _ in lost} == {aborted.record.wire_id, waiting_wire}
     sent_before = len(socks[0].sent)
     ended = core.resubmit(socks, lost)
-    assert [(wid, ev.finish_reason) for wid, ev in ended] == [(aborted._record.wire_id, "abort")]
+    assert [(wid, ev.finish_reason) for wid, ev in ended] == [(aborted.record.wire_id, "abort")]
     # The waiting one went to worker 0 (worker 1 is down) under a new wire id.
     assert len(socks[0].sent) == sent_before + 1
     resent = codec.decode_as(socks[0].sent[-1], SubmitRequest)
-    record = waiting._record
+    record = waiting.record
     assert resent.request_id == record.wire_id != waiting_wire
     assert resent.prompt == "hi" and resent.t_submit == t_submit == record.t_submit
     assert record.tokenizer == 0 and record.resubmits == 1 and record.deadline == deadline
@@ -148,10 +150,10 @@ def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_i
     assert record.wire_id in due and waiting_wire not in due
     core.end_lost(ended)
     assert aborted.deltas[-1].finish_reason == "abort"
-    assert aborted._record.request_id not in core.open_ids
+    assert aborted.record.request_id not in core.open_ids
     # Its new worker dies too: out of retries, it ends with the tokenizer's error.
     lost = died(0)
-    assert waiting._record.wire_id in {wid for wid, _ in lost}
+    assert waiting.record.wire_id in {wid for wid, _ in lost}
     ended = core.resubmit(socks, lost)
     core.end_lost(ended)
     assert waiting.deltas[-1].error_code == "unavailable"

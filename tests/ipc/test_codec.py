@@ -4,15 +4,35 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ipc import codec
 from ipc.codec import DecodeError, decode, encode, pack_ids, salvage_fields, unpack_id_list
 from ipc.messages import (
-    AbortRequests, ChatMessage, ClientAbort, ClientBye, ClientEvents, ClientHello, ClientWelcome,
-    ClusterNotice, EngineStats, GrammarVocabulary, Heartbeat, RequestError, RequestMeta,
-    RequestStart, RequestTimings, SamplingParams, StepOutput, StreamEvent, SubmitRequest,
-    TokenizedRequest, Usage, WorkerReady,
+    AbortRequests,
+    ChatMessage,
+    ClientAbort,
+    ClientBye,
+    ClientEvents,
+    ClientHello,
+    ClientWelcome,
+    ClusterNotice,
+    EngineStats,
+    FinishRecord,
+    GrammarVocabulary,
+    Heartbeat,
+    RequestError,
+    RequestMeta,
+    RequestStart,
+    RequestTimings,
+    SamplingParams,
+    StepOutput,
+    StreamEvent,
+    SubmitRequest,
+    TokenizedRequest,
+    Usage,
+    WorkerReady,
 )
 
 META = RequestMeta(request_id="r1", client_id=b"c1", prompt_tokens=3, stop=["\n"],
@@ -29,9 +49,9 @@ EXAMPLES = [
     AbortRequests(["a", "b"]),
     StepOutput(step=3, t_step=9.0, new_requests=[META], request_ids=["r1"],
                token_ids=pack_ids([42]), started=[RequestStart("r1", 1.0, 2.0, 16)],
-               finished_ids=["r1"], finish_reasons=["stop"], finish_errors=[""],
-               stats=EngineStats(running=1, step_ms=2.5), finish_error_codes=[""],
-               engine_pid=77),
+               finished=[FinishRecord("r1", "stop"),
+                         FinishRecord("r2", "error", "too long", "bad_request")],
+               stats=EngineStats(running=1, step_ms=2.5), engine_pid=77),
     ClientHello(b"c1"),
     ClientWelcome(["ipc:///x"], "m", 2048, 49152),
     ClientAbort(["r1"]),
@@ -72,10 +92,24 @@ def test_ids_are_packed_int32():
      "exactly one of"),
     ({"kind": "submit", "request_id": "r", "client_id": "not-bytes", "prompt": "p",
       "sampling": {}}, "expected bytes"),
+    ({"kind": "step", "step": 1, "t_step": 0.0, "finished": [{"request_id": "r"}]},
+     "missing field 'reason'"),
+    ({"kind": "step", "step": 1, "t_step": 0.0,
+      "finished": [{"request_id": "r", "reason": "stop", "code": 3}]}, r"finished\[0\]\.code"),
+    ({"kind": "step", "step": 1, "t_step": 0.0, "finished": ["r"]}, "expected a map"),
 ])
 def test_malformed_maps_are_rejected(obj, fragment):
     with pytest.raises(DecodeError, match=fragment):
         decode(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_an_error_finish_always_carries_a_code():
+    """A sender that leaves an error's code out gets "internal", on both sides of the wire."""
+    record = FinishRecord("r1", "error", "boom")
+    assert record.code == "internal" and FinishRecord("r2", "stop").code == ""
+    frame = msgpack.packb({"kind": "step", "step": 1, "t_step": 0.0, "finished": [
+        {"request_id": "r1", "reason": "error", "error": "boom"}]}, use_bin_type=True)
+    assert decode(frame).finished == [record]
 
 
 def test_invalid_utf8_is_a_decode_error_and_still_attributable():

@@ -6,11 +6,10 @@ max_tokens, stop_token_ids, eos, abort and the waiting-queue bound.
 
 from __future__ import annotations
 
-import os
 import time
 
 from ipc.codec import pack_ids
-from ipc.messages import EngineStats, RequestStart, StepOutput
+from ipc.messages import EngineStats, FinishRecord, RequestStart, StepOutput
 
 
 class EngineOverloaded(RuntimeError):
@@ -59,8 +58,7 @@ class FakeEngine:
             if rid in self.aborted:
                 self.aborted.discard(rid)
                 del self.requests[rid]
-                out.finished_ids.append(rid)
-                out.finish_reasons.append("abort")
+                out.finished.append(FinishRecord(rid, "abort"))
                 continue
             token = r["ids"][r["n"] % len(r["ids"])]
             if r["n"] == 0:
@@ -76,15 +74,17 @@ class FakeEngine:
                 reason = "length"
             if reason:
                 del self.requests[rid]
-                out.finished_ids.append(rid)
-                out.finish_reasons.append(reason)
+                out.finished.append(FinishRecord(rid, reason))
         out.token_ids = pack_ids(tokens)
-        out.finish_errors = [""] * len(out.finished_ids)
         time.sleep(self.step_s)
         return out
 
 
 def make(config) -> FakeEngine:
-    # SPLITSERVE_FAKE_STEP_S: seconds per step, to keep requests in flight (fault tests).
-    return FakeEngine(config.max_waiting_requests,
-                      float(os.environ.get("SPLITSERVE_FAKE_STEP_S", "0.002")))
+    """The cluster's engine_factory (tests.procs.fake_engine:make)."""
+    return FakeEngine(config.engine.max_waiting_requests)
+
+
+def make_slow(config) -> FakeEngine:
+    """20 ms a step, so requests stay in flight for seconds (fault tests)."""
+    return FakeEngine(config.engine.max_waiting_requests, step_s=0.02)

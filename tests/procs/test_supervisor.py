@@ -11,11 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-
 from ipc.client import Client
 from procs.cli import build_parser
 
-FAKE_ENGINE = f"{Path(__file__).parent / 'fake_engine.py'}:make"
+FAKE_ENGINE = "tests.procs.fake_engine:make"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -39,9 +38,16 @@ class Launched:
         for line in self.proc.stderr:
             self.stderr.append(line)
 
-    def child_pids(self) -> list[int]:
-        return [int(m.group(1)) for line in self.stderr
-                if (m := re.search(r"^splitserve \w+\[\d+\] pid=(\d+) ready", line))]
+    def child_pids(self, expected: int) -> list[int]:
+        """The pids of the children's start-up lines (every child printed one before the
+        supervisor printed its address; the pump thread may still be reading them)."""
+        deadline = time.monotonic() + 30
+        while True:
+            pids = [int(m.group(1)) for line in list(self.stderr)
+                    if (m := re.search(r"^splitserve \w+\[\d+\] pid=(\d+) ready", line))]
+            if len(pids) >= expected or time.monotonic() > deadline:
+                return pids
+            time.sleep(0.05)
 
 
 def _gone(pid: int) -> bool:
@@ -66,9 +72,8 @@ def _wait_all_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
 
 def test_sigterm_with_requests_in_flight(tmp_path):
     run_dir = tmp_path / "run"
-    sup = Launched(run_dir, "--tokenizer-workers", "2",
-                   env={"SPLITSERVE_ENGINE_FACTORY": FAKE_ENGINE})
-    pids = sup.child_pids()
+    sup = Launched(run_dir, "--tokenizer-workers", "2", "--engine-factory", FAKE_ENGINE)
+    pids = sup.child_pids(4)
     assert len(pids) == 4
     with Client(sup.client_addr, deadline_s=60) as client:
         handles = [client.submit("in flight " * 3, max_tokens=240) for _ in range(8)]
@@ -78,7 +83,11 @@ def test_sigterm_with_requests_in_flight(tmp_path):
         late = [client.submit("too late", max_tokens=240) for _ in range(4)]
         results = [h.result(timeout=30, check=False) for h in handles]
         late_results = [h.result(timeout=30, check=False) for h in late]
-    assert all(r.finish_reason in ("abort", "length") for r in results)
+    # Each ends: generating ones finish or are aborted; one still queued in a draining
+    # tokenizer (possible on a loaded machine) is refused as unavailable, never lost.
+    for r in results:
+        assert r.finish_reason in ("abort", "length") or (
+            r.error_code == "unavailable" and "shutting down" in r.error), r
     assert any(r.finish_reason == "abort" for r in results)
     for r in late_results:
         assert r.finish_reason == "abort" or (r.error_code == "unavailable"
@@ -89,8 +98,8 @@ def test_sigterm_with_requests_in_flight(tmp_path):
 
 
 def test_children_die_with_a_killed_supervisor(tmp_path):
-    sup = Launched(tmp_path / "run", env={"SPLITSERVE_ENGINE_FACTORY": FAKE_ENGINE})
-    pids = sup.child_pids()
+    sup = Launched(tmp_path / "run", "--engine-factory", FAKE_ENGINE)
+    pids = sup.child_pids(3)
     assert len(pids) == 3
     sup.proc.kill()
     sup.proc.wait()
@@ -110,12 +119,12 @@ def test_shutdown_waits_for_a_stop_the_watcher_began(tmp_path):
     """A failure makes the watcher thread stop the children (restart_policy=shutdown, or a slot
     out of restarts) and Cluster.wait() returns at once; the shutdown() that follows must not
     return, close the sockets and remove the run directory while that stop is still going."""
-    from procs.launch_cluster import Child, Cluster
     from ipc.config import ClusterConfig
+    from procs.launch_cluster import Child, Cluster
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    config = ClusterConfig(model_path=str(tmp_path), run_dir=str(run_dir))
+    config = ClusterConfig.build(str(tmp_path), str(run_dir))
     cluster = Cluster(config, owns_run_dir=True)
     # An "engine" that takes 7 s to exit after SIGTERM: longer than shutdown()'s 5 s join.
     slow = subprocess.Popen([sys.executable, "-c", (

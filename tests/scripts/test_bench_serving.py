@@ -6,16 +6,12 @@ and consistent, and that the JSON file round-trips."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import bench_serving  # noqa: E402
-from bench import report  # noqa: E402
-from bench.metrics import PERCENTILES, summarize  # noqa: E402
+from scripts import bench_serving
+from scripts.bench import report
+from scripts.bench.metrics import PERCENTILES, summarize
 
 MODES = ["inproc", "inproc-pretok", "cluster-tw1"]
 PERCENTILE_KEYS = ("submit_latency_ms", "tokenize_ms", "queue_wait_ms",
@@ -71,7 +67,8 @@ def test_every_mode_reports_consistent_metrics_and_the_json_round_trips(tiny_mod
         "--model", str(tiny_model_dir), "--modes", "inproc,inproc-pretok,cluster",
         "--num-requests", str(n), "--prompt-tokens", "48", "--unique-prompts",
         "--max-new-tokens", str(max_new), "--ignore-eos", "--warmup-runs", "1",
-        "--warmup-num-requests", "3", "--repeat-runs", "1", "--goodput", "ttft:60000", "tpot:60000", "--no-progress",
+        "--warmup-num-requests", "3", "--repeat-runs", "1", "--goodput", "ttft:60000",
+        "tpot:60000", "--no-progress",
         "--json", str(json_path), "--plot", str(plot_path)])
     text = capsys.readouterr().out
     for line in ("Model: ", "Submit wall: ", "Submit latency p50/p95/p99", "Tokenize p50/p95/p99",
@@ -169,3 +166,27 @@ def test_http_mode_matches_the_sdk_and_drives_an_endpoint(tiny_model_dir, capsys
     (run,) = report.load_runs(data)
     assert all(r.ok and r.output_tokens == 4 and r.delta_times for r in run.records)
     assert data["medians"]["http"]["prompt_tokens_total"] == medians["http"]["prompt_tokens_total"]
+
+
+def test_stream_interval_and_stop_strings_apply_to_every_mode(tiny_model_dir, capsys):
+    """The in-process baseline runs the cluster's DetokenizerCore: the same options, the same
+    deltas. Greedy on one model, so each mode stops at the same place."""
+    data = bench_serving.main([
+        "--model", str(tiny_model_dir), "--modes", "inproc,inproc-pretok,cluster",
+        "--num-requests", "4", "--prompt-tokens", "24", "--unique-prompts",
+        "--max-new-tokens", "7", "--ignore-eos", "--warmup-runs", "0", "--no-progress",
+        "--stream-interval-tokens", "3"])
+    for run in report.load_runs(data):  # tokens 1 | 2 3 4 | 5 6 7 (with the terminal event)
+        assert [len(r.delta_times) for r in run.records] == [3] * 4, run.mode
+    assert "Stream interval (tokens): 3" in capsys.readouterr().out
+    data = bench_serving.main([
+        "--model", str(tiny_model_dir), "--modes", "inproc,cluster",
+        "--num-requests", "4", "--prompt-tokens", "24", "--unique-prompts",
+        "--max-new-tokens", "16", "--ignore-eos", "--warmup-runs", "0", "--no-progress",
+        "--max-concurrency", "1", "--stop", " "])
+    outcomes = {run.mode: [(r.finish_reason, r.output_tokens) for r in run.records]
+                for run in report.load_runs(data)}
+    assert outcomes["inproc"] == outcomes["cluster-tw1"]
+    assert all(reason == "stop" and n < 16 or (reason, n) == ("length", 16)
+               for reason, n in outcomes["inproc"])
+    assert any(reason == "stop" for reason, _ in outcomes["inproc"])  # random text has spaces

@@ -5,17 +5,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from bench.metrics import RequestRecord, parse_goodput, summarize  # noqa: E402
-from bench.workloads import (  # noqa: E402
-    ArrivalSpec, WorkloadSpec, build_workload, salt_requests,
-)
+from scripts.bench.metrics import RequestRecord, parse_goodput, summarize
+from scripts.bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requests
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ from transformers import AutoTokenizer
 
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import ChatMessage, RequestError, SamplingParams, SubmitRequest, TokenizedRequest
+from runtime.model_files import load_tokenizer
 from tokenizer_worker.chat_template import ChatTemplate
-from tokenizer_worker.prepare import Limits, RequestPreparer, load_tokenizer
+from tokenizer_worker.prepare import Limits, RequestPreparer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

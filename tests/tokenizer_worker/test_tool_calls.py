@@ -12,13 +12,21 @@ import pytest
 from detok_worker.tool_parsers import HermesToolParser, parse_complete
 from engine_worker.grammar_builder import GrammarBuilder, backend_tokenizer
 from tests.engine_worker.grammar_helpers import (
-    sample_constrained, text_of, tiny_vocabulary, wait_ready,
+    sample_constrained,
+    text_of,
+    tiny_vocabulary,
+    wait_ready,
 )
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.grammar_compiler import GrammarCompiler
 from tokenizer_worker.tool_calls import (
-    ToolChoice, ToolSpecError, check_tools, conversation_for_template, forced_tool_call_spec,
-    resolve_tool_choice, template_supports_tools,
+    ToolChoice,
+    ToolSpecError,
+    check_tools,
+    conversation_for_template,
+    forced_tool_call_spec,
+    resolve_tool_choice,
+    template_supports_tools,
 )
 
 WEATHER = {"type": "function", "function": {

@@ -8,7 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from ipc.messages import (
-    STRUCTURED_CHOICE, STRUCTURED_GRAMMAR, STRUCTURED_JSON_OBJECT, STRUCTURED_REGEX,
+    STRUCTURED_CHOICE,
+    STRUCTURED_GRAMMAR,
+    STRUCTURED_JSON_OBJECT,
+    STRUCTURED_REGEX,
     StructuredOutputSpec,
 )
 

@@ -16,9 +16,14 @@ import os
 from typing import Any
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
 )
-from prometheus_client import multiprocess
 
 # Seconds; from a few ms (a tiny model on a GPU) to minutes (long generations on a CPU).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -54,7 +59,8 @@ class HttpMetrics:
             "to its first generated text.", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(
             "splitserve_http_e2e_request_latency_seconds", "From the HTTP request's arrival to "
-            "its last generated text.", buckets=LATENCY_BUCKETS, registry=r)
+            "the end of its answer (the last choice's terminal event).",
+            buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(
             "splitserve_time_per_output_token_seconds", "(last token - first token) / "
             "(tokens - 1), per engine request.", buckets=TOKEN_GAP_BUCKETS, registry=r)

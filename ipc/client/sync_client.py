@@ -1,4 +1,4 @@
-"""The client SDK (sync; the asyncio twin is ipc.async_client.AsyncClient, re-exported here).
+"""The sync client (the asyncio twin is ipc.client.async_client.AsyncClient).
 
     with Client(cluster.client_addr) as client:
         handle = client.submit(messages=[{"role": "user", "content": "Hi"}], max_tokens=32)
@@ -14,45 +14,59 @@ thread owns it and routes events to handles.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import zmq
 
 from ipc import codec
-from ipc.client_common import (
-    BadRequestError, ClientCore, Delta, GenerationResult, HandleBase, OverloadedError,
-    RequestRecord, RequestTimeoutError, SplitserveError, UnavailableError, closed_event,
-    curve_keys, disconnect_monitor, make_dealer, make_submit_sockets, monitor_events,
-    prompt_kwargs, timeout_event, tokenizer_addrs,
+from ipc.client.core import ClientCore
+from ipc.client.errors import RequestTimeoutError, UnavailableError
+from ipc.client.records import HandleBase, RequestRecord, closed_event, timeout_event
+from ipc.client.requests import prompt_kwargs
+from ipc.client.results import Delta, GenerationResult
+from ipc.client.transport import (
+    curve_keys,
+    disconnect_monitor,
+    make_dealer,
+    make_submit_sockets,
+    monitor_events,
+    submit_hwm_for,
+    tokenizer_addrs,
 )
 from ipc.messages import (
-    ClientAbort, ClientBye, ClientHello, ClientWelcome, SamplingParams, StreamEvent,
+    ClientAbort,
+    ClientBye,
+    ClientHello,
+    ClientWelcome,
+    SamplingParams,
+    StreamEvent,
 )
 from ipc.sockets import LINGER_MS
 
-__all__ = ["Client", "AsyncClient", "RequestHandle", "GenerationResult", "Delta",
-           "SplitserveError", "BadRequestError", "OverloadedError", "UnavailableError",
-           "RequestTimeoutError"]
-
 
 class RequestHandle(HandleBase):
-    def __init__(self, client: "Client", record: RequestRecord) -> None:
+    def __init__(self, client: Client, record: RequestRecord) -> None:
         super().__init__(client, record)
         self._cond = threading.Condition()
 
-    def _deliver(self, delta: Delta) -> None:  # receiver thread
+    def deliver(self, delta: Delta) -> None:  # receiver thread
         with self._cond:
             self._deltas.append(delta)
             self._cond.notify_all()
+
+    def _has_delta(self, i: int) -> bool:
+        return len(self._deltas) > i
 
     def stream(self, timeout: float | None = None) -> Iterator[Delta]:
         """Yields deltas as they arrive; an error ending raises its SplitserveError."""
         i = 0
         while True:
             with self._cond:
-                if not self._cond.wait_for(lambda: len(self._deltas) > i, timeout):
+                if not self._cond.wait_for(functools.partial(self._has_delta, i), timeout):
                     raise RequestTimeoutError(f"no event within {timeout} s", self.request_id)
             delta = self._next_delta(i)
             i += 1
@@ -65,20 +79,20 @@ class RequestHandle(HandleBase):
     def result(self, timeout: float | None = None, *, check: bool = True) -> GenerationResult:
         """Waits for the terminal event. ``check``: raise the error of a failed request."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._record.final is not None, timeout):
+            if not self._cond.wait_for(lambda: self.record.final is not None, timeout):
                 raise RequestTimeoutError(f"not finished within {timeout} s", self.request_id)
-        result = self._record.result()
+        result = self.record.result()
         return result.raise_for_error() if check else result
 
     def abort(self) -> None:
         """Asks the cluster to stop this request; its terminal event (reason "abort") follows."""
         if not self.done:
-            self._client._abort(self._record)
+            self._client._abort(self.record)
 
 
 class Client:
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
-                 deadline_s: float | None = None, submit_hwm: int = 64,
+                 deadline_s: float | None = None, submit_hwm: int | None = None,
                  server_public_key: str | bytes | None = None,
                  tokenizer_retries: int = 1) -> None:
         """Connects and does the handshake (raises UnavailableError when nobody answers).
@@ -89,6 +103,8 @@ class Client:
         it to curve_public.key in its run dir); needed when the cluster uses CURVE (--listen).
         tokenizer_retries: how many times a request still queued in a tokenizer worker that
         died is sent again to a live one before it ends with an "unavailable" error.
+        submit_hwm: requests each tokenizer pipe holds before submit() raises OverloadedError;
+        default: the cluster's admission bound (max_waiting_requests) over its tokenizers.
         """
         curve = curve_keys(server_public_key)
         self._core = ClientCore(deadline_s, tokenizer_retries)
@@ -107,7 +123,8 @@ class Client:
                                    f"{connect_timeout_s} s" + _curve_hint(curve))
         self.welcome: ClientWelcome = codec.decode_as(dealer.recv(), ClientWelcome)
         self._submit = make_submit_sockets(
-            self._ctx, tokenizer_addrs(address, self.welcome.tokenizer_addrs), submit_hwm, curve)
+            self._ctx, tokenizer_addrs(address, self.welcome.tokenizer_addrs),
+            submit_hwm_for(self.welcome, submit_hwm), curve)
         self._control_addr = f"inproc://control-{self._core.client_id.decode()}"
         control_in = self._ctx.socket(zmq.PULL)
         control_in.bind(self._control_addr)
@@ -207,7 +224,8 @@ class Client:
             dealer.send(codec.encode(ClientAbort(expired)))
         for wire_id in expired:
             handle = self._core.records[wire_id]
-            self._core.apply(handle, timeout_event(wire_id, self._core.deadline_s), time.monotonic())
+            self._core.apply(handle, timeout_event(wire_id, self._core.deadline_s),
+                             time.monotonic())
 
     def _abort(self, record: RequestRecord) -> None:
         with self._lock:  # a resend either happened (new wire id) or will see the flag
@@ -235,7 +253,7 @@ class Client:
         self._control.close(linger=0)
         self._ctx.term()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -252,6 +270,3 @@ def _recv_nowait(sock: zmq.Socket) -> bytes | None:
         return sock.recv(zmq.NOBLOCK)
     except zmq.Again:
         return None
-
-
-from ipc.async_client import AsyncClient  # noqa: E402  (re-export; it imports nothing from here)

@@ -79,7 +79,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
-    def _reject_unsupported(self) -> "_GenerationRequest":
+    def _reject_unsupported(self) -> _GenerationRequest:
         for name, neutral in self._neutral_values().items():
             value = getattr(self, name)
             if value is not None and value != neutral and value not in ({}, []):

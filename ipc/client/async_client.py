@@ -1,4 +1,4 @@
-"""The asyncio client (uvloop-friendly): the same API as ipc.client.Client, awaited.
+"""The asyncio client (uvloop-friendly): the same API as the sync Client, awaited.
 
     async with AsyncClient(address) as client:
         handle = client.submit("Hello", max_tokens=16)     # not awaited: returns at once
@@ -14,29 +14,44 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from ipc import codec
-from ipc.client_common import (
-    ClientCore, Delta, GenerationResult, HandleBase, RequestRecord, RequestTimeoutError,
-    UnavailableError, closed_event, curve_keys, disconnect_monitor, make_dealer,
-    make_submit_sockets, monitor_events, prompt_kwargs, timeout_event, tokenizer_addrs,
+from ipc.client.core import ClientCore
+from ipc.client.errors import RequestTimeoutError, UnavailableError
+from ipc.client.records import HandleBase, RequestRecord, closed_event, timeout_event
+from ipc.client.requests import prompt_kwargs
+from ipc.client.results import Delta, GenerationResult
+from ipc.client.transport import (
+    curve_keys,
+    disconnect_monitor,
+    make_dealer,
+    make_submit_sockets,
+    monitor_events,
+    submit_hwm_for,
+    tokenizer_addrs,
 )
 from ipc.messages import (
-    ClientAbort, ClientBye, ClientHello, ClientWelcome, SamplingParams, StreamEvent,
+    ClientAbort,
+    ClientBye,
+    ClientHello,
+    ClientWelcome,
+    SamplingParams,
+    StreamEvent,
 )
 from ipc.sockets import LINGER_MS
 
 
 class AsyncRequestHandle(HandleBase):
-    def __init__(self, client: "AsyncClient", record: RequestRecord) -> None:
+    def __init__(self, client: AsyncClient, record: RequestRecord) -> None:
         super().__init__(client, record)
         self._changed = asyncio.Event()
 
-    def _deliver(self, delta: Delta) -> None:
+    def deliver(self, delta: Delta) -> None:
         self._deltas.append(delta)
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()  # wakes every waiter, each re-checks its own position
@@ -57,24 +72,24 @@ class AsyncRequestHandle(HandleBase):
 
     async def result(self, timeout: float | None = None, *, check: bool = True) -> GenerationResult:
         async def finished() -> None:
-            while self._record.final is None:
+            while self.record.final is None:
                 await self._changed.wait()
         try:
             await asyncio.wait_for(finished(), timeout)
         except asyncio.TimeoutError:
             raise RequestTimeoutError(f"not finished within {timeout} s", self.request_id) from None
-        result = self._record.result()
+        result = self.record.result()
         return result.raise_for_error() if check else result
 
     def abort(self) -> None:
         if not self.done:
-            self._record.aborted = True
-            self._client._send_soon(codec.encode(ClientAbort([self._record.wire_id])))
+            self.record.aborted = True
+            self._client._send_soon(codec.encode(ClientAbort([self.record.wire_id])))
 
 
 class AsyncClient:
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
-                 deadline_s: float | None = None, submit_hwm: int = 64,
+                 deadline_s: float | None = None, submit_hwm: int | None = None,
                  server_public_key: str | bytes | None = None,
                  tokenizer_retries: int = 1) -> None:
         """See ipc.client.Client for the arguments (server_public_key: the cluster's CURVE key)."""
@@ -92,13 +107,13 @@ class AsyncClient:
         self.welcome: ClientWelcome | None = None
 
     @classmethod
-    async def connect(cls, address: str, **kwargs: Any) -> "AsyncClient":
+    async def connect(cls, address: str, **kwargs: Any) -> AsyncClient:
         return await cls(address, **kwargs).start()
 
-    async def start(self) -> "AsyncClient":
+    async def start(self) -> AsyncClient:
         """The handshake; raises UnavailableError when nobody answers."""
-        dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, self.address,
-                             self._curve)
+        dealer: zmq.asyncio.Socket = make_dealer(self._ctx.socket(zmq.DEALER),
+                                                 self._core.client_id, self.address, self._curve)
         await dealer.send(codec.encode(ClientHello(self._core.client_id)))
         if not await dealer.poll(int(self.connect_timeout_s * 1000)):
             dealer.close(linger=0)
@@ -110,7 +125,7 @@ class AsyncClient:
         # Plain sockets: a NOBLOCK send never waits, so submit() needs no await.
         self._submit = make_submit_sockets(
             self._ctx, tokenizer_addrs(self.address, self.welcome.tokenizer_addrs),
-            self.submit_hwm, self._curve)
+            submit_hwm_for(self.welcome, self.submit_hwm), self._curve)
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
         return self
 
@@ -162,7 +177,7 @@ class AsyncClient:
             self._core.end_lost(lost)
 
     async def _end_lost(self, lost: list[tuple[str, StreamEvent]]) -> None:
-        if lost:
+        if lost and self._dealer is not None:
             await self._dealer.send(codec.encode(ClientAbort([wid for wid, _ in lost])))
             self._core.end_lost(lost)
 
@@ -201,7 +216,7 @@ class AsyncClient:
             self._submit = None
         self._ctx.term()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return await self.start() if self._dealer is None else self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -1,8 +1,9 @@
-"""What the sync and asyncio clients share: errors, results, request building, event routing.
+"""The I/O-free heart of both clients: ids, records, deadlines, routing of events and notices,
+and what a worker's death means for each open request. No sockets, no threads: the sync and
+asyncio clients bring those.
 
 Request ids on the wire are the user's ids prefixed with the client's id, so two clients using
-the same ids never collide in the engine; users only ever see their own ids.
-"""
+the same ids never collide in the engine; users only ever see their own ids."""
 
 from __future__ import annotations
 
@@ -12,207 +13,27 @@ import itertools
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
 from ipc import codec
-from ipc.codec import pack_ids, unpack_id_list
+from ipc.client.errors import BadRequestError, OverloadedError, UnavailableError
+from ipc.client.records import HandleBase, RequestRecord, unavailable_event
+from ipc.client.requests import build_submit
 from ipc.messages import (
-    ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ABORT, FINISH_ERROR,
+    FINISH_ABORT,
     NOTICE_DIED,
-    NOTICE_READY, ChatMessage, ClientEvents, ClientWelcome, ClusterNotice, RequestTimings,
-    SamplingParams, StreamEvent, SubmitRequest, Usage,
+    NOTICE_READY,
+    ClientEvents,
+    ClientWelcome,
+    ClusterNotice,
+    StreamEvent,
 )
-from ipc.sockets import LINGER_MS, CurveKeys, configure, connect
 
-ERR_TIMEOUT = "timeout"
-
-
-class SplitserveError(Exception):
-    code = ERR_INTERNAL
-
-    def __init__(self, message: str, request_id: str | None = None) -> None:
-        super().__init__(message)
-        self.request_id = request_id
-
-
-class BadRequestError(SplitserveError, ValueError):
-    code = ERR_BAD_REQUEST
-
-
-class OverloadedError(SplitserveError):
-    code = ERR_OVERLOADED
-
-
-class UnavailableError(SplitserveError):
-    code = ERR_UNAVAILABLE
-
-
-class RequestTimeoutError(SplitserveError, TimeoutError):
-    """The client-side deadline passed with no terminal event (a last resort against hangs)."""
-    code = ERR_TIMEOUT
-
-
-_ERRORS = {cls.code: cls for cls in (BadRequestError, OverloadedError, UnavailableError,
-                                     RequestTimeoutError)}
-
-
-def error_for(code: str | None, message: str, request_id: str | None = None) -> SplitserveError:
-    return _ERRORS.get(code or "", SplitserveError)(message, request_id)
-
-
-@dataclass(slots=True)
-class Delta:
-    """One piece of a request's stream, as the client received it."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    t_received: float  # time.monotonic() in the client when the event arrived
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    error_code: str | None = None
-    usage: Usage | None = None
-    timings: RequestTimings | None = None
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    usage: Usage | None
-    timings: RequestTimings | None
-    error: str | None = None
-    error_code: str | None = None
-    t_submit: float = 0.0  # time.monotonic() right before the submit's send
-    t_received: list[float] = field(default_factory=list)  # one per delta that carried tokens
-
-    @property
-    def ok(self) -> bool:
-        return self.finish_reason != FINISH_ERROR
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.t_received[0] - self.t_submit if self.t_received else None
-
-    @property
-    def inter_token_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.t_received, self.t_received[1:])]
-
-    def raise_for_error(self) -> "GenerationResult":
-        if not self.ok:
-            raise error_for(self.error_code, self.error or "request failed", self.request_id)
-        return self
-
-
-def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
-                 messages: list[Any] | None, prompt_token_ids: Any, sampling: SamplingParams | None,
-                 sampling_kwargs: dict[str, Any], add_generation_prompt: bool,
-                 t_submit: float) -> SubmitRequest:
-    """The SubmitRequest for one submit() call; anything invalid raises BadRequestError."""
-    try:
-        if sampling is None:
-            sampling = SamplingParams(**sampling_kwargs)
-        elif sampling_kwargs:
-            raise ValueError("give either sampling= or sampling keyword arguments, not both")
-        chat = None
-        if messages is not None:
-            chat = [_chat_message(m) for m in messages]
-        packed = None
-        if prompt_token_ids is not None:
-            packed = pack_ids(prompt_token_ids)
-        if prompt is not None and not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        return SubmitRequest(request_id=wire_id, client_id=client_id, sampling=sampling,
-                             prompt=prompt, messages=chat, prompt_token_ids=packed,
-                             add_generation_prompt=add_generation_prompt, t_submit=t_submit)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise BadRequestError(str(exc)) from None
-
-
-def _chat_message(m: Any) -> ChatMessage:
-    if isinstance(m, ChatMessage):
-        return m
-    if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
-        return ChatMessage(role=m["role"], content=m["content"])
-    raise ValueError(f"a chat message is a {{'role': str, 'content': str}} map, got {m!r}")
-
-
-class RequestRecord:
-    """The client's view of one request; the handle classes wrap it."""
-
-    __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
-                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted")
-
-    def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
-        self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
-        self.t_submit = 0.0  # set from the SubmitRequest, right before the send
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.t_received: list[float] = []
-        self.final: Delta | None = None
-        self.tokenizer = -1  # the index of the tokenizer worker it was sent to
-        self.seen = False  # an event arrived: it is past its tokenizer
-        # The request as sent, kept until it is past its tokenizer: if that worker dies first it
-        # is sent again (to another worker, under a fresh wire id).
-        self.pending: SubmitRequest | None = None
-        self.resubmits = 0
-        self.aborted = False  # the caller asked to abort it
-
-    def apply(self, event: StreamEvent, t: float) -> Delta:
-        ids = unpack_id_list(event.token_ids) if event.token_ids else []
-        delta = Delta(self.request_id, event.text, ids, t, event.finished, event.finish_reason,
-                      event.error, event.error_code, event.usage, event.timings)
-        self.text.append(event.text)
-        self.token_ids.extend(ids)
-        self.seen = True
-        self.pending = None
-        if ids or event.text:
-            self.t_received.append(t)
-        if event.finished:
-            self.final = delta
-        return delta
-
-    def result(self) -> GenerationResult:
-        f = self.final
-        assert f is not None, "result() before the terminal event"
-        return GenerationResult(self.request_id, "".join(self.text), list(self.token_ids),
-                                f.finish_reason, f.usage, f.timings, f.error, f.error_code,
-                                self.t_submit, list(self.t_received))
-
-
-class HandleBase:
-    """What sync and async handles share; each adds its own waiting (condition / event)."""
-
-    def __init__(self, client: Any, record: RequestRecord) -> None:
-        self._client = client
-        self._record = record
-        self._deltas: list[Delta] = []
-
-    @property
-    def request_id(self) -> str:
-        return self._record.request_id
-
-    @property
-    def t_submit(self) -> float:
-        return self._record.t_submit
-
-    @property
-    def done(self) -> bool:
-        return self._record.final is not None
-
-    def _next_delta(self, i: int) -> Delta:
-        """The i-th delta, raising the request's error if that delta ends it with one."""
-        delta = self._deltas[i]
-        if delta.error_code:
-            raise error_for(delta.error_code, delta.error or "request failed", self.request_id)
-        return delta
-
+H = TypeVar("H", bound=HandleBase)
 
 @dataclass(slots=True)
 class Routed:
@@ -241,7 +62,7 @@ class ClientCore:
         self.client_id = f"c{secrets.token_hex(8)}".encode()
         self.deadline_s = deadline_s
         self.tokenizer_retries = tokenizer_retries
-        self.records: dict[str, Any] = {}  # wire id -> handle
+        self.records: dict[str, HandleBase] = {}  # wire id -> handle
         self.open_ids: set[str] = set()  # the callers' request ids of those records
         self._deadlines: list[tuple[float, str]] = []
         self._heap_lock = threading.Lock()  # the sync client pushes and pops from two threads
@@ -272,8 +93,8 @@ class ClientCore:
             with self._heap_lock:
                 heapq.heappush(self._deadlines, (record.deadline, record.wire_id))
 
-    def submit(self, socks: list[zmq.Socket], make_handle: Any, request_id: str | None,
-               deadline_s: float | None, **request: Any) -> Any:
+    def submit(self, socks: list[zmq.Socket], make_handle: Callable[[RequestRecord], H],
+               request_id: str | None, deadline_s: float | None, **request: Any) -> H:
         """Builds, registers and sends one request without blocking; returns its handle.
 
         ``socks``: one PUSH per tokenizer worker (see _send). Raises BadRequestError for
@@ -336,7 +157,7 @@ class ClientCore:
         still_lost = []
         for wire_id, event in lost:
             handle = self.records.get(wire_id)
-            record = handle._record if handle is not None else None
+            record = handle.record if handle is not None else None
             if record is not None and record.aborted:
                 still_lost.append((wire_id, StreamEvent(request_id=wire_id, finished=True,
                                                         finish_reason=FINISH_ABORT)))
@@ -354,6 +175,7 @@ class ClientCore:
                 continue
             # Registered under the new id before the old one goes: apply() on the receiver
             # thread and a user thread's check of open_ids never see the request missing.
+            assert handle is not None  # record is not None above
             self.records[new_id] = handle
             self.records.pop(wire_id, None)
             record.wire_id, record.pending = new_id, msg
@@ -379,7 +201,7 @@ class ClientCore:
                        "request reached the engine, and it could not be sent again; retry it")
             alive = set(notice.alive_ids)
             lost = [wid for wid, h in list(self.records.items())
-                    if h._record.tokenizer == notice.index and not h._record.seen
+                    if h.record.tokenizer == notice.index and not h.record.seen
                     and wid not in alive]
         else:
             return []
@@ -409,6 +231,7 @@ class ClientCore:
             self.on_welcome()
             return Routed(welcome=msg)
         now = time.monotonic()
+        assert isinstance(msg, ClientEvents)
         for event in msg.events:
             if (handle := self.records.get(event.request_id)) is not None:
                 self.apply(handle, event, now)
@@ -420,12 +243,12 @@ class ClientCore:
             if (handle := self.records.get(wire_id)) is not None:
                 self.apply(handle, event, now)
 
-    def apply(self, handle: Any, event: StreamEvent, now: float) -> None:
+    def apply(self, handle: HandleBase, event: StreamEvent, now: float) -> None:
         """Routes one event to its handle; a terminal event forgets the request."""
-        delta = handle._record.apply(event, now)
+        delta = handle.record.apply(event, now)
         if event.finished:
-            self.forget(handle._record)
-        handle._deliver(delta)
+            self.forget(handle.record)
+        handle.deliver(delta)
 
     def forget(self, record: RequestRecord) -> None:
         self.records.pop(record.wire_id, None)
@@ -440,7 +263,7 @@ class ClientCore:
                 handle = self.records.get(wire_id)
                 # The same wire id may be open again (a user request_id reused after the first
                 # one ended or was refused): only the record this entry was pushed for expires.
-                if handle is not None and handle._record.deadline == deadline:
+                if handle is not None and handle.record.deadline == deadline:
                     out.append(wire_id)
         return out
 
@@ -450,106 +273,3 @@ class ClientCore:
                 return cap_ms
             first = self._deadlines[0][0]
         return max(0, min(cap_ms, int((first - time.monotonic()) * 1000) + 1))
-
-
-def timeout_event(wire_id: str, seconds: float | None) -> StreamEvent:
-    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
-                       error=f"no terminal event within the client deadline of {seconds} s",
-                       error_code=ERR_TIMEOUT)
-
-
-def unavailable_event(wire_id: str, message: str) -> StreamEvent:
-    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
-                       error=message, error_code=ERR_UNAVAILABLE)
-
-
-def closed_event(wire_id: str) -> StreamEvent:
-    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
-                       error="the client was closed before the request finished",
-                       error_code=ERR_UNAVAILABLE)
-
-
-def curve_keys(server_public_key: str | bytes | None) -> CurveKeys | None:
-    """The cluster's CURVE public key (Z85, as the supervisor prints it), or None for a cluster
-    without CURVE (ipc, or tcp on loopback)."""
-    if not server_public_key:
-        return None
-    try:
-        return CurveKeys(server_public_key.strip())
-    except (ValueError, UnicodeEncodeError) as exc:
-        raise BadRequestError(f"server_public_key: {exc}") from None
-
-
-def make_submit_sockets(ctx: zmq.Context, addrs: list[str], hwm: int,
-                        curve: CurveKeys | None = None) -> list[zmq.Socket]:
-    """One plain (sync) PUSH per tokenizer worker (NOBLOCK sends never wait): the client knows
-    which worker holds each request, so a worker's death ends exactly its requests."""
-    socks = []
-    for addr in addrs:
-        sock = configure(zmq.Socket(ctx, zmq.PUSH), receives=False, sndhwm=hwm)
-        sock.setsockopt(zmq.LINGER, LINGER_MS)
-        if curve is not None:
-            curve.make_client(sock)
-        sock.connect(addr)
-        socks.append(sock)
-    return socks
-
-
-def disconnect_monitor(dealer: zmq.Socket) -> zmq.Socket:
-    """A plain (sync, also under asyncio) socket that reports the DEALER's connection to the
-    detokenizer dropping; read it with monitor_events."""
-    addr = f"inproc://splitserve-monitor-{secrets.token_hex(8)}"
-    dealer.monitor(addr, zmq.EVENT_DISCONNECTED)
-    monitor = zmq.Socket(dealer.context, zmq.PAIR)
-    monitor.connect(addr)
-    return monitor
-
-
-def monitor_events(monitor: zmq.Socket) -> int:
-    """How many DISCONNECTED events are queued on ``monitor`` (read without blocking)."""
-    from zmq.utils.monitor import parse_monitor_message
-
-    count = 0
-    while True:
-        try:
-            parts = monitor.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return count
-        if parse_monitor_message(parts)["event"] == zmq.EVENT_DISCONNECTED:
-            count += 1
-
-
-def make_dealer(sock: zmq.Socket, client_id: bytes, address: str,
-                curve: CurveKeys | None = None) -> zmq.Socket:
-    sock.setsockopt(zmq.IDENTITY, client_id)
-    configure(sock, receives=True)
-    connect(sock, address, curve)
-    return sock
-
-
-_WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
-
-
-def tokenizer_addrs(client_addr: str, advertised: list[str]) -> list[str]:
-    """The tokenizer addresses as this client must dial them: a cluster bound to a wildcard host
-    (``--listen 0.0.0.0``) advertises that host, which only means "the host you reached me at"."""
-    if not client_addr.startswith("tcp://"):
-        return advertised
-    reached = client_addr[len("tcp://"):].rsplit(":", 1)[0]
-    out = []
-    for addr in advertised:
-        if addr.startswith("tcp://"):
-            host, port = addr[len("tcp://"):].rsplit(":", 1)
-            if host in _WILDCARD_HOSTS:
-                addr = f"tcp://{reached}:{port}"
-        out.append(addr)
-    return out
-
-
-def prompt_kwargs(p: Any) -> dict[str, Any]:
-    """generate()'s prompts: a string, a list of chat messages, or a list of token ids."""
-    if isinstance(p, str):
-        return {"prompt": p}
-    if isinstance(p, (list, tuple)) and p and all(isinstance(x, int) for x in p):
-        return {"prompt_token_ids": p}
-    return {"messages": p}

@@ -1,0 +1,229 @@
+"""The detokenizer's logic, without sockets: what each incoming message means for the streams.
+
+``DetokenizerCore`` takes what reaches the detokenizer (a client's hello, abort or goodbye, a
+tokenizer's RequestError, the engine's StepOutput, the supervisor's ClusterNotice) and collects
+what must go out, handed over by ``take_output()``:
+
+    welcomes  clients to answer with the ClientWelcome (sent first)
+    events    per client, the StreamEvents of this pass (one ClientEvents message each)
+    notices   per client, ClusterNotices to send after its events
+    aborts    request ids to abort in the engine: client aborts, matched stop strings, requests
+              of clients that are gone (what vLLM's OutputProcessor returns as reqs_to_abort)
+
+Every request it learns about (a RequestMeta or a RequestError) ends in exactly one terminal
+StreamEvent to its client. It reads no clock: times come from the messages, or as ``now`` from
+its caller. The process loop (worker.py) and the benchmark's in-process server run this same
+object.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from detok_worker.request_state import RequestState
+from ipc import codec
+from ipc.messages import (
+    ERR_UNAVAILABLE,
+    FINISH_ERROR,
+    FINISH_STOP,
+    NOTICE_DIED,
+    ClusterNotice,
+    RequestError,
+    RequestMeta,
+    StepOutput,
+    StreamEvent,
+)
+
+logger = logging.getLogger("splitserve.detokenizer")
+
+MAX_IGNORED = 100_000  # ids stopped/abandoned here whose engine finish has not arrived yet
+MAX_PENDING_ABORTS = 10_000  # per client: aborts for requests not seen yet
+
+
+@dataclass(slots=True)
+class DetokenizerOutput:
+    welcomes: list[bytes] = field(default_factory=list)
+    events: dict[bytes, list[StreamEvent]] = field(default_factory=dict)
+    notices: dict[bytes, list[ClusterNotice]] = field(default_factory=dict)
+    aborts: list[str] = field(default_factory=list)
+
+
+class ClientInfo:
+    __slots__ = ("request_ids", "pending_aborts")
+
+    def __init__(self) -> None:
+        self.request_ids: set[str] = set()
+        # Aborts for requests not seen here yet, oldest first. Some never show up (ended before
+        # the abort arrived, lost with a worker): the oldest are forgotten past the cap, which
+        # is safe because every abort also goes to the engine at once.
+        self.pending_aborts: OrderedDict[str, None] = OrderedDict()
+
+
+class DetokenizerCore:
+    def __init__(self, tokenizer, *, stream_interval_tokens: int = 1,
+                 max_pending_aborts: int = MAX_PENDING_ABORTS,
+                 max_ignored: int = MAX_IGNORED) -> None:
+        if stream_interval_tokens < 1:
+            raise ValueError(f"stream_interval_tokens must be at least 1, got "
+                             f"{stream_interval_tokens}")
+        self.tokenizer = tokenizer
+        self.stream_interval_tokens = stream_interval_tokens
+        self.max_pending_aborts = max_pending_aborts
+        self.max_ignored = max_ignored
+        self.clients: dict[bytes, ClientInfo] = {}
+        self.states: dict[str, RequestState] = {}
+        # Requests ended here (stop string, gone client) whose engine finish is still to come.
+        self.ignored: OrderedDict[str, None] = OrderedDict()
+        self.dead_engine_pids: set[int] = set()
+        self.output = DetokenizerOutput()
+        self.steps = 0
+        self.notices = 0
+
+    def take_output(self) -> DetokenizerOutput:
+        output, self.output = self.output, DetokenizerOutput()
+        return output
+
+    def has_client(self, client_id: bytes) -> bool:
+        return client_id in self.clients
+
+    def stats(self) -> dict[str, float]:
+        return {"clients": len(self.clients), "open_requests": len(self.states),
+                "steps": self.steps, "notices": self.notices}
+
+    # --- clients ------------------------------------------------------------------------------
+    def on_hello(self, client_id: bytes) -> None:
+        self.clients.setdefault(client_id, ClientInfo())
+        self.output.welcomes.append(client_id)
+
+    def on_client_abort(self, client_id: bytes, request_ids: list[str]) -> None:
+        info = self.clients.get(client_id)
+        if info is None:
+            return
+        for rid in request_ids:
+            # Known here: the engine answers with finish "abort". Not seen yet: tell the engine
+            # now too (it remembers unknown ids for a while; after a detokenizer restart this
+            # process never sees the metas of older requests) and abort again when it shows up.
+            self.output.aborts.append(rid)
+            if rid not in info.request_ids:
+                info.pending_aborts[rid] = None
+                info.pending_aborts.move_to_end(rid)
+                if len(info.pending_aborts) > self.max_pending_aborts:
+                    info.pending_aborts.popitem(last=False)
+
+    def on_client_gone(self, client_id: bytes, reason: str) -> None:
+        """The client said goodbye, or cannot be reached: abort its requests, send it nothing."""
+        info = self.clients.pop(client_id, None)
+        self.output.events.pop(client_id, None)
+        self.output.notices.pop(client_id, None)
+        if info is None:
+            return
+        logger.info("client %r %s; aborting its %d requests", client_id, reason,
+                    len(info.request_ids))
+        for rid in info.request_ids:
+            self.states.pop(rid, None)
+            self._ignore(rid)
+            self.output.aborts.append(rid)
+
+    # --- engine, tokenizers, supervisor -------------------------------------------------------
+    def on_request_error(self, err: RequestError) -> None:
+        info = self.clients.get(err.client_id)
+        if info is None:
+            return
+        info.pending_aborts.pop(err.request_id, None)
+        self._queue(err.client_id, StreamEvent(
+            request_id=err.request_id, finished=True, finish_reason=FINISH_ERROR,
+            error=err.message, error_code=err.code))
+
+    def on_step_output(self, out: StepOutput) -> None:
+        if out.engine_pid and out.engine_pid in self.dead_engine_pids:
+            return  # a dead engine's late output: its requests already ended here
+        self.steps += 1
+        for meta in out.new_requests:
+            self._admit(meta)
+        for start in out.started:
+            if (state := self.states.get(start.request_id)) is not None:
+                state.on_start(start)
+        ids = codec.unpack_id_list(out.token_ids)
+        if len(ids) != len(out.request_ids):
+            logger.error("step %d has %d tokens for %d requests; dropped its tokens",
+                         out.step, len(ids), len(out.request_ids))
+            ids = []
+        finishes = out.finished
+        finishing = {f.request_id for f in finishes}
+        for rid, token_id in zip(out.request_ids, ids):
+            state = self.states.get(rid)
+            if state is None:
+                continue  # stopped here already, or its client is gone
+            if state.on_token(self.tokenizer, token_id, out.t_step):
+                self._finish(rid, FINISH_STOP, out.t_step, stopped_by_string=True)
+                self._ignore(rid)
+                self.output.aborts.append(rid)  # frees its KV blocks in the engine
+            elif rid not in finishing and state.should_stream(self.stream_interval_tokens):
+                self._queue(state.meta.client_id, state.delta())
+        for finish in finishes:
+            if finish.request_id in self.ignored:  # already ended here
+                del self.ignored[finish.request_id]
+            elif finish.request_id in self.states:
+                self._finish(finish.request_id, finish.reason, out.t_step, error=finish.error,
+                             code=finish.code)
+
+    def on_notice(self, notice: ClusterNotice, now: float) -> None:
+        """A worker died or is back: end what died with it, tell every client."""
+        self.notices += 1
+        logger.warning("%s[%d] (pid %d) %s%s", notice.role, notice.index, notice.pid,
+                       notice.event, f": {notice.detail}" if notice.detail else "")
+        if notice.event == NOTICE_DIED and notice.role == "engine":
+            if notice.pid:
+                self.dead_engine_pids.add(notice.pid)
+            self.end_all(FINISH_ERROR, now, error=f"unavailable: the engine died "
+                         f"({notice.detail or 'exited'}); the request was lost with it",
+                         code=ERR_UNAVAILABLE)
+            self.ignored.clear()  # their engine finishes will never come
+        tokenizer_died = notice.event == NOTICE_DIED and notice.role == "tokenizer"
+        for client_id, info in self.clients.items():
+            alive = []
+            if tokenizer_died:  # its requests already in the engine are not lost
+                alive = [rid for rid in info.request_ids
+                         if self.states[rid].meta.tokenizer_index == notice.index]
+            self.output.notices.setdefault(client_id, []).append(ClusterNotice(
+                event=notice.event, role=notice.role, index=notice.index, pid=notice.pid,
+                detail=notice.detail, alive_ids=alive))
+
+    def end_all(self, reason: str, now: float, *, error: str, code: str) -> None:
+        """Every open request ends here, with this reason and error (shutdown, a dead engine)."""
+        for rid in list(self.states):
+            self._finish(rid, reason, now, error=error, code=code)
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _admit(self, meta: RequestMeta) -> None:
+        info = self.clients.get(meta.client_id)
+        if meta.request_id in self.states:
+            logger.warning("ignored a second meta for request %r", meta.request_id)
+        elif info is None:  # its client is gone (or never said hello)
+            self._ignore(meta.request_id)
+            self.output.aborts.append(meta.request_id)
+        else:
+            self.states[meta.request_id] = RequestState(meta)
+            info.request_ids.add(meta.request_id)
+            if meta.request_id in info.pending_aborts:
+                del info.pending_aborts[meta.request_id]
+                self.output.aborts.append(meta.request_id)
+
+    def _finish(self, rid: str, reason: str, t: float, *, stopped_by_string: bool = False,
+                error: str = "", code: str = "") -> None:
+        state = self.states.pop(rid)
+        info = self.clients.get(state.meta.client_id)
+        if info is not None:
+            info.request_ids.discard(rid)
+        self._queue(state.meta.client_id, state.final(
+            reason, t, stopped_by_string=stopped_by_string, error=error, error_code=code))
+
+    def _ignore(self, rid: str) -> None:
+        self.ignored[rid] = None
+        if len(self.ignored) > self.max_ignored:
+            self.ignored.popitem(last=False)
+
+    def _queue(self, client_id: bytes, event: StreamEvent) -> None:
+        self.output.events.setdefault(client_id, []).append(event)

@@ -1,0 +1,51 @@
+"""The paged KV cache: every layer's keys and values in fixed-size blocks of token slots.
+
+Laid out head-major per layer, [kv_heads, blocks, block_size, head_dim], so that gathering a
+sequence's blocks (``index_select`` over the block axis) is one contiguous copy of
+block_size * head_dim runs per kv head (8x faster on CPU than advanced indexing). Slot
+``block * block_size + offset`` is offset ``offset`` of block ``block``."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_worker.model_config import ModelConfig
+
+
+class PagedKVCache:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        self.block_size = block_size
+        self.num_kv_heads = config.num_kv_heads
+        self.dtype, self.device = dtype, device
+        self.bytes_per_token = kv_bytes_per_token(config, dtype)
+        # Zeroed, not empty: padded attention reads unused slots with weight 0, and 0 * NaN
+        # garbage would still poison the output.
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.layer_keys = list(self.keys.unbind(0))
+        self.layer_values = list(self.values.unbind(0))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores a layer's new k/v [T, KV, D] at ``slots`` [T].
+
+        Every layer writes all its new k/v before any attention reads, so a sequence may read
+        blocks another sequence of the same step is computing (in-batch prefix dedup relies on
+        it)."""
+        keys, values = self.layer_keys[layer], self.layer_values[layer]
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        keys.view(kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+        values.view(kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Cache bytes one token takes (keys and values of every layer)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+
+def gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """A layer's [KV, blocks, block_size, D] at the table's blocks -> [KV, len * block_size, D]."""
+    kv_heads, _, block_size, head_dim = cache.shape
+    return cache.index_select(1, block_table).view(kv_heads, -1, head_dim)

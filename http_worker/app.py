@@ -1,0 +1,255 @@
+"""The OpenAI-compatible routes of one frontend process (FastAPI), its error handlers and
+middleware, and its lifespan: connect to the cluster, report to the supervisor.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with ``stream``),
+GET /v1/models, GET /health, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.responses import Response, StreamingResponse
+
+from http_worker.frontend import Frontend, FrontendSettings
+from http_worker.generation import ClientGone, GenerationCall, submit_all, unless_disconnected
+from http_worker.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    ResponseFormat,
+    error_body,
+    models_body,
+)
+from ipc.client import Delta, SplitserveError
+from ipc.sockets import CurveKeys
+from runtime.supervisor_link import SupervisorLink
+
+logger = logging.getLogger("splitserve.http")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SSE_DONE = b"data: [DONE]\n\n"
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(body, ensure_ascii=False, separators=(",", ":")), status,
+                    headers, media_type="application/json")
+
+
+def _sse(body: Any) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+async def _generate(request: Request, body: CompletionRequest | ChatCompletionRequest,
+                    fmt: ResponseFormat, default_max_tokens: int) -> Response:
+    t_arrived = time.monotonic()
+    frontend: Frontend = request.app.state.frontend
+    frontend.check_model(body.model)
+    call = submit_all(frontend, body, fmt, default_max_tokens, t_arrived)
+    events = call.events()
+    try:
+        if not body.stream:
+            return _json(await unless_disconnected(request, _collect(call, events, fmt)))
+        # Wait for the first event before answering, so that errors caught before the engine
+        # (bad input, overload) still get their HTTP status instead of a 200 stream.
+        first = await unless_disconnected(request, events.__anext__())
+    except ClientGone:
+        call.close()
+        return Response(status_code=499)  # nobody reads it; the access log does
+    except SplitserveError as exc:
+        raise call.fail(exc) from None
+    except BaseException:
+        call.close("internal")
+        raise
+    return StreamingResponse(_stream(call, first, events, fmt), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(call.aclose))
+
+
+async def _collect(call: GenerationCall, events: AsyncIterator[tuple[int, Delta]],
+                   fmt: ResponseFormat) -> dict[str, Any]:
+    texts: list[list[str]] = [[] for _ in call.handles]
+    async for i, delta in events:
+        texts[i].append(delta.text)
+    call.close()
+    choices = [("".join(t), f.finish_reason if f else None) for t, f in zip(texts, call.finals)]
+    return fmt.full(choices, call.usage())
+
+
+async def _stream(call: GenerationCall, first: tuple[int, Delta],
+                  events: AsyncIterator[tuple[int, Delta]], fmt: ResponseFormat
+                  ) -> AsyncIterator[bytes]:
+    """The SSE body. Ends with [DONE], or with an error object then [DONE] when a choice fails
+    mid-stream. A client disconnect cancels this generator; ``finally`` aborts what is left."""
+    try:
+        for i in range(len(call.handles)):
+            if (chunk := fmt.first_chunk(i)) is not None:
+                yield _sse(chunk)
+        i, delta = first
+        while True:
+            if delta.text or delta.finished:
+                yield _sse(fmt.chunk(i, delta.text,
+                                     delta.finish_reason if delta.finished else None))
+            try:
+                i, delta = await events.__anext__()
+            except StopAsyncIteration:
+                break
+        if fmt.include_usage:
+            yield _sse(fmt.usage_chunk(call.usage()))
+    except SplitserveError as exc:
+        yield _sse(call.fail(exc).body())
+    finally:
+        call.close()
+    yield SSE_DONE
+
+
+# --- the app ------------------------------------------------------------------------------------
+
+
+async def _report_to_supervisor(settings: FrontendSettings, frontend: Frontend) -> None:
+    """As every worker does: WorkerReady once serving (after the cluster handshake), then
+    heartbeats with this frontend's in-flight counts, until cancelled."""
+    ctx = zmq.Context()
+    curve = CurveKeys(settings.server_public_key) if settings.server_public_key else None
+    link = SupervisorLink(ctx, settings.supervisor_addr, "http", settings.index,
+                          settings.heartbeat_interval_s, curve)
+    try:
+        welcome = frontend.require_client().welcome
+        link.ready([settings.url], model_name=frontend.model_name,
+                   max_model_len=frontend.max_model_len,
+                   vocab_size=welcome.vocab_size if welcome else 0)
+        while True:
+            link.maybe_heartbeat(frontend.stats())
+            await asyncio.sleep(link.heartbeat_due_in_ms() / 1000)
+    finally:
+        link.close()
+        ctx.term()
+
+
+def build_app(settings: FrontendSettings) -> FastAPI:
+    frontend = Frontend(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await frontend.start()
+        print(f"splitserve http[{settings.index}] pid={os.getpid()} ready: {settings.url} "
+              f"model {frontend.model_name!r}, cluster at {settings.client_addr}",
+              file=sys.stderr, flush=True)
+        reporting = None
+        if settings.supervisor_addr:
+            reporting = asyncio.get_running_loop().create_task(_report_to_supervisor(
+                settings, frontend))
+        try:
+            yield
+        finally:
+            if reporting is not None:
+                reporting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporting
+            await frontend.close()
+
+    app = FastAPI(title="splitserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.frontend = frontend
+    _install_error_handlers(app)
+    _install_middleware(app, frontend, settings.api_key)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        fmt = CompletionFormat(frontend.model_name, body.include_usage)
+        return await _generate(request, body, fmt, COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        fmt = ChatFormat(frontend.model_name, body.include_usage)
+        # No limit asked: as much as the context allows (the tokenizer clamps it to the room).
+        return await _generate(request, body, fmt, max(1, frontend.max_model_len))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(models_body(frontend.model_name, frontend.t_start, frontend.max_model_len))
+
+    @app.get("/health")
+    async def health() -> Response:
+        problem = await frontend.healthy()
+        who = {"pid": os.getpid(), "index": settings.index}
+        if problem is None:
+            return _json({"status": "ok", **who})
+        return _json({"status": "unavailable", "reason": problem, **who}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text, content_type = frontend.metrics.render()
+        return Response(text, media_type=content_type)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        retry = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return _json(exc.body(), exc.status, retry)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI answers 422; OpenAI (and its SDK's BadRequestError) expect 400.
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        # Drop "body" and the union members pydantic names in the path ("str", "list[int]").
+        loc = [str(p) for p in first.get("loc", ())
+               if p != "body" and not (isinstance(p, str) and (p in _TYPE_NAMES or "[" in p))]
+        param = ".".join(loc) or None
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if param:
+            message = f"{param}: {message}"
+        return _json(error_body(message, "invalid_request_error", param, "invalid_value"), 400)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _json(error_body(str(exc.detail), kind), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error answering %s", request.url.path)
+        return _json(error_body("internal server error", "server_error", None, "internal"), 500)
+
+
+def _install_middleware(app: FastAPI, frontend: Frontend, api_key: str) -> None:
+    expected = f"Bearer {api_key}"
+
+    @app.middleware("http")
+    async def auth_and_count(request: Request, call_next: Any) -> Response:
+        path = request.url.path
+        given = request.headers.get("authorization") or ""
+        if api_key and path.startswith("/v1/") and not hmac.compare_digest(
+                given.encode(), expected.encode()):
+            response: Response = _json(error_body(
+                "a valid API key is required (Authorization: Bearer ...)",
+                "invalid_request_error", None, "invalid_api_key"), 401)
+        else:
+            response = await call_next(request)
+        if path.startswith("/v1/"):
+            endpoint = path if path in KNOWN_ENDPOINTS else "other"  # bounded label values
+            frontend.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response

@@ -1,0 +1,185 @@
+"""The engine requests behind one HTTP request: submitting them, one merged event stream,
+accounting, and aborting what is left when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from http_worker.frontend import Frontend
+from http_worker.protocol import (
+    MAX_CHOICES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+    bad_request,
+    usage_body,
+)
+from ipc.client import ERR_TIMEOUT, AsyncRequestHandle, Delta, SplitserveError
+from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE
+
+
+def api_error_from(exc: SplitserveError) -> APIError:
+    """The HTTP answer to an SDK error: the client's mistakes are 4xx, never 500."""
+    message = str(exc)
+    if exc.code == ERR_BAD_REQUEST:
+        return bad_request(message)
+    if exc.code == ERR_OVERLOADED:
+        return APIError(429, message, "rate_limit_error", None, ERR_OVERLOADED)
+    if exc.code == ERR_UNAVAILABLE:
+        return APIError(503, message, "server_error", None, ERR_UNAVAILABLE)
+    if exc.code == ERR_TIMEOUT:
+        return APIError(504, message, "server_error", None, ERR_TIMEOUT)
+    return APIError(500, message, "server_error", None, exc.code)
+
+
+class GenerationCall:
+    """The engine requests behind one HTTP request (prompts x n choices, choice i = handle i):
+    one merged stream of (choice, delta), accounting, and an idempotent close that aborts
+    whatever is unfinished (a client that went away, a sibling choice that failed)."""
+
+    def __init__(self, frontend: Frontend, handles: list[AsyncRequestHandle], n: int,
+                 t_arrived: float) -> None:
+        self.frontend, self.handles, self.n, self.t_arrived = frontend, handles, n, t_arrived
+        self.finals: list[Delta | None] = [None] * len(handles)
+        self.errors: list[str] = [""] * len(handles)
+        self._first_t: list[float] = [0.0] * len(handles)
+        self._last_t: list[float] = [0.0] * len(handles)
+        self._pumps: list[asyncio.Task] = []
+        self._closed = False
+        frontend.metrics.in_flight.inc()
+        frontend.metrics.generations_in_flight.inc(len(handles))
+
+    async def events(self) -> AsyncIterator[tuple[int, Delta]]:
+        """Deltas in arrival order; raises the SplitserveError of the first choice that fails."""
+        source = self._single() if len(self.handles) == 1 else self._merged()
+        async for i, delta in source:
+            self._account(i, delta)
+            yield i, delta
+
+    async def _single(self) -> AsyncIterator[tuple[int, Delta]]:
+        try:
+            async for delta in self.handles[0]:
+                yield 0, delta
+        except SplitserveError as exc:
+            self.errors[0] = exc.code
+            raise
+
+    async def _merged(self) -> AsyncIterator[tuple[int, Delta]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, handle: AsyncRequestHandle) -> None:
+            try:
+                async for delta in handle:
+                    queue.put_nowait((i, delta))
+            except SplitserveError as exc:
+                self.errors[i] = exc.code
+                queue.put_nowait((i, exc))
+
+        loop = asyncio.get_running_loop()
+        self._pumps = [loop.create_task(pump(i, h)) for i, h in enumerate(self.handles)]
+        open_choices = len(self.handles)
+        while open_choices:
+            i, item = await queue.get()
+            if isinstance(item, SplitserveError):
+                raise item
+            open_choices -= item.finished
+            yield i, item
+
+    def _account(self, i: int, delta: Delta) -> None:
+        metrics = self.frontend.metrics
+        if delta.text or delta.token_ids:
+            if not any(self._first_t):
+                metrics.ttft.observe(delta.t_received - self.t_arrived)
+            self._first_t[i] = self._first_t[i] or delta.t_received
+            self._last_t[i] = delta.t_received
+            self.frontend.last_alive = delta.t_received
+        if delta.finished:
+            self.finals[i] = delta
+            metrics.generations_in_flight.dec()
+            metrics.observe_generation(delta.finish_reason, delta.usage, delta.timings,
+                                       self._first_t[i], self._last_t[i])
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI counts a prompt once however many choices it has."""
+        usages = [f.usage if f is not None else None for f in self.finals]
+        per_prompt = [u for u in usages[::self.n] if u is not None]
+        return usage_body(sum(u.prompt_tokens for u in per_prompt),
+                          sum(u.completion_tokens for u in usages if u is not None),
+                          sum(u.cached_tokens for u in per_prompt))
+
+    def close(self, outcome: str = "disconnected") -> None:
+        """Aborts the unfinished choices (counted under ``outcome``, or their own error)."""
+        if self._closed:
+            return
+        self._closed = True
+        metrics = self.frontend.metrics
+        for task in self._pumps:
+            task.cancel()
+        unfinished = [i for i, final in enumerate(self.finals) if final is None]
+        for i in unfinished:
+            self.handles[i].abort()  # frees the request in the engine (a no-op if it has ended)
+            metrics.generations_in_flight.dec()
+            metrics.generations.labels(self.errors[i] or outcome).inc()
+        metrics.in_flight.dec()
+        ended = [f.t_received for f in self.finals if f is not None]
+        if not unfinished:  # a latency only for answers given in full: arrival to last event
+            metrics.e2e.observe(max(ended) - self.t_arrived)
+
+    async def aclose(self) -> None:
+        # For Starlette's BackgroundTask, which would run a plain function in a thread.
+        self.close()
+
+    def fail(self, exc: SplitserveError) -> APIError:
+        """A choice failed: the others are aborted, the client gets the error."""
+        self.close("abort")
+        return api_error_from(exc)
+
+
+async def _until_disconnect(request: Request) -> None:
+    # After the body is read, uvicorn's receive() returns only when the client goes away.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def unless_disconnected(request: Request, awaitable: Any) -> Any:
+    """Awaits ``awaitable``; raises ClientGone (cancelling it) if the client disconnects first."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    raise ClientGone
+
+
+def submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionRequest,
+                fmt: ResponseFormat, default_max_tokens: int, t_arrived: float) -> GenerationCall:
+    prompts = body.prompts()
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts x n)", "n")
+    max_tokens = body.max_tokens_or(default_max_tokens)
+    samplings = [body.sampling(max_tokens, j) for j in range(body.n)]
+    client = frontend.require_client()  # after validation: bad input is a 400 even when down
+    handles: list[AsyncRequestHandle] = []
+    try:
+        for prompt in prompts:
+            for sampling in samplings:
+                handles.append(client.submit(**prompt, sampling=sampling,
+                                             request_id=f"{fmt.id}-{len(handles)}"))
+    except SplitserveError as exc:
+        for h in handles:
+            h.abort()
+        raise api_error_from(exc) from None
+    return GenerationCall(frontend, handles, body.n, t_arrived)

@@ -1,0 +1,185 @@
+"""One HTTP frontend process: uvicorn on uvloop serving ``http_worker.app`` over a socket bound
+before start-up.
+
+    python -m http_worker.server --client-addr ipc:///tmp/splitserve-x/client.sock --port 8000
+
+Each frontend process owns one AsyncClient (its own DEALER identity at the detokenizer), so
+several frontends can serve one port (``--reuse-port``, SO_REUSEPORT) or one port each. The
+frontend never tokenizes: prompts, chat messages or token ids go to the cluster as they came.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from http_worker.app import build_app
+from http_worker.frontend import FrontendSettings
+from ipc.config import LOOPBACK_HOSTS, ClusterConfig
+from runtime.process import die_with_parent, setup_logging, under_supervisor
+
+
+class _Server:
+    """uvicorn's Server, except that under the supervisor SIGINT is ignored (as every worker
+    does): a terminal's Ctrl-C reaches the supervisor, which stops us in order with SIGTERM."""
+
+    @staticmethod
+    def make(config: Any, under_supervisor: bool) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                if under_supervisor and sig == signal.SIGINT:
+                    return
+                super().handle_exit(sig, frame)
+
+        return Server(config)
+
+
+def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """Bound and listening before the app starts, so the port (even 0) is known up front and
+    connections made once the supervisor hears WorkerReady wait in the backlog, never refused.
+    With ``reuse_port`` several frontends bind the same port; the kernel spreads connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def frontend_command(client_addr: str, *, port: int, host: str = "127.0.0.1", index: int = 0,
+                     reuse_port: bool = False, model_name: str = "",
+                     extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The command line that starts one frontend (for the supervisor, tests and benchmarks).
+    Run it with the repository root as cwd or on PYTHONPATH."""
+    cmd = [sys.executable, "-m", "http_worker.server", "--client-addr", client_addr,
+           "--host", host, "--port", str(port), "--index", str(index)]
+    if reuse_port:
+        cmd.append("--reuse-port")
+    if model_name:
+        cmd += ["--model-name", model_name]
+    return cmd + list(extra_args)
+
+
+def wait_until_serving(base_url: str, popen: Any = None, timeout_s: float = 60.0) -> None:
+    """Blocks until GET {base_url}/health answers 200; raises if ``popen`` exits or time runs
+    out. /health succeeding means the handshake and one round trip through every process."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if popen is not None and popen.poll() is not None:
+            raise RuntimeError(f"the frontend exited with code {popen.returncode} during start-up")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url} not serving after {timeout_s:.0f} s ({last})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m http_worker.server",
+                                description="OpenAI-compatible HTTP frontend of a splitserve "
+                                "cluster (one process; start several for more).")
+    p.add_argument("--client-addr", required=True, metavar="ADDR",
+                   help="the cluster's client address (the detokenizer's ROUTER)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; anything but loopback needs --api-key")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT so several frontends share --port")
+    p.add_argument("--model-name", default="", metavar="NAME",
+                   help="the model name clients use (default: the name the cluster reports)")
+    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY", ""),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                   "$SPLITSERVE_API_KEY, or none)")
+    p.add_argument("--index", type=int, default=0, help="this frontend's number (for logs)")
+    p.add_argument("--server-public-key", default=os.environ.get("SPLITSERVE_SERVER_PUBLIC_KEY",
+                                                                 ""), metavar="KEY",
+                   help="the cluster's CURVE public key, when it uses CURVE (--listen); "
+                        "default: $SPLITSERVE_SERVER_PUBLIC_KEY")
+    p.add_argument("--supervisor-addr", default="", metavar="ADDR",
+                   help="send WorkerReady and heartbeats (role 'http') to this supervisor socket")
+    p.add_argument("--heartbeat-interval-s", type=float, default=0.5, metavar="SECONDS")
+    p.add_argument("--connect-timeout-s", type=float, default=30.0, metavar="SECONDS",
+                   help="give up if the cluster does not answer the handshake (default 30)")
+    p.add_argument("--request-deadline-s", type=float, default=0.0, metavar="SECONDS",
+                   help="end a request not finished after this long with a 504 and abort it in "
+                   "the cluster (default 0: no deadline)")
+    p.add_argument("--health-fresh-s", type=float, default=5.0, metavar="SECONDS",
+                   help="/health probes the cluster only if no token arrived this recently")
+    p.add_argument("--health-probe-timeout-s", type=float, default=10.0, metavar="SECONDS")
+    p.add_argument("--graceful-shutdown-s", type=int, default=10, metavar="SECONDS",
+                   help="on SIGTERM, wait this long for open responses before closing them")
+    p.add_argument("--log-level", default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
+    return p
+
+
+def serve(settings: FrontendSettings, host: str, port: int, *, reuse_port: bool = False,
+          log_level: str = "info", graceful_shutdown_s: int = 10) -> None:
+    """Binds, then runs the app until SIGTERM (SIGINT too, unless under the supervisor)."""
+    import uvicorn
+
+    sock = listening_socket(host, port, reuse_port)
+    shown = f"[{host}]" if ":" in host else host
+    settings = dataclasses.replace(settings, url=f"http://{shown}:{sock.getsockname()[1]}")
+    config = uvicorn.Config(build_app(settings), host=host, port=port, loop="uvloop",
+                            http="auto", lifespan="on", access_log=False, log_config=None,
+                            log_level=log_level.lower(),
+                            timeout_graceful_shutdown=graceful_shutdown_s)
+    server = _Server.make(config, under_supervisor())
+    server.run(sockets=[sock])
+    if not server.started:
+        sys.exit(3)  # start-up failed (no cluster answered): the log above says why
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A frontend started by hand (or by a test) for a cluster that is already running."""
+    args = build_parser().parse_args(argv)
+    if args.host not in LOOPBACK_HOSTS and not args.api_key:
+        sys.exit(f"listening on {args.host} (not loopback) requires --api-key")
+    if under_supervisor():
+        die_with_parent()
+    setup_logging("http", args.index, args.log_level)
+    settings = FrontendSettings(
+        client_addr=args.client_addr, model_name=args.model_name, api_key=args.api_key,
+        connect_timeout_s=args.connect_timeout_s, request_deadline_s=args.request_deadline_s,
+        health_fresh_s=args.health_fresh_s,
+        health_probe_timeout_s=args.health_probe_timeout_s, index=args.index,
+        supervisor_addr=args.supervisor_addr, heartbeat_interval_s=args.heartbeat_interval_s,
+        server_public_key=args.server_public_key)
+    serve(settings, args.host, args.port, reuse_port=args.reuse_port, log_level=args.log_level,
+          graceful_shutdown_s=args.graceful_shutdown_s)
+
+
+def main_from_config(config: ClusterConfig, index: int) -> None:
+    """The supervisor's way in (its worker entry point, role "http"): one frontend of the
+    cluster, reporting to the supervisor like every other worker."""
+    settings = FrontendSettings(
+        client_addr=config.client_addr, api_key=config.http_api_key, index=index,
+        supervisor_addr=config.supervisor_addr,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+        server_public_key=config.curve_public_key)
+    serve(settings, config.http_host, config.http_port or 0,
+          reuse_port=config.http_workers > 1,
+          log_level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
+
+
+if __name__ == "__main__":
+    main()

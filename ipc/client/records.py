@@ -1,0 +1,119 @@
+"""The client's view of one request (RequestRecord), what sync and async handles share
+(HandleBase), and the terminal events the client makes itself (timeouts, lost workers, close)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ipc.client.errors import ERR_TIMEOUT, error_for
+from ipc.client.results import Delta, GenerationResult
+from ipc.codec import unpack_id_list
+from ipc.messages import ERR_UNAVAILABLE, FINISH_ERROR, StreamEvent, SubmitRequest
+
+
+class RequestRecord:
+    """The client's view of one request; the handle classes wrap it."""
+
+    __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
+                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted")
+
+    def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
+        self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
+        self.t_submit = 0.0  # set from the SubmitRequest, right before the send
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.t_received: list[float] = []
+        self.final: Delta | None = None
+        self.tokenizer = -1  # the index of the tokenizer worker it was sent to
+        self.seen = False  # an event arrived: it is past its tokenizer
+        # The request as sent, kept until it is past its tokenizer: if that worker dies first it
+        # is sent again (to another worker, under a fresh wire id).
+        self.pending: SubmitRequest | None = None
+        self.resubmits = 0
+        self.aborted = False  # the caller asked to abort it
+
+    def apply(self, event: StreamEvent, t: float) -> Delta:
+        ids = unpack_id_list(event.token_ids) if event.token_ids else []
+        delta = Delta(self.request_id, event.text, ids, t, event.finished, event.finish_reason,
+                      event.error, event.error_code, event.usage, event.timings)
+        self.text.append(event.text)
+        self.token_ids.extend(ids)
+        self.seen = True
+        self.pending = None
+        if ids or event.text:
+            self.t_received.append(t)
+        if event.finished:
+            self.final = delta
+        return delta
+
+    def result(self) -> GenerationResult:
+        f = self.final
+        assert f is not None, "result() before the terminal event"
+        return GenerationResult(self.request_id, "".join(self.text), list(self.token_ids),
+                                f.finish_reason, f.usage, f.timings, f.error, f.error_code,
+                                self.t_submit, list(self.t_received))
+
+
+class HandleBase:
+    """What sync and async handles share, and all ClientCore needs of a handle: its ``record``
+    (the client's bookkeeping; callers read it through the properties below) and ``deliver``,
+    which each handle kind implements with its own waiting (a condition or an asyncio event)."""
+
+    def __init__(self, client: Any, record: RequestRecord) -> None:
+        self._client = client
+        self.record = record
+        self._deltas: list[Delta] = []
+
+    def deliver(self, delta: Delta) -> None:
+        raise NotImplementedError
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def wire_id(self) -> str:
+        """The id the cluster knows it by (a resend gives it a fresh one)."""
+        return self.record.wire_id
+
+    @property
+    def tokenizer_index(self) -> int:
+        """The tokenizer worker it was last sent to (-1 before it was sent)."""
+        return self.record.tokenizer
+
+    @property
+    def resubmits(self) -> int:
+        """How many times it was sent again after its tokenizer worker died."""
+        return self.record.resubmits
+
+    @property
+    def t_submit(self) -> float:
+        return self.record.t_submit
+
+    @property
+    def done(self) -> bool:
+        return self.record.final is not None
+
+    def _next_delta(self, i: int) -> Delta:
+        """The i-th delta, raising the request's error if that delta ends it with one."""
+        delta = self._deltas[i]
+        if delta.error_code:
+            raise error_for(delta.error_code, delta.error or "request failed", self.request_id)
+        return delta
+
+
+def timeout_event(wire_id: str, seconds: float | None) -> StreamEvent:
+    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
+                       error=f"no terminal event within the client deadline of {seconds} s",
+                       error_code=ERR_TIMEOUT)
+
+
+def unavailable_event(wire_id: str, message: str) -> StreamEvent:
+    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
+                       error=message, error_code=ERR_UNAVAILABLE)
+
+
+def closed_event(wire_id: str) -> StreamEvent:
+    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
+                       error="the client was closed before the request finished",
+                       error_code=ERR_UNAVAILABLE)

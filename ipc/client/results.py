@@ -1,0 +1,55 @@
+"""What a caller gets back: deltas as they stream, and the whole result at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ipc.client.errors import error_for
+from ipc.messages import FINISH_ERROR, RequestTimings, Usage
+
+
+@dataclass(slots=True)
+class Delta:
+    """One piece of a request's stream, as the client received it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    t_received: float  # time.monotonic() in the client when the event arrived
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: str | None = None
+    usage: Usage | None = None
+    timings: RequestTimings | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage | None
+    timings: RequestTimings | None
+    error: str | None = None
+    error_code: str | None = None
+    t_submit: float = 0.0  # time.monotonic() right before the submit's send
+    t_received: list[float] = field(default_factory=list)  # one per delta that carried tokens
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason != FINISH_ERROR
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.t_received[0] - self.t_submit if self.t_received else None
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.t_received, self.t_received[1:])]
+
+    def raise_for_error(self) -> GenerationResult:
+        if not self.ok:
+            raise error_for(self.error_code, self.error or "request failed", self.request_id)
+        return self

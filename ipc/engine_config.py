@@ -1,0 +1,59 @@
+"""The engine's knobs. Defined here, below every role, because they cross a process boundary:
+the supervisor writes them (nested in the ClusterConfig) and the engine process reads them;
+in-process users (tests, benchmarks) build an EngineConfig directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ipc.knobs import check_knobs, knob
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Knobs of one engine. Token counts are in tokens, memory in bytes."""
+
+    model_path: str = knob("", "the model directory", cli=False)
+    device: str = knob("auto", "where the engine runs (auto: CUDA when present)",
+                       choices=DEVICES)
+    dtype: str = knob("auto", "weights and activations (auto: bf16/fp16 on CUDA, fp32 on CPU)",
+                      choices=DTYPES)
+    max_batch_size: int = knob(32, "most requests decoded together in one engine step",
+                               unit="REQUESTS", minimum=1)
+    prefill_max_batch_size: int = knob(32, "most requests that may start (or continue) prefill "
+                                       "in one step", unit="REQUESTS", minimum=1)
+    prefill_max_tokens: int = knob(4096, "most prompt tokens computed in one step, all "
+                                   "requests together", unit="TOKENS", minimum=1)
+    prefill_chunk_tokens: int = knob(2048, "long prompts are prefilled in chunks of this many "
+                                     "tokens per step", unit="TOKENS", minimum=1)
+    block_size: int = knob(16, "tokens per KV cache block", unit="TOKENS", minimum=1)
+    kv_cache_tokens: int = knob(0, "KV cache capacity; 0 = derive from memory (CPU: at most "
+                                "cpu_kv_cache_max_bytes)", unit="TOKENS", minimum=0)
+    max_model_len: int = knob(0, "context length (prompt + output); 0 = the model's own, capped "
+                              "to what the KV cache holds", unit="TOKENS", minimum=0)
+    enable_prefix_cache: bool = knob(True, "share KV blocks between requests whose prompts "
+                                     "start with the same tokens", flag="--no-prefix-cache")
+    max_waiting_requests: int = knob(4096, "engine queue bound; beyond it requests fail with "
+                                     "'overloaded'", unit="REQUESTS", minimum=1)
+    engine_threads: int = knob(0, "torch intra-op threads in the engine; 0 = leave torch's "
+                               "setting (the supervisor decides it from the cores)", unit="N",
+                               minimum=0)
+    kv_cache_memory_fraction: float = knob(0.8, "CUDA only: share of the free memory after the "
+                                           "weights that the KV cache takes", minimum=0.01,
+                                           maximum=1.0)
+    cpu_kv_cache_max_bytes: int = knob(2 << 30, "CPU only: cap on the derived KV cache",
+                                       unit="BYTES", minimum=1)
+    # Decode keeps a contiguous copy of the decode batch's KV (all layers) while the batch is
+    # unchanged, instead of gathering it from the paged cache every layer of every step.
+    decode_workspace_max_bytes: int = knob(1 << 30, "cap on the decode batch's contiguous KV "
+                                           "copy (a larger batch gathers from the paged cache "
+                                           "each step); 0 disables it", unit="BYTES", minimum=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_path", str(self.model_path))
+        if not self.model_path:
+            raise ValueError("model_path is required")
+        check_knobs(self)

@@ -1,0 +1,51 @@
+"""A worker's channel to the supervisor: one WorkerReady when it serves, then heartbeats that
+carry its stats. Best effort: a supervisor that is not reading never blocks a worker."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import zmq
+
+from ipc.messages import Heartbeat, WorkerReady
+from ipc.sockets import CurveKeys, PushQueue
+
+logger = logging.getLogger("splitserve.worker")
+QUEUE_LIMIT = 100  # messages; past it they are dropped with a warning
+
+
+class SupervisorLink:
+    def __init__(self, ctx: zmq.Context, address: str, role: str, index: int,
+                 interval_s: float, curve: CurveKeys | None = None) -> None:
+        self.role, self.index, self.interval_s = role, index, interval_s
+        self.pid = os.getpid()
+        self._queue = PushQueue(ctx, address, hwm=QUEUE_LIMIT, curve=curve)
+        self._next_heartbeat = 0.0
+
+    def ready(self, addresses: list[str], **model_info: Any) -> None:
+        self._send(WorkerReady(role=self.role, index=self.index, pid=self.pid,
+                               addresses=addresses, **model_info))
+
+    def heartbeat_due_in_ms(self) -> int:
+        return max(0, int((self._next_heartbeat - time.monotonic()) * 1000))
+
+    def maybe_heartbeat(self, stats: dict[str, float]) -> None:
+        """Sends one if ``interval_s`` has passed since the last."""
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.interval_s
+        self._send(Heartbeat(role=self.role, index=self.index, pid=self.pid, t=now,
+                             stats={k: float(v) for k, v in stats.items()}))
+
+    def _send(self, msg: object) -> None:
+        try:
+            self._queue.put(msg, block=False)
+        except zmq.Again:
+            logger.warning("supervisor channel full; dropped a %s", type(msg).__name__)
+
+    def close(self) -> None:
+        self._queue.close()

@@ -1,0 +1,52 @@
+"""What every worker's main loop shares: the supervisor link and the shutdown signals.
+
+Signals (sent by the supervisor only; workers ignore SIGINT so a terminal's Ctrl-C reaches the
+supervisor alone and shutdown stays ordered):
+    SIGUSR1  drain: stop accepting new work (tokenizers answer "unavailable: shutting down")
+    SIGTERM  finish: end what is in flight with terminal events, then exit
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import zmq
+
+from ipc.config import ClusterConfig
+from runtime.supervisor_link import SupervisorLink
+
+
+class WorkerRuntime:
+    def __init__(self, role: str, index: int, config: ClusterConfig, ctx: zmq.Context) -> None:
+        self.role, self.index, self.config = role, index, config
+        self.draining = False
+        self.stopping = False
+        self.link = SupervisorLink(ctx, config.supervisor_addr, role, index,
+                                   config.heartbeat_interval_s, config.curve)
+        self.pid = self.link.pid
+        signal.signal(signal.SIGUSR1, self._on_drain)
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _on_drain(self, *_: object) -> None:
+        self.draining = True
+
+    def _on_stop(self, *_: object) -> None:
+        self.draining = True
+        self.stopping = True
+
+    def announce(self, addresses: list[str], **model_info: object) -> None:
+        """One start-up line (stderr: stdout belongs to the CLI's answers), then WorkerReady."""
+        print(f"splitserve {self.role}[{self.index}] pid={self.pid} ready: "
+              + " ".join(addresses), file=sys.stderr, flush=True)
+        self.link.ready(addresses, **model_info)
+
+    def heartbeat_due_in_ms(self) -> int:
+        return self.link.heartbeat_due_in_ms()
+
+    def maybe_heartbeat(self, stats: dict[str, float]) -> None:
+        self.link.maybe_heartbeat(stats)
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,208 @@
+"""The systems the benchmark compares, behind one small interface
+(scripts.bench.runner.SystemUnderTest); the HTTP frontend's is in http_system.py."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import queue
+import threading
+import time
+
+import psutil
+
+from ipc.messages import SamplingParams
+from scripts.bench.inproc import InprocServer
+from scripts.bench.metrics import RequestRecord
+from scripts.bench.runner import EventCollector, copy_timings
+from scripts.bench.workloads import BenchRequest
+
+
+def cpu_of(pids: list[int]) -> float:
+    """User+system CPU seconds of these processes (0 for any that has exited)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def cpu_of_threads(tids: set[int]) -> float:
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in tids)
+
+
+def cluster_cpu(cluster) -> dict[str, float]:
+    """CPU seconds of a cluster's processes per role, in the order requests flow through them."""
+    roles: dict[str, list[int]] = {}
+    for child in cluster.children:
+        roles.setdefault(child.role, []).append(child.popen.pid)
+    out = {}
+    for role in ("http", "tokenizer", "engine", "detokenizer"):
+        if role in roles:
+            out[role] = cpu_of(roles.pop(role))
+    out.update({role: cpu_of(pids) for role, pids in roles.items()})
+    return out
+
+
+class InprocSystem:
+    """One process: the driver's main thread submits (tokenizing unless pretok), one engine
+    thread steps and detokenizes, with the cluster's own cores. inproc and inproc-pretok share
+    one InprocServer (they differ only in the submit path). CPU roles: "client" is the
+    submitting and collecting threads (including tokenization when not pretok), "engine" the
+    rest of the process (the engine thread, torch's worker threads, detokenization)."""
+
+    def __init__(self, name: str, server: InprocServer, collector: EventCollector,
+                 pretok: bool) -> None:
+        self.name = name
+        self.pretok = pretok
+        self.server = server
+        self._client_threads = {threading.main_thread().native_id, collector.thread_id}
+        self._ids: dict[int, list[int]] = {}
+
+    def describe(self) -> dict[str, object]:
+        return {"tokenize": "before the timed region" if self.pretok
+                else "inside submit(), in the caller's thread",
+                "engine_threads": self.server.engine.config.engine_threads,
+                "detokenize": "in the engine thread",
+                "stream_interval_tokens": self.server.detokenizer.stream_interval_tokens}
+
+    def prepare(self, requests: list[BenchRequest]) -> None:
+        self._ids = ({r.index: self.server.pretokenize(r.prompt, r.messages) for r in requests}
+                     if self.pretok else {})
+
+    def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
+        if self.pretok:
+            self.server.submit(request_id, sampling, prompt_token_ids=self._ids[request.index])
+        else:
+            self.server.submit(request_id, sampling, prompt=request.prompt,
+                               messages=request.messages)
+
+    def abort(self, request_id: str) -> None:
+        self.server.abort(request_id)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        total = cpu_of([os.getpid()])
+        client = cpu_of_threads(self._client_threads)
+        # Process and thread times tick at 10 ms each: clamp the rounding of an idle engine.
+        return {"client": client, "engine": max(0.0, total - client)}
+
+    def close(self) -> None:
+        pass  # the shared server is closed by whoever made it
+
+
+class ClusterSystem:
+    """The disaggregated cluster (supervisor as a library) driven through the sync client SDK.
+
+    The SDK stamps every delta's receive time in its own receiver thread; a watcher thread here
+    notices finished handles (``done``) and copies their deltas into the run's records. CPU roles
+    are processes: each tokenizer worker, the engine, the detokenizer, and this process (client).
+    """
+
+    def __init__(self, name: str, model_path: str, tokenizer_workers: int,
+                 cluster_knobs: dict, collector: EventCollector, poll_s: float,
+                 submit_hwm: int | None) -> None:
+        """poll_s: how often the watcher looks for finished handles. Only the progress bar and
+        --max-concurrency wait on it (the timestamps are the SDK's own); each wake-up takes the
+        GIL from the submitting thread, so poll slowly unless a concurrency cap needs it."""
+        from ipc.client import Client
+        from procs.launch_cluster import launch_cluster
+
+        self.name = name
+        self._collector = collector
+        self._poll_s = poll_s
+        self._stack = contextlib.ExitStack()
+        try:
+            self.cluster = self._stack.enter_context(launch_cluster(
+                model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs))
+            self.client = self._stack.enter_context(Client(self.cluster.client_addr,
+                                                           submit_hwm=submit_hwm))
+            self._submit_hwm = submit_hwm
+        except BaseException:
+            self._stack.close()
+            raise
+        self._new: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
+        self._watcher.start()
+
+    def describe(self) -> dict[str, object]:
+        c = self.cluster.config
+        return {"tokenize": f"{c.tokenizer_workers} tokenizer worker process(es) x "
+                            f"{c.tokenizer_threads} thread(s)",
+                "engine_threads": c.engine.engine_threads,
+                "stream_interval_tokens": c.stream_interval_tokens,
+                "client submit_hwm": self._submit_hwm or "SDK default (cluster admission bound)"}
+
+    def prepare(self, requests: list[BenchRequest]) -> None:
+        pass
+
+    def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
+        handle = self.client.submit(prompt=request.prompt, messages=request.messages,
+                                    sampling=sampling, request_id=request_id)
+        self._new.put((request_id, handle))
+
+    def abort(self, request_id: str) -> None:
+        self._new.put((request_id, None))
+
+    def cpu_seconds(self) -> dict[str, float]:
+        return {"client": cpu_of([os.getpid()])} | cluster_cpu(self.cluster)
+
+    def close(self) -> None:
+        self._closing.set()
+        self._watcher.join(timeout=5)
+        self._stack.close()
+
+    def _watch(self) -> None:
+        live: dict[str, object] = {}
+        while not self._closing.is_set():
+            while True:
+                try:
+                    request_id, handle = self._new.get_nowait()
+                except queue.Empty:
+                    break
+                if handle is None:  # abort
+                    if (h := live.pop(request_id, None)) is not None:
+                        h.abort()
+                else:
+                    live[request_id] = handle
+            for request_id in [rid for rid, h in live.items() if h.done]:
+                deltas = _deltas_of(live.pop(request_id))
+                self._collector.complete(request_id, functools.partial(_fill, deltas=deltas))
+            time.sleep(self._poll_s)
+
+
+def _deltas_of(handle) -> list:
+    """Every delta of a finished handle, the terminal one included (stream() raises the error of
+    a failed request after yielding what came before it)."""
+    out = []
+    try:
+        for delta in handle.stream(timeout=0):
+            out.append(delta)
+    except Exception as exc:  # the request ended with an error: keep it as a final "delta"
+        out.append(_ErrorEnd(str(exc)))
+    return out
+
+
+class _ErrorEnd:
+    def __init__(self, message: str) -> None:
+        self.error, self.t_received = message, time.monotonic()
+
+
+def _fill(rec: RequestRecord, deltas: list) -> None:
+    final = deltas[-1]
+    rec.delta_times = [d.t_received for d in deltas
+                       if not isinstance(d, _ErrorEnd) and d.token_ids]
+    rec.t_done = final.t_received
+    if isinstance(final, _ErrorEnd):
+        rec.finish_reason, rec.error = "error", final.error
+        return
+    rec.finish_reason, rec.error = final.finish_reason, final.error
+    if final.usage is not None:
+        rec.prompt_tokens = final.usage.prompt_tokens
+        rec.output_tokens = final.usage.completion_tokens
+        rec.cached_tokens = final.usage.cached_tokens
+    copy_timings(rec, final.timings)

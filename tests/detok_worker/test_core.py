@@ -1,0 +1,243 @@
+"""DetokenizerCore without sockets: messages in, events / notices / engine aborts out.
+
+The real tokenizer of the default model decodes; StepOutputs are built the way the engine
+process sends them."""
+
+from __future__ import annotations
+
+import pytest
+
+from detok_worker.core import DetokenizerCore
+from ipc.codec import pack_ids, unpack_id_list
+from ipc.messages import (
+    NOTICE_DIED,
+    NOTICE_READY,
+    ClusterNotice,
+    FinishRecord,
+    RequestError,
+    RequestMeta,
+    RequestStart,
+    StepOutput,
+)
+from runtime.model_files import load_tokenizer
+
+CLIENT, OTHER = b"client-a", b"client-b"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return load_tokenizer(default_model_dir)
+
+
+def meta(rid: str, client: bytes = CLIENT, stop=(), tokenizer_index: int = 0) -> RequestMeta:
+    return RequestMeta(rid, client, prompt_tokens=3, stop=list(stop),
+                       tokenizer_index=tokenizer_index, t_submit=1.0)
+
+
+def step(n: int, *, metas=(), tokens=(), finished=(), started=(), pid: int = 0) -> StepOutput:
+    """tokens: (request_id, token id) pairs; finished: (request_id, reason[, error, code])."""
+    finished = [tuple(f) + ("", "")[len(f) - 2:] for f in finished]
+    return StepOutput(
+        step=n, t_step=10.0 + n, new_requests=list(metas),
+        request_ids=[rid for rid, _ in tokens], token_ids=pack_ids([t for _, t in tokens]),
+        started=list(started), finished=[FinishRecord(*f) for f in finished], engine_pid=pid)
+
+
+def core_with_clients(tokenizer, *clients: bytes, **kwargs) -> DetokenizerCore:
+    core = DetokenizerCore(tokenizer, **kwargs)
+    for client in clients:
+        core.on_hello(client)
+    assert core.take_output().welcomes == list(clients)
+    return core
+
+
+def stream(core: DetokenizerCore, rid: str, ids: list[int], *, first_step: int = 1,
+           finish_reason: str | None = "length", **meta_kwargs):
+    """Feeds a request's tokens one step each (meta with the first), the engine's finish with the
+    last; returns every event its client got and the engine aborts, in order."""
+    events, aborts = [], []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        core.on_step_output(step(
+            first_step + i, metas=[meta(rid, **meta_kwargs)] if i == 0 else (),
+            tokens=[(rid, token)], finished=[(rid, finish_reason)] if last and finish_reason
+            else ()))
+        out = core.take_output()
+        events += out.events.get(CLIENT, [])
+        aborts += out.aborts
+    return events, aborts
+
+
+def test_a_request_streams_its_text_and_ends_with_one_terminal_event(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    text = "Héllo wörld! 日本語 🙂 naïve"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    core.on_step_output(step(0, metas=[meta("r")]))
+    core.on_step_output(step(1, tokens=[("r", ids[0])], started=[RequestStart("r", 2.0, 3.0, 1)]))
+    for i, token in enumerate(ids[1:], 2):
+        core.on_step_output(step(i, tokens=[("r", token)],
+                                 finished=[("r", "length")] if i == len(ids) else ()))
+    events = core.take_output().events[CLIENT]
+    assert "".join(e.text for e in events) == text
+    assert [e.finished for e in events].count(True) == 1 and events[-1].finished
+    final = events[-1]
+    assert final.finish_reason == "length" and final.error is None
+    assert final.usage.completion_tokens == len(ids) and final.usage.cached_tokens == 1
+    t = final.timings
+    assert (t.t_submit, t.t_arrived, t.t_scheduled) == (1.0, 2.0, 3.0)
+    assert (t.t_first_token, t.t_finished) == (11.0, 10.0 + len(ids))  # the steps' own times
+    assert sum(len(unpack_id_list(e.token_ids)) for e in events) == len(ids)
+    assert core.stats()["open_requests"] == 0
+
+
+def test_the_stream_interval_batches_deltas_and_the_first_token_goes_at_once(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT, stream_interval_tokens=3)
+    ids = tokenizer.encode("one two three four five six seven eight", add_special_tokens=False).ids
+    events, _ = stream(core, "r", ids)
+    sizes = [len(unpack_id_list(e.token_ids)) for e in events]
+    assert sizes[0] == 1 and all(s == 3 for s in sizes[1:-1]) and sum(sizes) == len(ids)
+    assert events[-1].finished and not any(e.finished for e in events[:-1])
+
+
+def test_a_stop_string_ends_the_request_here_and_aborts_it_in_the_engine(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    ids = tokenizer.encode("The answer is Paris. STOP here and more", add_special_tokens=False).ids
+    events, aborts = stream(core, "r", ids[:-1], finish_reason=None, stop=[". ST"])
+    assert "".join(e.text for e in events) == "The answer is Paris"
+    assert events[-1].finished and events[-1].finish_reason == "stop"
+    assert aborts == ["r"]
+    # The engine goes on until the abort lands, then reports its own finish: both are swallowed.
+    core.on_step_output(step(50, tokens=[("r", ids[-1])], finished=[("r", "abort")]))
+    out = core.take_output()
+    assert out.events == {} and out.aborts == [] and "r" not in core.ignored
+
+
+def test_the_token_of_the_finishing_step_rides_in_the_terminal_event(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    ids = tokenizer.encode("alpha beta", add_special_tokens=False).ids
+    core.on_step_output(step(1, metas=[meta("r")], tokens=[("r", ids[0])],
+                             finished=[("r", "stop")]))
+    (event,) = core.take_output().events[CLIENT]
+    assert event.finished and unpack_id_list(event.token_ids) == [ids[0]]
+
+
+def test_an_abort_before_the_meta_is_repeated_when_the_request_shows_up(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    core.on_client_abort(CLIENT, ["early"])
+    assert core.take_output().aborts == ["early"]  # at once: it may be queued in the engine
+    core.on_step_output(step(1, metas=[meta("early")]))
+    assert core.take_output().aborts == ["early"]  # again: the engine may have missed it
+    assert not core.clients[CLIENT].pending_aborts
+    core.on_step_output(step(2, finished=[("early", "abort")]))
+    (event,) = core.take_output().events[CLIENT]
+    assert event.finished and event.finish_reason == "abort"
+
+
+def test_a_gone_client_gets_nothing_more_and_its_requests_are_aborted(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT, OTHER)
+    ids = tokenizer.encode("one two", add_special_tokens=False).ids
+    core.on_step_output(step(1, metas=[meta("a1"), meta("b1", OTHER)],
+                             tokens=[("a1", ids[0]), ("b1", ids[0])]))
+    # The worker drops a client whose queue is full: what was queued for it goes nowhere.
+    core.on_client_gone(CLIENT, reason="stopped reading")
+    out = core.take_output()
+    assert set(out.events) == {OTHER} and out.aborts == ["a1"]
+    assert not core.has_client(CLIENT)
+    core.on_step_output(step(2, metas=[meta("a2")], tokens=[("a1", ids[1]), ("b1", ids[1])],
+                             finished=[("a1", "abort"), ("b1", "length")]))
+    out = core.take_output()
+    assert out.aborts == ["a2"]  # a meta of a gone client: aborted, never streamed
+    assert set(out.events) == {OTHER} and out.events[OTHER][-1].finished
+    assert core.stats() == {"clients": 1, "open_requests": 0, "steps": 2, "notices": 0}
+    assert list(core.ignored) == ["a2"]  # a1's finish came; a2's is still to come
+
+
+def test_ignored_ids_are_bounded(tokenizer):
+    core = core_with_clients(tokenizer, max_ignored=2)
+    core.on_step_output(step(1, metas=[meta(f"r{i}") for i in range(5)]))  # no such client
+    assert core.take_output().aborts == [f"r{i}" for i in range(5)]
+    assert list(core.ignored) == ["r3", "r4"]
+
+
+def test_a_request_error_is_the_requests_terminal_event(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    core.on_client_abort(CLIENT, ["bad"])
+    core.take_output()
+    core.on_request_error(RequestError("bad", CLIENT, "the prompt is empty", "bad_request"))
+    core.on_request_error(RequestError("x", b"nobody", "lost", "bad_request"))
+    out = core.take_output()
+    (event,) = out.events[CLIENT]
+    assert (event.finished, event.finish_reason, event.error, event.error_code) == (
+        True, "error", "the prompt is empty", "bad_request")
+    assert set(out.events) == {CLIENT} and not core.clients[CLIENT].pending_aborts
+
+
+def test_an_engine_error_without_a_code_reaches_the_client_as_internal(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    core.on_step_output(step(1, metas=[meta("a"), meta("b")],
+                             finished=[("a", "error", "boom", ""), ("b", "length")]))
+    events = {e.request_id: e for e in core.take_output().events[CLIENT]}
+    assert (events["a"].error, events["a"].error_code) == ("boom", "internal")
+    assert (events["b"].finish_reason, events["b"].error_code) == ("length", None)
+
+
+def test_a_dead_engine_ends_every_request_and_its_late_output_is_dropped(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT, OTHER)
+    ids = tokenizer.encode("one two", add_special_tokens=False).ids
+    core.on_step_output(step(1, metas=[meta("a"), meta("b", OTHER)], tokens=[("a", ids[0])],
+                             pid=111))
+    core.take_output()
+    core.on_notice(ClusterNotice(NOTICE_DIED, "engine", 0, pid=111, detail="killed"), now=99.0)
+    out = core.take_output()
+    for client, rid in ((CLIENT, "a"), (OTHER, "b")):
+        (event,) = out.events[client]
+        assert event.request_id == rid and event.finish_reason == "error"
+        assert event.error_code == "unavailable" and "engine died (killed)" in event.error
+        assert event.timings.t_finished == 99.0
+        (notice,) = out.notices[client]
+        assert notice.role == "engine" and notice.alive_ids == []
+    core.on_step_output(step(2, tokens=[("a", ids[1])], finished=[("a", "length")], pid=111))
+    assert core.take_output().events == {} and core.stats()["steps"] == 1
+    core.on_step_output(step(3, metas=[meta("c")], tokens=[("c", ids[0])], pid=222))
+    assert core.take_output().events[CLIENT][0].request_id == "c"  # the new engine streams
+
+
+def test_a_dead_tokenizer_names_each_clients_requests_alive_in_the_engine(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT, OTHER)
+    core.on_step_output(step(1, metas=[meta("a0"), meta("a1", tokenizer_index=1),
+                                       meta("b1", OTHER, tokenizer_index=1)]))
+    core.on_notice(ClusterNotice(NOTICE_DIED, "tokenizer", 1, pid=5), now=0.0)
+    core.on_notice(ClusterNotice(NOTICE_READY, "tokenizer", 1, pid=6), now=0.0)
+    out = core.take_output()
+    assert out.events == {}  # a tokenizer's death ends nothing the engine holds
+    assert [n.alive_ids for n in out.notices[CLIENT]] == [["a1"], []]
+    assert [n.alive_ids for n in out.notices[OTHER]] == [["b1"], []]
+    assert core.stats()["notices"] == 2
+
+
+def test_end_all_gives_every_open_request_its_terminal_event(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    core.on_step_output(step(1, metas=[meta("a"), meta("b")]))
+    core.end_all("abort", 7.0, error="unavailable: the cluster shut down", code="unavailable")
+    events = core.take_output().events[CLIENT]
+    assert sorted(e.request_id for e in events) == ["a", "b"]
+    assert all(e.finished and e.finish_reason == "abort" for e in events)
+    assert core.stats()["open_requests"] == 0
+
+
+def test_a_step_with_a_token_count_mismatch_keeps_its_finishes(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    bad = step(1, metas=[meta("a")], tokens=[("a", 5)], finished=[("a", "length")])
+    bad.request_ids.append("a")  # two requests, one token: the tokens are dropped
+    core.on_step_output(bad)
+    (event,) = core.take_output().events[CLIENT]
+    assert event.finished and event.usage.completion_tokens == 0
+
+
+def test_a_second_meta_for_a_live_request_changes_nothing(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    core.on_step_output(step(1, metas=[meta("a")], tokens=[("a", 5)]))
+    core.on_step_output(step(2, metas=[meta("a")], tokens=[("a", 6)],
+                             finished=[("a", "length")]))
+    events = core.take_output().events[CLIENT]
+    assert events[-1].finished and events[-1].usage.completion_tokens == 2
