@@ -23,7 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 
-from ipc.messages import FINISH_ERROR, FINISH_STOP, GrammarVocabulary
+from ipc.messages import FINISH_ERROR, FINISH_STOP
+from ipc.structured import GrammarVocabulary
 
 logger = logging.getLogger("splitserve.engine")
 

@@ -7,8 +7,8 @@ Channels (who sends what to whom):
     detokenizer -> client      : ClientWelcome, ClientEvents (one message per step per client)
     tokenizer i -> engine      : TokenizedRequest
     tokenizer i -> detokenizer : RequestError (the request never reaches the engine)
-    tokenizer i -> engine      : GrammarVocabulary (once: the vocabulary as the grammar backend
-                                 needs it, so the engine never loads a tokenizer)
+    tokenizer i -> engine      : GrammarVocabulary (ipc.structured; ahead of any constrained
+                                 request: the vocabulary as data, so the engine never tokenizes)
     detokenizer -> engine      : AbortRequests (client aborts, stop strings, gone clients)
     engine      -> detokenizer : StepOutput (one message per engine step, columnar)
     any worker  -> supervisor  : WorkerReady, Heartbeat
@@ -20,21 +20,18 @@ different processes on one host compare directly.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
 
 from ipc.codec import message
+from ipc.structured import StructuredOutputSpec, ToolCall, ToolCallDelta
 
 # Finish reasons (the field's vocabulary: OpenAI / vLLM / SGLang).
 FINISH_STOP = "stop"  # eos, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context length
 FINISH_ABORT = "abort"  # the client (or a shutdown) aborted it
 FINISH_ERROR = "error"  # see StreamEvent.error / error_code
+FINISH_TOOL_CALLS = "tool_calls"  # stopped after calling tools (the detokenizer's parser saw them)
 
 # Error codes carried with FINISH_ERROR.
 ERR_BAD_REQUEST = "bad_request"  # the request itself is wrong; retrying it will not help
@@ -126,71 +123,15 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-# Structured-output kinds: OpenAI's response_format and vLLM's structured_outputs fields.
-STRUCTURED_JSON_SCHEMA = "json_schema"  # text: the schema as JSON text
-STRUCTURED_JSON_OBJECT = "json_object"  # any JSON object; text unused
-STRUCTURED_REGEX = "regex"  # text: a pattern the whole output matches
-STRUCTURED_CHOICE = "choice"  # choices: the output is exactly one of them
-STRUCTURED_GRAMMAR = "grammar"  # text: a context-free grammar (GBNF/EBNF or Lark syntax)
-STRUCTURED_KINDS = (STRUCTURED_JSON_SCHEMA, STRUCTURED_JSON_OBJECT, STRUCTURED_REGEX,
-                    STRUCTURED_CHOICE, STRUCTURED_GRAMMAR)
-MAX_STRUCTURED_TEXT_CHARS = 1024 * 1024
-MAX_STRUCTURED_CHOICES = 1024
-MAX_STRUCTURED_CHOICE_CHARS = 4096
-
-
-@dataclass(slots=True)
-class StructuredOutputSpec:
-    """What a request's output must match. Plain text fields only: the tokenizer worker turns it
-    into a grammar (tokenizer_worker.grammar_compiler), the engine never sees the spec itself.
-    Shape errors raise ValueError at construction; whether a schema or pattern is acceptable is
-    the compiler's call (it names the problem)."""
-
-    kind: str
-    text: str = ""
-    choices: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.kind not in STRUCTURED_KINDS:
-            raise ValueError(f"structured output kind must be one of "
-                             f"{', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
-        if not isinstance(self.text, str):
-            raise ValueError("structured output text must be a string")
-        if len(self.text) > MAX_STRUCTURED_TEXT_CHARS:
-            raise ValueError(f"the {self.kind} is longer than {MAX_STRUCTURED_TEXT_CHARS} "
-                             f"characters")
-        needs_text = self.kind in (STRUCTURED_JSON_SCHEMA, STRUCTURED_REGEX, STRUCTURED_GRAMMAR)
-        if needs_text and not self.text:
-            raise ValueError(f"a {self.kind} structured output needs a non-empty {self.kind}")
-        if not needs_text and self.text:
-            raise ValueError(f"a {self.kind} structured output takes no text")
-        if self.kind == STRUCTURED_CHOICE:
-            if not self.choices:
-                raise ValueError("a choice structured output needs at least one choice")
-            if len(self.choices) > MAX_STRUCTURED_CHOICES:
-                raise ValueError(f"at most {MAX_STRUCTURED_CHOICES} choices")
-            for c in self.choices:
-                if not isinstance(c, str) or not c or len(c) > MAX_STRUCTURED_CHOICE_CHARS:
-                    raise ValueError(f"choices must be non-empty strings of at most "
-                                     f"{MAX_STRUCTURED_CHOICE_CHARS} characters, got {c!r:.80}")
-        elif self.choices:
-            raise ValueError(f"a {self.kind} structured output takes no choices")
-
-    @classmethod
-    def json_schema(cls, schema: Any) -> StructuredOutputSpec:
-        """From a parsed schema, without spaces. Keys keep their order: the output follows the
-        order of ``properties``, as clients expect."""
-        return cls(STRUCTURED_JSON_SCHEMA, json.dumps(schema, separators=(",", ":"),
-                                                      ensure_ascii=False))
-
-    def cache_key(self) -> tuple[str, str, tuple[str, ...]]:
-        return (self.kind, self.text, tuple(self.choices))
-
-
 @dataclass(slots=True)
 class ChatMessage:
     role: str
     content: str
+    # Tool calling (OpenAI's shape): an assistant's calls, and on a "tool" message the call it
+    # answers and the function's name.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +152,12 @@ class SubmitRequest:
     prompt_token_ids: bytes | None = None  # packed int32, see ipc.codec.pack_ids
     add_generation_prompt: bool = True  # for messages: end with the assistant turn's header
     t_submit: float = 0.0
+    # What the output must match, and OpenAI's tools (their JSON text: schemas of any shape,
+    # checked by the tokenizer worker, which names what is wrong).
+    structured: StructuredOutputSpec | None = None
+    tools: str = ""  # a JSON list of {"type": "function", "function": {...}}
+    tool_choice: str = ""  # JSON: "none", "auto", "required" or {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 256:
@@ -245,6 +192,7 @@ class RequestMeta:
     t_submit: float = 0.0
     t_tokenize_start: float = 0.0
     t_tokenized: float = 0.0
+    tool_parser: str = ""  # reads tool calls out of the output (detok_worker.tool_parsers)
 
 
 @message
@@ -255,6 +203,9 @@ class TokenizedRequest:
     token_ids: bytes  # packed int32
     sampling: SamplingParams
     meta: RequestMeta
+    # The grammar the output must follow (llguidance's Lark text, checked by the tokenizer
+    # worker with this vocabulary); "" for free text.
+    grammar: str = ""
 
 
 @message
@@ -268,58 +219,6 @@ class RequestError:
     message: str
     code: str = ERR_BAD_REQUEST
     t_submit: float = 0.0
-
-
-@message
-@dataclass(slots=True)
-class GrammarVocabulary:
-    """The vocabulary as the grammar backend needs it: every token's bytes, which ids are special
-    (never text) and which end a sequence. A tokenizer worker computes it from its tokenizer and
-    sends it to the engine once, ahead of any request that needs it, so the engine builds its
-    grammar matchers from data and never imports a tokenizer. Ids from the tokenizer's table
-    size up to ``vocab_size`` (padding rows of the model's output) have no bytes.
-    """
-
-    KIND = "grammar_vocabulary"
-    vocab_size: int  # the model's logits width
-    token_bytes: bytes  # every token's bytes, concatenated in id order
-    token_ends: bytes  # packed int32: where each token's bytes end in token_bytes
-    special_ids: bytes  # packed int32, ascending
-    eos_ids: list[int]
-    fingerprint: str = ""  # a digest of the fields above (vocabulary.fingerprint)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
-        if len(self.token_ends) % 4 or len(self.special_ids) % 4:
-            raise ValueError("token_ends and special_ids must be packed int32")
-        if len(self.token_ends) // 4 > self.vocab_size:
-            raise ValueError(f"{len(self.token_ends) // 4} tokens do not fit a vocabulary of "
-                             f"{self.vocab_size}")
-        if not self.eos_ids or any(not 0 <= t < self.vocab_size for t in self.eos_ids):
-            raise ValueError(f"eos_ids must be non-empty ids below {self.vocab_size}")
-
-    def token_table(self) -> list[bytes]:
-        """Every token's bytes, indexed by id, ``vocab_size`` entries (padding ids get b"")."""
-        ends = np.frombuffer(self.token_ends, dtype="<i4")
-        if ends.size and (int(ends[-1]) != len(self.token_bytes)
-                          or bool((np.diff(ends, prepend=0) < 0).any())):
-            raise ValueError("token_ends do not describe token_bytes")
-        data, ends_list = self.token_bytes, ends.tolist()
-        table = [data[a:b] for a, b in zip([0] + ends_list[:-1], ends_list)]
-        return table + [b""] * (self.vocab_size - len(table))
-
-    def special_id_list(self) -> list[int]:
-        return np.frombuffer(self.special_ids, dtype="<i4").tolist()
-
-    def digest(self) -> str:
-        """Equal for equal vocabularies: lets the engine check that every worker agrees."""
-        h = hashlib.sha256()
-        for part in (str(self.vocab_size).encode(), self.token_bytes, self.token_ends,
-                     self.special_ids, repr(self.eos_ids).encode()):
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part)
-        return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,6 +369,7 @@ class StreamEvent:
     error_code: str | None = None
     usage: Usage | None = None
     timings: RequestTimings | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # calls read from the text
 
 
 @message

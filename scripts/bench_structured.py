@@ -29,7 +29,8 @@ from engine_worker.grammar_builder import GrammarBuilder, backend_tokenizer
 from engine_worker.grammar_mask import GrammarMasker
 from engine_worker.sampler import sample
 from ipc.engine_config import EngineConfig
-from ipc.messages import SamplingParams, StructuredOutputSpec
+from ipc.messages import SamplingParams
+from ipc.structured import StructuredOutputSpec
 from procs.model_store import resolve_model
 from runtime.model_files import load_tokenizer
 from scripts.bench_grammar import NESTED_SCHEMA, large_schema

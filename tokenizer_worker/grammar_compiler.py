@@ -20,7 +20,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from ipc.messages import (
+from ipc.structured import (
     STRUCTURED_CHOICE,
     STRUCTURED_GRAMMAR,
     STRUCTURED_JSON_OBJECT,

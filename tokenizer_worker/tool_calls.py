@@ -24,7 +24,7 @@ from typing import Any
 from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ipc.messages import STRUCTURED_GRAMMAR, StructuredOutputSpec
+from ipc.structured import STRUCTURED_GRAMMAR, StructuredOutputSpec
 from tokenizer_worker.grammar_compiler import COMPACT_JSON, GrammarSpecError, check_schema
 
 MAX_TOOLS = 128

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ipc.codec import pack_ids
-from ipc.messages import GrammarVocabulary
+from ipc.structured import GrammarVocabulary
 
 
 def grammar_vocabulary(tokenizer, vocab_size: int, eos_ids: list[int]) -> GrammarVocabulary:

@@ -10,7 +10,7 @@ import torch
 from engine_worker.grammar_builder import RequestGrammar
 from engine_worker.grammar_mask import GrammarMasker
 from ipc.codec import pack_ids
-from ipc.messages import GrammarVocabulary
+from ipc.structured import GrammarVocabulary
 
 EOS = 0
 SPECIAL = [EOS, 1]  # 1 is a special token that is not eos: never text

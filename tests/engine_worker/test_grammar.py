@@ -21,7 +21,8 @@ from engine_worker.grammar_builder import (
     backend_tokenizer,
 )
 from engine_worker.grammar_mask import GrammarMasker, unpack_bitmask, unpack_bitmask_on
-from ipc.messages import FINISH_ERROR, FINISH_STOP, StructuredOutputSpec
+from ipc.messages import FINISH_ERROR, FINISH_STOP
+from ipc.structured import StructuredOutputSpec
 from tests.engine_worker.grammar_helpers import (
     EOS,
     SPECIAL,

@@ -20,7 +20,6 @@ from ipc.messages import (
     ClusterNotice,
     EngineStats,
     FinishRecord,
-    GrammarVocabulary,
     Heartbeat,
     RequestError,
     RequestMeta,
@@ -34,6 +33,7 @@ from ipc.messages import (
     Usage,
     WorkerReady,
 )
+from ipc.structured import GrammarVocabulary
 
 META = RequestMeta(request_id="r1", client_id=b"c1", prompt_tokens=3, stop=["\n"],
                    t_submit=1.5, t_tokenized=2.0)

@@ -7,7 +7,7 @@ import pytest
 
 from ipc import codec
 from ipc.codec import DecodeError
-from ipc.messages import MAX_STRUCTURED_TEXT_CHARS, StructuredOutputSpec
+from ipc.structured import MAX_STRUCTURED_TEXT_CHARS, StructuredOutputSpec
 
 S = StructuredOutputSpec
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine_worker.grammar_builder import backend_tokenizer
-from ipc.messages import StructuredOutputSpec
+from ipc.structured import StructuredOutputSpec
 from tests.engine_worker.grammar_helpers import tiny_vocabulary
 from tokenizer_worker.grammar_compiler import GrammarCompiler, GrammarSpecError
 

@@ -72,7 +72,7 @@ def test_special_ids_sizes_and_wire_round_trip():
 
 def test_malformed_vocabulary_is_refused():
     from ipc.codec import pack_ids
-    from ipc.messages import GrammarVocabulary
+    from ipc.structured import GrammarVocabulary
     with pytest.raises(ValueError, match="do not fit"):
         GrammarVocabulary(2, b"abc", pack_ids([1, 2, 3]), b"", [0])
     with pytest.raises(ValueError, match="eos_ids"):

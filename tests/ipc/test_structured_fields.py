@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from http_worker.structured import StructuredOutputError, spec_from_request
-from ipc.messages import StructuredOutputSpec
+from ipc.structured import StructuredOutputError, StructuredOutputSpec, spec_from_request
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
 
