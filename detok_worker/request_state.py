@@ -11,15 +11,25 @@ import logging
 from tokenizers.decoders import DecodeStream
 
 from detok_worker.stop_strings import StopStringMatcher
+from detok_worker.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolCallParser
 from ipc.codec import pack_ids
-from ipc.messages import RequestMeta, RequestStart, RequestTimings, StreamEvent, Usage
+from ipc.messages import (
+    FINISH_STOP,
+    FINISH_TOOL_CALLS,
+    RequestMeta,
+    RequestStart,
+    RequestTimings,
+    StreamEvent,
+    Usage,
+)
+from ipc.structured import ToolCallDelta
 
 logger = logging.getLogger("splitserve.detokenizer")
 
 
 class RequestState:
     __slots__ = ("meta", "decoder", "matcher", "completion_tokens", "cached_tokens", "timings",
-                 "unsent_text", "unsent_ids", "sent_any")
+                 "unsent_text", "unsent_ids", "sent_any", "tool_parser", "unsent_calls")
 
     def __init__(self, meta: RequestMeta) -> None:
         self.meta = meta
@@ -33,6 +43,11 @@ class RequestState:
         self.unsent_text = ""
         self.unsent_ids: list[int] = []
         self.sent_any = False
+        # With tools: the text the stop strings release is read for calls, which leave it.
+        self.tool_parser: ToolCallParser | None = None
+        if meta.tool_parser:
+            self.tool_parser = TOOL_PARSERS[meta.tool_parser]()
+        self.unsent_calls: list[ToolCallDelta] = []
 
     def on_start(self, start: RequestStart) -> None:
         self.timings.t_arrived = start.t_arrived
@@ -53,8 +68,22 @@ class RequestState:
                            self.meta.request_id, token_id, exc)
             piece = ""
         released, stopped = self.matcher.feed(piece)
-        self.unsent_text += released
+        self._release(released)
         return stopped
+
+    def _release(self, text: str, last: bool = False) -> None:
+        if self.tool_parser is None:
+            self.unsent_text += text
+            return
+        parsed = self.tool_parser.feed(text) if text else ParsedDelta()
+        for part in (parsed, self.tool_parser.finish()) if last else (parsed,):
+            self.unsent_text += part.content
+            for call in part.tool_calls:  # one delta per call and event
+                previous = self.unsent_calls[-1] if self.unsent_calls else None
+                if previous is not None and previous.index == call.index and call.id is None:
+                    previous.arguments += call.arguments
+                else:
+                    self.unsent_calls.append(call)
 
     def should_stream(self, interval_tokens: int) -> bool:
         # The first token always goes out at once: time to first token is what users feel.
@@ -63,17 +92,18 @@ class RequestState:
 
     def delta(self) -> StreamEvent:
         event = StreamEvent(request_id=self.meta.request_id, text=self.unsent_text,
-                            token_ids=pack_ids(self.unsent_ids))
+                            token_ids=pack_ids(self.unsent_ids), tool_calls=self.unsent_calls)
         self.unsent_text, self.unsent_ids, self.sent_any = "", [], True
+        self.unsent_calls = []
         return event
 
     def final(self, reason: str, t_finished: float, *, stopped_by_string: bool = False,
               error: str | None = None, error_code: str | None = None) -> StreamEvent:
-        if not stopped_by_string:
-            self.unsent_text += self.matcher.flush()
+        self._release("" if stopped_by_string else self.matcher.flush(), last=True)
         event = self.delta()
         event.finished = True
-        event.finish_reason = reason
+        called = self.tool_parser is not None and self.tool_parser.calls > 0
+        event.finish_reason = FINISH_TOOL_CALLS if reason == FINISH_STOP and called else reason
         event.error = error or None
         event.error_code = error_code or None
         event.usage = Usage(prompt_tokens=self.meta.prompt_tokens,

@@ -17,22 +17,9 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-
-@dataclass(slots=True)
-class ToolCallDelta:
-    index: int  # the call's position among this choice's calls
-    id: str | None = None  # with name: only on a call's first delta
-    name: str | None = None
-    arguments: str = ""
-
-    def as_openai(self) -> dict[str, Any]:
-        """One entry of a stream chunk's ``delta.tool_calls``."""
-        if self.id is None:
-            return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+from ipc.structured import ToolCall, ToolCallDelta, add_tool_call_deltas
 
 
 @dataclass(slots=True)
@@ -42,6 +29,8 @@ class ParsedDelta:
 
 
 class ToolCallParser(Protocol):
+    calls: int  # calls started so far
+
     def feed(self, text: str) -> ParsedDelta: ...
 
     def finish(self) -> ParsedDelta:
@@ -196,27 +185,12 @@ class HermesToolParser:
 TOOL_PARSERS: dict[str, Callable[..., ToolCallParser]] = {"hermes": HermesToolParser}
 
 
-@dataclass(slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str
-
-    def as_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
 def parse_complete(parser: ToolCallParser, text: str) -> tuple[str, list[ToolCall]]:
     """A whole output at once (non-streaming): its content and its calls, deltas merged."""
-    content, calls = "", []
+    content, calls = "", []  # type: tuple[str, list[ToolCall]]
     for delta in (parser.feed(text), parser.finish()):
         content += delta.content
-        for d in delta.tool_calls:
-            if d.id is not None:
-                calls.append(ToolCall(d.id, d.name or "", d.arguments))
-            else:
-                calls[d.index].arguments += d.arguments
+        add_tool_call_deltas(calls, delta.tool_calls)
     return content, calls
 
 

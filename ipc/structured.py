@@ -112,6 +112,16 @@ class ToolCallDelta:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def add_tool_call_deltas(calls: list[ToolCall], deltas: list[ToolCallDelta]) -> None:
+    """Folds streamed deltas into whole calls (a call's first delta opens it, the others append
+    to its arguments)."""
+    for d in deltas:
+        if d.id is not None:
+            calls.append(ToolCall(d.id, d.name or "", d.arguments))
+        elif 0 <= d.index < len(calls):
+            calls[d.index].arguments += d.arguments
+
+
 @message
 @dataclass(slots=True)
 class GrammarVocabulary:

@@ -9,13 +9,15 @@ from ipc.client.errors import ERR_TIMEOUT, error_for
 from ipc.client.results import Delta, GenerationResult
 from ipc.codec import unpack_id_list
 from ipc.messages import ERR_UNAVAILABLE, FINISH_ERROR, StreamEvent, SubmitRequest
+from ipc.structured import ToolCall, add_tool_call_deltas
 
 
 class RequestRecord:
     """The client's view of one request; the handle classes wrap it."""
 
     __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
-                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted")
+                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted",
+                 "tool_calls")
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
         self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
@@ -31,12 +33,15 @@ class RequestRecord:
         self.pending: SubmitRequest | None = None
         self.resubmits = 0
         self.aborted = False  # the caller asked to abort it
+        self.tool_calls: list[ToolCall] = []
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
         ids = unpack_id_list(event.token_ids) if event.token_ids else []
         delta = Delta(self.request_id, event.text, ids, t, event.finished, event.finish_reason,
-                      event.error, event.error_code, event.usage, event.timings)
+                      event.error, event.error_code, event.usage, event.timings,
+                      event.tool_calls)
         self.text.append(event.text)
+        add_tool_call_deltas(self.tool_calls, event.tool_calls)
         self.token_ids.extend(ids)
         self.seen = True
         self.pending = None
@@ -51,7 +56,7 @@ class RequestRecord:
         assert f is not None, "result() before the terminal event"
         return GenerationResult(self.request_id, "".join(self.text), list(self.token_ids),
                                 f.finish_reason, f.usage, f.timings, f.error, f.error_code,
-                                self.t_submit, list(self.t_received))
+                                self.t_submit, list(self.t_received), list(self.tool_calls))
 
 
 class HandleBase:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ipc.client.errors import BadRequestError
 from ipc.codec import pack_ids
 from ipc.messages import ChatMessage, SamplingParams, SubmitRequest
+from ipc.structured import StructuredOutputSpec, ToolCall, spec_from_request
+
+# Keywords of submit() that shape the output rather than sample it (OpenAI's names): they travel
+# with the sampling keywords and are taken out here.
+OUTPUT_OPTIONS = ("response_format", "structured_outputs", "tools", "tool_choice",
+                  "parallel_tool_calls")
 
 
 def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
@@ -15,6 +22,8 @@ def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
                  t_submit: float) -> SubmitRequest:
     """The SubmitRequest for one submit() call; anything invalid raises BadRequestError."""
     try:
+        sampling_kwargs = dict(sampling_kwargs)
+        options = {k: sampling_kwargs.pop(k) for k in OUTPUT_OPTIONS if k in sampling_kwargs}
         if sampling is None:
             sampling = SamplingParams(**sampling_kwargs)
         elif sampling_kwargs:
@@ -29,17 +38,65 @@ def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         return SubmitRequest(request_id=wire_id, client_id=client_id, sampling=sampling,
                              prompt=prompt, messages=chat, prompt_token_ids=packed,
-                             add_generation_prompt=add_generation_prompt, t_submit=t_submit)
+                             add_generation_prompt=add_generation_prompt, t_submit=t_submit,
+                             **_output_fields(**options))
     except (ValueError, TypeError, OverflowError) as exc:
         raise BadRequestError(str(exc)) from None
 
 
+def _output_fields(response_format: Any = None, structured_outputs: Any = None,
+                   tools: Any = None, tool_choice: Any = None,
+                   parallel_tool_calls: bool = True) -> dict[str, Any]:
+    """``response_format``: OpenAI's map or a StructuredOutputSpec; ``structured_outputs``:
+    vLLM's map; ``tools`` / ``tool_choice``: OpenAI's values, sent as JSON text (the tokenizer
+    worker checks them and names what is wrong)."""
+    spec: StructuredOutputSpec | None = None
+    if isinstance(response_format, StructuredOutputSpec):
+        spec = response_format
+        if structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+    else:
+        spec = spec_from_request(response_format, structured_outputs)
+    if not isinstance(parallel_tool_calls, bool):
+        raise ValueError("parallel_tool_calls must be true or false")
+    return {"structured": spec, "parallel_tool_calls": parallel_tool_calls,
+            "tools": "" if tools is None else json.dumps(tools, ensure_ascii=False),
+            "tool_choice": "" if tool_choice is None else json.dumps(tool_choice)}
+
+
 def _chat_message(m: Any) -> ChatMessage:
+    """A ChatMessage, or OpenAI's message map: role and content (a string; None or absent on
+    an assistant message that only calls tools), ``tool_calls``, ``tool_call_id``, ``name``."""
     if isinstance(m, ChatMessage):
         return m
-    if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
-        return ChatMessage(role=m["role"], content=m["content"])
-    raise ValueError(f"a chat message is a {{'role': str, 'content': str}} map, got {m!r}")
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"a chat message is a {{'role': str, 'content': str}} map, got {m!r}")
+    content, calls = m.get("content"), m.get("tool_calls")
+    if not isinstance(content, str) and not (content is None and calls):
+        raise ValueError(f"a chat message is a {{'role': str, 'content': str}} map, got {m!r}")
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise ValueError(f"a chat message's {key} must be a string")
+    return ChatMessage(role=m["role"], content=content or "",
+                       tool_calls=None if calls is None else [_tool_call(c) for c in calls],
+                       tool_call_id=m.get("tool_call_id"), name=m.get("name"))
+
+
+def _tool_call(call: Any) -> ToolCall:
+    """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+    if isinstance(call, ToolCall):
+        return call
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"a tool call is {{'id', 'type': 'function', 'function': {{'name', "
+                         f"'arguments'}}}}, got {call!r:.200}")
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):  # OpenAI sends JSON text; an object is taken as meant
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    call_id = call.get("id") or ""
+    if not isinstance(call_id, str):
+        raise ValueError("a tool call's id must be a string")
+    return ToolCall(id=call_id, name=function["name"], arguments=arguments)
 
 
 

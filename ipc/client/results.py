@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ipc.client.errors import error_for
 from ipc.messages import FINISH_ERROR, RequestTimings, Usage
+from ipc.structured import ToolCall, ToolCallDelta
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class Delta:
     error_code: str | None = None
     usage: Usage | None = None
     timings: RequestTimings | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces of tool calls
 
 
 @dataclass(slots=True)
@@ -36,6 +38,7 @@ class GenerationResult:
     error_code: str | None = None
     t_submit: float = 0.0  # time.monotonic() right before the submit's send
     t_received: list[float] = field(default_factory=list)  # one per delta that carried tokens
+    tool_calls: list[ToolCall] = field(default_factory=list)  # read from the text, when tools
 
     @property
     def ok(self) -> bool:
