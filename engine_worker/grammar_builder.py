@@ -16,7 +16,9 @@ tokenizer below raises if it is ever asked to tokenize, so this is checked, not 
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,10 +32,6 @@ logger = logging.getLogger("splitserve.engine")
 
 NO_FORCING = '%llguidance {"no_forcing": true}\n'
 MAX_CACHED_GRAMMARS = 128
-
-
-class GrammarUnavailable(RuntimeError):
-    """A constrained request arrived before any vocabulary did."""
 
 
 class _VocabularyOnly(llguidance.TokenizerWrapper):
@@ -96,7 +94,12 @@ class RequestGrammar:
 
 
 class GrammarBuilder:
-    """Builds RequestGrammars on one background thread; cached ones are copied on the spot."""
+    """Builds RequestGrammars on one background thread; cached ones are copied on the spot.
+
+    A grammar asked for before any vocabulary arrived waits for one (a tokenizer worker sends it
+    ahead of its constrained requests, but after an engine restart a request queued earlier can
+    overtake it). Each finished build writes a byte to ``wakeup_fd``, so an engine with nothing
+    else to do sleeps in poll instead of checking its waiting requests in a loop."""
 
     def __init__(self, vocabulary: GrammarVocabulary | None = None,
                  eos_ids: list[int] | None = None,
@@ -107,8 +110,12 @@ class GrammarBuilder:
         self.fingerprint = ""
         self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the step loop reads the cache, the build thread fills it
+        self._awaiting_vocabulary: list[tuple[Future, str]] = []
         self.max_cached = max_cached
         self.built = 0  # grammars built (cache misses)
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         if vocabulary is not None:
             self.set_vocabulary(vocabulary)
 
@@ -124,6 +131,9 @@ class GrammarBuilder:
             return True
         self.fingerprint = digest
         self._tokenizer = self._pool.submit(backend_tokenizer, vocabulary, self._eos_ids)
+        waiting, self._awaiting_vocabulary = self._awaiting_vocabulary, []
+        for outer, grammar in waiting:
+            self._build(grammar).add_done_callback(functools.partial(_chain, outer))
         return True
 
     @property
@@ -134,7 +144,9 @@ class GrammarBuilder:
         """A RequestGrammar for ``grammar``: ready at once when it is cached (a copy takes
         microseconds), else built in the background."""
         if self._tokenizer is None:
-            raise GrammarUnavailable("no grammar vocabulary has reached the engine")
+            waiting: Future = Future()
+            self._awaiting_vocabulary.append((waiting, grammar))
+            return RequestGrammar(waiting)
         with self._lock:
             template = self._templates.get(grammar)
             if template is not None:
@@ -142,7 +154,31 @@ class GrammarBuilder:
                 done: Future = Future()
                 done.set_result(template.deep_copy())
                 return RequestGrammar(done)
-        return RequestGrammar(self._pool.submit(self._matcher_for, grammar))
+        return RequestGrammar(self._build(grammar))
+
+    def _build(self, grammar: str) -> Future:
+        future = self._pool.submit(self._matcher_for, grammar)
+        future.add_done_callback(self._wake)
+        return future
+
+    @property
+    def wakeup_fd(self) -> int:
+        """Readable after a build finished (see ``clear_wakeups``)."""
+        return self._wake_read
+
+    def clear_wakeups(self) -> None:
+        """Empties the wake-up pipe; call before looking at which grammars are ready."""
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _wake(self, _: Future) -> None:
+        try:
+            os.write(self._wake_write, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # full (the reader wakes anyway) or closed (shutting down)
 
     def _matcher_for(self, grammar: str) -> llguidance.LLMatcher:
         with self._lock:  # built meanwhile by an earlier request for the same text?
@@ -166,4 +202,18 @@ class GrammarBuilder:
             return template.deep_copy()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for waiting, _ in self._awaiting_vocabulary:
+            waiting.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)  # a running build takes ms
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+
+def _chain(outer: Future, inner: Future) -> None:
+    if outer.done():  # cancelled: the builder is closing
+        return
+    error = inner.exception()
+    if error is not None:
+        outer.set_exception(error)
+    else:
+        outer.set_result(inner.result())

@@ -102,6 +102,12 @@ class GrammarMasker:
             self._mask(logits, fill.rows, fill.bitmask)
         return sorted(failed)
 
+    def cancel(self) -> None:
+        """Drops what ``begin`` started (the step failed), once the fill is done with it."""
+        fill, self._pending = self._pending, None
+        if fill is not None and fill.done is not None:
+            fill.done.result()
+
     def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
         vocab = logits.shape[1]
         if logits.device.type == "cpu" and logits.dtype == torch.float32 \

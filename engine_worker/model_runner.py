@@ -14,6 +14,7 @@ import torch
 
 from engine_worker.attention import PagedKVCache, StepBatch, select_backend
 from engine_worker.attention.batch import to_device
+from engine_worker.grammar_mask import GrammarMasker
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import sample
@@ -37,11 +38,22 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype,
                                      model.device)
         self.attention = select_backend(self.kv_cache, decode_workspace_max_bytes)
+        self.grammar_masker: GrammarMasker | None = None  # made for the first constrained row
 
     def run(self, requests: list[EngineRequest], counts: list[int]) -> list[int | None]:
         """Computes the scheduled tokens; returns the sampled token per request (None where the
         request's step did not reach the end of its tokens)."""
-        logits, emitting = self.compute_logits(requests, counts)
+        inputs = self._inputs(requests, counts)
+        emitting = inputs.emitting
+        masker = self._grammar_masker([requests[i].grammar for i in emitting])
+        try:
+            logits = self._forward(inputs)
+        except BaseException:
+            if masker is not None:
+                masker.cancel()
+            raise
+        if masker is not None:
+            masker.finish(logits)  # the rows with a grammar: only the tokens it allows
         result: list[int | None] = [None] * len(requests)
         if emitting:
             samplers = [requests[i].sampler for i in emitting]
@@ -59,18 +71,36 @@ class ModelRunner:
         """Writes the scheduled tokens' KV; returns logits of the requests whose step reaches
         the end of their tokens, and those requests' indices."""
         inputs = self._inputs(requests, counts)
+        return self._forward(inputs), inputs.emitting
+
+    @torch.inference_mode()
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         metadata = self.attention.prepare(inputs.step)
         try:
-            logits = self.model.forward(inputs.input_ids, inputs.positions, self.attention,
-                                        metadata, inputs.logit_rows)
+            return self.model.forward(inputs.input_ids, inputs.positions, self.attention,
+                                      metadata, inputs.logit_rows)
         except BaseException:
             self.attention.reset()  # what it keeps may hold only some layers' copies
             raise
-        return logits, inputs.emitting
+
+    def _grammar_masker(self, grammars: list) -> GrammarMasker | None:
+        """None when no row of the step has a grammar (unconstrained steps pay nothing);
+        otherwise the masker, with the rows' masks already being filled while the forward
+        runs (they need the matchers only, not the logits)."""
+        if not any(g is not None for g in grammars):
+            return None
+        if self.grammar_masker is None:
+            self.grammar_masker = GrammarMasker(self.model.config.vocab_size)
+        self.grammar_masker.begin(grammars)
+        return self.grammar_masker
 
     def reset(self) -> None:
         """Frees what attention keeps between steps (the engine calls this when idle)."""
         self.attention.reset()
+
+    def close(self) -> None:
+        if self.grammar_masker is not None:
+            self.grammar_masker.close()
 
     def _inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
         num_seqs = len(requests)

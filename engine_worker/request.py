@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
 from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
+
+if TYPE_CHECKING:
+    from engine_worker.grammar_builder import RequestGrammar
 
 
 class EngineRequest:
@@ -38,7 +43,7 @@ class EngineRequest:
         self.cached_tokens = 0
         self.started_sent = False
         self.num_generated = 0
-        self.grammar = None  # a RequestGrammar (engine_worker.grammar_builder) if constrained
+        self.grammar: RequestGrammar | None = None  # the matcher, for a constrained request
 
     @property
     def ready(self) -> bool:

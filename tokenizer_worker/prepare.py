@@ -19,6 +19,8 @@ from ipc.messages import (
     TokenizedRequest,
 )
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_worker.grammar_compiler import GrammarSpecError
+from tokenizer_worker.structured import OutputPlan, StructuredOutputs, ToolSpecError, needs_plan
 
 MAX_PROMPT_CHARS = 8 * 1024 * 1024
 MAX_CHAT_MESSAGES = 4096
@@ -44,26 +46,32 @@ class Limits:
 
 class RequestPreparer:
     def __init__(self, tokenizer, chat_template: ChatTemplate | None, limits: Limits,
-                 tokenizer_index: int = 0) -> None:
+                 tokenizer_index: int = 0, structured: StructuredOutputs | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.limits = limits
         self.tokenizer_index = tokenizer_index
+        # Structured outputs and tools; the vocabulary is read on first use unless the owner
+        # started it already (the worker does, at start-up).
+        self.structured = structured or StructuredOutputs(tokenizer, limits.vocab_size,
+                                                          chat_template)
 
     def prepare_batch(self, requests: list[SubmitRequest]) -> list[TokenizedRequest | RequestError]:
         """One result per request, in order. Text is encoded with one encode_batch per kind."""
         t_start = time.monotonic()
         results: list[TokenizedRequest | RequestError | None] = [None] * len(requests)
         ids: list[list[int] | None] = [None] * len(requests)
+        plans: list[OutputPlan | None] = [None] * len(requests)
         plain, chat = [], []  # (position, text): raw prompts get the tokenizer's special tokens,
         # rendered chats already carry theirs
         for i, req in enumerate(requests):
             try:
                 self._check_sampling(req.sampling)
+                plans[i] = self._plan(req)
                 if req.prompt is not None:
                     plain.append((i, self._check_text(req.prompt)))
                 elif req.messages is not None:
-                    chat.append((i, self._render_chat(req)))
+                    chat.append((i, self._render_chat(req, plans[i])))
                 else:
                     ids[i] = self._check_ids(req.prompt_token_ids or b"")
             except RequestRejected as exc:
@@ -78,13 +86,13 @@ class RequestPreparer:
         for i, req in enumerate(requests):
             if results[i] is None:
                 try:
-                    results[i] = self._finish(req, ids[i] or [], t_start, t_done)
+                    results[i] = self._finish(req, ids[i] or [], t_start, t_done, plans[i])
                 except RequestRejected as exc:
                     results[i] = _error(req, str(exc), exc.code)
         return results  # type: ignore[return-value]
 
-    def _finish(self, req: SubmitRequest, ids: list[int], t_start: float,
-                t_done: float) -> TokenizedRequest:
+    def _finish(self, req: SubmitRequest, ids: list[int], t_start: float, t_done: float,
+                plan: OutputPlan | None = None) -> TokenizedRequest:
         n = len(ids)
         if n == 0:
             raise RequestRejected("the prompt encodes to zero tokens")
@@ -102,9 +110,18 @@ class RequestPreparer:
             request_id=req.request_id, client_id=req.client_id, prompt_tokens=n,
             stop=list(sampling.stop), skip_special_tokens=sampling.skip_special_tokens,
             tokenizer_index=self.tokenizer_index, t_submit=req.t_submit,
-            t_tokenize_start=t_start, t_tokenized=t_done)
+            t_tokenize_start=t_start, t_tokenized=t_done,
+            tool_parser=plan.tool_parser if plan else "")
         return TokenizedRequest(request_id=req.request_id, token_ids=pack_ids(ids),
-                                sampling=sampling, meta=meta)
+                                sampling=sampling, meta=meta, grammar=plan.grammar if plan else "")
+
+    def _plan(self, req: SubmitRequest) -> OutputPlan | None:
+        if not needs_plan(req):
+            return None
+        try:
+            return self.structured.plan(req)
+        except (GrammarSpecError, ToolSpecError) as exc:
+            raise RequestRejected(str(exc)) from None
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         bad = [t for t in sampling.stop_token_ids if t >= self.limits.vocab_size]
@@ -132,7 +149,7 @@ class RequestPreparer:
                 f"[{int(arr.min())}, {int(arr.max())}]")
         return arr.tolist()
 
-    def _render_chat(self, req: SubmitRequest) -> str:
+    def _render_chat(self, req: SubmitRequest, plan: OutputPlan | None = None) -> str:
         if self.chat_template is None:
             raise RequestRejected("this model has no chat template; send a prompt instead")
         messages = req.messages or []
@@ -141,10 +158,13 @@ class RequestPreparer:
         for m in messages:
             if not m.role:
                 raise RequestRejected("every chat message needs a non-empty role")
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        if plan is not None and plan.conversation is not None:
+            conversation = plan.conversation  # with tools, tool calls and results written in
         try:
             text = self.chat_template.render(
-                [{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=req.add_generation_prompt)
+                conversation, add_generation_prompt=req.add_generation_prompt,
+                tools=plan.template_tools if plan else None)
         except ChatTemplateError as exc:
             raise RequestRejected(str(exc)) from None
         return self._check_text(text)

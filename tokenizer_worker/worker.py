@@ -19,6 +19,8 @@ from runtime.model_files import load_tokenizer
 from runtime.worker import WorkerRuntime
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer
+from tokenizer_worker.structured import StructuredOutputs
+from tokenizer_worker.vocabulary_sender import VocabularySender
 
 logger = logging.getLogger("splitserve.tokenizer")
 
@@ -35,9 +37,18 @@ def model_limits(config: ClusterConfig) -> Limits:
 def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:
     if config.preparer_factory:  # a test seam: e.g. a deliberately slow preparer
         return load_factory(config.preparer_factory)(config, index)
-    return RequestPreparer(load_tokenizer(config.model_path),
-                           ChatTemplate.from_model_dir(config.model_path), model_limits(config),
-                           tokenizer_index=index)
+    tokenizer = load_tokenizer(config.model_path)
+    template = ChatTemplate.from_model_dir(config.model_path)
+    limits = model_limits(config)
+    structured = StructuredOutputs(tokenizer, limits.vocab_size, template, model_eos_ids(config))
+    structured.start()  # the vocabulary is read in the background, ready for the first grammar
+    return RequestPreparer(tokenizer, template, limits, tokenizer_index=index,
+                           structured=structured)
+
+
+def model_eos_ids(config: ClusterConfig) -> list[int]:
+    value = json.loads((Path(config.model_path) / "config.json").read_text()).get("eos_token_id")
+    return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
 
 
 class TokenizerWorker:
@@ -52,6 +63,7 @@ class TokenizerWorker:
             curve=config.curve)
         self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
         self.to_detok = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
+        self.vocabulary = VocabularySender(self.to_engine, self.preparer.structured)
         self.served = 0
         self.rejected = 0
         self.tokenize_s = 0.0
@@ -60,6 +72,7 @@ class TokenizerWorker:
         self.runtime.announce([self.inbox.address])
         while not self.runtime.stopping:
             self.runtime.maybe_heartbeat(self._stats())
+            self.vocabulary.poll()
             if not self.inbox.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):
                 continue
             self.handle_frames(self.inbox.drain_frames(self.config.tokenizer_batch_max))
@@ -96,6 +109,8 @@ class TokenizerWorker:
             if isinstance(result, RequestError):
                 self._send_error(result)
             else:
+                if result.grammar:
+                    self.vocabulary.before_constrained_request()
                 self.to_engine.put(result)
                 self.served += 1
 
@@ -116,6 +131,7 @@ class TokenizerWorker:
                 "tokenize_s": self.tokenize_s, "draining": float(self.runtime.draining)}
 
     def close(self) -> None:
+        self.vocabulary.close()
         for q in (self.inbox, self.to_engine, self.to_detok):
             q.close()
         self.runtime.close()

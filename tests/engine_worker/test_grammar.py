@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from concurrent.futures import Future
 
 import jsonschema
@@ -14,12 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.grammar_builder import (
-    GrammarBuilder,
-    GrammarUnavailable,
-    RequestGrammar,
-    backend_tokenizer,
-)
+from engine_worker.grammar_builder import GrammarBuilder, RequestGrammar, backend_tokenizer
 from engine_worker.grammar_mask import GrammarMasker, unpack_bitmask, unpack_bitmask_on
 from ipc.messages import FINISH_ERROR, FINISH_STOP
 from ipc.structured import StructuredOutputSpec
@@ -163,9 +159,11 @@ def test_ready_waits_for_the_build_and_the_vocabulary_is_required(vocabulary):
     assert grammar.ready() and grammar.matcher == "matcher"
 
     empty = GrammarBuilder()
-    with pytest.raises(GrammarUnavailable):
-        empty.request('start: "x"')
+    early = empty.request('start: "x"')  # before any vocabulary: it waits for one
+    time.sleep(0.05)
+    assert not early.ready()
     assert empty.set_vocabulary(vocabulary) and empty.has_vocabulary
+    assert wait_ready(early).matcher is not None and not early.error
     assert empty.set_vocabulary(tiny_vocabulary())  # an identical copy from another worker
     assert not empty.set_vocabulary(tiny_vocabulary(padding=8))  # a different one is refused
     empty.close()
