@@ -38,8 +38,10 @@ from http_worker.protocol import (
     error_body,
     models_body,
 )
+from http_worker.tool_call_bodies import with_tool_call_deltas, with_tool_calls
 from ipc.client import Delta, SplitserveError
 from ipc.sockets import CurveKeys
+from ipc.structured import ToolCall, add_tool_call_deltas
 from runtime.supervisor_link import SupervisorLink
 
 logger = logging.getLogger("splitserve.http")
@@ -88,11 +90,14 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
 async def _collect(call: GenerationCall, events: AsyncIterator[tuple[int, Delta]],
                    fmt: ResponseFormat) -> dict[str, Any]:
     texts: list[list[str]] = [[] for _ in call.handles]
+    calls: list[list[ToolCall]] = [[] for _ in call.handles]
     async for i, delta in events:
         texts[i].append(delta.text)
+        add_tool_call_deltas(calls[i], delta.tool_calls)
     call.close()
     choices = [("".join(t), f.finish_reason if f else None) for t, f in zip(texts, call.finals)]
-    return fmt.full(choices, call.usage())
+    body = fmt.full(choices, call.usage())
+    return with_tool_calls(body, calls) if any(calls) else body
 
 
 async def _stream(call: GenerationCall, first: tuple[int, Delta],
@@ -106,9 +111,11 @@ async def _stream(call: GenerationCall, first: tuple[int, Delta],
                 yield _sse(chunk)
         i, delta = first
         while True:
-            if delta.text or delta.finished:
-                yield _sse(fmt.chunk(i, delta.text,
-                                     delta.finish_reason if delta.finished else None))
+            if delta.text or delta.finished or delta.tool_calls:
+                chunk = fmt.chunk(i, delta.text, delta.finish_reason if delta.finished else None)
+                if delta.tool_calls:
+                    chunk = with_tool_call_deltas(chunk, delta.tool_calls)
+                yield _sse(chunk)
             try:
                 i, delta = await events.__anext__()
             except StopAsyncIteration:

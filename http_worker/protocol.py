@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ipc.messages import SamplingParams
+from ipc.structured import StructuredOutputError, spec_from_request
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 128  # prompts x n in one request: each is one engine request
@@ -75,6 +76,9 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # not OpenAI's; vLLM and TGI take it too
+    # What the output must match: OpenAI's field, or vLLM's (json, regex, choice, grammar).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # Accepted only at its neutral value (see _reject_unsupported).
     logit_bias: dict[str, float] | None = None
 
@@ -97,6 +101,14 @@ class _GenerationRequest(BaseModel):
 
     def max_tokens_or(self, default: int) -> int:
         return self.max_tokens if self.max_tokens is not None else default
+
+    def output_options(self) -> dict[str, Any]:
+        """submit() keywords for structured outputs (and tools, on the chat endpoint)."""
+        try:
+            spec = spec_from_request(self.response_format, self.structured_outputs)
+        except StructuredOutputError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        return {} if spec is None else {"response_format": spec}
 
     def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
         """The SamplingParams of one choice; bad values raise APIError(400).
@@ -177,10 +189,13 @@ class TextPart(BaseModel):
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # on a "tool" message: the call it answers
+    name: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
@@ -188,7 +203,11 @@ class ChatMessageIn(BaseModel):
             content = "".join(part.text for part in content)  # type: ignore[misc]
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -198,12 +217,18 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
     def _neutral_values(self) -> dict[str, Any]:
-        return {**super()._neutral_values(), "logprobs": False, "top_logprobs": 0,
-                "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+        return {**super()._neutral_values(), "logprobs": False, "top_logprobs": 0}
+
+    def output_options(self) -> dict[str, Any]:
+        options = super().output_options()
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
+        return options
 
     def max_tokens_or(self, default: int) -> int:
         if self.max_completion_tokens is not None:

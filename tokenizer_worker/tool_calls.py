@@ -8,9 +8,10 @@ tools (it reads a ``tools`` variable) gets them as Hugging Face templates expect
 does not (SmolLM2's) they go into the system message in the generic format below, and the
 history's tool calls and results are written in the same tags.
 
-``required`` and a named function are enforced by a grammar: the output is one call (or, with
-``parallel_tool_calls``, several), each an object whose ``arguments`` match that function's
-``parameters`` schema. ``auto`` is left to the model and parsed afterwards; ``none`` leaves the
+``required`` and a named function are enforced by a grammar: the output is one call (for
+``required`` with ``parallel_tool_calls``, one or more), each an object whose ``arguments`` match
+that function's ``parameters`` schema. A named function is called once: small models, offered
+another call of the same function, tend to repeat the first one until max_tokens. ``auto`` is left to the model and parsed afterwards; ``none`` leaves the
 tools out of the prompt, so the model is not invited to call what it may not.
 """
 
@@ -174,7 +175,7 @@ def forced_tool_call_spec(tools: list[dict], choice: ToolChoice,
         "required": ["name", "arguments"], "additionalProperties": False} for f in allowed]
     schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
     schema = {**schema, "x-guidance": COMPACT_JSON}
-    repeat = ' ("\\n" call)*' if parallel_tool_calls else ""
+    repeat = ' ("\\n" call)*' if parallel_tool_calls and choice.mode == "required" else ""
     lark = (f"start: call{repeat}\n"
             f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"\n')
     return StructuredOutputSpec(STRUCTURED_GRAMMAR, lark)
