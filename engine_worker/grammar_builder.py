@@ -133,7 +133,7 @@ class GrammarBuilder:
         self._tokenizer = self._pool.submit(backend_tokenizer, vocabulary, self._eos_ids)
         waiting, self._awaiting_vocabulary = self._awaiting_vocabulary, []
         for outer, grammar in waiting:
-            self._build(grammar).add_done_callback(functools.partial(_chain, outer))
+            self._build(grammar, outer)
         return True
 
     @property
@@ -156,8 +156,12 @@ class GrammarBuilder:
                 return RequestGrammar(done)
         return RequestGrammar(self._build(grammar))
 
-    def _build(self, grammar: str) -> Future:
+    def _build(self, grammar: str, waiting: Future | None = None) -> Future:
+        """Builds on the pool; ``waiting`` (a future handed out before the vocabulary came) gets
+        the result too, before the wake-up is written."""
         future = self._pool.submit(self._matcher_for, grammar)
+        if waiting is not None:
+            future.add_done_callback(functools.partial(_chain, waiting))
         future.add_done_callback(self._wake)
         return future
 
