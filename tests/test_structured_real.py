@@ -10,12 +10,11 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import openai
 import pytest
 
 from ipc.client import Client
 from procs.launch_cluster import launch_cluster
-from tests.test_http_tiny import free_port, start_frontend, stop_frontend
+from tests.test_http_tiny import openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -53,13 +52,8 @@ def cluster(default_model_dir):
 
 @pytest.fixture(scope="module")
 def oai(cluster):
-    port = free_port()
-    popen = start_frontend(cluster, port, model_name="smollm2")
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                            max_retries=0, timeout=600)
-    finally:
-        stop_frontend(popen)
+    with openai_client(cluster, "smollm2", timeout_s=600) as client:
+        yield client
 
 
 def chat(oai, messages, **kwargs):

@@ -17,7 +17,7 @@ import pytest
 from ipc.client import Client
 from procs.launch_cluster import launch_cluster
 from tests.test_cluster_faults import pid_of, poll, restarted
-from tests.test_http_tiny import free_port, start_frontend, stop_frontend
+from tests.test_http_tiny import openai_client
 
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
@@ -39,13 +39,8 @@ def cluster(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def oai(cluster):
-    port = free_port()
-    popen = start_frontend(cluster, port)
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                            max_retries=0, timeout=120)
-    finally:
-        stop_frontend(popen)
+    with openai_client(cluster, "tiny", timeout_s=120) as client:
+        yield client
 
 
 def chat(oai, **kwargs):

@@ -20,7 +20,8 @@ from ipc.messages import (
 )
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_worker.grammar_compiler import GrammarSpecError
-from tokenizer_worker.structured import OutputPlan, StructuredOutputs, ToolSpecError, needs_plan
+from tokenizer_worker.structured import OutputPlan, StructuredOutputs, needs_plan
+from tokenizer_worker.tool_calls import ToolSpecError
 
 MAX_PROMPT_CHARS = 8 * 1024 * 1024
 MAX_CHAT_MESSAGES = 4096

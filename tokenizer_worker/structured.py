@@ -19,17 +19,10 @@ from typing import Any
 
 from ipc.messages import ChatMessage, SubmitRequest
 from ipc.structured import GrammarVocabulary
+from tokenizer_worker import tool_calls
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.grammar_compiler import GrammarCompiler
-from tokenizer_worker.tool_calls import (
-    ToolChoice,
-    ToolSpecError,
-    check_tools,
-    conversation_for_template,
-    forced_tool_call_spec,
-    resolve_tool_choice,
-    template_supports_tools,
-)
+from tokenizer_worker.tool_calls import ToolChoice, ToolSpecError
 from tokenizer_worker.vocabulary import grammar_backend
 
 TOOL_PARSER = "hermes"  # the format tool_calls prompts and enforces (detok_worker.tool_parsers)
@@ -55,7 +48,7 @@ class StructuredOutputs:
     def __init__(self, tokenizer, vocab_size: int, chat_template: ChatTemplate | None,
                  eos_ids: list[int] | None = None) -> None:
         self._tokenizer, self._vocab_size, self._eos_ids = tokenizer, vocab_size, eos_ids
-        self.supports_tools = chat_template is not None and template_supports_tools(
+        self.supports_tools = chat_template is not None and tool_calls.template_supports_tools(
             chat_template.source)
         self._backend: Future[tuple[GrammarCompiler, GrammarVocabulary]] = Future()
         self._started = False
@@ -100,10 +93,10 @@ class StructuredOutputs:
         if req.tools or req.tool_choice:
             if req.messages is None:
                 raise ToolSpecError("tools and tool_choice need chat messages")
-            tools = check_tools(_json(req.tools, "tools")) if req.tools else []
-            choice = resolve_tool_choice(
+            tools = tool_calls.check_tools(_json(req.tools, "tools")) if req.tools else []
+            choice = tool_calls.resolve_tool_choice(
                 tools, _json(req.tool_choice, "tool_choice") if req.tool_choice else None)
-        spec = forced_tool_call_spec(tools, choice, req.parallel_tool_calls)
+        spec = tool_calls.forced_tool_call_spec(tools, choice, req.parallel_tool_calls)
         if spec is not None and req.structured is not None:
             raise ToolSpecError('tool_choice "required" or a named function forces a tool call; '
                                 "it cannot be combined with response_format or "
@@ -112,7 +105,7 @@ class StructuredOutputs:
         plan = OutputPlan(grammar=self.compiler.compile(spec) if spec is not None else "",
                           tool_parser=TOOL_PARSER if choice.mode != "none" else "")
         if req.messages is not None:
-            plan.conversation, plan.template_tools = conversation_for_template(
+            plan.conversation, plan.template_tools = tool_calls.conversation_for_template(
                 [openai_message(m) for m in req.messages], tools, choice, self.supports_tools)
         return plan
 

@@ -11,8 +11,9 @@ history's tool calls and results are written in the same tags.
 ``required`` and a named function are enforced by a grammar: the output is one call (for
 ``required`` with ``parallel_tool_calls``, one or more), each an object whose ``arguments`` match
 that function's ``parameters`` schema. A named function is called once: small models, offered
-another call of the same function, tend to repeat the first one until max_tokens. ``auto`` is left to the model and parsed afterwards; ``none`` leaves the
-tools out of the prompt, so the model is not invited to call what it may not.
+another call of the same function, tend to repeat the first one until max_tokens. ``auto`` is
+left to the model and parsed afterwards; ``none`` leaves the tools out of the prompt, so the
+model is not invited to call what it may not.
 """
 
 from __future__ import annotations
