@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ipc.codec import DecodeError, pack_ids, unpack_ids
 from ipc.messages import (
     ERR_BAD_REQUEST,
+    ERR_INTERNAL,
     RequestError,
     RequestMeta,
     SamplingParams,
@@ -123,6 +124,9 @@ class RequestPreparer:
             return self.structured.plan(req)
         except (GrammarSpecError, ToolSpecError) as exc:
             raise RequestRejected(str(exc)) from None
+        except Exception as exc:  # e.g. the vocabulary could not be read: this request fails
+            raise RequestRejected(f"structured outputs are unavailable: {exc}",
+                                  ERR_INTERNAL) from None
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         bad = [t for t in sampling.stop_token_ids if t >= self.limits.vocab_size]
