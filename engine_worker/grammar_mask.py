@@ -51,8 +51,8 @@ class GrammarMasker:
     def begin(self, grammars: Sequence[RequestGrammar | None], overlap: bool = True) -> None:
         """Starts filling the masks of the rows where ``grammars[row]`` is set (each must be
         ready); the step must not advance a matcher before ``finish``."""
-        if self._pending is not None:
-            raise RuntimeError("begin() twice without finish()")
+        if self._pending is not None:  # the step that began it failed before finish()
+            self.cancel()
         rows: list[int] = []
         failed: list[int] = []
         matchers: list[tuple[llguidance.LLMatcher, int]] = []

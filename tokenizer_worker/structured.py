@@ -40,8 +40,13 @@ class OutputPlan:
 
 def needs_plan(req: SubmitRequest) -> bool:
     """Whether the request asks for anything here (cheap: most requests do not)."""
-    return bool(req.structured is not None or req.tools or req.tool_choice or (
-        req.messages and any(m.tool_calls or m.role == "tool" for m in req.messages)))
+    return bool(req.structured is not None or req.tools or req.tool_choice
+                or _has_tool_turns(req))
+
+
+def _has_tool_turns(req: SubmitRequest) -> bool:
+    """A history with tool calls or results: written in the call format for the template."""
+    return bool(req.messages and any(m.tool_calls or m.role == "tool" for m in req.messages))
 
 
 class StructuredOutputs:
@@ -104,7 +109,7 @@ class StructuredOutputs:
         spec = spec or req.structured
         plan = OutputPlan(grammar=self.compiler.compile(spec) if spec is not None else "",
                           tool_parser=TOOL_PARSER if choice.mode != "none" else "")
-        if req.messages is not None:
+        if req.messages is not None and (choice.mode != "none" or _has_tool_turns(req)):
             plan.conversation, plan.template_tools = tool_calls.conversation_for_template(
                 [openai_message(m) for m in req.messages], tools, choice, self.supports_tools)
         return plan

@@ -19,10 +19,11 @@ OUTPUT_OPTIONS = ("response_format", "structured_outputs", "tools", "tool_choice
 def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
                  messages: list[Any] | None, prompt_token_ids: Any, sampling: SamplingParams | None,
                  sampling_kwargs: dict[str, Any], add_generation_prompt: bool,
-                 t_submit: float) -> SubmitRequest:
+                 t_submit: float, chat_template_kwargs: dict[str, Any] | None = None,
+                 continuous_usage_stats: bool = False) -> SubmitRequest:
     """The SubmitRequest for one submit() call; anything invalid raises BadRequestError."""
     try:
-        sampling_kwargs = dict(sampling_kwargs)
+        sampling_kwargs = _max_tokens_alias(sampling_kwargs)
         options = {k: sampling_kwargs.pop(k) for k in OUTPUT_OPTIONS if k in sampling_kwargs}
         if sampling is None:
             sampling = SamplingParams(**sampling_kwargs)
@@ -30,7 +31,7 @@ def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
             raise ValueError("give either sampling= or sampling keyword arguments, not both")
         chat = None
         if messages is not None:
-            chat = [_chat_message(m) for m in messages]
+            chat = [chat_message(m) for m in messages]
         packed = None
         if prompt_token_ids is not None:
             packed = pack_ids(prompt_token_ids)
@@ -39,6 +40,8 @@ def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
         return SubmitRequest(request_id=wire_id, client_id=client_id, sampling=sampling,
                              prompt=prompt, messages=chat, prompt_token_ids=packed,
                              add_generation_prompt=add_generation_prompt, t_submit=t_submit,
+                             chat_template_kwargs=dict(chat_template_kwargs or {}),
+                             continuous_usage_stats=continuous_usage_stats,
                              **_output_fields(**options))
     except (ValueError, TypeError, OverflowError) as exc:
         raise BadRequestError(str(exc)) from None
@@ -64,22 +67,35 @@ def _output_fields(response_format: Any = None, structured_outputs: Any = None,
             "tool_choice": "" if tool_choice is None else json.dumps(tool_choice)}
 
 
-def _chat_message(m: Any) -> ChatMessage:
-    """A ChatMessage, or OpenAI's message map: role and content (a string; None or absent on
-    an assistant message that only calls tools), ``tool_calls``, ``tool_call_id``, ``name``."""
+def _max_tokens_alias(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """max_completion_tokens is OpenAI's newer name for max_tokens; given both, it wins (as
+    the HTTP frontend decides). Always a copy: the caller's keywords are left as they were."""
+    kwargs = dict(kwargs)
+    if kwargs.get("max_completion_tokens") is None:
+        kwargs.pop("max_completion_tokens", None)
+        return kwargs
+    kwargs["max_tokens"] = kwargs.pop("max_completion_tokens")
+    return kwargs
+
+
+CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
+def chat_message(m: Any) -> ChatMessage:
+    """A ChatMessage, or OpenAI's message map: role, content (a string; null on an assistant
+    message that only calls tools), and optionally name, tool_calls and tool_call_id."""
     if isinstance(m, ChatMessage):
         return m
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ValueError(f"a chat message is a {{'role': str, 'content': str}} map, got {m!r}")
-    content, calls = m.get("content"), m.get("tool_calls")
-    if not isinstance(content, str) and not (content is None and calls):
-        raise ValueError(f"a chat message is a {{'role': str, 'content': str}} map, got {m!r}")
-    for key in ("tool_call_id", "name"):
-        if m.get(key) is not None and not isinstance(m[key], str):
-            raise ValueError(f"a chat message's {key} must be a string")
-    return ChatMessage(role=m["role"], content=content or "",
+    calls = m.get("tool_calls") if isinstance(m, dict) else None
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+            and (isinstance(m.get("content"), str) or (m.get("content") is None and calls))
+            and all(isinstance(m.get(k), (str, type(None))) for k in ("name", "tool_call_id"))
+            and set(m) <= CHAT_MESSAGE_KEYS):
+        raise ValueError("a chat message is a {'role': str, 'content': str} map (and optionally "
+                         f"'name', 'tool_calls', 'tool_call_id'), got {m!r:.300}")
+    return ChatMessage(role=m["role"], content=m.get("content") or "", name=m.get("name") or None,
                        tool_calls=None if calls is None else [_tool_call(c) for c in calls],
-                       tool_call_id=m.get("tool_call_id"), name=m.get("name"))
+                       tool_call_id=m.get("tool_call_id"))
 
 
 def _tool_call(call: Any) -> ToolCall:
@@ -97,8 +113,6 @@ def _tool_call(call: Any) -> ToolCall:
     if not isinstance(call_id, str):
         raise ValueError("a tool call's id must be a string")
     return ToolCall(id=call_id, name=function["name"], arguments=arguments)
-
-
 
 
 def prompt_kwargs(p: Any) -> dict[str, Any]:

@@ -201,8 +201,7 @@ def test_masker_protocol_and_the_torch_path(builder, compiler, vocabulary):
     with pytest.raises(RuntimeError, match="without begin"):
         masker.finish(torch.zeros(1, vocabulary.vocab_size))
     masker.begin([grammar])
-    with pytest.raises(RuntimeError, match="twice"):
-        masker.begin([grammar])
+    masker.begin([grammar])  # the step that began the first failed: its fill is dropped
     wide = torch.zeros(1, vocabulary.vocab_size + 1)
     with pytest.raises(ValueError, match="wide"):
         masker.finish(wide)
