@@ -112,7 +112,11 @@ class Xgrammar:
 
     def __init__(self, tokens, special, eos, threads):
         import torch
-        import xgrammar
+        try:
+            import xgrammar
+        except ImportError:
+            raise SystemExit("the xgrammar side of the comparison needs `pip install xgrammar` "
+                             "(not a dependency: the engine uses llguidance)") from None
         self.xgr, self.torch = xgrammar, torch
         self.vocab = len(tokens)
         # Special tokens as empty strings: xgrammar then never allows them as text.
