@@ -33,7 +33,7 @@ from ipc.messages import (
 from ipc.sockets import PullQueue, PushQueue
 from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
-from runtime.worker import WorkerRuntime
+from runtime.worker import WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.engine")
 
@@ -97,12 +97,7 @@ class EngineProcess:
         self.shutdown()
 
     def drain_inbox(self) -> None:
-        for frame in self.inbox.drain_frames(INBOX_HWM):
-            try:
-                msg = self.inbox.decode(frame)
-            except DecodeError as exc:
-                self._reject_frame(frame, exc)
-                continue
+        for msg in self.inbox.drain(INBOX_HWM, self._reject_frame):
             if isinstance(msg, AbortRequests):
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
@@ -221,8 +216,4 @@ class EngineProcess:
 
 
 def main(config: ClusterConfig, index: int = 0) -> None:
-    ctx = zmq.Context()
-    try:
-        EngineProcess(config, ctx).run()
-    finally:
-        ctx.term()
+    run_on_context(lambda ctx: EngineProcess(config, ctx))

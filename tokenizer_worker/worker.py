@@ -19,7 +19,7 @@ from ipc.queries import TokenizeRequest
 from ipc.sockets import PullQueue, PushQueue
 from runtime.factories import load_factory
 from runtime.model_files import load_tokenizer
-from runtime.worker import WorkerRuntime
+from runtime.worker import WorkerRuntime, run_on_context
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer
 from tokenizer_worker.queries import TokenizerQueries
@@ -81,27 +81,22 @@ class TokenizerWorker:
             self.vocabulary.poll()
             if not self.inbox.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):
                 continue
-            self.handle_frames(self.inbox.drain_frames(self.config.tokenizer_batch_max))
+            self.handle(self.inbox.drain(self.config.tokenizer_batch_max, self._reject_frame))
         # Stopping: answer whatever is still queued, so no accepted request goes silent.
         self.runtime.draining = True
         deadline = time.monotonic() + 0.2
         while time.monotonic() < deadline:
-            frames = self.inbox.drain_frames(self.config.tokenizer_batch_max)
-            if frames:
-                self.handle_frames(frames)
+            messages = self.inbox.drain(self.config.tokenizer_batch_max, self._reject_frame)
+            if messages:
+                self.handle(messages)
             else:
                 time.sleep(0.01)
         self.close()
 
-    def handle_frames(self, frames: list[bytes]) -> None:
+    def handle(self, messages: list[SubmitRequest | TokenizeRequest]) -> None:
         requests: list[SubmitRequest] = []
         queries: list[TokenizeRequest] = []
-        for frame in frames:
-            try:
-                msg = self.inbox.decode(frame)
-            except DecodeError as exc:
-                self._reject_frame(frame, exc)
-                continue
+        for msg in messages:
             if isinstance(msg, TokenizeRequest):
                 queries.append(msg)
             else:
@@ -166,8 +161,4 @@ class TokenizerWorker:
 
 
 def main(config: ClusterConfig, index: int) -> None:
-    ctx = zmq.Context()
-    try:
-        TokenizerWorker(config, index, ctx).run()
-    finally:
-        ctx.term()
+    run_on_context(lambda ctx: TokenizerWorker(config, index, ctx))
