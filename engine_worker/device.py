@@ -9,6 +9,7 @@ import os
 import torch
 
 from engine_worker.weight_format import dtype_for_weights
+from ipc.engine_config import PREFILL_TOKENS_CPU, PREFILL_TOKENS_CUDA
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,14 +63,6 @@ def weight_copy_budget_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 4
     return available_memory_bytes() // 4
-
-
-# Prompt tokens one step may compute when prefill_max_tokens is 0. A step holds up the decode of
-# every running request, so on a CPU (a few hundred to a few thousand prompt tokens/s for a small
-# model) a smaller budget keeps each step, and the gap between two tokens of a stream, short; a
-# GPU computes thousands of tokens in milliseconds and wants large steps.
-PREFILL_TOKENS_CUDA = 4096
-PREFILL_TOKENS_CPU = 512
 
 
 def resolve_prefill_tokens(configured: int, device: torch.device) -> int:

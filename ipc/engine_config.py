@@ -20,6 +20,13 @@ WEIGHTS_HELP = (
     "fewer bytes than bf16) and, where memory allows, keep a dense copy for larger ones "
     "(prefill, big decode batches); int8 and int4 run on CPU only")
 
+# Prompt tokens one step may compute when prefill_max_tokens is 0. A step holds up the decode of
+# every running request, so on a CPU (a few hundred to a few thousand prompt tokens/s for a small
+# model) a smaller budget keeps each step, and the gap between two tokens of a stream, short; a
+# GPU computes thousands of tokens in milliseconds and wants large steps.
+PREFILL_TOKENS_CUDA = 4096
+PREFILL_TOKENS_CPU = 512
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:

@@ -47,7 +47,7 @@ class PagedCpuBackend(SdpaBackend):
         if ws is None:
             return super()._prepare_decode(step, seqs)
         # Where each layer writes this step's keys/values (one index_copy_ each), computed once.
-        rows = np.arange(self.cache.num_kv_heads * len(seqs)) * ws.capacity
+        rows: np.ndarray = np.arange(self.cache.num_kv_heads * len(seqs)) * ws.capacity
         ws.new_slots = self._device(rows + np.tile(context - 1, self.cache.num_kv_heads))
         decode = self._decode_batch(step, seqs, ws.capacity, with_tables=ws.fresh)
         decode.workspace = ws
