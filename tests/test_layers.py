@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("tokenizer_worker", "engine_worker", "detok_worker", "http_worker")
-LAYER = {"ipc": 0, "runtime": 1, **{role: 2 for role in ROLES}, "procs": 3}
+LAYER = {"ipc": 0, "runtime": 1, **{role: 2 for role in ROLES}, "procs": 3, "scripts": 4}
 
 
 def module_name(path: Path) -> str:
