@@ -16,6 +16,7 @@ import torch
 
 from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
+from engine_worker.idle_window import IdleBatchWindow
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.model_runner import ModelRunner
 from engine_worker.prefix_cache import PrefixCache
@@ -83,6 +84,8 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   config.decode_workspace_max_bytes)
         self.requests: dict[str, EngineRequest] = {}
+        self.idle_window = IdleBatchWindow(config.idle_batch_window_ms / 1e3,
+                                           config.prefill_max_batch_size)
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
         self._early_finishes: list[FinishRecord] = []
@@ -134,8 +137,16 @@ class Engine:
             request_id, ids.tolist(), sampling, RequestSampler(sampling, self.device),
             frozenset(stop_ids), self.max_model_len,
             time.monotonic() if arrival_time is None else arrival_time)
+        was_idle = not (self.scheduler.running or self.scheduler.waiting)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
+        self.idle_window.on_arrival(time.monotonic(), was_idle)
+
+    def step_delay_s(self) -> float:
+        """How long the caller's loop should still wait for more arrivals before ``step()``
+        (0: step now). Non-zero only in the idle batching window after a request reached an
+        idle engine; the loop waits for input meanwhile and asks again."""
+        return self.idle_window.remaining_s(time.monotonic(), len(self.scheduler.waiting))
 
     def abort(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -149,6 +160,7 @@ class Engine:
     def step(self) -> StepOutput:
         """Schedule, run the batch, postprocess: one StepOutput for every request touched."""
         t_start = time.monotonic()
+        self.idle_window.close()
         self._step += 1
         out = StepOutput(step=self._step, t_step=t_start)
         self._finish_aborted(out)

@@ -52,6 +52,14 @@ class EngineConfig:
                                            "copy (a larger batch gathers from the paged cache "
                                            "each step); 0 disables it", unit="BYTES", minimum=0)
 
+    # An idle engine that gets a request waits this long for more before its first step, so the
+    # rest of a burst (still being tokenized elsewhere) joins that step instead of queueing
+    # behind it; a busy engine never waits.
+    idle_batch_window_ms: float = knob(0.0, "an idle engine waits up to this long after a "
+                                       "request arrives, for more to join its first step "
+                                       "(0: step at once); never while it is busy",
+                                       unit="MS", minimum=0.0, maximum=1000.0)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", str(self.model_path))
         if not self.model_path:

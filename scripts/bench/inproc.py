@@ -11,6 +11,7 @@ exactly what splitserve's separate processes avoid; the cores are the ones the c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -115,9 +116,8 @@ class InprocServer:
     def _run(self) -> None:
         try:
             while True:
-                # Block only when idle; between steps take whatever has arrived.
-                items = [] if self.engine.has_work() else [self._inbox.get()]
-                while True:
+                items = self._wait_for_input()
+                while True:  # between steps, take whatever has arrived
                     try:
                         items.append(self._inbox.get_nowait())
                     except queue.Empty:
@@ -126,7 +126,7 @@ class InprocServer:
                     if item is None:
                         return
                     self._take(item)
-                if self.engine.has_work():
+                if self.engine.has_work() and not self.engine.step_delay_s():
                     out = self.engine.step()
                     # As the engine process does: metas ride ahead of their requests' tokens.
                     out.new_requests = self._new_metas + list(out.new_requests)
@@ -138,6 +138,17 @@ class InprocServer:
             self.detokenizer.end_all(FINISH_ERROR, time.monotonic(), code=ERR_INTERNAL,
                                      error="the in-process engine thread failed")
             self._flush()
+
+    def _wait_for_input(self) -> list:
+        """Blocks while the engine is idle, and in its idle batching window (as the engine
+        process does) until the window ends or something arrives; otherwise returns at once."""
+        if not self.engine.has_work():
+            return [self._inbox.get()]
+        delay_s = self.engine.step_delay_s()
+        if delay_s > 0:
+            with contextlib.suppress(queue.Empty):
+                return [self._inbox.get(timeout=delay_s)]
+        return []
 
     def _take(self, item: TokenizedRequest | RequestError | _Abort) -> None:
         if isinstance(item, _Abort):
