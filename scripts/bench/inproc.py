@@ -49,15 +49,30 @@ class _Abort:
         self.request_id = request_id
 
 
+def make_preparer(model_dir: str, engine: Engine) -> RequestPreparer:
+    """A tokenizer worker's request preparer for this engine's limits."""
+    return RequestPreparer(
+        load_tokenizer(model_dir), ChatTemplate.from_model_dir(model_dir),
+        Limits(max_model_len=engine.max_model_len, vocab_size=engine.vocab_size))
+
+
+def prepare_request(preparer: RequestPreparer, request_id: str, sampling: SamplingParams,
+                    t_submit: float, prompt: str | None, messages: list[dict] | None,
+                    prompt_token_ids: list[int] | None = None) -> TokenizedRequest | RequestError:
+    """The client SDK's SubmitRequest, then what a tokenizer worker makes of it."""
+    request = build_submit(CLIENT_ID, request_id, prompt=prompt, messages=messages,
+                           prompt_token_ids=prompt_token_ids, sampling=sampling,
+                           sampling_kwargs={}, add_generation_prompt=True, t_submit=t_submit)
+    return preparer.prepare_batch([request])[0]
+
+
 class InprocServer:
     def __init__(self, engine_config, deliver: Callable[[list[StreamEvent]], None], *,
                  stream_interval_tokens: int = 1, name: str = "inproc") -> None:
         model_dir = engine_config.model_path
         self.engine = Engine(engine_config)
         # Each role loads its own tokenizer, as the cluster's processes do.
-        self.preparer = RequestPreparer(
-            load_tokenizer(model_dir), ChatTemplate.from_model_dir(model_dir),
-            Limits(max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size))
+        self.preparer = make_preparer(model_dir, self.engine)
         self.detokenizer = DetokenizerCore(load_tokenizer(model_dir),
                                            stream_interval_tokens=stream_interval_tokens)
         self.detokenizer.on_hello(CLIENT_ID)
@@ -95,11 +110,8 @@ class InprocServer:
     def _prepare(self, request_id: str, sampling: SamplingParams, t_submit: float,
                  prompt: str | None, messages: list[dict] | None,
                  prompt_token_ids: list[int] | None) -> TokenizedRequest | RequestError:
-        """The client SDK's SubmitRequest, then what a tokenizer worker makes of it."""
-        request = build_submit(CLIENT_ID, request_id, prompt=prompt, messages=messages,
-                               prompt_token_ids=prompt_token_ids, sampling=sampling,
-                               sampling_kwargs={}, add_generation_prompt=True, t_submit=t_submit)
-        return self.preparer.prepare_batch([request])[0]
+        return prepare_request(self.preparer, request_id, sampling, t_submit, prompt, messages,
+                               prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -166,6 +167,7 @@ def to_json(setup: dict, runs: list[RunResult], summaries: list[dict],
         "setup": setup,
         "runs": [{"mode": r.mode, "run_index": r.run_index, "warmup": r.warmup,
                   "timed_out": r.timed_out, "cpu_seconds": r.cpu_seconds, "summary": s,
+                  "request_rate": r.request_rate if math.isfinite(r.request_rate) else None,
                   "records": [rec.to_json() for rec in r.records]}
                  for r, s in zip(runs, summaries)],
         "medians": medians,
@@ -180,7 +182,8 @@ def load_runs(data: dict) -> list[RunResult]:
     """The RunResults of a written JSON file (to re-summarize or re-plot a past benchmark)."""
     return [RunResult(mode=r["mode"], run_index=r["run_index"], warmup=r["warmup"],
                       records=[RequestRecord.from_json(x) for x in r["records"]],
-                      cpu_seconds=r["cpu_seconds"], timed_out=r["timed_out"])
+                      cpu_seconds=r["cpu_seconds"], timed_out=r["timed_out"],
+                      request_rate=r.get("request_rate") or math.inf)
             for r in data["runs"]]
 
 
