@@ -85,6 +85,7 @@ class Engine:
                                   config.decode_workspace_max_bytes)
         self.requests: dict[str, EngineRequest] = {}
         self.idle_window = IdleBatchWindow(config.idle_batch_window_ms / 1e3,
+                                           config.idle_batch_window_step_fraction,
                                            config.prefill_max_batch_size)
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
@@ -140,7 +141,8 @@ class Engine:
         was_idle = not (self.scheduler.running or self.scheduler.waiting)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
-        self.idle_window.on_arrival(time.monotonic(), was_idle)
+        self.idle_window.on_arrival(time.monotonic(), was_idle,
+                                    min(ids.size, self.config.prefill_chunk_tokens))
 
     def step_delay_s(self) -> float:
         """How long the caller's loop should still wait for more arrivals before ``step()``
@@ -173,6 +175,7 @@ class Engine:
         if not self.scheduler.running:
             self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
         out.t_step = time.monotonic()
+        self.idle_window.observe_step(out.t_step - t_start, batch.prefill_tokens)
         out.stats = self._stats(batch, (out.t_step - t_start) * 1000.0)
         return out
 
