@@ -34,6 +34,7 @@ COMPARED = (
     ("prefill->first token p50 (ms)", "prefill_to_first_token_ms_p50"),
     ("TTFT p50 (ms)", "ttft_ms_p50"),
     ("TTFT p99 (ms)", "ttft_ms_p99"),
+    ("TTFT from arrival p50 (ms)", "ttft_from_arrival_ms_p50"),
     ("TPOT p50 (ms/token)", "tpot_ms_p50"),
     ("latency p50 (ms)", "e2el_ms_p50"),
     ("request throughput (req/s)", "request_throughput_rps"),
