@@ -7,13 +7,16 @@ what must go out, handed over by ``take_output()``:
     welcomes  clients to answer with the ClientWelcome (sent first)
     events    per client, the StreamEvents of this pass (one ClientEvents message each)
     notices   per client, ClusterNotices to send after its events
+    replies   per client, answers to its queries (TokenizeResult, EngineStatsReport)
     aborts    request ids to abort in the engine: client aborts, matched stop strings, requests
               of clients that are gone (what vLLM's OutputProcessor returns as reqs_to_abort)
 
 Every request it learns about (a RequestMeta or a RequestError) ends in exactly one terminal
-StreamEvent to its client. It reads no clock: times come from the messages, or as ``now`` from
-its caller. The process loop (worker.py) and the benchmark's in-process server run this same
-object.
+StreamEvent to its client; every query, in exactly one reply or error event. It keeps the
+engine's latest stats (each StepOutput carries them) to answer EngineStatsQuery: the one process
+every client and HTTP frontend talks to, so all of them read the same figures. It reads no
+clock: times come from the messages, or as ``now`` from its caller. The process loop (worker.py)
+and the benchmark's in-process server run this same object.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from detok_worker.request_state import RequestState
+from detok_worker.token_strings import TokenStrings
 from ipc import codec
 from ipc.messages import (
     ERR_UNAVAILABLE,
@@ -30,11 +34,13 @@ from ipc.messages import (
     FINISH_STOP,
     NOTICE_DIED,
     ClusterNotice,
+    EngineStats,
     RequestError,
     RequestMeta,
     StepOutput,
     StreamEvent,
 )
+from ipc.queries import EngineStatsReport, TokenizeResult
 
 logger = logging.getLogger("splitserve.detokenizer")
 
@@ -47,6 +53,7 @@ class DetokenizerOutput:
     welcomes: list[bytes] = field(default_factory=list)
     events: dict[bytes, list[StreamEvent]] = field(default_factory=dict)
     notices: dict[bytes, list[ClusterNotice]] = field(default_factory=dict)
+    replies: dict[bytes, list[TokenizeResult | EngineStatsReport]] = field(default_factory=dict)
     aborts: list[str] = field(default_factory=list)
 
 
@@ -69,6 +76,7 @@ class DetokenizerCore:
             raise ValueError(f"stream_interval_tokens must be at least 1, got "
                              f"{stream_interval_tokens}")
         self.tokenizer = tokenizer
+        self._strings: TokenStrings | None = None  # built on first use (logprobs, echo)
         self.stream_interval_tokens = stream_interval_tokens
         self.max_pending_aborts = max_pending_aborts
         self.max_ignored = max_ignored
@@ -77,6 +85,9 @@ class DetokenizerCore:
         # Requests ended here (stop string, gone client) whose engine finish is still to come.
         self.ignored: OrderedDict[str, None] = OrderedDict()
         self.dead_engine_pids: set[int] = set()
+        self.engine_stats = EngineStats()
+        self.engine_stats_t = 0.0  # the step the stats are from
+        self.engine_pid = 0
         self.output = DetokenizerOutput()
         self.steps = 0
         self.notices = 0
@@ -117,6 +128,7 @@ class DetokenizerCore:
         info = self.clients.pop(client_id, None)
         self.output.events.pop(client_id, None)
         self.output.notices.pop(client_id, None)
+        self.output.replies.pop(client_id, None)
         if info is None:
             return
         logger.info("client %r %s; aborting its %d requests", client_id, reason,
@@ -126,7 +138,21 @@ class DetokenizerCore:
             self._ignore(rid)
             self.output.aborts.append(rid)
 
+    def on_stats_query(self, client_id: bytes, request_id: str) -> None:
+        if client_id in self.clients:
+            self.output.replies.setdefault(client_id, []).append(EngineStatsReport(
+                request_id, self.engine_stats, self.engine_stats_t, self.engine_pid))
+
     # --- engine, tokenizers, supervisor -------------------------------------------------------
+    def on_tokenize_result(self, result: TokenizeResult) -> None:
+        info = self.clients.get(result.client_id)
+        if info is None:
+            return
+        if result.request_id in info.pending_aborts:  # the client gave up on it
+            del info.pending_aborts[result.request_id]
+            return
+        self.output.replies.setdefault(result.client_id, []).append(result)
+
     def on_request_error(self, err: RequestError) -> None:
         info = self.clients.get(err.client_id)
         if info is None:
@@ -140,28 +166,37 @@ class DetokenizerCore:
         if out.engine_pid and out.engine_pid in self.dead_engine_pids:
             return  # a dead engine's late output: its requests already ended here
         self.steps += 1
+        if out.stats is not None:
+            self.engine_stats, self.engine_stats_t = out.stats, out.t_step
+            self.engine_pid = out.engine_pid
         for meta in out.new_requests:
             self._admit(meta)
         for start in out.started:
             if (state := self.states.get(start.request_id)) is not None:
                 state.on_start(start)
+        for chunk in out.prompt_logprobs:  # ahead of the request's first token
+            if (state := self.states.get(chunk.request_id)) is not None:
+                state.on_prompt_logprobs(self.strings, chunk)
         ids = codec.unpack_id_list(out.token_ids)
         if len(ids) != len(out.request_ids):
             logger.error("step %d has %d tokens for %d requests; dropped its tokens",
                          out.step, len(ids), len(out.request_ids))
             ids = []
+        logprobs = {e.row: e for e in out.logprobs if e.row < len(ids)}
         finishes = out.finished
         finishing = {f.request_id for f in finishes}
-        for rid, token_id in zip(out.request_ids, ids):
+        for row, (rid, token_id) in enumerate(zip(out.request_ids, ids)):
             state = self.states.get(rid)
             if state is None:
                 continue  # stopped here already, or its client is gone
-            if state.on_token(self.tokenizer, token_id, out.t_step):
+            values = logprobs.get(row) if logprobs else None
+            if state.on_token(self.tokenizer, token_id, out.t_step,
+                              None if values is None else (self.strings, values)):
                 self._finish(rid, FINISH_STOP, out.t_step, stopped_by_string=True)
                 self._ignore(rid)
                 self.output.aborts.append(rid)  # frees its KV blocks in the engine
             elif rid not in finishing and state.should_stream(self.stream_interval_tokens):
-                self._queue(state.meta.client_id, state.delta())
+                self._queue(state.meta.client_id, state.delta(self._prompt_strings(state)))
         for finish in finishes:
             if finish.request_id in self.ignored:  # already ended here
                 del self.ignored[finish.request_id]
@@ -181,6 +216,9 @@ class DetokenizerCore:
                          f"({notice.detail or 'exited'}); the request was lost with it",
                          code=ERR_UNAVAILABLE)
             self.ignored.clear()  # their engine finishes will never come
+            # Nothing runs or waits any more; the replacement's first step reports afresh.
+            self.engine_stats = EngineStats(kv_blocks_total=self.engine_stats.kv_blocks_total)
+            self.engine_stats_t, self.engine_pid = now, 0
         tokenizer_died = notice.event == NOTICE_DIED and notice.role == "tokenizer"
         for client_id, info in self.clients.items():
             alive = []
@@ -218,7 +256,18 @@ class DetokenizerCore:
         if info is not None:
             info.request_ids.discard(rid)
         self._queue(state.meta.client_id, state.final(
-            reason, t, stopped_by_string=stopped_by_string, error=error, error_code=code))
+            reason, t, stopped_by_string=stopped_by_string, error=error, error_code=code,
+            strings=self._prompt_strings(state)))
+
+    @property
+    def strings(self) -> TokenStrings:
+        """Token strings for logprobs and echo, built the first time a request asks."""
+        if self._strings is None:
+            self._strings = TokenStrings(self.tokenizer)
+        return self._strings
+
+    def _prompt_strings(self, state: RequestState) -> TokenStrings | None:
+        return self.strings if state.meta.prompt_token_ids and not state.sent_any else None
 
     def _ignore(self, rid: str) -> None:
         self.ignored[rid] = None

@@ -11,20 +11,30 @@ import logging
 from tokenizers.decoders import DecodeStream
 
 from detok_worker.stop_strings import StopStringMatcher
-from ipc.codec import pack_ids
-from ipc.messages import RequestMeta, RequestStart, RequestTimings, StreamEvent, Usage
+from detok_worker.token_strings import TokenStrings
+from ipc.codec import pack_ids, unpack_id_list
+from ipc.messages import (
+    LogprobEntry,
+    PromptLogprobs,
+    RequestMeta,
+    RequestStart,
+    RequestTimings,
+    StreamEvent,
+    TokenLogprobs,
+    Usage,
+)
 
 logger = logging.getLogger("splitserve.detokenizer")
 
 
 class RequestState:
     __slots__ = ("meta", "decoder", "matcher", "completion_tokens", "cached_tokens", "timings",
-                 "unsent_text", "unsent_ids", "sent_any")
+                 "unsent_text", "unsent_ids", "sent_any", "unsent_logprobs", "prompt_logprobs")
 
     def __init__(self, meta: RequestMeta) -> None:
         self.meta = meta
         self.decoder = DecodeStream(skip_special_tokens=meta.skip_special_tokens)
-        self.matcher = StopStringMatcher(meta.stop)
+        self.matcher = StopStringMatcher(meta.stop, meta.include_stop_str_in_output)
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.timings = RequestTimings(t_submit=meta.t_submit,
@@ -33,19 +43,34 @@ class RequestState:
         self.unsent_text = ""
         self.unsent_ids: list[int] = []
         self.sent_any = False
+        # Logprob entries travel with their tokens: one per id of unsent_ids when asked.
+        self.unsent_logprobs: list[LogprobEntry] = []
+        self.prompt_logprobs: list[LogprobEntry] = []  # go out with the first event
 
     def on_start(self, start: RequestStart) -> None:
         self.timings.t_arrived = start.t_arrived
         self.timings.t_scheduled = start.t_scheduled
         self.cached_tokens = start.cached_tokens
 
-    def on_token(self, tokenizer, token_id: int, t_step: float) -> bool:
+    def on_prompt_logprobs(self, strings: TokenStrings, chunk: PromptLogprobs) -> None:
+        prompt_ids = unpack_id_list(self.meta.prompt_token_ids)
+        if chunk.start + len(chunk.logprobs) // 4 > len(prompt_ids):
+            logger.error("request %r: prompt logprobs past its %d prompt ids; dropped",
+                         self.meta.request_id, len(prompt_ids))
+            return
+        self.prompt_logprobs += strings.prompt_entries(chunk, prompt_ids)
+
+    def on_token(self, tokenizer, token_id: int, t_step: float,
+                 logprobs: tuple[TokenStrings, TokenLogprobs] | None = None) -> bool:
         """Decodes one new token; True when a stop string matched (the request is done)."""
         self.completion_tokens += 1
         if not self.timings.t_first_token:
             self.timings.t_first_token = t_step
         self.timings.t_last_token = t_step
         self.unsent_ids.append(token_id)
+        if logprobs is not None:
+            strings, values = logprobs
+            self.unsent_logprobs.append(strings.sampled_entry(token_id, values))
         try:
             piece = self.decoder.step(tokenizer, token_id) or ""
         except Exception as exc:  # an id the tokenizer cannot decode: keep streaming the rest
@@ -61,24 +86,44 @@ class RequestState:
         return bool(self.unsent_ids) and (not self.sent_any
                                           or len(self.unsent_ids) >= interval_tokens)
 
-    def delta(self) -> StreamEvent:
+    def delta(self, strings: TokenStrings | None = None) -> StreamEvent:
+        """What is unsent, as one event; the first one also carries the prompt's text (echo)
+        and logprobs (``strings`` is needed then)."""
         event = StreamEvent(request_id=self.meta.request_id, text=self.unsent_text,
-                            token_ids=pack_ids(self.unsent_ids))
+                            token_ids=pack_ids(self.unsent_ids), logprobs=self.unsent_logprobs)
+        if not self.sent_any and self.meta.prompt_token_ids and strings is not None:
+            self._add_prompt(event, strings)
         self.unsent_text, self.unsent_ids, self.sent_any = "", [], True
+        self.unsent_logprobs = []
+        if self.meta.continuous_usage_stats:
+            event.usage = self.usage()
         return event
 
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.meta.prompt_tokens,
+                     completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens)
+
+    def _add_prompt(self, event: StreamEvent, strings: TokenStrings) -> None:
+        prompt_ids = unpack_id_list(self.meta.prompt_token_ids)
+        if self.meta.echo:
+            event.echo_text = strings.tokenizer.decode(
+                prompt_ids, skip_special_tokens=self.meta.skip_special_tokens)
+        if self.meta.prompt_logprobs:
+            # The first prompt token has nothing before it, hence no logprob.
+            event.prompt_logprobs = [strings.entry(prompt_ids[0], None), *self.prompt_logprobs]
+            self.prompt_logprobs = []
+
     def final(self, reason: str, t_finished: float, *, stopped_by_string: bool = False,
-              error: str | None = None, error_code: str | None = None) -> StreamEvent:
+              error: str | None = None, error_code: str | None = None,
+              strings: TokenStrings | None = None) -> StreamEvent:
         if not stopped_by_string:
             self.unsent_text += self.matcher.flush()
-        event = self.delta()
+        event = self.delta(None if error_code else strings)
         event.finished = True
         event.finish_reason = reason
         event.error = error or None
         event.error_code = error_code or None
-        event.usage = Usage(prompt_tokens=self.meta.prompt_tokens,
-                            completion_tokens=self.completion_tokens,
-                            cached_tokens=self.cached_tokens)
+        event.usage = self.usage()
         self.timings.t_finished = t_finished
         event.timings = self.timings
         return event

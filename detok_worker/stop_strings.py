@@ -10,11 +10,14 @@ from __future__ import annotations
 
 
 class StopStringMatcher:
-    __slots__ = ("stops", "held")
+    """``include_stop``: the matched stop string stays at the end of the released text."""
 
-    def __init__(self, stops: list[str]) -> None:
+    __slots__ = ("stops", "held", "include_stop")
+
+    def __init__(self, stops: list[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.include_stop = include_stop
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to release now, whether a stop string matched)."""
@@ -22,10 +25,12 @@ class StopStringMatcher:
             return text, False
         buf = self.held + text
         # Released text never ends in a prefix of a stop string, so a match lies within buf.
-        first = min((i for s in self.stops if (i := buf.find(s)) >= 0), default=-1)
+        # The earliest match wins; of two starting there, the one listed first.
+        first, stop = min(((i, s) for s in self.stops if (i := buf.find(s)) >= 0),
+                          key=lambda match: match[0], default=(-1, ""))
         if first >= 0:
             self.held = ""
-            return buf[:first], True
+            return buf[:first + len(stop) if self.include_stop else first], True
         keep = self._partial_match_len(buf)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], False

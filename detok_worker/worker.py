@@ -1,9 +1,10 @@
 """The detokenizer process: DetokenizerCore (core.py) between its sockets.
 
 Sockets:
-    ROUTER  client_addr       (bound, ROUTER_MANDATORY) handshake, events out, aborts/bye in
-    PULL    detokenizer_addr  (bound) StepOutput from the engine, RequestError from tokenizers,
-                              ClusterNotice from the supervisor (a worker died / is back)
+    ROUTER  client_addr       (bound, ROUTER_MANDATORY) handshake, events and replies out,
+                              aborts/bye/engine-stats queries in
+    PULL    detokenizer_addr  (bound) StepOutput from the engine, RequestError and
+                              TokenizeResult from tokenizers, ClusterNotice from the supervisor
     PUSH    engine_addr       AbortRequests: client aborts, matched stop strings, gone clients
 
 Each pass: receive and decode whatever is ready, hand it to the core, then send what the core
@@ -39,6 +40,7 @@ from ipc.messages import (
     RequestError,
     StepOutput,
 )
+from ipc.queries import EngineStatsQuery, TokenizeResult
 from ipc.sockets import LINGER_MS, PullQueue, PushQueue, bind, configure
 from runtime.model_files import load_tokenizer
 from runtime.worker import WorkerRuntime
@@ -58,9 +60,9 @@ class Detokenizer:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # never drop silently: raise instead
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client takes over
         bind(self.router, config.client_addr, config.curve)
-        self.inbox: PullQueue[StepOutput | RequestError | ClusterNotice] = PullQueue(
-            ctx, config.detokenizer_addr, StepOutput, RequestError, ClusterNotice,
-            curve=config.curve)
+        self.inbox: PullQueue[StepOutput | RequestError | ClusterNotice | TokenizeResult] = \
+            PullQueue(ctx, config.detokenizer_addr, StepOutput, RequestError, ClusterNotice,
+                      TokenizeResult, curve=config.curve)
         self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
         self.welcome = codec.encode(ClientWelcome(
             tokenizer_addrs=config.tokenizer_addrs,
@@ -120,7 +122,8 @@ class Detokenizer:
                 continue
             client_id, frame = parts
             try:
-                msg = codec.decode_as(frame, ClientHello, ClientAbort, ClientBye)
+                msg = codec.decode_as(frame, ClientHello, ClientAbort, ClientBye,
+                                      EngineStatsQuery)
             except codec.DecodeError as exc:
                 logger.warning("dropped a malformed client message: %s", exc)
                 continue
@@ -128,6 +131,8 @@ class Detokenizer:
                 self.core.on_hello(client_id)
             elif isinstance(msg, ClientAbort):
                 self.core.on_client_abort(client_id, msg.request_ids)
+            elif isinstance(msg, EngineStatsQuery):
+                self.core.on_stats_query(client_id, msg.request_id)
             else:
                 self.core.on_client_gone(client_id, reason="said goodbye")
 
@@ -142,24 +147,26 @@ class Detokenizer:
                 self.core.on_step_output(msg)
             elif isinstance(msg, ClusterNotice):
                 self.core.on_notice(msg, time.monotonic())
+            elif isinstance(msg, TokenizeResult):
+                self.core.on_tokenize_result(msg)
             else:
                 self.core.on_request_error(msg)
 
     # --- out ----------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Welcomes, then per client its events and its notices, then the aborts of the pass
-        (including those of clients dropped while sending)."""
+        """Welcomes, then per client its events, its notices and its replies, then the aborts of
+        the pass (including those of clients dropped while sending)."""
         out = self.core.take_output()
         for client_id in out.welcomes:
             self._send_frame(client_id, self.welcome)
-        for client_id in out.events.keys() | out.notices.keys():
+        for client_id in out.events.keys() | out.notices.keys() | out.replies.keys():
             events = out.events.get(client_id)
             if events and self.core.has_client(client_id):
                 self.events_sent += len(events)
                 self._send_frame(client_id, codec.encode(ClientEvents(events=events)))
-            for notice in out.notices.get(client_id, ()):
+            for message in [*out.notices.get(client_id, ()), *out.replies.get(client_id, ())]:
                 if self.core.has_client(client_id):
-                    self._send_frame(client_id, codec.encode(notice))
+                    self._send_frame(client_id, codec.encode(message))
         # Dropping a client while sending queues nothing but the aborts of its requests.
         aborts = out.aborts + self.core.take_output().aborts
         if aborts:

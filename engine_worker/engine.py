@@ -18,7 +18,7 @@ from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.idle_window import IdleBatchWindow
 from engine_worker.model import LlamaFamilyModel
-from engine_worker.model_runner import ModelRunner
+from engine_worker.model_runner import ModelRunner, StepResult
 from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
@@ -39,6 +39,9 @@ from ipc.messages import (
 logger = logging.getLogger("splitserve.engine")
 
 REMEMBERED_ABORTS = 100_000  # ids aborted before they arrived, newest kept
+# Prompt logprobs need a row of logits per prompt position: a step computes at most this many
+# logits for them (64 Mi floats, 256 MiB in float32), i.e. ~1,365 positions of a 49k vocabulary.
+PROMPT_LOGITS_PER_STEP = 1 << 26
 
 
 class EngineOverloaded(RuntimeError):
@@ -80,7 +83,8 @@ class Engine:
             self.max_model_len = capacity
         self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
         self.blocks = KVBlockManager(num_blocks, config.block_size, self.prefix_cache)
-        self.scheduler = Scheduler(config, self.blocks, self.prefix_cache)
+        prompt_logprob_tokens = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
+        self.scheduler = Scheduler(config, self.blocks, self.prefix_cache, prompt_logprob_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   config.decode_workspace_max_bytes)
         self.requests: dict[str, EngineRequest] = {}
@@ -91,6 +95,8 @@ class Engine:
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
         self._early_finishes: list[FinishRecord] = []
         self._step = 0
+        # Counters since start, reported with every step's stats (Prometheus counters).
+        self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
         logger.info("engine ready: model=%s device=%s dtype=%s threads=%d kv_blocks=%d x %d "
                     "tokens max_model_len=%d prefix_cache=%s attention=%s", self.model_name,
                     self.device, dtype, torch.get_num_threads(), num_blocks, config.block_size,
@@ -131,12 +137,11 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting "
                                    f"(max_waiting_requests={self.config.max_waiting_requests})")
-        stop_ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids |= self.eos_token_ids
+        stop_ids = frozenset(sampling.stop_token_ids) | (
+            frozenset() if sampling.ignore_eos else frozenset(self.eos_token_ids))
         request = EngineRequest(
-            request_id, ids.tolist(), sampling, RequestSampler(sampling, self.device),
-            frozenset(stop_ids), self.max_model_len,
+            request_id, ids.tolist(), sampling, RequestSampler(sampling, self.device, stop_ids),
+            stop_ids, self.max_model_len,
             time.monotonic() if arrival_time is None else arrival_time)
         was_idle = not (self.scheduler.running or self.scheduler.waiting)
         self.requests[request_id] = request
@@ -170,8 +175,7 @@ class Engine:
         for request, message in batch.failed:
             self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
         if batch.requests:
-            tokens = self.runner.run(batch.requests, batch.num_new_tokens)
-            self._postprocess(out, batch, tokens)
+            self._postprocess(out, batch, self.runner.run(batch.requests, batch.num_new_tokens))
         if not self.scheduler.running:
             self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
         out.t_step = time.monotonic()
@@ -188,17 +192,25 @@ class Engine:
             self._finish(out, self.requests[request_id], FINISH_ABORT)
         self._pending_aborts.clear()
 
-    def _postprocess(self, out: StepOutput, batch: ScheduledBatch,
-                     tokens: list[int | None]) -> None:
+    def _postprocess(self, out: StepOutput, batch: ScheduledBatch, result: StepResult) -> None:
         """Advances every scheduled request, appends the sampled tokens, applies stops."""
+        for entry in result.prompt_logprobs:  # always ahead of the request's first token
+            request = self.requests[entry.request_id]
+            request.prompt_logprobs_from = entry.start + len(entry.logprobs) // 4
+        out.prompt_logprobs = result.prompt_logprobs
         emitted_tokens = []
-        for request, count, token in zip(batch.requests, batch.num_new_tokens, tokens):
+        for index, (request, count) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed += count
-            if token is None:
+            token = result.tokens[index]
+            if token is not None:
+                request.append_token(token)
+                if (logprobs := result.logprobs.get(index)) is not None:
+                    logprobs.row = len(out.request_ids)
+                    out.logprobs.append(logprobs)
+                out.request_ids.append(request.request_id)
+                emitted_tokens.append(token)
+            elif request.samples or request.remaining:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            request.append_token(token)
-            out.request_ids.append(request.request_id)
-            emitted_tokens.append(token)
             if not request.started_sent:
                 request.started_sent = True
                 out.started.append(RequestStart(request.request_id, request.t_arrived,
@@ -215,11 +227,17 @@ class Engine:
         out.finished.append(FinishRecord(request.request_id, reason, error, code))
 
     def _stats(self, batch: ScheduledBatch, step_ms: float) -> EngineStats:
+        self._prefix_queried_total += batch.queried_tokens
+        self._prefix_hit_total += batch.cached_tokens
+        self._preemptions_total += batch.preempted
         return EngineStats(
             running=self.num_running, waiting=self.num_waiting,
             kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
             prefill_tokens=batch.prefill_tokens, cached_tokens=batch.cached_tokens,
-            decode_tokens=batch.decode_tokens, preempted=batch.preempted, step_ms=step_ms)
+            decode_tokens=batch.decode_tokens, preempted=batch.preempted, step_ms=step_ms,
+            prefix_queried_tokens_total=self._prefix_queried_total,
+            prefix_hit_tokens_total=self._prefix_hit_total,
+            preemptions_total=self._preemptions_total)
 
     def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
         cfg = self.config

@@ -1,8 +1,9 @@
 """Turns a scheduled batch into the flat tensors the forward reads, runs it and samples.
 
 A step: inputs (token ids, positions, the flat layout) -> ``attention.prepare`` -> the model's
-forward -> sample. All per-token index work (positions, cache slots, block tables) is done with a
-handful of numpy ops per step, never a Python loop over tokens."""
+forward -> logprobs of the rows that asked (``engine_worker.logprobs``) -> sample. All per-token
+index work (positions, cache slots, block tables) is done with a handful of numpy ops per step,
+never a Python loop over tokens."""
 
 from __future__ import annotations
 
@@ -14,9 +15,17 @@ import torch
 
 from engine_worker.attention import PagedKVCache, StepBatch, select_backend
 from engine_worker.attention.batch import to_device
+from engine_worker.logprobs import (
+    PromptSpan,
+    SampledLogprobs,
+    prompt_logprobs,
+    prompt_spans,
+    span_rows,
+)
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import sample
+from ipc.messages import PromptLogprobs, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -24,8 +33,19 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     logit_rows: torch.Tensor | None  # rows whose logits are wanted (None: every row)
-    emitting: list[int]  # the requests (indices) whose step reaches the end of their tokens
+    emitting: list[int]  # the requests (indices) that sample a token in this step
     step: StepBatch
+    prompt_spans: list[PromptSpan]  # prompt logprobs: their rows follow the emitting ones
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The sampled token per scheduled request (None where its step did not reach the end of
+    its tokens), and the logprobs of the requests that asked."""
+
+    tokens: list[int | None]
+    logprobs: dict[int, TokenLogprobs]  # by request index in the step
+    prompt_logprobs: list[PromptLogprobs]
 
 
 class ModelRunner:
@@ -38,35 +58,49 @@ class ModelRunner:
                                      model.device)
         self.attention = select_backend(self.kv_cache, decode_workspace_max_bytes)
 
-    def run(self, requests: list[EngineRequest], counts: list[int]) -> list[int | None]:
-        """Computes the scheduled tokens; returns the sampled token per request (None where the
-        request's step did not reach the end of its tokens)."""
-        logits, emitting = self.compute_logits(requests, counts)
-        result: list[int | None] = [None] * len(requests)
+    @torch.inference_mode()
+    def run(self, requests: list[EngineRequest], counts: list[int]) -> StepResult:
+        """Computes the scheduled tokens, samples, and reads the logprobs that were asked for."""
+        inputs = self._inputs(requests, counts)
+        logits = self._forward(inputs)
+        emitting = inputs.emitting
+        result = StepResult([None] * len(requests), {}, [])
+        if inputs.prompt_spans:
+            result.prompt_logprobs = prompt_logprobs(logits[len(emitting):], inputs.prompt_spans,
+                                                     requests)
         if emitting:
+            logits = logits[:len(emitting)]
             samplers = [requests[i].sampler for i in emitting]
+            asking = [j for j, s in enumerate(samplers) if s.logprobs is not None]
+            # Taken before sampling: whatever the sampler does to the logits, these stay raw.
+            raw = SampledLogprobs(logits, asking, [samplers[j].logprobs or 0 for j in asking]) \
+                if asking else None
             histories = None
-            if any(s.penalized for s in samplers):
+            if any(s.needs_history for s in samplers):
                 histories = [(requests[i].token_ids, requests[i].prompt_len) for i in emitting]
-            tokens = sample(logits, samplers, histories).tolist()
-            for index, token in zip(emitting, tokens):
-                result[index] = token
+            chosen = sample(logits, samplers, histories)
+            if raw is not None:
+                result.logprobs = {emitting[e.row]: e for e in raw.finish(chosen)}
+            for index, token in zip(emitting, chosen.tolist()):
+                result.tokens[index] = token
         return result
 
     @torch.inference_mode()
     def compute_logits(self, requests: list[EngineRequest],
                        counts: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """Writes the scheduled tokens' KV; returns logits of the requests whose step reaches
-        the end of their tokens, and those requests' indices."""
+        """Writes the scheduled tokens' KV; returns logits of the requests that sample in this
+        step, and those requests' indices."""
         inputs = self._inputs(requests, counts)
+        return self._forward(inputs)[:len(inputs.emitting)], inputs.emitting
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         metadata = self.attention.prepare(inputs.step)
         try:
-            logits = self.model.forward(inputs.input_ids, inputs.positions, self.attention,
-                                        metadata, inputs.logit_rows)
+            return self.model.forward(inputs.input_ids, inputs.positions, self.attention,
+                                      metadata, inputs.logit_rows)
         except BaseException:
             self.attention.reset()  # what it keeps may hold only some layers' copies
             raise
-        return logits, inputs.emitting
 
     def reset(self) -> None:
         """Frees what attention keeps between steps (the engine calls this when idle)."""
@@ -79,7 +113,8 @@ class ModelRunner:
         row_ends = np.cumsum(lengths)
         row_starts = row_ends - lengths
         total = int(row_ends[-1])
-        emitting = [i for i, r in enumerate(requests) if r.num_computed + counts[i] == r.num_tokens]
+        emitting = [i for i, r in enumerate(requests)
+                    if r.num_computed + counts[i] == r.num_tokens and r.samples]
         input_ids = np.fromiter(
             itertools.chain.from_iterable(r.token_ids[r.num_computed:r.num_computed + n]
                                           for r, n in zip(requests, counts)),
@@ -95,8 +130,14 @@ class ModelRunner:
         step = StepBatch(sequences=requests, starts=starts, lengths=lengths,
                          row_starts=row_starts, block_tables=tables, slots=slots,
                          block_size=size)
+        spans = []
+        if any(r.wants_prompt_logprobs for r in requests):
+            spans = prompt_spans(requests, counts, starts, row_starts)
         logit_rows = None
-        if len(emitting) != total:
+        if spans:
+            rows = np.concatenate([row_ends[emitting] - 1, span_rows(spans)])
+            logit_rows = to_device(rows, self.device)
+        elif len(emitting) != total:
             logit_rows = to_device(row_ends[emitting] - 1, self.device)
         return ModelInputs(to_device(input_ids, self.device), to_device(positions, self.device),
-                           logit_rows, emitting, step)
+                           logit_rows, emitting, step, spans)

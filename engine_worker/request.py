@@ -17,7 +17,7 @@ class EngineRequest:
     __slots__ = ("request_id", "token_ids", "prompt_len", "params", "sampler", "stop_ids",
                  "max_total_len", "t_arrived", "t_scheduled", "num_computed", "block_ids",
                  "block_keys", "prefix_node", "cached_tokens", "started_sent",
-                 "num_generated")
+                 "num_generated", "samples", "prompt_logprobs_from")
 
     def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
                  sampler: RequestSampler, stop_ids: frozenset[int], max_model_len: int,
@@ -38,6 +38,10 @@ class EngineRequest:
         self.cached_tokens = 0
         self.started_sent = False
         self.num_generated = 0
+        self.samples = params.max_tokens > 0  # max_tokens 0: the prompt is scored, nothing drawn
+        # The next prompt position whose logprob is still to be sent (positions from 1 have one);
+        # prompt_len when none are wanted, or all were sent.
+        self.prompt_logprobs_from = 1 if params.prompt_logprobs is not None else self.prompt_len
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +56,12 @@ class EngineRequest:
     def is_decoding(self) -> bool:
         return self.num_generated > 0 and self.remaining == 1
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still to be computed: the request computes every prompt position
+        itself (a block taken from the prefix cache has no logits)."""
+        return self.prompt_logprobs_from < self.prompt_len
+
     def append_token(self, token: int) -> None:
         """Adds a sampled token; its KV is computed by the next step that schedules it."""
         self.token_ids.append(token)
@@ -60,7 +70,8 @@ class EngineRequest:
     def finish_reason(self) -> str | None:
         """Why the request is done after its last sampled token, or None if it goes on."""
         if self.num_generated == 0:
-            return None
+            # Scoring only (max_tokens 0): done once the whole prompt is computed.
+            return FINISH_LENGTH if not self.samples and self.remaining == 0 else None
         if self.token_ids[-1] in self.stop_ids:
             return FINISH_STOP
         if len(self.token_ids) >= self.max_total_len:

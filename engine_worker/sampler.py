@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, greedy, temperature, top-k, top-p, with a per-request seed.
+"""Batched sampling: penalties, logit bias, min_tokens, greedy, temperature, min-p, top-k,
+top-p, with a per-request seed.
 
 Each sampling request owns a ``torch.Generator`` (seeded from its seed, or at random) and draws
 one uniform from it per step, so a seeded request produces the same tokens whatever else shares
@@ -8,7 +9,11 @@ vocabulary wherever the nucleus fits in the first ``CANDIDATES`` tokens.
 
 Penalties (repetition, then frequency and presence, before temperature) read per-request token
 statistics on the device that each request keeps up to date itself: it folds in only the tokens
-added since its last step, so a step costs O(batch x vocab), not O(batch x sequence length)."""
+added since its last step, so a step costs O(batch x vocab), not O(batch x sequence length).
+Then logit_bias is added and, until a request has min_tokens tokens, its stop ids (eos and
+stop_token_ids) are masked; all of it on a copy, so the caller's logits stay raw. min_p drops
+the tokens less likely than min_p x the most likely one (after temperature) and renormalizes,
+before top-k / top-p."""
 
 from __future__ import annotations
 
@@ -23,9 +28,13 @@ class RequestSampler:
     """The per-request part: parameters and the request's own random stream."""
 
     __slots__ = ("greedy", "temperature", "top_k", "top_p", "filtered", "generator",
-                 "penalized", "presence", "frequency", "repetition", "counts", "seen", "folded")
+                 "penalized", "presence", "frequency", "repetition", "counts", "seen", "folded",
+                 "logprobs", "min_p", "bias_ids", "bias_values", "min_tokens", "stop_ids",
+                 "needs_history", "adjusts")
 
-    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+    def __init__(self, params: SamplingParams, device: torch.device,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
+        """``stop_ids``: the ids that end the request (masked until it has min_tokens)."""
         self.greedy = params.greedy
         self.temperature = params.temperature
         self.top_k = params.top_k if params.top_k > 0 else 0
@@ -43,6 +52,18 @@ class RequestSampler:
         self.counts: torch.Tensor | None = None  # [V] float: times each token was generated
         self.seen: torch.Tensor | None = None  # [V] bool: in the prompt or generated
         self.folded = 0  # how many of the request's tokens the two above account for
+        self.logprobs = params.logprobs  # top logprobs per sampled token (None: not asked)
+        self.min_p = params.min_p
+        self.bias_ids = self.bias_values = None
+        if params.logit_bias:
+            self.bias_ids = torch.tensor(list(params.logit_bias), device=device)
+            self.bias_values = torch.tensor(list(params.logit_bias.values()), device=device)
+        self.min_tokens = params.min_tokens
+        self.stop_ids = None
+        if params.min_tokens and stop_ids:
+            self.stop_ids = torch.tensor(sorted(stop_ids), device=device)
+        self.needs_history = self.penalized or self.stop_ids is not None
+        self.adjusts = self.needs_history or self.bias_ids is not None
 
     def fold(self, token_ids: list[int], prompt_len: int, vocab: int,
              device: torch.device) -> None:
@@ -90,14 +111,36 @@ def apply_penalties(logits: torch.Tensor, samplers: list[RequestSampler],
     return logits
 
 
-def sample(logits: torch.Tensor, samplers: list[RequestSampler],
-           histories: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] (int64, on logits' device). ``histories`` (see
-    apply_penalties) is needed when a sampler has penalties."""
+def adjust_logits(logits: torch.Tensor, samplers: list[RequestSampler],
+                  histories: list[tuple[list[int], int]] | None) -> torch.Tensor:
+    """Penalties, then logit_bias, then the min_tokens mask, on a copy of the rows' logits
+    (``logits`` itself is returned when no sampler adjusts anything)."""
+    raw = logits
     if histories is not None:
         logits = apply_penalties(logits, samplers, histories)
-    elif any(s.penalized for s in samplers):
-        raise ValueError("penalties need the requests' token histories")
+    elif any(s.needs_history for s in samplers):
+        raise ValueError("penalties and min_tokens need the requests' token histories")
+    biased = [i for i, s in enumerate(samplers) if s.bias_ids is not None]
+    masked = [i for i, s in enumerate(samplers) if s.stop_ids is not None and histories
+              and len(histories[i][0]) - histories[i][1] < s.min_tokens]
+    if not biased and not masked:
+        return logits
+    if logits is raw:
+        logits = logits.clone()
+    for i in biased:
+        logits[i].index_add_(0, samplers[i].bias_ids, samplers[i].bias_values)
+    for i in masked:
+        logits[i].index_fill_(0, samplers[i].stop_ids, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, samplers: list[RequestSampler],
+           histories: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] (int64, on logits' device); ``logits`` is not
+    modified. ``histories`` (see apply_penalties) is needed when a sampler has penalties or
+    min_tokens."""
+    if any(s.adjusts for s in samplers):
+        logits = adjust_logits(logits, samplers, histories)
     if all(s.greedy for s in samplers):
         return logits.argmax(dim=-1)
     device = logits.device
@@ -111,6 +154,8 @@ def sample(logits: torch.Tensor, samplers: list[RequestSampler],
     subset = [samplers[i] for i in drawn]
     temperatures = torch.tensor([s.temperature for s in subset], device=device)
     probs = (logits[rows] / temperatures.unsqueeze(1)).softmax(dim=-1)
+    if any(s.min_p for s in subset):
+        probs = _apply_min_p(probs, [s.min_p for s in subset])
     # One uniform per row and step, from the row's own generator: its draws never depend on
     # what else shares the batch.
     uniforms = torch.cat([torch.rand(1, generator=s.generator, device=device) for s in subset])
@@ -126,6 +171,14 @@ def sample(logits: torch.Tensor, samplers: list[RequestSampler],
                                        [subset[j] for j in filtered])
     chosen[rows] = picked
     return chosen
+
+
+def _apply_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Zeroes each row's tokens below min_p x its most likely one's probability, renormalized
+    (so top-p then measures the kept mass); a row with min_p 0 keeps everything."""
+    threshold = torch.tensor(min_p, device=probs.device, dtype=probs.dtype).unsqueeze(1)
+    kept = probs.masked_fill(probs < threshold * probs.amax(dim=-1, keepdim=True), 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,11 @@ Order of a step, oldest first (FCFS):
 2. waiting requests are admitted while the batch has room (``max_batch_size``), the step has
    prefill budget (``prefill_max_batch_size`` requests, ``prefill_max_tokens`` tokens) and the
    pool has blocks. A request never computes more than ``prefill_chunk_tokens`` in one step.
+
+Requests that ask for prompt logprobs need the logits of every prompt position they compute:
+they never take blocks from the prefix cache (their own blocks are still published), and
+together they compute at most ``prompt_logprob_tokens`` prompt positions per step, which bounds
+the step's logits to that many rows of the vocabulary.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class ScheduledBatch:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cached_tokens: int = 0
+    queried_tokens: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     preempted: int = 0
     failed: list[tuple[EngineRequest, str]] = field(default_factory=list)
 
@@ -43,10 +49,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: KVBlockManager,
-                 prefix_cache: PrefixCache | None) -> None:
+                 prefix_cache: PrefixCache | None, prompt_logprob_tokens: int = 1024) -> None:
         self.config = config
         self.blocks = blocks
         self.prefix_cache = prefix_cache
+        self.prompt_logprob_tokens = prompt_logprob_tokens
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []  # admission order: the last one is the newest
 
@@ -54,6 +61,7 @@ class Scheduler:
         batch = ScheduledBatch()
         token_budget = self.config.prefill_max_tokens
         prefill_slots = self.config.prefill_max_batch_size
+        logprob_budget = self.prompt_logprob_tokens
         position = 0
         while position < len(self.running):
             request = self.running[position]
@@ -61,6 +69,8 @@ class Scheduler:
                 count = 1
             else:
                 count = min(request.remaining, self.config.prefill_chunk_tokens, token_budget)
+                if request.wants_prompt_logprobs:
+                    count = min(count, logprob_budget)
                 if count <= 0 or prefill_slots <= 0:
                     position += 1
                     continue
@@ -69,6 +79,8 @@ class Scheduler:
             if not request.is_decoding:
                 token_budget -= count
                 prefill_slots -= 1
+                if request.wants_prompt_logprobs:
+                    logprob_budget -= count
             self._publish_full_blocks(request, request.num_computed + count)
             batch.add(request, count)
             position += 1
@@ -76,14 +88,20 @@ class Scheduler:
         while (self.waiting and len(self.running) < self.config.max_batch_size
                and prefill_slots > 0 and token_budget > 0):
             request = self.waiting[0]
-            count = self._admit(request, token_budget)
+            wants_logprobs = request.wants_prompt_logprobs
+            budget = min(token_budget, logprob_budget) if wants_logprobs else token_budget
+            count = self._admit(request, budget) if budget > 0 else 0
             if count == 0:
                 break  # FCFS: the head waits for blocks, nobody overtakes it
+            if wants_logprobs:
+                logprob_budget -= count
             self.waiting.popleft()
             self.running.append(request)
             if not request.t_scheduled:
                 request.t_scheduled = now
             batch.cached_tokens += request.num_computed if request.num_generated == 0 else 0
+            if request.num_generated == 0 and self.prefix_cache is not None:
+                batch.queried_tokens += request.num_tokens
             token_budget -= count
             prefill_slots -= 1
             self._publish_full_blocks(request, request.num_computed + count)
@@ -117,7 +135,7 @@ class Scheduler:
         cached_blocks: list[int] = []
         keys: list[int] = []
         node = ROOT_NODE
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and not request.wants_prompt_logprobs:
             # At least one token must be computed to sample from, so never match the last one.
             cached_blocks, keys, node = self.prefix_cache.match(
                 request.token_ids, (request.num_tokens - 1) // size)

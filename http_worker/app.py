@@ -2,7 +2,8 @@
 middleware, and its lifespan: connect to the cluster, report to the supervisor.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with ``stream``),
-GET /v1/models, GET /health, GET /metrics.
+GET /v1/models, GET /health, GET /metrics, and (tokenize_routes.py) POST /tokenize,
+POST /detokenize, GET /tokenizer_info, GET /version.
 """
 
 from __future__ import annotations
@@ -26,18 +27,19 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
+from http_worker.fields import check_fields
 from http_worker.frontend import Frontend, FrontendSettings
 from http_worker.generation import ClientGone, GenerationCall, submit_all, unless_disconnected
-from http_worker.protocol import (
-    APIError,
-    ChatCompletionRequest,
+from http_worker.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from http_worker.responses import (
     ChatFormat,
+    ChoiceOutput,
     CompletionFormat,
-    CompletionRequest,
     ResponseFormat,
-    error_body,
     models_body,
+    usage_body,
 )
+from http_worker.tokenize_routes import TOKENIZER_PATHS, install_tokenize_routes
 from ipc.client import Delta, SplitserveError
 from ipc.sockets import CurveKeys
 from runtime.supervisor_link import SupervisorLink
@@ -46,7 +48,7 @@ logger = logging.getLogger("splitserve.http")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SSE_DONE = b"data: [DONE]\n\n"
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
-KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKENIZER_PATHS)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -87,11 +89,10 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
 
 async def _collect(call: GenerationCall, events: AsyncIterator[tuple[int, Delta]],
                    fmt: ResponseFormat) -> dict[str, Any]:
-    texts: list[list[str]] = [[] for _ in call.handles]
+    choices = [ChoiceOutput() for _ in call.handles]
     async for i, delta in events:
-        texts[i].append(delta.text)
+        choices[i].add(delta)
     call.close()
-    choices = [("".join(t), f.finish_reason if f else None) for t, f in zip(texts, call.finals)]
     return fmt.full(choices, call.usage())
 
 
@@ -101,14 +102,15 @@ async def _stream(call: GenerationCall, first: tuple[int, Delta],
     """The SSE body. Ends with [DONE], or with an error object then [DONE] when a choice fails
     mid-stream. A client disconnect cancels this generator; ``finally`` aborts what is left."""
     try:
+        opening = _usage_so_far(first[1], completion_tokens=0)
         for i in range(len(call.handles)):
-            if (chunk := fmt.first_chunk(i)) is not None:
+            if (chunk := fmt.first_chunk(i, opening)) is not None:
                 yield _sse(chunk)
         i, delta = first
         while True:
-            if delta.text or delta.finished:
-                yield _sse(fmt.chunk(i, delta.text,
-                                     delta.finish_reason if delta.finished else None))
+            out = ChoiceOutput().add(delta)
+            if out.has_content:
+                yield _sse(fmt.chunk(i, out, _usage_so_far(delta)))
             try:
                 i, delta = await events.__anext__()
             except StopAsyncIteration:
@@ -120,6 +122,15 @@ async def _stream(call: GenerationCall, first: tuple[int, Delta],
     finally:
         call.close()
     yield SSE_DONE
+
+
+def _usage_so_far(delta: Delta, completion_tokens: int | None = None) -> dict[str, Any] | None:
+    """A choice's usage as of this delta (continuous_usage_stats asks for one on every event)."""
+    u = delta.usage
+    if u is None:
+        return None
+    done = u.completion_tokens if completion_tokens is None else completion_tokens
+    return usage_body(u.prompt_tokens, done, u.cached_tokens)
 
 
 # --- the app ------------------------------------------------------------------------------------
@@ -175,12 +186,18 @@ def build_app(settings: FrontendSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        fmt = CompletionFormat(frontend.model_name, body.include_usage)
+        check_fields(body, settings.lenient_fields)
+        fmt = CompletionFormat(frontend.model_name, body.include_usage, body.continuous_usage,
+                               logprobs=body.logprobs, echo=body.echo,
+                               prompt_logprobs=body.prompt_logprobs is not None)
         return await _generate(request, body, fmt, COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        fmt = ChatFormat(frontend.model_name, body.include_usage)
+        check_fields(body, settings.lenient_fields)
+        fmt = ChatFormat(frontend.model_name, body.include_usage, body.continuous_usage,
+                         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                         prompt_logprobs=body.prompt_logprobs is not None)
         # No limit asked: as much as the context allows (the tokenizer clamps it to the room).
         return await _generate(request, body, fmt, max(1, frontend.max_model_len))
 
@@ -199,8 +216,9 @@ def build_app(settings: FrontendSettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         text, content_type = frontend.metrics.render()
-        return Response(text, media_type=content_type)
+        return Response(text + await frontend.engine_metrics(), media_type=content_type)
 
+    install_tokenize_routes(app, frontend, settings.lenient_fields, _json)
     return app
 
 
@@ -242,14 +260,14 @@ def _install_middleware(app: FastAPI, frontend: Frontend, api_key: str) -> None:
     async def auth_and_count(request: Request, call_next: Any) -> Response:
         path = request.url.path
         given = request.headers.get("authorization") or ""
-        if api_key and path.startswith("/v1/") and not hmac.compare_digest(
-                given.encode(), expected.encode()):
+        protected = path.startswith("/v1/") or path in TOKENIZER_PATHS
+        if api_key and protected and not hmac.compare_digest(given.encode(), expected.encode()):
             response: Response = _json(error_body(
                 "a valid API key is required (Authorization: Bearer ...)",
                 "invalid_request_error", None, "invalid_api_key"), 401)
         else:
             response = await call_next(request)
-        if path.startswith("/v1/"):
+        if protected:
             endpoint = path if path in KNOWN_ENDPOINTS else "other"  # bounded label values
             frontend.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response

@@ -4,13 +4,17 @@ liveness (what /health reports)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
+from http_worker.engine_metrics import render_engine_metrics
 from http_worker.metrics import HttpMetrics
 from http_worker.protocol import APIError
 from ipc.client import AsyncClient, SplitserveError
 from ipc.messages import ERR_UNAVAILABLE
+
+logger = logging.getLogger("splitserve.http")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +31,8 @@ class FrontendSettings:
     supervisor_addr: str = ""  # "" = not supervised; else WorkerReady + heartbeats go there
     heartbeat_interval_s: float = 0.5
     server_public_key: str = ""  # the cluster's CURVE public key ("" = no CURVE)
-
+    lenient_fields: bool = False  # unknown request fields: logged and ignored instead of a 400
+    engine_stats_timeout_s: float = 2.0  # a scrape waits this long for the engine's figures
 
 
 class Frontend:
@@ -63,6 +68,18 @@ class Frontend:
         value = self.metrics.registry.get_sample_value
         return {"in_flight": value("splitserve_http_requests_in_flight") or 0.0,
                 "generations_in_flight": value("splitserve_generations_in_flight") or 0.0}
+
+    async def engine_metrics(self) -> bytes:
+        """The engine's series (engine_metrics.py), or nothing while the cluster does not answer
+        (the series are then absent from the scrape, not stale)."""
+        if self.client is None:
+            return b""
+        try:
+            report = await self.client.engine_stats(timeout=self.settings.engine_stats_timeout_s)
+        except SplitserveError as exc:
+            logger.warning("no engine stats for /metrics: %s", exc)
+            return b""
+        return render_engine_metrics(report.stats, self.model_name)
 
     def check_model(self, requested: str | None) -> None:
         if requested and requested != self.model_name:

@@ -15,10 +15,9 @@ from http_worker.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    ResponseFormat,
     bad_request,
-    usage_body,
 )
+from http_worker.responses import ResponseFormat, usage_body
 from ipc.client import ERR_TIMEOUT, AsyncRequestHandle, Delta, SplitserveError
 from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE
 
@@ -177,7 +176,8 @@ def submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionReque
         for prompt in prompts:
             for sampling in samplings:
                 handles.append(client.submit(**prompt, sampling=sampling,
-                                             request_id=f"{fmt.id}-{len(handles)}"))
+                                             request_id=f"{fmt.id}-{len(handles)}",
+                                             continuous_usage_stats=body.continuous_usage))
     except SplitserveError as exc:
         for h in handles:
             h.abort()

@@ -1,16 +1,14 @@
 """The OpenAI-compatible wire format of the HTTP frontend: request models (pydantic), their
-mapping to SamplingParams, and the response / stream-chunk / error bodies (plain dicts, built
-by hand because they are on the per-token path and json.dumps of a dict is the cheap way).
+mapping to SamplingParams, and the error bodies (responses and stream chunks: responses.py).
 
 Value checks live in one place, ``SamplingParams.__post_init__``; the models here only check
 types and shapes, and turn OpenAI features we do not implement into a clear 400 instead of
 silently ignoring them (a client asking for logprobs must not get a response without them).
+Fields the models do not declare are kept as extras and judged by ``http_worker.fields``.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -49,17 +47,19 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (vLLM's extension)
 
 
 class _GenerationRequest(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's SDKs send extras."""
+    """Fields both endpoints share. Other fields are judged by http_worker.fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -75,8 +75,12 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # not OpenAI's; vLLM and TGI take it too
-    # Accepted only at its neutral value (see _reject_unsupported).
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    # vLLM's extensions, with vLLM's meaning.
+    min_tokens: int = 0
+    min_p: float = 0.0
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _GenerationRequest:
@@ -89,14 +93,35 @@ class _GenerationRequest(BaseModel):
         return self
 
     def _neutral_values(self) -> dict[str, Any]:
-        return {"logit_bias": {}}
+        return {}
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        """SamplingParams' logprobs / prompt_logprobs / echo for this endpoint."""
+        return {"prompt_logprobs": self.prompt_logprobs}
+
+    def _token_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                                  "logit_bias") from None
+        return bias
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def max_tokens_or(self, default: int) -> int:
-        return self.max_tokens if self.max_tokens is not None else default
+        for given in (self.max_completion_tokens, self.max_tokens):  # the newer name wins
+            if given is not None:
+                return given
+        return default
 
     def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
         """The SamplingParams of one choice; bad values raise APIError(400).
@@ -118,7 +143,10 @@ class _GenerationRequest(BaseModel):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=(1.0 if self.repetition_penalty is None
-                                    else self.repetition_penalty))
+                                    else self.repetition_penalty),
+                min_tokens=self.min_tokens, min_p=self.min_p, logit_bias=self._token_bias(),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                **self._logprob_fields())
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 
@@ -135,8 +163,14 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None
 
     def _neutral_values(self) -> dict[str, Any]:
-        return {**super()._neutral_values(), "echo": False, "suffix": "", "logprobs": None,
-                "best_of": self.n}
+        return {**super()._neutral_values(), "suffix": "", "best_of": self.n}
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        # echo with logprobs: the prompt's entries come first, as OpenAI's legacy API had it.
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                 if k is not None]
+        return {"logprobs": self.logprobs, "echo": self.echo,
+                "prompt_logprobs": max(asked) if asked else None}
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -170,15 +204,16 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # passed to the chat template, which may show it
 
     def as_dict(self) -> dict[str, str]:
         content = self.content
@@ -188,12 +223,13 @@ class ChatMessageIn(BaseModel):
             content = "".join(part.text for part in content)  # type: ignore[misc]
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        named = {"name": self.name} if self.name else {}
+        return {"role": role, "content": content or "", **named}
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -202,108 +238,20 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
 
     def _neutral_values(self) -> dict[str, Any]:
-        return {**super()._neutral_values(), "logprobs": False, "top_logprobs": 0,
-                "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+        return {**super()._neutral_values(), "tools": [], "tool_choice": "none",
+                "response_format": {"type": "text"}}
 
-    def max_tokens_or(self, default: int) -> int:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return super().max_tokens_or(default)
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        return {**super()._logprob_fields(),
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def prompts(self) -> list[dict[str, Any]]:
         return [{"messages": [m.as_dict() for m in self.messages],
-                 "add_generation_prompt": self.add_generation_prompt}]
-
-
-# --- responses ----------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-class ResponseFormat:
-    """Builds one endpoint's bodies; a subclass per endpoint. ``created`` and ``id`` are fixed
-    per response so every chunk of a stream carries the same ones (as OpenAI's do)."""
-
-    id_prefix = ""
-    object_full = ""
-    object_chunk = ""
-
-    def __init__(self, model: str, include_usage: bool = False) -> None:
-        self.id = new_id(self.id_prefix)
-        self.created = int(time.time())
-        self.model = model
-        self.include_usage = include_usage
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def full(self, choices: list[tuple[str, str | None]], usage: dict[str, Any]) -> dict:
-        """The non-streaming body; ``choices`` are (text, finish_reason) in index order."""
-        body = self._envelope(self.object_full, [self._full_choice(i, text, reason)
-                                                 for i, (text, reason) in enumerate(choices)])
-        body["usage"] = usage
-        return body
-
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        body = self._envelope(self.object_chunk, [self._chunk_choice(index, text, finish_reason)])
-        if self.include_usage:
-            body["usage"] = None  # OpenAI: null on every chunk but the last when usage is asked
-        return body
-
-    def first_chunk(self, index: int) -> dict[str, Any] | None:
-        return None
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        body = self._envelope(self.object_chunk, [])
-        body["usage"] = usage
-        return body
-
-    def _full_choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _chunk_choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class CompletionFormat(ResponseFormat):
-    id_prefix, object_full, object_chunk = "cmpl", "text_completion", "text_completion"
-
-    def _full_choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-
-    _chunk_choice = _full_choice
-
-
-class ChatFormat(ResponseFormat):
-    id_prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    def _full_choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": reason}
-
-    def _chunk_choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text or reason is None else {}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-
-    def first_chunk(self, index: int) -> dict[str, Any] | None:
-        # OpenAI's first chunk of each choice names the role, with empty content.
-        body = self._envelope(self.object_chunk, [{"index": index, "delta": {
-            "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        if self.include_usage:
-            body["usage"] = None
-        return body
-
-
-def models_body(model: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "splitserve",
-                                        "max_model_len": max_model_len}]}
+                 "add_generation_prompt": self.add_generation_prompt,
+                 "chat_template_kwargs": self.chat_template_kwargs}]

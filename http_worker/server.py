@@ -21,7 +21,7 @@ from typing import Any
 
 from http_worker.app import build_app
 from http_worker.frontend import FrontendSettings
-from ipc.config import LOOPBACK_HOSTS, ClusterConfig
+from ipc.config import LENIENT_FIELDS_HELP, LOOPBACK_HOSTS, ClusterConfig
 from runtime.process import die_with_parent, setup_logging, under_supervisor
 
 
@@ -107,9 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default="", metavar="NAME",
                    help="the model name clients use (default: the name the cluster reports)")
     p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY", ""),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                   "$SPLITSERVE_API_KEY, or none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
+                   "(default: $SPLITSERVE_API_KEY, or none)")
     p.add_argument("--index", type=int, default=0, help="this frontend's number (for logs)")
+    p.add_argument("--lenient-fields", action="store_true",
+                   help=LENIENT_FIELDS_HELP)
     p.add_argument("--server-public-key", default=os.environ.get("SPLITSERVE_SERVER_PUBLIC_KEY",
                                                                  ""), metavar="KEY",
                    help="the cluster's CURVE public key, when it uses CURVE (--listen); "
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         health_fresh_s=args.health_fresh_s,
         health_probe_timeout_s=args.health_probe_timeout_s, index=args.index,
         supervisor_addr=args.supervisor_addr, heartbeat_interval_s=args.heartbeat_interval_s,
-        server_public_key=args.server_public_key)
+        server_public_key=args.server_public_key, lenient_fields=args.lenient_fields)
     serve(settings, args.host, args.port, reuse_port=args.reuse_port, log_level=args.log_level,
           graceful_shutdown_s=args.graceful_shutdown_s)
 
@@ -175,7 +177,7 @@ def main_from_config(config: ClusterConfig, index: int) -> None:
         client_addr=config.client_addr, api_key=config.http_api_key, index=index,
         supervisor_addr=config.supervisor_addr,
         heartbeat_interval_s=config.heartbeat_interval_s,
-        server_public_key=config.curve_public_key)
+        server_public_key=config.curve_public_key, lenient_fields=config.lenient_fields)
     serve(settings, config.http_host, config.http_port or 0,
           reuse_port=config.http_workers > 1,
           log_level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))

@@ -96,7 +96,11 @@ def unpack_frame(frame: bytes) -> Any:
         return msgpack.unpackb(
             frame,
             raw=False,
-            strict_map_key=True,
+            # Integer keys are allowed (logit_bias maps token ids); every map is then decoded
+            # against its field's type, which checks each key's type (dec_dict below). Map
+            # lengths are capped, and int and float hashes cannot be made to collide more than
+            # a few times within msgpack's 64-bit range.
+            strict_map_key=False,
             max_str_len=MAX_STR_BYTES,
             max_bin_len=MAX_BIN_BYTES,
             max_array_len=MAX_ARRAY_LEN,

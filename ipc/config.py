@@ -24,6 +24,9 @@ TRANSPORTS = ("ipc", "tcp")
 RESTART_POLICIES = ("restart", "shutdown")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+LENIENT_FIELDS_HELP = ("HTTP: log and ignore request fields the server does not know (for clients "
+                       "that send vendor extras) instead of answering 400; fields it knows and "
+                       "does not implement are refused either way")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,9 @@ class ClusterConfig:
     http_host: str = knob("127.0.0.1", "address the frontend listens on; anything but "
                           "loopback needs an API key", cli=False)
     http_workers: int = knob(1, "frontend processes sharing the port", unit="N", minimum=1)
-    http_api_key: str = knob("", "require 'Authorization: Bearer KEY' on /v1/*", cli=False)
+    http_api_key: str = knob("", "require 'Authorization: Bearer KEY' on /v1/* and the "
+                             "tokenizer endpoints", cli=False)
+    lenient_fields: bool = knob(False, LENIENT_FIELDS_HELP)
 
     heartbeat_interval_s: float = knob(0.5, "how often every worker reports to the supervisor",
                                        unit="SECONDS", minimum=0.01, cli=False)

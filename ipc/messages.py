@@ -11,6 +11,7 @@ Channels (who sends what to whom):
     engine      -> detokenizer : StepOutput (one message per engine step, columnar)
     any worker  -> supervisor  : WorkerReady, Heartbeat
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
+    one-answer queries (tokenize, detokenize, tokenizer info, engine stats): ipc/queries.py
 
 Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
 different processes on one host compare directly.
@@ -18,10 +19,13 @@ different processes on one host compare directly.
 
 from __future__ import annotations
 
-import math
+import builtins
 from dataclasses import dataclass, field
+from typing import Any
 
 from ipc.codec import message
+from ipc.json_values import check_chat_template_kwargs
+from ipc.sampling import SamplingParams
 
 # Finish reasons (the field's vocabulary: OpenAI / vLLM / SGLang).
 FINISH_STOP = "stop"  # eos, a stop token id or a stop string
@@ -35,94 +39,11 @@ ERR_OVERLOADED = "overloaded"  # a bounded queue is full; retry later
 ERR_UNAVAILABLE = "unavailable"  # a worker died or the cluster is shutting down
 ERR_INTERNAL = "internal"
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
-MAX_SEED = 2**63 - 1
-MAX_REPETITION_PENALTY = 10.0
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """What a request asks of generation. Invalid values raise ValueError at construction."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # 1 disables nucleus sampling
-    top_k: int = 0  # 0 (or -1) disables top-k
-    seed: int | None = None  # same seed, same output, whatever else shares the batch
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    # Penalties on tokens already there (OpenAI's meaning for the first two): the logit of a
-    # token drops by frequency_penalty per time it was generated and by presence_penalty once
-    # if it was; repetition_penalty (1 disables it) divides a positive logit of any token in
-    # the prompt or the output by it and multiplies a negative one.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError("top_k must be an integer >= -1 (0 or -1 disable it), "
-                             f"got {self.top_k!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
-            or not (0 <= self.seed <= MAX_SEED)
-        ):
-            raise ValueError(f"seed must be an integer in [0, 2**63-1], got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-            if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
-                                 "characters")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_number(v) or not (-2.0 <= v <= 2.0):
-                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
-        v = self.repetition_penalty
-        if not _is_number(v) or not math.isfinite(v) or not (0.0 < v <= MAX_REPETITION_PENALTY):
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
-                             f"got {v!r}")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
-        for t in self.stop_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def penalized(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 @dataclass(slots=True)
 class ChatMessage:
     role: str
     content: str
+    name: str | None = None  # the speaker's name, which a chat template may show
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +64,9 @@ class SubmitRequest:
     prompt_token_ids: bytes | None = None  # packed int32, see ipc.codec.pack_ids
     add_generation_prompt: bool = True  # for messages: end with the assistant turn's header
     t_submit: float = 0.0
+    # For messages: extra variables of the chat template, e.g. {"enable_thinking": False}.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    continuous_usage_stats: bool = False  # every event carries the usage so far, not the last only
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 256:
@@ -156,6 +80,10 @@ class SubmitRequest:
             raise ValueError("messages is empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
+        if self.chat_template_kwargs:
+            if self.messages is None:
+                raise ValueError("chat_template_kwargs applies to chat messages only")
+            check_chat_template_kwargs(self.chat_template_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,6 +105,13 @@ class RequestMeta:
     t_submit: float = 0.0
     t_tokenize_start: float = 0.0
     t_tokenized: float = 0.0
+    continuous_usage_stats: bool = False  # see SubmitRequest
+    # Only when the request asked for echo or prompt_logprobs: the prompt's ids (packed int32),
+    # so the detokenizer can turn them into text and token strings.
+    prompt_token_ids: bytes = b""
+    echo: bool = False
+    prompt_logprobs: bool = False  # their values come in StepOutput.prompt_logprobs
+    include_stop_str_in_output: bool = False
 
 
 @message
@@ -241,6 +176,11 @@ class EngineStats:
     decode_tokens: int = 0
     preempted: int = 0
     step_ms: float = 0.0
+    # Since the engine started (a restarted engine counts from 0 again): prompt tokens looked up
+    # in the prefix cache when a request was admitted, those found there, and preemptions.
+    prefix_queried_tokens_total: int = 0
+    prefix_hit_tokens_total: int = 0
+    preemptions_total: int = 0
 
 
 @dataclass(slots=True)
@@ -258,6 +198,31 @@ class FinishRecord:
             self.code = ERR_INTERNAL
 
 
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The logprobs of the token at ``row`` of StepOutput.request_ids (only for requests that
+    asked): its own, and the ``top`` most likely ones of the step that sampled it."""
+
+    row: int
+    logprob: float
+    top_ids: bytes = b""  # packed int32, most likely first
+    top_logprobs: bytes = b""  # packed float32, one per top id
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Prompt logprobs of one request for the prompt positions ``start ..`` that this step
+    computed (chunked prefill sends several, always before the request's first token). Position p
+    holds the logprob of prompt token p given the tokens before it; position 0 has none."""
+
+    request_id: str
+    start: int
+    logprobs: bytes  # packed float32, one per position
+    top_k: int = 0
+    top_ids: bytes = b""  # packed int32, top_k per position, most likely first
+    top_logprobs: bytes = b""  # packed float32, likewise
+
+
 @message
 @dataclass(slots=True)
 class StepOutput:
@@ -272,6 +237,8 @@ class StepOutput:
     started: list[RequestStart] = field(default_factory=list)
     finished: list[FinishRecord] = field(default_factory=list)
     stats: EngineStats | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # rows that asked only
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     # The engine process that sent it: after the supervisor reports that engine dead, the
     # detokenizer drops its late outputs (their requests already ended with an error).
     engine_pid: int = 0
@@ -338,6 +305,27 @@ class RequestTimings:
 
 
 @dataclass(slots=True)
+class TopLogprob:
+    token_id: int
+    token: str  # the token's own text (its bytes decoded, invalid UTF-8 replaced)
+    logprob: float
+    # The token's own bytes (a piece of a UTF-8 character stays a piece). Spelled builtins.bytes:
+    # the codec resolves hints in the class namespace, where ``bytes`` is this field.
+    bytes: builtins.bytes
+
+
+@dataclass(slots=True)
+class LogprobEntry:
+    """One token of the prompt or the output with its logprob and the top alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float | None  # None for the first prompt token (nothing before it)
+    bytes: builtins.bytes
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StreamEvent:
     """A text delta for one request; the last one has finished=True and a finish_reason."""
 
@@ -350,6 +338,11 @@ class StreamEvent:
     error_code: str | None = None
     usage: Usage | None = None
     timings: RequestTimings | None = None
+    # Only for requests that asked: one entry per token of token_ids; the prompt's entries and
+    # text (echo) on the request's first event.
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
+    echo_text: str = ""
 
 
 @message

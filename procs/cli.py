@@ -61,10 +61,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--http-host", default="127.0.0.1", metavar="HOST",
                    help="address the frontend listens on; anything but loopback needs "
                         "--api-key (default 127.0.0.1)")
-    add_cluster_flags(h, ("http_workers",))
+    add_cluster_flags(h, ("http_workers", "lenient_fields"))
     h.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY", ""), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                        "$SPLITSERVE_API_KEY, or none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
+                        "(default: $SPLITSERVE_API_KEY, or none)")
     add_cluster_flags(p.add_argument_group("faults"), FAULT_KNOBS)
     add_cluster_flags(p.add_argument_group("testing (stand-ins for a role's core)"),
                       TESTING_KNOBS)
@@ -89,7 +89,8 @@ def http_kwargs(args: argparse.Namespace) -> dict:
     if getattr(args, "http_port", None) is None:
         return {}
     return dict(http_port=args.http_port, http_host=args.http_host,
-                http_workers=args.http_workers, http_api_key=args.api_key)
+                http_workers=args.http_workers, http_api_key=args.api_key,
+                lenient_fields=args.lenient_fields)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

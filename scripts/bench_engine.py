@@ -19,6 +19,9 @@
           bandwidth bound of each (weight bytes read per token / the measured read bandwidth)
           and, with --llama-bench PATH, llama.cpp's own llama-bench figures.
   bandwidth  the read bandwidth (GB/s) at --threads and our engine's batch-1 decode bound.
+  logprobs  decode steps at the largest --decode-batch with one request's (then every
+          request's) top-20 logprobs switched on every other step; the logprob work of a step
+          alone; prefill with prompt logprobs (scripts/bench/engine_logprobs.py).
 
 Every figure is printed with the torch thread count it ran with (--threads).
 """
@@ -322,6 +325,12 @@ def run_bandwidth(args) -> None:
                         bandwidth, rate))
 
 
+def run_logprobs(args) -> None:
+    from scripts.bench.engine_logprobs import run_logprobs as run  # it imports this module
+
+    run(args)
+
+
 def main() -> None:
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
@@ -329,7 +338,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", default=["core"],
-                        choices=["core", "sampling", "prefix", "mixed", "peer", "bandwidth"],
+                        choices=["core", "sampling", "prefix", "mixed", "peer", "bandwidth",
+                                 "logprobs"],
                         help="what to run (default: core)")
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
     parser.add_argument("--gguf", default=None,
@@ -363,7 +373,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for workload in args.workloads:
         {"core": run_core, "sampling": run_sampling, "prefix": run_prefix,
-         "mixed": run_mixed, "peer": run_peer, "bandwidth": run_bandwidth}[workload](args)
+         "mixed": run_mixed, "peer": run_peer, "bandwidth": run_bandwidth,
+         "logprobs": run_logprobs}[workload](args)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from http_worker.app import build_app
 from http_worker.frontend import FrontendSettings
-from http_worker.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    ChatFormat,
-    CompletionFormat,
-    CompletionRequest,
-)
+from http_worker.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from http_worker.responses import ChatFormat, ChoiceOutput, CompletionFormat
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +45,20 @@ def _error(response, status: int) -> dict:
     ({"prompt": [[1, 2], []]}, "prompt", "empty"),
     ({"prompt": ["a", 1]}, "prompt", ""),
     ({}, "prompt", "required"),
-    ({"prompt": "hi", "logprobs": 2}, None, "logprobs is not supported"),
-    ({"prompt": "hi", "echo": True}, None, "echo is not supported"),
+    ({"prompt": "hi", "logprobs": 21}, None, "logprobs must be an integer in [0, 20]"),
+    ({"prompt": "hi", "logprobs": -1}, None, "logprobs must be"),
+    ({"prompt": "hi", "prompt_logprobs": 30}, None, "prompt_logprobs must be"),
+    ({"prompt": "hi", "max_tokens": 0}, None, "0 only with echo or prompt_logprobs"),
+    ({"prompt": "hi", "min_tokens": -1}, None, "min_tokens"),
+    ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, None, "must not exceed"),
+    ({"prompt": "hi", "min_p": 1.5}, None, "min_p"),
     ({"prompt": "hi", "best_of": 3}, None, "best_of is not supported"),
     ({"prompt": "hi", "presence_penalty": 2.5}, None, "presence_penalty"),
     ({"prompt": "hi", "frequency_penalty": -3}, None, "frequency_penalty"),
     ({"prompt": "hi", "repetition_penalty": 0}, None, "repetition_penalty"),
-    ({"prompt": "hi", "logit_bias": {"5": 1.0}}, None, "logit_bias is not supported"),
+    ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, None, "logit_bias values must be"),
+    ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, None, "at most 300"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
 ])
 def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words):
@@ -71,7 +73,10 @@ def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words)
     ({"messages": []}, "at least 1"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs is only allowed when logprobs is true"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "logprobs must be an integer in [0, 20]"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      "not supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
@@ -133,6 +138,26 @@ def test_sampling_mapping():
     assert info.value.status == 400
 
 
+def test_logprob_fields_map_to_sampling_params():
+    plain = CompletionRequest(prompt="x").sampling(16, 0)
+    assert (plain.logprobs, plain.prompt_logprobs, plain.echo) == (None, None, False)
+    echoed = CompletionRequest(prompt="x", echo=True, logprobs=2, max_tokens=0).sampling(0, 0)
+    assert (echoed.logprobs, echoed.prompt_logprobs, echoed.echo) == (2, 2, True)
+    both = CompletionRequest(prompt="x", echo=True, logprobs=1, prompt_logprobs=4).sampling(1, 0)
+    assert both.prompt_logprobs == 4  # the prompt's entries serve both
+    assert CompletionRequest(prompt="x", echo=True).sampling(1, 0).prompt_logprobs is None
+    extras = CompletionRequest(prompt="x", min_tokens=2, min_p=0.1, logit_bias={"7": -100},
+                               include_stop_str_in_output=True).sampling(4, 0)
+    assert (extras.min_tokens, extras.min_p, extras.logit_bias,
+            extras.include_stop_str_in_output) == (2, 0.1, {7: -100.0}, True)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest(**chat).sampling(4, 0).logprobs is None
+    assert ChatCompletionRequest(**chat, logprobs=True).sampling(4, 0).logprobs == 0
+    assert ChatCompletionRequest(**chat, logprobs=True, top_logprobs=5).sampling(4, 0).logprobs \
+        == 5
+    assert ChatCompletionRequest(**chat, prompt_logprobs=1).sampling(4, 0).prompt_logprobs == 1
+
+
 def test_prompt_shapes():
     assert CompletionRequest(prompt="a").prompts() == [{"prompt": "a"}]
     assert CompletionRequest(prompt=["a", "b"]).prompts() == [{"prompt": "a"}, {"prompt": "b"}]
@@ -152,9 +177,9 @@ def test_response_shapes():
     chat = ChatFormat("m", include_usage=True)
     assert chat.id.startswith("chatcmpl-")
     assert chat.first_chunk(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    end = chat.chunk(0, "", "stop")["choices"][0]
+    end = chat.chunk(0, ChoiceOutput(finish_reason="stop"))["choices"][0]
     assert end["delta"] == {} and end["finish_reason"] == "stop"
-    full = CompletionFormat("m").full([("hi", "length")], {"prompt_tokens": 1})
+    full = CompletionFormat("m").full([ChoiceOutput("hi", "length")], {"prompt_tokens": 1})
     assert full["id"].startswith("cmpl-") and full["object"] == "text_completion"
     assert full["choices"] == [{"index": 0, "text": "hi", "logprobs": None,
                                 "finish_reason": "length"}]
@@ -175,3 +200,29 @@ def test_sdk_errors_map_to_statuses_clients_can_act_on():
     assert statuses == {BadRequestError: 400, OverloadedError: 429, UnavailableError: 503,
                         RequestTimeoutError: 504, SplitserveError: 500}
     assert api_error_from(OverloadedError("queue full")).body()["error"]["message"] == "queue full"
+
+
+def test_the_api_key_guards_v1_and_the_tokenizer_endpoints_not_version_or_metrics():
+    app = build_app(FrontendSettings(client_addr="ipc:///nonexistent", model_name="m",
+                                     api_key="sesame"))
+    http = TestClient(app, raise_server_exceptions=False)
+    for method, path in (("post", "/tokenize"), ("post", "/detokenize"),
+                         ("get", "/tokenizer_info"), ("get", "/v1/models")):
+        assert _error(http.request(method.upper(), path, json={"prompt": "x"}), 401)["code"] == \
+            "invalid_api_key"
+    key = {"Authorization": "Bearer sesame"}
+    # With the key: past the guard (503: this app has no cluster behind it).
+    assert http.post("/tokenize", json={"prompt": "x"}, headers=key).status_code == 503
+    assert http.get("/version").json()["version"]
+    assert http.get("/metrics").status_code == 200
+
+
+def test_tokenizer_endpoints_check_the_body_before_needing_a_cluster(http):
+    assert _error(http.post("/tokenize", content=b"{oops"), 400)["message"]
+    assert _error(http.post("/tokenize", json=[1]), 400)["message"]
+    assert _error(http.post("/tokenize", json={"prompt": "x", "extra": 1}), 400)["param"] == \
+        "extra"
+    assert _error(http.post("/detokenize", json={"tokens": ["a"]}), 400)["param"].startswith(
+        "tokens")
+    assert _error(http.post("/tokenize", json={"prompt": "x", "model": "gpt"}), 404)
+    assert _error(http.post("/tokenize", json={"prompt": "x"}), 503)["code"] == "unavailable"

@@ -44,3 +44,47 @@ def test_stop_string_on_the_answer(oai):
     r = oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
                                     max_tokens=24, stop=["Paris"])
     assert r.choices[0].finish_reason == "stop" and "Paris" not in r.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_dir):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(default_model_dir),
+                                                             dtype=torch.float32).eval()
+
+
+def test_echo_logprobs_score_a_continuation_as_transformers_does(oai, hf, default_model_dir):
+    """lm-evaluation-harness's loglikelihood request; the raw logprobs equal transformers'
+    log-softmax on the same ids (fp32) within 1e-3, and "Paris" is the greedy continuation."""
+    import torch
+
+    from runtime.model_files import load_tokenizer
+
+    text = "The capital of France is Paris"
+    ids = load_tokenizer(default_model_dir).encode(text).ids
+    r = oai.completions.create(model="smollm2", prompt=text, max_tokens=1, temperature=0,
+                               logprobs=1, echo=True)
+    lp = r.choices[0].logprobs
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    expected = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + 1
+    assert max(abs(a - float(b)) for a, b in zip(lp.token_logprobs[1:len(ids)], expected)) < 1e-3
+    # " Paris" was the model's own choice after "The capital of France is".
+    assert max(lp.top_logprobs[len(ids) - 1], key=lp.top_logprobs[len(ids) - 1].get) == " Paris"
+
+
+def test_chat_logprobs_streamed_and_not_agree(oai):
+    kwargs = dict(model="smollm2", messages=QUESTION, temperature=0, max_tokens=8,
+                  logprobs=True, top_logprobs=5)
+    full = oai.chat.completions.create(**kwargs).choices[0]
+    streamed = [e for chunk in oai.chat.completions.create(stream=True, **kwargs)
+                for choice in chunk.choices if choice.logprobs for e in choice.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in full.logprobs.content]
+    # Every token has its entry, the end-of-turn token too (its text is not in the content).
+    assert "".join(e.token for e in full.logprobs.content) == full.message.content + "<|im_end|>"
+    for a, b in zip(streamed, full.logprobs.content):
+        assert abs(a.logprob - b.logprob) < 1e-4 and len(a.top_logprobs) == 5
+        assert a.top_logprobs[0].token == a.token  # greedy: the most likely token was chosen

@@ -186,7 +186,10 @@ def test_bad_requests_get_400_with_the_servers_message(oai, tokenizer):
         oai.completions.create(model="tiny", prompt="hi", temperature=-1)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                    logprobs=True)
+                                    logprobs=True, top_logprobs=21)
+    # A token id outside the vocabulary in logit_bias: the tokenizer worker's 400.
+    with pytest.raises(openai.BadRequestError, match=r"logit_bias \[49152\] are outside"):
+        oai.completions.create(model="tiny", prompt="hi", logit_bias={"49152": 1})
     # Caught by the tokenizer worker, after the submit: still a 400, streaming or not.
     too_long = "hello " * (MAX_MODEL_LEN + 10)
     with pytest.raises(openai.BadRequestError, match="context length"):

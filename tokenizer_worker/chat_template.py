@@ -56,6 +56,7 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
+        self.source = source
         self.special_tokens = special_tokens
 
     @classmethod
@@ -80,11 +81,15 @@ class ChatTemplate:
                 source = raw
         return cls(source, special) if source else None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+               extra: dict[str, Any] | None = None) -> str:
+        """``extra``: the request's chat_template_kwargs (e.g. ``enable_thinking``); the
+        variables the request states itself (messages, add_generation_prompt) always win."""
+        variables = {**self.special_tokens, **(extra or {}), "messages": messages,
+                     "add_generation_prompt": add_generation_prompt, "tools": None,
+                     "documents": None}
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                tools=None, documents=None, **self.special_tokens)
+            return self._template.render(**variables)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:

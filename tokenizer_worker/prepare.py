@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ipc.codec import DecodeError, pack_ids, unpack_ids
 from ipc.messages import (
     ERR_BAD_REQUEST,
+    ChatMessage,
     RequestError,
     RequestMeta,
     SamplingParams,
@@ -98,19 +100,27 @@ class RequestPreparer:
             # Clamp instead of refusing: the request still ends with reason "length" at the
             # context limit, which is what a caller asking for "as much as fits" wants.
             sampling = _with_max_tokens(sampling, room)
+        packed = pack_ids(ids)
         meta = RequestMeta(
             request_id=req.request_id, client_id=req.client_id, prompt_tokens=n,
             stop=list(sampling.stop), skip_special_tokens=sampling.skip_special_tokens,
             tokenizer_index=self.tokenizer_index, t_submit=req.t_submit,
-            t_tokenize_start=t_start, t_tokenized=t_done)
-        return TokenizedRequest(request_id=req.request_id, token_ids=pack_ids(ids),
+            t_tokenize_start=t_start, t_tokenized=t_done,
+            continuous_usage_stats=req.continuous_usage_stats,
+            # The detokenizer turns these into the echoed text and the prompt's token strings.
+            prompt_token_ids=packed if sampling.scores_prompt else b"", echo=sampling.echo,
+            prompt_logprobs=sampling.prompt_logprobs is not None,
+            include_stop_str_in_output=sampling.include_stop_str_in_output)
+        return TokenizedRequest(request_id=req.request_id, token_ids=packed,
                                 sampling=sampling, meta=meta)
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
-        bad = [t for t in sampling.stop_token_ids if t >= self.limits.vocab_size]
-        if bad:
-            raise RequestRejected(f"stop_token_ids {bad[:8]} are outside the vocabulary "
-                                  f"(size {self.limits.vocab_size})")
+        for name, ids in (("stop_token_ids", sampling.stop_token_ids),
+                          ("logit_bias", sampling.logit_bias)):
+            bad = [t for t in ids if t >= self.limits.vocab_size]
+            if bad:
+                raise RequestRejected(f"{name} {bad[:8]} are outside the vocabulary "
+                                      f"(size {self.limits.vocab_size})")
 
     def _check_text(self, text: str) -> str:
         if not text:
@@ -133,26 +143,32 @@ class RequestPreparer:
         return arr.tolist()
 
     def _render_chat(self, req: SubmitRequest) -> str:
-        if self.chat_template is None:
-            raise RequestRejected("this model has no chat template; send a prompt instead")
-        messages = req.messages or []
-        if len(messages) > MAX_CHAT_MESSAGES:
-            raise RequestRejected(f"at most {MAX_CHAT_MESSAGES} chat messages")
-        for m in messages:
-            if not m.role:
-                raise RequestRejected("every chat message needs a non-empty role")
-        try:
-            text = self.chat_template.render(
-                [{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=req.add_generation_prompt)
-        except ChatTemplateError as exc:
-            raise RequestRejected(str(exc)) from None
-        return self._check_text(text)
+        return self._check_text(render_chat(self.chat_template, req.messages or [],
+                                            req.add_generation_prompt, req.chat_template_kwargs))
+
+
+def render_chat(template: ChatTemplate | None, messages: list[ChatMessage],
+                add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+    """The chat as the model's template writes it; RequestRejected says what is wrong."""
+    if template is None:
+        raise RequestRejected("this model has no chat template; send a prompt instead")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise RequestRejected(f"at most {MAX_CHAT_MESSAGES} chat messages")
+    for m in messages:
+        if not m.role:
+            raise RequestRejected("every chat message needs a non-empty role")
+    try:
+        return template.render([{"role": m.role, "content": m.content,
+                                 **({"name": m.name} if m.name else {})} for m in messages],
+                               add_generation_prompt=add_generation_prompt, extra=extra)
+    except ChatTemplateError as exc:
+        raise RequestRejected(str(exc)) from None
 
 
 def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
     fields = {name: getattr(sampling, name) for name in SamplingParams.__dataclass_fields__}
     fields["max_tokens"] = max_tokens
+    fields["min_tokens"] = min(sampling.min_tokens, max_tokens)
     return SamplingParams(**fields)
 
 

@@ -1,5 +1,7 @@
 """The tokenizer process: pull SubmitRequests, batch-encode whatever is queued at once, push
-TokenizedRequests to the engine and RequestErrors to the detokenizer."""
+TokenizedRequests to the engine and RequestErrors to the detokenizer. TokenizeRequests (the
+/tokenize, /detokenize and /tokenizer_info queries) arrive on the same socket and are answered
+through the detokenizer, which routes the TokenizeResult to the client."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import zmq
 from ipc.codec import DecodeError, salvage_fields
 from ipc.config import ClusterConfig
 from ipc.messages import ERR_BAD_REQUEST, ERR_UNAVAILABLE, RequestError, SubmitRequest
+from ipc.queries import TokenizeRequest
 from ipc.sockets import PullQueue, PushQueue
 from runtime.factories import load_factory
 from runtime.model_files import load_tokenizer
 from runtime.worker import WorkerRuntime
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer
+from tokenizer_worker.queries import TokenizerQueries
 
 logger = logging.getLogger("splitserve.tokenizer")
 
@@ -45,15 +49,17 @@ class TokenizerWorker:
         self.config, self.index = config, index
         self.runtime = WorkerRuntime("tokenizer", index, config, ctx)
         self.preparer = make_preparer(config, index)
+        self.queries = TokenizerQueries.from_preparer(self.preparer, config.model_path)
         # A small receive queue: when it fills, clients' round-robin skips this worker and, once
         # every worker is full, submit() raises OverloadedError instead of queueing without bound.
-        self.inbox: PullQueue[SubmitRequest] = PullQueue(
-            ctx, config.tokenizer_addr(index), SubmitRequest, hwm=config.tokenizer_queue_max,
-            curve=config.curve)
+        self.inbox: PullQueue[SubmitRequest | TokenizeRequest] = PullQueue(
+            ctx, config.tokenizer_addr(index), SubmitRequest, TokenizeRequest,
+            hwm=config.tokenizer_queue_max, curve=config.curve)
         self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
         self.to_detok = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
         self.served = 0
         self.rejected = 0
+        self.answered = 0  # TokenizeRequests
         self.tokenize_s = 0.0
 
     def run(self) -> None:
@@ -75,12 +81,20 @@ class TokenizerWorker:
         self.close()
 
     def handle_frames(self, frames: list[bytes]) -> None:
-        requests = []
+        requests: list[SubmitRequest] = []
+        queries: list[TokenizeRequest] = []
         for frame in frames:
             try:
-                requests.append(self.inbox.decode(frame))
+                msg = self.inbox.decode(frame)
             except DecodeError as exc:
                 self._reject_frame(frame, exc)
+                continue
+            if isinstance(msg, TokenizeRequest):
+                queries.append(msg)
+            else:
+                requests.append(msg)
+        if queries:
+            self.answer_queries(queries)
         if not requests:
             return
         if self.runtime.draining:
@@ -99,6 +113,20 @@ class TokenizerWorker:
                 self.to_engine.put(result)
                 self.served += 1
 
+    def answer_queries(self, queries: list[TokenizeRequest]) -> None:
+        for query in queries:
+            if self.runtime.draining:
+                self._send_error(RequestError(query.request_id, query.client_id,
+                                              "unavailable: the cluster is shutting down",
+                                              ERR_UNAVAILABLE, query.t_submit))
+                continue
+            answer = self.queries.answer(query)
+            if isinstance(answer, RequestError):
+                self._send_error(answer)
+            else:
+                self.to_detok.put(answer)
+                self.answered += 1
+
     def _reject_frame(self, frame: bytes, exc: DecodeError) -> None:
         found = salvage_fields(frame, "request_id", "client_id")
         rid, cid = found.get("request_id"), found.get("client_id")
@@ -112,7 +140,7 @@ class TokenizerWorker:
         self.to_detok.put(err)
 
     def _stats(self) -> dict[str, float]:
-        return {"served": self.served, "rejected": self.rejected,
+        return {"served": self.served, "rejected": self.rejected, "answered": self.answered,
                 "tokenize_s": self.tokenize_s, "draining": float(self.runtime.draining)}
 
     def close(self) -> None:

@@ -8,10 +8,11 @@
         print(handle.result().finish_reason)
 
 ``submit`` encodes the request and hands it to ZeroMQ without waiting: no round trip, no
-tokenization. ``AsyncClient`` is the same API for asyncio. Modules, by job: ``errors`` and
-``results`` (what callers see), ``requests`` (building a submit), ``records`` and ``core`` (the
-I/O-free bookkeeping both clients share), ``transport`` (sockets), ``sync_client`` and
-``async_client``.
+tokenization. ``tokenize``, ``detokenize``, ``tokenizer_info`` and ``engine_stats`` ask the
+cluster one question each and wait for its answer. ``AsyncClient`` is the same API for asyncio.
+Modules, by job: ``errors`` and ``results`` (what callers see), ``requests`` (building a
+submit), ``queries`` (the one-answer queries), ``records`` and ``core`` (the I/O-free
+bookkeeping both clients share), ``transport`` (sockets), ``sync_client`` and ``async_client``.
 """
 
 from ipc.client.async_client import AsyncClient, AsyncRequestHandle
@@ -23,9 +24,10 @@ from ipc.client.errors import (
     SplitserveError,
     UnavailableError,
 )
+from ipc.client.queries import Tokenized
 from ipc.client.results import Delta, GenerationResult
 from ipc.client.sync_client import Client, RequestHandle
 
 __all__ = ["Client", "AsyncClient", "RequestHandle", "AsyncRequestHandle", "GenerationResult",
            "Delta", "SplitserveError", "BadRequestError", "OverloadedError", "UnavailableError",
-           "RequestTimeoutError", "ERR_TIMEOUT"]
+           "RequestTimeoutError", "ERR_TIMEOUT", "Tokenized"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
@@ -23,6 +23,7 @@ import zmq.asyncio
 from ipc import codec
 from ipc.client.core import ClientCore
 from ipc.client.errors import RequestTimeoutError, UnavailableError
+from ipc.client.queries import Builder, QueryMethods
 from ipc.client.records import HandleBase, RequestRecord, closed_event, timeout_event
 from ipc.client.requests import prompt_kwargs
 from ipc.client.results import Delta, GenerationResult
@@ -87,7 +88,7 @@ class AsyncRequestHandle(HandleBase):
             self._client._send_soon(codec.encode(ClientAbort([self.record.wire_id])))
 
 
-class AsyncClient:
+class AsyncClient(QueryMethods):
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
                  deadline_s: float | None = None, submit_hwm: int | None = None,
                  server_public_key: str | bytes | None = None,
@@ -98,6 +99,7 @@ class AsyncClient:
         self.connect_timeout_s = connect_timeout_s
         self.submit_hwm = submit_hwm
         self._core = ClientCore(deadline_s, tokenizer_retries)
+        self.client_id = self._core.client_id
         self._ctx = zmq.asyncio.Context()
         self._dealer: zmq.asyncio.Socket | None = None
         self._submit: list[zmq.Socket] | None = None
@@ -132,14 +134,38 @@ class AsyncClient:
     def submit(self, prompt: str | None = None, *, messages: list[Any] | None = None,
                prompt_token_ids: Any = None, sampling: SamplingParams | None = None,
                request_id: str | None = None, add_generation_prompt: bool = True,
-               deadline_s: float | None = None, **sampling_kwargs: Any) -> AsyncRequestHandle:
+               deadline_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+               continuous_usage_stats: bool = False,
+               **sampling_kwargs: Any) -> AsyncRequestHandle:
+        """See Client.submit."""
         if self._submit is None:
             raise UnavailableError("the client is not started (await start()) or is closed")
         return self._core.submit(
             self._submit, lambda record: AsyncRequestHandle(self, record), request_id,
             deadline_s, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
             sampling=sampling, sampling_kwargs=sampling_kwargs,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            continuous_usage_stats=continuous_usage_stats)
+
+    def _ask(self, build: Builder, timeout: float | None, read: Callable[[Any], Any], *,
+             to_detokenizer: bool = False) -> Any:
+        """Sends one query now (see QueryMethods); the awaitable it returns gives read(reply)."""
+        if self._submit is None:
+            raise UnavailableError("the client is not started (await start()) or is closed")
+
+        def make(record: RequestRecord) -> AsyncRequestHandle:
+            return AsyncRequestHandle(self, record)
+        if to_detokenizer:
+            handle, frame = self._core.open_query(make, timeout, build)
+            self._send_soon(frame)
+        else:
+            handle = self._core.send(self._submit, make, None, timeout, build)
+
+        async def answer() -> Any:
+            await handle.result()  # raises the query's error
+            return read(handle.record.reply)
+        return answer()
 
     async def generate(self, prompts: list[Any], sampling: SamplingParams | None = None, *,
                        check: bool = True, **sampling_kwargs: Any) -> list[GenerationResult]:

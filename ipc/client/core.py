@@ -21,17 +21,21 @@ import zmq
 
 from ipc import codec
 from ipc.client.errors import BadRequestError, OverloadedError, UnavailableError
+from ipc.client.queries import Builder
 from ipc.client.records import HandleBase, RequestRecord, unavailable_event
 from ipc.client.requests import build_submit
 from ipc.messages import (
     FINISH_ABORT,
+    FINISH_STOP,
     NOTICE_DIED,
     NOTICE_READY,
     ClientEvents,
     ClientWelcome,
     ClusterNotice,
     StreamEvent,
+    SubmitRequest,
 )
+from ipc.queries import EngineStatsReport, TokenizeResult
 
 H = TypeVar("H", bound=HandleBase)
 
@@ -100,12 +104,20 @@ class ClientCore:
         ``socks``: one PUSH per tokenizer worker (see _send). Raises BadRequestError for
         invalid arguments, OverloadedError when every tokenizer's pipe is full, UnavailableError
         while the detokenizer reconnects (the request was not accepted and is forgotten)."""
+        return self.send(socks, make_handle, request_id, deadline_s, lambda wire_id, t: (
+            build_submit(self.client_id, wire_id, t_submit=t, **request)))
+
+    def send(self, socks: list[zmq.Socket], make_handle: Callable[[RequestRecord], H],
+             request_id: str | None, deadline_s: float | None, build: Builder) -> H:
+        """submit() for any message for a tokenizer worker (a SubmitRequest, a TokenizeRequest
+        query): ``build`` makes it from its wire id and submit time."""
         if self.reconnecting:
             raise UnavailableError("the detokenizer connection was lost; reconnecting, retry "
                                    "shortly", request_id)
         record = self.new_record(request_id, deadline_s)
-        msg = build_submit(self.client_id, record.wire_id, t_submit=time.monotonic(), **request)
+        msg = build(record.wire_id, time.monotonic())
         record.t_submit = msg.t_submit
+        record.query = not isinstance(msg, SubmitRequest)
         record.pending = msg
         frame = codec.encode(msg)
         if len(frame) > codec.MAX_FRAME_BYTES:  # the tokenizer's socket would drop it unseen
@@ -144,6 +156,21 @@ class ClientCore:
             self._next_tokenizer = (i + 1) % n
             return True
         return False
+
+    def open_query(self, make_handle: Callable[[RequestRecord], H], deadline_s: float | None,
+                   build: Builder) -> tuple[H, bytes]:
+        """Registers a query for the detokenizer itself (EngineStatsQuery); returns its handle
+        and the frame, which the caller sends on its DEALER."""
+        if self.reconnecting:
+            raise UnavailableError("the detokenizer connection was lost; reconnecting, retry "
+                                   "shortly")
+        record = self.new_record(None, deadline_s)
+        record.query = True
+        frame = codec.encode(build(record.wire_id, time.monotonic()))
+        handle = make_handle(record)
+        self.records[record.wire_id] = handle
+        self.open_ids.add(record.request_id)
+        return handle, frame
 
     def resubmit(self, socks: list[zmq.Socket],
                  lost: list[tuple[str, StreamEvent]]) -> list[tuple[str, StreamEvent]]:
@@ -194,7 +221,8 @@ class ClientCore:
         detail = f" ({notice.detail})" if notice.detail else ""
         if notice.role == "engine":
             message = f"unavailable: the engine died{detail}; the request was lost with it"
-            lost = list(self.records)  # list(): atomic against a submitting thread
+            # list(): atomic against a submitting thread. Queries never reach the engine.
+            lost = [wid for wid, h in list(self.records.items()) if not h.record.query]
         elif notice.role == "tokenizer":
             self.down.add(notice.index)
             message = (f"unavailable: tokenizer worker {notice.index} died{detail} before the "
@@ -222,9 +250,17 @@ class ClientCore:
         aborts in the cluster, sends again with ``resubmit`` where ``retry`` says so, and ends
         with ``end_lost``."""
         try:
-            msg = codec.decode_as(frame, ClientEvents, ClusterNotice, ClientWelcome)
+            msg = codec.decode_as(frame, ClientEvents, ClusterNotice, ClientWelcome,
+                                  TokenizeResult, EngineStatsReport)
         except codec.DecodeError:
             return Routed()  # not from a splitserve detokenizer; nothing to attribute it to
+        if isinstance(msg, (TokenizeResult, EngineStatsReport)):
+            # A query's reply is its terminal event; the caller reads it from the record.
+            if (handle := self.records.get(msg.request_id)) is not None:
+                handle.record.reply = msg
+                self.apply(handle, StreamEvent(msg.request_id, finished=True,
+                                               finish_reason=FINISH_STOP), time.monotonic())
+            return Routed()
         if isinstance(msg, ClusterNotice):
             return Routed(lost=self.on_notice(msg), retry=msg.role == "tokenizer")
         if isinstance(msg, ClientWelcome):  # a restarted detokenizer answered our hello

@@ -8,14 +8,16 @@ from typing import Any
 from ipc.client.errors import ERR_TIMEOUT, error_for
 from ipc.client.results import Delta, GenerationResult
 from ipc.codec import unpack_id_list
-from ipc.messages import ERR_UNAVAILABLE, FINISH_ERROR, StreamEvent, SubmitRequest
+from ipc.messages import ERR_UNAVAILABLE, FINISH_ERROR, LogprobEntry, StreamEvent, SubmitRequest
+from ipc.queries import TokenizeRequest
 
 
 class RequestRecord:
     """The client's view of one request; the handle classes wrap it."""
 
     __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
-                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted")
+                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted",
+                 "query", "reply", "logprobs", "prompt_logprobs", "echo_text")
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
         self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
@@ -28,16 +30,25 @@ class RequestRecord:
         self.seen = False  # an event arrived: it is past its tokenizer
         # The request as sent, kept until it is past its tokenizer: if that worker dies first it
         # is sent again (to another worker, under a fresh wire id).
-        self.pending: SubmitRequest | None = None
+        self.pending: SubmitRequest | TokenizeRequest | None = None
         self.resubmits = 0
         self.aborted = False  # the caller asked to abort it
+        self.query = False  # a one-answer query (ipc.queries), not a generation
+        self.reply: Any = None  # a query's answer (TokenizeResult, EngineStatsReport)
+        self.logprobs: list[LogprobEntry] = []
+        self.prompt_logprobs: list[LogprobEntry] = []
+        self.echo_text = ""
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
         ids = unpack_id_list(event.token_ids) if event.token_ids else []
         delta = Delta(self.request_id, event.text, ids, t, event.finished, event.finish_reason,
-                      event.error, event.error_code, event.usage, event.timings)
+                      event.error, event.error_code, event.usage, event.timings,
+                      event.logprobs, event.prompt_logprobs, event.echo_text)
         self.text.append(event.text)
         self.token_ids.extend(ids)
+        self.logprobs.extend(event.logprobs)
+        self.prompt_logprobs.extend(event.prompt_logprobs)
+        self.echo_text += event.echo_text
         self.seen = True
         self.pending = None
         if ids or event.text:
@@ -51,7 +62,8 @@ class RequestRecord:
         assert f is not None, "result() before the terminal event"
         return GenerationResult(self.request_id, "".join(self.text), list(self.token_ids),
                                 f.finish_reason, f.usage, f.timings, f.error, f.error_code,
-                                self.t_submit, list(self.t_received))
+                                self.t_submit, list(self.t_received), list(self.logprobs),
+                                list(self.prompt_logprobs), self.echo_text)
 
 
 class HandleBase:

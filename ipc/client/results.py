@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ipc.client.errors import error_for
-from ipc.messages import FINISH_ERROR, RequestTimings, Usage
+from ipc.messages import FINISH_ERROR, LogprobEntry, RequestTimings, Usage
 
 
 @dataclass(slots=True)
@@ -22,6 +22,11 @@ class Delta:
     error_code: str | None = None
     usage: Usage | None = None
     timings: RequestTimings | None = None
+    # Asked for with logprobs= / prompt_logprobs= / echo=: one entry per token of token_ids;
+    # the prompt's entries (the first with logprob None) and text on the first delta.
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
+    echo_text: str = ""
 
 
 @dataclass(slots=True)
@@ -36,6 +41,9 @@ class GenerationResult:
     error_code: str | None = None
     t_submit: float = 0.0  # time.monotonic() right before the submit's send
     t_received: list[float] = field(default_factory=list)  # one per delta that carried tokens
+    logprobs: list[LogprobEntry] = field(default_factory=list)  # one per token, when asked
+    prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
+    echo_text: str = ""  # the prompt's text, with echo=True (not part of ``text``)
 
     @property
     def ok(self) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -25,6 +25,7 @@ import zmq
 from ipc import codec
 from ipc.client.core import ClientCore
 from ipc.client.errors import RequestTimeoutError, UnavailableError
+from ipc.client.queries import Builder, QueryMethods
 from ipc.client.records import HandleBase, RequestRecord, closed_event, timeout_event
 from ipc.client.requests import prompt_kwargs
 from ipc.client.results import Delta, GenerationResult
@@ -90,7 +91,7 @@ class RequestHandle(HandleBase):
             self._client._abort(self.record)
 
 
-class Client:
+class Client(QueryMethods):
     def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
                  deadline_s: float | None = None, submit_hwm: int | None = None,
                  server_public_key: str | bytes | None = None,
@@ -108,6 +109,7 @@ class Client:
         """
         curve = curve_keys(server_public_key)
         self._core = ClientCore(deadline_s, tokenizer_retries)
+        self.client_id = self._core.client_id
         self._ctx = zmq.Context()
         # _lock: the submit sockets, wire ids (a resend changes one) and _closing; the receiver
         # thread takes it too, so nobody blocks while holding it. _control_lock: the control
@@ -149,7 +151,12 @@ class Client:
     def submit(self, prompt: str | None = None, *, messages: list[Any] | None = None,
                prompt_token_ids: Any = None, sampling: SamplingParams | None = None,
                request_id: str | None = None, add_generation_prompt: bool = True,
-               deadline_s: float | None = None, **sampling_kwargs: Any) -> RequestHandle:
+               deadline_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+               continuous_usage_stats: bool = False, **sampling_kwargs: Any) -> RequestHandle:
+        """Sampling keywords are SamplingParams' fields (max_completion_tokens is accepted as
+        max_tokens' other name). chat_template_kwargs: extra chat template variables (with
+        messages), e.g. {"enable_thinking": False}. continuous_usage_stats: every delta carries
+        the usage so far, not only the last."""
         with self._lock:
             if self._closing.is_set():
                 raise UnavailableError("the client is closed")
@@ -157,7 +164,9 @@ class Client:
                 self._submit, lambda record: RequestHandle(self, record), request_id, deadline_s,
                 prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                 sampling=sampling, sampling_kwargs=sampling_kwargs,
-                add_generation_prompt=add_generation_prompt)
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+                continuous_usage_stats=continuous_usage_stats)
 
     def generate(self, prompts: list[Any], sampling: SamplingParams | None = None, *,
                  check: bool = True, timeout: float | None = None,
@@ -166,6 +175,25 @@ class Client:
         handles = [self.submit(**prompt_kwargs(p), sampling=sampling, **sampling_kwargs)
                    for p in prompts]
         return [h.result(timeout, check=check) for h in handles]
+
+    def _ask(self, build: Builder, timeout: float | None, read: Callable[[Any], Any], *,
+             to_detokenizer: bool = False) -> Any:
+        """Sends one query (see QueryMethods) and returns read(its reply)."""
+        def make(record: RequestRecord) -> RequestHandle:
+            return RequestHandle(self, record)
+        with self._lock:
+            if self._closing.is_set():
+                raise UnavailableError("the client is closed")
+            if not to_detokenizer:
+                handle = self._core.send(self._submit, make, None, timeout, build)
+            else:
+                handle, frame = self._core.open_query(make, timeout, build)
+        if to_detokenizer:
+            with self._control_lock:
+                if not self._closing.is_set():
+                    self._control.send(frame)
+        handle.result()  # raises the query's error
+        return read(handle.record.reply)
 
     # --- the receiver thread ------------------------------------------------------------------
     def _receive_loop(self, dealer: zmq.Socket, control_in: zmq.Socket,

@@ -14,8 +14,8 @@ from pathlib import Path
 CORPUS_MODULES = (
     "argparse asyncio collections concurrent.futures contextlib csv dataclasses datetime decimal "
     "email enum fractions functools heapq http.client inspect itertools json logging pathlib "
-    "pickle queue random re shutil socket sqlite3 statistics string subprocess tarfile threading "
-    "unittest urllib.parse uuid zipfile").split()
+    "queue random re shutil socket sqlite3 statistics string subprocess tarfile threading "
+    "textwrap unittest urllib.parse uuid zipfile").split()
 INSTRUCTION = "Summarize the following passage in a few sentences.\n\n"
 
 

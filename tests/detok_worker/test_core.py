@@ -241,3 +241,67 @@ def test_a_second_meta_for_a_live_request_changes_nothing(tokenizer):
                              finished=[("a", "length")]))
     events = core.take_output().events[CLIENT]
     assert events[-1].finished and events[-1].usage.completion_tokens == 2
+
+
+# --- queries and engine stats -------------------------------------------------------------------
+
+
+def test_a_tokenize_result_goes_to_its_client_once_and_not_after_an_abort(tokenizer):
+    from ipc.queries import TokenizeResult
+
+    core = core_with_clients(tokenizer, CLIENT, OTHER)
+    answer = TokenizeResult("q1", CLIENT, pack_ids([1, 2]), max_model_len=64)
+    core.on_tokenize_result(answer)
+    out = core.take_output()
+    assert out.replies == {CLIENT: [answer]} and not out.events and not out.aborts
+    core.on_client_abort(CLIENT, ["q2"])  # given up before the answer came
+    core.take_output()
+    core.on_tokenize_result(TokenizeResult("q2", CLIENT))
+    core.on_tokenize_result(TokenizeResult("q3", b"gone-client"))
+    assert core.take_output().replies == {}
+
+
+def test_stats_queries_get_the_engines_latest_stats_and_a_dead_engine_zeroes_them(tokenizer):
+    from ipc.messages import EngineStats
+
+    core = core_with_clients(tokenizer, CLIENT)
+    core.on_stats_query(CLIENT, "s0")
+    (before,) = core.take_output().replies[CLIENT]
+    assert before.request_id == "s0" and before.stats == EngineStats() and before.engine_pid == 0
+    busy = EngineStats(running=3, waiting=2, kv_blocks_used=5, kv_blocks_total=10,
+                       prefix_queried_tokens_total=40, prefix_hit_tokens_total=16)
+    out = step(1, pid=77)
+    out.stats = busy
+    core.on_step_output(out)
+    core.on_step_output(step(2, pid=77))  # an output without stats keeps the last ones
+    core.on_stats_query(CLIENT, "s1")
+    core.on_stats_query(b"unknown-client", "s2")
+    (report,) = core.take_output().replies[CLIENT]
+    assert (report.stats, report.t_step, report.engine_pid) == (busy, 11.0, 77)
+    core.on_notice(ClusterNotice(NOTICE_DIED, "engine", 0, pid=77), now=20.0)
+    core.take_output()
+    core.on_stats_query(CLIENT, "s3")
+    (after,) = core.take_output().replies[CLIENT]
+    assert after.stats == EngineStats(kv_blocks_total=10) and after.engine_pid == 0
+    late = step(3, pid=77)  # the dead engine's last words do not bring its figures back
+    late.stats = busy
+    core.on_step_output(late)
+    core.on_stats_query(CLIENT, "s4")
+    assert core.take_output().replies[CLIENT][0].stats.running == 0
+
+
+def test_continuous_usage_puts_the_usage_so_far_on_every_event(tokenizer):
+    core = core_with_clients(tokenizer, CLIENT)
+    ids = tokenizer.encode(" one two three").ids
+    plain, counted = meta("plain"), meta("counted")
+    counted.continuous_usage_stats = True
+    core.on_step_output(step(1, metas=[plain, counted],
+                             tokens=[("plain", ids[0]), ("counted", ids[0])]))
+    core.on_step_output(step(2, tokens=[("plain", ids[1]), ("counted", ids[1])]))
+    core.on_step_output(step(3, tokens=[("plain", ids[2]), ("counted", ids[2])],
+                             finished=[("plain", "length"), ("counted", "length")]))
+    events = core.take_output().events[CLIENT]
+    usage = {rid: [e.usage and e.usage.completion_tokens for e in events if e.request_id == rid]
+             for rid in ("plain", "counted")}
+    assert usage == {"plain": [None, None, 3], "counted": [1, 2, 3]}
+    assert all(e.usage.prompt_tokens == 3 for e in events if e.request_id == "counted")

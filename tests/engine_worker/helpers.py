@@ -15,7 +15,8 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 
 def collect(engine: Engine, max_steps: int = 10_000, on_step=None,
             totals: dict | None = None) -> dict[str, dict]:
-    """Steps the engine until idle; returns per-request tokens, finish reason and start info.
+    """Steps the engine until idle; returns per-request tokens, finish reason, start info and,
+    where asked, the TokenLogprobs ("logprobs") and PromptLogprobs ("prompt_logprobs").
 
     ``totals`` (if given) accumulates the step stats: prefill_tokens, preempted, ..."""
     results: dict[str, dict] = {}
@@ -28,8 +29,15 @@ def collect(engine: Engine, max_steps: int = 10_000, on_step=None,
         if totals is not None:
             for name in ("prefill_tokens", "cached_tokens", "decode_tokens", "preempted"):
                 totals[name] = totals.get(name, 0) + getattr(out.stats, name)
+        for chunk in out.prompt_logprobs:  # a step's prompt logprobs precede its tokens
+            entry = results.setdefault(chunk.request_id, {"tokens": []})
+            assert not entry["tokens"], "prompt logprobs after the first token"
+            entry.setdefault("prompt_logprobs", []).append(chunk)
         for request_id, token in zip(out.request_ids, unpack_ids(out.token_ids)):
             results.setdefault(request_id, {"tokens": []})["tokens"].append(int(token))
+        for entry in out.logprobs:
+            request_id = out.request_ids[entry.row]
+            results[request_id].setdefault("logprobs", []).append(entry)
         for start in out.started:
             entry = results.setdefault(start.request_id, {"tokens": []})
             assert "start" not in entry, "RequestStart sent twice"

@@ -200,14 +200,14 @@ def test_decode_workspace_matches_the_gather_path(tiny_model_dir):
         engine = Engine(EngineConfig(model_path=tiny_model_dir, dtype="float32", device="cpu",
                                      kv_cache_tokens=4096, enable_prefix_cache=False,
                                      decode_workspace_max_bytes=budget))
-        seen, original = [], engine.runner.compute_logits
+        seen, original = [], engine.runner._forward
 
-        def recording(requests, counts, original=original, seen=seen):
-            out, emitting = original(requests, counts)
+        def recording(inputs, original=original, seen=seen):
+            out = original(inputs)
             seen.append(out.clone())
-            return out, emitting
+            return out
 
-        engine.runner.compute_logits = recording
+        engine.runner._forward = recording
         reused, make = [], engine.runner.attention._decode_workspace
 
         def tracking(*args, make=make, reused=reused):

@@ -159,3 +159,52 @@ def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_i
     assert waiting.deltas[-1].error_code == "unavailable"
     assert "tokenizer worker 0 died" in waiting.deltas[-1].error
     assert "w" not in core.open_ids
+
+
+def query(core: ClientCore, socks, **kwargs):
+    from ipc.client.queries import tokenize_builder
+
+    build = tokenize_builder(core.client_id, "hello", None, None, True, None, False)
+    return core.send(socks, Handle, None, kwargs.get("deadline_s"), build)
+
+
+def test_a_query_ends_with_its_reply_and_survives_an_engine_death():
+    from ipc import codec
+    from ipc.messages import NOTICE_DIED, ClusterNotice
+    from ipc.queries import TokenizeRequest, TokenizeResult
+
+    core = ClientCore(deadline_s=None)
+    socks = [Sock()]
+    generation, tokenize = submit(core, socks), query(core, socks)
+    sent = codec.decode(socks[0].sent[1])
+    assert isinstance(sent, TokenizeRequest) and sent.prompt == "hello"
+    assert sent.request_id == tokenize.record.wire_id and sent.add_special_tokens
+    lost = core.on_notice(ClusterNotice(NOTICE_DIED, "engine", 0))
+    assert [wid for wid, _ in lost] == [generation.record.wire_id]  # queries never reach it
+    reply = TokenizeResult(tokenize.record.wire_id, core.client_id, codec.pack_ids([7]))
+    core.route(codec.encode(reply))
+    assert tokenize.record.reply == reply and [d.finished for d in tokenize.deltas] == [True]
+    assert tokenize.record.wire_id not in core.records
+    core.route(codec.encode(reply))  # a second copy (a resent query answered twice): dropped
+    assert len(tokenize.deltas) == 1
+
+
+def test_a_query_in_a_dead_tokenizer_is_sent_again_or_ends_unavailable():
+    from ipc import codec
+    from ipc.messages import NOTICE_DIED, ClusterNotice
+
+    for retries, expect_resent in ((1, True), (0, False)):
+        core = ClientCore(deadline_s=None, tokenizer_retries=retries)
+        socks = [Sock(), Sock()]
+        handle = query(core, socks)
+        dead = handle.record.tokenizer
+        lost = core.on_notice(ClusterNotice(NOTICE_DIED, "tokenizer", dead))
+        assert [wid for wid, _ in lost] == [handle.record.wire_id]
+        still_lost = core.resubmit(socks, lost)
+        if expect_resent:
+            assert still_lost == [] and handle.record.tokenizer != dead
+            resent = codec.decode(socks[handle.record.tokenizer].sent[-1])
+            assert resent.request_id == handle.record.wire_id and resent.prompt == "hello"
+        else:
+            core.end_lost(still_lost)
+            assert handle.deltas[-1].error_code == "unavailable"

@@ -93,3 +93,28 @@ def test_one_bad_request_does_not_spoil_the_batch(preparer):
     assert [type(o).__name__ for o in out] == ["TokenizedRequest", "RequestError",
                                                "TokenizedRequest"]
     assert unpack_id_list(out[2].token_ids) == [5, 6]
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_rejected(preparer):
+    out = _one(preparer, prompt="x", sampling=SamplingParams(logit_bias={5: 1.0, 49152: -1.0}))
+    assert isinstance(out, RequestError)
+    assert "logit_bias [49152] are outside the vocabulary (size 49152)" in out.message
+    assert isinstance(_one(preparer, prompt="x", sampling=SamplingParams(
+        logit_bias={49151: 100.0})), TokenizedRequest)
+
+
+def test_prompt_ids_reach_the_detokenizer_only_when_echo_or_prompt_logprobs_ask(preparer):
+    plain = _one(preparer, prompt="Hello there", sampling=SamplingParams(logprobs=3))
+    assert plain.meta.prompt_token_ids == b"" and not plain.meta.echo
+    for sampling in (SamplingParams(echo=True), SamplingParams(max_tokens=0, prompt_logprobs=2)):
+        out = _one(preparer, prompt="Hello there", sampling=sampling)
+        assert out.meta.prompt_token_ids == out.token_ids and out.meta.echo == sampling.echo
+        assert out.meta.prompt_logprobs == (sampling.prompt_logprobs is not None)
+    stops = _one(preparer, prompt="x", sampling=SamplingParams(include_stop_str_in_output=True))
+    assert stops.meta.include_stop_str_in_output
+
+
+def test_min_tokens_follows_a_clamped_max_tokens(preparer):
+    out = _one(preparer, prompt="Hello", sampling=SamplingParams(max_tokens=500, min_tokens=400))
+    assert isinstance(out, TokenizedRequest)
+    assert out.sampling.min_tokens == out.sampling.max_tokens == 64 - out.meta.prompt_tokens

@@ -1,0 +1,189 @@
+"""The OpenAI-compatible response and stream-chunk bodies of the HTTP frontend: plain dicts, built
+by hand because they are on the per-token path and json.dumps of a dict is the cheap way.
+
+A choice's output (``ChoiceOutput``) is all of it for a full response, or one delta's worth for a
+stream chunk; a format renders it, with logprobs (http_worker.logprobs) when they were asked.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from http_worker.logprobs import (
+    TextOffsets,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_body,
+)
+from ipc.client import Delta
+from ipc.messages import LogprobEntry
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+@dataclass(slots=True)
+class ChoiceOutput:
+    """What one choice produced: all of it, or one delta's worth."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
+    echo_text: str = ""
+
+    def add(self, delta: Delta) -> ChoiceOutput:
+        self.text += delta.text
+        self.logprobs += delta.logprobs
+        self.prompt_logprobs += delta.prompt_logprobs
+        self.echo_text += delta.echo_text
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+        return self
+
+    @property
+    def has_content(self) -> bool:
+        """Worth a chunk: text, or tokens whose text is still held back (their logprobs)."""
+        return bool(self.text or self.logprobs or self.prompt_logprobs or self.echo_text
+                    or self.finish_reason)
+
+
+class ResponseFormat:
+    """Builds one endpoint's bodies; a subclass per endpoint. ``created`` and ``id`` are fixed
+    per response so every chunk of a stream carries the same ones (as OpenAI's do).
+
+    ``logprobs``: top logprobs per token to show (None: no logprobs); ``echo``: the prompt's text
+    (and, with logprobs, its entries) leads the choice; ``prompt_logprobs``: vLLM's per-position
+    prompt logprobs are shown."""
+
+    id_prefix = ""
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, model: str, include_usage: bool = False, continuous_usage: bool = False,
+                 *, logprobs: int | None = None, echo: bool = False,
+                 prompt_logprobs: bool = False) -> None:
+        self.id = new_id(self.id_prefix)
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # each chunk: its choice's usage so far
+        self.logprobs, self.echo, self.prompt_logprobs = logprobs, echo, prompt_logprobs
+        self._offsets: dict[int, TextOffsets] = {}  # per choice, across a stream's chunks
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def full(self, choices: list[ChoiceOutput], usage: dict[str, Any]) -> dict:
+        """The non-streaming body; ``choices`` in index order."""
+        body = self._envelope(self.object_full, [self._full_choice(i, out)
+                                                 for i, out in enumerate(choices)])
+        self._add_prompt_logprobs(body, choices[0] if choices else ChoiceOutput())
+        body["usage"] = usage
+        return body
+
+    def chunk(self, index: int, out: ChoiceOutput,
+              usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [self._chunk_choice(index, out)])
+        self._add_prompt_logprobs(body, out)
+        self._chunk_usage(body, usage)
+        return body
+
+    def _chunk_usage(self, body: dict[str, Any], usage: dict[str, Any] | None) -> None:
+        if self.continuous_usage and usage is not None:
+            body["usage"] = usage
+        elif self.include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the last when usage is asked
+
+    def first_chunk(self, index: int, usage: dict[str, Any] | None = None
+                    ) -> dict[str, Any] | None:
+        return None
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [])
+        body["usage"] = usage
+        return body
+
+    def _add_prompt_logprobs(self, body: dict[str, Any], out: ChoiceOutput) -> None:
+        """Where the endpoint puts vLLM's prompt_logprobs at the top level (chat)."""
+
+    def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _chunk_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormat(ResponseFormat):
+    id_prefix, object_full, object_chunk = "cmpl", "text_completion", "text_completion"
+
+    def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
+        body = {"index": index, "text": out.echo_text + out.text, "logprobs": None,
+                "finish_reason": out.finish_reason}
+        if self.logprobs is not None:
+            body["logprobs"] = self._logprobs(index, out)
+        if self.prompt_logprobs:
+            body["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs) or None
+        return body
+
+    _chunk_choice = _full_choice
+
+    def _logprobs(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
+        """With echo the prompt's entries come first; the output's offsets then start where the
+        echoed text ends."""
+        offsets = self._offsets.setdefault(index, TextOffsets())
+        entries, text_offset = [], []
+        if self.echo and (out.echo_text or out.prompt_logprobs):
+            entries += out.prompt_logprobs
+            text_offset += [offsets.next(e.bytes) for e in out.prompt_logprobs]
+            offsets.jump(len(out.echo_text))
+        entries += out.logprobs
+        text_offset += [offsets.next(e.bytes) for e in out.logprobs]
+        assert self.logprobs is not None
+        return completion_logprobs(entries, self.logprobs, text_offset)
+
+
+class ChatFormat(ResponseFormat):
+    id_prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": out.text},
+                "logprobs": self._logprobs(out), "finish_reason": out.finish_reason}
+
+    def _chunk_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
+        reason = out.finish_reason
+        delta = {"content": out.text} if out.text or reason is None else {}
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(out),
+                "finish_reason": reason}
+
+    def _logprobs(self, out: ChoiceOutput) -> dict[str, Any] | None:
+        return None if self.logprobs is None else chat_logprobs(out.logprobs, self.logprobs)
+
+    def _add_prompt_logprobs(self, body: dict[str, Any], out: ChoiceOutput) -> None:
+        if self.prompt_logprobs and out.prompt_logprobs:  # one prompt: shown once, as vLLM does
+            body["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs)
+
+    def first_chunk(self, index: int, usage: dict[str, Any] | None = None
+                    ) -> dict[str, Any] | None:
+        # OpenAI's first chunk of each choice names the role, with empty content.
+        body = self._envelope(self.object_chunk, [{"index": index, "delta": {
+            "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        self._chunk_usage(body, usage)
+        return body
+
+
+def models_body(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "splitserve",
+                                        "max_model_len": max_model_len}]}

@@ -1,0 +1,151 @@
+"""SamplingParams: what a request asks of generation, validated once at construction.
+
+It crosses every boundary inside SubmitRequest / TokenizedRequest (ipc.messages re-exports it);
+the tokenizer worker checks what needs the vocabulary (token ids), everything else is checked
+here, so the HTTP frontend, the SDK and the engine share one set of rules and messages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_SEED = 2**63 - 1
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What a request asks of generation. Invalid values raise ValueError at construction.
+
+    Logprobs (``logprobs``, ``prompt_logprobs``) are the model's raw log-softmax of the logits of
+    the step that produced the token: before temperature, penalties, logit_bias, min_tokens and
+    top-k/top-p/min-p (vLLM's default)."""
+
+    max_tokens: int = 16  # 0 only with echo or prompt_logprobs: score the prompt, sample nothing
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # 1 disables nucleus sampling
+    top_k: int = 0  # 0 (or -1) disables top-k
+    seed: int | None = None  # same seed, same output, whatever else shares the batch
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    # Penalties on tokens already there (OpenAI's meaning for the first two): the logit of a
+    # token drops by frequency_penalty per time it was generated and by presence_penalty once
+    # if it was; repetition_penalty (1 disables it) divides a positive logit of any token in
+    # the prompt or the output by it and multiplies a negative one.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top logprobs per generated token (0: only the token's own)
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
+    echo: bool = False  # the prompt (text and ids) comes back ahead of the output
+    # eos and stop_token_ids cannot be sampled before this many tokens (stop strings, matched
+    # in the detokenizer, still end the request)
+    min_tokens: int = 0
+    min_p: float = 0.0  # keeps tokens with probability >= min_p x the top one's (0 disables)
+    # OpenAI's logit_bias: added to the raw logits of these token ids before sampling.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and not self.scores_prompt):
+            raise ValueError(f"max_tokens must be at least 1 (0 only with echo or "
+                             f"prompt_logprobs, to score the prompt), got {self.max_tokens}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError("top_k must be an integer >= -1 (0 or -1 disable it), "
+                             f"got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63-1], got {self.seed!r}")
+        self._check_stops()
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        v = self.repetition_penalty
+        if not _is_number(v) or not math.isfinite(v) or not (0.0 < v <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {v!r}")
+        self._check_logprob_fields()
+
+    def _check_stops(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
+                                 "characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    def _check_logprob_fields(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or unset), "
+                                 f"got {v!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                             f"({self.max_tokens})")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a map of token id to bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                             f"got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), "
+                                 f"got {token!r}")
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got "
+                                 f"{bias!r} for token {token}")
+        for name in ("echo", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt itself comes back (echo) or is scored (prompt_logprobs)."""
+        return self.echo or self.prompt_logprobs is not None
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
