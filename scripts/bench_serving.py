@@ -175,7 +175,10 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
                                       + (" (sized for this workload)" if kv_auto else ""),
                    "max_model_len": args.max_model_len or "model's own",
                    "prefix_cache": args.enable_prefix_cache,
-                   "max_waiting_requests": args.max_waiting_requests},
+                   "max_waiting_requests": args.max_waiting_requests,
+                   "idle_batch_window": f"{args.idle_batch_window_ms:g} ms, at most "
+                                        f"{args.idle_batch_window_step_fraction:g} of the "
+                                        "expected first step"},
         "Stream interval (tokens)": args.stream_interval_tokens,
         "Runs": f"{args.warmup_runs} warmup (of {min(args.warmup_num_requests, w.num_requests)} "
                 f"requests) + {args.repeat_runs} measured per mode, interleaved; "
