@@ -12,8 +12,11 @@ from tokenizers.decoders import DecodeStream
 
 from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.token_strings import TokenStrings
+from detok_worker.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolCallParser
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import (
+    FINISH_STOP,
+    FINISH_TOOL_CALLS,
     LogprobEntry,
     PromptLogprobs,
     RequestMeta,
@@ -23,13 +26,15 @@ from ipc.messages import (
     TokenLogprobs,
     Usage,
 )
+from ipc.structured import ToolCallDelta
 
 logger = logging.getLogger("splitserve.detokenizer")
 
 
 class RequestState:
     __slots__ = ("meta", "decoder", "matcher", "completion_tokens", "cached_tokens", "timings",
-                 "unsent_text", "unsent_ids", "sent_any", "unsent_logprobs", "prompt_logprobs")
+                 "unsent_text", "unsent_ids", "sent_any", "unsent_logprobs", "prompt_logprobs",
+                 "tool_parser", "unsent_calls")
 
     def __init__(self, meta: RequestMeta) -> None:
         self.meta = meta
@@ -46,6 +51,11 @@ class RequestState:
         # Logprob entries travel with their tokens: one per id of unsent_ids when asked.
         self.unsent_logprobs: list[LogprobEntry] = []
         self.prompt_logprobs: list[LogprobEntry] = []  # go out with the first event
+        # With tools: the text the stop strings release is read for calls, which leave it.
+        self.tool_parser: ToolCallParser | None = None
+        if meta.tool_parser:
+            self.tool_parser = TOOL_PARSERS[meta.tool_parser]()
+        self.unsent_calls: list[ToolCallDelta] = []
 
     def on_start(self, start: RequestStart) -> None:
         self.timings.t_arrived = start.t_arrived
@@ -78,8 +88,22 @@ class RequestState:
                            self.meta.request_id, token_id, exc)
             piece = ""
         released, stopped = self.matcher.feed(piece)
-        self.unsent_text += released
+        self._release(released)
         return stopped
+
+    def _release(self, text: str, last: bool = False) -> None:
+        if self.tool_parser is None:
+            self.unsent_text += text
+            return
+        parsed = self.tool_parser.feed(text) if text else ParsedDelta()
+        for part in (parsed, self.tool_parser.finish()) if last else (parsed,):
+            self.unsent_text += part.content
+            for call in part.tool_calls:  # one delta per call and event
+                previous = self.unsent_calls[-1] if self.unsent_calls else None
+                if previous is not None and previous.index == call.index and call.id is None:
+                    previous.arguments += call.arguments
+                else:
+                    self.unsent_calls.append(call)
 
     def should_stream(self, interval_tokens: int) -> bool:
         # The first token always goes out at once: time to first token is what users feel.
@@ -90,11 +114,12 @@ class RequestState:
         """What is unsent, as one event; the first one also carries the prompt's text (echo)
         and logprobs (``strings`` is needed then)."""
         event = StreamEvent(request_id=self.meta.request_id, text=self.unsent_text,
-                            token_ids=pack_ids(self.unsent_ids), logprobs=self.unsent_logprobs)
+                            token_ids=pack_ids(self.unsent_ids), logprobs=self.unsent_logprobs,
+                            tool_calls=self.unsent_calls)
         if not self.sent_any and self.meta.prompt_token_ids and strings is not None:
             self._add_prompt(event, strings)
         self.unsent_text, self.unsent_ids, self.sent_any = "", [], True
-        self.unsent_logprobs = []
+        self.unsent_logprobs, self.unsent_calls = [], []
         if self.meta.continuous_usage_stats:
             event.usage = self.usage()
         return event
@@ -116,11 +141,11 @@ class RequestState:
     def final(self, reason: str, t_finished: float, *, stopped_by_string: bool = False,
               error: str | None = None, error_code: str | None = None,
               strings: TokenStrings | None = None) -> StreamEvent:
-        if not stopped_by_string:
-            self.unsent_text += self.matcher.flush()
+        self._release("" if stopped_by_string else self.matcher.flush(), last=True)
         event = self.delta(None if error_code else strings)
         event.finished = True
-        event.finish_reason = reason
+        called = self.tool_parser is not None and self.tool_parser.calls > 0
+        event.finish_reason = FINISH_TOOL_CALLS if reason == FINISH_STOP and called else reason
         event.error = error or None
         event.error_code = error_code or None
         event.usage = self.usage()

@@ -43,7 +43,7 @@ from ipc.messages import (
 from ipc.queries import EngineStatsQuery, TokenizeResult
 from ipc.sockets import LINGER_MS, PullQueue, PushQueue, bind, configure
 from runtime.model_files import load_tokenizer
-from runtime.worker import WorkerRuntime
+from runtime.worker import WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.detokenizer")
 
@@ -137,12 +137,7 @@ class Detokenizer:
                 self.core.on_client_gone(client_id, reason="said goodbye")
 
     def receive_from_inbox(self) -> None:
-        for frame in self.inbox.drain_frames(256):
-            try:
-                msg = self.inbox.decode(frame)
-            except codec.DecodeError as exc:
-                logger.error("dropped a malformed frame from the engine/tokenizers: %s", exc)
-                continue
+        for msg in self.inbox.drain(256, _log_malformed):
             if isinstance(msg, StepOutput):
                 self.core.on_step_output(msg)
             elif isinstance(msg, ClusterNotice):
@@ -190,9 +185,9 @@ class Detokenizer:
                                     "pid": os.getpid()}
 
 
+def _log_malformed(frame: bytes, exc: codec.DecodeError) -> None:
+    logger.error("dropped a malformed frame from the engine/tokenizers: %s", exc)
+
+
 def main(config: ClusterConfig, index: int = 0) -> None:
-    ctx = zmq.Context()
-    try:
-        Detokenizer(config, ctx).run()
-    finally:
-        ctx.term()
+    run_on_context(lambda ctx: Detokenizer(config, ctx))

@@ -16,6 +16,7 @@ import torch
 
 from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
+from engine_worker.grammar_requests import GrammarRequests
 from engine_worker.idle_window import IdleBatchWindow
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.model_runner import ModelRunner, StepResult
@@ -27,6 +28,7 @@ from ipc.codec import pack_ids
 from ipc.engine_config import EngineConfig
 from ipc.messages import (
     ERR_BAD_REQUEST,
+    ERR_INTERNAL,
     FINISH_ABORT,
     FINISH_ERROR,
     EngineStats,
@@ -35,6 +37,7 @@ from ipc.messages import (
     SamplingParams,
     StepOutput,
 )
+from ipc.structured import GrammarVocabulary
 
 logger = logging.getLogger("splitserve.engine")
 
@@ -88,6 +91,7 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   config.decode_workspace_max_bytes)
         self.requests: dict[str, EngineRequest] = {}
+        self.grammars = GrammarRequests(sorted(self.eos_token_ids))  # constrained requests
         self.idle_window = IdleBatchWindow(config.idle_batch_window_ms / 1e3,
                                            config.idle_batch_window_step_fraction,
                                            config.prefill_max_batch_size)
@@ -112,11 +116,26 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or self._pending_aborts
-                    or self._early_finishes)
+        """Whether a step would do anything (a request whose grammar is being built is not
+        work yet: see ``wakeup_fd``)."""
+        self.grammars.settle()
+        return bool(self.scheduler.running or self._pending_aborts or self._early_finishes
+                    or self.grammars.failed
+                    or len(self.scheduler.waiting) > len(self.grammars.building))
+
+    @property
+    def wakeup_fd(self) -> int:
+        """Readable when a grammar build ended: poll it with the inbox while idle."""
+        return self.grammars.wakeup_fd
+
+    def set_grammar_vocabulary(self, vocabulary: GrammarVocabulary) -> bool:
+        return self.grammars.set_vocabulary(vocabulary)
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
-            sampling: SamplingParams, arrival_time: float | None = None) -> None:
+            sampling: SamplingParams, arrival_time: float | None = None,
+            grammar: str = "") -> None:
+        """``grammar``: the Lark text the output must follow (see ipc.messages.TokenizedRequest);
+        its matcher is built in the background and the request waits for it."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running or waiting")
         if request_id in self._aborted_before_arrival:
@@ -143,6 +162,8 @@ class Engine:
             request_id, ids.tolist(), sampling, RequestSampler(sampling, self.device, stop_ids),
             stop_ids, self.max_model_len,
             time.monotonic() if arrival_time is None else arrival_time)
+        if grammar:
+            self.grammars.attach(request, grammar)
         was_idle = not (self.scheduler.running or self.scheduler.waiting)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
@@ -171,6 +192,9 @@ class Engine:
         self._step += 1
         out = StepOutput(step=self._step, t_step=t_start)
         self._finish_aborted(out)
+        self.grammars.settle()
+        for request, error, code in self.grammars.take_failed():
+            self._finish(out, request, FINISH_ERROR, error, code)
         batch = self.scheduler.schedule()
         for request, message in batch.failed:
             self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
@@ -182,6 +206,11 @@ class Engine:
         self.idle_window.observe_step(out.t_step - t_start, batch.prefill_tokens)
         out.stats = self._stats(batch, (out.t_step - t_start) * 1000.0)
         return out
+
+    def close(self) -> None:
+        """Stops the grammar threads (the engine process calls this on its way out)."""
+        self.grammars.close()
+        self.runner.close()
 
     # --- internals --------------------------------------------------------------------------
     def _finish_aborted(self, out: StepOutput) -> None:
@@ -202,7 +231,13 @@ class Engine:
         for index, (request, count) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed += count
             token = result.tokens[index]
+            grammar_end = None
             if token is not None:
+                if request.grammar is not None:
+                    grammar_end, error = self.grammars.accept(request, token)
+                    if grammar_end == FINISH_ERROR:  # the token is not one the grammar allows
+                        self._finish(out, request, FINISH_ERROR, error, ERR_INTERNAL)
+                        continue
                 request.append_token(token)
                 if (logprobs := result.logprobs.get(index)) is not None:
                     logprobs.row = len(out.request_ids)
@@ -215,7 +250,7 @@ class Engine:
                 request.started_sent = True
                 out.started.append(RequestStart(request.request_id, request.t_arrived,
                                                 request.t_scheduled, request.cached_tokens))
-            reason = request.finish_reason()
+            reason = request.finish_reason() or grammar_end  # eos, stop ids, length first
             if reason is not None:
                 self._finish(out, request, reason)
         out.token_ids = pack_ids(emitted_tokens)
@@ -223,6 +258,7 @@ class Engine:
     def _finish(self, out: StepOutput, request: EngineRequest, reason: str,
                 error: str = "", code: str = "") -> None:
         self.scheduler.remove(request)
+        self.grammars.forget(request)
         del self.requests[request.request_id]
         out.finished.append(FinishRecord(request.request_id, reason, error, code))
 

@@ -15,6 +15,7 @@ import torch
 
 from engine_worker.attention import PagedKVCache, StepBatch, select_backend
 from engine_worker.attention.batch import to_device
+from engine_worker.grammar_mask import GrammarMasker
 from engine_worker.logprobs import (
     PromptSpan,
     SampledLogprobs,
@@ -57,13 +58,22 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype,
                                      model.device)
         self.attention = select_backend(self.kv_cache, decode_workspace_max_bytes)
+        self.grammar_masker: GrammarMasker | None = None  # made for the first constrained row
 
     @torch.inference_mode()
     def run(self, requests: list[EngineRequest], counts: list[int]) -> StepResult:
-        """Computes the scheduled tokens, samples, and reads the logprobs that were asked for."""
+        """Computes the scheduled tokens, samples, and reads the logprobs that were asked for.
+        A row with a grammar samples only a token the grammar allows (its logprobs stay the
+        model's own)."""
         inputs = self._inputs(requests, counts)
-        logits = self._forward(inputs)
         emitting = inputs.emitting
+        masker = self._grammar_masker([requests[i].grammar for i in emitting])
+        try:
+            logits = self._forward(inputs)
+        except BaseException:
+            if masker is not None:
+                masker.cancel()
+            raise
         result = StepResult([None] * len(requests), {}, [])
         if inputs.prompt_spans:
             result.prompt_logprobs = prompt_logprobs(logits[len(emitting):], inputs.prompt_spans,
@@ -75,6 +85,8 @@ class ModelRunner:
             # Taken before sampling: whatever the sampler does to the logits, these stay raw.
             raw = SampledLogprobs(logits, asking, [samplers[j].logprobs or 0 for j in asking]) \
                 if asking else None
+            if masker is not None:
+                masker.finish(logits)  # the rows with a grammar: only the tokens it allows
             histories = None
             if any(s.needs_history for s in samplers):
                 histories = [(requests[i].token_ids, requests[i].prompt_len) for i in emitting]
@@ -102,9 +114,24 @@ class ModelRunner:
             self.attention.reset()  # what it keeps may hold only some layers' copies
             raise
 
+    def _grammar_masker(self, grammars: list) -> GrammarMasker | None:
+        """None when no row of the step has a grammar (unconstrained steps pay nothing);
+        otherwise the masker, with the rows' masks already being filled while the forward
+        runs (they need the matchers only, not the logits)."""
+        if not any(g is not None for g in grammars):
+            return None
+        if self.grammar_masker is None:
+            self.grammar_masker = GrammarMasker(self.model.config.vocab_size)
+        self.grammar_masker.begin(grammars)
+        return self.grammar_masker
+
     def reset(self) -> None:
         """Frees what attention keeps between steps (the engine calls this when idle)."""
         self.attention.reset()
+
+    def close(self) -> None:
+        if self.grammar_masker is not None:
+            self.grammar_masker.close()
 
     def _inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
         num_seqs = len(requests)

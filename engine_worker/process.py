@@ -32,8 +32,9 @@ from ipc.messages import (
     TokenizedRequest,
 )
 from ipc.sockets import PullQueue, PushQueue
+from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
-from runtime.worker import WorkerRuntime
+from runtime.worker import WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.engine")
 
@@ -64,9 +65,16 @@ class EngineProcess:
         self.engine = engine if engine is not None else make_engine(config)
         # EngineOverloaded lives next to the engine class (the real one or a test stand-in).
         self._overloaded = sys.modules[type(self.engine).__module__].EngineOverloaded
-        self.inbox: PullQueue[TokenizedRequest | AbortRequests] = PullQueue(
-            ctx, config.engine_addr, TokenizedRequest, AbortRequests, hwm=INBOX_HWM,
-            curve=config.curve)
+        self.inbox: PullQueue[TokenizedRequest | AbortRequests | GrammarVocabulary] = PullQueue(
+            ctx, config.engine_addr, TokenizedRequest, AbortRequests, GrammarVocabulary,
+            hwm=INBOX_HWM, curve=config.curve)
+        # While idle the loop sleeps on the inbox and, with a real engine, on the pipe its
+        # grammar builder writes to when a waiting request's grammar is ready.
+        self.idle = zmq.Poller()
+        self.idle.register(self.inbox.socket, zmq.POLLIN)
+        self.wakeup_fd = getattr(self.engine, "wakeup_fd", None)
+        if self.wakeup_fd is not None:
+            self.idle.register(self.wakeup_fd, zmq.POLLIN)
         self.outbox = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
         self.live: set[str] = set()  # added to the engine and not finished yet
         self.pending = StepOutput(step=0, t_step=0.0)  # metas and errors awaiting the next send
@@ -89,20 +97,18 @@ class EngineProcess:
             elif self._has_pending():
                 self.send(self.take_pending())
             else:
-                self.inbox.wait(min(self.runtime.heartbeat_due_in_ms(), 100))
+                self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100))
             self.runtime.maybe_heartbeat(self.stats())
         self.shutdown()
 
     def drain_inbox(self) -> None:
-        for frame in self.inbox.drain_frames(INBOX_HWM):
-            try:
-                msg = self.inbox.decode(frame)
-            except DecodeError as exc:
-                self._reject_frame(frame, exc)
-                continue
+        for msg in self.inbox.drain(INBOX_HWM, self._reject_frame):
             if isinstance(msg, AbortRequests):
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
+            elif isinstance(msg, GrammarVocabulary):
+                if hasattr(self.engine, "set_grammar_vocabulary"):
+                    self.engine.set_grammar_vocabulary(msg)
             else:
                 self.add(msg)
 
@@ -123,7 +129,9 @@ class EngineProcess:
             return
         try:
             ids = unpack_id_list(req.token_ids)
-            self.engine.add(req.request_id, ids, req.sampling, arrival_time=time.monotonic())
+            grammar = {"grammar": req.grammar} if req.grammar else {}  # stand-ins take none
+            self.engine.add(req.request_id, ids, req.sampling, arrival_time=time.monotonic(),
+                            **grammar)
         except self._overloaded as exc:
             self._finish_early(req.meta, FINISH_ERROR, f"overloaded: {exc}", ERR_OVERLOADED)
         except (ValueError, DecodeError) as exc:
@@ -172,6 +180,8 @@ class EngineProcess:
         if self._has_pending():
             self.send(self.take_pending())
         self.runtime.maybe_heartbeat(self.stats())
+        if hasattr(self.engine, "close"):
+            self.engine.close()
         self.inbox.close()
         self.outbox.close()
         self.runtime.close()
@@ -211,8 +221,4 @@ class EngineProcess:
 
 
 def main(config: ClusterConfig, index: int = 0) -> None:
-    ctx = zmq.Context()
-    try:
-        EngineProcess(config, ctx).run()
-    finally:
-        ctx.term()
+    run_on_context(lambda ctx: EngineProcess(config, ctx))

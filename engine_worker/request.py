@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
 from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
+
+if TYPE_CHECKING:
+    from engine_worker.grammar_builder import RequestGrammar
 
 
 class EngineRequest:
@@ -17,7 +22,7 @@ class EngineRequest:
     __slots__ = ("request_id", "token_ids", "prompt_len", "params", "sampler", "stop_ids",
                  "max_total_len", "t_arrived", "t_scheduled", "num_computed", "block_ids",
                  "block_keys", "prefix_node", "cached_tokens", "started_sent",
-                 "num_generated", "samples", "prompt_logprobs_from")
+                 "num_generated", "samples", "prompt_logprobs_from", "grammar")
 
     def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
                  sampler: RequestSampler, stop_ids: frozenset[int], max_model_len: int,
@@ -42,6 +47,12 @@ class EngineRequest:
         # The next prompt position whose logprob is still to be sent (positions from 1 have one);
         # prompt_len when none are wanted, or all were sent.
         self.prompt_logprobs_from = 1 if params.prompt_logprobs is not None else self.prompt_len
+        self.grammar: RequestGrammar | None = None  # the matcher, for a constrained request
+
+    @property
+    def ready(self) -> bool:
+        """False while the request's grammar is still being built: it waits, others go on."""
+        return self.grammar is None or self.grammar.ready()
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ Order of a step, oldest first (FCFS):
 2. waiting requests are admitted while the batch has room (``max_batch_size``), the step has
    prefill budget (``prefill_max_batch_size`` requests, ``prefill_max_tokens`` tokens) and the
    pool has blocks. A request never computes more than ``prefill_chunk_tokens`` in one step.
+   One whose grammar is still being built is passed over until it is ready.
 
 Requests that ask for prompt logprobs need the logits of every prompt position they compute:
 they never take blocks from the prefix cache (their own blocks are still published), and
@@ -87,15 +88,19 @@ class Scheduler:
         now = time.monotonic()
         while (self.waiting and len(self.running) < self.config.max_batch_size
                and prefill_slots > 0 and token_budget > 0):
-            request = self.waiting[0]
+            # Requests whose grammar is still being built are passed over, not waited for.
+            first_ready = next((r for r in self.waiting if r.ready), None)
+            if first_ready is None:
+                break
+            request = first_ready
             wants_logprobs = request.wants_prompt_logprobs
             budget = min(token_budget, logprob_budget) if wants_logprobs else token_budget
             count = self._admit(request, budget) if budget > 0 else 0
             if count == 0:
-                break  # FCFS: the head waits for blocks, nobody overtakes it
+                break  # FCFS: the first ready request waits for blocks, nobody overtakes it
             if wants_logprobs:
                 logprob_budget -= count
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
             if not request.t_scheduled:
                 request.t_scheduled = now

@@ -34,7 +34,7 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
     "bad_words": (), "allowed_token_ids": (), "truncate_prompt_tokens": (),
     "priority": (0,), "spaces_between_special_tokens": (True,),
-    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
     "chat_template": (),  # a template sent by the client: not rendered (untrusted code)
@@ -50,7 +50,6 @@ NO_OP_FIELDS: dict[str, str] = {
     "metadata": "tags for OpenAI's stored completions; nothing is stored here",
     "store": "asks OpenAI to keep the completion; this server keeps none",
     "service_tier": "a processing tier for billing and latency; there is one tier here",
-    "parallel_tool_calls": "only meaningful with tools, which are refused",
     "prompt_cache_key": "a routing hint for OpenAI's prompt cache; the prefix cache here finds "
                         "shared prefixes by their token ids",
     "safety_identifier": "an end-user id for abuse monitoring, like user",
@@ -58,7 +57,7 @@ NO_OP_FIELDS: dict[str, str] = {
 
 # Fields of a chat message (what clients replay of an earlier answer) and of its content parts.
 MESSAGE_NOT_IMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tool_calls": (), "tool_call_id": (), "function_call": (), "audio": (), "refusal": ("",),
+    "function_call": (), "audio": (), "refusal": ("",),
     "annotations": (), "reasoning_content": ("",), "reasoning": ("",),
 }
 STREAM_OPTIONS_NO_OP_FIELDS = {

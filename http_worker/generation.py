@@ -170,6 +170,7 @@ def submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionReque
         raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts x n)", "n")
     max_tokens = body.max_tokens_or(default_max_tokens)
     samplings = [body.sampling(max_tokens, j) for j in range(body.n)]
+    options = body.output_options()
     client = frontend.require_client()  # after validation: bad input is a 400 even when down
     handles: list[AsyncRequestHandle] = []
     try:
@@ -177,7 +178,8 @@ def submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionReque
             for sampling in samplings:
                 handles.append(client.submit(**prompt, sampling=sampling,
                                              request_id=f"{fmt.id}-{len(handles)}",
-                                             continuous_usage_stats=body.continuous_usage))
+                                             continuous_usage_stats=body.continuous_usage,
+                                             **options))
     except SplitserveError as exc:
         for h in handles:
             h.abort()

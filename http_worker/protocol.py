@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ipc.messages import SamplingParams
+from ipc.structured import StructuredOutputError, spec_from_request
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 128  # prompts x n in one request: each is one engine request
@@ -81,6 +82,9 @@ class _GenerationRequest(BaseModel):
     min_p: float = 0.0
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # What the output must match: OpenAI's field, or vLLM's (json, regex, choice, grammar).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _GenerationRequest:
@@ -122,6 +126,14 @@ class _GenerationRequest(BaseModel):
             if given is not None:
                 return given
         return default
+
+    def output_options(self) -> dict[str, Any]:
+        """submit() keywords for structured outputs (and tools, on the chat endpoint)."""
+        try:
+            spec = spec_from_request(self.response_format, self.structured_outputs)
+        except StructuredOutputError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        return {} if spec is None else {"response_format": spec}
 
     def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
         """The SamplingParams of one choice; bad values raise APIError(400).
@@ -211,11 +223,13 @@ class TextPart(BaseModel):
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # passed to the chat template, which may show it
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # on a "tool" message: the call it answers
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
@@ -223,8 +237,11 @@ class ChatMessageIn(BaseModel):
             content = "".join(part.text for part in content)  # type: ignore[misc]
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         role = "system" if self.role == "developer" else self.role
-        named = {"name": self.name} if self.name else {}
-        return {"role": role, "content": content or "", **named}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -234,12 +251,15 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
-    def _neutral_values(self) -> dict[str, Any]:
-        return {**super()._neutral_values(), "tools": [], "tool_choice": "none",
-                "response_format": {"type": "text"}}
+    def output_options(self) -> dict[str, Any]:
+        options = super().output_options()
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(self, name) not in (None, []):  # "tools": [] offers nothing
+                options[name] = getattr(self, name)
+        return options
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

@@ -18,8 +18,10 @@ from http_worker.logprobs import (
     completion_logprobs,
     prompt_logprobs_body,
 )
+from http_worker.tool_call_bodies import delta_with_calls, message_with_calls
 from ipc.client import Delta
 from ipc.messages import LogprobEntry
+from ipc.structured import ToolCallDelta
 
 
 def new_id(prefix: str) -> str:
@@ -41,9 +43,11 @@ class ChoiceOutput:
     logprobs: list[LogprobEntry] = field(default_factory=list)
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces, as they came
 
     def add(self, delta: Delta) -> ChoiceOutput:
         self.text += delta.text
+        self.tool_calls += delta.tool_calls
         self.logprobs += delta.logprobs
         self.prompt_logprobs += delta.prompt_logprobs
         self.echo_text += delta.echo_text
@@ -55,7 +59,7 @@ class ChoiceOutput:
     def has_content(self) -> bool:
         """Worth a chunk: text, or tokens whose text is still held back (their logprobs)."""
         return bool(self.text or self.logprobs or self.prompt_logprobs or self.echo_text
-                    or self.finish_reason)
+                    or self.finish_reason or self.tool_calls)
 
 
 class ResponseFormat:
@@ -158,12 +162,14 @@ class ChatFormat(ResponseFormat):
     id_prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._logprobs(out), "finish_reason": out.finish_reason}
+        message = message_with_calls({"role": "assistant", "content": out.text}, out.tool_calls)
+        return {"index": index, "message": message, "logprobs": self._logprobs(out),
+                "finish_reason": out.finish_reason}
 
     def _chunk_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
         reason = out.finish_reason
         delta = {"content": out.text} if out.text or reason is None else {}
+        delta = delta_with_calls(delta, out.tool_calls)
         return {"index": index, "delta": delta, "logprobs": self._logprobs(out),
                 "finish_reason": reason}
 

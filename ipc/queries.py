@@ -1,4 +1,4 @@
-"""Queries that get exactly one answer instead of a stream (the channel table is in messages.py).
+"""Queries that get exactly one answer instead of a stream (channel table: ipc/messages).
 
 A query travels under a request id of the client, like a submit, so the client's bookkeeping
 (deadlines, a dead worker, a lost connection) ends it exactly as it ends a request: with its

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -184,6 +185,19 @@ class PullQueue(Generic[T]):
             except zmq.Again:
                 break
         return frames
+
+    def drain(self, limit: int, on_malformed: Callable[[bytes, codec.DecodeError], None]
+              ) -> list[T]:
+        """Whatever is queued right now (at most ``limit`` frames, without waiting), decoded; a
+        malformed frame goes to ``on_malformed`` instead (to log it, or to answer it with an
+        error where the sender can be told)."""
+        messages: list[T] = []
+        for frame in self.drain_frames(limit):
+            try:
+                messages.append(self.decode(frame))
+            except codec.DecodeError as exc:
+                on_malformed(frame, exc)
+        return messages
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -53,6 +53,10 @@ logger = logging.getLogger("splitserve.supervisor")
 CURVE_PUBLIC_KEY_FILE = "curve_public.key"
 
 
+def _log_malformed(frame: bytes, exc: codec.DecodeError) -> None:
+    logger.warning("malformed frame on the supervisor socket: %s", exc)
+
+
 class ClusterStartError(RuntimeError):
     pass
 
@@ -138,12 +142,7 @@ class Cluster:
     def _receive(self, timeout_ms: int) -> None:
         if not self.inbox.wait(timeout_ms):
             return
-        for frame in self.inbox.drain_frames(1000):
-            try:
-                msg = self.inbox.decode(frame)
-            except codec.DecodeError as exc:
-                logger.warning("malformed frame on the supervisor socket: %s", exc)
-                continue
+        for msg in self.inbox.drain(1000, _log_malformed):
             child = self._child(msg.role, msg.index)
             if child is None or msg.pid != child.popen.pid:
                 continue  # unknown, or the last words of a process already replaced

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 
@@ -50,3 +52,16 @@ class WorkerRuntime:
 
     def close(self) -> None:
         self.link.close()
+
+
+class _Runs(Protocol):
+    def run(self) -> None: ...
+
+
+def run_on_context(make: Callable[[zmq.Context], _Runs]) -> None:
+    """A role's entry point: its worker on a fresh ZeroMQ context, terminated however it ends."""
+    ctx = zmq.Context()
+    try:
+        make(ctx).run()
+    finally:
+        ctx.term()

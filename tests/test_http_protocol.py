@@ -77,10 +77,12 @@ def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words)
      "top_logprobs is only allowed when logprobs is true"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      "logprobs must be an integer in [0, 20]"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     "not supported"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": {"type": "function"}},
+     "tools: Input should be a valid list"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+     "response_format type must be"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
 ])
 def test_bad_chat_params_are_400(http, body, words):

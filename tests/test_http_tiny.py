@@ -4,6 +4,7 @@ raw HTTP over real sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -60,6 +61,18 @@ def stop_frontend(popen: subprocess.Popen) -> None:
     popen.terminate()
     # uvicorn re-raises the signal it handled once it has shut down cleanly.
     assert popen.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def openai_client(cluster, model_name: str = "tiny", timeout_s: float = 120):
+    """An `openai` client of a frontend started for ``cluster`` (stopped on exit)."""
+    port = free_port()
+    popen = start_frontend(cluster, port, model_name=model_name)
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                            max_retries=0, timeout=timeout_s)
+    finally:
+        stop_frontend(popen)
 
 
 @pytest.fixture(scope="module")

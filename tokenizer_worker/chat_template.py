@@ -81,12 +81,14 @@ class ChatTemplate:
                 source = raw
         return cls(source, special) if source else None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               extra: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """``extra``: the request's chat_template_kwargs (e.g. ``enable_thinking``); the
-        variables the request states itself (messages, add_generation_prompt) always win."""
+        variables the request states itself (messages, add_generation_prompt, tools) always win.
+        ``tools``: for a template that renders them (tokenizer_worker.tool_calls)."""
         variables = {**self.special_tokens, **(extra or {}), "messages": messages,
-                     "add_generation_prompt": add_generation_prompt, "tools": None,
+                     "add_generation_prompt": add_generation_prompt, "tools": tools,
                      "documents": None}
         try:
             return self._template.render(**variables)

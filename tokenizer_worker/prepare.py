@@ -13,6 +13,7 @@ from typing import Any
 from ipc.codec import DecodeError, pack_ids, unpack_ids
 from ipc.messages import (
     ERR_BAD_REQUEST,
+    ERR_INTERNAL,
     ChatMessage,
     RequestError,
     RequestMeta,
@@ -21,6 +22,9 @@ from ipc.messages import (
     TokenizedRequest,
 )
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_worker.grammar_compiler import GrammarSpecError
+from tokenizer_worker.structured import OutputPlan, StructuredOutputs, needs_plan
+from tokenizer_worker.tool_calls import ToolSpecError
 
 MAX_PROMPT_CHARS = 8 * 1024 * 1024
 MAX_CHAT_MESSAGES = 4096
@@ -46,26 +50,32 @@ class Limits:
 
 class RequestPreparer:
     def __init__(self, tokenizer, chat_template: ChatTemplate | None, limits: Limits,
-                 tokenizer_index: int = 0) -> None:
+                 tokenizer_index: int = 0, structured: StructuredOutputs | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.limits = limits
         self.tokenizer_index = tokenizer_index
+        # Structured outputs and tools; the vocabulary is read on first use unless the owner
+        # started it already (the worker does, at start-up).
+        self.structured = structured or StructuredOutputs(tokenizer, limits.vocab_size,
+                                                          chat_template)
 
     def prepare_batch(self, requests: list[SubmitRequest]) -> list[TokenizedRequest | RequestError]:
         """One result per request, in order. Text is encoded with one encode_batch per kind."""
         t_start = time.monotonic()
         results: list[TokenizedRequest | RequestError | None] = [None] * len(requests)
         ids: list[list[int] | None] = [None] * len(requests)
+        plans: list[OutputPlan | None] = [None] * len(requests)
         plain, chat = [], []  # (position, text): raw prompts get the tokenizer's special tokens,
         # rendered chats already carry theirs
         for i, req in enumerate(requests):
             try:
                 self._check_sampling(req.sampling)
+                plans[i] = self._plan(req)
                 if req.prompt is not None:
                     plain.append((i, self._check_text(req.prompt)))
                 elif req.messages is not None:
-                    chat.append((i, self._render_chat(req)))
+                    chat.append((i, self._render_chat(req, plans[i])))
                 else:
                     ids[i] = self._check_ids(req.prompt_token_ids or b"")
             except RequestRejected as exc:
@@ -80,13 +90,13 @@ class RequestPreparer:
         for i, req in enumerate(requests):
             if results[i] is None:
                 try:
-                    results[i] = self._finish(req, ids[i] or [], t_start, t_done)
+                    results[i] = self._finish(req, ids[i] or [], t_start, t_done, plans[i])
                 except RequestRejected as exc:
                     results[i] = _error(req, str(exc), exc.code)
         return results  # type: ignore[return-value]
 
-    def _finish(self, req: SubmitRequest, ids: list[int], t_start: float,
-                t_done: float) -> TokenizedRequest:
+    def _finish(self, req: SubmitRequest, ids: list[int], t_start: float, t_done: float,
+                plan: OutputPlan | None = None) -> TokenizedRequest:
         n = len(ids)
         if n == 0:
             raise RequestRejected("the prompt encodes to zero tokens")
@@ -110,9 +120,21 @@ class RequestPreparer:
             # The detokenizer turns these into the echoed text and the prompt's token strings.
             prompt_token_ids=packed if sampling.scores_prompt else b"", echo=sampling.echo,
             prompt_logprobs=sampling.prompt_logprobs is not None,
-            include_stop_str_in_output=sampling.include_stop_str_in_output)
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
+            tool_parser=plan.tool_parser if plan else "")
         return TokenizedRequest(request_id=req.request_id, token_ids=packed,
-                                sampling=sampling, meta=meta)
+                                sampling=sampling, meta=meta, grammar=plan.grammar if plan else "")
+
+    def _plan(self, req: SubmitRequest) -> OutputPlan | None:
+        if not needs_plan(req):
+            return None
+        try:
+            return self.structured.plan(req)
+        except (GrammarSpecError, ToolSpecError) as exc:
+            raise RequestRejected(str(exc)) from None
+        except Exception as exc:  # e.g. the vocabulary could not be read: this request fails
+            raise RequestRejected(f"structured outputs are unavailable: {exc}",
+                                  ERR_INTERNAL) from None
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         for name, ids in (("stop_token_ids", sampling.stop_token_ids),
@@ -142,14 +164,20 @@ class RequestPreparer:
                 f"[{int(arr.min())}, {int(arr.max())}]")
         return arr.tolist()
 
-    def _render_chat(self, req: SubmitRequest) -> str:
-        return self._check_text(render_chat(self.chat_template, req.messages or [],
-                                            req.add_generation_prompt, req.chat_template_kwargs))
+    def _render_chat(self, req: SubmitRequest, plan: OutputPlan | None = None) -> str:
+        return self._check_text(render_chat(
+            self.chat_template, req.messages or [], req.add_generation_prompt,
+            req.chat_template_kwargs, plan.conversation if plan else None,
+            plan.template_tools if plan else None))
 
 
 def render_chat(template: ChatTemplate | None, messages: list[ChatMessage],
-                add_generation_prompt: bool, extra: dict[str, Any]) -> str:
-    """The chat as the model's template writes it; RequestRejected says what is wrong."""
+                add_generation_prompt: bool, extra: dict[str, Any],
+                conversation: list[dict[str, Any]] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat as the model's template writes it; RequestRejected says what is wrong.
+    ``conversation`` and ``tools``: what tool calling renders instead of ``messages`` (the
+    history's calls and results written in, the tools offered; tokenizer_worker.structured)."""
     if template is None:
         raise RequestRejected("this model has no chat template; send a prompt instead")
     if len(messages) > MAX_CHAT_MESSAGES:
@@ -157,10 +185,12 @@ def render_chat(template: ChatTemplate | None, messages: list[ChatMessage],
     for m in messages:
         if not m.role:
             raise RequestRejected("every chat message needs a non-empty role")
+    if conversation is None:
+        conversation = [{"role": m.role, "content": m.content,
+                         **({"name": m.name} if m.name else {})} for m in messages]
     try:
-        return template.render([{"role": m.role, "content": m.content,
-                                 **({"name": m.name} if m.name else {})} for m in messages],
-                               add_generation_prompt=add_generation_prompt, extra=extra)
+        return template.render(conversation, add_generation_prompt=add_generation_prompt,
+                               extra=extra, tools=tools)
     except ChatTemplateError as exc:
         raise RequestRejected(str(exc)) from None
 

@@ -19,10 +19,12 @@ from ipc.queries import TokenizeRequest
 from ipc.sockets import PullQueue, PushQueue
 from runtime.factories import load_factory
 from runtime.model_files import load_tokenizer
-from runtime.worker import WorkerRuntime
+from runtime.worker import WorkerRuntime, run_on_context
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer
 from tokenizer_worker.queries import TokenizerQueries
+from tokenizer_worker.structured import StructuredOutputs
+from tokenizer_worker.vocabulary_sender import VocabularySender
 
 logger = logging.getLogger("splitserve.tokenizer")
 
@@ -39,9 +41,18 @@ def model_limits(config: ClusterConfig) -> Limits:
 def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:
     if config.preparer_factory:  # a test seam: e.g. a deliberately slow preparer
         return load_factory(config.preparer_factory)(config, index)
-    return RequestPreparer(load_tokenizer(config.model_path),
-                           ChatTemplate.from_model_dir(config.model_path), model_limits(config),
-                           tokenizer_index=index)
+    tokenizer = load_tokenizer(config.model_path)
+    template = ChatTemplate.from_model_dir(config.model_path)
+    limits = model_limits(config)
+    structured = StructuredOutputs(tokenizer, limits.vocab_size, template, model_eos_ids(config))
+    structured.start()  # the vocabulary is read in the background, ready for the first grammar
+    return RequestPreparer(tokenizer, template, limits, tokenizer_index=index,
+                           structured=structured)
+
+
+def model_eos_ids(config: ClusterConfig) -> list[int]:
+    value = json.loads((Path(config.model_path) / "config.json").read_text()).get("eos_token_id")
+    return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
 
 
 class TokenizerWorker:
@@ -57,6 +68,7 @@ class TokenizerWorker:
             hwm=config.tokenizer_queue_max, curve=config.curve)
         self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
         self.to_detok = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
+        self.vocabulary = VocabularySender(self.to_engine, self.preparer.structured)
         self.served = 0
         self.rejected = 0
         self.answered = 0  # TokenizeRequests
@@ -66,29 +78,25 @@ class TokenizerWorker:
         self.runtime.announce([self.inbox.address])
         while not self.runtime.stopping:
             self.runtime.maybe_heartbeat(self._stats())
+            self.vocabulary.poll()
             if not self.inbox.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):
                 continue
-            self.handle_frames(self.inbox.drain_frames(self.config.tokenizer_batch_max))
+            self.handle(self.inbox.drain(self.config.tokenizer_batch_max, self._reject_frame))
         # Stopping: answer whatever is still queued, so no accepted request goes silent.
         self.runtime.draining = True
         deadline = time.monotonic() + 0.2
         while time.monotonic() < deadline:
-            frames = self.inbox.drain_frames(self.config.tokenizer_batch_max)
-            if frames:
-                self.handle_frames(frames)
+            messages = self.inbox.drain(self.config.tokenizer_batch_max, self._reject_frame)
+            if messages:
+                self.handle(messages)
             else:
                 time.sleep(0.01)
         self.close()
 
-    def handle_frames(self, frames: list[bytes]) -> None:
+    def handle(self, messages: list[SubmitRequest | TokenizeRequest]) -> None:
         requests: list[SubmitRequest] = []
         queries: list[TokenizeRequest] = []
-        for frame in frames:
-            try:
-                msg = self.inbox.decode(frame)
-            except DecodeError as exc:
-                self._reject_frame(frame, exc)
-                continue
+        for msg in messages:
             if isinstance(msg, TokenizeRequest):
                 queries.append(msg)
             else:
@@ -110,6 +118,8 @@ class TokenizerWorker:
             if isinstance(result, RequestError):
                 self._send_error(result)
             else:
+                if result.grammar:
+                    self.vocabulary.before_constrained_request()
                 self.to_engine.put(result)
                 self.served += 1
 
@@ -144,14 +154,11 @@ class TokenizerWorker:
                 "tokenize_s": self.tokenize_s, "draining": float(self.runtime.draining)}
 
     def close(self) -> None:
+        self.vocabulary.close()
         for q in (self.inbox, self.to_engine, self.to_detok):
             q.close()
         self.runtime.close()
 
 
 def main(config: ClusterConfig, index: int) -> None:
-    ctx = zmq.Context()
-    try:
-        TokenizerWorker(config, index, ctx).run()
-    finally:
-        ctx.term()
+    run_on_context(lambda ctx: TokenizerWorker(config, index, ctx))

@@ -33,17 +33,8 @@ from ipc.client.transport import (
     make_dealer,
     make_submit_sockets,
     monitor_events,
-    submit_hwm_for,
-    tokenizer_addrs,
 )
-from ipc.messages import (
-    ClientAbort,
-    ClientBye,
-    ClientHello,
-    ClientWelcome,
-    SamplingParams,
-    StreamEvent,
-)
+from ipc.messages import ClientAbort, ClientWelcome, SamplingParams, StreamEvent
 from ipc.sockets import LINGER_MS
 
 
@@ -116,7 +107,7 @@ class AsyncClient(QueryMethods):
         """The handshake; raises UnavailableError when nobody answers."""
         dealer: zmq.asyncio.Socket = make_dealer(self._ctx.socket(zmq.DEALER),
                                                  self._core.client_id, self.address, self._curve)
-        await dealer.send(codec.encode(ClientHello(self._core.client_id)))
+        await dealer.send(self._core.hello_frame())
         if not await dealer.poll(int(self.connect_timeout_s * 1000)):
             dealer.close(linger=0)
             raise UnavailableError(f"no splitserve cluster answered at {self.address} within "
@@ -125,9 +116,8 @@ class AsyncClient(QueryMethods):
         self._dealer = dealer
         self._monitor = disconnect_monitor(dealer)
         # Plain sockets: a NOBLOCK send never waits, so submit() needs no await.
-        self._submit = make_submit_sockets(
-            self._ctx, tokenizer_addrs(self.address, self.welcome.tokenizer_addrs),
-            submit_hwm_for(self.welcome, self.submit_hwm), self._curve)
+        self._submit = make_submit_sockets(self._ctx, self.address, self.welcome, self.submit_hwm,
+                                           self._curve)
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
         return self
 
@@ -183,7 +173,7 @@ class AsyncClient(QueryMethods):
                 while await self._dealer.poll(0):
                     self._route(await self._dealer.recv())
                 lost = self._core.on_disconnected()
-                await self._dealer.send(codec.encode(ClientHello(self._core.client_id)))
+                await self._dealer.send(self._core.hello_frame())
                 await self._end_lost(lost)
             expired = self._core.expired(time.monotonic())
             if expired:
@@ -226,7 +216,7 @@ class AsyncClient(QueryMethods):
         if self._pending_sends:
             await asyncio.gather(*self._pending_sends, return_exceptions=True)
         if self._dealer is not None:
-            await self._dealer.send(codec.encode(ClientBye()))
+            await self._dealer.send(self._core.bye_frame())
             self._dealer.disable_monitor()
             self._dealer.close(linger=LINGER_MS)
             self._dealer = None

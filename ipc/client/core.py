@@ -29,7 +29,9 @@ from ipc.messages import (
     FINISH_STOP,
     NOTICE_DIED,
     NOTICE_READY,
+    ClientBye,
     ClientEvents,
+    ClientHello,
     ClientWelcome,
     ClusterNotice,
     StreamEvent,
@@ -240,6 +242,15 @@ class ClientCore:
         self.reconnecting = True
         message = "unavailable: the connection to the detokenizer was lost (it died or stopped)"
         return [(wid, unavailable_event(wid, message)) for wid in list(self.records)]
+
+    def hello_frame(self) -> bytes:
+        """The first frame on the detokenizer connection (again after every reconnect)."""
+        return codec.encode(ClientHello(self.client_id))
+
+    @staticmethod
+    def bye_frame() -> bytes:
+        """The last one: abort whatever is still in flight."""
+        return codec.encode(ClientBye())
 
     def on_welcome(self) -> None:
         self.reconnecting = False

@@ -10,6 +10,7 @@ from ipc.client.results import Delta, GenerationResult
 from ipc.codec import unpack_id_list
 from ipc.messages import ERR_UNAVAILABLE, FINISH_ERROR, LogprobEntry, StreamEvent, SubmitRequest
 from ipc.queries import TokenizeRequest
+from ipc.structured import ToolCall, add_tool_call_deltas
 
 
 class RequestRecord:
@@ -17,7 +18,7 @@ class RequestRecord:
 
     __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
                  "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted",
-                 "query", "reply", "logprobs", "prompt_logprobs", "echo_text")
+                 "query", "reply", "logprobs", "prompt_logprobs", "echo_text", "tool_calls")
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
         self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
@@ -38,13 +39,15 @@ class RequestRecord:
         self.logprobs: list[LogprobEntry] = []
         self.prompt_logprobs: list[LogprobEntry] = []
         self.echo_text = ""
+        self.tool_calls: list[ToolCall] = []
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
         ids = unpack_id_list(event.token_ids) if event.token_ids else []
         delta = Delta(self.request_id, event.text, ids, t, event.finished, event.finish_reason,
                       event.error, event.error_code, event.usage, event.timings,
-                      event.logprobs, event.prompt_logprobs, event.echo_text)
+                      event.logprobs, event.prompt_logprobs, event.echo_text, event.tool_calls)
         self.text.append(event.text)
+        add_tool_call_deltas(self.tool_calls, event.tool_calls)
         self.token_ids.extend(ids)
         self.logprobs.extend(event.logprobs)
         self.prompt_logprobs.extend(event.prompt_logprobs)
@@ -63,7 +66,7 @@ class RequestRecord:
         return GenerationResult(self.request_id, "".join(self.text), list(self.token_ids),
                                 f.finish_reason, f.usage, f.timings, f.error, f.error_code,
                                 self.t_submit, list(self.t_received), list(self.logprobs),
-                                list(self.prompt_logprobs), self.echo_text)
+                                list(self.prompt_logprobs), self.echo_text, list(self.tool_calls))
 
 
 class HandleBase:

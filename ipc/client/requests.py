@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ipc.client.errors import BadRequestError
 from ipc.codec import pack_ids
 from ipc.messages import ChatMessage, SamplingParams, SubmitRequest
+from ipc.structured import StructuredOutputSpec, ToolCall, spec_from_request
+
+# Keywords of submit() that shape the output rather than sample it (OpenAI's names): they travel
+# with the sampling keywords and are taken out here.
+OUTPUT_OPTIONS = ("response_format", "structured_outputs", "tools", "tool_choice",
+                  "parallel_tool_calls")
 
 
 def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
@@ -17,6 +24,7 @@ def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
     """The SubmitRequest for one submit() call; anything invalid raises BadRequestError."""
     try:
         sampling_kwargs = _max_tokens_alias(sampling_kwargs)
+        options = {k: sampling_kwargs.pop(k) for k in OUTPUT_OPTIONS if k in sampling_kwargs}
         if sampling is None:
             sampling = SamplingParams(**sampling_kwargs)
         elif sampling_kwargs:
@@ -33,30 +41,78 @@ def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
                              prompt=prompt, messages=chat, prompt_token_ids=packed,
                              add_generation_prompt=add_generation_prompt, t_submit=t_submit,
                              chat_template_kwargs=dict(chat_template_kwargs or {}),
-                             continuous_usage_stats=continuous_usage_stats)
+                             continuous_usage_stats=continuous_usage_stats,
+                             **_output_fields(**options))
     except (ValueError, TypeError, OverflowError) as exc:
         raise BadRequestError(str(exc)) from None
 
 
+def _output_fields(response_format: Any = None, structured_outputs: Any = None,
+                   tools: Any = None, tool_choice: Any = None,
+                   parallel_tool_calls: bool = True) -> dict[str, Any]:
+    """``response_format``: OpenAI's map or a StructuredOutputSpec; ``structured_outputs``:
+    vLLM's map; ``tools`` / ``tool_choice``: OpenAI's values, sent as JSON text (the tokenizer
+    worker checks them and names what is wrong)."""
+    spec: StructuredOutputSpec | None = None
+    if isinstance(response_format, StructuredOutputSpec):
+        spec = response_format
+        if structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+    else:
+        spec = spec_from_request(response_format, structured_outputs)
+    if not isinstance(parallel_tool_calls, bool):
+        raise ValueError("parallel_tool_calls must be true or false")
+    return {"structured": spec, "parallel_tool_calls": parallel_tool_calls,
+            "tools": "" if tools is None else json.dumps(tools, ensure_ascii=False),
+            "tool_choice": "" if tool_choice is None else json.dumps(tool_choice)}
+
+
 def _max_tokens_alias(kwargs: dict[str, Any]) -> dict[str, Any]:
     """max_completion_tokens is OpenAI's newer name for max_tokens; given both, it wins (as
-    the HTTP frontend decides)."""
-    if kwargs.get("max_completion_tokens") is None:
-        return {k: v for k, v in kwargs.items() if k != "max_completion_tokens"}
+    the HTTP frontend decides). Always a copy: the caller's keywords are left as they were."""
     kwargs = dict(kwargs)
+    if kwargs.get("max_completion_tokens") is None:
+        kwargs.pop("max_completion_tokens", None)
+        return kwargs
     kwargs["max_tokens"] = kwargs.pop("max_completion_tokens")
     return kwargs
 
 
+CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
 def chat_message(m: Any) -> ChatMessage:
+    """A ChatMessage, or OpenAI's message map: role, content (a string; null on an assistant
+    message that only calls tools), and optionally name, tool_calls and tool_call_id."""
     if isinstance(m, ChatMessage):
         return m
-    if (isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) and isinstance(m.get("name"), (str, type(None)))
-            and set(m) <= {"role", "content", "name"}):
-        return ChatMessage(role=m["role"], content=m["content"], name=m.get("name") or None)
-    raise ValueError("a chat message is a {'role': str, 'content': str} map (and optionally "
-                     f"'name': str), got {m!r}")
+    calls = m.get("tool_calls") if isinstance(m, dict) else None
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+            and (isinstance(m.get("content"), str) or (m.get("content") is None and calls))
+            and all(isinstance(m.get(k), (str, type(None))) for k in ("name", "tool_call_id"))
+            and set(m) <= CHAT_MESSAGE_KEYS):
+        raise ValueError("a chat message is a {'role': str, 'content': str} map (and optionally "
+                         f"'name', 'tool_calls', 'tool_call_id'), got {m!r:.300}")
+    return ChatMessage(role=m["role"], content=m.get("content") or "", name=m.get("name") or None,
+                       tool_calls=None if calls is None else [_tool_call(c) for c in calls],
+                       tool_call_id=m.get("tool_call_id"))
+
+
+def _tool_call(call: Any) -> ToolCall:
+    """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+    if isinstance(call, ToolCall):
+        return call
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"a tool call is {{'id', 'type': 'function', 'function': {{'name', "
+                         f"'arguments'}}}}, got {call!r:.200}")
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):  # OpenAI sends JSON text; an object is taken as meant
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    call_id = call.get("id") or ""
+    if not isinstance(call_id, str):
+        raise ValueError("a tool call's id must be a string")
+    return ToolCall(id=call_id, name=function["name"], arguments=arguments)
 
 
 def prompt_kwargs(p: Any) -> dict[str, Any]:

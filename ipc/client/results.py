@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ipc.client.errors import error_for
 from ipc.messages import FINISH_ERROR, LogprobEntry, RequestTimings, Usage
+from ipc.structured import ToolCall, ToolCallDelta
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class Delta:
     logprobs: list[LogprobEntry] = field(default_factory=list)
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces of tool calls
 
 
 @dataclass(slots=True)
@@ -44,6 +46,7 @@ class GenerationResult:
     logprobs: list[LogprobEntry] = field(default_factory=list)  # one per token, when asked
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""  # the prompt's text, with echo=True (not part of ``text``)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # read from the text, when tools
 
     @property
     def ok(self) -> bool:

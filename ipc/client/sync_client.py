@@ -1,10 +1,5 @@
-"""The sync client (the asyncio twin is ipc.client.async_client.AsyncClient).
-
-    with Client(cluster.client_addr) as client:
-        handle = client.submit(messages=[{"role": "user", "content": "Hi"}], max_tokens=32)
-        for delta in handle.stream():
-            print(delta.text, end="", flush=True)
-        print(handle.result().finish_reason)
+"""The sync client (the asyncio twin is ipc.client.async_client.AsyncClient; usage in the
+package's docstring).
 
 ``submit`` encodes the request and hands it to ZeroMQ without waiting: no round trip, no
 tokenization. When every tokenizer's pipe is full it raises OverloadedError at once. One
@@ -35,17 +30,8 @@ from ipc.client.transport import (
     make_dealer,
     make_submit_sockets,
     monitor_events,
-    submit_hwm_for,
-    tokenizer_addrs,
 )
-from ipc.messages import (
-    ClientAbort,
-    ClientBye,
-    ClientHello,
-    ClientWelcome,
-    SamplingParams,
-    StreamEvent,
-)
+from ipc.messages import ClientAbort, ClientWelcome, SamplingParams, StreamEvent
 from ipc.sockets import LINGER_MS
 
 
@@ -117,16 +103,14 @@ class Client(QueryMethods):
         self._lock = threading.Lock()
         self._control_lock = threading.Lock()
         dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, address, curve)
-        dealer.send(codec.encode(ClientHello(self._core.client_id)))
+        dealer.send(self._core.hello_frame())
         if not dealer.poll(int(connect_timeout_s * 1000)):
             dealer.close(linger=0)
             self._ctx.term()
             raise UnavailableError(f"no splitserve cluster answered at {address} within "
                                    f"{connect_timeout_s} s" + _curve_hint(curve))
         self.welcome: ClientWelcome = codec.decode_as(dealer.recv(), ClientWelcome)
-        self._submit = make_submit_sockets(
-            self._ctx, tokenizer_addrs(address, self.welcome.tokenizer_addrs),
-            submit_hwm_for(self.welcome, submit_hwm), curve)
+        self._submit = make_submit_sockets(self._ctx, address, self.welcome, submit_hwm, curve)
         self._control_addr = f"inproc://control-{self._core.client_id.decode()}"
         control_in = self._ctx.socket(zmq.PULL)
         control_in.bind(self._control_addr)
@@ -216,12 +200,12 @@ class Client(QueryMethods):
                     # replacement binds the same address: the DEALER reconnects by itself and
                     # these wait in its pipe until then.
                     lost = self._core.on_disconnected()
-                    dealer.send(codec.encode(ClientHello(self._core.client_id)))
+                    dealer.send(self._core.hello_frame())
                     self._end_lost(lost, dealer)
                 self._expire(dealer)
             while (frame := _recv_nowait(control_in)) is not None:
                 dealer.send(frame)
-            dealer.send(codec.encode(ClientBye()))
+            dealer.send(self._core.bye_frame())
         finally:
             dealer.disable_monitor()
             monitor.close(linger=0)

@@ -37,10 +37,15 @@ def submit_hwm_for(welcome: ClientWelcome, asked: int | None) -> int:
     return max(MIN_SUBMIT_HWM, -(-welcome.max_waiting_requests // workers))
 
 
-def make_submit_sockets(ctx: zmq.Context, addrs: list[str], hwm: int,
-                        curve: CurveKeys | None = None) -> list[zmq.Socket]:
-    """One plain (sync) PUSH per tokenizer worker (NOBLOCK sends never wait): the client knows
-    which worker holds each request, so a worker's death ends exactly its requests."""
+def make_submit_sockets(ctx: zmq.Context, address: str, welcome: ClientWelcome,
+                        hwm: int | None = None, curve: CurveKeys | None = None
+                        ) -> list[zmq.Socket]:
+    """One plain (sync) PUSH per tokenizer worker the welcome names, dialled as this client
+    must (``tokenizer_addrs``), each holding ``submit_hwm_for`` frames (NOBLOCK sends never wait):
+    the client knows which worker holds each request, so a worker's death ends exactly its
+    requests."""
+    addrs = tokenizer_addrs(address, welcome.tokenizer_addrs)
+    hwm = submit_hwm_for(welcome, hwm)
     socks = []
     for addr in addrs:
         sock = configure(zmq.Socket(ctx, zmq.PUSH), receives=False, sndhwm=hwm)

@@ -38,6 +38,7 @@ from ipc.messages import (
     WorkerReady,
 )
 from ipc.queries import EngineStatsQuery, EngineStatsReport, TokenizeRequest, TokenizeResult
+from ipc.structured import GrammarVocabulary
 
 META = RequestMeta(request_id="r1", client_id=b"c1", prompt_tokens=3, stop=["\n"],
                    t_submit=1.5, t_tokenized=2.0)
@@ -81,6 +82,7 @@ EXAMPLES = [
     WorkerReady("engine", 0, 123, ["ipc:///e"], "m", 2048, 49152),
     Heartbeat("tokenizer", 1, 124, 5.0, {"served": 3.0}),
     ClusterNotice("died", "tokenizer", 1, 125, "exited with code -9", ["r1"]),
+    GrammarVocabulary(8, b"<e>ab\xc3", pack_ids([3, 4, 5, 6]), pack_ids([0]), [0], "f00d"),
     SubmitRequest("r4", b"c1", SamplingParams(), messages=[ChatMessage("user", "hi")],
                   chat_template_kwargs={"enable_thinking": False, "n": [1, {"x": None}]},
                   continuous_usage_stats=True),

@@ -20,4 +20,5 @@ class SlowPreparer(RequestPreparer):
 
 def make(config, index: int) -> SlowPreparer:
     base = make_preparer(dataclasses.replace(config, preparer_factory=""), index)
-    return SlowPreparer(base.tokenizer, base.chat_template, base.limits, base.tokenizer_index)
+    return SlowPreparer(base.tokenizer, base.chat_template, base.limits, base.tokenizer_index,
+                        base.structured)

@@ -1,0 +1,104 @@
+"""Every message that crosses a process boundary, defined once, one module per channel (this
+package re-exports them all; import from ``ipc.messages``):
+
+    common        : finish reasons, error codes, ChatMessage
+    submit        : client -> tokenizer -> engine (and a request's error before the engine)
+    engine_step   : engine <-> detokenizer
+    client_stream : client <-> detokenizer
+    control       : workers <-> supervisor, cluster notices
+
+Channels (who sends what to whom):
+
+    client      -> tokenizer i : SubmitRequest
+    client      -> detokenizer : ClientHello, ClientAbort, ClientBye
+    detokenizer -> client      : ClientWelcome, ClientEvents (one message per step per client)
+    tokenizer i -> engine      : TokenizedRequest
+    tokenizer i -> detokenizer : RequestError (the request never reaches the engine)
+    tokenizer i -> engine      : GrammarVocabulary (ipc.structured; ahead of any constrained
+                                 request: the vocabulary as data, so the engine never tokenizes)
+    detokenizer -> engine      : AbortRequests (client aborts, stop strings, gone clients)
+    engine      -> detokenizer : StepOutput (one message per engine step, columnar)
+    any worker  -> supervisor  : WorkerReady, Heartbeat
+    supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
+    one-answer queries (tokenize, detokenize, tokenizer info, engine stats): ipc/queries.py
+
+Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
+different processes on one host compare directly.
+"""
+
+from ipc.messages.client_stream import (
+    ClientAbort,
+    ClientBye,
+    ClientEvents,
+    ClientHello,
+    ClientWelcome,
+    LogprobEntry,
+    RequestTimings,
+    StreamEvent,
+    TopLogprob,
+    Usage,
+)
+from ipc.messages.common import (
+    ERR_BAD_REQUEST,
+    ERR_INTERNAL,
+    ERR_OVERLOADED,
+    ERR_UNAVAILABLE,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_TOOL_CALLS,
+    ChatMessage,
+)
+from ipc.messages.control import NOTICE_DIED, NOTICE_READY, ClusterNotice, Heartbeat, WorkerReady
+from ipc.messages.engine_step import (
+    AbortRequests,
+    EngineStats,
+    FinishRecord,
+    PromptLogprobs,
+    RequestStart,
+    StepOutput,
+    TokenLogprobs,
+)
+from ipc.messages.submit import RequestError, RequestMeta, SubmitRequest, TokenizedRequest
+from ipc.sampling import SamplingParams  # a request's sampling settings travel inside its messages
+
+__all__ = [
+    "AbortRequests",
+    "ChatMessage",
+    "ClientAbort",
+    "ClientBye",
+    "ClientEvents",
+    "ClientHello",
+    "ClientWelcome",
+    "ClusterNotice",
+    "ERR_BAD_REQUEST",
+    "ERR_INTERNAL",
+    "ERR_OVERLOADED",
+    "ERR_UNAVAILABLE",
+    "EngineStats",
+    "FINISH_ABORT",
+    "FINISH_ERROR",
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "FINISH_TOOL_CALLS",
+    "FinishRecord",
+    "Heartbeat",
+    "LogprobEntry",
+    "NOTICE_DIED",
+    "NOTICE_READY",
+    "PromptLogprobs",
+    "RequestError",
+    "RequestMeta",
+    "RequestStart",
+    "RequestTimings",
+    "SamplingParams",
+    "StepOutput",
+    "StreamEvent",
+    "SubmitRequest",
+    "TokenLogprobs",
+    "TokenizedRequest",
+    "TopLogprob",
+    "Usage",
+    "WorkerReady",
+]

@@ -1,0 +1,62 @@
+"""Control messages: workers report to the supervisor (ready, heartbeats); the supervisor
+tells the detokenizer, and through it every client, that a worker died or is back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ipc.codec import message
+
+# ---------------------------------------------------------------------------------------------
+# supervisor -> detokenizer -> every client
+
+
+NOTICE_DIED = "died"  # the worker exited (or was killed for silence); the supervisor restarts it
+NOTICE_READY = "ready"  # its replacement reported ready
+
+
+@message
+@dataclass(slots=True)
+class ClusterNotice:
+    """A worker died or came back. The supervisor sends it to the detokenizer, which ends what
+    it can itself (the engine died: every request it holds) and forwards one to each client with
+    ``alive_ids`` set to that client's requests it knows are in the engine, so the client can end
+    with an error exactly the requests that died with the worker."""
+
+    KIND = "notice"
+    event: str
+    role: str
+    index: int
+    pid: int = 0
+    detail: str = ""  # e.g. "exited with code -9"
+    alive_ids: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# workers -> supervisor
+
+
+@message
+@dataclass(slots=True)
+class WorkerReady:
+    KIND = "ready"
+    role: str
+    index: int
+    pid: int
+    addresses: list[str] = field(default_factory=list)
+    # The engine reports what it resolved from the model, so the supervisor can hand it to the
+    # tokenizers (context-length checks) and the detokenizer (the ClientWelcome).
+    model_name: str = ""
+    max_model_len: int = 0
+    vocab_size: int = 0
+
+
+@message
+@dataclass(slots=True)
+class Heartbeat:
+    KIND = "heartbeat"
+    role: str
+    index: int
+    pid: int
+    t: float
+    stats: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,48 @@
+"""A request whose grammar is still being built waits in the queue without holding up others."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from engine_worker.block_manager import KVBlockManager
+from engine_worker.grammar_builder import RequestGrammar
+from engine_worker.request import EngineRequest
+from engine_worker.sampler import RequestSampler
+from engine_worker.scheduler import Scheduler
+from ipc.engine_config import EngineConfig
+from tests.engine_worker.helpers import greedy
+
+
+def request(name: str, grammar: RequestGrammar | None = None) -> EngineRequest:
+    params = greedy(4)
+    r = EngineRequest(name, [5, 6, 7], params, RequestSampler(params, "cpu"), frozenset(), 64, 0.0)
+    r.grammar = grammar
+    return r
+
+
+def test_unbuilt_grammar_is_passed_over_then_admitted():
+    scheduler = Scheduler(EngineConfig(model_path="unused", block_size=4),
+                          KVBlockManager(16, 4), None)
+    building: Future = Future()
+    constrained, plain = request("json", RequestGrammar(building)), request("plain")
+    scheduler.waiting.extend([constrained, plain])
+    batch = scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["plain"]
+    assert list(scheduler.waiting) == [constrained] and not constrained.block_ids
+    batch = scheduler.schedule()  # still building: the running request decodes on
+    assert [r.request_id for r in batch.requests] == ["plain"]
+    building.set_result(object())
+    batch = scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["plain", "json"]
+    assert not scheduler.waiting
+
+
+def test_ready_requests_keep_their_order():
+    scheduler = Scheduler(EngineConfig(model_path="unused", block_size=4, max_batch_size=2),
+                          KVBlockManager(16, 4), None)
+    done: Future = Future()
+    done.set_result(object())
+    first, second, third = request("a", RequestGrammar(done)), request("b"), request("c")
+    scheduler.waiting.extend([first, second, third])
+    assert [r.request_id for r in scheduler.schedule().requests] == ["a", "b"]
+    assert list(scheduler.waiting) == [third]

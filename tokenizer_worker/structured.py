@@ -1,0 +1,134 @@
+"""The tokenizer worker's part of structured outputs and tool calling, for one model.
+
+Once per worker, off the request path (a background thread started with the worker): the grammar
+backend's reading of the vocabulary, which the engine gets as data (GrammarVocabulary) and the
+compiler checks grammars with. Per request (``plan``): its tools checked and put into the
+conversation the chat template renders, the grammar its output must follow (its
+response_format / structured_outputs, or the call format that tool_choice "required" or a named
+function enforces) compiled and cached by spec, and the tool parser the detokenizer runs on its
+text. Bad input raises GrammarSpecError or ToolSpecError naming the problem (a 400).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from ipc.messages import ChatMessage, SubmitRequest
+from ipc.structured import GrammarVocabulary
+from tokenizer_worker import tool_calls
+from tokenizer_worker.chat_template import ChatTemplate
+from tokenizer_worker.grammar_compiler import GrammarCompiler
+from tokenizer_worker.tool_calls import ToolChoice, ToolSpecError
+from tokenizer_worker.vocabulary import grammar_backend
+
+TOOL_PARSER = "hermes"  # the format tool_calls prompts and enforces (detok_worker.tool_parsers)
+
+
+@dataclass(slots=True)
+class OutputPlan:
+    """What structured outputs and tools change about one request."""
+
+    conversation: list[dict[str, Any]] | None = None  # to render instead of its own messages
+    template_tools: list[dict[str, Any]] | None = None  # for a template that renders tools
+    grammar: str = ""
+    tool_parser: str = ""
+
+
+def needs_plan(req: SubmitRequest) -> bool:
+    """Whether the request asks for anything here (cheap: most requests do not)."""
+    return bool(req.structured is not None or req.tools or req.tool_choice
+                or _has_tool_turns(req))
+
+
+def _has_tool_turns(req: SubmitRequest) -> bool:
+    """A history with tool calls or results: written in the call format for the template."""
+    return bool(req.messages and any(m.tool_calls or m.role == "tool" for m in req.messages))
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer, vocab_size: int, chat_template: ChatTemplate | None,
+                 eos_ids: list[int] | None = None) -> None:
+        self._tokenizer, self._vocab_size, self._eos_ids = tokenizer, vocab_size, eos_ids
+        self.supports_tools = chat_template is not None and tool_calls.template_supports_tools(
+            chat_template.source)
+        self._backend: Future[tuple[GrammarCompiler, GrammarVocabulary]] = Future()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Reads the vocabulary on a background thread (about a second on a busy CPU): the
+        worker serves plain requests meanwhile, a constrained one waits for it."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._build, name="grammar-vocabulary", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            backend, vocabulary = grammar_backend(self._tokenizer, self._vocab_size,
+                                                  self._eos_ids)
+            self._backend.set_result((GrammarCompiler(backend), vocabulary))
+        except BaseException as exc:  # a request that needs it reports it; the worker goes on
+            self._backend.set_exception(exc)
+
+    def vocabulary(self) -> GrammarVocabulary:
+        """The vocabulary as data (waits for the background read)."""
+        self.start()
+        return self._backend.result()[1]
+
+    def ready_vocabulary(self) -> GrammarVocabulary | None:
+        """The vocabulary if it has been read already (never waits)."""
+        if not self._backend.done() or self._backend.exception() is not None:
+            return None
+        return self._backend.result()[1]
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        self.start()
+        return self._backend.result()[0]
+
+    def plan(self, req: SubmitRequest) -> OutputPlan:
+        tools: list[dict[str, Any]] = []
+        choice = ToolChoice("none")
+        if req.tools or req.tool_choice:
+            if req.messages is None:
+                raise ToolSpecError("tools and tool_choice need chat messages")
+            tools = tool_calls.check_tools(_json(req.tools, "tools")) if req.tools else []
+            choice = tool_calls.resolve_tool_choice(
+                tools, _json(req.tool_choice, "tool_choice") if req.tool_choice else None)
+        spec = tool_calls.forced_tool_call_spec(tools, choice, req.parallel_tool_calls)
+        if spec is not None and req.structured is not None:
+            raise ToolSpecError('tool_choice "required" or a named function forces a tool call; '
+                                "it cannot be combined with response_format or "
+                                "structured_outputs")
+        spec = spec or req.structured
+        plan = OutputPlan(grammar=self.compiler.compile(spec) if spec is not None else "",
+                          tool_parser=TOOL_PARSER if choice.mode != "none" else "")
+        if req.messages is not None and (choice.mode != "none" or _has_tool_turns(req)):
+            plan.conversation, plan.template_tools = tool_calls.conversation_for_template(
+                [openai_message(m) for m in req.messages], tools, choice, self.supports_tools)
+        return plan
+
+
+def openai_message(m: ChatMessage) -> dict[str, Any]:
+    """A history message as chat templates (and tool_calls) expect it: OpenAI's shape."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [c.as_openai() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ToolSpecError(f"{what} is not valid JSON: {exc}") from None

@@ -1,0 +1,207 @@
+"""OpenAI tool calling on the prompt side: checking ``tools`` and ``tool_choice``, putting them
+into the conversation the chat template renders, and the grammar that enforces a call.
+
+The output format is the Hermes one the default model family's instruct data uses: each call
+a JSON object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and
+``</tool_call>`` lines (detok_worker.tool_parsers reads it back). A chat template that knows
+tools (it reads a ``tools`` variable) gets them as Hugging Face templates expect; for one that
+does not (SmolLM2's) they go into the system message in the generic format below, and the
+history's tool calls and results are written in the same tags.
+
+``required`` and a named function are enforced by a grammar: the output is one call (for
+``required`` with ``parallel_tool_calls``, one or more), each an object whose ``arguments`` match
+that function's ``parameters`` schema. A named function is called once: small models, offered
+another call of the same function, tend to repeat the first one until max_tokens. ``auto`` is
+left to the model and parsed afterwards; ``none`` leaves the tools out of the prompt, so the
+model is not invited to call what it may not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ipc.structured import STRUCTURED_GRAMMAR, StructuredOutputSpec
+from tokenizer_worker.grammar_compiler import COMPACT_JSON, GrammarSpecError, check_schema
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+GENERIC_TOOL_PROMPT = """You can call functions to help with the request. Their signatures, one \
+JSON object per line, are between <tools> and </tools>:
+<tools>
+{signatures}
+</tools>
+To call a function, write its name and arguments as a JSON object between <tool_call> and \
+</tool_call> lines, like this:
+<tool_call>
+{{"name": "function_name", "arguments": {{"argument": "value"}}}}
+</tool_call>
+Results come back between <tool_response> and </tool_response>."""
+CHOICE_HINTS = {"required": "You must call at least one function.",
+                "named": "You must call the function {name}."}
+
+
+class ToolSpecError(ValueError):
+    """Bad ``tools`` / ``tool_choice`` / tool messages; the message names the problem (a 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: str  # "none", "auto", "required" or "named"
+    name: str = ""  # the function, for "named"
+
+
+def check_tools(tools: Any) -> list[dict]:
+    """OpenAI ``tools``, checked: function tools with unique valid names and object schemas."""
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ToolSpecError(f"tools must be a list of at most {MAX_TOOLS} tools")
+    seen = set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" \
+                or not isinstance(function, dict):
+            raise ToolSpecError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                f"{{...}}}}")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolSpecError(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, "
+                                f"got {name!r}")
+        if name in seen:
+            raise ToolSpecError(f"tools[{i}]: function {name!r} is defined twice")
+        seen.add(name)
+        if not isinstance(function.get("description", ""), str):
+            raise ToolSpecError(f"tools[{i}].function.description must be a string")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ToolSpecError(f"tools[{i}].function.parameters must be a JSON schema object")
+        try:
+            check_schema(parameters)
+        except GrammarSpecError as exc:
+            raise ToolSpecError(f"tools[{i}].function.parameters: {exc}") from None
+    return tools
+
+
+def resolve_tool_choice(tools: list[dict], tool_choice: Any) -> ToolChoice:
+    """OpenAI's ``tool_choice`` (default: "auto" with tools, "none" without)."""
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice == "required" and not tools:
+            raise ToolSpecError('tool_choice "required" needs at least one tool')
+        return ToolChoice(tool_choice if tools else "none")
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" \
+            or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ToolSpecError('tool_choice must be "none", "auto", "required" or '
+                            '{"type": "function", "function": {"name": ...}}')
+    if function["name"] not in names:
+        raise ToolSpecError(f"tool_choice names the function {function['name']!r}, which is not "
+                            f"among the tools ({', '.join(names) or 'none given'})")
+    return ToolChoice("named", function["name"])
+
+
+def template_supports_tools(template_source: str) -> bool:
+    """Whether a chat template renders tools itself (it reads the ``tools`` variable)."""
+    env = ImmutableSandboxedEnvironment()
+    return "tools" in meta.find_undeclared_variables(env.parse(template_source))
+
+
+def conversation_for_template(messages: list[dict], tools: list[dict], choice: ToolChoice,
+                              supports_tools: bool) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) to render. ``messages`` are OpenAI chat messages (assistant ones may
+    carry ``tool_calls``, ``role: "tool"`` ones answer them)."""
+    offered = tools if choice.mode != "none" else []
+    if supports_tools:
+        out = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(
+                    c["function"].get("arguments"))}} for c in _checked_calls(m["tool_calls"])]
+            out.append(m)
+        return out, offered or None
+    out = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [_call_text(c["function"]["name"], _arguments(c["function"].get("arguments")))
+                     for c in _checked_calls(m["tool_calls"])]
+            out.append({"role": "assistant", "content": "\n".join(
+                ([content] if content else []) + calls)})
+        elif role == "tool":
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):  # results of one turn share a user message
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "_tool_results": True})
+        else:
+            out.append({"role": role, "content": content})
+    for m in out:
+        m.pop("_tool_results", None)
+    if offered:
+        prompt = tool_system_prompt(offered, choice)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+def tool_system_prompt(tools: list[dict], choice: ToolChoice) -> str:
+    signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    prompt = GENERIC_TOOL_PROMPT.format(signatures=signatures)
+    hint = CHOICE_HINTS.get(choice.mode)
+    return f"{prompt}\n{hint.format(name=choice.name)}" if hint else prompt
+
+
+def forced_tool_call_spec(tools: list[dict], choice: ToolChoice,
+                          parallel_tool_calls: bool = True) -> StructuredOutputSpec | None:
+    """The grammar that makes the output valid calls, for "required" and a named function;
+    None for "auto" and "none" (nothing is forced)."""
+    if choice.mode not in ("required", "named"):
+        return None
+    allowed = [t["function"] for t in tools
+               if choice.mode == "required" or t["function"]["name"] == choice.name]
+    objects = [{"type": "object", "properties": {
+        "name": {"const": f["name"]},
+        "arguments": f.get("parameters", {"type": "object", "properties": {}})},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in allowed]
+    schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
+    schema = {**schema, "x-guidance": COMPACT_JSON}
+    repeat = ' ("\\n" call)*' if parallel_tool_calls and choice.mode == "required" else ""
+    lark = (f"start: call{repeat}\n"
+            f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"\n')
+    return StructuredOutputSpec(STRUCTURED_GRAMMAR, lark)
+
+
+def _checked_calls(calls: Any) -> list[dict]:
+    if not isinstance(calls, list):
+        raise ToolSpecError("an assistant message's tool_calls must be a list")
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ToolSpecError("each tool call needs a function with a name")
+    return calls
+
+
+def _arguments(arguments: Any) -> Any:
+    """History arguments arrive as a JSON string (OpenAI); templates want the object."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments
+    return {} if arguments is None else arguments
+
+
+def _call_text(name: str, arguments: Any) -> str:
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
