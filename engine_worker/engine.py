@@ -5,6 +5,7 @@ columnar ``StepOutput`` for all requests. The engine sees only token ids, never 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,6 +17,13 @@ import torch
 
 from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
+from engine_worker.device import (
+    available_memory_bytes,
+    resolve_device,
+    resolve_dtype,
+    resolve_prefill_tokens,
+    weight_copy_budget_bytes,
+)
 from engine_worker.grammar_requests import GrammarRequests
 from engine_worker.idle_window import IdleBatchWindow
 from engine_worker.model import LlamaFamilyModel
@@ -24,6 +32,8 @@ from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import ScheduledBatch, Scheduler
+from engine_worker.thread_tuner import ThreadTuner
+from engine_worker.weight_format import WeightFormat, dense_copy_fits
 from ipc.codec import pack_ids
 from ipc.engine_config import EngineConfig
 from ipc.messages import (
@@ -52,12 +62,16 @@ class EngineOverloaded(RuntimeError):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, weight_format: WeightFormat | None = None) -> None:
+        """``weight_format`` overrides the one ``config.weights`` describes (tests build a
+        dequantized reference with it)."""
         if config.engine_threads:
             torch.set_num_threads(config.engine_threads)
-        self.device = _resolve_device(config.device)
-        dtype = _resolve_dtype(config.dtype, self.device)
+        self.device = resolve_device(config.device)
+        config = dataclasses.replace(config, prefill_max_tokens=resolve_prefill_tokens(
+            config.prefill_max_tokens, self.device))
+        self.config = config
+        dtype = resolve_dtype(config.dtype, self.device, config.weights)
         from engine_worker.model_config import ModelConfig
 
         model_config = ModelConfig.from_dir(config.model_path)
@@ -70,7 +84,14 @@ class Engine:
         if self.max_model_len > model_config.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                            self.max_model_len, model_config.max_position_embeddings)
-        model = LlamaFamilyModel.load(config.model_path, self.device, dtype, self.max_model_len)
+        if weight_format is None:
+            weight_format = WeightFormat(
+                config.weights, dtype, self.device, config.quantized_max_tokens,
+                dense_copy=dense_copy_fits(model_config, dtype,
+                                           weight_copy_budget_bytes(self.device)))
+        dtype = weight_format.dtype
+        model = LlamaFamilyModel.load(config.model_path, self.device, dtype, self.max_model_len,
+                                      weight_format)
         self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = set(model_config.eos_token_ids)
@@ -90,6 +111,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache, prompt_logprob_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size,
                                   config.decode_workspace_max_bytes)
+        self.threads = ThreadTuner(torch.get_num_threads(),
+                                   config.adaptive_threads and self.device.type == "cpu")
         self.requests: dict[str, EngineRequest] = {}
         self.grammars = GrammarRequests(sorted(self.eos_token_ids))  # constrained requests
         self.idle_window = IdleBatchWindow(config.idle_batch_window_ms / 1e3,
@@ -101,10 +124,12 @@ class Engine:
         self._step = 0
         # Counters since start, reported with every step's stats (Prometheus counters).
         self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
-        logger.info("engine ready: model=%s device=%s dtype=%s threads=%d kv_blocks=%d x %d "
-                    "tokens max_model_len=%d prefix_cache=%s attention=%s", self.model_name,
-                    self.device, dtype, torch.get_num_threads(), num_blocks, config.block_size,
-                    self.max_model_len, config.enable_prefix_cache, self.runner.attention.name)
+        logger.info("engine ready: model=%s device=%s dtype=%s %s threads=%d kv_blocks=%d x %d "
+                    "tokens max_model_len=%d prefill_max_tokens=%d prefix_cache=%s attention=%s",
+                    self.model_name, self.device, dtype, weight_format.describe(),
+                    torch.get_num_threads(), num_blocks, config.block_size, self.max_model_len,
+                    config.prefill_max_tokens,
+                    config.enable_prefix_cache, self.runner.attention.name)
 
     # --- public API -------------------------------------------------------------------------
     @property
@@ -199,7 +224,7 @@ class Engine:
         for request, message in batch.failed:
             self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
         if batch.requests:
-            self._postprocess(out, batch, self.runner.run(batch.requests, batch.num_new_tokens))
+            self._postprocess(out, batch, self._run(batch))
         if not self.scheduler.running:
             self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
         out.t_step = time.monotonic()
@@ -213,6 +238,23 @@ class Engine:
         self.runner.close()
 
     # --- internals --------------------------------------------------------------------------
+    def _run(self, batch: ScheduledBatch) -> StepResult:
+        """The forward and sampling, on the thread count the tuner picks for this kind of step
+        (decode steps by batch size, prefill steps by their power-of-two token bucket)."""
+        if batch.prefill_tokens:
+            kind, size = "prefill", (batch.prefill_tokens + batch.decode_tokens).bit_length()
+        else:
+            kind, size = "decode", batch.decode_tokens
+        switches = self.threads.switches
+        self.threads.threads_for(kind, size)
+        t_start = time.perf_counter()
+        result = self.runner.run(batch.requests, batch.num_new_tokens)
+        self.threads.record(time.perf_counter() - t_start)
+        if self.threads.switches != switches:
+            logger.info("torch threads per kind of step now %s (measured)",
+                        self.threads.describe())
+        return result
+
     def _finish_aborted(self, out: StepOutput) -> None:
         """Ends the requests aborted since the last step (and those aborted before arrival)."""
         out.finished.extend(self._early_finishes)
@@ -284,33 +326,6 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(self.device)
             tokens = int(free * cfg.kv_cache_memory_fraction) // per_token
         else:
-            budget = min(cfg.cpu_kv_cache_max_bytes, _available_memory_bytes() // 4)
+            budget = min(cfg.cpu_kv_cache_max_bytes, available_memory_bytes() // 4)
             tokens = min(cfg.max_batch_size * self.max_model_len, budget // per_token)
         return max(1, tokens // cfg.block_size)
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return getattr(torch, name)
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,6 +1,9 @@
 """Our own forward for the Llama family (Llama/SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with
-q/k norm), loaded straight from safetensors. It runs on a flat batch of tokens from many sequences
-and reads/writes the paged KV cache through an ``engine_worker.attention`` backend."""
+q/k norm), loaded from safetensors or from a GGUF at its own precision. It runs on a flat batch
+of tokens from many sequences and reads/writes the paged KV cache through an
+``engine_worker.attention`` backend. Linear layers are ``LinearWeight``s
+(``engine_worker.linear``): the forward calls ``apply`` whatever format ``WeightFormat`` gave
+them."""
 
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
+from engine_worker.gguf_tensors import read_gguf
+from engine_worker.linear import LinearWeight, WeightSource
 from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
+from engine_worker.weight_format import WeightFormat
 
 logger = logging.getLogger("splitserve.engine.model")
 
@@ -21,70 +27,78 @@ logger = logging.getLogger("splitserve.engine.model")
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # q, k and v projections stacked: one matmul instead of three
-    qkv_bias: torch.Tensor | None
+    qkv: LinearWeight  # q, k and v projections stacked: one matmul instead of three
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: LinearWeight
     post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate and up projections stacked
-    down: torch.Tensor
+    gate_up: LinearWeight  # gate and up projections stacked
+    down: LinearWeight
 
 
 class LlamaFamilyModel:
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, tensors: dict[str, WeightSource],
+                 device: torch.device, dtype: torch.dtype, max_positions: int,
+                 weight_format: WeightFormat | None = None) -> None:
         self.config = config
         self.device, self.dtype = device, dtype
+        fmt = weight_format or WeightFormat("auto", dtype, device)
+        self.weight_format = fmt
 
         def take(name: str) -> torch.Tensor:
-            return tensors.pop(name).to(device=device, dtype=dtype).contiguous()
+            return fmt.dense(tensors.pop(name))
 
         def take_optional(name: str) -> torch.Tensor | None:
             return take(name) if name in tensors else None
 
+        def linear(*names: str, bias: bool = False):
+            biases = None
+            if bias and names[0].replace(".weight", ".bias") in tensors:
+                biases = torch.cat([take(n.replace(".weight", ".bias")) for n in names])
+            return fmt.linear([tensors.pop(n) for n in names], biases)
+
+        embed_source = tensors["model.embed_tokens.weight"]
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            bias = None
-            if p + "self_attn.q_proj.bias" in tensors:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=qkv, qkv_bias=bias,
+                qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"), bias=True),
                 q_norm=take_optional(p + "self_attn.q_norm.weight"),
                 k_norm=take_optional(p + "self_attn.k_norm.weight"),
-                o_proj=take(p + "self_attn.o_proj.weight"),
+                o_proj=linear(p + "self_attn.o_proj.weight"),
                 post_attention_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"),
-                                   take(p + "mlp.up_proj.weight")]),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
             ))
         self.norm = take("model.norm.weight")
-        lm_head = take_optional("lm_head.weight")
-        self.lm_head = self.embed if lm_head is None or config.tie_word_embeddings else lm_head
+        if "lm_head.weight" in tensors and not config.tie_word_embeddings:
+            self.lm_head = fmt.linear([tensors.pop("lm_head.weight")], None, head=True)
+        else:
+            # Tied: a quantized head is built from the checkpoint's own embedding tensor (its
+            # blocks, for a GGUF); the dense head is the embedding table itself.
+            tensors.pop("lm_head.weight", None)
+            self.lm_head = fmt.linear([embed_source], None, dense=self.embed, head=True)
         inv_freq, attention_scaling = rope_inverse_frequencies(config.rope, config.head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
         self.cos = (angles.cos() * attention_scaling).to(device=device, dtype=dtype)
-        self.sin = (angles.sin() * attention_scaling).to(device=device, dtype=dtype)
+        # The sine with the rotation's sign folded in (negative on the first half): rotating is
+        # then x * cos + roll(x, half) * signed_sin, four ops instead of five plus two slices.
+        sign = torch.ones(config.head_dim)
+        sign[:config.head_dim // 2] = -1
+        self.signed_sin = (angles.sin() * attention_scaling * sign).to(device=device,
+                                                                      dtype=dtype)
 
     @classmethod
     def load(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-             max_positions: int) -> LlamaFamilyModel:
+             max_positions: int, weight_format: WeightFormat | None = None) -> LlamaFamilyModel:
+        """A checkpoint directory: config.json plus either *.safetensors or one *.gguf."""
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{model_dir} has no *.safetensors weights")
-        tensors: dict[str, torch.Tensor] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-        model = cls(config, tensors, device, dtype, max_positions)
+        tensors = load_tensors(model_dir, config)
+        model = cls(config, tensors, device, dtype, max_positions, weight_format)
         leftover = [n for n in tensors if "rotary_emb" not in n]
         if leftover:
             logger.warning("ignored %d unexpected weights, e.g. %s", len(leftover), leftover[:3])
@@ -101,30 +115,53 @@ class LlamaFamilyModel:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         eps = cfg.rms_norm_eps
         cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        sin = self.signed_sin[positions].unsqueeze(1)
         hidden = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, kv_heads, head_dim)
+            qkv = layer.qkv.apply(x)
             v = qkv[:, q_size + kv_size:].view(num_tokens, kv_heads, head_dim)
             if layer.q_norm is not None:
-                q = F.rms_norm(q, (head_dim,), layer.q_norm, eps)
-                k = F.rms_norm(k, (head_dim,), layer.k_norm, eps)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                q = F.rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), (head_dim,),
+                               layer.q_norm, eps)
+                k = F.rms_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, kv_heads,
+                                                                    head_dim),
+                               (head_dim,), layer.k_norm, eps)
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            else:  # q and k heads side by side: one rotation for both
+                qk = _rotate(qkv[:, :q_size + kv_size].view(num_tokens, heads + kv_heads,
+                                                             head_dim), cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
             attn = attention.forward(q, k, v, i, metadata)
-            hidden = hidden + F.linear(attn.reshape(num_tokens, q_size), layer.o_proj)
+            hidden += layer.o_proj.apply(attn.reshape(num_tokens, q_size))
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_attention_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up.apply(x).chunk(2, dim=-1)
+            hidden += layer.down.apply(F.silu(gate) * up)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         hidden = F.rms_norm(hidden, (cfg.hidden_size,), self.norm, eps)
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head.apply(hidden).float()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def load_tensors(model_dir: Path, config: ModelConfig) -> dict[str, WeightSource]:
+    """Every weight of the checkpoint under its Hugging Face name, at the file's precision."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        tensors: dict[str, WeightSource] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        return tensors
+    ggufs = sorted(model_dir.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return read_gguf(ggufs[0], config.num_heads, config.num_kv_heads)
+    if ggufs:
+        raise ValueError(f"{model_dir} holds {len(ggufs)} GGUF files; keep exactly one")
+    raise FileNotFoundError(f"{model_dir} has no *.safetensors or *.gguf weights")
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split layout: x * cos + (-x2, x1) * sin, rounded as written (an
+    addcmul rounds once less, which in bf16 moved 4 of 32 greedy continuations off float32's)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin

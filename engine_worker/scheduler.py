@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
 from engine_worker.request import EngineRequest
-from ipc.engine_config import EngineConfig
+from ipc.engine_config import PREFILL_TOKENS_CPU, EngineConfig
 
 
 @dataclass(slots=True)
@@ -60,7 +60,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        token_budget = self.config.prefill_max_tokens
+        # The engine resolves 0 for its device; a scheduler built alone takes the CPU's.
+        token_budget = self.config.prefill_max_tokens or PREFILL_TOKENS_CPU
         prefill_slots = self.config.prefill_max_batch_size
         logprob_budget = self.prompt_logprob_tokens
         position = 0

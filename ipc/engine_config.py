@@ -10,6 +10,22 @@ from ipc.knobs import check_knobs, knob
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")  # engine_worker/weight_format.py
+WEIGHTS_HELP = (
+    "the linear layers' weights. auto: the checkpoint's own precision (a GGUF's Q4_0/Q4_1 "
+    "blocks on torch's int4 kernel, Q8_0 as int8 per channel, dense tensors in --dtype); "
+    "bf16, fp32: dense in that dtype (quantized blocks dequantized; needs that --dtype or "
+    "auto); int8: int8 per output channel; int4: int4 in groups of 32 (lm_head int8 unless "
+    "the checkpoint's is 4-bit). Quantized layers serve small steps (decode, reading 2-4x "
+    "fewer bytes than bf16) and, where memory allows, keep a dense copy for larger ones "
+    "(prefill, big decode batches); int8 and int4 run on CPU only")
+
+# Prompt tokens one step may compute when prefill_max_tokens is 0. A step holds up the decode of
+# every running request, so on a CPU (a few hundred to a few thousand prompt tokens/s for a small
+# model) a smaller budget keeps each step, and the gap between two tokens of a stream, short; a
+# GPU computes thousands of tokens in milliseconds and wants large steps.
+PREFILL_TOKENS_CUDA = 4096
+PREFILL_TOKENS_CPU = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,14 +35,22 @@ class EngineConfig:
     model_path: str = knob("", "the model directory", cli=False)
     device: str = knob("auto", "where the engine runs (auto: CUDA when present)",
                        choices=DEVICES)
-    dtype: str = knob("auto", "weights and activations (auto: bf16/fp16 on CUDA, fp32 on CPU)",
-                      choices=DTYPES)
+    dtype: str = knob("auto", "activations and KV cache (auto: bf16 on CUDA, fp16 there "
+                      "without bf16; on CPU bf16 where it is native (AVX512-BF16 or AMX), else "
+                      "float32; a dense --weights format sets it)", choices=DTYPES)
+    weights: str = knob("auto", WEIGHTS_HELP, choices=WEIGHTS)
+    quantized_max_tokens: int = knob(0, "steps of more tokens than this run on the dense copy "
+                                     "of quantized weights; 0 = the format's measured "
+                                     "crossover", unit="TOKENS", minimum=0)
     max_batch_size: int = knob(32, "most requests decoded together in one engine step",
                                unit="REQUESTS", minimum=1)
     prefill_max_batch_size: int = knob(32, "most requests that may start (or continue) prefill "
                                        "in one step", unit="REQUESTS", minimum=1)
-    prefill_max_tokens: int = knob(4096, "most prompt tokens computed in one step, all "
-                                   "requests together", unit="TOKENS", minimum=1)
+    prefill_max_tokens: int = knob(0, "most prompt tokens computed in one step, all requests "
+                                   "together; 0 = 4096 on CUDA, 512 on CPU (a CPU computes "
+                                   "~1-2k prompt tokens/s, so a step, and the decode of every "
+                                   "running request waiting on it, stays well under a second)",
+                                   unit="TOKENS", minimum=0)
     prefill_chunk_tokens: int = knob(2048, "long prompts are prefilled in chunks of this many "
                                      "tokens per step", unit="TOKENS", minimum=1)
     block_size: int = knob(16, "tokens per KV cache block", unit="TOKENS", minimum=1)
@@ -41,6 +65,11 @@ class EngineConfig:
     engine_threads: int = knob(0, "torch intra-op threads in the engine; 0 = leave torch's "
                                "setting (the supervisor decides it from the cores)", unit="N",
                                minimum=0)
+    adaptive_threads: bool = knob(True, "CPU: the engine times a few steps now and then on one "
+                                  "thread and on engine_threads, and runs each kind of step "
+                                  "(decode, prefill) on the faster (on a machine busy with "
+                                  "other work one thread can be several times faster)",
+                                  flag="--no-adaptive-threads")
     kv_cache_memory_fraction: float = knob(0.8, "CUDA only: share of the free memory after the "
                                            "weights that the KV cache takes", minimum=0.01,
                                            maximum=1.0)

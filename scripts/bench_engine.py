@@ -18,12 +18,16 @@
           at each --prefill-tokens and decode tokens/s at batch 1, with ratios; then the batch-1
           bandwidth bound of each (weight bytes read per token / the measured read bandwidth)
           and, with --llama-bench PATH, llama.cpp's own llama-bench figures.
-  bandwidth  the read bandwidth (GB/s) at --threads and our engine's batch-1 decode bound.
+  kernels, formats, bandwidth  weight formats: the linear layers alone at each --kernel-rows,
+          the engine in each --formats format, and batch-1 decode of each against the read
+          bandwidth bound (scripts/bench/engine_formats.py).
   logprobs  decode steps at the largest --decode-batch with one request's (then every
           request's) top-20 logprobs switched on every other step; the logprob work of a step
           alone; prefill with prompt logprobs (scripts/bench/engine_logprobs.py).
 
-Every figure is printed with the torch thread count it ran with (--threads).
+Engines run --dtype/--weights; unset, 'core', 'sampling', 'prefix', 'mixed' and 'logprobs' run
+dense float32 (as transformers does) and 'peer' runs the default launch (auto/auto). Every figure
+is printed with the torch thread count it ran with (--threads).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import torch
 from engine_worker.engine import Engine
 from ipc.engine_config import EngineConfig
 from ipc.messages import SamplingParams
-from procs.model_store import resolve_model
+from procs.model_store import load_reference_model, resolve_model
+
+DENSE_WEIGHTS = {"float32": "fp32", "bfloat16": "bf16", "auto": "auto"}
 
 
 def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
@@ -46,9 +52,18 @@ def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
 
 
 def make_engine(args, **knobs) -> Engine:
+    """An engine on --dtype/--weights (unset: dense float32, as transformers runs)."""
     knobs.setdefault("kv_cache_tokens", args.kv_cache_tokens)
-    return Engine(EngineConfig(model_path=str(args.model), dtype=args.dtype,
-                               engine_threads=args.threads, **knobs))
+    knobs.setdefault("dtype", args.dtype or "float32")
+    knobs.setdefault("weights", args.weights or DENSE_WEIGHTS[knobs["dtype"]])
+    # Figures are printed with the thread count they ran with: the engine keeps it.
+    knobs.setdefault("adaptive_threads", False)
+    return Engine(EngineConfig(model_path=str(args.model), engine_threads=args.threads, **knobs))
+
+
+def default_launch_knobs(args) -> dict[str, str]:
+    """What `splitserve launch` runs unless told otherwise (what 'peer' compares)."""
+    return {"dtype": args.dtype or "auto", "weights": args.weights or "auto"}
 
 
 def params(max_tokens: int, **sampling) -> SamplingParams:
@@ -124,10 +139,8 @@ def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int, **sampling)
 
 
 def load_hf(args):
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(args.model), dtype=getattr(torch, args.dtype)).eval()
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    hf = load_reference_model(args.model, dtype)
     hf.generation_config.eos_token_id = None  # count every requested token
     return hf
 
@@ -172,7 +185,7 @@ def run_core(args) -> None:
     for batch in args.decode_batch:
         ours, theirs = best_decode_rates(args, engine, hf, decode_prompts(args, rng, batch))
         rows.append((f"decode batch {batch}", ours, theirs))
-    print_rates(f"\ncore (threads={torch.get_num_threads()}, {args.dtype} for both, "
+    print_rates(f"\ncore (threads={torch.get_num_threads()}, {args.dtype or 'float32'} for both, "
                 f"{engine.model_name}; decode prompts {args.decode_prompt_tokens // 2}.."
                 f"{args.decode_prompt_tokens * 3 // 2} tokens, {args.decode_tokens} new tokens)",
                 rows)
@@ -199,7 +212,8 @@ def run_sampling(args) -> None:
     prompts = decode_prompts(args, np.random.default_rng(0), batch)
     rows = [(name, *best_decode_rates(args, engine, hf, prompts, ours, theirs))
             for name, ours, theirs in SAMPLING_CASES]
-    print_rates(f"\nsampling (threads={torch.get_num_threads()}, {args.dtype} for both, "
+    print_rates(f"\nsampling (threads={torch.get_num_threads()}, "
+                f"{args.dtype or 'float32'} for both, "
                 f"decode batch {batch}, {args.decode_tokens} new tokens)", rows)
 
 
@@ -272,7 +286,8 @@ def run_peer(args) -> None:
         raise SystemExit(pe.NEEDS_PEER_EXTRA)
     gguf = Path(args.gguf) if args.gguf else pe.default_gguf()
     rng = np.random.default_rng(3)
-    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=1)
+    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=1,
+                         **default_launch_knobs(args))
     longest = max(*args.prefill_tokens, args.decode_prompt_tokens + args.decode_tokens + 1)
     peer = pe.LlamaCppPeer(gguf, args.threads, n_ctx=longest + 16)
     warm = random_prompt(rng, 16)
@@ -293,14 +308,16 @@ def run_peer(args) -> None:
         decode[1] = max(decode[1], peer.decode_rate(prompt, args.decode_tokens))
     rows.append(("decode batch 1", *decode))
     peer.close()
-    print_rates(f"\npeer (threads={args.threads} for both; ours {args.dtype} from the dequantized "
-                f"GGUF, llama.cpp {peer.version} on {gguf.name}; decode after a "
+    ours = (f"{engine.runner.model.weight_format.describe()}, activations "
+            f"{engine.runner.model.dtype}")
+    print_rates(f"\npeer (threads={args.threads} for both; ours {ours}; llama.cpp "
+                f"{peer.version} on {gguf.name}; decode after a "
                 f"{args.decode_prompt_tokens}-token prompt, {args.decode_tokens} new tokens)",
                 rows, peer="llama.cpp")
     bandwidth = pe.read_bandwidth_gbs(args.threads)
     print(f"batch-1 decode bandwidth bound (read bandwidth {bandwidth:.1f} GB/s at "
           f"{args.threads} threads):")
-    print(pe.bound_line(f"engine ({args.dtype})", pe.weight_bytes_per_token(engine.runner.model),
+    print(pe.bound_line("engine", pe.weight_bytes_per_token(engine.runner.model),
                         bandwidth, decode[0]))
     print(pe.bound_line("llama.cpp (GGUF as stored)", pe.gguf_weight_bytes_per_token(gguf),
                         bandwidth, decode[1]))
@@ -311,18 +328,11 @@ def run_peer(args) -> None:
               + ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in figures))
 
 
-def run_bandwidth(args) -> None:
-    from scripts.bench import peer_engine as pe
+def run_weight_formats(args) -> None:
+    from scripts.bench import engine_formats  # it imports this module
 
-    bandwidth = pe.read_bandwidth_gbs(args.threads)
-    print(f"\nbandwidth: read {bandwidth:.1f} GB/s with {args.threads} torch thread(s)")
-    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=1)
-    prompt = random_prompt(np.random.default_rng(4), args.decode_prompt_tokens)
-    engine_decode_rate(engine, [prompt], 2)  # warm-up
-    rate = max(engine_decode_rate(engine, [prompt], args.decode_tokens)
-               for _ in range(args.repeats))
-    print(pe.bound_line(f"engine ({args.dtype})", pe.weight_bytes_per_token(engine.runner.model),
-                        bandwidth, rate))
+    {"kernels": engine_formats.run_kernels, "formats": engine_formats.run_formats,
+     "bandwidth": engine_formats.run_bandwidth}[args.workload](args)
 
 
 def run_logprobs(args) -> None:
@@ -338,8 +348,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", default=["core"],
-                        choices=["core", "sampling", "prefix", "mixed", "peer", "bandwidth",
-                                 "logprobs"],
+                        choices=["core", "sampling", "prefix", "mixed", "peer", "kernels",
+                                 "formats", "bandwidth", "logprobs"],
                         help="what to run (default: core)")
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
     parser.add_argument("--gguf", default=None,
@@ -349,8 +359,19 @@ def main() -> None:
                         help="'peer' also runs this llama-bench binary (scripts/"
                              "build_llama_server.sh builds one)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="weights and activations, for the engine and transformers alike")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                        help="the engine's activations (and transformers' dtype in 'core' and "
+                             "'sampling'); default: float32, 'peer' auto")
+    parser.add_argument("--weights", default=None, choices=["auto", "bf16", "fp32", "int8", "int4"],
+                        help="the engine's weight format (default: dense in --dtype, 'peer' "
+                             "auto; splitserve launch --help says what each is)")
+    parser.add_argument("--formats", default="fp32,bf16,int8,int4,auto",
+                        help="weight formats 'formats' and 'bandwidth' compare (fp32 and bf16 "
+                             "run their own dtype, the others the CPU's auto dtype)")
+    parser.add_argument("--kernel-rows", type=ints, default=[1, 2, 4, 8, 16, 32, 256],
+                        help="rows (tokens) per linear call for 'kernels'")
+    parser.add_argument("--kernel-repeats", type=int, default=5,
+                        help="interleaved runs of each format in 'kernels'; the best counts")
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
     parser.add_argument("--prefill-tokens", type=ints, default=[256, 1024],
                         help="prompt lengths for the prefill figures (comma-separated)")
@@ -372,8 +393,10 @@ def main() -> None:
     args.model = resolve_model(args.model)
     torch.set_num_threads(args.threads)
     for workload in args.workloads:
+        args.workload = workload
         {"core": run_core, "sampling": run_sampling, "prefix": run_prefix,
-         "mixed": run_mixed, "peer": run_peer, "bandwidth": run_bandwidth,
+         "mixed": run_mixed, "peer": run_peer, "kernels": run_weight_formats,
+         "formats": run_weight_formats, "bandwidth": run_weight_formats,
          "logprobs": run_logprobs}[workload](args)
 
 

@@ -194,6 +194,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                          f"{summary['output_throughput_tps']:7.1f} tok/s, errors "
                          f"{summary['errors']}")
         described = {name: s.describe() for name, s in servers.items()}
+        # A step long enough to starve the engine's heartbeat shows in the supervisor's log.
+        silent = {name: Path(s.log.name).read_text(errors="replace").count("sent no heartbeat")
+                  for name, s in servers.items() if name in ours}
         load_after = os.getloadavg()
     stats = {name: {level: peer_report.aggregate(
         [r["summary"] for r in runs if r["target"] == name and r["concurrency"] == level])
@@ -201,7 +204,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     comparisons = {name: peer_report.comparison_rows(stats, name, peers, args.concurrency,
                                                      args.statistic) for name in ours}
     setup = {"gguf": str(gguf), "servers": described, "peers": peers, "ours": ours,
-             "idle_cpu_percent": idle,
+             "idle_cpu_percent": idle, "heartbeat_warnings": silent,
              "load_average": {"before": load_before, "after": load_after},
              "niceness": args.nice,
              "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
@@ -223,6 +226,9 @@ def render(setup: dict, stats: dict, comparisons: dict, levels: list[int]) -> st
     lines += [f"- `{name}`: `{cmd}`" for name, cmd in setup["servers"].items()]
     lines.append("- idle CPU % before the runs: " + ", ".join(
         f"{k} {v:.1f}" for k, v in setup["idle_cpu_percent"].items()))
+    if setup.get("heartbeat_warnings") is not None:
+        lines.append("- supervisor warnings of a worker silent past heartbeat_timeout_s: "
+                     + ", ".join(f"{k} {v}" for k, v in setup["heartbeat_warnings"].items()))
     if setup.get("niceness") is not None:
         lines.append(f"- servers and client at niceness {setup['niceness']}")
     load = setup.get("load_average") or {"before": (), "after": ()}

@@ -14,7 +14,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def oai(default_model_dir):
-    with launch_cluster(str(default_model_dir), tokenizer_workers=1, max_model_len=2048) as c:
+    # Dense fp32 weights and activations: the logprob test compares with transformers' fp32.
+    with launch_cluster(str(default_model_dir), tokenizer_workers=1, max_model_len=2048,
+                        weights="fp32", dtype="float32") as c:
         port = free_port()
         popen = start_frontend(c, port, model_name="smollm2")
         try:
@@ -48,11 +50,9 @@ def test_stop_string_on_the_answer(oai):
 
 @pytest.fixture(scope="module")
 def hf(default_model_dir):
-    import torch
-    import transformers
+    from procs.model_store import load_reference_model
 
-    return transformers.AutoModelForCausalLM.from_pretrained(str(default_model_dir),
-                                                             dtype=torch.float32).eval()
+    return load_reference_model(default_model_dir)
 
 
 def test_echo_logprobs_score_a_continuation_as_transformers_does(oai, hf, default_model_dir):

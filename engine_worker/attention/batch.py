@@ -42,8 +42,8 @@ class StepBatch:
 class DecodeWorkspace:
     """Contiguous decode keys/values per layer, valid for one fixed, ordered set of sequences.
 
-    ``fresh``: this step builds the copies (gather from the paged cache); otherwise it appends
-    the new tokens at ``new_positions``. Attention reads all ``capacity`` columns (the mask
+    ``fresh``: this step builds the copies (gather from the paged cache); otherwise it writes
+    the new tokens at ``new_slots``. Attention reads all ``capacity`` columns (the mask
     hides the unused ones): a column slice is strided, and batched matmuls copy it (bf16)
     or run slower (fp32) than over the few spare columns."""
 
@@ -52,7 +52,8 @@ class DecodeWorkspace:
     context: np.ndarray  # [B] their context lengths in the step that last used it
     keys: list = field(default_factory=list)  # per layer: [KV * B, capacity, D], filled by
     values: list = field(default_factory=list)  # the forward of the step that builds it
-    new_positions: torch.Tensor | None = None  # [B] column of this step's token per sequence
+    # [KV * B] this step's token's row in a layer's keys/values viewed as [KV * B * capacity, D]
+    new_slots: torch.Tensor | None = None
     fresh: bool = True
 
 

@@ -46,7 +46,9 @@ class PagedCpuBackend(SdpaBackend):
         ws = self._decode_workspace([step.sequences[i] for i in seqs], context)
         if ws is None:
             return super()._prepare_decode(step, seqs)
-        ws.new_positions = self._device(context - 1)
+        # Where each layer writes this step's keys/values (one index_copy_ each), computed once.
+        rows: np.ndarray = np.arange(self.cache.num_kv_heads * len(seqs)) * ws.capacity
+        ws.new_slots = self._device(rows + np.tile(context - 1, self.cache.num_kv_heads))
         decode = self._decode_batch(step, seqs, ws.capacity, with_tables=ws.fresh)
         decode.workspace = ws
         return decode
@@ -92,12 +94,11 @@ class PagedCpuBackend(SdpaBackend):
             ws.values.append(values)
         else:
             keys, values = ws.keys[layer], ws.values[layer]
-            batch_size, kv_heads, head_dim = k.shape
-            rows = torch.arange(batch_size, device=q.device)
-            keys.view(kv_heads, batch_size, -1, head_dim)[:, rows, ws.new_positions] = \
-                k.transpose(0, 1)
-            values.view(kv_heads, batch_size, -1, head_dim)[:, rows, ws.new_positions] = \
-                v.transpose(0, 1)
+            head_dim = k.shape[2]
+            keys.view(-1, head_dim).index_copy_(0, ws.new_slots, k.transpose(0, 1).reshape(
+                -1, head_dim))
+            values.view(-1, head_dim).index_copy_(0, ws.new_slots, v.transpose(0, 1).reshape(
+                -1, head_dim))
         return decode_attention(q, keys, values, decode.mask)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

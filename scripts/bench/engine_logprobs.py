@@ -34,7 +34,8 @@ def run_logprobs(args) -> None:
     batch = max(args.decode_batch)
     engine = make_engine(args, enable_prefix_cache=False, max_batch_size=batch)
     prompts = decode_prompts(args, np.random.default_rng(0), batch)
-    print(f"\nlogprobs (threads={torch.get_num_threads()}, {args.dtype}, {engine.model_name}, "
+    print(f"\nlogprobs (threads={torch.get_num_threads()}, {engine.runner.model.dtype}, "
+          f"{engine.model_name}, "
           f"decode batch {batch}, {args.decode_tokens} steps alternating off/on)")
     print(f"  {'':26s}{'median ms':>10s}{'best ms':>9s}{'tok/s':>8s}{'ratio':>8s}")
     for asking in ([0], list(range(batch))):

@@ -4,7 +4,6 @@ bandwidth bound of batch-1 decode (every weight is read once per token)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import time
@@ -36,41 +35,20 @@ def read_bandwidth_gbs(threads: int, size_mib: int = 512, repeats: int = 7) -> f
         torch.set_num_threads(previous)
 
 
-def _tensors_of(obj, seen: set[int], depth: int = 0):
-    """Every tensor reachable from a model object (attributes, dataclass fields, lists)."""
-    if depth > 6 or id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_of(item, seen, depth + 1)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors_of(item, seen, depth + 1)
-    elif dataclasses.is_dataclass(obj) or hasattr(obj, "__dict__"):
-        names = ([f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj)
-                 else list(vars(obj)))
-        for name in names:
-            yield from _tensors_of(getattr(obj, name, None), seen, depth + 1)
-
-
 def weight_bytes_per_token(model) -> int:
-    """Bytes a batch-1 decode step must read: every weight tensor of the model once (storages
-    counted once: a tied lm_head is the embedding), less tables only indexed per token (the
-    embedding when it is not also the lm_head; the rotary cos/sin)."""
-    skip = {id(getattr(model, n, None)) for n in ("cos", "sin")}
-    embed, lm_head = getattr(model, "embed", None), getattr(model, "lm_head", None)
-    if embed is not None and embed is not lm_head:
-        skip.add(id(embed))
-    storages: dict[int, int] = {}
-    for t in _tensors_of(model, set()):
-        if id(t) in skip:
-            continue
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    """Bytes a batch-1 decode step must read: each linear layer's decode copy (the quantized one
+    where a layer keeps a dense copy for large steps too), the norms and the lm_head (a tied
+    dense head is the embedding table); the embedding alone is only indexed, one row a token."""
+    def nbytes(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    total = nbytes(model.norm) + model.lm_head.nbytes
+    for layer in model.layers:
+        total += sum(linear.nbytes for linear in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                   layer.down))
+        total += sum(nbytes(t) for t in (layer.input_norm, layer.post_attention_norm,
+                                         layer.q_norm, layer.k_norm))
+    return total
 
 
 def bound_line(name: str, weight_bytes: int, bandwidth_gbs: float, rate: float | None) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,16 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def default_gguf() -> Path:
-    """The GGUF splitserve's default model comes from, cached beside the converted model."""
+    """The GGUF splitserve's default model is served from: both servers read the same file."""
     from procs import model_store
 
-    path = model_store.cache_root() / "gguf" / Path(model_store.DEFAULT_MODEL_GGUF).name
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="splitserve-gguf-") as tmp:
-            fetched = model_store._fetch_gguf(Path(tmp))  # the model store's own download
-            shutil.move(str(fetched), path)
-    return path
+    return model_store.gguf_file(model_store.ensure_default_model())
 
 
 def free_port() -> int:

@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from engine_worker.engine import Engine, EngineOverloaded
 from ipc.engine_config import EngineConfig
 from ipc.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from procs.model_store import load_reference_model
 from tests.engine_worker.helpers import collect, greedy
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1467, 30]
@@ -42,7 +42,7 @@ def test_continuous_batching_matches_transformers_generate(default_model_dir):
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
     ids = [tokenizer.encode(p).ids for p in prompts]
     engine = Engine(EngineConfig(model_path=str(default_model_dir), dtype="float32",
-                                 kv_cache_tokens=2048))
+                                 weights="fp32", kv_cache_tokens=2048))
     arrivals = {0: [0, 1, 2], 2: [3], 3: [4, 5], 7: [6], 12: [7]}  # step -> prompts arriving
 
     def arrive(step, eng):
@@ -50,8 +50,7 @@ def test_continuous_batching_matches_transformers_generate(default_model_dir):
             eng.add(f"p{i}", ids[i], greedy(32))
 
     results = collect(engine, on_step=arrive)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_dir),
-                                                           dtype=torch.float32).eval()
+    hf = load_reference_model(default_model_dir)
     for i, prompt_ids in enumerate(ids):
         expected = hf.generate(torch.tensor([prompt_ids]), attention_mask=None, max_new_tokens=32,
                                do_sample=False)[0, len(prompt_ids):].tolist()
@@ -225,3 +224,27 @@ def test_decode_workspace_matches_the_gather_path(tiny_model_dir):
     assert len(logits[0]) == len(logits[1 << 30]) > 60
     for gathered, kept in zip(logits[0], logits[1 << 30]):
         torch.testing.assert_close(kept, gathered, rtol=0, atol=1e-5)
+
+
+def test_cpu_steps_take_a_bounded_number_of_prompt_tokens(tiny_model_dir):
+    """prefill_max_tokens 0 on CPU: a burst of prompts is spread over steps of at most 512 prompt
+    tokens (a step stalls every decoding request), and a request still decoding gets its token
+    in every one of those steps."""
+    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=8192))
+    assert engine.config.prefill_max_tokens == 512
+    engine.add("early", PROMPT, greedy(12, ignore_eos=True))
+    engine.step()
+    for i in range(8):
+        engine.add(f"burst{i}", [5 + i] * 200, greedy(1, ignore_eos=True))
+    prefill_steps = 0
+    while engine.num_waiting or any(not r.is_decoding for r in engine.scheduler.running):
+        out = engine.step()
+        prefill_steps += 1
+        assert 0 < out.stats.prefill_tokens <= 512
+        assert "early" in out.request_ids  # it decodes meanwhile
+    assert prefill_steps == 4  # 1,600 prompt tokens in steps of at most 512
+    collect(engine)
+    assert_idle_and_leak_free(engine)
+    explicit = Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=1024,
+                                   prefill_max_tokens=4096))
+    assert explicit.config.prefill_max_tokens == 4096

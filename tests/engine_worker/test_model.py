@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from engine_worker.attention import PagedCpuBackend, PagedKVCache, SdpaBackend, select_backend
 from engine_worker.attention.continuations import fused_cpu_kernel_available
 from engine_worker.engine import Engine
 from engine_worker.model_config import ModelConfig
 from ipc.engine_config import EngineConfig
+from procs.model_store import load_reference_model
 from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import give_blocks, manual_request
 
@@ -25,12 +25,12 @@ def reference_last_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 def check_against_transformers(model_dir, decode_steps: int, chunk: int | None = None,
                                backend=None) -> None:
-    engine = Engine(EngineConfig(model_path=str(model_dir), dtype="float32",
+    # Dense fp32 weights: a GGUF checkpoint is dequantized exactly, as transformers does.
+    engine = Engine(EngineConfig(model_path=str(model_dir), dtype="float32", weights="fp32",
                                  kv_cache_tokens=1024, block_size=4))
     if backend is not None:
         engine.runner.attention = backend(engine.runner.kv_cache)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
-                                                           dtype=torch.float32).eval()
+    hf = load_reference_model(model_dir)
     prompts = [[1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
                [1, 504, 3458, 282, 4649, 314, 253, 1467, 11, 4, 77, 9001, 18, 7]]
     requests = [manual_request(engine, p, f"r{i}") for i, p in enumerate(prompts)]

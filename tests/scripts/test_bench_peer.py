@@ -127,18 +127,24 @@ def test_chats_are_distinct_real_text_of_the_asked_length(default_model_dir):
         build_chats(counter, 1, 20)
 
 
-def test_weight_bytes_count_a_tied_lm_head_once(tiny_model_dir):
+def test_weight_bytes_count_a_tied_lm_head_once_and_quantized_layers_as_stored(tiny_model_dir):
     import torch
 
     from engine_worker.model import LlamaFamilyModel
+    from engine_worker.weight_format import WeightFormat
     from scripts.bench.peer_engine import weight_bytes_per_token
 
-    model = LlamaFamilyModel.load(tiny_model_dir, torch.device("cpu"), torch.bfloat16, 64)
-    assert model.lm_head is model.embed
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    model = LlamaFamilyModel.load(tiny_model_dir, cpu, bf16, 64, WeightFormat("bf16", bf16, cpu))
+    assert model.lm_head.weight is model.embed
     expected = sum(t.numel() * 2 for layer in model.layers for t in
-                   (layer.input_norm, layer.qkv, layer.o_proj, layer.post_attention_norm,
-                    layer.gate_up, layer.down)) + 2 * (model.norm.numel() + model.embed.numel())
+                   (layer.input_norm, layer.qkv.weight, layer.o_proj.weight,
+                    layer.post_attention_norm, layer.gate_up.weight, layer.down.weight)
+                   ) + 2 * (model.norm.numel() + model.embed.numel())
     assert weight_bytes_per_token(model) == expected
+    # int8 layers read one byte a weight (plus scales), though each keeps a dense copy too
+    int8 = LlamaFamilyModel.load(tiny_model_dir, cpu, bf16, 64, WeightFormat("int8", bf16, cpu))
+    assert expected / 2 < weight_bytes_per_token(int8) < expected * 0.6
 
 
 def test_client_against_a_real_splitserve_server(tiny_model_dir):

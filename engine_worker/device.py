@@ -1,0 +1,71 @@
+"""Where the engine runs and in what precision: the device, the activation dtype ``auto``
+resolves to, the memory that extra copies (KV cache, dense weight copies) may take, and how many
+prompt tokens one step computes there."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine_worker.weight_format import dtype_for_weights
+from ipc.engine_config import PREFILL_TOKENS_CPU, PREFILL_TOKENS_CUDA
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> torch.dtype:
+    """auto: what a dense ``weights`` format names; else bf16 on CUDA (fp16 without bf16) and on
+    a CPU with native bf16, float32 on other CPUs."""
+    if name != "auto":
+        return getattr(torch, name)
+    implied = dtype_for_weights(weights)
+    if implied is not None:
+        return implied
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo: bf16 matmuls run natively (2x fp32 here);
+    without them torch emulates bf16 and fp32 is the faster choice."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def weight_copy_budget_bytes(device: torch.device) -> int:
+    """What extra weight copies may take: a quarter of free memory (the KV pool's rule)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 4
+    return available_memory_bytes() // 4
+
+
+def resolve_prefill_tokens(configured: int, device: torch.device) -> int:
+    if configured:
+        return configured
+    return PREFILL_TOKENS_CUDA if device.type == "cuda" else PREFILL_TOKENS_CPU

@@ -1,0 +1,161 @@
+"""Reads a GGUF checkpoint's tensors at their own precision, under Hugging Face names.
+
+The ``gguf`` package's reader gives each tensor's raw block bytes (a memory map); we parse the
+blocks ourselves instead of dequantizing to float32:
+
+* Q4_0 (18-byte blocks of 32: fp16 d, 16 bytes of nibbles; ``w = d * (q - 8)``) and Q4_1 (20
+  bytes: fp16 d, fp16 m, nibbles; ``w = d * q + m``) become ``Int4Groups`` with group 32:
+  scale = d, zero = 0 (Q4_0) or m + 8 d (Q4_1), which is exact in float32 (checked per file);
+* Q8_0 (34 bytes: fp16 d, 32 int8; ``w = d * q``) becomes ``Int8Blocks``;
+* F32, F16 and BF16 stay dense tensors in their own dtype.
+
+Any other type is refused with an error that names it. Nibble order within a block (low nibbles
+are weights 0-15, high nibbles 16-31) and the formulas above are the ``gguf`` package's own
+``dequantize``; tests check that we reproduce it bit for bit.
+
+llama.cpp's converter reorders the rows of q and k for the ``llama`` architecture (its rope pairs
+adjacent dimensions, ours the two halves); rows are undone here, which moves whole blocks only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine_worker.linear import Int4Groups, Int8Blocks, WeightSource
+
+logger = logging.getLogger("splitserve.engine.gguf")
+
+BLOCK = 32
+SERVED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+# Architectures whose converter permutes q/k rows for an interleaved rope.
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                    "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class UnsupportedGGUFType(ValueError):
+    pass
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None: unknown)."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, index, part = stem.split(".", 2)
+        mapped = _LAYER_NAMES.get(part)
+        return f"model.layers.{index}.{mapped}.{kind}" if mapped else None
+    mapped = _TOP_LEVEL_NAMES.get(stem)
+    return f"{mapped}.{kind}" if mapped else None
+
+
+def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, WeightSource]:
+    """Every tensor of the file, keyed by its Hugging Face name (unknown names are skipped with a
+    warning). Raises ``UnsupportedGGUFType`` naming the first tensor of a type we cannot serve."""
+    reader = _reader_class()(str(path))
+    field = reader.fields.get("general.architecture")
+    architecture = bytes(field.parts[field.data[0]]).decode() if field else ""
+    unsupported = [t for t in reader.tensors if t.tensor_type.name not in SERVED_TYPES]
+    if unsupported:
+        t = unsupported[0]
+        raise UnsupportedGGUFType(
+            f"{path}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, which splitserve "
+            f"cannot serve ({len(unsupported)} such tensors; supported types: "
+            f"{', '.join(SERVED_TYPES)}). Requantize the file to one of those types.")
+    tensors: dict[str, WeightSource] = {}
+    skipped = []
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            skipped.append(t.name)
+            continue
+        source = _parse(t.tensor_type.name, np.asarray(t.data), [int(d) for d in t.shape])
+        if architecture in PERMUTED_QK_ARCHITECTURES:
+            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+                source = _unpermute_rows(source, num_heads)
+            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+                source = _unpermute_rows(source, num_kv_heads)
+        tensors[name] = source
+    if skipped:
+        logger.warning("ignored %d GGUF tensors with no known role, e.g. %s", len(skipped),
+                       skipped[:3])
+    return tensors
+
+
+def _reader_class():
+    from gguf import GGUFReader
+
+    class PlainBufferReader(GGUFReader):
+        """The gguf reader over a plain ndarray view of its memory map: parsing the metadata
+        takes ~10^6 small slices of the buffer, and on an ``np.memmap`` each one runs a Python
+        ``__array_finalize__`` (3x slower for this model's 49k-token vocabulary)."""
+
+        _buffer: np.ndarray
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._buffer
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._buffer = value.view(np.ndarray)
+
+    return PlainBufferReader
+
+
+def _parse(type_name: str, data: np.ndarray, shape: list[int]) -> WeightSource:
+    """One tensor from its raw data. GGUF lists dimensions innermost first, so a matrix of
+    N rows of K weights has shape [K, N]. Parsed with numpy: one thread, and no OpenMP start-up
+    per small op (torch's, on a busy 2-core machine, was 50x slower)."""
+    dims = list(reversed(shape))
+    if type_name in ("F32", "F16"):
+        return torch.from_numpy(np.array(data)).reshape(dims)
+    raw = np.asarray(data, dtype=np.uint8)
+    if type_name == "BF16":
+        return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(dims)
+    rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    blocks = raw.reshape(rows, cols // BLOCK, block_bytes)
+
+    def halves(start: int) -> torch.Tensor:  # the fp16 at this byte offset of every block
+        return torch.from_numpy(blocks[..., start:start + 2].copy().view(np.float16)[..., 0]
+                                .astype(np.float32))
+
+    d = halves(0)
+    if type_name == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+        return Int8Blocks(q=torch.from_numpy(q), scale=d)
+    nibbles = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
+    q = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols))
+    if type_name == "Q4_0":
+        return Int4Groups(q=q, scale=d, zero=torch.zeros_like(d))
+    m = halves(2)
+    zero = m + 8 * d  # w = d*q + m = d*(q - 8) + (m + 8d)
+    inexact = int(((zero.double() - 8 * d.double() - m.double()) != 0).sum())
+    if inexact:
+        logger.warning("%d Q4_1 blocks have m + 8d outside float32: those weights differ from "
+                       "the file's by one float32 rounding", inexact)
+    return Int4Groups(q=q, scale=d, zero=zero)
+
+
+def _unpermute_rows(source: WeightSource, heads: int) -> WeightSource:
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[0]
+        return t.reshape(heads, n // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+    if isinstance(source, Int4Groups):
+        return Int4Groups(rows(source.q), rows(source.scale), rows(source.zero))
+    if isinstance(source, Int8Blocks):
+        return Int8Blocks(rows(source.q), rows(source.scale))
+    return rows(source)

@@ -1,0 +1,187 @@
+"""Weight formats of the forward's linear layers: one ``apply(x)`` whatever the weights hold.
+
+* ``DenseLinear``: a bf16/fp32/fp16 matrix, ``F.linear``.
+* ``Int8Linear``: int8 per output channel, symmetric (``w = q * scale``), on
+  ``aten._weight_int8pack_mm``. Scales are stored in the activation dtype (the kernel's rule).
+* ``Int4Linear``: 4-bit groups of ``INT4_GROUP`` input columns, asymmetric, on
+  ``aten._weight_int4pack_mm_for_cpu``. Measured (identity activations): the kernel dequantizes
+  ``w = (q - 8) * scale + zero`` with one fp32 rounding (an FMA), q in [0, 15], scale and zero
+  stored as [K / group, N, 2] in the activation dtype; N must be a multiple of 16 and K of the
+  group. Only bf16 activations take its vectorized path; fp32 and fp16 run a scalar loop.
+* ``BatchSizeSwitch``: a quantized copy for steps of at most ``max_tokens`` rows (decode: the
+  weight bytes read decide the speed) and a dense copy for larger ones (prefill: the integer
+  kernels re-read and re-dequantize the weights for every 4 rows, dense GEMM does not).
+
+Quantized weights arrive as ``Int4Groups`` (q, scale, zero per group) or ``Int8Blocks`` (a GGUF
+Q8_0 tensor: int8 with one scale per 32 columns), from a checkpoint's own blocks or from
+``quantize_int4`` of a dense matrix; ``dequantize`` gives every source as fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+import torch
+import torch.nn.functional as F
+
+INT4_GROUP = 32  # columns per int4 scale/zero; GGUF Q4_0/Q4_1 blocks are 32 weights too
+
+
+class LinearWeight(Protocol):
+    out_features: int
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] in the activation dtype -> [T, out_features]."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight data one full apply reads (what bounds decode speed)."""
+
+
+@dataclass(slots=True)
+class Int4Groups:
+    """w[n, k] = (q[n, k] - 8) * scale[n, k // group] + zero[n, k // group]; q uint8 in [0, 15],
+    scale and zero float32."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def rounded(self, dtype: torch.dtype) -> Int4Groups:
+        """The groups with scale and zero as the kernel holds them (rounded to ``dtype``)."""
+        return Int4Groups(self.q, self.scale.to(dtype).float(), self.zero.to(dtype).float())
+
+    def exact_in(self, dtype: torch.dtype) -> bool:
+        """Whether ``dtype`` holds every scale and zero exactly (the kernel then computes the
+        checkpoint's own weights)."""
+        r = self.rounded(dtype)
+        return torch.equal(r.scale, self.scale) and torch.equal(r.zero, self.zero)
+
+
+@dataclass(slots=True)
+class Int8Blocks:
+    """w[n, k] = q[n, k] * scale[n, k // group]; q int8, scale float32 (GGUF Q8_0)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+WeightSource: TypeAlias = torch.Tensor | Int4Groups | Int8Blocks
+
+
+def dequantize(source: WeightSource) -> torch.Tensor:
+    """The source's weights as float32 [N, K]. For int4 groups this is the value the kernel
+    computes, (q - 8) * scale + zero rounded once, wherever (q - 8) * scale is exact in float32:
+    scales of at most 20 significant bits (fp16 GGUF blocks, bf16 kernels)."""
+    if isinstance(source, torch.Tensor):
+        return source.float()
+    n, k = source.q.shape
+    groups = source.scale.shape[1]
+    scale = source.scale[..., None]
+    if isinstance(source, Int8Blocks):
+        return (source.q.view(n, groups, -1).float() * scale).view(n, k)
+    q = source.q.view(n, groups, -1).float().sub_(8)
+    return q.mul_(scale).add_(source.zero[..., None]).view(n, k)
+
+
+def quantize_int4(weight: torch.Tensor, scale_dtype: torch.dtype,
+                  group: int = INT4_GROUP) -> Int4Groups:
+    """Asymmetric min/max quantization per group. Scale and zero are rounded to ``scale_dtype``
+    first and q is chosen against the rounded values, so the kernel's weights are the nearest
+    its scale/zero can give."""
+    w = weight.float()
+    n, k = w.shape
+    g = w.view(n, k // group, group)
+    low, high = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(1e-8).to(scale_dtype).float()
+    zero = (low + 8 * scale).to(scale_dtype).float()
+    q = torch.round((g - zero[..., None]) / scale[..., None]) + 8
+    return Int4Groups(q.clamp_(0, 15).to(torch.uint8).view(n, k), scale, zero)
+
+
+def quantize_int8(weight: torch.Tensor,
+                  scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q int8 [N, K], scale float32 [N]); the scale is
+    rounded to ``scale_dtype`` (the kernel's) before q is chosen against it."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-8).to(scale_dtype).float()
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int4_supported(out_features: int, in_features: int, group: int = INT4_GROUP) -> bool:
+    return out_features % 16 == 0 and in_features % group == 0
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight.contiguous(), bias
+        self.out_features = weight.shape[0]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Int8Linear:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> None:
+        self.q = q.contiguous()
+        self.scale = scale.to(dtype).contiguous()
+        self.bias, self.out_features = bias, q.shape[0]
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype,
+                    bias: torch.Tensor | None = None) -> Int8Linear:
+        return cls(*quantize_int8(weight, dtype), dtype, bias)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+
+class Int4Linear:
+    def __init__(self, groups: Int4Groups, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> None:
+        n, k = groups.q.shape
+        if not int4_supported(n, k, groups.group):
+            raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % "
+                             f"{groups.group} == 0, got {n} x {k}")
+        self.group, self.bias, self.out_features = groups.group, bias, n
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.int(), 1)
+        self.scale_zero = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).to(
+            dtype).contiguous()  # [K / group, N, 2]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group,
+                                                       self.scale_zero)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale_zero.numel() * self.scale_zero.element_size()
+
+
+class BatchSizeSwitch:
+    """``quantized`` for inputs of at most ``max_tokens`` rows, ``dense`` above."""
+
+    def __init__(self, quantized: LinearWeight, dense: LinearWeight, max_tokens: int) -> None:
+        self.quantized, self.dense, self.max_tokens = quantized, dense, max_tokens
+        self.out_features = quantized.out_features
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.quantized if x.shape[0] <= self.max_tokens else self.dense).apply(x)
+
+    @property
+    def nbytes(self) -> int:
+        return self.quantized.nbytes  # what a decode step reads

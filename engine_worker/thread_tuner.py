@@ -1,0 +1,111 @@
+"""How many torch threads each engine step runs with, chosen by measuring.
+
+Every thread of a torch op waits for the slowest at the op's end. On a machine whose cores are
+also busy with other work (another server, a build, the cluster's own tokenizers in a burst),
+one preempted thread holds up every op of the step: a batch-1 decode step of ~600 small ops then
+takes several times longer on 2 threads than on 1. On an idle machine the extra threads win. No
+setting is right for both, so the engine measures: now and then it runs a few steps alternately
+with one thread and with all of them, and keeps whichever was faster.
+
+Steps are compared only with steps of the same kind and size (decode-only steps of one batch
+size; steps that prefill, bucketed by their token count), and only adjacent ones, so a batch
+that grows or a machine that gets busier affects both sides alike. A choice that keeps winning
+is probed less and less often (the loser's steps are the probe's cost).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+PROBE_PAIRS = 4  # adjacent (one thread, all threads) step pairs per probe, at most
+FIRST_PROBE_AFTER = 4  # steps of a kind before its first probe: settled in the first requests
+MAX_PROBE_INTERVAL = 4096  # steps between probes once a choice has kept winning
+MARGIN = 0.05  # the other setting must be this much faster (median ratio) to take over
+# A ratio beyond this either way is decisive: two such pairs end the probe, and the next probe
+# waits four times longer instead of twice (the loser's steps are then expensive: on a busy
+# machine the all-threads steps took 2-6x the one-thread ones).
+DECISIVE = 1.5
+
+
+@dataclass(slots=True)
+class _Kind:
+    threads: int
+    interval: int = FIRST_PROBE_AFTER
+    countdown: int = FIRST_PROBE_AFTER
+    probing: bool = False
+    pending: tuple[int, int, float] | None = None  # (size, threads, seconds) of a probe step
+    ratios: list[float] = field(default_factory=list)  # all-threads time / one-thread time
+
+
+class ThreadTuner:
+    """``threads_for(kind, size)`` before a step, ``record(seconds)`` after it."""
+
+    def __init__(self, max_threads: int, enabled: bool = True) -> None:
+        self.max_threads = max_threads
+        self.enabled = enabled and max_threads > 1
+        self.kinds: dict[str, _Kind] = {}
+        self._current: tuple[_Kind, int, int] | None = None
+        self.switches = 0  # times a probe changed a kind's choice
+
+    def threads_for(self, kind: str, size: int) -> int:
+        if not self.enabled:
+            return self.max_threads
+        state = self.kinds.get(kind)
+        if state is None:
+            state = self.kinds[kind] = _Kind(threads=self.max_threads)
+        threads = state.threads
+        if state.probing:
+            # Alternate: the second step of a pair runs the setting the first did not.
+            if state.pending is not None and state.pending[0] == size:
+                threads = 1 if state.pending[1] == self.max_threads else self.max_threads
+            else:
+                state.pending = None
+                threads = self.max_threads if len(state.ratios) % 2 else 1
+        self._current = (state, size, threads)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return threads
+
+    def record(self, seconds: float) -> None:
+        if self._current is None:
+            return
+        state, size, threads = self._current
+        self._current = None
+        if not state.probing:
+            state.countdown -= 1
+            if state.countdown <= 0:
+                state.probing, state.pending, state.ratios = True, None, []
+            return
+        if state.pending is None or state.pending[0] != size:
+            state.pending = (size, threads, seconds)
+            return
+        _, first_threads, first_seconds = state.pending
+        state.pending = None
+        one, many = (first_seconds, seconds) if first_threads == 1 else (seconds, first_seconds)
+        state.ratios.append(many / max(one, 1e-9))
+        decisive = len(state.ratios) == 2 and (min(state.ratios) > DECISIVE
+                                                or max(state.ratios) < 1 / DECISIVE)
+        if decisive or len(state.ratios) >= PROBE_PAIRS:
+            self._decide(state)
+
+    def _decide(self, state: _Kind) -> None:
+        ratio = statistics.median(state.ratios)
+        growth = 4 if not 1 / DECISIVE <= ratio <= DECISIVE else 2
+        if ratio < 1 - MARGIN:
+            best = self.max_threads
+        elif ratio > 1 + MARGIN:
+            best = 1
+        else:
+            best = state.threads
+        if best != state.threads:
+            self.switches += 1
+            state.threads, state.interval = best, FIRST_PROBE_AFTER
+        else:
+            state.interval = min(state.interval * growth, MAX_PROBE_INTERVAL)
+        state.probing, state.countdown, state.ratios = False, state.interval, []
+
+    def describe(self) -> dict[str, int]:
+        return {kind: state.threads for kind, state in self.kinds.items()}

@@ -1,0 +1,187 @@
+"""Whole-model accuracy of the weight formats.
+
+* Kernel error: int4/int8 logits against a float32 model holding exactly the weights the kernels
+  compute with (``WeightFormat(reference_for=...)``), on a tiny random model and the real one.
+* Quantization error on the real model (slow): greedy continuations of 32 prompts against the
+  float32 path, and the Paris answer in every weight mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_worker.engine import Engine
+from engine_worker.weight_format import WeightFormat
+from ipc.engine_config import EngineConfig
+from tests.engine_worker.helpers import collect, give_blocks, greedy, manual_request
+
+PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
+           [1, 504, 3458, 282, 4649, 314, 253, 1467, 11, 4, 77, 9001, 18, 7]]
+# Largest |logit difference| / largest |logit| allowed against the exact-weights reference:
+# float32 activations differ only in summation order; bf16 activations round every activation
+# (and the int8 kernel's bf16 products) to 8 bits of mantissa.
+RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+ALL_QUANTIZED = 1 << 20  # quantized_max_tokens that keeps every step on the quantized kernels
+
+
+def step_logits(engine: Engine, prompts: list[list[int]], tokens: list[list[int]]):
+    """Logits of a packed prefill of ``prompts`` and then one decode step per column of
+    ``tokens`` (the same tokens for every engine compared)."""
+    requests = [manual_request(engine, p, f"r{i}") for i, p in enumerate(prompts)]
+    counts = []
+    for r in requests:
+        give_blocks(engine, r, r.num_tokens)
+        counts.append(r.num_tokens)
+    out = []
+    for step in range(len(tokens[0]) + 1):
+        logits, _ = engine.runner.compute_logits(requests, counts)
+        out.append(logits)
+        if step == len(tokens[0]):
+            break
+        for r, row in zip(requests, tokens):
+            r.num_computed = r.num_tokens
+            r.token_ids.append(row[step])
+            give_blocks(engine, r, r.num_tokens)
+        counts = [1] * len(requests)
+    return out
+
+
+def kernel_error(model_dir, weights: str, dtype: torch.dtype, prompts, decode_steps: int):
+    config = dict(model_path=str(model_dir), kv_cache_tokens=1024, block_size=4)
+    reference = Engine(EngineConfig(dtype="float32", **config), weight_format=WeightFormat(
+        weights, torch.float32, torch.device("cpu"), reference_for=dtype))
+    first = step_logits(reference, prompts, [[0]] * len(prompts))[0]
+    tokens = [[int(t)] * decode_steps for t in first.argmax(-1)]
+    expected = step_logits(reference, prompts, tokens)
+    engine = Engine(EngineConfig(dtype=str(dtype).removeprefix("torch."), weights=weights,
+                                 quantized_max_tokens=ALL_QUANTIZED, **config))
+    got = step_logits(engine, prompts, tokens)
+    error = max(((g - e).abs().max() / e.abs().max()).item() for g, e in zip(got, expected))
+    print(f'{weights} {dtype}: relative logit error {error:.2e}')
+    return error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_tiny_model_kernels_match_dequantized_reference(tiny_model_dir, weights, dtype):
+    error = kernel_error(tiny_model_dir, weights, dtype, PROMPTS, decode_steps=3)
+    assert error < RELATIVE_TOLERANCE[dtype], error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_default_model_kernels_match_dequantized_reference(default_model_dir, weights):
+    error = kernel_error(default_model_dir, weights, torch.bfloat16, PROMPTS, decode_steps=2)
+    assert error < RELATIVE_TOLERANCE[torch.bfloat16], error
+
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.",
+    "How many legs does a spider have?",
+    "Write a haiku about the sea.", "What is 12 times 12?", "Who wrote Romeo and Juliet?",
+    "Explain photosynthesis in one sentence.", "What is the boiling point of water?",
+    "Give me a synonym for happy.", "What does a compiler do?",
+    "Translate 'good morning' to Spanish.",
+    "What is the largest planet in the solar system?", "Describe a cat in five words.",
+    "Why is the sky blue?", "List two benefits of exercise.", "What is an atom?",
+    "Suggest a name for a pet goldfish.", "What is the square root of 81?",
+    "How do airplanes stay in the air?", "What is the opposite of cold?",
+    "Write one sentence about autumn.", "What language is spoken in Brazil?",
+    "What is a prime number?", "Recommend a healthy breakfast.", "Who painted the Mona Lisa?",
+    "What is the freezing point of water in Fahrenheit?", "How many continents are there?",
+    "What is gravity?", "Tell me a fun fact about octopuses.", "What is the speed of light?",
+    "Define the word 'ephemeral'.", "What year did the first person walk on the Moon?",
+]
+AGREEMENT_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(default_model_dir):
+    from transformers import AutoTokenizer  # the test may tokenize; the engine never does
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                             add_generation_prompt=True, return_dict=True)
+               for q in QUESTIONS]
+    return tokenizer, [list(p["input_ids"]) for p in prompts]
+
+
+def greedy_continuations(model_dir, prompts, tokens: int, **knobs) -> list[list[int]]:
+    engine = Engine(EngineConfig(model_path=str(model_dir), kv_cache_tokens=8192,
+                                 max_batch_size=len(prompts), **knobs))
+    for i, prompt in enumerate(prompts):
+        engine.add(f"p{i}", prompt, greedy(tokens, ignore_eos=True))
+    results = collect(engine)
+    return [results[f"p{i}"]["tokens"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def fp32_continuations(default_model_dir, chat_prompts):
+    return greedy_continuations(default_model_dir, chat_prompts[1], AGREEMENT_TOKENS,
+                                weights="fp32", dtype="float32")
+
+
+def agreement(got: list[list[int]], expected: list[list[int]], mode: str) -> float:
+    agree = sum(g == e for g, e in zip(got, expected))
+    first_difference = [next(i for i, (a, b) in enumerate(zip(g, e)) if a != b)
+                        for g, e in zip(got, expected) if g != e]
+    print(f"{mode}: {agree}/{len(got)} prompts agree with fp32 for {AGREEMENT_TOKENS} tokens; "
+          f"the others first differ at token {sorted(first_difference)}")
+    return agree / len(got)
+
+
+class Int4LayersDenseHead(WeightFormat):
+    """int4 transformer layers (the file's Q4_1 blocks, exact at float32) and the head dense: the
+    int4 kernel path alone, apart from any re-quantization."""
+
+    def linear(self, sources, bias=None, dense=None, head=False):
+        if head:
+            return WeightFormat("fp32", self.dtype, self.device).linear(sources, bias, dense)
+        return super().linear(sources, bias, dense, head)
+
+
+@pytest.mark.slow
+def test_int4_kernel_path_at_float32_agrees_with_fp32(default_model_dir, chat_prompts,
+                                                       fp32_continuations):
+    # Prefill runs on the dense copy (the same weights), every decode step on the int4 kernel.
+    fmt = Int4LayersDenseHead("int4", torch.float32, torch.device("cpu"),
+                              max_tokens=len(QUESTIONS))
+    engine = Engine(EngineConfig(model_path=str(default_model_dir), kv_cache_tokens=8192,
+                                 dtype="float32", max_batch_size=len(QUESTIONS)),
+                    weight_format=fmt)
+    for i, prompt in enumerate(chat_prompts[1]):
+        engine.add(f"p{i}", prompt, greedy(AGREEMENT_TOKENS, ignore_eos=True))
+    results = collect(engine)
+    got = [results[f"p{i}"]["tokens"] for i in range(len(QUESTIONS))]
+    assert agreement(got, fp32_continuations, "int4 layers, fp32 activations") >= 0.9
+
+
+# Floors on agreement with the float32 path, a little under what was measured (32 chat prompts,
+# 16 greedy tokens): bf16 activations alone leave 25/32 equal; auto (int4 layers, int8 head
+# re-quantized from the file's Q8_0, dense bf16 for large steps) 23-25/32; int8 re-quantizes the
+# file's Q4_1 blocks a second time, 14/32 (17/32 when this floor was first set; not bisected).
+# They catch a broken path (an int4 head gave 5/32).
+AGREEMENT_FLOORS = {"auto": 0.65, "bf16": 0.65, "int4": 0.6, "int8": 0.4}
+# Every mode as served, and the integer kernels alone (every step on them).
+AGREEMENT_MODES = {"auto": {}, "bf16": {"weights": "bf16"},
+                   "int8": {"weights": "int8", "quantized_max_tokens": ALL_QUANTIZED},
+                   "int4": {"weights": "int4", "quantized_max_tokens": ALL_QUANTIZED}}
+
+
+@pytest.mark.slow
+def test_fp32_path_answers_paris(chat_prompts, fp32_continuations):
+    assert "Paris" in chat_prompts[0].decode(fp32_continuations[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", AGREEMENT_MODES)
+def test_every_weight_mode_agrees_with_fp32_and_answers_paris(default_model_dir, chat_prompts,
+                                                              fp32_continuations, mode):
+    tokenizer, prompts = chat_prompts
+    got = greedy_continuations(default_model_dir, prompts, AGREEMENT_TOKENS,
+                               **AGREEMENT_MODES[mode])
+    assert agreement(got, fp32_continuations, mode) >= AGREEMENT_FLOORS[mode]
+    assert QUESTIONS[0] == "What is the capital of France?"
+    answer = tokenizer.decode(got[0], skip_special_tokens=True)
+    assert "Paris" in answer, answer

@@ -1,0 +1,74 @@
+"""The engine's per-step thread choice: probes pair adjacent steps of one kind and size, and the
+faster setting wins."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_worker.thread_tuner import FIRST_PROBE_AFTER, PROBE_PAIRS, ThreadTuner
+
+
+def drive(tuner: ThreadTuner, steps: int, seconds_for, kind: str = "decode", size=lambda i: 4):
+    used = []
+    for i in range(steps):
+        threads = tuner.threads_for(kind, size(i))
+        used.append(threads)
+        tuner.record(seconds_for(threads))
+    return used
+
+
+def test_a_busy_machine_moves_decode_to_one_thread_and_back_when_it_clears():
+    before = torch.get_num_threads()
+    try:
+        tuner = ThreadTuner(2)
+        busy = drive(tuner, FIRST_PROBE_AFTER + 5, lambda t: 0.05 if t == 2 else 0.01)
+        assert busy[:FIRST_PROBE_AFTER] == [2] * FIRST_PROBE_AFTER  # all cores until measured
+        # 5x slower is decisive: two pairs end the probe.
+        assert sorted(busy[FIRST_PROBE_AFTER:FIRST_PROBE_AFTER + 4]) == [1, 1, 2, 2]
+        assert busy[-1] == 1
+        assert tuner.describe() == {"decode": 1} and tuner.switches == 1
+        assert torch.get_num_threads() == 1
+        # The machine gets quiet: the next probe finds all threads faster again.
+        quiet = drive(tuner, FIRST_PROBE_AFTER + 5, lambda t: 0.006 if t == 2 else 0.01)
+        assert quiet[:FIRST_PROBE_AFTER - 1] == [1] * (FIRST_PROBE_AFTER - 1)
+        assert quiet[-1] == 2
+        assert tuner.describe() == {"decode": 2} and tuner.switches == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_choice_that_keeps_winning_is_probed_less_often():
+    before = torch.get_num_threads()
+    try:
+        tuner = ThreadTuner(2)
+        used = drive(tuner, 2000, lambda t: 0.006 if t == 2 else 0.01)
+        assert tuner.describe() == {"decode": 2} and tuner.switches == 0
+        # 0.6 is decisive: probes of 2 pairs after 4, 16, 64, 256 and 1024 more steps, each
+        # costing 2 steps on the slower setting.
+        assert used.count(1) == 5 * 2
+        close = drive(ThreadTuner(2), 2000, lambda t: 0.009 if t == 2 else 0.01)
+        # 0.9: all 4 pairs, intervals doubling: 4, 8, ..., 512 (8 probes; the next falls past 2000).
+        assert close.count(1) == 8 * PROBE_PAIRS
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_steps_of_different_sizes_or_kinds_are_never_compared():
+    before = torch.get_num_threads()
+    try:
+        tuner = ThreadTuner(2)
+        # Every step a different batch size: no pair ever completes, the choice stays.
+        drive(tuner, 200, lambda t: 0.05 if t == 2 else 0.01, size=lambda i: i)
+        assert tuner.describe() == {"decode": 2} and tuner.switches == 0
+        # Prefill steps are their own kind: decode's probe leaves them alone.
+        drive(tuner, FIRST_PROBE_AFTER + 2 * PROBE_PAIRS, lambda t: 0.05 if t == 2 else 0.01)
+        drive(tuner, 3, lambda t: 0.01, kind="prefill")
+        assert tuner.describe() == {"decode": 1, "prefill": 2}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_core_or_disabled_never_changes_the_thread_count():
+    for tuner in (ThreadTuner(1), ThreadTuner(2, enabled=False)):
+        used = drive(tuner, 100, lambda t: 0.05 if t == 2 else 0.01)
+        assert set(used) == {tuner.max_threads}

@@ -1,0 +1,140 @@
+"""Weight formats on their own: what torch's int4/int8 CPU kernels compute (layout, dequant
+formula, dtype rules, checked with identity activations), our quantizers, the batch-size switch
+and the weights/dtype knobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_worker.device import cpu_has_native_bf16, resolve_dtype
+from engine_worker.linear import (
+    BatchSizeSwitch,
+    DenseLinear,
+    Int4Groups,
+    Int4Linear,
+    Int8Linear,
+    dequantize,
+    quantize_int4,
+    quantize_int8,
+)
+from engine_worker.weight_format import WeightFormat, check_weights_and_dtype
+from ipc.engine_config import EngineConfig
+
+CPU = torch.device("cpu")
+
+
+def random_groups(n: int, k: int, seed: int = 0) -> Int4Groups:
+    """Int4 groups with fp16-valued scales and zeros, as a GGUF Q4_1 file holds them."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3).half().float()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.4).half().float()
+    return Int4Groups(q, d, m + 8 * d)
+
+
+def kernel_weights(layer, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weights a layer computes with: its output for the identity (one product per sum)."""
+    return layer.apply(torch.eye(k, dtype=dtype)).t().float()
+
+
+def test_int4_kernel_computes_q_minus_8_times_scale_plus_zero_in_fp32():
+    groups = random_groups(64, 96)
+    layer = Int4Linear(groups, torch.float32)
+    assert layer.scale_zero.shape == (3, 64, 2)  # [K / group, N, (scale, zero)]
+    assert torch.equal(kernel_weights(layer, 96, torch.float32), dequantize(groups))
+
+
+def test_int4_kernel_with_bf16_activations_rounds_scale_and_zero():
+    groups = random_groups(64, 96)
+    assert groups.exact_in(torch.float32) and not groups.exact_in(torch.bfloat16)
+    layer = Int4Linear(groups, torch.bfloat16)
+    expected = dequantize(groups.rounded(torch.bfloat16)).bfloat16().float()
+    assert torch.equal(kernel_weights(layer, 96, torch.bfloat16), expected)
+    assert not torch.equal(expected, dequantize(groups).bfloat16().float())
+
+
+def test_int4_refuses_shapes_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match="multiple|% 16"):
+        Int4Linear(random_groups(40, 64), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_quantizer_error_is_within_half_a_step(dtype):
+    w = torch.randn(48, 128) * 0.1
+    groups = quantize_int4(w, dtype)
+    err = (dequantize(groups) - w).abs().view(48, 4, 32)
+    step = groups.scale[..., None]
+    # Half a step from rounding q, plus the rounding of the zero to the scale dtype.
+    zero_rounding = (groups.zero[..., None].abs() * 2.0 ** -8) if dtype == torch.bfloat16 else 0
+    assert (err <= step / 2 * 1.0001 + zero_rounding).all()
+    layer = Int4Linear(groups, dtype)
+    x = torch.randn(3, 128).to(dtype)
+    expected = x.float() @ dequantize(groups).t()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (layer.apply(x).float() - expected).abs().max() < tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_per_channel(dtype):
+    w = torch.randn(48, 128) * 0.1
+    q, scale = quantize_int8(w, dtype)
+    assert q.dtype == torch.int8 and scale.shape == (48,)
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 * 1.0001).all()
+    layer = Int8Linear(q, scale, dtype)
+    assert layer.scale.dtype == dtype  # the kernel's rule: scales in the activation dtype
+    x = torch.randn(3, 128).to(dtype)
+    expected = x.float() @ (q.float() * scale[:, None]).t()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (layer.apply(x).float() - expected).abs().max() < tolerance * expected.abs().max()
+
+
+def test_batch_size_switch_picks_by_rows():
+    w = torch.randn(32, 64)
+    quantized = Int4Linear(quantize_int4(w, torch.float32), torch.float32)
+    dense = DenseLinear(w)
+    switch = BatchSizeSwitch(quantized, dense, max_tokens=4)
+    for rows in (1, 4, 5, 9):
+        x = torch.randn(rows, 64)
+        chosen = quantized if rows <= 4 else dense
+        assert torch.equal(switch.apply(x), chosen.apply(x))
+    assert switch.nbytes == quantized.nbytes < dense.nbytes / 5  # 4 bits + fp32 scale, zero per 32
+
+
+def test_weight_format_builds_each_kind_and_keeps_checkpoint_weights_dense():
+    w = torch.randn(64, 64) * 0.1
+    fmt = WeightFormat("int4", torch.float32, CPU, max_tokens=2)
+    layer = fmt.linear([w[:32], w[32:]])
+    assert isinstance(layer, BatchSizeSwitch) and isinstance(layer.quantized, Int4Linear)
+    assert torch.equal(layer.dense.weight, w)  # the dense copy is the checkpoint's, not int4's
+    assert isinstance(WeightFormat("int8", torch.bfloat16, CPU, dense_copy=False).linear([w]),
+                      Int8Linear)
+    assert isinstance(WeightFormat("auto", torch.bfloat16, CPU).linear([w]), DenseLinear)
+    auto = WeightFormat("auto", torch.bfloat16, CPU, dense_copy=False)
+    assert isinstance(auto.linear([random_groups(32, 64)]), Int4Linear)
+    # The reference holds exactly the weights the kernel computes with, densely, in fp32.
+    reference = WeightFormat("int4", torch.float32, CPU, reference_for=torch.bfloat16)
+    dense = reference.linear([w])
+    assert isinstance(dense, DenseLinear) and dense.weight.dtype == torch.float32
+    assert torch.equal(dense.weight, dequantize(quantize_int4(w, torch.bfloat16)))
+
+
+def test_weights_and_dtype_knobs():
+    with pytest.raises(ValueError, match="weights must be one of"):
+        EngineConfig(model_path="x", weights="int3")
+    with pytest.raises(ValueError, match="needs dtype"):
+        check_weights_and_dtype("bf16", torch.float32, CPU)
+    with pytest.raises(ValueError, match="CPU kernels only"):
+        check_weights_and_dtype("int4", torch.bfloat16, torch.device("cuda"))
+    assert resolve_dtype("auto", CPU, "fp32") == torch.float32
+    assert resolve_dtype("auto", CPU, "bf16") == torch.bfloat16
+    assert resolve_dtype("float32", CPU, "int4") == torch.float32
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert cpu_has_native_bf16() == native
+    assert resolve_dtype("auto", CPU, "auto") == (torch.bfloat16 if native else torch.float32)
