@@ -192,8 +192,8 @@ class Engine:
         was_idle = not (self.scheduler.running or self.scheduler.waiting)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
-        self.idle_window.on_arrival(time.monotonic(), was_idle,
-                                    min(ids.size, self.config.prefill_chunk_tokens))
+        self.idle_window.on_arrival(time.monotonic(), was_idle, min(
+            ids.size, self.config.prefill_chunk_tokens, self.config.prefill_max_tokens))
 
     def step_delay_s(self) -> float:
         """How long the caller's loop should still wait for more arrivals before ``step()``
