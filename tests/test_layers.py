@@ -1,8 +1,8 @@
 """The layers point one way. From the bottom: ``ipc`` (messages, codec, sockets, config, client
 SDK) <- ``runtime`` (what every process shares) <- the roles (``tokenizer_worker``,
 ``engine_worker``, ``detok_worker``, ``http_worker``) <- ``procs`` (supervisor, CLI, model
-store). A module imports only from its own layer or below; a role never imports another role;
-and no module imports itself back through a cycle."""
+store) <- ``scripts`` (benchmarks). A module imports only from its own layer or below; a role
+never imports another role; and no module imports itself back through a cycle."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("tokenizer_worker", "engine_worker", "detok_worker", "http_worker")
-LAYER = {"ipc": 0, "runtime": 1, **{role: 2 for role in ROLES}, "procs": 3}
+LAYER = {"ipc": 0, "runtime": 1, **{role: 2 for role in ROLES}, "procs": 3, "scripts": 4}
 
 
 def module_name(path: Path) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from scripts.bench import peer_engine as pe
-from scripts.bench_engine import (
+from scripts.bench.engine_runs import (
     decode_prompts,
     engine_decode_rate,
     engine_prefill_rate,

@@ -24,7 +24,7 @@ import torch
 
 from engine_worker.engine import Engine
 from engine_worker.logprobs import SampledLogprobs
-from scripts.bench_engine import decode_prompts, make_engine, params, random_prompt
+from scripts.bench.engine_runs import decode_prompts, make_engine, params, random_prompt
 
 TOP = 20
 _runs = itertools.count()
