@@ -25,6 +25,7 @@ from engine_worker.device import (
     weight_copy_budget_bytes,
 )
 from engine_worker.grammar_requests import GrammarRequests
+from engine_worker.idle_window import IdleBatchWindow
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.model_runner import ModelRunner, StepResult
 from engine_worker.prefix_cache import PrefixCache
@@ -114,6 +115,9 @@ class Engine:
                                    config.adaptive_threads and self.device.type == "cpu")
         self.requests: dict[str, EngineRequest] = {}
         self.grammars = GrammarRequests(sorted(self.eos_token_ids))  # constrained requests
+        self.idle_window = IdleBatchWindow(config.idle_batch_window_ms / 1e3,
+                                           config.idle_batch_window_step_fraction,
+                                           config.prefill_max_batch_size)
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
         self._early_finishes: list[FinishRecord] = []
@@ -185,8 +189,17 @@ class Engine:
             time.monotonic() if arrival_time is None else arrival_time)
         if grammar:
             self.grammars.attach(request, grammar)
+        was_idle = not (self.scheduler.running or self.scheduler.waiting)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
+        self.idle_window.on_arrival(time.monotonic(), was_idle, min(
+            ids.size, self.config.prefill_chunk_tokens, self.config.prefill_max_tokens))
+
+    def step_delay_s(self) -> float:
+        """How long the caller's loop should still wait for more arrivals before ``step()``
+        (0: step now). Non-zero only in the idle batching window after a request reached an
+        idle engine; the loop waits for input meanwhile and asks again."""
+        return self.idle_window.remaining_s(time.monotonic(), len(self.scheduler.waiting))
 
     def abort(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -200,6 +213,7 @@ class Engine:
     def step(self) -> StepOutput:
         """Schedule, run the batch, postprocess: one StepOutput for every request touched."""
         t_start = time.monotonic()
+        self.idle_window.close()
         self._step += 1
         out = StepOutput(step=self._step, t_step=t_start)
         self._finish_aborted(out)
@@ -214,6 +228,7 @@ class Engine:
         if not self.scheduler.running:
             self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
         out.t_step = time.monotonic()
+        self.idle_window.observe_step(out.t_step - t_start, batch.prefill_tokens)
         out.stats = self._stats(batch, (out.t_step - t_start) * 1000.0)
         return out
 

@@ -11,6 +11,7 @@ is never imported here, via the `imported_tokenizers` heartbeat stat).
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 
@@ -88,7 +89,11 @@ class EngineProcess:
         while not self.runtime.stopping:
             self.drain_inbox()
             if self.engine.has_work():
-                self.step()
+                delay_s = self.engine.step_delay_s()
+                if delay_s > 0:  # the idle batching window: let the rest of a burst arrive
+                    self.inbox.wait(math.ceil(delay_s * 1000))
+                else:
+                    self.step()
             elif self._has_pending():
                 self.send(self.take_pending())
             else:

@@ -81,6 +81,18 @@ class EngineConfig:
                                            "copy (a larger batch gathers from the paged cache "
                                            "each step); 0 disables it", unit="BYTES", minimum=0)
 
+    # An idle engine that gets a request waits a little for more before its first step, so the
+    # rest of a burst (still being tokenized elsewhere) joins that step instead of queueing
+    # behind it; a busy engine never waits (engine_worker/idle_window.py).
+    idle_batch_window_ms: float = knob(1000.0, "longest an idle engine waits after a request "
+                                       "arrives, for more to join its first step (0: never "
+                                       "waits); a busy engine never waits", unit="MS",
+                                       minimum=0.0, maximum=10_000.0)
+    idle_batch_window_step_fraction: float = knob(0.05, "...and at most this fraction of the "
+                                                  "time that first step is expected to take "
+                                                  "(0: the fixed --idle-batch-window-ms)",
+                                                  unit="FRACTION", minimum=0.0, maximum=1.0)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", str(self.model_path))
         if not self.model_path:

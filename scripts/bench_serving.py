@@ -19,16 +19,30 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 
 from ipc.messages import SamplingParams
 from procs.config_flags import ENGINE_KNOBS, knob_values
 from scripts.bench import report
+from scripts.bench.fast_engine import (
+    FAST_ENGINE_HIDDEN_SIZE,
+    FAST_ENGINE_LAYERS,
+    calibrate,
+    fast_engine_model,
+)
 from scripts.bench.metrics import median_summary, parse_goodput, summarize
 from scripts.bench.options import BASE_MODES
 from scripts.bench.options import build_parser as _build_parser
 from scripts.bench.runner import EventCollector, RunOptions, run_once
+from scripts.bench.sweep import (
+    parse_rates,
+    plot_sweep,
+    requests_at,
+    sweep_lines,
+    sweep_target_lines,
+)
 from scripts.bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requests
 
 
@@ -79,6 +93,13 @@ def engine_threads_for(args: argparse.Namespace, tokenizer_workers: int) -> int:
                          tokenizer_threads=args.tokenizer_threads)[0]
 
 
+def inproc_engine_config(args: argparse.Namespace, model_path: str):
+    from ipc.engine_config import EngineConfig
+
+    return EngineConfig(model_path=model_path, engine_threads=engine_threads_for(args, 1),
+                        **engine_knobs(args))
+
+
 def make_systems(modes: list[str], args: argparse.Namespace, model_path: str,
                  collector: EventCollector, stack: contextlib.ExitStack) -> dict:
     """One system under test per mode; the inproc modes share one in-process server."""
@@ -107,12 +128,7 @@ def make_systems(modes: list[str], args: argparse.Namespace, model_path: str,
                                           args.client_submit_hwm or None)
         else:
             if server is None:
-                from ipc.engine_config import EngineConfig
-
-                config = EngineConfig(model_path=model_path,
-                                      engine_threads=engine_threads_for(args, 1),
-                                      **engine_knobs(args))
-                server = InprocServer(config, collector.deliver,
+                server = InprocServer(inproc_engine_config(args, model_path), collector.deliver,
                                       stream_interval_tokens=args.stream_interval_tokens)
                 stack.callback(server.close)
             systems[mode] = InprocSystem(mode, server, collector,
@@ -159,7 +175,10 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
                                       + (" (sized for this workload)" if kv_auto else ""),
                    "max_model_len": args.max_model_len or "model's own",
                    "prefix_cache": args.enable_prefix_cache,
-                   "max_waiting_requests": args.max_waiting_requests},
+                   "max_waiting_requests": args.max_waiting_requests,
+                   "idle_batch_window": f"{args.idle_batch_window_ms:g} ms, at most "
+                                        f"{args.idle_batch_window_step_fraction:g} of the "
+                                        "expected first step"},
         "Stream interval (tokens)": args.stream_interval_tokens,
         "Runs": f"{args.warmup_runs} warmup (of {min(args.warmup_num_requests, w.num_requests)} "
                 f"requests) + {args.repeat_runs} measured per mode, interleaved; "
@@ -181,26 +200,62 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
     from procs.model_store import resolve_model
 
-    model_path = str(resolve_model(args.model))
+    if args.fast_engine and args.model:
+        raise ValueError("give either --model or --fast-engine, not both")
     modes = expand_modes(args.modes, args.tokenizer_workers)
     args.goodput_slos = parse_goodput(args.goodput)
+    rates = parse_rates(args.request_rate)
+    counts = {rate: requests_at(rate, args.duration_s, args.num_requests) for rate in rates}
     workload = WorkloadSpec(
-        num_requests=args.num_requests, max_new_tokens=args.max_new_tokens,
+        num_requests=max(counts.values()), max_new_tokens=args.max_new_tokens,
         prompt_tokens=args.prompt_tokens,
         prompt_tokens_range_ratio=args.prompt_tokens_range_ratio, prompt_text=args.prompt,
         unique_prompts=args.unique_prompts, shared_prefix_tokens=args.shared_prefix_tokens,
         jsonl_path=args.dataset_jsonl, seed=args.seed)
     arrival = ArrivalSpec(submit_interval_ms=args.submit_interval_ms,
-                          submit_schedule=args.submit_schedule, request_rate=args.request_rate,
+                          submit_schedule=args.submit_schedule, request_rate=rates[0],
                           burstiness=args.burstiness, seed=args.seed)
     if args.warmup_runs < 0 or args.repeat_runs < 1 or args.warmup_num_requests < 1:
         raise ValueError("--warmup-runs must be >= 0, --repeat-runs and "
                          "--warmup-num-requests >= 1")
-    tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
-    requests = build_workload(workload, tokenizer)
-    kv_auto = args.kv_cache_tokens == 0
-    if kv_auto:
-        args.kv_cache_tokens = workload_kv_tokens(args, requests, tokenizer)
+    collector = EventCollector()
+    with contextlib.ExitStack() as stack:
+        model_path = (fast_engine_model(stack) if args.fast_engine
+                      else str(resolve_model(args.model)))
+        tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+        requests = build_workload(workload, tokenizer)
+        kv_auto = args.kv_cache_tokens == 0
+        if kv_auto:
+            args.kv_cache_tokens = workload_kv_tokens(args, requests, tokenizer)
+        calibration = calibrate(inproc_engine_config(args, model_path), requests) \
+            if args.fast_engine else None
+        systems = make_systems(modes, args, model_path, collector, stack)
+        runs, summaries = _run_rounds(args, modes, systems, collector, requests, arrival, counts)
+        setup = describe_setup(args, model_path, modes, workload, arrival, systems, kv_auto)
+    if calibration is not None:
+        setup["Fast engine"] = (f"{FAST_ENGINE_LAYERS} layers, hidden size "
+                                f"{FAST_ENGINE_HIDDEN_SIZE}, random weights; "
+                                + calibration.describe())
+    if len(rates) > 1:
+        setup["Arrival"] = (f"Poisson-like (gamma gaps, burstiness {args.burstiness:g}) at each "
+                            f"of {', '.join(f'{r:g}' for r in rates)} req/s, absolute schedule")
+        setup["Requests"] = ", ".join(f"{counts[r]} at {r:g} req/s" for r in rates)
+        return _sweep_document(args, modes, rates, setup, runs, summaries)
+
+    def median_of(mode: str) -> dict:
+        return median_summary([s for r, s in zip(runs, summaries)
+                               if r.mode == mode and not r.warmup])
+
+    medians = {mode: median_of(mode) for mode in modes}
+    data = report.to_json(setup, runs, summaries, medians)
+    data["text"] = report.render(setup, runs, medians, {m: args.repeat_runs for m in modes},
+                                 arrival.kind, baseline=modes[0])
+    return data
+
+
+def _run_rounds(args, modes, systems, collector, requests, arrival, counts):
+    """Warmup rounds (the first rate), then measured rounds: each round every rate, each rate
+    every mode, interleaved so machine drift hits all alike."""
     options = RunOptions(max_concurrency=args.max_concurrency,
                          request_timeout_s=args.request_timeout_s, progress=not args.no_progress)
 
@@ -208,28 +263,36 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         return SamplingParams(max_tokens=request.max_tokens, temperature=args.temperature,
                               ignore_eos=args.ignore_eos, seed=args.seed, stop=list(args.stop))
 
-    collector = EventCollector()
     runs, summaries = [], []
-    with contextlib.ExitStack() as stack:
-        systems = make_systems(modes, args, model_path, collector, stack)
-        for round_index in range(args.warmup_runs + args.repeat_runs):
-            warmup = round_index < args.warmup_runs
-            batch = requests[:args.warmup_num_requests] if warmup else requests
-            for mode_index, mode in enumerate(modes):
-                # The same tag length in every mode keeps prompt lengths identical across modes.
-                tagged = batch if args.no_run_tag else salt_requests(
-                    batch, f"run {round_index}.{mode_index}")
-                result = run_once(systems[mode], collector, tagged, arrival, sampling_for,
-                                  options, mode=mode, run_index=round_index, warmup=warmup)
+    rates = sorted(counts)
+    for round_index in range(args.warmup_runs + args.repeat_runs):
+        warmup = round_index < args.warmup_runs
+        for rate in rates[:1] if warmup else rates:
+            batch = requests[:args.warmup_num_requests] if warmup else requests[:counts[rate]]
+            for mode in modes:
+                run_index = len(runs)
+                # The same tag length in every run keeps prompt lengths identical across modes.
+                tagged = batch if args.no_run_tag else salt_requests(batch, f"run {run_index:04d}")
+                result = run_once(systems[mode], collector, tagged,
+                                  dataclasses.replace(arrival, request_rate=rate), sampling_for,
+                                  options, mode=mode, run_index=run_index, warmup=warmup)
                 runs.append(result)
                 summaries.append(summarize(result.records, result.cpu_seconds,
                                            args.goodput_slos))
-        setup = describe_setup(args, model_path, modes, workload, arrival, systems, kv_auto)
-    medians = {mode: median_summary([s for r, s in zip(runs, summaries)
-                                     if r.mode == mode and not r.warmup]) for mode in modes}
-    data = report.to_json(setup, runs, summaries, medians)
-    data["text"] = report.render(setup, runs, medians, {m: args.repeat_runs for m in modes},
-                                 arrival.kind, baseline=modes[0])
+    return runs, summaries
+
+
+def _sweep_document(args, modes, rates, setup, runs, summaries) -> dict:
+    sweep = {mode: {rate: median_summary([s for r, s in zip(runs, summaries)
+                                          if r.mode == mode and r.request_rate == rate
+                                          and not r.warmup]) for rate in rates}
+             for mode in modes}
+    data = report.to_json(setup, runs, summaries, {})
+    data["sweep"] = {mode: {f"{rate:g}": s for rate, s in by_rate.items()}
+                     for mode, by_rate in sweep.items()}
+    data["text"] = "\n".join(report.header_lines(setup) + [""]
+                             + sweep_lines(sweep, args.slo_ttft_p99_ms) + [""]
+                             + sweep_target_lines(sweep, args.slo_ttft_p99_ms, modes[0]))
     return data
 
 
@@ -241,7 +304,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json_path:
         report.write_json(args.json_path, data)
         print(f"wrote {args.json_path}")
-    if args.plot_path:
+    if args.plot_path and "sweep" in data:
+        plot_sweep(args.plot_path, {mode: {float(r): v for r, v in by_rate.items()}
+                                    for mode, by_rate in data["sweep"].items()},
+                   args.slo_ttft_p99_ms, title=f"~{args.prompt_tokens}-token prompts")
+        print(f"wrote {args.plot_path}")
+    elif args.plot_path:
         report.plot(args.plot_path, report.load_runs(data), data["medians"])
         print(f"wrote {args.plot_path}")
     return data

@@ -72,7 +72,9 @@ class HttpSystem:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def describe(self) -> dict[str, object]:
-        out: dict[str, object] = {"endpoint": self.url, "client": "httpx.AsyncClient, SSE"}
+        out: dict[str, object] = {"endpoint": self.url, "client": "httpx.AsyncClient, SSE",
+                                  "submit latency": "until the request body is written to the "
+                                                    "connection (httpcore trace)"}
         if self.cluster is not None:
             c = self.cluster.config
             out["tokenize"] = (f"{c.tokenizer_workers} tokenizer worker process(es) x "
@@ -125,9 +127,16 @@ class HttpSystem:
         else:
             path, body["prompt"] = "/v1/completions", request.prompt
         times: list[float] = []
-        outcome: dict[str, object] = {"finish_reason": None, "error": None, "usage": None}
+        outcome: dict[str, object] = {"finish_reason": None, "error": None, "usage": None,
+                                      "t_sent": 0.0}
+
+        async def trace(event: str, info: dict) -> None:
+            if event == "http11.send_request_body.complete":
+                outcome["t_sent"] = time.monotonic()
+
         try:
-            async with self._http.stream("POST", self.url + path, json=body) as reply:
+            async with self._http.stream("POST", self.url + path, json=body,
+                                         extensions={"trace": trace}) as reply:
                 if reply.status_code != 200:
                     text = (await reply.aread()).decode(errors="replace")
                     outcome["error"] = f"HTTP {reply.status_code}: {text[:300]}"
@@ -156,8 +165,11 @@ class HttpSystem:
 
 
 def _fill_http(rec: RequestRecord, *, times: list[float], t_done: float,
-               finish_reason: str | None, error: str | None, usage: dict | None) -> None:
+               finish_reason: str | None, error: str | None, usage: dict | None,
+               t_sent: float) -> None:
     rec.delta_times, rec.t_done = times, t_done
+    if t_sent:  # an HTTP request is submitted once its body is written to the connection
+        rec.t_submit_done = t_sent
     rec.finish_reason = "error" if error else finish_reason
     rec.error = error
     if usage:

@@ -11,6 +11,7 @@ exactly what splitserve's separate processes avoid; the cores are the ones the c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -48,15 +49,30 @@ class _Abort:
         self.request_id = request_id
 
 
+def make_preparer(model_dir: str, engine: Engine) -> RequestPreparer:
+    """A tokenizer worker's request preparer for this engine's limits."""
+    return RequestPreparer(
+        load_tokenizer(model_dir), ChatTemplate.from_model_dir(model_dir),
+        Limits(max_model_len=engine.max_model_len, vocab_size=engine.vocab_size))
+
+
+def prepare_request(preparer: RequestPreparer, request_id: str, sampling: SamplingParams,
+                    t_submit: float, prompt: str | None, messages: list[dict] | None,
+                    prompt_token_ids: list[int] | None = None) -> TokenizedRequest | RequestError:
+    """The client SDK's SubmitRequest, then what a tokenizer worker makes of it."""
+    request = build_submit(CLIENT_ID, request_id, prompt=prompt, messages=messages,
+                           prompt_token_ids=prompt_token_ids, sampling=sampling,
+                           sampling_kwargs={}, add_generation_prompt=True, t_submit=t_submit)
+    return preparer.prepare_batch([request])[0]
+
+
 class InprocServer:
     def __init__(self, engine_config, deliver: Callable[[list[StreamEvent]], None], *,
                  stream_interval_tokens: int = 1, name: str = "inproc") -> None:
         model_dir = engine_config.model_path
         self.engine = Engine(engine_config)
         # Each role loads its own tokenizer, as the cluster's processes do.
-        self.preparer = RequestPreparer(
-            load_tokenizer(model_dir), ChatTemplate.from_model_dir(model_dir),
-            Limits(max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size))
+        self.preparer = make_preparer(model_dir, self.engine)
         self.detokenizer = DetokenizerCore(load_tokenizer(model_dir),
                                            stream_interval_tokens=stream_interval_tokens)
         self.detokenizer.on_hello(CLIENT_ID)
@@ -94,11 +110,8 @@ class InprocServer:
     def _prepare(self, request_id: str, sampling: SamplingParams, t_submit: float,
                  prompt: str | None, messages: list[dict] | None,
                  prompt_token_ids: list[int] | None) -> TokenizedRequest | RequestError:
-        """The client SDK's SubmitRequest, then what a tokenizer worker makes of it."""
-        request = build_submit(CLIENT_ID, request_id, prompt=prompt, messages=messages,
-                               prompt_token_ids=prompt_token_ids, sampling=sampling,
-                               sampling_kwargs={}, add_generation_prompt=True, t_submit=t_submit)
-        return self.preparer.prepare_batch([request])[0]
+        return prepare_request(self.preparer, request_id, sampling, t_submit, prompt, messages,
+                               prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -115,9 +128,8 @@ class InprocServer:
     def _run(self) -> None:
         try:
             while True:
-                # Block only when idle; between steps take whatever has arrived.
-                items = [] if self.engine.has_work() else [self._inbox.get()]
-                while True:
+                items = self._wait_for_input()
+                while True:  # between steps, take whatever has arrived
                     try:
                         items.append(self._inbox.get_nowait())
                     except queue.Empty:
@@ -126,7 +138,7 @@ class InprocServer:
                     if item is None:
                         return
                     self._take(item)
-                if self.engine.has_work():
+                if self.engine.has_work() and not self.engine.step_delay_s():
                     out = self.engine.step()
                     # As the engine process does: metas ride ahead of their requests' tokens.
                     out.new_requests = self._new_metas + list(out.new_requests)
@@ -138,6 +150,17 @@ class InprocServer:
             self.detokenizer.end_all(FINISH_ERROR, time.monotonic(), code=ERR_INTERNAL,
                                      error="the in-process engine thread failed")
             self._flush()
+
+    def _wait_for_input(self) -> list:
+        """Blocks while the engine is idle, and in its idle batching window (as the engine
+        process does) until the window ends or something arrives; otherwise returns at once."""
+        if not self.engine.has_work():
+            return [self._inbox.get()]
+        delay_s = self.engine.step_delay_s()
+        if delay_s > 0:
+            with contextlib.suppress(queue.Empty):
+                return [self._inbox.get(timeout=delay_s)]
+        return []
 
     def _take(self, item: TokenizedRequest | RequestError | _Abort) -> None:
         if isinstance(item, _Abort):

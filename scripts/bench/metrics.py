@@ -39,6 +39,7 @@ class RequestRecord:
     t_planned: float = 0.0  # when the arrival schedule wanted it submitted
     t_submit: float = 0.0  # submit() called
     t_submit_done: float = 0.0  # submit() returned
+    submit_cpu_s: float = 0.0  # CPU time of the submitting thread inside submit()
     # Server side (from the request's timings): 0.0 where unknown.
     t_tokenize_start: float = 0.0
     t_tokenized: float = 0.0
@@ -149,12 +150,16 @@ def summarize(records: list[RequestRecord], cpu_seconds: dict[str, float],
             out[f"{name}_{key}"] = value
 
     add("submit_latency_ms", [r.t_submit_done - r.t_submit for r in records])
+    # The submitting thread's own CPU time: what submit() costs apart from waiting for a core.
+    add("submit_cpu_ms", [r.submit_cpu_s for r in records])
     add("submit_lag_ms", [r.t_submit - r.t_planned for r in records])
     stamped = [r for r in ok if r.has_server_stamps]
     add("tokenize_ms", [r.t_tokenized - r.t_tokenize_start for r in stamped])
     add("queue_wait_ms", [r.t_scheduled - r.t_tokenized for r in stamped])
     add("prefill_to_first_token_ms", [r.t_first_token - r.t_scheduled for r in stamped])
     add("ttft_ms", [r.ttft for r in ok])
+    # From the planned arrival: a submitter running behind its schedule counts as waiting.
+    add("ttft_from_arrival_ms", [r.t_first_delta - r.t_planned for r in ok])
     add("tpot_ms", [r.tpot for r in ok if r.tpot is not None])
     add("itl_ms", [x for r in ok for x in r.itls])
     add("e2el_ms", [r.latency for r in ok])
@@ -165,6 +170,8 @@ def summarize(records: list[RequestRecord], cpu_seconds: dict[str, float],
         out[f"ttft_part[{name}]_ms_mean"] = sum(values) / len(values) if values else None
     out["ttft_ms_mean"] = sum(r.ttft for r in ok) * 1e3 / len(ok) if ok else None
 
+    out["arrival_rate_rps"] = span_rate([r.t_planned for r in records])
+    out["completion_rate_rps"] = span_rate([r.t_done for r in ok])
     out["request_throughput_rps"] = len(ok) / duration if duration > 0 else None
     out["output_throughput_tps"] = out["output_tokens_total"] / duration if duration > 0 else None
     out["total_throughput_tps"] = ((out["prompt_tokens_total"] + out["output_tokens_total"])
@@ -176,6 +183,15 @@ def summarize(records: list[RequestRecord], cpu_seconds: dict[str, float],
     for role, seconds in cpu_seconds.items():
         out[f"cpu_s[{role}]"] = seconds
     return out
+
+
+def span_rate(times: list[float]) -> float | None:
+    """Events per second over their own span, first to last (None for fewer than two events
+    or a zero span, as in a burst)."""
+    if len(times) < 2:
+        return None
+    span = max(times) - min(times)
+    return (len(times) - 1) / span if span > 0 else None
 
 
 def median_summary(summaries: list[dict[str, float | None]]) -> dict[str, float | None]:

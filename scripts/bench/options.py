@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 from procs.config_flags import add_cluster_flags, add_engine_flags
 
@@ -29,6 +28,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--model", default=None,
                    help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct, "
                         "provisioned on first use)")
+    g.add_argument("--fast-engine", action="store_true",
+                   help="instead of --model, a small random-weight Llama model (2 layers, hidden "
+                        "size 64) with the default model's tokenizer, whose steps cost "
+                        "milliseconds: tokenization is then as large a share of TTFT as in front "
+                        "of a GPU engine; prints the measured tokenize/prefill ratio")
     g.add_argument("--modes", default="inproc,inproc-pretok,cluster",
                    help="comma-separated modes: inproc, inproc-pretok, cluster (or cluster-twN), "
                         "http (the cluster through its OpenAI frontend, or --endpoint); the "
@@ -80,9 +84,17 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="with --submit-interval-ms: absolute submits the i-th request at "
                         "t0 + i*gap; relative sleeps the gap after each submit returns, so a slow "
                         "submit delays all later ones (default: %(default)s)")
-    g.add_argument("--request-rate", type=float, default=math.inf,
+    g.add_argument("--request-rate", default="inf", metavar="RPS[,RPS...]",
                    help="Poisson-like arrivals at this many requests per second (default: inf, "
-                        "a burst)")
+                        "a burst); a list (2,4,8) sweeps the rates, every mode at each, and "
+                        "reports the highest rate each mode sustains")
+    g.add_argument("--duration-s", type=float, default=0.0,
+                   help="with a finite --request-rate: each run sends rate x this many seconds "
+                        "of requests (at least 10) instead of --num-requests")
+    g.add_argument("--slo-ttft-p99-ms", type=float, default=500.0,
+                   help="a rate sweep's SLO: a mode sustains a rate when TTFT p99 (from the "
+                        "planned arrival) stays within it, every request succeeds and requests "
+                        "complete at >= 95%% of the rate they arrive (default: %(default)s)")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="with --request-rate: gamma shape of the gaps; 1 is Poisson, <1 "
                         "burstier, >1 steadier (default: 1)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -33,6 +34,7 @@ COMPARED = (
     ("prefill->first token p50 (ms)", "prefill_to_first_token_ms_p50"),
     ("TTFT p50 (ms)", "ttft_ms_p50"),
     ("TTFT p99 (ms)", "ttft_ms_p99"),
+    ("TTFT from arrival p50 (ms)", "ttft_from_arrival_ms_p50"),
     ("TPOT p50 (ms/token)", "tpot_ms_p50"),
     ("latency p50 (ms)", "e2el_ms_p50"),
     ("request throughput (req/s)", "request_throughput_rps"),
@@ -166,6 +168,7 @@ def to_json(setup: dict, runs: list[RunResult], summaries: list[dict],
         "setup": setup,
         "runs": [{"mode": r.mode, "run_index": r.run_index, "warmup": r.warmup,
                   "timed_out": r.timed_out, "cpu_seconds": r.cpu_seconds, "summary": s,
+                  "request_rate": r.request_rate if math.isfinite(r.request_rate) else None,
                   "records": [rec.to_json() for rec in r.records]}
                  for r, s in zip(runs, summaries)],
         "medians": medians,
@@ -180,7 +183,8 @@ def load_runs(data: dict) -> list[RunResult]:
     """The RunResults of a written JSON file (to re-summarize or re-plot a past benchmark)."""
     return [RunResult(mode=r["mode"], run_index=r["run_index"], warmup=r["warmup"],
                       records=[RequestRecord.from_json(x) for x in r["records"]],
-                      cpu_seconds=r["cpu_seconds"], timed_out=r["timed_out"])
+                      cpu_seconds=r["cpu_seconds"], timed_out=r["timed_out"],
+                      request_rate=r.get("request_rate") or math.inf)
             for r in data["runs"]]
 
 

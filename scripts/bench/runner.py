@@ -4,6 +4,7 @@ collects the stream events into RequestRecords, measures each role's CPU time ov
 from __future__ import annotations
 
 import gc
+import math
 import queue
 import threading
 import time
@@ -139,6 +140,7 @@ class RunResult:
     records: list[RequestRecord]
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     timed_out: int = 0
+    request_rate: float = math.inf  # the offered rate of the run's arrivals (inf: not Poisson)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +189,8 @@ def run_once(system: SystemUnderTest, collector: EventCollector, requests: list[
     # Clock-tick rounding can make a near-idle role's difference a hair below zero.
     cpu = {role: max(0.0, cpu_after[role] - cpu_before.get(role, 0.0)) for role in cpu_after}
     return RunResult(mode=mode, run_index=run_index, warmup=warmup,
-                     records=[records[rid] for rid in ids], cpu_seconds=cpu, timed_out=timed_out)
+                     records=[records[rid] for rid in ids], cpu_seconds=cpu, timed_out=timed_out,
+                     request_rate=arrival.request_rate)
 
 
 def _submit_all(system: SystemUnderTest, collector: EventCollector,
@@ -210,14 +213,19 @@ def _submit_all(system: SystemUnderTest, collector: EventCollector,
             limiter.acquire()
         rec = records[rid]
         rec.t_planned = planned
+        sampling = sampling_for(request)
+        cpu = time.thread_time()
         rec.t_submit = time.monotonic()
         try:
-            system.submit(rid, request, sampling_for(request))
+            system.submit(rid, request, sampling)
         except Exception as exc:  # refused at once (overload, bad input): that request ends
             rec.t_submit_done = time.monotonic()
+            rec.submit_cpu_s = time.thread_time() - cpu
             collector.complete(rid, fail(f"submit raised {type(exc).__name__}: {exc}"))
             continue
-        rec.t_submit_done = time.monotonic()
+        # (a system that knows better, the HTTP client's, may already have set it)
+        rec.t_submit_done = rec.t_submit_done or time.monotonic()
+        rec.submit_cpu_s = time.thread_time() - cpu
 
 
 def _give_up(system: SystemUnderTest, collector: EventCollector,

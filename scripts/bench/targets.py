@@ -31,3 +31,14 @@ SERVING_TARGETS = (
 def targets_apply(mode: str, baseline: str, arrival_kind: str) -> bool:
     """Stated for the cluster against the single process, for a burst."""
     return mode.startswith("cluster") and baseline.startswith("inproc") and arrival_kind == "burst"
+
+
+# --- a rate sweep (open-loop Poisson arrivals), stated for long prompts on the fast engine --------
+SWEEP_RATE_RATIO = 1.5  # a cluster mode's highest sustainable rate / the baseline's, at least
+SUBMIT_P99_MAX_MS = 0.050  # the SDK's submit() latency p99 at every offered rate, at most
+
+
+def sweep_targets_apply(mode: str) -> bool:
+    """The rate and TTFT targets compare cluster modes (the SDK) with the baseline; the HTTP
+    frontend's figures are reported beside them."""
+    return mode.startswith("cluster")

@@ -18,7 +18,8 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def make_tiny_model(out_dir: str | os.PathLike, *, num_layers: int = 2, hidden_size: int = 64,
-                    seed: int = 0, architecture: str = "llama") -> Path:
+                    seed: int = 0, architecture: str = "llama",
+                    max_position_embeddings: int = 2048) -> Path:
     """Writes the model to ``out_dir`` (a Hugging Face directory) and returns its path."""
     import torch
     import transformers
@@ -29,8 +30,8 @@ def make_tiny_model(out_dir: str | os.PathLike, *, num_layers: int = 2, hidden_s
     common = dict(
         vocab_size=49152, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-        pad_token_id=2, tie_word_embeddings=True,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
     )
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -57,10 +58,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="hidden size; 4 attention heads, 2 KV heads (default: 64)")
     p.add_argument("--architecture", choices=ARCHITECTURES, default="llama")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--max-position-embeddings", type=int, default=2048,
+                   help="the context length the model declares, in tokens (default: 2048)")
     args = p.parse_args(argv)
     print(make_tiny_model(args.out_dir, num_layers=args.num_layers,
                           hidden_size=args.hidden_size, seed=args.seed,
-                          architecture=args.architecture))
+                          architecture=args.architecture,
+                          max_position_embeddings=args.max_position_embeddings))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ class FakeEngine:
     def has_work(self):
         return bool(self.requests)
 
+    def step_delay_s(self):
+        return 0.0
+
     @property
     def num_running(self):
         return len(self.requests)

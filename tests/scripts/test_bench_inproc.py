@@ -37,11 +37,12 @@ class Inbox:
 def make_server(tiny_model_dir):
     servers = []
 
-    def make(stream_interval_tokens: int = 1) -> tuple[InprocServer, Inbox]:
+    def make(stream_interval_tokens: int = 1, **knobs) -> tuple[InprocServer, Inbox]:
         inbox = Inbox()
         # No prefix cache: a repeated prompt is computed the same way twice.
         config = EngineConfig(model_path=str(tiny_model_dir), dtype="float32",
-                              kv_cache_tokens=4096, enable_prefix_cache=False, engine_threads=1)
+                              kv_cache_tokens=4096, enable_prefix_cache=False, engine_threads=1,
+                              **knobs)
         server = InprocServer(config, inbox.deliver,
                               stream_interval_tokens=stream_interval_tokens)
         servers.append(server)
@@ -92,3 +93,28 @@ def test_bad_input_ends_with_the_tokenizer_workers_error(make_server):
     (event,) = inbox.until_finished("bad")
     assert event.finish_reason == "error" and event.error_code == "bad_request"
     assert "prompt_token_ids must be in" in event.error
+
+
+def first_step_of_each(inbox: Inbox, request_ids: set[str]) -> dict[str, float]:
+    """t_scheduled of each request, read from its terminal event (events may interleave)."""
+    scheduled: dict[str, float] = {}
+    while set(scheduled) != request_ids:
+        event = inbox.events.get(timeout=60)
+        if event.finished:
+            assert event.finish_reason == "length", event.error
+            scheduled[event.request_id] = event.timings.t_scheduled
+    return scheduled
+
+
+@pytest.mark.parametrize("window_ms", [0.0, 1000.0])
+def test_the_idle_window_lets_a_burst_share_the_first_step(make_server, window_ms):
+    # A fixed window far longer than the gap between the two submits, however loaded the
+    # machine; without it the first request's step starts (and on the tiny model ends) alone.
+    server, inbox = make_server(idle_batch_window_ms=window_ms,
+                                idle_batch_window_step_fraction=0.0)
+    server.submit("first", greedy(), prompt="The first request of a burst")
+    time.sleep(0.2)
+    server.submit("second", greedy(), prompt="and the second one")
+    scheduled = first_step_of_each(inbox, {"first", "second"})
+    shared = scheduled["first"] == scheduled["second"]
+    assert shared == (window_ms > 0), scheduled
