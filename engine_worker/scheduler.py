@@ -49,8 +49,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: KVBlockManager,
-                 prefix_cache: PrefixCache | None, prompt_logprob_tokens: int = 1024) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        blocks: KVBlockManager,
+        prefix_cache: PrefixCache | None,
+        prompt_logprob_tokens: int = 1024,
+    ) -> None:
         self.config = config
         self.blocks = blocks
         self.prefix_cache = prefix_cache
@@ -87,8 +92,12 @@ class Scheduler:
             batch.add(request, count)
             position += 1
         now = time.monotonic()
-        while (self.waiting and len(self.running) < self.config.max_batch_size
-               and prefill_slots > 0 and token_budget > 0):
+        while (
+            self.waiting
+            and len(self.running) < self.config.max_batch_size
+            and prefill_slots > 0
+            and token_budget > 0
+        ):
             # Requests whose grammar is still being built are passed over, not waited for.
             first_ready = next((r for r in self.waiting if r.ready), None)
             if first_ready is None:
@@ -121,9 +130,9 @@ class Scheduler:
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
                 capacity = self.blocks.num_blocks * self.blocks.block_size
-                batch.failed.append((request, (
-                    f"the request needs {request.num_computed + count} tokens of KV cache; the "
-                    f"cache holds {capacity} tokens in all")))
+                tokens = request.num_computed + count
+                message = f"the request needs {tokens} tokens of KV cache; it holds {capacity}"
+                batch.failed.append((request, message))
                 self.running.pop()
                 self.free_blocks(request)
                 return False
@@ -144,7 +153,8 @@ class Scheduler:
         if self.prefix_cache is not None and not request.wants_prompt_logprobs:
             # At least one token must be computed to sample from, so never match the last one.
             cached_blocks, keys, node = self.prefix_cache.match(
-                request.token_ids, (request.num_tokens - 1) // size)
+                request.token_ids, (request.num_tokens - 1) // size
+            )
         cached = len(cached_blocks) * size
         count = min(request.num_tokens - cached, self.config.prefill_chunk_tokens, token_budget)
         fresh = self.blocks.blocks_for(cached + count) - len(cached_blocks)
@@ -169,10 +179,11 @@ class Scheduler:
         size = self.blocks.block_size
         full = min(computed_after_step, request.num_tokens) // size
         for index in range(len(request.block_keys), full):
-            tokens = tuple(request.token_ids[index * size:(index + 1) * size])
+            tokens = tuple(request.token_ids[index * size : (index + 1) * size])
             parent = request.block_keys[-1] if request.block_keys else None
             key, request.prefix_node = self.prefix_cache.publish(
-                request.block_ids[index], tokens, parent, request.prefix_node)
+                request.block_ids[index], tokens, parent, request.prefix_node
+            )
             request.block_keys.append(key)
 
     def preempt(self, request: EngineRequest) -> None:
