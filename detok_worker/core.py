@@ -69,12 +69,18 @@ class ClientInfo:
 
 
 class DetokenizerCore:
-    def __init__(self, tokenizer, *, stream_interval_tokens: int = 1,
-                 max_pending_aborts: int = MAX_PENDING_ABORTS,
-                 max_ignored: int = MAX_IGNORED) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        stream_interval_tokens: int = 1,
+        max_pending_aborts: int = MAX_PENDING_ABORTS,
+        max_ignored: int = MAX_IGNORED,
+    ) -> None:
         if stream_interval_tokens < 1:
-            raise ValueError(f"stream_interval_tokens must be at least 1, got "
-                             f"{stream_interval_tokens}")
+            raise ValueError(
+                f"stream_interval_tokens must be at least 1, got {stream_interval_tokens}"
+            )
         self.tokenizer = tokenizer
         self._strings: TokenStrings | None = None  # built on first use (logprobs, echo)
         self.stream_interval_tokens = stream_interval_tokens
@@ -100,8 +106,12 @@ class DetokenizerCore:
         return client_id in self.clients
 
     def stats(self) -> dict[str, float]:
-        return {"clients": len(self.clients), "open_requests": len(self.states),
-                "steps": self.steps, "notices": self.notices}
+        return {
+            "clients": len(self.clients),
+            "open_requests": len(self.states),
+            "steps": self.steps,
+            "notices": self.notices,
+        }
 
     # --- clients ------------------------------------------------------------------------------
     def on_hello(self, client_id: bytes) -> None:
@@ -131,8 +141,9 @@ class DetokenizerCore:
         self.output.replies.pop(client_id, None)
         if info is None:
             return
-        logger.info("client %r %s; aborting its %d requests", client_id, reason,
-                    len(info.request_ids))
+        logger.info(
+            "client %r %s; aborting its %d requests", client_id, reason, len(info.request_ids)
+        )
         for rid in info.request_ids:
             self.states.pop(rid, None)
             self._ignore(rid)
@@ -140,8 +151,11 @@ class DetokenizerCore:
 
     def on_stats_query(self, client_id: bytes, request_id: str) -> None:
         if client_id in self.clients:
-            self.output.replies.setdefault(client_id, []).append(EngineStatsReport(
-                request_id, self.engine_stats, self.engine_stats_t, self.engine_pid))
+            self.output.replies.setdefault(client_id, []).append(
+                EngineStatsReport(
+                    request_id, self.engine_stats, self.engine_stats_t, self.engine_pid
+                )
+            )
 
     # --- engine, tokenizers, supervisor -------------------------------------------------------
     def on_tokenize_result(self, result: TokenizeResult) -> None:
@@ -158,9 +172,16 @@ class DetokenizerCore:
         if info is None:
             return
         info.pending_aborts.pop(err.request_id, None)
-        self._queue(err.client_id, StreamEvent(
-            request_id=err.request_id, finished=True, finish_reason=FINISH_ERROR,
-            error=err.message, error_code=err.code))
+        self._queue(
+            err.client_id,
+            StreamEvent(
+                request_id=err.request_id,
+                finished=True,
+                finish_reason=FINISH_ERROR,
+                error=err.message,
+                error_code=err.code,
+            ),
+        )
 
     def on_step_output(self, out: StepOutput) -> None:
         if out.engine_pid and out.engine_pid in self.dead_engine_pids:
@@ -179,8 +200,12 @@ class DetokenizerCore:
                 state.on_prompt_logprobs(self.strings, chunk)
         ids = codec.unpack_id_list(out.token_ids)
         if len(ids) != len(out.request_ids):
-            logger.error("step %d has %d tokens for %d requests; dropped its tokens",
-                         out.step, len(ids), len(out.request_ids))
+            logger.error(
+                "step %d has %d tokens for %d requests; dropped its tokens",
+                out.step,
+                len(ids),
+                len(out.request_ids),
+            )
             ids = []
         logprobs = {e.row: e for e in out.logprobs if e.row < len(ids)}
         finishes = out.finished
@@ -190,8 +215,12 @@ class DetokenizerCore:
             if state is None:
                 continue  # stopped here already, or its client is gone
             values = logprobs.get(row) if logprobs else None
-            if state.on_token(self.tokenizer, token_id, out.t_step,
-                              None if values is None else (self.strings, values)):
+            if state.on_token(
+                self.tokenizer,
+                token_id,
+                out.t_step,
+                None if values is None else (self.strings, values),
+            ):
                 self._finish(rid, FINISH_STOP, out.t_step, stopped_by_string=True)
                 self._ignore(rid)
                 self.output.aborts.append(rid)  # frees its KV blocks in the engine
@@ -201,20 +230,35 @@ class DetokenizerCore:
             if finish.request_id in self.ignored:  # already ended here
                 del self.ignored[finish.request_id]
             elif finish.request_id in self.states:
-                self._finish(finish.request_id, finish.reason, out.t_step, error=finish.error,
-                             code=finish.code)
+                self._finish(
+                    finish.request_id,
+                    finish.reason,
+                    out.t_step,
+                    error=finish.error,
+                    code=finish.code,
+                )
 
     def on_notice(self, notice: ClusterNotice, now: float) -> None:
         """A worker died or is back: end what died with it, tell every client."""
         self.notices += 1
-        logger.warning("%s[%d] (pid %d) %s%s", notice.role, notice.index, notice.pid,
-                       notice.event, f": {notice.detail}" if notice.detail else "")
+        logger.warning(
+            "%s[%d] (pid %d) %s%s",
+            notice.role,
+            notice.index,
+            notice.pid,
+            notice.event,
+            f": {notice.detail}" if notice.detail else "",
+        )
         if notice.event == NOTICE_DIED and notice.role == "engine":
             if notice.pid:
                 self.dead_engine_pids.add(notice.pid)
-            self.end_all(FINISH_ERROR, now, error=f"unavailable: the engine died "
-                         f"({notice.detail or 'exited'}); the request was lost with it",
-                         code=ERR_UNAVAILABLE)
+            self.end_all(
+                FINISH_ERROR,
+                now,
+                error=f"unavailable: the engine died "
+                f"({notice.detail or 'exited'}); the request was lost with it",
+                code=ERR_UNAVAILABLE,
+            )
             self.ignored.clear()  # their engine finishes will never come
             # Nothing runs or waits any more; the replacement's first step reports afresh.
             self.engine_stats = EngineStats(kv_blocks_total=self.engine_stats.kv_blocks_total)
@@ -223,11 +267,21 @@ class DetokenizerCore:
         for client_id, info in self.clients.items():
             alive = []
             if tokenizer_died:  # its requests already in the engine are not lost
-                alive = [rid for rid in info.request_ids
-                         if self.states[rid].meta.tokenizer_index == notice.index]
-            self.output.notices.setdefault(client_id, []).append(ClusterNotice(
-                event=notice.event, role=notice.role, index=notice.index, pid=notice.pid,
-                detail=notice.detail, alive_ids=alive))
+                alive = [
+                    rid
+                    for rid in info.request_ids
+                    if self.states[rid].meta.tokenizer_index == notice.index
+                ]
+            self.output.notices.setdefault(client_id, []).append(
+                ClusterNotice(
+                    event=notice.event,
+                    role=notice.role,
+                    index=notice.index,
+                    pid=notice.pid,
+                    detail=notice.detail,
+                    alive_ids=alive,
+                )
+            )
 
     def end_all(self, reason: str, now: float, *, error: str, code: str) -> None:
         """Every open request ends here, with this reason and error (shutdown, a dead engine)."""
@@ -249,15 +303,31 @@ class DetokenizerCore:
                 del info.pending_aborts[meta.request_id]
                 self.output.aborts.append(meta.request_id)
 
-    def _finish(self, rid: str, reason: str, t: float, *, stopped_by_string: bool = False,
-                error: str = "", code: str = "") -> None:
+    def _finish(
+        self,
+        rid: str,
+        reason: str,
+        t: float,
+        *,
+        stopped_by_string: bool = False,
+        error: str = "",
+        code: str = "",
+    ) -> None:
         state = self.states.pop(rid)
         info = self.clients.get(state.meta.client_id)
         if info is not None:
             info.request_ids.discard(rid)
-        self._queue(state.meta.client_id, state.final(
-            reason, t, stopped_by_string=stopped_by_string, error=error, error_code=code,
-            strings=self._prompt_strings(state)))
+        self._queue(
+            state.meta.client_id,
+            state.final(
+                reason,
+                t,
+                stopped_by_string=stopped_by_string,
+                error=error,
+                error_code=code,
+                strings=self._prompt_strings(state),
+            ),
+        )
 
     @property
     def strings(self) -> TokenStrings:

@@ -32,9 +32,21 @@ logger = logging.getLogger("splitserve.detokenizer")
 
 
 class RequestState:
-    __slots__ = ("meta", "decoder", "matcher", "completion_tokens", "cached_tokens", "timings",
-                 "unsent_text", "unsent_ids", "sent_any", "unsent_logprobs", "prompt_logprobs",
-                 "tool_parser", "unsent_calls")
+    __slots__ = (
+        "meta",
+        "decoder",
+        "matcher",
+        "completion_tokens",
+        "cached_tokens",
+        "timings",
+        "unsent_text",
+        "unsent_ids",
+        "sent_any",
+        "unsent_logprobs",
+        "prompt_logprobs",
+        "tool_parser",
+        "unsent_calls",
+    )
 
     def __init__(self, meta: RequestMeta) -> None:
         self.meta = meta
@@ -42,9 +54,11 @@ class RequestState:
         self.matcher = StopStringMatcher(meta.stop, meta.include_stop_str_in_output)
         self.completion_tokens = 0
         self.cached_tokens = 0
-        self.timings = RequestTimings(t_submit=meta.t_submit,
-                                      t_tokenize_start=meta.t_tokenize_start,
-                                      t_tokenized=meta.t_tokenized)
+        self.timings = RequestTimings(
+            t_submit=meta.t_submit,
+            t_tokenize_start=meta.t_tokenize_start,
+            t_tokenized=meta.t_tokenized,
+        )
         self.unsent_text = ""
         self.unsent_ids: list[int] = []
         self.sent_any = False
@@ -65,13 +79,21 @@ class RequestState:
     def on_prompt_logprobs(self, strings: TokenStrings, chunk: PromptLogprobs) -> None:
         prompt_ids = unpack_id_list(self.meta.prompt_token_ids)
         if chunk.start + len(chunk.logprobs) // 4 > len(prompt_ids):
-            logger.error("request %r: prompt logprobs past its %d prompt ids; dropped",
-                         self.meta.request_id, len(prompt_ids))
+            logger.error(
+                "request %r: prompt logprobs past its %d prompt ids; dropped",
+                self.meta.request_id,
+                len(prompt_ids),
+            )
             return
         self.prompt_logprobs += strings.prompt_entries(chunk, prompt_ids)
 
-    def on_token(self, tokenizer, token_id: int, t_step: float,
-                 logprobs: tuple[TokenStrings, TokenLogprobs] | None = None) -> bool:
+    def on_token(
+        self,
+        tokenizer,
+        token_id: int,
+        t_step: float,
+        logprobs: tuple[TokenStrings, TokenLogprobs] | None = None,
+    ) -> bool:
         """Decodes one new token; True when a stop string matched (the request is done)."""
         self.completion_tokens += 1
         if not self.timings.t_first_token:
@@ -84,8 +106,9 @@ class RequestState:
         try:
             piece = self.decoder.step(tokenizer, token_id) or ""
         except Exception as exc:  # an id the tokenizer cannot decode: keep streaming the rest
-            logger.warning("request %r: token %d does not decode: %s",
-                           self.meta.request_id, token_id, exc)
+            logger.warning(
+                "request %r: token %d does not decode: %s", self.meta.request_id, token_id, exc
+            )
             piece = ""
         released, stopped = self.matcher.feed(piece)
         self._release(released)
@@ -107,15 +130,20 @@ class RequestState:
 
     def should_stream(self, interval_tokens: int) -> bool:
         # The first token always goes out at once: time to first token is what users feel.
-        return bool(self.unsent_ids) and (not self.sent_any
-                                          or len(self.unsent_ids) >= interval_tokens)
+        return bool(self.unsent_ids) and (
+            not self.sent_any or len(self.unsent_ids) >= interval_tokens
+        )
 
     def delta(self, strings: TokenStrings | None = None) -> StreamEvent:
         """What is unsent, as one event; the first one also carries the prompt's text (echo)
         and logprobs (``strings`` is needed then)."""
-        event = StreamEvent(request_id=self.meta.request_id, text=self.unsent_text,
-                            token_ids=pack_ids(self.unsent_ids), logprobs=self.unsent_logprobs,
-                            tool_calls=self.unsent_calls)
+        event = StreamEvent(
+            request_id=self.meta.request_id,
+            text=self.unsent_text,
+            token_ids=pack_ids(self.unsent_ids),
+            logprobs=self.unsent_logprobs,
+            tool_calls=self.unsent_calls,
+        )
         if not self.sent_any and self.meta.prompt_token_ids and strings is not None:
             self._add_prompt(event, strings)
         self.unsent_text, self.unsent_ids, self.sent_any = "", [], True
@@ -125,22 +153,33 @@ class RequestState:
         return event
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.meta.prompt_tokens,
-                     completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens)
+        return Usage(
+            prompt_tokens=self.meta.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+        )
 
     def _add_prompt(self, event: StreamEvent, strings: TokenStrings) -> None:
         prompt_ids = unpack_id_list(self.meta.prompt_token_ids)
         if self.meta.echo:
             event.echo_text = strings.tokenizer.decode(
-                prompt_ids, skip_special_tokens=self.meta.skip_special_tokens)
+                prompt_ids, skip_special_tokens=self.meta.skip_special_tokens
+            )
         if self.meta.prompt_logprobs:
             # The first prompt token has nothing before it, hence no logprob.
             event.prompt_logprobs = [strings.entry(prompt_ids[0], None), *self.prompt_logprobs]
             self.prompt_logprobs = []
 
-    def final(self, reason: str, t_finished: float, *, stopped_by_string: bool = False,
-              error: str | None = None, error_code: str | None = None,
-              strings: TokenStrings | None = None) -> StreamEvent:
+    def final(
+        self,
+        reason: str,
+        t_finished: float,
+        *,
+        stopped_by_string: bool = False,
+        error: str | None = None,
+        error_code: str | None = None,
+        strings: TokenStrings | None = None,
+    ) -> StreamEvent:
         self._release("" if stopped_by_string else self.matcher.flush(), last=True)
         event = self.delta(None if error_code else strings)
         event.finished = True

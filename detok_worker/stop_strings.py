@@ -26,14 +26,17 @@ class StopStringMatcher:
         buf = self.held + text
         # Released text never ends in a prefix of a stop string, so a match lies within buf.
         # The earliest match wins; of two starting there, the one listed first.
-        first, stop = min(((i, s) for s in self.stops if (i := buf.find(s)) >= 0),
-                          key=lambda match: match[0], default=(-1, ""))
+        first, stop = min(
+            ((i, s) for s in self.stops if (i := buf.find(s)) >= 0),
+            key=lambda match: match[0],
+            default=(-1, ""),
+        )
         if first >= 0:
             self.held = ""
-            return buf[:first + len(stop) if self.include_stop else first], True
+            return buf[: first + len(stop) if self.include_stop else first], True
         keep = self._partial_match_len(buf)
-        self.held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
+        self.held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
 
     def flush(self) -> str:
         """At the end of generation a held tail can no longer complete: release it."""

@@ -23,8 +23,11 @@ MAX_CACHED = 1 << 18
 def byte_level_alphabet() -> dict[str, int]:
     """The byte-level BPE alphabet (GPT-2's): the printable character that stands for each
     byte. Printable Latin-1 bytes stand for themselves; the others are mapped past 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -73,8 +76,9 @@ class TokenStrings:
             return bytes([int(match.group(1), 16)])
         return piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary
 
-    def entry(self, token_id: int, logprob: float | None, top_ids: bytes = b"",
-              top_logprobs: bytes = b"") -> LogprobEntry:
+    def entry(
+        self, token_id: int, logprob: float | None, top_ids: bytes = b"", top_logprobs: bytes = b""
+    ) -> LogprobEntry:
         text, data = self.get(token_id)
         return LogprobEntry(token_id, text, logprob, data, self._top(top_ids, top_logprobs))
 
@@ -85,15 +89,21 @@ class TokenStrings:
         """One entry per position of the chunk (positions index ``prompt_ids``)."""
         values = np.frombuffer(chunk.logprobs, "<f4").tolist()
         size = 4 * chunk.top_k  # bytes of one position's top ids (int32) or logprobs (float32)
-        return [self.entry(prompt_ids[chunk.start + i], value,
-                           chunk.top_ids[i * size:(i + 1) * size],
-                           chunk.top_logprobs[i * size:(i + 1) * size])
-                for i, value in enumerate(values)]
+        return [
+            self.entry(
+                prompt_ids[chunk.start + i],
+                value,
+                chunk.top_ids[i * size : (i + 1) * size],
+                chunk.top_logprobs[i * size : (i + 1) * size],
+            )
+            for i, value in enumerate(values)
+        ]
 
     def _top(self, top_ids: bytes, top_logprobs: bytes) -> list[TopLogprob]:
         top = []
-        for token_id, logprob in zip(np.frombuffer(top_ids, "<i4").tolist(),
-                                     np.frombuffer(top_logprobs, "<f4").tolist()):
+        for token_id, logprob in zip(
+            np.frombuffer(top_ids, "<i4").tolist(), np.frombuffer(top_logprobs, "<f4").tolist()
+        ):
             text, data = self.get(token_id)
             top.append(TopLogprob(token_id, text, logprob, data))
         return top

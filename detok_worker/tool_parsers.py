@@ -86,12 +86,12 @@ class HermesToolParser:
         start = self._buffer.find(self.OPEN)
         if start >= 0:
             self._content(out, self._buffer[:start])
-            self._buffer = self._buffer[start + len(self.OPEN):]
+            self._buffer = self._buffer[start + len(self.OPEN) :]
             self._in_call, self._streaming_args = True, False
             return True
         held = _partial_suffix(self._buffer, self.OPEN)
-        self._content(out, self._buffer[:len(self._buffer) - held])
-        self._buffer = self._buffer[len(self._buffer) - held:]
+        self._content(out, self._buffer[: len(self._buffer) - held])
+        self._buffer = self._buffer[len(self._buffer) - held :]
         return False
 
     def _content(self, out: ParsedDelta, text: str) -> None:
@@ -101,7 +101,7 @@ class HermesToolParser:
         if body:
             out.content += self._blank + body
             self._blank = ""
-        self._blank += text[len(body):]
+        self._blank += text[len(body) :]
 
     # --- inside a call -----------------------------------------------------------------------
     def _step_call(self, out: ParsedDelta) -> bool:
@@ -112,14 +112,14 @@ class HermesToolParser:
                 if self._buffer[head.end()] == "{":
                     name = json.loads(f'"{head.group(1)}"')
                     out.tool_calls.append(self._start(name))
-                    self._buffer = self._buffer[head.end():]
+                    self._buffer = self._buffer[head.end() :]
                     self._streaming_args, self._depth = True, 0
                     self._in_string = self._escaped = self._args_done = False
                     return True
             end = self._buffer.find(self.CLOSE)
             if end < 0:
                 return False
-            body, self._buffer = self._buffer[:end], self._buffer[end + len(self.CLOSE):]
+            body, self._buffer = self._buffer[:end], self._buffer[end + len(self.CLOSE) :]
             if not self._emit_whole_call(body, out):
                 self._content(out, self.OPEN + body + self.CLOSE)
             self._in_call = False
@@ -156,7 +156,7 @@ class HermesToolParser:
         self._buffer = text[i:]
         end = self._buffer.find(self.CLOSE)
         if (self._args_done or self._buffer.startswith(self.CLOSE)) and end >= 0:
-            self._buffer = self._buffer[end + len(self.CLOSE):]  # the object's "}" and spaces
+            self._buffer = self._buffer[end + len(self.CLOSE) :]  # the object's "}" and spaces
             self._in_call = self._streaming_args = False
             return True
         return False

@@ -54,21 +54,34 @@ class Detokenizer:
     def __init__(self, config: ClusterConfig, ctx: zmq.Context) -> None:
         self.config = config
         self.runtime = WorkerRuntime("detokenizer", 0, config, ctx)
-        self.core = DetokenizerCore(load_tokenizer(config.model_path),
-                                    stream_interval_tokens=config.stream_interval_tokens)
+        self.core = DetokenizerCore(
+            load_tokenizer(config.model_path), stream_interval_tokens=config.stream_interval_tokens
+        )
         self.router = configure(ctx.socket(zmq.ROUTER), receives=True, sndhwm=100_000)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # never drop silently: raise instead
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client takes over
         bind(self.router, config.client_addr, config.curve)
-        self.inbox: PullQueue[StepOutput | RequestError | ClusterNotice | TokenizeResult] = \
-            PullQueue(ctx, config.detokenizer_addr, StepOutput, RequestError, ClusterNotice,
-                      TokenizeResult, curve=config.curve)
+        self.inbox: PullQueue[StepOutput | RequestError | ClusterNotice | TokenizeResult] = (
+            PullQueue(
+                ctx,
+                config.detokenizer_addr,
+                StepOutput,
+                RequestError,
+                ClusterNotice,
+                TokenizeResult,
+                curve=config.curve,
+            )
+        )
         self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
-        self.welcome = codec.encode(ClientWelcome(
-            tokenizer_addrs=config.tokenizer_addrs,
-            model=config.model_name or Path(config.model_path).name,
-            max_model_len=config.engine.max_model_len, vocab_size=config.vocab_size,
-            max_waiting_requests=config.engine.max_waiting_requests))
+        self.welcome = codec.encode(
+            ClientWelcome(
+                tokenizer_addrs=config.tokenizer_addrs,
+                model=config.model_name or Path(config.model_path).name,
+                max_model_len=config.engine.max_model_len,
+                vocab_size=config.vocab_size,
+                max_waiting_requests=config.engine.max_waiting_requests,
+            )
+        )
         self.busy_s = 0.0
         self.events_sent = 0
 
@@ -77,8 +90,9 @@ class Detokenizer:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.inbox.socket, zmq.POLLIN)
-        self.runtime.announce([self.router.getsockopt_string(zmq.LAST_ENDPOINT),
-                               self.inbox.address])
+        self.runtime.announce(
+            [self.router.getsockopt_string(zmq.LAST_ENDPOINT), self.inbox.address]
+        )
         while not self.runtime.stopping:
             self.runtime.maybe_heartbeat(self.stats())
             ready = dict(poller.poll(min(self.runtime.heartbeat_due_in_ms(), 100)))
@@ -102,8 +116,12 @@ class Detokenizer:
             if ready:
                 self.serve_once(ready)
                 quiet_until = time.monotonic() + SHUTDOWN_QUIET_S
-        self.core.end_all(FINISH_ABORT, time.monotonic(),
-                          error="unavailable: the cluster shut down", code=ERR_UNAVAILABLE)
+        self.core.end_all(
+            FINISH_ABORT,
+            time.monotonic(),
+            error="unavailable: the cluster shut down",
+            code=ERR_UNAVAILABLE,
+        )
         self.flush()
         self.router.close(linger=LINGER_MS)
         self.inbox.close()
@@ -122,8 +140,7 @@ class Detokenizer:
                 continue
             client_id, frame = parts
             try:
-                msg = codec.decode_as(frame, ClientHello, ClientAbort, ClientBye,
-                                      EngineStatsQuery)
+                msg = codec.decode_as(frame, ClientHello, ClientAbort, ClientBye, EngineStatsQuery)
             except codec.DecodeError as exc:
                 logger.warning("dropped a malformed client message: %s", exc)
                 continue
@@ -181,8 +198,11 @@ class Detokenizer:
             self.core.on_client_gone(client_id, reason="is gone")
 
     def stats(self) -> dict[str, float]:
-        return self.core.stats() | {"busy_s": self.busy_s, "events_sent": self.events_sent,
-                                    "pid": os.getpid()}
+        return self.core.stats() | {
+            "busy_s": self.busy_s,
+            "events_sent": self.events_sent,
+            "pid": os.getpid(),
+        }
 
 
 def _log_malformed(frame: bytes, exc: codec.DecodeError) -> None:

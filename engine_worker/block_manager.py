@@ -19,8 +19,9 @@ class KVBlockManager:
     """``prefix_cache`` (optional) is told which blocks are evicted and asked which released
     blocks it holds; without one, a released block is free at once."""
 
-    def __init__(self, num_blocks: int, block_size: int,
-                 prefix_cache: PrefixCache | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, prefix_cache: PrefixCache | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks

@@ -68,8 +68,10 @@ class Engine:
         if config.engine_threads:
             torch.set_num_threads(config.engine_threads)
         self.device = resolve_device(config.device)
-        config = dataclasses.replace(config, prefill_max_tokens=resolve_prefill_tokens(
-            config.prefill_max_tokens, self.device))
+        config = dataclasses.replace(
+            config,
+            prefill_max_tokens=resolve_prefill_tokens(config.prefill_max_tokens, self.device),
+        )
         self.config = config
         dtype = resolve_dtype(config.dtype, self.device, config.weights)
         from engine_worker.model_config import ModelConfig
@@ -78,20 +80,32 @@ class Engine:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if model_config.sliding_window and self.max_model_len > model_config.sliding_window:
             # Our attention is always full; within the window that equals sliding attention.
-            logger.warning("capping max_model_len %d to the model's sliding window %d",
-                           self.max_model_len, model_config.sliding_window)
+            logger.warning(
+                "capping max_model_len %d to the model's sliding window %d",
+                self.max_model_len,
+                model_config.sliding_window,
+            )
             self.max_model_len = model_config.sliding_window
         if self.max_model_len > model_config.max_position_embeddings:
-            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
-                           self.max_model_len, model_config.max_position_embeddings)
+            logger.warning(
+                "max_model_len %d exceeds the model's max_position_embeddings %d",
+                self.max_model_len,
+                model_config.max_position_embeddings,
+            )
         if weight_format is None:
             weight_format = WeightFormat(
-                config.weights, dtype, self.device, config.quantized_max_tokens,
-                dense_copy=dense_copy_fits(model_config, dtype,
-                                           weight_copy_budget_bytes(self.device)))
+                config.weights,
+                dtype,
+                self.device,
+                config.quantized_max_tokens,
+                dense_copy=dense_copy_fits(
+                    model_config, dtype, weight_copy_budget_bytes(self.device)
+                ),
+            )
         dtype = weight_format.dtype
-        model = LlamaFamilyModel.load(config.model_path, self.device, dtype, self.max_model_len,
-                                      weight_format)
+        model = LlamaFamilyModel.load(
+            config.model_path, self.device, dtype, self.max_model_len, weight_format
+        )
         self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = set(model_config.eos_token_ids)
@@ -101,35 +115,51 @@ class Engine:
         if self.max_model_len > capacity:
             # One request must always fit: the context the server offers is what its KV cache
             # can hold (tokenizers clamp max_tokens to it, so no request fails half-way).
-            logger.warning("capping max_model_len %d to the KV cache's capacity of %d tokens "
-                           "(raise kv_cache_tokens for longer contexts)",
-                           self.max_model_len, capacity)
+            logger.warning(
+                "capping max_model_len %d to the KV cache's capacity of %d tokens "
+                "(raise kv_cache_tokens for longer contexts)",
+                self.max_model_len,
+                capacity,
+            )
             self.max_model_len = capacity
         self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
         self.blocks = KVBlockManager(num_blocks, config.block_size, self.prefix_cache)
         prompt_logprob_tokens = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache, prompt_logprob_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size,
-                                  config.decode_workspace_max_bytes)
-        self.threads = ThreadTuner(torch.get_num_threads(),
-                                   config.adaptive_threads and self.device.type == "cpu")
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, config.decode_workspace_max_bytes
+        )
+        self.threads = ThreadTuner(
+            torch.get_num_threads(), config.adaptive_threads and self.device.type == "cpu"
+        )
         self.requests: dict[str, EngineRequest] = {}
         self.grammars = GrammarRequests(sorted(self.eos_token_ids))  # constrained requests
-        self.idle_window = IdleBatchWindow(config.idle_batch_window_ms / 1e3,
-                                           config.idle_batch_window_step_fraction,
-                                           config.prefill_max_batch_size)
+        self.idle_window = IdleBatchWindow(
+            config.idle_batch_window_ms / 1e3,
+            config.idle_batch_window_step_fraction,
+            config.prefill_max_batch_size,
+        )
         self._pending_aborts: set[str] = set()
         self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
         self._early_finishes: list[FinishRecord] = []
         self._step = 0
         # Counters since start, reported with every step's stats (Prometheus counters).
         self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
-        logger.info("engine ready: model=%s device=%s dtype=%s %s threads=%d kv_blocks=%d x %d "
-                    "tokens max_model_len=%d prefill_max_tokens=%d prefix_cache=%s attention=%s",
-                    self.model_name, self.device, dtype, weight_format.describe(),
-                    torch.get_num_threads(), num_blocks, config.block_size, self.max_model_len,
-                    config.prefill_max_tokens,
-                    config.enable_prefix_cache, self.runner.attention.name)
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s %s threads=%d kv_blocks=%d x %d "
+            "tokens max_model_len=%d prefill_max_tokens=%d prefix_cache=%s attention=%s",
+            self.model_name,
+            self.device,
+            dtype,
+            weight_format.describe(),
+            torch.get_num_threads(),
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            config.prefill_max_tokens,
+            config.enable_prefix_cache,
+            self.runner.attention.name,
+        )
 
     # --- public API -------------------------------------------------------------------------
     @property
@@ -144,9 +174,13 @@ class Engine:
         """Whether a step would do anything (a request whose grammar is being built is not
         work yet: see ``wakeup_fd``)."""
         self.grammars.settle()
-        return bool(self.scheduler.running or self._pending_aborts or self._early_finishes
-                    or self.grammars.failed
-                    or len(self.scheduler.waiting) > len(self.grammars.building))
+        return bool(
+            self.scheduler.running
+            or self._pending_aborts
+            or self._early_finishes
+            or self.grammars.failed
+            or len(self.scheduler.waiting) > len(self.grammars.building)
+        )
 
     @property
     def wakeup_fd(self) -> int:
@@ -156,9 +190,14 @@ class Engine:
     def set_grammar_vocabulary(self, vocabulary: GrammarVocabulary) -> bool:
         return self.grammars.set_vocabulary(vocabulary)
 
-    def add(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
-            sampling: SamplingParams, arrival_time: float | None = None,
-            grammar: str = "") -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        sampling: SamplingParams,
+        arrival_time: float | None = None,
+        grammar: str = "",
+    ) -> None:
         """``grammar``: the Lark text the output must follow (see ipc.messages.TokenizedRequest);
         its matcher is built in the background and the request waits for it."""
         if request_id in self.requests:
@@ -173,27 +212,42 @@ class Engine:
         if not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
+            raise ValueError(
+                f"token ids must be in [0, {self.vocab_size}), got range "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
         if ids.size >= self.max_model_len:
-            raise ValueError(f"the prompt has {ids.size} tokens; max_model_len is "
-                             f"{self.max_model_len}, which leaves no room for a generated token")
+            raise ValueError(
+                f"the prompt has {ids.size} tokens; max_model_len is "
+                f"{self.max_model_len}, which leaves no room for a generated token"
+            )
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
-            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting "
-                                   f"(max_waiting_requests={self.config.max_waiting_requests})")
+            raise EngineOverloaded(
+                f"{len(self.scheduler.waiting)} requests are already waiting "
+                f"(max_waiting_requests={self.config.max_waiting_requests})"
+            )
         stop_ids = frozenset(sampling.stop_token_ids) | (
-            frozenset() if sampling.ignore_eos else frozenset(self.eos_token_ids))
+            frozenset() if sampling.ignore_eos else frozenset(self.eos_token_ids)
+        )
         request = EngineRequest(
-            request_id, ids.tolist(), sampling, RequestSampler(sampling, self.device, stop_ids),
-            stop_ids, self.max_model_len,
-            time.monotonic() if arrival_time is None else arrival_time)
+            request_id,
+            ids.tolist(),
+            sampling,
+            RequestSampler(sampling, self.device, stop_ids),
+            stop_ids,
+            self.max_model_len,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
         if grammar:
             self.grammars.attach(request, grammar)
         was_idle = not (self.scheduler.running or self.scheduler.waiting)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
-        self.idle_window.on_arrival(time.monotonic(), was_idle, min(
-            ids.size, self.config.prefill_chunk_tokens, self.config.prefill_max_tokens))
+        self.idle_window.on_arrival(
+            time.monotonic(),
+            was_idle,
+            min(ids.size, self.config.prefill_chunk_tokens, self.config.prefill_max_tokens),
+        )
 
     def step_delay_s(self) -> float:
         """How long the caller's loop should still wait for more arrivals before ``step()``
@@ -251,8 +305,7 @@ class Engine:
         result = self.runner.run(batch.requests, batch.num_new_tokens)
         self.threads.record(time.perf_counter() - t_start)
         if self.threads.switches != switches:
-            logger.info("torch threads per kind of step now %s (measured)",
-                        self.threads.describe())
+            logger.info("torch threads per kind of step now %s (measured)", self.threads.describe())
         return result
 
     def _finish_aborted(self, out: StepOutput) -> None:
@@ -290,15 +343,22 @@ class Engine:
                 continue  # a prefill chunk that did not reach the end of the prompt
             if not request.started_sent:
                 request.started_sent = True
-                out.started.append(RequestStart(request.request_id, request.t_arrived,
-                                                request.t_scheduled, request.cached_tokens))
+                out.started.append(
+                    RequestStart(
+                        request.request_id,
+                        request.t_arrived,
+                        request.t_scheduled,
+                        request.cached_tokens,
+                    )
+                )
             reason = request.finish_reason() or grammar_end  # eos, stop ids, length first
             if reason is not None:
                 self._finish(out, request, reason)
         out.token_ids = pack_ids(emitted_tokens)
 
-    def _finish(self, out: StepOutput, request: EngineRequest, reason: str,
-                error: str = "", code: str = "") -> None:
+    def _finish(
+        self, out: StepOutput, request: EngineRequest, reason: str, error: str = "", code: str = ""
+    ) -> None:
         self.scheduler.remove(request)
         self.grammars.forget(request)
         del self.requests[request.request_id]
@@ -309,13 +369,19 @@ class Engine:
         self._prefix_hit_total += batch.cached_tokens
         self._preemptions_total += batch.preempted
         return EngineStats(
-            running=self.num_running, waiting=self.num_waiting,
-            kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
-            prefill_tokens=batch.prefill_tokens, cached_tokens=batch.cached_tokens,
-            decode_tokens=batch.decode_tokens, preempted=batch.preempted, step_ms=step_ms,
+            running=self.num_running,
+            waiting=self.num_waiting,
+            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_total=self.blocks.num_blocks,
+            prefill_tokens=batch.prefill_tokens,
+            cached_tokens=batch.cached_tokens,
+            decode_tokens=batch.decode_tokens,
+            preempted=batch.preempted,
+            step_ms=step_ms,
             prefix_queried_tokens_total=self._prefix_queried_total,
             prefix_hit_tokens_total=self._prefix_hit_total,
-            preemptions_total=self._preemptions_total)
+            preemptions_total=self._preemptions_total,
+        )
 
     def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
         cfg = self.config

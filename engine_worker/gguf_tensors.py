@@ -34,13 +34,22 @@ SERVED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 # Architectures whose converter permutes q/k rows for an interleaved rope.
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 
-_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                    "output": "lm_head"}
+_TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -72,7 +81,8 @@ def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
         raise UnsupportedGGUFType(
             f"{path}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, which splitserve "
             f"cannot serve ({len(unsupported)} such tensors; supported types: "
-            f"{', '.join(SERVED_TYPES)}). Requantize the file to one of those types.")
+            f"{', '.join(SERVED_TYPES)}). Requantize the file to one of those types."
+        )
     tensors: dict[str, WeightSource] = {}
     skipped = []
     for t in reader.tensors:
@@ -88,8 +98,9 @@ def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
                 source = _unpermute_rows(source, num_kv_heads)
         tensors[name] = source
     if skipped:
-        logger.warning("ignored %d GGUF tensors with no known role, e.g. %s", len(skipped),
-                       skipped[:3])
+        logger.warning(
+            "ignored %d GGUF tensors with no known role, e.g. %s", len(skipped), skipped[:3]
+        )
     return tensors
 
 
@@ -129,8 +140,9 @@ def _parse(type_name: str, data: np.ndarray, shape: list[int]) -> WeightSource:
     blocks = raw.reshape(rows, cols // BLOCK, block_bytes)
 
     def halves(start: int) -> torch.Tensor:  # the fp16 at this byte offset of every block
-        return torch.from_numpy(blocks[..., start:start + 2].copy().view(np.float16)[..., 0]
-                                .astype(np.float32))
+        return torch.from_numpy(
+            blocks[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+        )
 
     d = halves(0)
     if type_name == "Q8_0":
@@ -144,8 +156,11 @@ def _parse(type_name: str, data: np.ndarray, shape: list[int]) -> WeightSource:
     zero = m + 8 * d  # w = d*q + m = d*(q - 8) + (m + 8d)
     inexact = int(((zero.double() - 8 * d.double() - m.double()) != 0).sum())
     if inexact:
-        logger.warning("%d Q4_1 blocks have m + 8d outside float32: those weights differ from "
-                       "the file's by one float32 rounding", inexact)
+        logger.warning(
+            "%d Q4_1 blocks have m + 8d outside float32: those weights differ from "
+            "the file's by one float32 rounding",
+            inexact,
+        )
     return Int4Groups(q=q, scale=d, zero=zero)
 
 

@@ -50,8 +50,9 @@ class _VocabularyOnly(llguidance.TokenizerWrapper):
         raise RuntimeError(f"the engine does not tokenize (the grammar asked for {text!r:.40})")
 
 
-def backend_tokenizer(vocabulary: GrammarVocabulary,
-                      eos_ids: list[int] | None = None) -> llguidance.LLTokenizer:
+def backend_tokenizer(
+    vocabulary: GrammarVocabulary, eos_ids: list[int] | None = None
+) -> llguidance.LLTokenizer:
     """llguidance's tokenizer from the vocabulary's data; ``eos_ids`` (the engine's stop ids)
     override the vocabulary's. About 0.3 s for 49k tokens: call it off the step."""
     eos = sorted(set(eos_ids or vocabulary.eos_ids))
@@ -101,9 +102,12 @@ class GrammarBuilder:
     overtake it). Each finished build writes a byte to ``wakeup_fd``, so an engine with nothing
     else to do sleeps in poll instead of checking its waiting requests in a loop."""
 
-    def __init__(self, vocabulary: GrammarVocabulary | None = None,
-                 eos_ids: list[int] | None = None,
-                 max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+    def __init__(
+        self,
+        vocabulary: GrammarVocabulary | None = None,
+        eos_ids: list[int] | None = None,
+        max_cached: int = MAX_CACHED_GRAMMARS,
+    ) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-build")
         self._eos_ids = eos_ids
         self._tokenizer: Future | None = None
@@ -125,8 +129,11 @@ class GrammarBuilder:
         digest = vocabulary.fingerprint or vocabulary.digest()
         if self._tokenizer is not None:
             if digest != self.fingerprint:
-                logger.error("a worker sent a different vocabulary (%s, in use: %s)",
-                             digest[:12], self.fingerprint[:12])
+                logger.error(
+                    "a worker sent a different vocabulary (%s, in use: %s)",
+                    digest[:12],
+                    self.fingerprint[:12],
+                )
                 return False
             return True
         self.fingerprint = digest

@@ -42,8 +42,7 @@ class GrammarMasker:
         self._bitmask: np.ndarray = np.empty((0, self.words), dtype=np.int32)
         self._buffer: np.ndarray = np.empty((0, self.words * 4, 8), dtype=np.float32)
 
-    def apply(self, logits: torch.Tensor,
-              grammars: Sequence[RequestGrammar | None]) -> list[int]:
+    def apply(self, logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> list[int]:
         """``begin`` + ``finish`` without a helper thread (nothing to overlap with)."""
         self.begin(grammars, overlap=False)
         return self.finish(logits)
@@ -97,8 +96,7 @@ class GrammarMasker:
                 fill.bitmask[slot] = -1  # all bits set: the row stays as it was
         if fill.rows:
             if logits.shape[1] > self.vocab_size:
-                raise ValueError(f"logits are {logits.shape[1]} wide, the masks "
-                                 f"{self.vocab_size}")
+                raise ValueError(f"logits are {logits.shape[1]} wide, the masks {self.vocab_size}")
             self._mask(logits, fill.rows, fill.bitmask)
         return sorted(failed)
 
@@ -110,8 +108,7 @@ class GrammarMasker:
 
     def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
         vocab = logits.shape[1]
-        if logits.device.type == "cpu" and logits.dtype == torch.float32 \
-                and logits.is_contiguous():
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
             additive = self._additive(bitmask, vocab)
             values = logits.numpy()
             if len(rows) == logits.shape[0]:
@@ -152,7 +149,9 @@ class GrammarMasker:
 # Row b: the 8 additive mask values of a bitmask byte b (bit i set = token allowed -> 0.0).
 _BYTE_TO_ADDITIVE = np.where(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
-    0.0, -np.inf).astype(np.float32)
+    0.0,
+    -np.inf,
+).astype(np.float32)
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 

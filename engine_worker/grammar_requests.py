@@ -58,8 +58,14 @@ class GrammarRequests:
             elif now - request.t_arrived > self.wait_s:
                 del self.building[request_id]
                 what = "built" if self.builder.has_vocabulary else "started (no vocabulary)"
-                self.failed.append((request, f"unavailable: the request's grammar was not "
-                                    f"{what} within {self.wait_s:g} s", ERR_UNAVAILABLE))
+                self.failed.append(
+                    (
+                        request,
+                        f"unavailable: the request's grammar was not "
+                        f"{what} within {self.wait_s:g} s",
+                        ERR_UNAVAILABLE,
+                    )
+                )
 
     def take_failed(self) -> list[tuple[EngineRequest, str, str]]:
         failed, self.failed = self.failed, []

@@ -70,5 +70,8 @@ class IdleBatchWindow:
         if prefill_tokens < MIN_TIMED_PREFILL_TOKENS:
             return
         cost = step_s / prefill_tokens
-        self.seconds_per_token = cost if self.seconds_per_token is None else (
-            SMOOTHING * cost + (1 - SMOOTHING) * self.seconds_per_token)
+        self.seconds_per_token = (
+            cost
+            if self.seconds_per_token is None
+            else (SMOOTHING * cost + (1 - SMOOTHING) * self.seconds_per_token)
+        )

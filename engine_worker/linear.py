@@ -43,6 +43,7 @@ class LinearWeight(Protocol):
 class Int4Groups:
     """w[n, k] = (q[n, k] - 8) * scale[n, k // group] + zero[n, k // group]; q uint8 in [0, 15],
     scale and zero float32."""
+
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
@@ -65,6 +66,7 @@ class Int4Groups:
 @dataclass(slots=True)
 class Int8Blocks:
     """w[n, k] = q[n, k] * scale[n, k // group]; q int8, scale float32 (GGUF Q8_0)."""
+
     q: torch.Tensor
     scale: torch.Tensor
 
@@ -87,8 +89,9 @@ def dequantize(source: WeightSource) -> torch.Tensor:
     return q.mul_(scale).add_(source.zero[..., None]).view(n, k)
 
 
-def quantize_int4(weight: torch.Tensor, scale_dtype: torch.dtype,
-                  group: int = INT4_GROUP) -> Int4Groups:
+def quantize_int4(
+    weight: torch.Tensor, scale_dtype: torch.dtype, group: int = INT4_GROUP
+) -> Int4Groups:
     """Asymmetric min/max quantization per group. Scale and zero are rounded to ``scale_dtype``
     first and q is chosen against the rounded values, so the kernel's weights are the nearest
     its scale/zero can give."""
@@ -102,8 +105,9 @@ def quantize_int4(weight: torch.Tensor, scale_dtype: torch.dtype,
     return Int4Groups(q.clamp_(0, 15).to(torch.uint8).view(n, k), scale, zero)
 
 
-def quantize_int8(weight: torch.Tensor,
-                  scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(
+    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: (q int8 [N, K], scale float32 [N]); the scale is
     rounded to ``scale_dtype`` (the kernel's) before q is chosen against it."""
     w = weight.float()
@@ -130,15 +134,21 @@ class DenseLinear:
 
 
 class Int8Linear:
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         self.q = q.contiguous()
         self.scale = scale.to(dtype).contiguous()
         self.bias, self.out_features = bias, q.shape[0]
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype,
-                    bias: torch.Tensor | None = None) -> Int8Linear:
+    def from_weight(
+        cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None
+    ) -> Int8Linear:
         return cls(*quantize_int8(weight, dtype), dtype, bias)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,20 +161,25 @@ class Int8Linear:
 
 
 class Int4Linear:
-    def __init__(self, groups: Int4Groups, dtype: torch.dtype,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, groups: Int4Groups, dtype: torch.dtype, bias: torch.Tensor | None = None
+    ) -> None:
         n, k = groups.q.shape
         if not int4_supported(n, k, groups.group):
-            raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % "
-                             f"{groups.group} == 0, got {n} x {k}")
+            raise ValueError(
+                f"int4 needs out_features % 16 == 0 and in_features % "
+                f"{groups.group} == 0, got {n} x {k}"
+            )
         self.group, self.bias, self.out_features = groups.group, bias, n
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.int(), 1)
-        self.scale_zero = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).to(
-            dtype).contiguous()  # [K / group, N, 2]
+        self.scale_zero = (
+            torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).to(dtype).contiguous()
+        )  # [K / group, N, 2]
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group,
-                                                       self.scale_zero)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, self.group, self.scale_zero
+        )
         return y if self.bias is None else y + self.bias
 
     @property

@@ -71,8 +71,9 @@ class PromptSpan:
     row: int
 
 
-def prompt_spans(requests: list[EngineRequest], counts: list[int], starts: np.ndarray,
-                 row_starts: np.ndarray) -> list[PromptSpan]:
+def prompt_spans(
+    requests: list[EngineRequest], counts: list[int], starts: np.ndarray, row_starts: np.ndarray
+) -> list[PromptSpan]:
     """The prompt positions whose logprobs this step can give: those predicted by the rows it
     computes (the row at position p predicts position p + 1), not sent before, and inside the
     prompt (the row of the last prompt position predicts the first generated token)."""
@@ -92,14 +93,16 @@ def span_rows(spans: list[PromptSpan]) -> np.ndarray:
     return np.concatenate([np.arange(s.row, s.row + s.count) for s in spans])
 
 
-def prompt_logprobs(logits: torch.Tensor, spans: list[PromptSpan],
-                    requests: list[EngineRequest]) -> list[PromptLogprobs]:
+def prompt_logprobs(
+    logits: torch.Tensor, spans: list[PromptSpan], requests: list[EngineRequest]
+) -> list[PromptLogprobs]:
     """``logits``: the spans' rows in order (overwritten with their log-softmax, in place: the
     prompt rows can be many, and nothing else reads them). One PromptLogprobs per span."""
     logits -= torch.logsumexp(logits, dim=-1, keepdim=True)
-    targets = torch.tensor(np.concatenate([
-        requests[s.index].token_ids[s.first:s.first + s.count] for s in spans]),
-        device=logits.device)
+    targets = torch.tensor(
+        np.concatenate([requests[s.index].token_ids[s.first : s.first + s.count] for s in spans]),
+        device=logits.device,
+    )
     chosen = logits.gather(1, targets.unsqueeze(1)).squeeze(1).cpu().numpy().astype(_F32)
     top_ks = [requests[s.index].params.prompt_logprobs or 0 for s in spans]
     top_values = top_ids = None

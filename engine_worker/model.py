@@ -37,9 +37,15 @@ class LayerWeights:
 
 
 class LlamaFamilyModel:
-    def __init__(self, config: ModelConfig, tensors: dict[str, WeightSource],
-                 device: torch.device, dtype: torch.dtype, max_positions: int,
-                 weight_format: WeightFormat | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, WeightSource],
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int,
+        weight_format: WeightFormat | None = None,
+    ) -> None:
         self.config = config
         self.device, self.dtype = device, dtype
         fmt = weight_format or WeightFormat("auto", dtype, device)
@@ -62,16 +68,18 @@ class LlamaFamilyModel:
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append(LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"), bias=True),
-                q_norm=take_optional(p + "self_attn.q_norm.weight"),
-                k_norm=take_optional(p + "self_attn.k_norm.weight"),
-                o_proj=linear(p + "self_attn.o_proj.weight"),
-                post_attention_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=linear(p + "mlp.down_proj.weight"),
-            ))
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"), bias=True),
+                    q_norm=take_optional(p + "self_attn.q_norm.weight"),
+                    k_norm=take_optional(p + "self_attn.k_norm.weight"),
+                    o_proj=linear(p + "self_attn.o_proj.weight"),
+                    post_attention_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight"),
+                )
+            )
         self.norm = take("model.norm.weight")
         if "lm_head.weight" in tensors and not config.tie_word_embeddings:
             self.lm_head = fmt.linear([tensors.pop("lm_head.weight")], None, head=True)
@@ -87,13 +95,18 @@ class LlamaFamilyModel:
         # The sine with the rotation's sign folded in (negative on the first half): rotating is
         # then x * cos + roll(x, half) * signed_sin, four ops instead of five plus two slices.
         sign = torch.ones(config.head_dim)
-        sign[:config.head_dim // 2] = -1
-        self.signed_sin = (angles.sin() * attention_scaling * sign).to(device=device,
-                                                                      dtype=dtype)
+        sign[: config.head_dim // 2] = -1
+        self.signed_sin = (angles.sin() * attention_scaling * sign).to(device=device, dtype=dtype)
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-             max_positions: int, weight_format: WeightFormat | None = None) -> LlamaFamilyModel:
+    def load(
+        cls,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int,
+        weight_format: WeightFormat | None = None,
+    ) -> LlamaFamilyModel:
         """A checkpoint directory: config.json plus either *.safetensors or one *.gguf."""
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
@@ -104,9 +117,14 @@ class LlamaFamilyModel:
             logger.warning("ignored %d unexpected weights, e.g. %s", len(leftover), leftover[:3])
         return model
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionBackend, metadata: AttentionMetadata,
-                logit_rows: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        metadata: AttentionMetadata,
+        logit_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
         """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step.
         Returns logits [len(logit_rows), vocab] (float32)."""
         cfg = self.config
@@ -120,17 +138,27 @@ class LlamaFamilyModel:
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, eps)
             qkv = layer.qkv.apply(x)
-            v = qkv[:, q_size + kv_size:].view(num_tokens, kv_heads, head_dim)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
             if layer.q_norm is not None:
-                q = F.rms_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim), (head_dim,),
-                               layer.q_norm, eps)
-                k = F.rms_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, kv_heads,
-                                                                    head_dim),
-                               (head_dim,), layer.k_norm, eps)
+                q = F.rms_norm(
+                    qkv[:, :q_size].view(num_tokens, heads, head_dim),
+                    (head_dim,),
+                    layer.q_norm,
+                    eps,
+                )
+                k = F.rms_norm(
+                    qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim),
+                    (head_dim,),
+                    layer.k_norm,
+                    eps,
+                )
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             else:  # q and k heads side by side: one rotation for both
-                qk = _rotate(qkv[:, :q_size + kv_size].view(num_tokens, heads + kv_heads,
-                                                             head_dim), cos, sin)
+                qk = _rotate(
+                    qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim),
+                    cos,
+                    sin,
+                )
                 q, k = qk[:, :heads], qk[:, heads:]
             attn = attention.forward(q, k, v, i, metadata)
             hidden += layer.o_proj.apply(attn.reshape(num_tokens, q_size))

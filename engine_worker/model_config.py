@@ -34,8 +34,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -46,8 +48,10 @@ class ModelConfig:
         cfg = json.loads(config_file.read_text())
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ValueError(
+                f"model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = _as_id_set(cfg.get("eos_token_id"))
@@ -97,9 +101,10 @@ def _rope_parameters(cfg: dict) -> dict:
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     params["rope_type"] = rope_type
-    params.setdefault("original_max_position_embeddings",
-                      cfg.get("original_max_position_embeddings")
-                      or cfg.get("max_position_embeddings", 2048))
+    params.setdefault(
+        "original_max_position_embeddings",
+        cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048),
+    )
     params["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
     params["partial_rotary_factor"] = cfg.get("partial_rotary_factor", 1.0)
     return params
@@ -110,7 +115,7 @@ def rope_inverse_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, f
     base = float(rope["rope_theta"])
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (base ** exponents)
+    inv_freq = 1.0 / (base**exponents)
     rope_type = rope["rope_type"]
     if rope_type == "default":
         return inv_freq, 1.0
@@ -125,7 +130,7 @@ def rope_inverse_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, f
         max_len = rope["max_position_embeddings"]
         if max_len > original:
             scaled = base * ((factor * max_len / original) - (factor - 1)) ** (dim / (dim - 2))
-            inv_freq = 1.0 / (scaled ** exponents)
+            inv_freq = 1.0 / (scaled**exponents)
         return inv_freq, 1.0
     if rope_type == "llama3":
         return _llama3_frequencies(inv_freq, rope, factor), 1.0
@@ -160,8 +165,9 @@ def _yarn_frequencies(rope: dict, base: float, dim: int, factor: float):
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         if rope.get("mscale") and rope.get("mscale_all_dim"):
-            attention_factor = (mscale(factor, rope["mscale"])
-                                / mscale(factor, rope["mscale_all_dim"]))
+            attention_factor = mscale(factor, rope["mscale"]) / mscale(
+                factor, rope["mscale_all_dim"]
+            )
         else:
             attention_factor = mscale(factor)
 

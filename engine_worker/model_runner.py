@@ -50,13 +50,19 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaFamilyModel, num_blocks: int, block_size: int,
-                 decode_workspace_max_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        model: LlamaFamilyModel,
+        num_blocks: int,
+        block_size: int,
+        decode_workspace_max_bytes: int = 1 << 30,
+    ) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.kv_cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype,
-                                     model.device)
+        self.kv_cache = PagedKVCache(
+            model.config, num_blocks, block_size, model.dtype, model.device
+        )
         self.attention = select_backend(self.kv_cache, decode_workspace_max_bytes)
         self.grammar_masker: GrammarMasker | None = None  # made for the first constrained row
 
@@ -76,15 +82,19 @@ class ModelRunner:
             raise
         result = StepResult([None] * len(requests), {}, [])
         if inputs.prompt_spans:
-            result.prompt_logprobs = prompt_logprobs(logits[len(emitting):], inputs.prompt_spans,
-                                                     requests)
+            result.prompt_logprobs = prompt_logprobs(
+                logits[len(emitting) :], inputs.prompt_spans, requests
+            )
         if emitting:
-            logits = logits[:len(emitting)]
+            logits = logits[: len(emitting)]
             samplers = [requests[i].sampler for i in emitting]
             asking = [j for j, s in enumerate(samplers) if s.logprobs is not None]
             # Taken before sampling: whatever the sampler does to the logits, these stay raw.
-            raw = SampledLogprobs(logits, asking, [samplers[j].logprobs or 0 for j in asking]) \
-                if asking else None
+            raw = (
+                SampledLogprobs(logits, asking, [samplers[j].logprobs or 0 for j in asking])
+                if asking
+                else None
+            )
             if masker is not None:
                 masker.finish(logits)  # the rows with a grammar: only the tokens it allows
             histories = None
@@ -98,18 +108,20 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def compute_logits(self, requests: list[EngineRequest],
-                       counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def compute_logits(
+        self, requests: list[EngineRequest], counts: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
         """Writes the scheduled tokens' KV; returns logits of the requests that sample in this
         step, and those requests' indices."""
         inputs = self._inputs(requests, counts)
-        return self._forward(inputs)[:len(inputs.emitting)], inputs.emitting
+        return self._forward(inputs)[: len(inputs.emitting)], inputs.emitting
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         metadata = self.attention.prepare(inputs.step)
         try:
-            return self.model.forward(inputs.input_ids, inputs.positions, self.attention,
-                                      metadata, inputs.logit_rows)
+            return self.model.forward(
+                inputs.input_ids, inputs.positions, self.attention, metadata, inputs.logit_rows
+            )
         except BaseException:
             self.attention.reset()  # what it keeps may hold only some layers' copies
             raise
@@ -140,23 +152,35 @@ class ModelRunner:
         row_ends = np.cumsum(lengths)
         row_starts = row_ends - lengths
         total = int(row_ends[-1])
-        emitting = [i for i, r in enumerate(requests)
-                    if r.num_computed + counts[i] == r.num_tokens and r.samples]
+        emitting = [
+            i
+            for i, r in enumerate(requests)
+            if r.num_computed + counts[i] == r.num_tokens and r.samples
+        ]
         input_ids = np.fromiter(
-            itertools.chain.from_iterable(r.token_ids[r.num_computed:r.num_computed + n]
-                                          for r, n in zip(requests, counts)),
-            dtype=np.int64, count=total)
+            itertools.chain.from_iterable(
+                r.token_ids[r.num_computed : r.num_computed + n] for r, n in zip(requests, counts)
+            ),
+            dtype=np.int64,
+            count=total,
+        )
         width = max(len(r.block_ids) for r in requests)
         tables: np.ndarray = np.zeros((num_seqs, width), dtype=np.int64)
         for i, r in enumerate(requests):
-            tables[i, :len(r.block_ids)] = r.block_ids
+            tables[i, : len(r.block_ids)] = r.block_ids
         size = self.block_size
         seq_of_row: np.ndarray = np.repeat(np.arange(num_seqs), lengths)
         positions = np.arange(total) - row_starts[seq_of_row] + starts[seq_of_row]
         slots = tables[seq_of_row, positions // size] * size + positions % size
-        step = StepBatch(sequences=requests, starts=starts, lengths=lengths,
-                         row_starts=row_starts, block_tables=tables, slots=slots,
-                         block_size=size)
+        step = StepBatch(
+            sequences=requests,
+            starts=starts,
+            lengths=lengths,
+            row_starts=row_starts,
+            block_tables=tables,
+            slots=slots,
+            block_size=size,
+        )
         spans = []
         if any(r.wants_prompt_logprobs for r in requests):
             spans = prompt_spans(requests, counts, starts, row_starts)
@@ -166,5 +190,11 @@ class ModelRunner:
             logit_rows = to_device(rows, self.device)
         elif len(emitting) != total:
             logit_rows = to_device(row_ends[emitting] - 1, self.device)
-        return ModelInputs(to_device(input_ids, self.device), to_device(positions, self.device),
-                           logit_rows, emitting, step, spans)
+        return ModelInputs(
+            to_device(input_ids, self.device),
+            to_device(positions, self.device),
+            logit_rows,
+            emitting,
+            step,
+            spans,
+        )

@@ -56,7 +56,7 @@ class PrefixCache:
         found, keys = [], []
         key, node = self.root_key, ROOT_NODE
         for i in range(min(max_blocks, len(token_ids) // size)):
-            tokens = tuple(token_ids[i * size:(i + 1) * size])
+            tokens = tuple(token_ids[i * size : (i + 1) * size])
             key = self.chain_key(key, tokens)
             block = self.block_of_key.get(key)
             if block is None:
@@ -69,8 +69,9 @@ class PrefixCache:
             node = entry.node
         return found, keys, node
 
-    def publish(self, block: int, tokens: tuple[int, ...], parent_key: int | None,
-                parent_node: int) -> tuple[int, int]:
+    def publish(
+        self, block: int, tokens: tuple[int, ...], parent_key: int | None, parent_node: int
+    ) -> tuple[int, int]:
         """Publishes a full block whose KV is (or, within the current step, will be) computed
         after the prefix named by (parent_key, parent_node); ``parent_key`` None is the root.
 

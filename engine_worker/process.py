@@ -53,9 +53,13 @@ def make_engine(config: ClusterConfig):
 
 
 def tokenizer_modules_loaded() -> list[str]:
-    return sorted(m for m in sys.modules
-                  if m == "tokenizers" or m.startswith("tokenizers.")
-                  or m.startswith("transformers.tokenization"))
+    return sorted(
+        m
+        for m in sys.modules
+        if m == "tokenizers"
+        or m.startswith("tokenizers.")
+        or m.startswith("transformers.tokenization")
+    )
 
 
 class EngineProcess:
@@ -66,8 +70,14 @@ class EngineProcess:
         # EngineOverloaded lives next to the engine class (the real one or a test stand-in).
         self._overloaded = sys.modules[type(self.engine).__module__].EngineOverloaded
         self.inbox: PullQueue[TokenizedRequest | AbortRequests | GrammarVocabulary] = PullQueue(
-            ctx, config.engine_addr, TokenizedRequest, AbortRequests, GrammarVocabulary,
-            hwm=INBOX_HWM, curve=config.curve)
+            ctx,
+            config.engine_addr,
+            TokenizedRequest,
+            AbortRequests,
+            GrammarVocabulary,
+            hwm=INBOX_HWM,
+            curve=config.curve,
+        )
         # While idle the loop sleeps on the inbox and, with a real engine, on the pipe its
         # grammar builder writes to when a waiting request's grammar is ready.
         self.idle = zmq.Poller()
@@ -84,8 +94,11 @@ class EngineProcess:
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
         self.runtime.announce(
-            [self.inbox.address], model_name=str(self.engine.model_name),
-            max_model_len=int(self.engine.max_model_len), vocab_size=int(self.engine.vocab_size))
+            [self.inbox.address],
+            model_name=str(self.engine.model_name),
+            max_model_len=int(self.engine.max_model_len),
+            vocab_size=int(self.engine.vocab_size),
+        )
         while not self.runtime.stopping:
             self.drain_inbox()
             if self.engine.has_work():
@@ -120,9 +133,14 @@ class EngineProcess:
             return
         if req.meta.request_id != req.request_id:
             # Only a raw sender can do this; the detokenizer tracks the request by meta's id.
-            self._finish_early(req.meta, FINISH_ERROR, f"meta.request_id "
-                               f"{req.meta.request_id!r} differs from request_id "
-                               f"{req.request_id!r}", ERR_BAD_REQUEST)
+            self._finish_early(
+                req.meta,
+                FINISH_ERROR,
+                f"meta.request_id "
+                f"{req.meta.request_id!r} differs from request_id "
+                f"{req.request_id!r}",
+                ERR_BAD_REQUEST,
+            )
             return
         if self.runtime.stopping:
             self._finish_early(req.meta, FINISH_ABORT, "", "")
@@ -130,8 +148,9 @@ class EngineProcess:
         try:
             ids = unpack_id_list(req.token_ids)
             grammar = {"grammar": req.grammar} if req.grammar else {}  # stand-ins take none
-            self.engine.add(req.request_id, ids, req.sampling, arrival_time=time.monotonic(),
-                            **grammar)
+            self.engine.add(
+                req.request_id, ids, req.sampling, arrival_time=time.monotonic(), **grammar
+            )
         except self._overloaded as exc:
             self._finish_early(req.meta, FINISH_ERROR, f"overloaded: {exc}", ERR_OVERLOADED)
         except (ValueError, DecodeError) as exc:
@@ -158,8 +177,9 @@ class EngineProcess:
         try:
             self.outbox.put(out, timeout_ms=SEND_TIMEOUT_MS)
         except zmq.Again:
-            logger.error("the detokenizer has not read for %d ms; dropped step %d",
-                         SEND_TIMEOUT_MS, out.step)
+            logger.error(
+                "the detokenizer has not read for %d ms; dropped step %d", SEND_TIMEOUT_MS, out.step
+            )
 
     # --- shutdown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -209,14 +229,22 @@ class EngineProcess:
         return pending
 
     def stats(self) -> dict[str, float]:
-        stats = {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                 "live": len(self.live), "steps": self.steps, "received": self.received,
-                 "imported_tokenizers": float(bool(tokenizer_modules_loaded()))}
+        stats = {
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
+            "live": len(self.live),
+            "steps": self.steps,
+            "received": self.received,
+            "imported_tokenizers": float(bool(tokenizer_modules_loaded())),
+        }
         blocks = getattr(self.engine, "blocks", None)  # the real engine's KV block manager
         if blocks is not None:
             # used: held by a running request; available: free or only cached (evictable).
-            stats.update(kv_blocks_total=blocks.num_blocks, kv_blocks_used=blocks.num_used,
-                         kv_blocks_available=blocks.num_available)
+            stats.update(
+                kv_blocks_total=blocks.num_blocks,
+                kv_blocks_used=blocks.num_used,
+                kv_blocks_available=blocks.num_available,
+            )
         return stats
 
 

@@ -19,14 +19,38 @@ class EngineRequest:
     ``token_ids`` the step samples one new token. Decode is the case n == 1, chunked prefill and
     recompute after preemption are the cases where the end is not reached yet."""
 
-    __slots__ = ("request_id", "token_ids", "prompt_len", "params", "sampler", "stop_ids",
-                 "max_total_len", "t_arrived", "t_scheduled", "num_computed", "block_ids",
-                 "block_keys", "prefix_node", "cached_tokens", "started_sent",
-                 "num_generated", "samples", "prompt_logprobs_from", "grammar")
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "prompt_len",
+        "params",
+        "sampler",
+        "stop_ids",
+        "max_total_len",
+        "t_arrived",
+        "t_scheduled",
+        "num_computed",
+        "block_ids",
+        "block_keys",
+        "prefix_node",
+        "cached_tokens",
+        "started_sent",
+        "num_generated",
+        "samples",
+        "prompt_logprobs_from",
+        "grammar",
+    )
 
-    def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                 sampler: RequestSampler, stop_ids: frozenset[int], max_model_len: int,
-                 t_arrived: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        sampler: RequestSampler,
+        stop_ids: frozenset[int],
+        max_model_len: int,
+        t_arrived: float,
+    ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
         self.prompt_len = len(token_ids)

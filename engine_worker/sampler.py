@@ -27,13 +27,33 @@ from ipc.messages import SamplingParams
 class RequestSampler:
     """The per-request part: parameters and the request's own random stream."""
 
-    __slots__ = ("greedy", "temperature", "top_k", "top_p", "filtered", "generator",
-                 "penalized", "presence", "frequency", "repetition", "counts", "seen", "folded",
-                 "logprobs", "min_p", "bias_ids", "bias_values", "min_tokens", "stop_ids",
-                 "needs_history", "adjusts")
+    __slots__ = (
+        "greedy",
+        "temperature",
+        "top_k",
+        "top_p",
+        "filtered",
+        "generator",
+        "penalized",
+        "presence",
+        "frequency",
+        "repetition",
+        "counts",
+        "seen",
+        "folded",
+        "logprobs",
+        "min_p",
+        "bias_ids",
+        "bias_values",
+        "min_tokens",
+        "stop_ids",
+        "needs_history",
+        "adjusts",
+    )
 
-    def __init__(self, params: SamplingParams, device: torch.device,
-                 stop_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, params: SamplingParams, device: torch.device, stop_ids: frozenset[int] = frozenset()
+    ) -> None:
         """``stop_ids``: the ids that end the request (masked until it has min_tokens)."""
         self.greedy = params.greedy
         self.temperature = params.temperature
@@ -65,8 +85,7 @@ class RequestSampler:
         self.needs_history = self.penalized or self.stop_ids is not None
         self.adjusts = self.needs_history or self.bias_ids is not None
 
-    def fold(self, token_ids: list[int], prompt_len: int, vocab: int,
-             device: torch.device) -> None:
+    def fold(self, token_ids: list[int], prompt_len: int, vocab: int, device: torch.device) -> None:
         """Brings ``counts`` and ``seen`` up to date with the request's tokens."""
         if self.counts is None or self.seen is None:
             self.counts = torch.zeros(vocab, device=device)
@@ -74,16 +93,17 @@ class RequestSampler:
         counts, seen = self.counts, self.seen
         if self.folded >= len(token_ids):
             return
-        new = torch.tensor(token_ids[self.folded:], device=device)
+        new = torch.tensor(token_ids[self.folded :], device=device)
         seen[new] = True
-        generated = new[max(0, prompt_len - self.folded):]
+        generated = new[max(0, prompt_len - self.folded) :]
         if generated.numel():
             counts.index_add_(0, generated, torch.ones_like(generated, dtype=torch.float32))
         self.folded = len(token_ids)
 
 
-def apply_penalties(logits: torch.Tensor, samplers: list[RequestSampler],
-                    histories: list[tuple[list[int], int]]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, samplers: list[RequestSampler], histories: list[tuple[list[int], int]]
+) -> torch.Tensor:
     """``logits`` with each penalized row's penalties applied (other rows unchanged).
     ``histories``: per row, the request's tokens (prompt + generated) and its prompt length.
     Only the (row, token) pairs already seen are touched, so the cost beyond one pass over the
@@ -105,14 +125,18 @@ def apply_penalties(logits: torch.Tensor, samplers: list[RequestSampler],
     picked = logits[at]
     rep = per_pair([samplers[i].repetition for i in rows])
     picked = torch.where(picked > 0, picked / rep, picked * rep)
-    picked -= (per_pair([samplers[i].frequency for i in rows]) * counts
-               + per_pair([samplers[i].presence for i in rows]) * (counts > 0))
+    picked -= per_pair([samplers[i].frequency for i in rows]) * counts + per_pair(
+        [samplers[i].presence for i in rows]
+    ) * (counts > 0)
     logits[at] = picked
     return logits
 
 
-def adjust_logits(logits: torch.Tensor, samplers: list[RequestSampler],
-                  histories: list[tuple[list[int], int]] | None) -> torch.Tensor:
+def adjust_logits(
+    logits: torch.Tensor,
+    samplers: list[RequestSampler],
+    histories: list[tuple[list[int], int]] | None,
+) -> torch.Tensor:
     """Penalties, then logit_bias, then the min_tokens mask, on a copy of the rows' logits
     (``logits`` itself is returned when no sampler adjusts anything)."""
     raw = logits
@@ -121,8 +145,13 @@ def adjust_logits(logits: torch.Tensor, samplers: list[RequestSampler],
     elif any(s.needs_history for s in samplers):
         raise ValueError("penalties and min_tokens need the requests' token histories")
     biased = [i for i, s in enumerate(samplers) if s.bias_ids is not None]
-    masked = [i for i, s in enumerate(samplers) if s.stop_ids is not None and histories
-              and len(histories[i][0]) - histories[i][1] < s.min_tokens]
+    masked = [
+        i
+        for i, s in enumerate(samplers)
+        if s.stop_ids is not None
+        and histories
+        and len(histories[i][0]) - histories[i][1] < s.min_tokens
+    ]
     if not biased and not masked:
         return logits
     if logits is raw:
@@ -134,8 +163,11 @@ def adjust_logits(logits: torch.Tensor, samplers: list[RequestSampler],
     return logits
 
 
-def sample(logits: torch.Tensor, samplers: list[RequestSampler],
-           histories: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    samplers: list[RequestSampler],
+    histories: list[tuple[list[int], int]] | None = None,
+) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] (int64, on logits' device); ``logits`` is not
     modified. ``histories`` (see apply_penalties) is needed when a sampler has penalties or
     min_tokens."""
@@ -167,8 +199,7 @@ def sample(logits: torch.Tensor, samplers: list[RequestSampler],
     filtered = [j for j, s in enumerate(subset) if s.filtered]
     if filtered:
         index = torch.tensor(filtered, device=device)
-        picked[index] = _filtered_draw(probs[index], uniforms[index],
-                                       [subset[j] for j in filtered])
+        picked[index] = _filtered_draw(probs[index], uniforms[index], [subset[j] for j in filtered])
     chosen[rows] = picked
     return chosen
 
@@ -213,8 +244,9 @@ def _canonical(probs: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, to
     return probs, ids.gather(1, order)
 
 
-def _filtered_draw(probs: torch.Tensor, uniforms: torch.Tensor,
-                   samplers: list[RequestSampler]) -> torch.Tensor:
+def _filtered_draw(
+    probs: torch.Tensor, uniforms: torch.Tensor, samplers: list[RequestSampler]
+) -> torch.Tensor:
     """A draw restricted to each row's top-k / top-p set: in the canonical order (see
     _canonical), top-k keeps the first k tokens (renormalized), then top-p drops a token once
     the tokens before it hold top_p of the mass (the first always stays).
@@ -238,25 +270,32 @@ def _filtered_draw(probs: torch.Tensor, uniforms: torch.Tensor,
         index = torch.tensor(wide, device=probs.device)
         # Columns are vocabulary ids in ascending order: a stable sort is the canonical one.
         full_p, full_i = probs[index].sort(dim=-1, descending=True, stable=True)
-        picked[index], _ = _nucleus_draw(full_p, full_i, uniforms[index],
-                                         [samplers[j] for j in wide])
+        picked[index], _ = _nucleus_draw(
+            full_p, full_i, uniforms[index], [samplers[j] for j in wide]
+        )
     return picked
 
 
-def _nucleus_draw(cand_p: torch.Tensor, cand_i: torch.Tensor, uniforms: torch.Tensor,
-                  samplers: list[RequestSampler]) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus_draw(
+    cand_p: torch.Tensor,
+    cand_i: torch.Tensor,
+    uniforms: torch.Tensor,
+    samplers: list[RequestSampler],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draws among candidates in canonical order (probabilities ``cand_p`` of the vocabulary
     ids ``cand_i``); also returns which candidates each row kept."""
     device, width = cand_p.device, cand_p.shape[1]
     ranks = torch.arange(width, device=device).unsqueeze(0)
-    top_k = torch.tensor([min(s.top_k, width) if s.top_k else width for s in samplers],
-                         device=device)
+    top_k = torch.tensor(
+        [min(s.top_k, width) if s.top_k else width for s in samplers], device=device
+    )
     cand_p = cand_p.masked_fill(ranks >= top_k.unsqueeze(1), 0.0)
     has_k = torch.tensor([bool(s.top_k) for s in samplers], device=device).unsqueeze(1)
     cand_p = torch.where(has_k, cand_p / cand_p.sum(dim=-1, keepdim=True), cand_p)
     # top_p == 1 filters nothing (an inf bound keeps rounding in the cumsum from dropping a tail).
-    top_p = torch.tensor([s.top_p if s.top_p < 1.0 else float("inf") for s in samplers],
-                         device=device).unsqueeze(1)
+    top_p = torch.tensor(
+        [s.top_p if s.top_p < 1.0 else float("inf") for s in samplers], device=device
+    ).unsqueeze(1)
     mass_before = cand_p.cumsum(dim=-1) - cand_p
     cand_p = cand_p.masked_fill(mass_before >= top_p, 0.0)
     picked = _inverse_cdf(cand_p, uniforms)

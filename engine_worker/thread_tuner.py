@@ -86,8 +86,9 @@ class ThreadTuner:
         state.pending = None
         one, many = (first_seconds, seconds) if first_threads == 1 else (seconds, first_seconds)
         state.ratios.append(many / max(one, 1e-9))
-        decisive = len(state.ratios) == 2 and (min(state.ratios) > DECISIVE
-                                                or max(state.ratios) < 1 / DECISIVE)
+        decisive = len(state.ratios) == 2 and (
+            min(state.ratios) > DECISIVE or max(state.ratios) < 1 / DECISIVE
+        )
         if decisive or len(state.ratios) >= PROBE_PAIRS:
             self._decide(state)
 

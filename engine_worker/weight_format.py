@@ -52,11 +52,14 @@ def check_weights_and_dtype(weights: str, dtype: torch.dtype, device: torch.devi
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     if weights in DENSE_DTYPES and DENSE_DTYPES[weights] != dtype:
-        raise ValueError(f"weights={weights} needs dtype {DENSE_DTYPES[weights]} (or auto), "
-                         f"got {dtype}")
+        raise ValueError(
+            f"weights={weights} needs dtype {DENSE_DTYPES[weights]} (or auto), got {dtype}"
+        )
     if weights in ("int8", "int4") and device.type != "cpu":
-        raise ValueError(f"weights={weights} runs on torch's CPU kernels only; on "
-                         f"{device.type} use auto or a dense format")
+        raise ValueError(
+            f"weights={weights} runs on torch's CPU kernels only; on "
+            f"{device.type} use auto or a dense format"
+        )
     if weights in ("int8", "int4") and dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"weights={weights} needs dtype float32 or bfloat16, got {dtype}")
 
@@ -72,8 +75,12 @@ def dense_copy_fits(config, dtype: torch.dtype, budget_bytes: int) -> bool:
         params += config.vocab_size * hidden
     needed = params * torch.empty((), dtype=dtype).element_size()
     if needed > budget_bytes:
-        logger.warning("dense weight copies (%d MiB) exceed the memory budget (%d MiB): quantized "
-                       "layers serve every step", needed >> 20, budget_bytes >> 20)
+        logger.warning(
+            "dense weight copies (%d MiB) exceed the memory budget (%d MiB): quantized "
+            "layers serve every step",
+            needed >> 20,
+            budget_bytes >> 20,
+        )
     return needed <= budget_bytes
 
 
@@ -90,9 +97,15 @@ class WeightFormat:
     rounded as the kernels store them): the reference that measures a kernel's own error,
     apart from the quantization's (tests, accuracy benchmarks)."""
 
-    def __init__(self, weights: str, dtype: torch.dtype, device: torch.device,
-                 max_tokens: int = 0, dense_copy: bool = True,
-                 reference_for: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        weights: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_tokens: int = 0,
+        dense_copy: bool = True,
+        reference_for: torch.dtype | None = None,
+    ) -> None:
         check_weights_and_dtype(weights, reference_for or dtype, device)
         self.weights, self.dtype, self.device = weights, dtype, device
         self.max_tokens = max_tokens
@@ -104,8 +117,13 @@ class WeightFormat:
         """A tensor in the activation dtype (embedding, norms, biases, dense layers)."""
         return dequantize(source).to(device=self.device, dtype=self.dtype).contiguous()
 
-    def linear(self, sources: list[WeightSource], bias: torch.Tensor | None = None,
-               dense: torch.Tensor | None = None, head: bool = False) -> LinearWeight:
+    def linear(
+        self,
+        sources: list[WeightSource],
+        bias: torch.Tensor | None = None,
+        dense: torch.Tensor | None = None,
+        head: bool = False,
+    ) -> LinearWeight:
         """One linear layer from ``sources`` stacked along the output dimension (q/k/v,
         gate/up). ``dense``: the checkpoint's weights already in the activation dtype, to share
         (a tied lm_head's embedding table). A dense copy kept beside quantized weights holds the
@@ -119,8 +137,11 @@ class WeightFormat:
             return DenseLinear(dense if dense is not None else self.dense(source), bias)
         scale_dtype = self.reference_for or self.dtype
         if kind == "int4":
-            groups = source if isinstance(source, Int4Groups) else quantize_int4(
-                dequantize(source), scale_dtype)
+            groups = (
+                source
+                if isinstance(source, Int4Groups)
+                else quantize_int4(dequantize(source), scale_dtype)
+            )
             if self.reference_for is not None:
                 return DenseLinear(dequantize(groups.rounded(scale_dtype)), bias)
             layer: LinearWeight = Int4Linear(groups, self.dtype, bias)
@@ -151,8 +172,13 @@ class WeightFormat:
         n = sum(s.shape[0] if isinstance(s, torch.Tensor) else s.q.shape[0] for s in sources)
         k = sources[0].shape[1] if isinstance(sources[0], torch.Tensor) else sources[0].q.shape[1]
         if weights == "int4" and not int4_supported(n, k, INT4_GROUP):
-            logger.warning("a %d x %d layer cannot take int4 (needs rows %% 16 == 0 and "
-                           "columns %% %d == 0): int8 instead", n, k, INT4_GROUP)
+            logger.warning(
+                "a %d x %d layer cannot take int4 (needs rows %% 16 == 0 and "
+                "columns %% %d == 0): int8 instead",
+                n,
+                k,
+                INT4_GROUP,
+            )
             return "int8"
         return weights
 
@@ -171,8 +197,11 @@ def _stack(sources: list[WeightSource]) -> WeightSource:
         return sources[0]
     int4 = [s for s in sources if isinstance(s, Int4Groups)]
     if len(int4) == len(sources) and len({s.group for s in int4}) == 1:
-        return Int4Groups(torch.cat([s.q for s in int4]), torch.cat([s.scale for s in int4]),
-                          torch.cat([s.zero for s in int4]))
+        return Int4Groups(
+            torch.cat([s.q for s in int4]),
+            torch.cat([s.scale for s in int4]),
+            torch.cat([s.zero for s in int4]),
+        )
     int8 = [s for s in sources if isinstance(s, Int8Blocks)]
     if len(int8) == len(sources):
         return Int8Blocks(torch.cat([s.q for s in int8]), torch.cat([s.scale for s in int8]))

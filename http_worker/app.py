@@ -52,17 +52,26 @@ KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOK
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False, separators=(",", ":")), status,
-                    headers, media_type="application/json")
+    return Response(
+        json.dumps(body, ensure_ascii=False, separators=(",", ":")),
+        status,
+        headers,
+        media_type="application/json",
+    )
 
 
 def _sse(body: Any) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
+    return (
+        b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    )
 
 
-async def _generate(request: Request, body: CompletionRequest | ChatCompletionRequest,
-                    fmt: ResponseFormat, default_max_tokens: int) -> Response:
+async def _generate(
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    fmt: ResponseFormat,
+    default_max_tokens: int,
+) -> Response:
     t_arrived = time.monotonic()
     frontend: Frontend = request.app.state.frontend
     frontend.check_model(body.model)
@@ -82,13 +91,17 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     except BaseException:
         call.close("internal")
         raise
-    return StreamingResponse(_stream(call, first, events, fmt), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(call.aclose))
+    return StreamingResponse(
+        _stream(call, first, events, fmt),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(call.aclose),
+    )
 
 
-async def _collect(call: GenerationCall, events: AsyncIterator[tuple[int, Delta]],
-                   fmt: ResponseFormat) -> dict[str, Any]:
+async def _collect(
+    call: GenerationCall, events: AsyncIterator[tuple[int, Delta]], fmt: ResponseFormat
+) -> dict[str, Any]:
     choices = [ChoiceOutput() for _ in call.handles]
     async for i, delta in events:
         choices[i].add(delta)
@@ -96,9 +109,12 @@ async def _collect(call: GenerationCall, events: AsyncIterator[tuple[int, Delta]
     return fmt.full(choices, call.usage())
 
 
-async def _stream(call: GenerationCall, first: tuple[int, Delta],
-                  events: AsyncIterator[tuple[int, Delta]], fmt: ResponseFormat
-                  ) -> AsyncIterator[bytes]:
+async def _stream(
+    call: GenerationCall,
+    first: tuple[int, Delta],
+    events: AsyncIterator[tuple[int, Delta]],
+    fmt: ResponseFormat,
+) -> AsyncIterator[bytes]:
     """The SSE body. Ends with [DONE], or with an error object then [DONE] when a choice fails
     mid-stream. A client disconnect cancels this generator; ``finally`` aborts what is left."""
     try:
@@ -141,13 +157,17 @@ async def _report_to_supervisor(settings: FrontendSettings, frontend: Frontend) 
     heartbeats with this frontend's in-flight counts, until cancelled."""
     ctx = zmq.Context()
     curve = CurveKeys(settings.server_public_key) if settings.server_public_key else None
-    link = SupervisorLink(ctx, settings.supervisor_addr, "http", settings.index,
-                          settings.heartbeat_interval_s, curve)
+    link = SupervisorLink(
+        ctx, settings.supervisor_addr, "http", settings.index, settings.heartbeat_interval_s, curve
+    )
     try:
         welcome = frontend.require_client().welcome
-        link.ready([settings.url], model_name=frontend.model_name,
-                   max_model_len=frontend.max_model_len,
-                   vocab_size=welcome.vocab_size if welcome else 0)
+        link.ready(
+            [settings.url],
+            model_name=frontend.model_name,
+            max_model_len=frontend.max_model_len,
+            vocab_size=welcome.vocab_size if welcome else 0,
+        )
         while True:
             link.maybe_heartbeat(frontend.stats())
             await asyncio.sleep(link.heartbeat_due_in_ms() / 1000)
@@ -162,13 +182,17 @@ def build_app(settings: FrontendSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await frontend.start()
-        print(f"splitserve http[{settings.index}] pid={os.getpid()} ready: {settings.url} "
-              f"model {frontend.model_name!r}, cluster at {settings.client_addr}",
-              file=sys.stderr, flush=True)
+        print(
+            f"splitserve http[{settings.index}] pid={os.getpid()} ready: {settings.url} "
+            f"model {frontend.model_name!r}, cluster at {settings.client_addr}",
+            file=sys.stderr,
+            flush=True,
+        )
         reporting = None
         if settings.supervisor_addr:
-            reporting = asyncio.get_running_loop().create_task(_report_to_supervisor(
-                settings, frontend))
+            reporting = asyncio.get_running_loop().create_task(
+                _report_to_supervisor(settings, frontend)
+            )
         try:
             yield
         finally:
@@ -178,8 +202,9 @@ def build_app(settings: FrontendSettings) -> FastAPI:
                     await reporting
             await frontend.close()
 
-    app = FastAPI(title="splitserve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(
+        title="splitserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.frontend = frontend
     _install_error_handlers(app)
     _install_middleware(app, frontend, settings.api_key)
@@ -187,17 +212,26 @@ def build_app(settings: FrontendSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         check_fields(body, settings.lenient_fields)
-        fmt = CompletionFormat(frontend.model_name, body.include_usage, body.continuous_usage,
-                               logprobs=body.logprobs, echo=body.echo,
-                               prompt_logprobs=body.prompt_logprobs is not None)
+        fmt = CompletionFormat(
+            frontend.model_name,
+            body.include_usage,
+            body.continuous_usage,
+            logprobs=body.logprobs,
+            echo=body.echo,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
         return await _generate(request, body, fmt, COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         check_fields(body, settings.lenient_fields)
-        fmt = ChatFormat(frontend.model_name, body.include_usage, body.continuous_usage,
-                         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                         prompt_logprobs=body.prompt_logprobs is not None)
+        fmt = ChatFormat(
+            frontend.model_name,
+            body.include_usage,
+            body.continuous_usage,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
         # No limit asked: as much as the context allows (the tokenizer clamps it to the room).
         return await _generate(request, body, fmt, max(1, frontend.max_model_len))
 
@@ -234,8 +268,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         # Drop "body" and the union members pydantic names in the path ("str", "list[int]").
-        loc = [str(p) for p in first.get("loc", ())
-               if p != "body" and not (isinstance(p, str) and (p in _TYPE_NAMES or "[" in p))]
+        loc = [
+            str(p)
+            for p in first.get("loc", ())
+            if p != "body" and not (isinstance(p, str) and (p in _TYPE_NAMES or "[" in p))
+        ]
         param = ".".join(loc) or None
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         if param:
@@ -262,9 +299,15 @@ def _install_middleware(app: FastAPI, frontend: Frontend, api_key: str) -> None:
         given = request.headers.get("authorization") or ""
         protected = path.startswith("/v1/") or path in TOKENIZER_PATHS
         if api_key and protected and not hmac.compare_digest(given.encode(), expected.encode()):
-            response: Response = _json(error_body(
-                "a valid API key is required (Authorization: Bearer ...)",
-                "invalid_request_error", None, "invalid_api_key"), 401)
+            response: Response = _json(
+                error_body(
+                    "a valid API key is required (Authorization: Bearer ...)",
+                    "invalid_request_error",
+                    None,
+                    "invalid_api_key",
+                ),
+                401,
+            )
         else:
             response = await call_next(request)
         if protected:

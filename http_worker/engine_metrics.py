@@ -25,21 +25,48 @@ from ipc.messages import EngineStats
 
 # (our name, kind, help, the vLLM series it stands for, value from the engine's stats)
 ENGINE_SERIES = (
-    ("splitserve_engine_requests_running", "gauge", "Requests in the engine's running batch.",
-     "vllm:num_requests_running", lambda s: s.running),
-    ("splitserve_engine_requests_waiting", "gauge", "Requests waiting in the engine's queue.",
-     "vllm:num_requests_waiting", lambda s: s.waiting),
-    ("splitserve_engine_kv_cache_usage_ratio", "gauge", "Share of KV-cache blocks held by "
-     "requests (0 to 1; cached blocks nobody holds are free).", "vllm:kv_cache_usage_perc",
-     lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0),
-    ("splitserve_engine_prefix_cache_queried_tokens", "counter", "Prompt tokens looked up in "
-     "the prefix cache when requests were admitted.", "vllm:prefix_cache_queries",
-     lambda s: s.prefix_queried_tokens_total),
-    ("splitserve_engine_prefix_cache_hit_tokens", "counter", "Prompt tokens found in the "
-     "prefix cache (hit rate = hits / queried).", "vllm:prefix_cache_hits",
-     lambda s: s.prefix_hit_tokens_total),
-    ("splitserve_engine_preemptions", "counter", "Requests preempted because KV-cache blocks "
-     "ran out (recomputed later).", "vllm:num_preemptions", lambda s: s.preemptions_total),
+    (
+        "splitserve_engine_requests_running",
+        "gauge",
+        "Requests in the engine's running batch.",
+        "vllm:num_requests_running",
+        lambda s: s.running,
+    ),
+    (
+        "splitserve_engine_requests_waiting",
+        "gauge",
+        "Requests waiting in the engine's queue.",
+        "vllm:num_requests_waiting",
+        lambda s: s.waiting,
+    ),
+    (
+        "splitserve_engine_kv_cache_usage_ratio",
+        "gauge",
+        "Share of KV-cache blocks held by requests (0 to 1; cached blocks nobody holds are free).",
+        "vllm:kv_cache_usage_perc",
+        lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+    ),
+    (
+        "splitserve_engine_prefix_cache_queried_tokens",
+        "counter",
+        "Prompt tokens looked up in the prefix cache when requests were admitted.",
+        "vllm:prefix_cache_queries",
+        lambda s: s.prefix_queried_tokens_total,
+    ),
+    (
+        "splitserve_engine_prefix_cache_hit_tokens",
+        "counter",
+        "Prompt tokens found in the prefix cache (hit rate = hits / queried).",
+        "vllm:prefix_cache_hits",
+        lambda s: s.prefix_hit_tokens_total,
+    ),
+    (
+        "splitserve_engine_preemptions",
+        "counter",
+        "Requests preempted because KV-cache blocks ran out (recomputed later).",
+        "vllm:num_preemptions",
+        lambda s: s.preemptions_total,
+    ),
 )
 
 

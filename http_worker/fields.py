@@ -28,19 +28,44 @@ logger = logging.getLogger("splitserve.http")
 # Known fields we do not implement -> the values (besides null, [] and {}) that ask for nothing.
 NOT_IMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "functions": (), "function_call": ("none",), "audio": (), "modalities": (["text"],),
-    "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+    "functions": (),
+    "function_call": ("none",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "verbosity": (),
     # vLLM / SGLang extensions
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
-    "bad_words": (), "allowed_token_ids": (), "truncate_prompt_tokens": (),
-    "priority": (0,), "spaces_between_special_tokens": (True,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
-    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "early_stopping": (False,),
+    "bad_words": (),
+    "allowed_token_ids": (),
+    "truncate_prompt_tokens": (),
+    "priority": (0,),
+    "spaces_between_special_tokens": (True,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
     "chat_template": (),  # a template sent by the client: not rendered (untrusted code)
-    "continue_final_message": (False,), "documents": (), "mm_processor_kwargs": (),
-    "cache_salt": (), "kv_transfer_params": (), "vllm_xargs": (), "logits_processors": (),
-    "regex": (), "json_schema": (), "ebnf": (), "lora_path": (), "return_hidden_states": (False,),
+    "continue_final_message": (False,),
+    "documents": (),
+    "mm_processor_kwargs": (),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "logits_processors": (),
+    "regex": (),
+    "json_schema": (),
+    "ebnf": (),
+    "lora_path": (),
+    "return_hidden_states": (False,),
 }
 CHAT_NOT_IMPLEMENTED_FIELDS = {**NOT_IMPLEMENTED_FIELDS, "add_special_tokens": (False,)}
 COMPLETION_NOT_IMPLEMENTED_FIELDS = {**NOT_IMPLEMENTED_FIELDS, "add_special_tokens": (True,)}
@@ -51,26 +76,33 @@ NO_OP_FIELDS: dict[str, str] = {
     "store": "asks OpenAI to keep the completion; this server keeps none",
     "service_tier": "a processing tier for billing and latency; there is one tier here",
     "prompt_cache_key": "a routing hint for OpenAI's prompt cache; the prefix cache here finds "
-                        "shared prefixes by their token ids",
+    "shared prefixes by their token ids",
     "safety_identifier": "an end-user id for abuse monitoring, like user",
 }
 
 # Fields of a chat message (what clients replay of an earlier answer) and of its content parts.
 MESSAGE_NOT_IMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "function_call": (), "audio": (), "refusal": ("",),
-    "annotations": (), "reasoning_content": ("",), "reasoning": ("",),
+    "function_call": (),
+    "audio": (),
+    "refusal": ("",),
+    "annotations": (),
+    "reasoning_content": ("",),
+    "reasoning": ("",),
 }
 STREAM_OPTIONS_NO_OP_FIELDS = {
     "include_obfuscation": "random padding OpenAI adds to stream chunks against side channels; "
-                           "none is added here, the content is the same",
+    "none is added here, the content is the same"
 }
 
 
 class FieldPolicy:
     """What one model class does with the fields it does not declare."""
 
-    def __init__(self, not_implemented: dict[str, tuple[Any, ...]] | None = None,
-                 no_op: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        not_implemented: dict[str, tuple[Any, ...]] | None = None,
+        no_op: dict[str, str] | None = None,
+    ) -> None:
         self.not_implemented = not_implemented or {}
         self.no_op = no_op or {}
 
@@ -99,8 +131,12 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def check_fields(model: BaseModel, lenient: bool,
-                 policies: dict[str, FieldPolicy] = GENERATION_POLICIES, path: str = "") -> None:
+def check_fields(
+    model: BaseModel,
+    lenient: bool,
+    policies: dict[str, FieldPolicy] = GENERATION_POLICIES,
+    path: str = "",
+) -> None:
     """Raises APIError(400) for the first extra field of ``model`` (or of an object nested in
     it) that would change the output; see the module docstring."""
     policy = policies.get(type(model).__name__, FieldPolicy())
@@ -111,13 +147,23 @@ def check_fields(model: BaseModel, lenient: bool,
         if name in policy.not_implemented:
             if asks_for_nothing(value, policy.not_implemented[name]):
                 continue
-            raise APIError(400, f"{where} is not supported by this server",
-                           "invalid_request_error", where, "unsupported_field")
+            raise APIError(
+                400,
+                f"{where} is not supported by this server",
+                "invalid_request_error",
+                where,
+                "unsupported_field",
+            )
         if not lenient:
-            raise APIError(400, f"unknown field {where!r}: this server does not know it, so it "
-                           "cannot honour it (a server started with --lenient-fields ignores "
-                           "unknown fields instead)", "invalid_request_error", where,
-                           "unknown_field")
+            raise APIError(
+                400,
+                f"unknown field {where!r}: this server does not know it, so it "
+                "cannot honour it (a server started with --lenient-fields ignores "
+                "unknown fields instead)",
+                "invalid_request_error",
+                where,
+                "unknown_field",
+            )
         _log_ignored(f"{type(model).__name__}.{name}", where)
     for name in type(model).model_fields:
         value = getattr(model, name)

@@ -51,9 +51,11 @@ class Frontend:
 
     async def start(self) -> None:
         self.client = await AsyncClient(
-            self.settings.client_addr, connect_timeout_s=self.settings.connect_timeout_s,
+            self.settings.client_addr,
+            connect_timeout_s=self.settings.connect_timeout_s,
             deadline_s=self.settings.request_deadline_s or None,
-            server_public_key=self.settings.server_public_key or None).start()
+            server_public_key=self.settings.server_public_key or None,
+        ).start()
         welcome = self.client.welcome
         assert welcome is not None
         self.model_name = self.model_name or welcome.model
@@ -66,8 +68,10 @@ class Frontend:
 
     def stats(self) -> dict[str, float]:
         value = self.metrics.registry.get_sample_value
-        return {"in_flight": value("splitserve_http_requests_in_flight") or 0.0,
-                "generations_in_flight": value("splitserve_generations_in_flight") or 0.0}
+        return {
+            "in_flight": value("splitserve_http_requests_in_flight") or 0.0,
+            "generations_in_flight": value("splitserve_generations_in_flight") or 0.0,
+        }
 
     async def engine_metrics(self) -> bytes:
         """The engine's series (engine_metrics.py), or nothing while the cluster does not answer
@@ -83,14 +87,23 @@ class Frontend:
 
     def check_model(self, requested: str | None) -> None:
         if requested and requested != self.model_name:
-            raise APIError(404, f"the model {requested!r} does not exist; this server serves "
-                           f"{self.model_name!r}", "invalid_request_error", "model",
-                           "model_not_found")
+            raise APIError(
+                404,
+                f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
 
     def require_client(self) -> AsyncClient:
         if self.client is None:
-            raise APIError(503, "the frontend is not connected to the cluster", "server_error",
-                           None, ERR_UNAVAILABLE)
+            raise APIError(
+                503,
+                "the frontend is not connected to the cluster",
+                "server_error",
+                None,
+                ERR_UNAVAILABLE,
+            )
         return self.client
 
     async def healthy(self) -> str | None:
@@ -109,8 +122,11 @@ class Frontend:
         self._probes += 1
         try:
             handle = self.require_client().submit(
-                prompt_token_ids=[0], max_tokens=1, temperature=0.0,
-                request_id=f"health-probe-{self._probes}")
+                prompt_token_ids=[0],
+                max_tokens=1,
+                temperature=0.0,
+                request_id=f"health-probe-{self._probes}",
+            )
         except (SplitserveError, APIError) as exc:
             return f"probe not accepted: {exc}"
         try:

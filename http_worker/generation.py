@@ -41,8 +41,9 @@ class GenerationCall:
     one merged stream of (choice, delta), accounting, and an idempotent close that aborts
     whatever is unfinished (a client that went away, a sibling choice that failed)."""
 
-    def __init__(self, frontend: Frontend, handles: list[AsyncRequestHandle], n: int,
-                 t_arrived: float) -> None:
+    def __init__(
+        self, frontend: Frontend, handles: list[AsyncRequestHandle], n: int, t_arrived: float
+    ) -> None:
         self.frontend, self.handles, self.n, self.t_arrived = frontend, handles, n, t_arrived
         self.finals: list[Delta | None] = [None] * len(handles)
         self.errors: list[str] = [""] * len(handles)
@@ -100,16 +101,19 @@ class GenerationCall:
         if delta.finished:
             self.finals[i] = delta
             metrics.generations_in_flight.dec()
-            metrics.observe_generation(delta.finish_reason, delta.usage, delta.timings,
-                                       self._first_t[i], self._last_t[i])
+            metrics.observe_generation(
+                delta.finish_reason, delta.usage, delta.timings, self._first_t[i], self._last_t[i]
+            )
 
     def usage(self) -> dict[str, Any]:
         """OpenAI counts a prompt once however many choices it has."""
         usages = [f.usage if f is not None else None for f in self.finals]
-        per_prompt = [u for u in usages[::self.n] if u is not None]
-        return usage_body(sum(u.prompt_tokens for u in per_prompt),
-                          sum(u.completion_tokens for u in usages if u is not None),
-                          sum(u.cached_tokens for u in per_prompt))
+        per_prompt = [u for u in usages[:: self.n] if u is not None]
+        return usage_body(
+            sum(u.prompt_tokens for u in per_prompt),
+            sum(u.completion_tokens for u in usages if u is not None),
+            sum(u.cached_tokens for u in per_prompt),
+        )
 
     def close(self, outcome: str = "disconnected") -> None:
         """Aborts the unfinished choices (counted under ``outcome``, or their own error)."""
@@ -163,8 +167,13 @@ async def unless_disconnected(request: Request, awaitable: Any) -> Any:
     raise ClientGone
 
 
-def submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionRequest,
-                fmt: ResponseFormat, default_max_tokens: int, t_arrived: float) -> GenerationCall:
+def submit_all(
+    frontend: Frontend,
+    body: CompletionRequest | ChatCompletionRequest,
+    fmt: ResponseFormat,
+    default_max_tokens: int,
+    t_arrived: float,
+) -> GenerationCall:
     prompts = body.prompts()
     if len(prompts) * body.n > MAX_CHOICES:
         raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts x n)", "n")
@@ -176,10 +185,15 @@ def submit_all(frontend: Frontend, body: CompletionRequest | ChatCompletionReque
     try:
         for prompt in prompts:
             for sampling in samplings:
-                handles.append(client.submit(**prompt, sampling=sampling,
-                                             request_id=f"{fmt.id}-{len(handles)}",
-                                             continuous_usage_stats=body.continuous_usage,
-                                             **options))
+                handles.append(
+                    client.submit(
+                        **prompt,
+                        sampling=sampling,
+                        request_id=f"{fmt.id}-{len(handles)}",
+                        continuous_usage_stats=body.continuous_usage,
+                        **options,
+                    )
+                )
     except SplitserveError as exc:
         for h in handles:
             h.abort()

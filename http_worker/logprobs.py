@@ -38,8 +38,9 @@ class TextOffsets:
         self._decoder.reset()
 
 
-def completion_logprobs(entries: list[LogprobEntry], top_n: int,
-                        text_offset: list[int]) -> dict[str, Any]:
+def completion_logprobs(
+    entries: list[LogprobEntry], top_n: int, text_offset: list[int]
+) -> dict[str, Any]:
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
@@ -57,11 +58,20 @@ def _top_map(entry: LogprobEntry, top_n: int) -> dict[str, float] | None:
 
 
 def chat_logprobs(entries: list[LogprobEntry], top_n: int) -> dict[str, Any]:
-    return {"content": [{
-        "token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
-        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
-                         for t in e.top[:top_n]],
-    } for e in entries]}
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.bytes),
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
+                    for t in e.top[:top_n]
+                ],
+            }
+            for e in entries
+        ]
+    }
 
 
 def prompt_logprobs_body(entries: list[LogprobEntry]) -> list[dict[str, Any] | None]:
@@ -73,11 +83,16 @@ def prompt_logprobs_body(entries: list[LogprobEntry]) -> list[dict[str, Any] | N
             body.append(None)
             continue
         ranks = {t.token_id: rank for rank, t in enumerate(entry.top, 1)}
-        values = {str(entry.token_id): {"logprob": entry.logprob,
-                                        "rank": ranks.get(entry.token_id),
-                                        "decoded_token": entry.token}}
+        values = {
+            str(entry.token_id): {
+                "logprob": entry.logprob,
+                "rank": ranks.get(entry.token_id),
+                "decoded_token": entry.token,
+            }
+        }
         for rank, t in enumerate(entry.top, 1):
-            values.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": rank,
-                                                "decoded_token": t.token})
+            values.setdefault(
+                str(t.token_id), {"logprob": t.logprob, "rank": rank, "decoded_token": t.token}
+            )
         body.append(values)
     return body

@@ -26,10 +26,40 @@ from prometheus_client import (
 )
 
 # Seconds; from a few ms (a tiny model on a GPU) to minutes (long generations on a CPU).
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                   120.0, 300.0)
-TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
-                     0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+TOKEN_GAP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
 
 
 def _multiprocess_dir() -> str | None:
@@ -42,45 +72,78 @@ class HttpMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "splitserve_http_requests", "HTTP requests answered, by endpoint and status code.",
-            ["endpoint", "status"], registry=r)
+            "splitserve_http_requests",
+            "HTTP requests answered, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.in_flight = Gauge(
-            "splitserve_http_requests_in_flight", "HTTP generation requests not yet answered "
-            "in full.", registry=r, multiprocess_mode="livesum")
+            "splitserve_http_requests_in_flight",
+            "HTTP generation requests not yet answered in full.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.generations = Counter(
-            "splitserve_generations", "Engine requests (one per choice) by outcome: a finish "
-            "reason (stop, length, abort), 'disconnected', or the error code.", ["outcome"],
-            registry=r)
+            "splitserve_generations",
+            "Engine requests (one per choice) by outcome: a finish "
+            "reason (stop, length, abort), 'disconnected', or the error code.",
+            ["outcome"],
+            registry=r,
+        )
         self.generations_in_flight = Gauge(
-            "splitserve_generations_in_flight", "Engine requests submitted by this frontend "
-            "and not yet finished.", registry=r, multiprocess_mode="livesum")
+            "splitserve_generations_in_flight",
+            "Engine requests submitted by this frontend and not yet finished.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.ttft = Histogram(
-            "splitserve_http_time_to_first_token_seconds", "From the HTTP request's arrival "
-            "to its first generated text.", buckets=LATENCY_BUCKETS, registry=r)
+            "splitserve_http_time_to_first_token_seconds",
+            "From the HTTP request's arrival to its first generated text.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
-            "splitserve_http_e2e_request_latency_seconds", "From the HTTP request's arrival to "
+            "splitserve_http_e2e_request_latency_seconds",
+            "From the HTTP request's arrival to "
             "the end of its answer (the last choice's terminal event).",
-            buckets=LATENCY_BUCKETS, registry=r)
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.tpot = Histogram(
-            "splitserve_time_per_output_token_seconds", "(last token - first token) / "
-            "(tokens - 1), per engine request.", buckets=TOKEN_GAP_BUCKETS, registry=r)
+            "splitserve_time_per_output_token_seconds",
+            "(last token - first token) / (tokens - 1), per engine request.",
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
         self.tokenize = Histogram(
-            "splitserve_tokenize_seconds", "Time a request spent in a tokenizer worker.",
-            buckets=LATENCY_BUCKETS, registry=r)
+            "splitserve_tokenize_seconds",
+            "Time a request spent in a tokenizer worker.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_wait = Histogram(
-            "splitserve_engine_queue_wait_seconds", "From arrival at the engine to its first "
-            "scheduled prefill.", buckets=LATENCY_BUCKETS, registry=r)
+            "splitserve_engine_queue_wait_seconds",
+            "From arrival at the engine to its first scheduled prefill.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
-            "splitserve_prompt_tokens", "Prompt tokens of finished engine requests.", registry=r)
+            "splitserve_prompt_tokens", "Prompt tokens of finished engine requests.", registry=r
+        )
         self.cached_tokens = Counter(
-            "splitserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache "
-            "(hit rate = this / prompt_tokens).", registry=r)
+            "splitserve_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache (hit rate = this / prompt_tokens).",
+            registry=r,
+        )
         self.completion_tokens = Counter(
-            "splitserve_generation_tokens", "Generated tokens of finished engine requests.",
-            registry=r)
+            "splitserve_generation_tokens",
+            "Generated tokens of finished engine requests.",
+            registry=r,
+        )
 
-    def observe_generation(self, finish_reason: str | None, usage: Any, timings: Any,
-                           t_first: float, t_last: float) -> None:
+    def observe_generation(
+        self, finish_reason: str | None, usage: Any, timings: Any, t_first: float, t_last: float
+    ) -> None:
         """One engine request that finished without error: its terminal event's usage and
         timings (ipc.messages.Usage / RequestTimings) and when its first/last text arrived."""
         self.generations.labels(finish_reason or "unknown").inc()

@@ -25,18 +25,30 @@ MAX_CHOICES = 128  # prompts x n in one request: each is one engine request
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
-            status, message, type, param, code)
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -109,8 +121,9 @@ class _GenerationRequest(BaseModel):
             try:
                 bias[int(key)] = value
             except ValueError:
-                raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
-                                  "logit_bias") from None
+                raise bad_request(
+                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+                ) from None
         return bias
 
     @property
@@ -150,15 +163,22 @@ class _GenerationRequest(BaseModel):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
-                seed=seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-                ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+                seed=seed,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=(1.0 if self.repetition_penalty is None
-                                    else self.repetition_penalty),
-                min_tokens=self.min_tokens, min_p=self.min_p, logit_bias=self._token_bias(),
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                min_tokens=self.min_tokens,
+                min_p=self.min_p,
+                logit_bias=self._token_bias(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                **self._logprob_fields())
+                **self._logprob_fields(),
+            )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 
@@ -179,10 +199,14 @@ class CompletionRequest(_GenerationRequest):
 
     def _logprob_fields(self) -> dict[str, Any]:
         # echo with logprobs: the prompt's entries come first, as OpenAI's legacy API had it.
-        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
-                 if k is not None]
-        return {"logprobs": self.logprobs, "echo": self.echo,
-                "prompt_logprobs": max(asked) if asked else None}
+        asked = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return {
+            "logprobs": self.logprobs,
+            "echo": self.echo,
+            "prompt_logprobs": max(asked) if asked else None,
+        }
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -190,11 +214,16 @@ class CompletionRequest(_GenerationRequest):
         # One clear message instead of pydantic's four (one per member of the union).
         def ids(x: Any) -> bool:
             return isinstance(x, list) and all(type(t) is int for t in x)
-        if isinstance(v, str) or (isinstance(v, list) and (
-                ids(v) or all(isinstance(x, str) for x in v) or all(ids(x) for x in v))):
+
+        if isinstance(v, str) or (
+            isinstance(v, list)
+            and (ids(v) or all(isinstance(x, str) for x in v) or all(ids(x) for x in v))
+        ):
             return v
-        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a "
-                         "list of token id lists")
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a "
+            "list of token id lists"
+        )
 
     def prompts(self) -> list[dict[str, Any]]:
         """One submit() keyword set per prompt of the batch."""
@@ -268,10 +297,16 @@ class ChatCompletionRequest(_GenerationRequest):
         return self
 
     def _logprob_fields(self) -> dict[str, Any]:
-        return {**super()._logprob_fields(),
-                "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+        return {
+            **super()._logprob_fields(),
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+        }
 
     def prompts(self) -> list[dict[str, Any]]:
-        return [{"messages": [m.as_dict() for m in self.messages],
-                 "add_generation_prompt": self.add_generation_prompt,
-                 "chat_template_kwargs": self.chat_template_kwargs}]
+        return [
+            {
+                "messages": [m.as_dict() for m in self.messages],
+                "add_generation_prompt": self.add_generation_prompt,
+                "chat_template_kwargs": self.chat_template_kwargs,
+            }
+        ]

@@ -29,9 +29,12 @@ def new_id(prefix: str) -> str:
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 @dataclass(slots=True)
@@ -58,8 +61,14 @@ class ChoiceOutput:
     @property
     def has_content(self) -> bool:
         """Worth a chunk: text, or tokens whose text is still held back (their logprobs)."""
-        return bool(self.text or self.logprobs or self.prompt_logprobs or self.echo_text
-                    or self.finish_reason or self.tool_calls)
+        return bool(
+            self.text
+            or self.logprobs
+            or self.prompt_logprobs
+            or self.echo_text
+            or self.finish_reason
+            or self.tool_calls
+        )
 
 
 class ResponseFormat:
@@ -74,9 +83,16 @@ class ResponseFormat:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, model: str, include_usage: bool = False, continuous_usage: bool = False,
-                 *, logprobs: int | None = None, echo: bool = False,
-                 prompt_logprobs: bool = False) -> None:
+    def __init__(
+        self,
+        model: str,
+        include_usage: bool = False,
+        continuous_usage: bool = False,
+        *,
+        logprobs: int | None = None,
+        echo: bool = False,
+        prompt_logprobs: bool = False,
+    ) -> None:
         self.id = new_id(self.id_prefix)
         self.created = int(time.time())
         self.model = model
@@ -86,19 +102,26 @@ class ResponseFormat:
         self._offsets: dict[int, TextOffsets] = {}  # per choice, across a stream's chunks
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def full(self, choices: list[ChoiceOutput], usage: dict[str, Any]) -> dict:
         """The non-streaming body; ``choices`` in index order."""
-        body = self._envelope(self.object_full, [self._full_choice(i, out)
-                                                 for i, out in enumerate(choices)])
+        body = self._envelope(
+            self.object_full, [self._full_choice(i, out) for i, out in enumerate(choices)]
+        )
         self._add_prompt_logprobs(body, choices[0] if choices else ChoiceOutput())
         body["usage"] = usage
         return body
 
-    def chunk(self, index: int, out: ChoiceOutput,
-              usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    def chunk(
+        self, index: int, out: ChoiceOutput, usage: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [self._chunk_choice(index, out)])
         self._add_prompt_logprobs(body, out)
         self._chunk_usage(body, usage)
@@ -110,8 +133,7 @@ class ResponseFormat:
         elif self.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last when usage is asked
 
-    def first_chunk(self, index: int, usage: dict[str, Any] | None = None
-                    ) -> dict[str, Any] | None:
+    def first_chunk(self, index: int, usage: dict[str, Any] | None = None) -> dict[str, Any] | None:
         return None
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -133,8 +155,12 @@ class CompletionFormat(ResponseFormat):
     id_prefix, object_full, object_chunk = "cmpl", "text_completion", "text_completion"
 
     def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
-        body = {"index": index, "text": out.echo_text + out.text, "logprobs": None,
-                "finish_reason": out.finish_reason}
+        body = {
+            "index": index,
+            "text": out.echo_text + out.text,
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
+        }
         if self.logprobs is not None:
             body["logprobs"] = self._logprobs(index, out)
         if self.prompt_logprobs:
@@ -163,15 +189,23 @@ class ChatFormat(ResponseFormat):
 
     def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
         message = message_with_calls({"role": "assistant", "content": out.text}, out.tool_calls)
-        return {"index": index, "message": message, "logprobs": self._logprobs(out),
-                "finish_reason": out.finish_reason}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": self._logprobs(out),
+            "finish_reason": out.finish_reason,
+        }
 
     def _chunk_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
         reason = out.finish_reason
         delta = {"content": out.text} if out.text or reason is None else {}
         delta = delta_with_calls(delta, out.tool_calls)
-        return {"index": index, "delta": delta, "logprobs": self._logprobs(out),
-                "finish_reason": reason}
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": self._logprobs(out),
+            "finish_reason": reason,
+        }
 
     def _logprobs(self, out: ChoiceOutput) -> dict[str, Any] | None:
         return None if self.logprobs is None else chat_logprobs(out.logprobs, self.logprobs)
@@ -180,16 +214,33 @@ class ChatFormat(ResponseFormat):
         if self.prompt_logprobs and out.prompt_logprobs:  # one prompt: shown once, as vLLM does
             body["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs)
 
-    def first_chunk(self, index: int, usage: dict[str, Any] | None = None
-                    ) -> dict[str, Any] | None:
+    def first_chunk(self, index: int, usage: dict[str, Any] | None = None) -> dict[str, Any] | None:
         # OpenAI's first chunk of each choice names the role, with empty content.
-        body = self._envelope(self.object_chunk, [{"index": index, "delta": {
-            "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        body = self._envelope(
+            self.object_chunk,
+            [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        )
         self._chunk_usage(body, usage)
         return body
 
 
 def models_body(model: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "splitserve",
-                                        "max_model_len": max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "splitserve",
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

@@ -56,13 +56,31 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def frontend_command(client_addr: str, *, port: int, host: str = "127.0.0.1", index: int = 0,
-                     reuse_port: bool = False, model_name: str = "",
-                     extra_args: tuple[str, ...] = ()) -> list[str]:
+def frontend_command(
+    client_addr: str,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    index: int = 0,
+    reuse_port: bool = False,
+    model_name: str = "",
+    extra_args: tuple[str, ...] = (),
+) -> list[str]:
     """The command line that starts one frontend (for the supervisor, tests and benchmarks).
     Run it with the repository root as cwd or on PYTHONPATH."""
-    cmd = [sys.executable, "-m", "http_worker.server", "--client-addr", client_addr,
-           "--host", host, "--port", str(port), "--index", str(index)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "http_worker.server",
+        "--client-addr",
+        client_addr,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--index",
+        str(index),
+    ]
     if reuse_port:
         cmd.append("--reuse-port")
     if model_name:
@@ -94,57 +112,117 @@ def wait_until_serving(base_url: str, popen: Any = None, timeout_s: float = 60.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m http_worker.server",
-                                description="OpenAI-compatible HTTP frontend of a splitserve "
-                                "cluster (one process; start several for more).")
-    p.add_argument("--client-addr", required=True, metavar="ADDR",
-                   help="the cluster's client address (the detokenizer's ROUTER)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on; anything but loopback needs --api-key")
+    p = argparse.ArgumentParser(
+        prog="python -m http_worker.server",
+        description="OpenAI-compatible HTTP frontend of a splitserve "
+        "cluster (one process; start several for more).",
+    )
+    p.add_argument(
+        "--client-addr",
+        required=True,
+        metavar="ADDR",
+        help="the cluster's client address (the detokenizer's ROUTER)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; anything but loopback needs --api-key",
+    )
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--reuse-port", action="store_true",
-                   help="bind with SO_REUSEPORT so several frontends share --port")
-    p.add_argument("--model-name", default="", metavar="NAME",
-                   help="the model name clients use (default: the name the cluster reports)")
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY", ""),
-                   help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
-                   "(default: $SPLITSERVE_API_KEY, or none)")
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind with SO_REUSEPORT so several frontends share --port",
+    )
+    p.add_argument(
+        "--model-name",
+        default="",
+        metavar="NAME",
+        help="the model name clients use (default: the name the cluster reports)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPLITSERVE_API_KEY", ""),
+        help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
+        "(default: $SPLITSERVE_API_KEY, or none)",
+    )
     p.add_argument("--index", type=int, default=0, help="this frontend's number (for logs)")
-    p.add_argument("--lenient-fields", action="store_true",
-                   help=LENIENT_FIELDS_HELP)
-    p.add_argument("--server-public-key", default=os.environ.get("SPLITSERVE_SERVER_PUBLIC_KEY",
-                                                                 ""), metavar="KEY",
-                   help="the cluster's CURVE public key, when it uses CURVE (--listen); "
-                        "default: $SPLITSERVE_SERVER_PUBLIC_KEY")
-    p.add_argument("--supervisor-addr", default="", metavar="ADDR",
-                   help="send WorkerReady and heartbeats (role 'http') to this supervisor socket")
+    p.add_argument("--lenient-fields", action="store_true", help=LENIENT_FIELDS_HELP)
+    p.add_argument(
+        "--server-public-key",
+        default=os.environ.get("SPLITSERVE_SERVER_PUBLIC_KEY", ""),
+        metavar="KEY",
+        help="the cluster's CURVE public key, when it uses CURVE (--listen); "
+        "default: $SPLITSERVE_SERVER_PUBLIC_KEY",
+    )
+    p.add_argument(
+        "--supervisor-addr",
+        default="",
+        metavar="ADDR",
+        help="send WorkerReady and heartbeats (role 'http') to this supervisor socket",
+    )
     p.add_argument("--heartbeat-interval-s", type=float, default=0.5, metavar="SECONDS")
-    p.add_argument("--connect-timeout-s", type=float, default=30.0, metavar="SECONDS",
-                   help="give up if the cluster does not answer the handshake (default 30)")
-    p.add_argument("--request-deadline-s", type=float, default=0.0, metavar="SECONDS",
-                   help="end a request not finished after this long with a 504 and abort it in "
-                   "the cluster (default 0: no deadline)")
-    p.add_argument("--health-fresh-s", type=float, default=5.0, metavar="SECONDS",
-                   help="/health probes the cluster only if no token arrived this recently")
+    p.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="give up if the cluster does not answer the handshake (default 30)",
+    )
+    p.add_argument(
+        "--request-deadline-s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="end a request not finished after this long with a 504 and abort it in "
+        "the cluster (default 0: no deadline)",
+    )
+    p.add_argument(
+        "--health-fresh-s",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="/health probes the cluster only if no token arrived this recently",
+    )
     p.add_argument("--health-probe-timeout-s", type=float, default=10.0, metavar="SECONDS")
-    p.add_argument("--graceful-shutdown-s", type=int, default=10, metavar="SECONDS",
-                   help="on SIGTERM, wait this long for open responses before closing them")
+    p.add_argument(
+        "--graceful-shutdown-s",
+        type=int,
+        default=10,
+        metavar="SECONDS",
+        help="on SIGTERM, wait this long for open responses before closing them",
+    )
     p.add_argument("--log-level", default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
     return p
 
 
-def serve(settings: FrontendSettings, host: str, port: int, *, reuse_port: bool = False,
-          log_level: str = "info", graceful_shutdown_s: int = 10) -> None:
+def serve(
+    settings: FrontendSettings,
+    host: str,
+    port: int,
+    *,
+    reuse_port: bool = False,
+    log_level: str = "info",
+    graceful_shutdown_s: int = 10,
+) -> None:
     """Binds, then runs the app until SIGTERM (SIGINT too, unless under the supervisor)."""
     import uvicorn
 
     sock = listening_socket(host, port, reuse_port)
     shown = f"[{host}]" if ":" in host else host
     settings = dataclasses.replace(settings, url=f"http://{shown}:{sock.getsockname()[1]}")
-    config = uvicorn.Config(build_app(settings), host=host, port=port, loop="uvloop",
-                            http="auto", lifespan="on", access_log=False, log_config=None,
-                            log_level=log_level.lower(),
-                            timeout_graceful_shutdown=graceful_shutdown_s)
+    config = uvicorn.Config(
+        build_app(settings),
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="auto",
+        lifespan="on",
+        access_log=False,
+        log_config=None,
+        log_level=log_level.lower(),
+        timeout_graceful_shutdown=graceful_shutdown_s,
+    )
     server = _Server.make(config, under_supervisor())
     server.run(sockets=[sock])
     if not server.started:
@@ -160,27 +238,48 @@ def main(argv: list[str] | None = None) -> None:
         die_with_parent()
     setup_logging("http", args.index, args.log_level)
     settings = FrontendSettings(
-        client_addr=args.client_addr, model_name=args.model_name, api_key=args.api_key,
-        connect_timeout_s=args.connect_timeout_s, request_deadline_s=args.request_deadline_s,
+        client_addr=args.client_addr,
+        model_name=args.model_name,
+        api_key=args.api_key,
+        connect_timeout_s=args.connect_timeout_s,
+        request_deadline_s=args.request_deadline_s,
         health_fresh_s=args.health_fresh_s,
-        health_probe_timeout_s=args.health_probe_timeout_s, index=args.index,
-        supervisor_addr=args.supervisor_addr, heartbeat_interval_s=args.heartbeat_interval_s,
-        server_public_key=args.server_public_key, lenient_fields=args.lenient_fields)
-    serve(settings, args.host, args.port, reuse_port=args.reuse_port, log_level=args.log_level,
-          graceful_shutdown_s=args.graceful_shutdown_s)
+        health_probe_timeout_s=args.health_probe_timeout_s,
+        index=args.index,
+        supervisor_addr=args.supervisor_addr,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        server_public_key=args.server_public_key,
+        lenient_fields=args.lenient_fields,
+    )
+    serve(
+        settings,
+        args.host,
+        args.port,
+        reuse_port=args.reuse_port,
+        log_level=args.log_level,
+        graceful_shutdown_s=args.graceful_shutdown_s,
+    )
 
 
 def main_from_config(config: ClusterConfig, index: int) -> None:
     """The supervisor's way in (its worker entry point, role "http"): one frontend of the
     cluster, reporting to the supervisor like every other worker."""
     settings = FrontendSettings(
-        client_addr=config.client_addr, api_key=config.http_api_key, index=index,
+        client_addr=config.client_addr,
+        api_key=config.http_api_key,
+        index=index,
         supervisor_addr=config.supervisor_addr,
         heartbeat_interval_s=config.heartbeat_interval_s,
-        server_public_key=config.curve_public_key, lenient_fields=config.lenient_fields)
-    serve(settings, config.http_host, config.http_port or 0,
-          reuse_port=config.http_workers > 1,
-          log_level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
+        server_public_key=config.curve_public_key,
+        lenient_fields=config.lenient_fields,
+    )
+    serve(
+        settings,
+        config.http_host,
+        config.http_port or 0,
+        reuse_port=config.http_workers > 1,
+        log_level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
+    )
 
 
 if __name__ == "__main__":

@@ -56,10 +56,12 @@ class DetokenizeBody(BaseModel):
 
 
 _TOKENIZE_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED_FIELDS, "tools": (), "tool_choice": ("none",)}
-POLICIES = {**GENERATION_POLICIES,
-            "TokenizePromptBody": FieldPolicy(_TOKENIZE_NOT_IMPLEMENTED),
-            "TokenizeChatBody": FieldPolicy(_TOKENIZE_NOT_IMPLEMENTED),
-            "DetokenizeBody": FieldPolicy()}
+POLICIES = {
+    **GENERATION_POLICIES,
+    "TokenizePromptBody": FieldPolicy(_TOKENIZE_NOT_IMPLEMENTED),
+    "TokenizeChatBody": FieldPolicy(_TOKENIZE_NOT_IMPLEMENTED),
+    "DetokenizeBody": FieldPolicy(),
+}
 
 
 def _version() -> str:
@@ -69,8 +71,9 @@ def _version() -> str:
         return "unknown"
 
 
-def install_tokenize_routes(app: FastAPI, frontend: Frontend, lenient: bool,
-                            json_response: Any) -> None:
+def install_tokenize_routes(
+    app: FastAPI, frontend: Frontend, lenient: bool, json_response: Any
+) -> None:
     version = _version()
 
     async def parse(request: Request, choose: Any) -> Any:
@@ -99,20 +102,35 @@ def install_tokenize_routes(app: FastAPI, frontend: Frontend, lenient: bool,
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = await parse(request, lambda data: (
-            TokenizeChatBody if "messages" in data else TokenizePromptBody))
+        body = await parse(
+            request, lambda data: TokenizeChatBody if "messages" in data else TokenizePromptBody
+        )
         strs = bool(body.return_token_strs)
         if isinstance(body, TokenizeChatBody):
             messages = [m.as_dict() for m in body.messages]
-            result = await ask(lambda client: client.tokenize(
-                messages=messages, add_special_tokens=body.add_special_tokens,
-                add_generation_prompt=body.add_generation_prompt,
-                chat_template_kwargs=body.chat_template_kwargs, return_token_strs=strs))
+            result = await ask(
+                lambda client: client.tokenize(
+                    messages=messages,
+                    add_special_tokens=body.add_special_tokens,
+                    add_generation_prompt=body.add_generation_prompt,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                    return_token_strs=strs,
+                )
+            )
         else:
-            result = await ask(lambda client: client.tokenize(
-                body.prompt, add_special_tokens=body.add_special_tokens, return_token_strs=strs))
-        return json_response({"count": result.count, "max_model_len": result.max_model_len,
-                              "tokens": result.token_ids, "token_strs": result.token_strs})
+            result = await ask(
+                lambda client: client.tokenize(
+                    body.prompt, add_special_tokens=body.add_special_tokens, return_token_strs=strs
+                )
+            )
+        return json_response(
+            {
+                "count": result.count,
+                "max_model_len": result.max_model_len,
+                "tokens": result.token_ids,
+                "token_strs": result.token_strs,
+            }
+        )
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -122,8 +122,9 @@ def decode_as(frame: bytes, *kinds: type[_T]) -> _T:
     msg = decode(frame)
     if kinds and not isinstance(msg, kinds):
         allowed = ", ".join(k.KIND for k in kinds)  # type: ignore[attr-defined]
-        raise DecodeError(f"message kind {type(msg).KIND!r} is not accepted here "
-                          f"(expected {allowed})")
+        raise DecodeError(
+            f"message kind {type(msg).KIND!r} is not accepted here (expected {allowed})"
+        )
     return msg
 
 
@@ -251,8 +252,11 @@ def pack_ids(ids: Any) -> bytes:
         return ids.astype(_ID_DTYPE, copy=False).tobytes()
     if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple, array)):
         ids = ids.tolist()  # torch tensors
-    return array("i", ids).tobytes() if sys.byteorder == "little" else np.asarray(
-        ids, dtype=_ID_DTYPE).tobytes()
+    return (
+        array("i", ids).tobytes()
+        if sys.byteorder == "little"
+        else np.asarray(ids, dtype=_ID_DTYPE).tobytes()
+    )
 
 
 def unpack_ids(data: bytes) -> np.ndarray:
@@ -278,9 +282,15 @@ def salvage_fields(frame: bytes, *names: str) -> dict[str, Any]:
         return {}
     try:
         obj = msgpack.unpackb(
-            frame, raw=False, unicode_errors="surrogateescape", strict_map_key=False,
-            max_str_len=len(frame), max_bin_len=len(frame), max_array_len=MAX_ARRAY_LEN,
-            max_map_len=MAX_MAP_LEN, max_ext_len=0,
+            frame,
+            raw=False,
+            unicode_errors="surrogateescape",
+            strict_map_key=False,
+            max_str_len=len(frame),
+            max_bin_len=len(frame),
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=0,
         )
     except Exception:
         return {}
@@ -291,8 +301,9 @@ def salvage_fields(frame: bytes, *names: str) -> dict[str, Any]:
         value: Any = obj
         for part in name.split("."):  # "meta.client_id" reaches into a nested map
             value = value.get(part) if isinstance(value, dict) else None
-        if isinstance(value, bytes) or (isinstance(value, str) and value.isprintable()
-                                        and _is_clean_utf8(value)):
+        if isinstance(value, bytes) or (
+            isinstance(value, str) and value.isprintable() and _is_clean_utf8(value)
+        ):
             found[name] = value
     return found
 

@@ -24,33 +24,57 @@ TRANSPORTS = ("ipc", "tcp")
 RESTART_POLICIES = ("restart", "shutdown")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-LENIENT_FIELDS_HELP = ("HTTP: log and ignore request fields the server does not know (for clients "
-                       "that send vendor extras) instead of answering 400; fields it knows and "
-                       "does not implement are refused either way")
+LENIENT_FIELDS_HELP = (
+    "HTTP: log and ignore request fields the server does not know (for clients "
+    "that send vendor extras) instead of answering 400; fields it knows and "
+    "does not implement are refused either way"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     engine: EngineConfig  # the engine's knobs (and the model directory every process reads)
     run_dir: str = knob("", "where sockets and cluster.json live", cli=False)
-    transport: str = knob("ipc", "ipc: unix sockets in the run dir; tcp: loopback ports from "
-                          "base_port", choices=TRANSPORTS, cli=False)
-    host: str = knob("127.0.0.1", "tcp: where client-facing sockets bind; beyond loopback, "
-                     "CURVE is required", cli=False)
-    base_port: int = knob(0, "tcp: the client port; the internal ports follow it", cli=False,
-                          minimum=0)
+    transport: str = knob(
+        "ipc",
+        "ipc: unix sockets in the run dir; tcp: loopback ports from base_port",
+        choices=TRANSPORTS,
+        cli=False,
+    )
+    host: str = knob(
+        "127.0.0.1",
+        "tcp: where client-facing sockets bind; beyond loopback, CURVE is required",
+        cli=False,
+    )
+    base_port: int = knob(
+        0, "tcp: the client port; the internal ports follow it", cli=False, minimum=0
+    )
 
-    tokenizer_workers: int = knob(1, "tokenizer processes; clients spread submits over them",
-                                  unit="N", minimum=1)
+    tokenizer_workers: int = knob(
+        1, "tokenizer processes; clients spread submits over them", unit="N", minimum=1
+    )
     # CPU budget: the supervisor decides what is 0 so roles never oversubscribe the cores.
-    tokenizer_threads: int = knob(0, "threads of the tokenizers library per tokenizer worker; "
-                                  "0 = 1", unit="N", minimum=0)
-    tokenizer_batch_max: int = knob(64, "a tokenizer worker encodes at most this many queued "
-                                    "requests in one batch", unit="REQUESTS", minimum=1)
-    tokenizer_queue_max: int = knob(1024, "requests a tokenizer worker queues before clients "
-                                    "skip it", unit="REQUESTS", minimum=1)
-    stream_interval_tokens: int = knob(1, "the detokenizer sends a text delta every this many "
-                                       "tokens (the first at once)", unit="TOKENS", minimum=1)
+    tokenizer_threads: int = knob(
+        0, "threads of the tokenizers library per tokenizer worker; 0 = 1", unit="N", minimum=0
+    )
+    tokenizer_batch_max: int = knob(
+        64,
+        "a tokenizer worker encodes at most this many queued requests in one batch",
+        unit="REQUESTS",
+        minimum=1,
+    )
+    tokenizer_queue_max: int = knob(
+        1024,
+        "requests a tokenizer worker queues before clients skip it",
+        unit="REQUESTS",
+        minimum=1,
+    )
+    stream_interval_tokens: int = knob(
+        1,
+        "the detokenizer sends a text delta every this many tokens (the first at once)",
+        unit="TOKENS",
+        minimum=1,
+    )
 
     # What the engine resolved; 0/"" until the engine reported ready (the supervisor fills them
     # in, with the engine's max_model_len, for the processes started after it).
@@ -58,32 +82,56 @@ class ClusterConfig:
     model_name: str = knob("", "the served model's name", cli=False)
 
     # OpenAI-compatible HTTP frontends (http_worker/); None: no frontend.
-    http_port: int | None = knob(None, "serve the OpenAI API on this port (0: any free port); "
-                                 "default: no HTTP frontend", unit="PORT", cli=False)
-    http_host: str = knob("127.0.0.1", "address the frontend listens on; anything but "
-                          "loopback needs an API key", cli=False)
+    http_port: int | None = knob(
+        None,
+        "serve the OpenAI API on this port (0: any free port); default: no HTTP frontend",
+        unit="PORT",
+        cli=False,
+    )
+    http_host: str = knob(
+        "127.0.0.1",
+        "address the frontend listens on; anything but loopback needs an API key",
+        cli=False,
+    )
     http_workers: int = knob(1, "frontend processes sharing the port", unit="N", minimum=1)
-    http_api_key: str = knob("", "require 'Authorization: Bearer KEY' on /v1/* and the "
-                             "tokenizer endpoints", cli=False)
+    http_api_key: str = knob(
+        "", "require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints", cli=False
+    )
     lenient_fields: bool = knob(False, LENIENT_FIELDS_HELP)
 
-    heartbeat_interval_s: float = knob(0.5, "how often every worker reports to the supervisor",
-                                       unit="SECONDS", minimum=0.01, cli=False)
-    heartbeat_timeout_s: float = knob(10.0, "a worker silent this long is logged", minimum=0.0,
-                                      unit="SECONDS", cli=False)
-    restart_policy: str = knob("restart", "when a worker process dies: restart it (its "
-                               "in-flight requests end with an 'unavailable' error) or shut the "
-                               "cluster down", choices=RESTART_POLICIES)
-    max_restarts: int = knob(5, "restarts per worker before the cluster shuts down instead",
-                             unit="N", minimum=0)
-    hang_timeout_s: float = knob(0.0, "kill and handle as dead a worker silent this long; keep "
-                                 "it above the longest prefill step (0: never)", unit="SECONDS",
-                                 minimum=0.0)
+    heartbeat_interval_s: float = knob(
+        0.5,
+        "how often every worker reports to the supervisor",
+        unit="SECONDS",
+        minimum=0.01,
+        cli=False,
+    )
+    heartbeat_timeout_s: float = knob(
+        10.0, "a worker silent this long is logged", minimum=0.0, unit="SECONDS", cli=False
+    )
+    restart_policy: str = knob(
+        "restart",
+        "when a worker process dies: restart it (its "
+        "in-flight requests end with an 'unavailable' error) or shut the "
+        "cluster down",
+        choices=RESTART_POLICIES,
+    )
+    max_restarts: int = knob(
+        5, "restarts per worker before the cluster shuts down instead", unit="N", minimum=0
+    )
+    hang_timeout_s: float = knob(
+        0.0,
+        "kill and handle as dead a worker silent this long; keep "
+        "it above the longest prefill step (0: never)",
+        unit="SECONDS",
+        minimum=0.0,
+    )
 
     # Security: ZeroMQ CURVE on every socket, required when host is not loopback (and forced on
     # by require_curve). The supervisor generates the server key pair; clients need the public key.
-    require_curve: bool = knob(False, "use CURVE even on loopback/ipc (the public key is "
-                               "printed the same way)")
+    require_curve: bool = knob(
+        False, "use CURVE even on loopback/ipc (the public key is printed the same way)"
+    )
     curve_public_key: str = knob("", "the cluster's CURVE public key", cli=False)
     curve_secret_key: str = knob("", "the cluster's CURVE secret key", cli=False)
 
@@ -100,8 +148,11 @@ class ClusterConfig:
         check_knobs(self)
         if self.transport == "tcp" and not (0 < self.base_port < 65536 - 64):
             raise ValueError("tcp transport needs a base_port in 1..65471")
-        if (self.transport == "tcp" and self.host not in LOOPBACK_HOSTS
-                and not self.curve_secret_key):
+        if (
+            self.transport == "tcp"
+            and self.host not in LOOPBACK_HOSTS
+            and not self.curve_secret_key
+        ):
             raise ValueError(f"listening on {self.host} (not loopback) requires CURVE keys")
         if self.require_curve and not self.curve_secret_key:
             raise ValueError("require_curve is set but no CURVE keys were given")
@@ -115,8 +166,9 @@ class ClusterConfig:
             if not 0 <= self.http_port < 65536:
                 raise ValueError(f"http_port must be in 0..65535, got {self.http_port}")
             if self.http_host not in LOOPBACK_HOSTS and not self.http_api_key:
-                raise ValueError(f"an HTTP frontend on {self.http_host} (not loopback) requires "
-                                 "an API key")
+                raise ValueError(
+                    f"an HTTP frontend on {self.http_host} (not loopback) requires an API key"
+                )
 
     @classmethod
     def build(cls, model_path: str, run_dir: str, **knobs: Any) -> ClusterConfig:
@@ -126,12 +178,16 @@ class ClusterConfig:
         cluster_names = {f.name for f in dataclasses.fields(cls)} - {"engine"}
         unknown = set(knobs) - engine_names - cluster_names
         if unknown:
-            raise TypeError(f"unknown knobs: {sorted(unknown)} (engine: {sorted(engine_names)}; "
-                            f"cluster: {sorted(cluster_names)})")
-        engine = EngineConfig(model_path=model_path,
-                              **{k: v for k, v in knobs.items() if k in engine_names})
-        return cls(engine=engine, run_dir=run_dir,
-                   **{k: v for k, v in knobs.items() if k in cluster_names})
+            raise TypeError(
+                f"unknown knobs: {sorted(unknown)} (engine: {sorted(engine_names)}; "
+                f"cluster: {sorted(cluster_names)})"
+            )
+        engine = EngineConfig(
+            model_path=model_path, **{k: v for k, v in knobs.items() if k in engine_names}
+        )
+        return cls(
+            engine=engine, run_dir=run_dir, **{k: v for k, v in knobs.items() if k in cluster_names}
+        )
 
     def with_engine(self, **changes: Any) -> ClusterConfig:
         return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **changes))

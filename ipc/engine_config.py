@@ -18,7 +18,8 @@ WEIGHTS_HELP = (
     "auto); int8: int8 per output channel; int4: int4 in groups of 32 (lm_head int8 unless "
     "the checkpoint's is 4-bit). Quantized layers serve small steps (decode, reading 2-4x "
     "fewer bytes than bf16) and, where memory allows, keep a dense copy for larger ones "
-    "(prefill, big decode batches); int8 and int4 run on CPU only")
+    "(prefill, big decode batches); int8 and int4 run on CPU only"
+)
 
 # Prompt tokens one step may compute when prefill_max_tokens is 0. A step holds up the decode of
 # every running request, so on a CPU (a few hundred to a few thousand prompt tokens/s for a small
@@ -33,65 +34,127 @@ class EngineConfig:
     """Knobs of one engine. Token counts are in tokens, memory in bytes."""
 
     model_path: str = knob("", "the model directory", cli=False)
-    device: str = knob("auto", "where the engine runs (auto: CUDA when present)",
-                       choices=DEVICES)
-    dtype: str = knob("auto", "activations and KV cache (auto: bf16 on CUDA, fp16 there "
-                      "without bf16; on CPU bf16 where it is native (AVX512-BF16 or AMX), else "
-                      "float32; a dense --weights format sets it)", choices=DTYPES)
+    device: str = knob("auto", "where the engine runs (auto: CUDA when present)", choices=DEVICES)
+    dtype: str = knob(
+        "auto",
+        "activations and KV cache (auto: bf16 on CUDA, fp16 there "
+        "without bf16; on CPU bf16 where it is native (AVX512-BF16 or AMX), else "
+        "float32; a dense --weights format sets it)",
+        choices=DTYPES,
+    )
     weights: str = knob("auto", WEIGHTS_HELP, choices=WEIGHTS)
-    quantized_max_tokens: int = knob(0, "steps of more tokens than this run on the dense copy "
-                                     "of quantized weights; 0 = the format's measured "
-                                     "crossover", unit="TOKENS", minimum=0)
-    max_batch_size: int = knob(32, "most requests decoded together in one engine step",
-                               unit="REQUESTS", minimum=1)
-    prefill_max_batch_size: int = knob(32, "most requests that may start (or continue) prefill "
-                                       "in one step", unit="REQUESTS", minimum=1)
-    prefill_max_tokens: int = knob(0, "most prompt tokens computed in one step, all requests "
-                                   "together; 0 = 4096 on CUDA, 512 on CPU (a CPU computes "
-                                   "~1-2k prompt tokens/s, so a step, and the decode of every "
-                                   "running request waiting on it, stays well under a second)",
-                                   unit="TOKENS", minimum=0)
-    prefill_chunk_tokens: int = knob(2048, "long prompts are prefilled in chunks of this many "
-                                     "tokens per step", unit="TOKENS", minimum=1)
+    quantized_max_tokens: int = knob(
+        0,
+        "steps of more tokens than this run on the dense copy "
+        "of quantized weights; 0 = the format's measured "
+        "crossover",
+        unit="TOKENS",
+        minimum=0,
+    )
+    max_batch_size: int = knob(
+        32, "most requests decoded together in one engine step", unit="REQUESTS", minimum=1
+    )
+    prefill_max_batch_size: int = knob(
+        32,
+        "most requests that may start (or continue) prefill in one step",
+        unit="REQUESTS",
+        minimum=1,
+    )
+    prefill_max_tokens: int = knob(
+        0,
+        "most prompt tokens computed in one step, all requests "
+        "together; 0 = 4096 on CUDA, 512 on CPU (a CPU computes "
+        "~1-2k prompt tokens/s, so a step, and the decode of every "
+        "running request waiting on it, stays well under a second)",
+        unit="TOKENS",
+        minimum=0,
+    )
+    prefill_chunk_tokens: int = knob(
+        2048,
+        "long prompts are prefilled in chunks of this many tokens per step",
+        unit="TOKENS",
+        minimum=1,
+    )
     block_size: int = knob(16, "tokens per KV cache block", unit="TOKENS", minimum=1)
-    kv_cache_tokens: int = knob(0, "KV cache capacity; 0 = derive from memory (CPU: at most "
-                                "cpu_kv_cache_max_bytes)", unit="TOKENS", minimum=0)
-    max_model_len: int = knob(0, "context length (prompt + output); 0 = the model's own, capped "
-                              "to what the KV cache holds", unit="TOKENS", minimum=0)
-    enable_prefix_cache: bool = knob(True, "share KV blocks between requests whose prompts "
-                                     "start with the same tokens", flag="--no-prefix-cache")
-    max_waiting_requests: int = knob(4096, "engine queue bound; beyond it requests fail with "
-                                     "'overloaded'", unit="REQUESTS", minimum=1)
-    engine_threads: int = knob(0, "torch intra-op threads in the engine; 0 = leave torch's "
-                               "setting (the supervisor decides it from the cores)", unit="N",
-                               minimum=0)
-    adaptive_threads: bool = knob(True, "CPU: the engine times a few steps now and then on one "
-                                  "thread and on engine_threads, and runs each kind of step "
-                                  "(decode, prefill) on the faster (on a machine busy with "
-                                  "other work one thread can be several times faster)",
-                                  flag="--no-adaptive-threads")
-    kv_cache_memory_fraction: float = knob(0.8, "CUDA only: share of the free memory after the "
-                                           "weights that the KV cache takes", minimum=0.01,
-                                           maximum=1.0)
-    cpu_kv_cache_max_bytes: int = knob(2 << 30, "CPU only: cap on the derived KV cache",
-                                       unit="BYTES", minimum=1)
+    kv_cache_tokens: int = knob(
+        0,
+        "KV cache capacity; 0 = derive from memory (CPU: at most cpu_kv_cache_max_bytes)",
+        unit="TOKENS",
+        minimum=0,
+    )
+    max_model_len: int = knob(
+        0,
+        "context length (prompt + output); 0 = the model's own, capped to what the KV cache holds",
+        unit="TOKENS",
+        minimum=0,
+    )
+    enable_prefix_cache: bool = knob(
+        True,
+        "share KV blocks between requests whose prompts start with the same tokens",
+        flag="--no-prefix-cache",
+    )
+    max_waiting_requests: int = knob(
+        4096,
+        "engine queue bound; beyond it requests fail with 'overloaded'",
+        unit="REQUESTS",
+        minimum=1,
+    )
+    engine_threads: int = knob(
+        0,
+        "torch intra-op threads in the engine; 0 = leave torch's "
+        "setting (the supervisor decides it from the cores)",
+        unit="N",
+        minimum=0,
+    )
+    adaptive_threads: bool = knob(
+        True,
+        "CPU: the engine times a few steps now and then on one "
+        "thread and on engine_threads, and runs each kind of step "
+        "(decode, prefill) on the faster (on a machine busy with "
+        "other work one thread can be several times faster)",
+        flag="--no-adaptive-threads",
+    )
+    kv_cache_memory_fraction: float = knob(
+        0.8,
+        "CUDA only: share of the free memory after the weights that the KV cache takes",
+        minimum=0.01,
+        maximum=1.0,
+    )
+    cpu_kv_cache_max_bytes: int = knob(
+        2 << 30, "CPU only: cap on the derived KV cache", unit="BYTES", minimum=1
+    )
     # Decode keeps a contiguous copy of the decode batch's KV (all layers) while the batch is
     # unchanged, instead of gathering it from the paged cache every layer of every step.
-    decode_workspace_max_bytes: int = knob(1 << 30, "cap on the decode batch's contiguous KV "
-                                           "copy (a larger batch gathers from the paged cache "
-                                           "each step); 0 disables it", unit="BYTES", minimum=0)
+    decode_workspace_max_bytes: int = knob(
+        1 << 30,
+        "cap on the decode batch's contiguous KV "
+        "copy (a larger batch gathers from the paged cache "
+        "each step); 0 disables it",
+        unit="BYTES",
+        minimum=0,
+    )
 
     # An idle engine that gets a request waits a little for more before its first step, so the
     # rest of a burst (still being tokenized elsewhere) joins that step instead of queueing
     # behind it; a busy engine never waits (engine_worker/idle_window.py).
-    idle_batch_window_ms: float = knob(1000.0, "longest an idle engine waits after a request "
-                                       "arrives, for more to join its first step (0: never "
-                                       "waits); a busy engine never waits", unit="MS",
-                                       minimum=0.0, maximum=10_000.0)
-    idle_batch_window_step_fraction: float = knob(0.05, "...and at most this fraction of the "
-                                                  "time that first step is expected to take "
-                                                  "(0: the fixed --idle-batch-window-ms)",
-                                                  unit="FRACTION", minimum=0.0, maximum=1.0)
+    idle_batch_window_ms: float = knob(
+        1000.0,
+        "longest an idle engine waits after a request "
+        "arrives, for more to join its first step (0: never "
+        "waits); a busy engine never waits",
+        unit="MS",
+        minimum=0.0,
+        maximum=10_000.0,
+    )
+    idle_batch_window_step_fraction: float = knob(
+        0.05,
+        "...and at most this fraction of the "
+        "time that first step is expected to take "
+        "(0: the fixed --idle-batch-window-ms)",
+        unit="FRACTION",
+        minimum=0.0,
+        maximum=1.0,
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", str(self.model_path))

@@ -42,8 +42,9 @@ def _check(value: Any, where: str, depth: int, budget: list[int]) -> None:
         return
     if isinstance(value, str):
         if len(value) > MAX_JSON_STRING_CHARS:
-            raise ValueError(f"{where}: strings may have at most {MAX_JSON_STRING_CHARS} "
-                             "characters")
+            raise ValueError(
+                f"{where}: strings may have at most {MAX_JSON_STRING_CHARS} characters"
+            )
         return
     if isinstance(value, list):
         for i, item in enumerate(value):
@@ -55,8 +56,10 @@ def _check(value: Any, where: str, depth: int, budget: list[int]) -> None:
                 raise ValueError(f"{where}: keys must be strings, got {key!r}")
             _check(item, f"{where}.{key}", depth + 1, budget)
         return
-    raise ValueError(f"{where}: a JSON value is a string, number, boolean, null, list or "
-                     f"object; got {type(value).__name__}")
+    raise ValueError(
+        f"{where}: a JSON value is a string, number, boolean, null, list or "
+        f"object; got {type(value).__name__}"
+    )
 
 
 # Variables the tokenizer worker itself passes to a chat template: a request's own fields say them.
@@ -73,6 +76,8 @@ def check_chat_template_kwargs(value: Any) -> dict[str, Any]:
     check_json_object(value, "chat_template_kwargs")
     for key in value:
         if key in RESERVED_TEMPLATE_VARIABLES:
-            raise ValueError(f"chat_template_kwargs may not set {key!r}: it comes from "
-                             f"{RESERVED_TEMPLATE_VARIABLES[key]}")
+            raise ValueError(
+                f"chat_template_kwargs may not set {key!r}: it comes from "
+                f"{RESERVED_TEMPLATE_VARIABLES[key]}"
+            )
     return value

@@ -15,15 +15,32 @@ import typing
 from typing import Any
 
 
-def knob(default: Any, help: str, *, unit: str = "", minimum: float | None = None,
-         maximum: float | None = None, choices: tuple[str, ...] = (), flag: str = "",
-         cli: bool = True) -> Any:
+def knob(
+    default: Any,
+    help: str,
+    *,
+    unit: str = "",
+    minimum: float | None = None,
+    maximum: float | None = None,
+    choices: tuple[str, ...] = (),
+    flag: str = "",
+    cli: bool = True,
+) -> Any:
     """A dataclass field with its documentation. ``flag``: the command-line name when it is not
     ``--`` + the field name with dashes (for a boolean that defaults to True, the flag that
     turns it off); ``cli=False``: not a command-line flag (derived, or set by the supervisor)."""
-    return dataclasses.field(default=default, metadata={
-        "help": help, "unit": unit, "minimum": minimum, "maximum": maximum,
-        "choices": choices, "flag": flag, "cli": cli})
+    return dataclasses.field(
+        default=default,
+        metadata={
+            "help": help,
+            "unit": unit,
+            "minimum": minimum,
+            "maximum": maximum,
+            "choices": choices,
+            "flag": flag,
+            "cli": cli,
+        },
+    )
 
 
 def knob_fields(cls: type) -> list[dataclasses.Field]:
@@ -52,8 +69,11 @@ def check_knobs(obj: Any) -> None:
         elif kind is int:
             ok = isinstance(value, int) and not isinstance(value, bool)
         elif kind is float:
-            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-                  and math.isfinite(value))
+            ok = (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
         else:
             ok = isinstance(value, kind)
         if not ok:

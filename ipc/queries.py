@@ -45,11 +45,16 @@ class TokenizeRequest:
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 256:
             raise ValueError("request_id must be a non-empty string of at most 256 characters")
-        given = [self.prompt is not None, self.messages is not None, bool(self.detokenize_ids),
-                 self.info]
+        given = [
+            self.prompt is not None,
+            self.messages is not None,
+            bool(self.detokenize_ids),
+            self.info,
+        ]
         if sum(given) != 1:
-            raise ValueError("give exactly one of prompt, messages, token ids to detokenize, "
-                             "or info")
+            raise ValueError(
+                "give exactly one of prompt, messages, token ids to detokenize, or info"
+            )
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt is empty")
         if self.prompt is not None and len(self.prompt) > MAX_TOKENIZE_CHARS:

@@ -59,16 +59,22 @@ class SamplingParams:
         if not _is_int(self.max_tokens):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 0 or (self.max_tokens == 0 and not self.scores_prompt):
-            raise ValueError(f"max_tokens must be at least 1 (0 only with echo or "
-                             f"prompt_logprobs, to score the prompt), got {self.max_tokens}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+            raise ValueError(
+                f"max_tokens must be at least 1 (0 only with echo or "
+                f"prompt_logprobs, to score the prompt), got {self.max_tokens}"
+            )
+        if (
+            not _is_number(self.temperature)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError("top_k must be an integer >= -1 (0 or -1 disable it), "
-                             f"got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}"
+            )
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2**63-1], got {self.seed!r}")
         self._check_stops()
@@ -78,8 +84,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
         v = self.repetition_penalty
         if not _is_number(v) or not math.isfinite(v) or not (0.0 < v <= MAX_REPETITION_PENALTY):
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
-                             f"got {v!r}")
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {v!r}"
+            )
         self._check_logprob_fields()
 
     def _check_stops(self) -> None:
@@ -91,8 +98,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
-                                 "characters")
+                raise ValueError(
+                    f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters"
+                )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
         for t in self.stop_token_ids:
@@ -103,27 +111,34 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or unset), "
-                                 f"got {v!r}")
+                raise ValueError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {v!r}"
+                )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
-                             f"({self.max_tokens})")
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must be a map of token id to bias")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
-                             f"got {len(self.logit_bias)}")
+            raise ValueError(
+                f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                f"got {len(self.logit_bias)}"
+            )
         for token, bias in self.logit_bias.items():
             if not _is_int(token) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), "
-                                 f"got {token!r}")
+                raise ValueError(
+                    f"logit_bias keys must be token ids (integers >= 0), got {token!r}"
+                )
             if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got "
-                                 f"{bias!r} for token {token}")
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-100, 100], got "
+                    f"{bias!r} for token {token}"
+                )
         for name in ("echo", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -134,8 +149,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def scores_prompt(self) -> bool:

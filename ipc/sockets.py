@@ -69,21 +69,24 @@ class CurveKeys:
 
 def check_curve_available() -> None:
     if not zmq.has("curve"):
-        raise RuntimeError("this pyzmq/libzmq build has no CURVE support (libsodium); it is "
-                           "required to listen beyond loopback")
+        raise RuntimeError(
+            "this pyzmq/libzmq build has no CURVE support (libsodium); it is "
+            "required to listen beyond loopback"
+        )
 
 
 def remove_stale_ipc(address: str) -> None:
     if address.startswith("ipc://"):
-        path = address[len("ipc://"):]
+        path = address[len("ipc://") :]
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
 
 
-def configure(sock: zmq.Socket, *, receives: bool, sndhwm: int | None = None,
-              rcvhwm: int | None = None) -> zmq.Socket:
+def configure(
+    sock: zmq.Socket, *, receives: bool, sndhwm: int | None = None, rcvhwm: int | None = None
+) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     if receives:
         sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
@@ -100,7 +103,7 @@ def bind(sock: zmq.Socket, address: str, curve: CurveKeys | None = None) -> zmq.
     remove_stale_ipc(address)
     sock.bind(address)
     if address.startswith("ipc://"):
-        os.chmod(address[len("ipc://"):], 0o600)
+        os.chmod(address[len("ipc://") :], 0o600)
     return sock
 
 
@@ -111,9 +114,16 @@ def connect(sock: zmq.Socket, address: str, curve: CurveKeys | None = None) -> z
     return sock
 
 
-def open_socket(ctx: zmq.Context, kind: int, address: str, *, bind_it: bool,
-                sndhwm: int | None = None, rcvhwm: int | None = None,
-                curve: CurveKeys | None = None) -> zmq.Socket:
+def open_socket(
+    ctx: zmq.Context,
+    kind: int,
+    address: str,
+    *,
+    bind_it: bool,
+    sndhwm: int | None = None,
+    rcvhwm: int | None = None,
+    curve: CurveKeys | None = None,
+) -> zmq.Socket:
     receives = kind in (zmq.PULL, zmq.ROUTER, zmq.DEALER, zmq.PAIR)
     sock = configure(ctx.socket(kind), receives=receives, sndhwm=sndhwm, rcvhwm=rcvhwm)
     if bind_it:
@@ -126,8 +136,15 @@ def open_socket(ctx: zmq.Context, kind: int, address: str, *, bind_it: bool,
 class PushQueue:
     """The sending end of a PUSH/PULL channel: ``put(message)``."""
 
-    def __init__(self, ctx: zmq.Context, address: str, *, bind: bool = False,
-                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        *,
+        bind: bool = False,
+        hwm: int = DEFAULT_HWM,
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.address = address
         self.socket = open_socket(ctx, zmq.PUSH, address, bind_it=bind, sndhwm=hwm, curve=curve)
 
@@ -154,8 +171,15 @@ class PullQueue(Generic[T]):
     error (they decode with :meth:`decode` and catch ``codec.DecodeError``).
     """
 
-    def __init__(self, ctx: zmq.Context, address: str, *kinds: type, bind: bool = True,
-                 hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        *kinds: type,
+        bind: bool = True,
+        hwm: int = DEFAULT_HWM,
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.address = address
         self.kinds = kinds
         self.socket = open_socket(ctx, zmq.PULL, address, bind_it=bind, rcvhwm=hwm, curve=curve)
@@ -186,8 +210,9 @@ class PullQueue(Generic[T]):
                 break
         return frames
 
-    def drain(self, limit: int, on_malformed: Callable[[bytes, codec.DecodeError], None]
-              ) -> list[T]:
+    def drain(
+        self, limit: int, on_malformed: Callable[[bytes, codec.DecodeError], None]
+    ) -> list[T]:
         """Whatever is queued right now (at most ``limit`` frames, without waiting), decoded; a
         malformed frame goes to ``on_malformed`` instead (to log it, or to answer it with an
         error where the sender can be told)."""

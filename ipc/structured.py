@@ -25,8 +25,13 @@ STRUCTURED_JSON_OBJECT = "json_object"  # any JSON object; text unused
 STRUCTURED_REGEX = "regex"  # text: a pattern the whole output matches
 STRUCTURED_CHOICE = "choice"  # choices: the output is exactly one of them
 STRUCTURED_GRAMMAR = "grammar"  # text: a context-free grammar (GBNF/EBNF or Lark syntax)
-STRUCTURED_KINDS = (STRUCTURED_JSON_SCHEMA, STRUCTURED_JSON_OBJECT, STRUCTURED_REGEX,
-                    STRUCTURED_CHOICE, STRUCTURED_GRAMMAR)
+STRUCTURED_KINDS = (
+    STRUCTURED_JSON_SCHEMA,
+    STRUCTURED_JSON_OBJECT,
+    STRUCTURED_REGEX,
+    STRUCTURED_CHOICE,
+    STRUCTURED_GRAMMAR,
+)
 MAX_STRUCTURED_TEXT_CHARS = 1024 * 1024
 MAX_STRUCTURED_CHOICES = 1024
 MAX_STRUCTURED_CHOICE_CHARS = 4096
@@ -45,13 +50,16 @@ class StructuredOutputSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
-            raise ValueError(f"structured output kind must be one of "
-                             f"{', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+            raise ValueError(
+                f"structured output kind must be one of "
+                f"{', '.join(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
         if not isinstance(self.text, str):
             raise ValueError("structured output text must be a string")
         if len(self.text) > MAX_STRUCTURED_TEXT_CHARS:
-            raise ValueError(f"the {self.kind} is longer than {MAX_STRUCTURED_TEXT_CHARS} "
-                             f"characters")
+            raise ValueError(
+                f"the {self.kind} is longer than {MAX_STRUCTURED_TEXT_CHARS} characters"
+            )
         needs_text = self.kind in (STRUCTURED_JSON_SCHEMA, STRUCTURED_REGEX, STRUCTURED_GRAMMAR)
         if needs_text and not self.text:
             raise ValueError(f"a {self.kind} structured output needs a non-empty {self.kind}")
@@ -64,8 +72,10 @@ class StructuredOutputSpec:
                 raise ValueError(f"at most {MAX_STRUCTURED_CHOICES} choices")
             for c in self.choices:
                 if not isinstance(c, str) or not c or len(c) > MAX_STRUCTURED_CHOICE_CHARS:
-                    raise ValueError(f"choices must be non-empty strings of at most "
-                                     f"{MAX_STRUCTURED_CHOICE_CHARS} characters, got {c!r:.80}")
+                    raise ValueError(
+                        f"choices must be non-empty strings of at most "
+                        f"{MAX_STRUCTURED_CHOICE_CHARS} characters, got {c!r:.80}"
+                    )
         elif self.choices:
             raise ValueError(f"a {self.kind} structured output takes no choices")
 
@@ -73,8 +83,9 @@ class StructuredOutputSpec:
     def json_schema(cls, schema: Any) -> StructuredOutputSpec:
         """From a parsed schema, without spaces. Keys keep their order: the output follows the
         order of ``properties``, as clients expect."""
-        return cls(STRUCTURED_JSON_SCHEMA, json.dumps(schema, separators=(",", ":"),
-                                                      ensure_ascii=False))
+        return cls(
+            STRUCTURED_JSON_SCHEMA, json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        )
 
     def cache_key(self) -> tuple[str, str, tuple[str, ...]]:
         return (self.kind, self.text, tuple(self.choices))
@@ -90,8 +101,11 @@ class ToolCall:
     arguments: str = "{}"
 
     def as_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(slots=True)
@@ -108,8 +122,12 @@ class ToolCallDelta:
         """One entry of a stream chunk's ``delta.tool_calls``."""
         if self.id is None:
             return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def add_tool_call_deltas(calls: list[ToolCall], deltas: list[ToolCallDelta]) -> None:
@@ -146,16 +164,18 @@ class GrammarVocabulary:
         if len(self.token_ends) % 4 or len(self.special_ids) % 4:
             raise ValueError("token_ends and special_ids must be packed int32")
         if len(self.token_ends) // 4 > self.vocab_size:
-            raise ValueError(f"{len(self.token_ends) // 4} tokens do not fit a vocabulary of "
-                             f"{self.vocab_size}")
+            raise ValueError(
+                f"{len(self.token_ends) // 4} tokens do not fit a vocabulary of {self.vocab_size}"
+            )
         if not self.eos_ids or any(not 0 <= t < self.vocab_size for t in self.eos_ids):
             raise ValueError(f"eos_ids must be non-empty ids below {self.vocab_size}")
 
     def token_table(self) -> list[bytes]:
         """Every token's bytes, indexed by id, ``vocab_size`` entries (padding ids get b"")."""
         ends = np.frombuffer(self.token_ends, dtype="<i4")
-        if ends.size and (int(ends[-1]) != len(self.token_bytes)
-                          or bool((np.diff(ends, prepend=0) < 0).any())):
+        if ends.size and (
+            int(ends[-1]) != len(self.token_bytes) or bool((np.diff(ends, prepend=0) < 0).any())
+        ):
             raise ValueError("token_ends do not describe token_bytes")
         data, ends_list = self.token_bytes, ends.tolist()
         table = [data[a:b] for a, b in zip([0] + ends_list[:-1], ends_list)]
@@ -167,16 +187,26 @@ class GrammarVocabulary:
     def digest(self) -> str:
         """Equal for equal vocabularies: lets the engine check that every worker agrees."""
         h = hashlib.sha256()
-        for part in (str(self.vocab_size).encode(), self.token_bytes, self.token_ends,
-                     self.special_ids, repr(self.eos_ids).encode()):
+        for part in (
+            str(self.vocab_size).encode(),
+            self.token_bytes,
+            self.token_ends,
+            self.special_ids,
+            repr(self.eos_ids).encode(),
+        ):
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
         return h.hexdigest()
 
 
 # vLLM's structured_outputs keys -> our kinds ("json" takes a schema, as an object or JSON text).
-VLLM_KEYS = {"json": "json", "regex": STRUCTURED_REGEX, "choice": STRUCTURED_CHOICE,
-             "grammar": STRUCTURED_GRAMMAR, "json_object": STRUCTURED_JSON_OBJECT}
+VLLM_KEYS = {
+    "json": "json",
+    "regex": STRUCTURED_REGEX,
+    "choice": STRUCTURED_CHOICE,
+    "grammar": STRUCTURED_GRAMMAR,
+    "json_object": STRUCTURED_JSON_OBJECT,
+}
 
 
 class StructuredOutputError(ValueError):
@@ -185,15 +215,17 @@ class StructuredOutputError(ValueError):
         self.param = param
 
 
-def spec_from_request(response_format: Any = None,
-                      structured_outputs: Any = None) -> StructuredOutputSpec | None:
+def spec_from_request(
+    response_format: Any = None, structured_outputs: Any = None
+) -> StructuredOutputSpec | None:
     """The request's spec, or None when its output is free text. Both fields at once is an
     error: which one should win is not for the server to guess."""
     from_format = spec_from_response_format(response_format)
     from_vllm = spec_from_structured_outputs(structured_outputs)
     if from_format is not None and from_vllm is not None:
-        raise StructuredOutputError("give response_format or structured_outputs, not both",
-                                    "structured_outputs")
+        raise StructuredOutputError(
+            "give response_format or structured_outputs, not both", "structured_outputs"
+        )
     return from_format or from_vllm
 
 
@@ -209,16 +241,21 @@ def spec_from_response_format(response_format: Any) -> StructuredOutputSpec | No
     if kind == "json_object":
         return StructuredOutputSpec(STRUCTURED_JSON_OBJECT)
     if kind != "json_schema":
-        raise StructuredOutputError(f'response_format type must be "text", "json_object" or '
-                                    f'"json_schema", got {kind!r}', param)
+        raise StructuredOutputError(
+            f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}',
+            param,
+        )
     body = response_format.get("json_schema")
     if not isinstance(body, dict):
-        raise StructuredOutputError('response_format "json_schema" needs a "json_schema" object '
-                                    'with "name" and "schema"', param)
+        raise StructuredOutputError(
+            'response_format "json_schema" needs a "json_schema" object with "name" and "schema"',
+            param,
+        )
     name = body.get("name")
     if not isinstance(name, str) or not name or len(name) > 64:
-        raise StructuredOutputError("response_format.json_schema.name must be a string of 1-64 "
-                                    "characters", param)
+        raise StructuredOutputError(
+            "response_format.json_schema.name must be a string of 1-64 characters", param
+        )
     # The grammar is always enforced, so "strict" (OpenAI's opt-in to that) changes nothing.
     return _schema_spec(body.get("schema", {}), f"{param}.json_schema.schema")
 
@@ -233,8 +270,10 @@ def spec_from_structured_outputs(fields: Any) -> StructuredOutputSpec | None:
     if len(given) != 1:
         raise StructuredOutputError(
             f"structured_outputs needs exactly one of {', '.join(VLLM_KEYS)}, got "
-            f"{', '.join(given) or 'none'}", param)
-    (key, value), = given.items()
+            f"{', '.join(given) or 'none'}",
+            param,
+        )
+    ((key, value),) = given.items()
     where = f"{param}.{key}"
     if key == "json":
         if isinstance(value, str):

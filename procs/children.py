@@ -46,7 +46,9 @@ def spawn(role: str, index: int, config: ClusterConfig) -> Child:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     popen = subprocess.Popen(
         [sys.executable, "-m", "procs.run_worker", role, str(index), str(config.config_path)],
-        env=env, cwd=str(REPO_ROOT))
+        env=env,
+        cwd=str(REPO_ROOT),
+    )
     return Child(role, index, popen, last_seen=time.monotonic())
 
 
@@ -68,7 +70,6 @@ def stop_in_order(children: list[Child]) -> None:
     _signal(detoks, signal.SIGTERM)
     _wait(detoks, 10.0)
     _wait(frontends, 15.0)
-
 
 
 def _signal(children: list[Child], sig: int) -> None:

@@ -1,8 +1,8 @@
 """The ``splitserve`` command.
 
-    splitserve chat "What is the capital of France?"   # start, stream one answer, stop
-    splitserve launch --tokenizer-workers 2             # serve until SIGINT/SIGTERM
-    splitserve generate "Once upon a time" "The sky"    # raw prompts, one answer each
+splitserve chat "What is the capital of France?"   # start, stream one answer, stop
+splitserve launch --tokenizer-workers 2             # serve until SIGINT/SIGTERM
+splitserve generate "Once upon a time" "The sky"    # raw prompts, one answer each
 """
 
 from __future__ import annotations
@@ -35,46 +35,87 @@ logger = logging.getLogger("splitserve.cli")
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
-    g.add_argument("--model", default=None, metavar="PATH",
-                   help="a local Hugging Face checkpoint directory (Llama family); default: "
-                        "SmolLM2-135M-Instruct, provisioned automatically on first use")
+    g.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a local Hugging Face checkpoint directory (Llama family); default: "
+        "SmolLM2-135M-Instruct, provisioned automatically on first use",
+    )
     add_cluster_flags(g, TOKENIZER_KNOBS)
-    g.add_argument("--transport", default="ipc", choices=TRANSPORTS,
-                   help="ipc: unix sockets in the run dir; tcp: loopback ports from --port")
-    g.add_argument("--port", type=int, default=0, metavar="PORT",
-                   help="with --transport tcp: the client port; internal ports follow it")
-    g.add_argument("--listen", default=None, metavar="HOST",
-                   help="serve clients over tcp on HOST (e.g. 0.0.0.0; needs --port). Beyond "
-                        "loopback, ZeroMQ CURVE is switched on: the supervisor generates a key "
-                        "pair and prints the public key clients must pass (server_public_key=); "
-                        "internal sockets stay on loopback. Default: ipc/loopback only")
+    g.add_argument(
+        "--transport",
+        default="ipc",
+        choices=TRANSPORTS,
+        help="ipc: unix sockets in the run dir; tcp: loopback ports from --port",
+    )
+    g.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="with --transport tcp: the client port; internal ports follow it",
+    )
+    g.add_argument(
+        "--listen",
+        default=None,
+        metavar="HOST",
+        help="serve clients over tcp on HOST (e.g. 0.0.0.0; needs --port). Beyond "
+        "loopback, ZeroMQ CURVE is switched on: the supervisor generates a key "
+        "pair and prints the public key clients must pass (server_public_key=); "
+        "internal sockets stay on loopback. Default: ipc/loopback only",
+    )
     add_cluster_flags(g, ("require_curve",))
-    g.add_argument("--run-dir", default=None, metavar="DIR",
-                   help="where sockets and cluster.json live (default: a fresh private temp dir)")
-    g.add_argument("--start-timeout-s", type=float, default=180.0, metavar="SECONDS",
-                   help="give up if the processes are not ready within this (default 180)")
+    g.add_argument(
+        "--run-dir",
+        default=None,
+        metavar="DIR",
+        help="where sockets and cluster.json live (default: a fresh private temp dir)",
+    )
+    g.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=180.0,
+        metavar="SECONDS",
+        help="give up if the processes are not ready within this (default 180)",
+    )
     add_engine_flags(p.add_argument_group("engine"))
     h = p.add_argument_group("OpenAI-compatible HTTP frontend")
-    h.add_argument("--http-port", type=int, default=None, metavar="PORT",
-                   help="serve the OpenAI API on this port (0: any free port); default: no "
-                        "HTTP frontend")
-    h.add_argument("--http-host", default="127.0.0.1", metavar="HOST",
-                   help="address the frontend listens on; anything but loopback needs "
-                        "--api-key (default 127.0.0.1)")
+    h.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the OpenAI API on this port (0: any free port); default: no HTTP frontend",
+    )
+    h.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the frontend listens on; anything but loopback needs "
+        "--api-key (default 127.0.0.1)",
+    )
     add_cluster_flags(h, ("http_workers", "lenient_fields"))
-    h.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY", ""), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
-                        "(default: $SPLITSERVE_API_KEY, or none)")
+    h.add_argument(
+        "--api-key",
+        default=os.environ.get("SPLITSERVE_API_KEY", ""),
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
+        "(default: $SPLITSERVE_API_KEY, or none)",
+    )
     add_cluster_flags(p.add_argument_group("faults"), FAULT_KNOBS)
-    add_cluster_flags(p.add_argument_group("testing (stand-ins for a role's core)"),
-                      TESTING_KNOBS)
+    add_cluster_flags(p.add_argument_group("testing (stand-ins for a role's core)"), TESTING_KNOBS)
 
 
 def cluster_kwargs(args: argparse.Namespace) -> dict:
-    return dict(base_port=args.port,
-                **knob_values(args, ENGINE_KNOBS + TOKENIZER_KNOBS + FAULT_KNOBS + TESTING_KNOBS
-                              + ("require_curve",)),
-                **listen_kwargs(args), **http_kwargs(args))
+    return dict(
+        base_port=args.port,
+        **knob_values(
+            args, ENGINE_KNOBS + TOKENIZER_KNOBS + FAULT_KNOBS + TESTING_KNOBS + ("require_curve",)
+        ),
+        **listen_kwargs(args),
+        **http_kwargs(args),
+    )
 
 
 def listen_kwargs(args: argparse.Namespace) -> dict:
@@ -88,9 +129,13 @@ def listen_kwargs(args: argparse.Namespace) -> dict:
 def http_kwargs(args: argparse.Namespace) -> dict:
     if getattr(args, "http_port", None) is None:
         return {}
-    return dict(http_port=args.http_port, http_host=args.http_host,
-                http_workers=args.http_workers, http_api_key=args.api_key,
-                lenient_fields=args.lenient_fields)
+    return dict(
+        http_port=args.http_port,
+        http_host=args.http_host,
+        http_workers=args.http_workers,
+        http_api_key=args.api_key,
+        lenient_fields=args.lenient_fields,
+    )
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -113,12 +158,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     print(f"splitserve serving {cluster.config.model_name} at {cluster.client_addr}", flush=True)
     print(f"client address: {cluster.client_addr}", flush=True)
     if cluster.curve_public_key:
-        print(f"curve public key: {cluster.curve_public_key} (also in "
-              f"{cluster.config.run_dir}/curve_public.key; clients pass it as "
-              "server_public_key=)", flush=True)
+        print(
+            f"curve public key: {cluster.curve_public_key} (also in "
+            f"{cluster.config.run_dir}/curve_public.key; clients pass it as "
+            "server_public_key=)",
+            flush=True,
+        )
     if cluster.http_url:
-        print(f"OpenAI API: {cluster.http_url}/v1 ({cluster.config.http_workers} frontend(s))",
-              flush=True)
+        print(
+            f"OpenAI API: {cluster.http_url}/v1 ({cluster.config.http_workers} frontend(s))",
+            flush=True,
+        )
     try:
         while not stop.wait(0.2) and cluster.failure is None:
             pass
@@ -132,33 +182,54 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256, metavar="TOKENS",
-                   help="most tokens to generate (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default 0)")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="a stop string (repeatable)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="most tokens to generate (default 256)",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="a stop string (repeatable)"
+    )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0: off)")
     p.add_argument("--seed", type=int, default=None, help="seed for a reproducible sample")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="penalize tokens already in the prompt or output (default 1: off)")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="penalize tokens already in the prompt or output (default 1: off)",
+    )
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "stop": args.stop,
-            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-            "repetition_penalty": args.repetition_penalty}
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stop": args.stop,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "repetition_penalty": args.repetition_penalty,
+    }
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from ipc.client import Client, SplitserveError
 
-    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.prompt})
-    with launch_cluster(args.model, run_dir=args.run_dir, start_timeout_s=args.start_timeout_s,
-                        **cluster_kwargs(args)) as cluster, Client(
-            cluster.client_addr, server_public_key=cluster.curve_public_key) as client:
+    with (
+        launch_cluster(
+            args.model,
+            run_dir=args.run_dir,
+            start_timeout_s=args.start_timeout_s,
+            **cluster_kwargs(args),
+        ) as cluster,
+        Client(cluster.client_addr, server_public_key=cluster.curve_public_key) as client,
+    ):
         try:
             handle = client.submit(messages=messages, **_sampling_kwargs(args))
             for delta in handle.stream():
@@ -173,9 +244,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from ipc.client import Client, SplitserveError
 
-    with launch_cluster(args.model, run_dir=args.run_dir, start_timeout_s=args.start_timeout_s,
-                        **cluster_kwargs(args)) as cluster, Client(
-            cluster.client_addr, server_public_key=cluster.curve_public_key) as client:
+    with (
+        launch_cluster(
+            args.model,
+            run_dir=args.run_dir,
+            start_timeout_s=args.start_timeout_s,
+            **cluster_kwargs(args),
+        ) as cluster,
+        Client(cluster.client_addr, server_public_key=cluster.curve_public_key) as client,
+    ):
         try:
             results = client.generate(args.prompts, check=False, **_sampling_kwargs(args))
         except SplitserveError as exc:  # bad sampling values, refused before anything is sent
@@ -193,18 +270,21 @@ def run_bench(argv: list[str], root: Path = REPO_ROOT) -> int:
     keeps the checkout at hand). It runs in a child process with the checkout on PYTHONPATH and
     the caller's working directory, so relative paths among the arguments mean what they say."""
     if not (root / "scripts" / "bench_serving.py").is_file():
-        print("splitserve bench needs a source checkout of splitserve (the benchmark is not "
-              f"installed with the package; {root / 'scripts' / 'bench_serving.py'} is "
-              "missing): clone the repository, `pip install -e .` there, then run "
-              "`splitserve bench` or `python -m scripts.bench_serving` from its root",
-              file=sys.stderr)
+        print(
+            "splitserve bench needs a source checkout of splitserve (the benchmark is not "
+            f"installed with the package; {root / 'scripts' / 'bench_serving.py'} is "
+            "missing): clone the repository, `pip install -e .` there, then run "
+            "`splitserve bench` or `python -m scripts.bench_serving` from its root",
+            file=sys.stderr,
+        )
         return 2
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     # -P (Python 3.11+): the working directory does not shadow the checkout's packages.
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-    child = subprocess.Popen([sys.executable, *safe_path, "-m", "scripts.bench_serving", *argv],
-                             env=env)
+    child = subprocess.Popen(
+        [sys.executable, *safe_path, "-m", "scripts.bench_serving", *argv], env=env
+    )
     # Ctrl-C reaches the child too; wait while it shuts its clusters down.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -216,8 +296,9 @@ def run_bench(argv: list[str], root: Path = REPO_ROOT) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="splitserve", description="LLM serving with tokenization and detokenization in "
-        "their own processes.")
+        prog="splitserve",
+        description="LLM serving with tokenization and detokenization in their own processes.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("launch", help="start a cluster and serve until SIGINT/SIGTERM")
     add_cluster_args(p)
@@ -233,9 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     add_cluster_args(p)
     p.set_defaults(run=cmd_generate)
-    sub.add_parser("bench", add_help=False,
-                   help="the serving benchmark: inproc vs cluster, submit wall and TTFT "
-                        "(splitserve bench --help for its options)")
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="the serving benchmark: inproc vs cluster, submit wall and TTFT "
+        "(splitserve bench --help for its options)",
+    )
     return parser
 
 
@@ -246,8 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     quiet = args.command in ("chat", "generate")
     os.environ.setdefault("SPLITSERVE_LOG_LEVEL", "WARNING" if quiet else "INFO")
-    logging.basicConfig(level=os.environ["SPLITSERVE_LOG_LEVEL"],
-                        format="%(asctime)s supervisor %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ["SPLITSERVE_LOG_LEVEL"],
+        format="%(asctime)s supervisor %(levelname)s %(name)s: %(message)s",
+    )
     sys.exit(args.run(args))
 
 

@@ -25,12 +25,14 @@ def free_tcp_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def make_config(model: str | os.PathLike | None = None, run_dir: str | None = None,
-                **overrides: Any) -> tuple[ClusterConfig, bool]:
+def make_config(
+    model: str | os.PathLike | None = None, run_dir: str | None = None, **overrides: Any
+) -> tuple[ClusterConfig, bool]:
     """A ClusterConfig with the model resolved, a private run dir and the thread budget filled
     in. Returns (config, whether the run dir was created here and is ours to remove)."""
-    model_path = str(resolve_model(model if model is not None
-                                   else overrides.pop("model_path", None)))
+    model_path = str(
+        resolve_model(model if model is not None else overrides.pop("model_path", None))
+    )
     owns = run_dir is None or not Path(run_dir).exists()  # remove only what we created
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix="splitserve-")  # mode 0700
@@ -41,13 +43,19 @@ def make_config(model: str | os.PathLike | None = None, run_dir: str | None = No
         int(overrides.get("tokenizer_workers", 1)),
         engine_threads=int(overrides.pop("engine_threads", 0) or 0),
         tokenizer_threads=int(overrides.pop("tokenizer_threads", 0) or 0),
-        http_workers=int(overrides.get("http_workers", 1)) if with_http else 0)
+        http_workers=int(overrides.get("http_workers", 1)) if with_http else 0,
+    )
     if overrides.get("http_port") == 0:
         # One concrete port up front: several frontends share it, and a restarted one keeps it.
         overrides["http_port"] = free_tcp_port(str(overrides.get("http_host", "127.0.0.1")))
     overrides.update(curve_overrides(overrides))
-    config = ClusterConfig.build(model_path, run_dir, engine_threads=engine_threads,
-                                 tokenizer_threads=tokenizer_threads, **overrides)
+    config = ClusterConfig.build(
+        model_path,
+        run_dir,
+        engine_threads=engine_threads,
+        tokenizer_threads=tokenizer_threads,
+        **overrides,
+    )
     return config, owns
 
 
@@ -56,8 +64,10 @@ def curve_overrides(overrides: dict[str, Any]) -> dict[str, str]:
     asks for CURVE anyway) and none was given; every socket of the cluster then uses it."""
     if overrides.get("curve_secret_key"):
         return {}
-    beyond_loopback = (overrides.get("transport") == "tcp"
-                       and overrides.get("host", "127.0.0.1") not in LOOPBACK_HOSTS)
+    beyond_loopback = (
+        overrides.get("transport") == "tcp"
+        and overrides.get("host", "127.0.0.1") not in LOOPBACK_HOSTS
+    )
     if not (beyond_loopback or overrides.get("require_curve")):
         return {}
     check_curve_available()

@@ -16,8 +16,13 @@ from ipc.knobs import base_type, knob_fields
 # The knobs `splitserve launch` offers, by group; the rest of each class is not a flag there
 # (derived, set by the supervisor, or a custom flag such as --listen).
 ENGINE_KNOBS = tuple(f.name for f in knob_fields(EngineConfig) if f.metadata["cli"])
-TOKENIZER_KNOBS = ("tokenizer_workers", "tokenizer_threads", "tokenizer_batch_max",
-                   "tokenizer_queue_max", "stream_interval_tokens")
+TOKENIZER_KNOBS = (
+    "tokenizer_workers",
+    "tokenizer_threads",
+    "tokenizer_batch_max",
+    "tokenizer_queue_max",
+    "stream_interval_tokens",
+)
 FAULT_KNOBS = ("restart_policy", "max_restarts", "hang_timeout_s")
 TESTING_KNOBS = ("engine_factory", "preparer_factory")
 
@@ -26,9 +31,14 @@ def flag_name(f: dataclasses.Field) -> str:
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
-def add_knob_flags(group: Any, cls: type, names: Iterable[str], *,
-                   help_overrides: dict[str, str] | None = None,
-                   defaults: dict[str, Any] | None = None) -> None:
+def add_knob_flags(
+    group: Any,
+    cls: type,
+    names: Iterable[str],
+    *,
+    help_overrides: dict[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> None:
     """One flag per named field of ``cls``; ``help_overrides`` replaces a field's help where a
     command gives the value another meaning (say, a benchmark's own default)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -40,13 +50,18 @@ def add_knob_flags(group: Any, cls: type, names: Iterable[str], *,
         kind = base_type(cls, f)
         if kind is bool:
             action = "store_false" if f.default else "store_true"
-            group.add_argument(flag_name(f), dest=name, action=action, default=default,
-                               help=text)
+            group.add_argument(flag_name(f), dest=name, action=action, default=default, help=text)
             continue
         shown = "%(default)s" if meta["choices"] or default != "" else "none"
-        group.add_argument(flag_name(f), dest=name, type=kind, default=default,
-                           choices=meta["choices"] or None, metavar=meta["unit"] or None,
-                           help=f"{text} (default: {shown})")
+        group.add_argument(
+            flag_name(f),
+            dest=name,
+            type=kind,
+            default=default,
+            choices=meta["choices"] or None,
+            metavar=meta["unit"] or None,
+            help=f"{text} (default: {shown})",
+        )
 
 
 def knob_values(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:

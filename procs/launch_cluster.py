@@ -67,7 +67,8 @@ class Cluster:
         self.owns_run_dir = owns_run_dir
         self.ctx = zmq.Context()
         self.inbox: PullQueue[WorkerReady | Heartbeat] = PullQueue(
-            self.ctx, config.supervisor_addr, WorkerReady, Heartbeat, curve=config.curve)
+            self.ctx, config.supervisor_addr, WorkerReady, Heartbeat, curve=config.curve
+        )
         # ClusterNotices go to the detokenizer's inbox (it forwards them to clients).
         self.notices = PushQueue(self.ctx, config.detokenizer_addr, hwm=1000, curve=config.curve)
         self.children: list[Child] = []
@@ -82,8 +83,9 @@ class Cluster:
 
     # --- start-up -----------------------------------------------------------------------------
     @classmethod
-    def start(cls, config: ClusterConfig, *, owns_run_dir: bool = True,
-              start_timeout_s: float = 180.0) -> Cluster:
+    def start(
+        cls, config: ClusterConfig, *, owns_run_dir: bool = True, start_timeout_s: float = 180.0
+    ) -> Cluster:
         config.write()
         if config.curve_public_key:  # for users: the key clients pass as server_public_key=
             key_path = Path(config.run_dir) / CURVE_PUBLIC_KEY_FILE
@@ -96,20 +98,26 @@ class Cluster:
         except BaseException:
             cluster.shutdown()
             raise
-        cluster._watcher = threading.Thread(target=cluster._watch, name="splitserve-watch",
-                                            daemon=True)
+        cluster._watcher = threading.Thread(
+            target=cluster._watch, name="splitserve-watch", daemon=True
+        )
         cluster._watcher.start()
         return cluster
 
     def _start_all(self, timeout_s: float) -> None:
-        print(f"splitserve supervisor pid={os.getpid()}: {describe_budget(self.config)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"splitserve supervisor pid={os.getpid()}: {describe_budget(self.config)}",
+            file=sys.stderr,
+            flush=True,
+        )
         engine = self._spawn("engine", 0)
         ready = self._wait_ready([engine], timeout_s)[0]
         # Hand the engine's resolved limits to everyone started after it.
         self.config = dataclasses.replace(
             self.config.with_engine(max_model_len=ready.max_model_len),
-            vocab_size=ready.vocab_size, model_name=ready.model_name)
+            vocab_size=ready.vocab_size,
+            model_name=ready.model_name,
+        )
         self.config.write()
         rest = [self._spawn("detokenizer", 0)]
         rest += [self._spawn("tokenizer", i) for i in range(self.config.tokenizer_workers)]
@@ -132,7 +140,8 @@ class Cluster:
                 if c.popen.poll() is not None:
                     raise ClusterStartError(
                         f"{c.name} exited with code {c.popen.returncode} during start-up "
-                        "(its log above says why)")
+                        "(its log above says why)"
+                    )
             if time.monotonic() > deadline:
                 late = [c.name for c in waiting if c.ready is None]
                 raise ClusterStartError(f"not ready after {timeout_s:.0f} s: {', '.join(late)}")
@@ -172,8 +181,11 @@ class Cluster:
                 if c.restarted and c.ready is not None:
                     c.restarted = False
                     logger.warning("%s restarted: pid %d ready", c.name, c.popen.pid)
-                    self._notify(ClusterNotice(event=NOTICE_READY, role=c.role, index=c.index,
-                                               pid=c.popen.pid))
+                    self._notify(
+                        ClusterNotice(
+                            event=NOTICE_READY, role=c.role, index=c.index, pid=c.popen.pid
+                        )
+                    )
             dead = [c for c in self.children if c.popen.poll() is not None]
             if dead:
                 self._handle_dead(dead)
@@ -183,15 +195,26 @@ class Cluster:
         for c in dead:
             detail = c.killed_for or f"exited with code {c.popen.returncode}"
             if c.role != "detokenizer":  # a detokenizer's clients see their connection drop
-                self._notify(ClusterNotice(event=NOTICE_DIED, role=c.role, index=c.index,
-                                           pid=c.popen.pid, detail=detail))
+                self._notify(
+                    ClusterNotice(
+                        event=NOTICE_DIED,
+                        role=c.role,
+                        index=c.index,
+                        pid=c.popen.pid,
+                        detail=detail,
+                    )
+                )
             used = self.restarts.get(c.name, 0)
             if self.config.restart_policy != "restart" or used >= self.config.max_restarts:
-                why = ("restart_policy is shutdown" if self.config.restart_policy != "restart"
-                       else f"it was restarted {used} times already (max_restarts)")
+                why = (
+                    "restart_policy is shutdown"
+                    if self.config.restart_policy != "restart"
+                    else f"it was restarted {used} times already (max_restarts)"
+                )
                 self.failure = f"{c.name} {detail}"
-                logger.error("%s (pid %d) %s; stopping the cluster: %s", c.name, c.popen.pid,
-                             detail, why)
+                logger.error(
+                    "%s (pid %d) %s; stopping the cluster: %s", c.name, c.popen.pid, detail, why
+                )
                 self._stop_children()
                 return
             with self._lock:
@@ -201,9 +224,15 @@ class Cluster:
                 self.children.remove(c)
                 new = self._spawn(c.role, c.index)
                 new.restarted = True
-            logger.warning("%s (pid %d) %s; restarting it as pid %d (restart %d of %d)",
-                           c.name, c.popen.pid, detail, new.popen.pid, used + 1,
-                           self.config.max_restarts)
+            logger.warning(
+                "%s (pid %d) %s; restarting it as pid %d (restart %d of %d)",
+                c.name,
+                c.popen.pid,
+                detail,
+                new.popen.pid,
+                used + 1,
+                self.config.max_restarts,
+            )
 
     def _kill_hung_children(self) -> None:
         limit = self.config.hang_timeout_s
@@ -267,10 +296,12 @@ class Cluster:
 
     def describe(self) -> str:
         http = f"HTTP {self.http_url}; " if self.http_url else ""
-        return (f"client address {self.client_addr}; {http}"
-                f"{self.config.tokenizer_workers} tokenizer worker(s); model "
-                f"{self.config.model_name or self.config.model_path} (max_model_len "
-                f"{self.config.engine.max_model_len}); pids {self.pids}")
+        return (
+            f"client address {self.client_addr}; {http}"
+            f"{self.config.tokenizer_workers} tokenizer worker(s); model "
+            f"{self.config.model_name or self.config.model_path} (max_model_len "
+            f"{self.config.engine.max_model_len}); pids {self.pids}"
+        )
 
     # --- shutdown -----------------------------------------------------------------------------
     def _stop_children(self) -> None:
@@ -327,8 +358,13 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def launch_cluster(model: str | os.PathLike | None = None, *, run_dir: str | None = None,
-                   start_timeout_s: float = 180.0, **overrides: object) -> Iterator[Cluster]:
+def launch_cluster(
+    model: str | os.PathLike | None = None,
+    *,
+    run_dir: str | None = None,
+    start_timeout_s: float = 180.0,
+    **overrides: object,
+) -> Iterator[Cluster]:
     config, owns = make_config(model, run_dir, **overrides)
     try:
         cluster = Cluster.start(config, owns_run_dir=owns, start_timeout_s=start_timeout_s)

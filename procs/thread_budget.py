@@ -22,8 +22,14 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def thread_budget(tokenizer_workers: int, *, engine_threads: int = 0, tokenizer_threads: int = 0,
-                  http_workers: int = 0, cpus: int | None = None) -> tuple[int, int]:
+def thread_budget(
+    tokenizer_workers: int,
+    *,
+    engine_threads: int = 0,
+    tokenizer_threads: int = 0,
+    http_workers: int = 0,
+    cpus: int | None = None,
+) -> tuple[int, int]:
     """(engine torch threads, threads per tokenizer worker); 0 means decide. HTTP frontends
     (one event-loop thread each) count like tokenizer workers."""
     cpus = cpus or available_cpus()
@@ -35,26 +41,34 @@ def thread_budget(tokenizer_workers: int, *, engine_threads: int = 0, tokenizer_
 
 
 def describe_budget(config: ClusterConfig) -> str:
-    return (f"CPU budget on {available_cpus()} cores: engine {config.engine.engine_threads} torch "
-            f"thread(s); {config.tokenizer_workers} tokenizer worker(s) x "
-            f"{config.tokenizer_threads} thread(s); detokenizer 1 thread"
-            + (f"; {config.http_workers} HTTP frontend(s) x 1 thread"
-               if config.http_port is not None else ""))
+    return (
+        f"CPU budget on {available_cpus()} cores: engine {config.engine.engine_threads} torch "
+        f"thread(s); {config.tokenizer_workers} tokenizer worker(s) x "
+        f"{config.tokenizer_threads} thread(s); detokenizer 1 thread"
+        + (
+            f"; {config.http_workers} HTTP frontend(s) x 1 thread"
+            if config.http_port is not None
+            else ""
+        )
+    )
 
 
 def child_env(role: str, config: ClusterConfig, env: dict[str, str]) -> dict[str, str]:
     """The environment a role starts with; set before the interpreter so no library reads a
     different value first."""
-    threads = {"engine": config.engine.engine_threads,
-               "tokenizer": config.tokenizer_threads}.get(role, 1)
+    threads = {"engine": config.engine.engine_threads, "tokenizer": config.tokenizer_threads}.get(
+        role, 1
+    )
     torch_threads = config.engine.engine_threads if role == "engine" else 1
-    env.update({
-        "OMP_NUM_THREADS": str(torch_threads),
-        "MKL_NUM_THREADS": str(torch_threads),
-        "RAYON_NUM_THREADS": str(threads if role == "tokenizer" else 1),
-        "TOKENIZERS_PARALLELISM": "true" if role == "tokenizer" and threads > 1 else "false",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(torch_threads),
+            "MKL_NUM_THREADS": str(torch_threads),
+            "RAYON_NUM_THREADS": str(threads if role == "tokenizer" else 1),
+            "TOKENIZERS_PARALLELISM": "true" if role == "tokenizer" and threads > 1 else "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if role == "http":
         # prometheus_client's multiprocess mode: every frontend's /metrics counts them all.
         metrics_dir = os.path.join(config.run_dir, "metrics")

@@ -18,7 +18,9 @@ def setup_logging(role: str, index: int | None = None, level: str | None = None)
     logging.basicConfig(
         level=(level or os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO")).upper(),
         format=f"%(asctime)s {name} pid=%(process)d %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr, force=True)
+        stream=sys.stderr,
+        force=True,
+    )
 
 
 def under_supervisor() -> bool:

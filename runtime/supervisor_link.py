@@ -18,16 +18,26 @@ QUEUE_LIMIT = 100  # messages; past it they are dropped with a warning
 
 
 class SupervisorLink:
-    def __init__(self, ctx: zmq.Context, address: str, role: str, index: int,
-                 interval_s: float, curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        role: str,
+        index: int,
+        interval_s: float,
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.role, self.index, self.interval_s = role, index, interval_s
         self.pid = os.getpid()
         self._queue = PushQueue(ctx, address, hwm=QUEUE_LIMIT, curve=curve)
         self._next_heartbeat = 0.0
 
     def ready(self, addresses: list[str], **model_info: Any) -> None:
-        self._send(WorkerReady(role=self.role, index=self.index, pid=self.pid,
-                               addresses=addresses, **model_info))
+        self._send(
+            WorkerReady(
+                role=self.role, index=self.index, pid=self.pid, addresses=addresses, **model_info
+            )
+        )
 
     def heartbeat_due_in_ms(self) -> int:
         return max(0, int((self._next_heartbeat - time.monotonic()) * 1000))
@@ -38,8 +48,15 @@ class SupervisorLink:
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.interval_s
-        self._send(Heartbeat(role=self.role, index=self.index, pid=self.pid, t=now,
-                             stats={k: float(v) for k, v in stats.items()}))
+        self._send(
+            Heartbeat(
+                role=self.role,
+                index=self.index,
+                pid=self.pid,
+                t=now,
+                stats={k: float(v) for k, v in stats.items()},
+            )
+        )
 
     def _send(self, msg: object) -> None:
         try:

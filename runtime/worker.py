@@ -24,8 +24,9 @@ class WorkerRuntime:
         self.role, self.index, self.config = role, index, config
         self.draining = False
         self.stopping = False
-        self.link = SupervisorLink(ctx, config.supervisor_addr, role, index,
-                                   config.heartbeat_interval_s, config.curve)
+        self.link = SupervisorLink(
+            ctx, config.supervisor_addr, role, index, config.heartbeat_interval_s, config.curve
+        )
         self.pid = self.link.pid
         signal.signal(signal.SIGUSR1, self._on_drain)
         signal.signal(signal.SIGTERM, self._on_stop)
@@ -40,8 +41,11 @@ class WorkerRuntime:
 
     def announce(self, addresses: list[str], **model_info: object) -> None:
         """One start-up line (stderr: stdout belongs to the CLI's answers), then WorkerReady."""
-        print(f"splitserve {self.role}[{self.index}] pid={self.pid} ready: "
-              + " ".join(addresses), file=sys.stderr, flush=True)
+        print(
+            f"splitserve {self.role}[{self.index}] pid={self.pid} ready: " + " ".join(addresses),
+            file=sys.stderr,
+            flush=True,
+        )
         self.link.ready(addresses, **model_info)
 
     def heartbeat_due_in_ms(self) -> int:

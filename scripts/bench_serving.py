@@ -55,12 +55,12 @@ def expand_modes(modes_text: str, tokenizer_workers: list[int]) -> list[str]:
     for mode in (m.strip() for m in modes_text.split(",") if m.strip()):
         if mode == "cluster":
             modes += [f"cluster-tw{n}" for n in tokenizer_workers]
-        elif mode in BASE_MODES or (mode.startswith("cluster-tw") and mode[10:].isdigit()
-                                    and int(mode[10:]) >= 1):
+        elif mode in BASE_MODES or (
+            mode.startswith("cluster-tw") and mode[10:].isdigit() and int(mode[10:]) >= 1
+        ):
             modes.append(mode)
         else:
-            raise ValueError(f"unknown mode {mode!r} (known: {', '.join(BASE_MODES)}, "
-                             "cluster-twN)")
+            raise ValueError(f"unknown mode {mode!r} (known: {', '.join(BASE_MODES)}, cluster-twN)")
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"--modes must name each mode once, got {modes}")
     return modes
@@ -78,8 +78,13 @@ def workload_kv_tokens(args: argparse.Namespace, requests, tokenizer) -> int:
     over (room for the prefix cache). The engine's own CPU default sizes from free memory, and
     several engines at once (one per mode) would then take most of the machine."""
     longest_prompt = max(
-        len(tokenizer.encode(r.prompt if r.prompt is not None else
-                             "\n".join(m["content"] for m in r.messages)).ids) for r in requests)
+        len(
+            tokenizer.encode(
+                r.prompt if r.prompt is not None else "\n".join(m["content"] for m in r.messages)
+            ).ids
+        )
+        for r in requests
+    )
     longest = longest_prompt + 64 + max(r.max_tokens for r in requests)  # 64: run tag, template
     tokens = 2 * min(args.max_batch_size, len(requests)) * longest
     return -(-tokens // args.block_size) * args.block_size
@@ -89,19 +94,28 @@ def engine_threads_for(args: argparse.Namespace, tokenizer_workers: int) -> int:
     """The engine's torch threads: the flag, else what the supervisor budgets the engine."""
     from procs.thread_budget import thread_budget
 
-    return thread_budget(tokenizer_workers, engine_threads=args.engine_threads,
-                         tokenizer_threads=args.tokenizer_threads)[0]
+    return thread_budget(
+        tokenizer_workers,
+        engine_threads=args.engine_threads,
+        tokenizer_threads=args.tokenizer_threads,
+    )[0]
 
 
 def inproc_engine_config(args: argparse.Namespace, model_path: str):
     from ipc.engine_config import EngineConfig
 
-    return EngineConfig(model_path=model_path, engine_threads=engine_threads_for(args, 1),
-                        **engine_knobs(args))
+    return EngineConfig(
+        model_path=model_path, engine_threads=engine_threads_for(args, 1), **engine_knobs(args)
+    )
 
 
-def make_systems(modes: list[str], args: argparse.Namespace, model_path: str,
-                 collector: EventCollector, stack: contextlib.ExitStack) -> dict:
+def make_systems(
+    modes: list[str],
+    args: argparse.Namespace,
+    model_path: str,
+    collector: EventCollector,
+    stack: contextlib.ExitStack,
+) -> dict:
     """One system under test per mode; the inproc modes share one in-process server."""
     from scripts.bench.http_system import HttpSystem
     from scripts.bench.systems import ClusterSystem, InprocServer, InprocSystem
@@ -111,42 +125,59 @@ def make_systems(modes: list[str], args: argparse.Namespace, model_path: str,
             "engine_threads": engine_threads_for(args, workers),
             "tokenizer_threads": args.tokenizer_threads,
             "tokenizer_batch_max": args.tokenizer_batch_max,
-            "stream_interval_tokens": args.stream_interval_tokens}
+            "stream_interval_tokens": args.stream_interval_tokens,
+        }
 
     systems, server = {}, None
     for mode in modes:
         if mode == "http":
             workers = args.tokenizer_workers[0]
             systems[mode] = HttpSystem(
-                mode, collector, endpoint=args.endpoint, model_path=model_path,
-                tokenizer_workers=workers, cluster_knobs=cluster_knobs(workers))
+                mode,
+                collector,
+                endpoint=args.endpoint,
+                model_path=model_path,
+                tokenizer_workers=workers,
+                cluster_knobs=cluster_knobs(workers),
+            )
         elif mode.startswith("cluster-tw"):
-            workers = int(mode[len("cluster-tw"):])
+            workers = int(mode[len("cluster-tw") :])
             knobs = cluster_knobs(workers)
             poll_s = 0.001 if args.max_concurrency else 0.02
-            systems[mode] = ClusterSystem(mode, model_path, workers, knobs, collector, poll_s,
-                                          args.client_submit_hwm or None)
+            systems[mode] = ClusterSystem(
+                mode, model_path, workers, knobs, collector, poll_s, args.client_submit_hwm or None
+            )
         else:
             if server is None:
-                server = InprocServer(inproc_engine_config(args, model_path), collector.deliver,
-                                      stream_interval_tokens=args.stream_interval_tokens)
+                server = InprocServer(
+                    inproc_engine_config(args, model_path),
+                    collector.deliver,
+                    stream_interval_tokens=args.stream_interval_tokens,
+                )
                 stack.callback(server.close)
-            systems[mode] = InprocSystem(mode, server, collector,
-                                         pretok=mode == "inproc-pretok")
+            systems[mode] = InprocSystem(mode, server, collector, pretok=mode == "inproc-pretok")
         stack.callback(systems[mode].close)
     return systems
 
 
-def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
-                   workload: WorkloadSpec, arrival: ArrivalSpec, systems: dict,
-                   kv_auto: bool) -> dict:
+def describe_setup(
+    args: argparse.Namespace,
+    model_path: str,
+    modes: list[str],
+    workload: WorkloadSpec,
+    arrival: ArrivalSpec,
+    systems: dict,
+    kv_auto: bool,
+) -> dict:
     from procs.thread_budget import available_cpus
 
     w = workload
-    prompts = {"synthetic": f"synthetic, ~{w.prompt_tokens} tokens",
-               "literal": f"literal --prompt ({len(w.prompt_text or '')} characters)",
-               "shared-prefix": f"shared prefix of ~{w.shared_prefix_tokens} tokens + "
-                                f"~{w.prompt_tokens} tokens of its own"}.get(w.source, w.source)
+    prompts = {
+        "synthetic": f"synthetic, ~{w.prompt_tokens} tokens",
+        "literal": f"literal --prompt ({len(w.prompt_text or '')} characters)",
+        "shared-prefix": f"shared prefix of ~{w.shared_prefix_tokens} tokens + "
+        f"~{w.prompt_tokens} tokens of its own",
+    }.get(w.source, w.source)
     if w.prompt_tokens_range_ratio and w.jsonl_path is None:
         prompts += f" (range ratio {w.prompt_tokens_range_ratio:g})"
     return {
@@ -155,8 +186,9 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
         "Dtype": args.dtype,
         "Host CPUs": available_cpus(),
         "Modes": ", ".join(modes),
-        "Mode details": {m: "; ".join(f"{k} {v}" for k, v in t.describe().items())
-                         for m, t in systems.items()},
+        "Mode details": {
+            m: "; ".join(f"{k} {v}" for k, v in t.describe().items()) for m, t in systems.items()
+        },
         "Requests": w.num_requests,
         "Prompts": prompts,
         "Unique prompts": w.unique_prompts or w.source == "shared-prefix",
@@ -166,24 +198,26 @@ def describe_setup(args: argparse.Namespace, model_path: str, modes: list[str],
         "Stop strings": args.stop or "none",
         "Arrival": arrival.describe(),
         "Max concurrency": args.max_concurrency or "unlimited",
-        "Engine": {"max_batch_size": args.max_batch_size,
-                   "prefill_max_batch_size": args.prefill_max_batch_size,
-                   "prefill_max_tokens": args.prefill_max_tokens,
-                   "prefill_chunk_tokens": args.prefill_chunk_tokens,
-                   "block_size": args.block_size,
-                   "kv_cache_tokens": f"{args.kv_cache_tokens}"
-                                      + (" (sized for this workload)" if kv_auto else ""),
-                   "max_model_len": args.max_model_len or "model's own",
-                   "prefix_cache": args.enable_prefix_cache,
-                   "max_waiting_requests": args.max_waiting_requests,
-                   "idle_batch_window": f"{args.idle_batch_window_ms:g} ms, at most "
-                                        f"{args.idle_batch_window_step_fraction:g} of the "
-                                        "expected first step"},
+        "Engine": {
+            "max_batch_size": args.max_batch_size,
+            "prefill_max_batch_size": args.prefill_max_batch_size,
+            "prefill_max_tokens": args.prefill_max_tokens,
+            "prefill_chunk_tokens": args.prefill_chunk_tokens,
+            "block_size": args.block_size,
+            "kv_cache_tokens": f"{args.kv_cache_tokens}"
+            + (" (sized for this workload)" if kv_auto else ""),
+            "max_model_len": args.max_model_len or "model's own",
+            "prefix_cache": args.enable_prefix_cache,
+            "max_waiting_requests": args.max_waiting_requests,
+            "idle_batch_window": f"{args.idle_batch_window_ms:g} ms, at most "
+            f"{args.idle_batch_window_step_fraction:g} of the "
+            "expected first step",
+        },
         "Stream interval (tokens)": args.stream_interval_tokens,
         "Runs": f"{args.warmup_runs} warmup (of {min(args.warmup_num_requests, w.num_requests)} "
-                f"requests) + {args.repeat_runs} measured per mode, interleaved; "
-                f"medians reported; run tag {'off' if args.no_run_tag else 'on'}; "
-                "driver GC paused while submitting",
+        f"requests) + {args.repeat_runs} measured per mode, interleaved; "
+        f"medians reported; run tag {'off' if args.no_run_tag else 'on'}; "
+        "driver GC paused while submitting",
         "Goodput SLOs (ms)": args.goodput_slos or "none",
     }
 
@@ -207,92 +241,138 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     rates = parse_rates(args.request_rate)
     counts = {rate: requests_at(rate, args.duration_s, args.num_requests) for rate in rates}
     workload = WorkloadSpec(
-        num_requests=max(counts.values()), max_new_tokens=args.max_new_tokens,
+        num_requests=max(counts.values()),
+        max_new_tokens=args.max_new_tokens,
         prompt_tokens=args.prompt_tokens,
-        prompt_tokens_range_ratio=args.prompt_tokens_range_ratio, prompt_text=args.prompt,
-        unique_prompts=args.unique_prompts, shared_prefix_tokens=args.shared_prefix_tokens,
-        jsonl_path=args.dataset_jsonl, seed=args.seed)
-    arrival = ArrivalSpec(submit_interval_ms=args.submit_interval_ms,
-                          submit_schedule=args.submit_schedule, request_rate=rates[0],
-                          burstiness=args.burstiness, seed=args.seed)
+        prompt_tokens_range_ratio=args.prompt_tokens_range_ratio,
+        prompt_text=args.prompt,
+        unique_prompts=args.unique_prompts,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+        jsonl_path=args.dataset_jsonl,
+        seed=args.seed,
+    )
+    arrival = ArrivalSpec(
+        submit_interval_ms=args.submit_interval_ms,
+        submit_schedule=args.submit_schedule,
+        request_rate=rates[0],
+        burstiness=args.burstiness,
+        seed=args.seed,
+    )
     if args.warmup_runs < 0 or args.repeat_runs < 1 or args.warmup_num_requests < 1:
-        raise ValueError("--warmup-runs must be >= 0, --repeat-runs and "
-                         "--warmup-num-requests >= 1")
+        raise ValueError("--warmup-runs must be >= 0, --repeat-runs and --warmup-num-requests >= 1")
     collector = EventCollector()
     with contextlib.ExitStack() as stack:
-        model_path = (fast_engine_model(stack) if args.fast_engine
-                      else str(resolve_model(args.model)))
+        model_path = (
+            fast_engine_model(stack) if args.fast_engine else str(resolve_model(args.model))
+        )
         tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
         requests = build_workload(workload, tokenizer)
         kv_auto = args.kv_cache_tokens == 0
         if kv_auto:
             args.kv_cache_tokens = workload_kv_tokens(args, requests, tokenizer)
-        calibration = calibrate(inproc_engine_config(args, model_path), requests) \
-            if args.fast_engine else None
+        calibration = (
+            calibrate(inproc_engine_config(args, model_path), requests)
+            if args.fast_engine
+            else None
+        )
         systems = make_systems(modes, args, model_path, collector, stack)
         runs, summaries = _run_rounds(args, modes, systems, collector, requests, arrival, counts)
         setup = describe_setup(args, model_path, modes, workload, arrival, systems, kv_auto)
     if calibration is not None:
-        setup["Fast engine"] = (f"{FAST_ENGINE_LAYERS} layers, hidden size "
-                                f"{FAST_ENGINE_HIDDEN_SIZE}, random weights; "
-                                + calibration.describe())
+        setup["Fast engine"] = (
+            f"{FAST_ENGINE_LAYERS} layers, hidden size "
+            f"{FAST_ENGINE_HIDDEN_SIZE}, random weights; " + calibration.describe()
+        )
     if len(rates) > 1:
-        setup["Arrival"] = (f"Poisson-like (gamma gaps, burstiness {args.burstiness:g}) at each "
-                            f"of {', '.join(f'{r:g}' for r in rates)} req/s, absolute schedule")
+        setup["Arrival"] = (
+            f"Poisson-like (gamma gaps, burstiness {args.burstiness:g}) at each "
+            f"of {', '.join(f'{r:g}' for r in rates)} req/s, absolute schedule"
+        )
         setup["Requests"] = ", ".join(f"{counts[r]} at {r:g} req/s" for r in rates)
         return _sweep_document(args, modes, rates, setup, runs, summaries)
 
     def median_of(mode: str) -> dict:
-        return median_summary([s for r, s in zip(runs, summaries)
-                               if r.mode == mode and not r.warmup])
+        return median_summary(
+            [s for r, s in zip(runs, summaries) if r.mode == mode and not r.warmup]
+        )
 
     medians = {mode: median_of(mode) for mode in modes}
     data = report.to_json(setup, runs, summaries, medians)
-    data["text"] = report.render(setup, runs, medians, {m: args.repeat_runs for m in modes},
-                                 arrival.kind, baseline=modes[0])
+    data["text"] = report.render(
+        setup, runs, medians, {m: args.repeat_runs for m in modes}, arrival.kind, baseline=modes[0]
+    )
     return data
 
 
 def _run_rounds(args, modes, systems, collector, requests, arrival, counts):
     """Warmup rounds (the first rate), then measured rounds: each round every rate, each rate
     every mode, interleaved so machine drift hits all alike."""
-    options = RunOptions(max_concurrency=args.max_concurrency,
-                         request_timeout_s=args.request_timeout_s, progress=not args.no_progress)
+    options = RunOptions(
+        max_concurrency=args.max_concurrency,
+        request_timeout_s=args.request_timeout_s,
+        progress=not args.no_progress,
+    )
 
     def sampling_for(request) -> SamplingParams:
-        return SamplingParams(max_tokens=request.max_tokens, temperature=args.temperature,
-                              ignore_eos=args.ignore_eos, seed=args.seed, stop=list(args.stop))
+        return SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            seed=args.seed,
+            stop=list(args.stop),
+        )
 
     runs, summaries = [], []
     rates = sorted(counts)
     for round_index in range(args.warmup_runs + args.repeat_runs):
         warmup = round_index < args.warmup_runs
         for rate in rates[:1] if warmup else rates:
-            batch = requests[:args.warmup_num_requests] if warmup else requests[:counts[rate]]
+            batch = requests[: args.warmup_num_requests] if warmup else requests[: counts[rate]]
             for mode in modes:
                 run_index = len(runs)
                 # The same tag length in every run keeps prompt lengths identical across modes.
                 tagged = batch if args.no_run_tag else salt_requests(batch, f"run {run_index:04d}")
-                result = run_once(systems[mode], collector, tagged,
-                                  dataclasses.replace(arrival, request_rate=rate), sampling_for,
-                                  options, mode=mode, run_index=run_index, warmup=warmup)
+                result = run_once(
+                    systems[mode],
+                    collector,
+                    tagged,
+                    dataclasses.replace(arrival, request_rate=rate),
+                    sampling_for,
+                    options,
+                    mode=mode,
+                    run_index=run_index,
+                    warmup=warmup,
+                )
                 runs.append(result)
-                summaries.append(summarize(result.records, result.cpu_seconds,
-                                           args.goodput_slos))
+                summaries.append(summarize(result.records, result.cpu_seconds, args.goodput_slos))
     return runs, summaries
 
 
 def _sweep_document(args, modes, rates, setup, runs, summaries) -> dict:
-    sweep = {mode: {rate: median_summary([s for r, s in zip(runs, summaries)
-                                          if r.mode == mode and r.request_rate == rate
-                                          and not r.warmup]) for rate in rates}
-             for mode in modes}
+    sweep = {
+        mode: {
+            rate: median_summary(
+                [
+                    s
+                    for r, s in zip(runs, summaries)
+                    if r.mode == mode and r.request_rate == rate and not r.warmup
+                ]
+            )
+            for rate in rates
+        }
+        for mode in modes
+    }
     data = report.to_json(setup, runs, summaries, {})
-    data["sweep"] = {mode: {f"{rate:g}": s for rate, s in by_rate.items()}
-                     for mode, by_rate in sweep.items()}
-    data["text"] = "\n".join(report.header_lines(setup) + [""]
-                             + sweep_lines(sweep, args.slo_ttft_p99_ms) + [""]
-                             + sweep_target_lines(sweep, args.slo_ttft_p99_ms, modes[0]))
+    data["sweep"] = {
+        mode: {f"{rate:g}": s for rate, s in by_rate.items()} for mode, by_rate in sweep.items()
+    }
+    data["text"] = "\n".join(
+        report.header_lines(setup)
+        + [""]
+        + sweep_lines(sweep, args.slo_ttft_p99_ms)
+        + [""]
+        + sweep_target_lines(sweep, args.slo_ttft_p99_ms, modes[0])
+    )
     return data
 
 
@@ -305,9 +385,15 @@ def main(argv: list[str] | None = None) -> dict:
         report.write_json(args.json_path, data)
         print(f"wrote {args.json_path}")
     if args.plot_path and "sweep" in data:
-        plot_sweep(args.plot_path, {mode: {float(r): v for r, v in by_rate.items()}
-                                    for mode, by_rate in data["sweep"].items()},
-                   args.slo_ttft_p99_ms, title=f"~{args.prompt_tokens}-token prompts")
+        plot_sweep(
+            args.plot_path,
+            {
+                mode: {float(r): v for r, v in by_rate.items()}
+                for mode, by_rate in data["sweep"].items()
+            },
+            args.slo_ttft_p99_ms,
+            title=f"~{args.prompt_tokens}-token prompts",
+        )
         print(f"wrote {args.plot_path}")
     elif args.plot_path:
         report.plot(args.plot_path, report.load_runs(data), data["medians"])

@@ -56,29 +56,35 @@ PEOPLE_SCHEMA = {"type": "array", "items": NESTED_SCHEMA, "minItems": 50}
 def prompts(batch: int, tokenizer, template) -> list[list[int]]:
     out = []
     for i in range(batch):
-        ask = (f"Describe fictional people from {CITIES[i // 8 % 4]}, starting with "
-               f"{PEOPLE[i % 8]}, as JSON with name, age, address (city, zip), color, tags "
-               f"and active.")
+        ask = (
+            f"Describe fictional people from {CITIES[i // 8 % 4]}, starting with "
+            f"{PEOPLE[i % 8]}, as JSON with name, age, address (city, zip), color, tags "
+            f"and active."
+        )
         text = template.render([{"role": "user", "content": ask}])
         out.append(tokenizer.encode(text, add_special_tokens=False).ids)
     return out
 
 
-def decode_once(engine: Engine, batch_prompts, new_tokens: int, grammar: str,
-                run_id: str) -> tuple[float, float, int]:
+def decode_once(
+    engine: Engine, batch_prompts, new_tokens: int, grammar: str, run_id: str
+) -> tuple[float, float, int]:
     """(tokens/s, seconds, rows still constrained at the end) over the decode steps only."""
     names = []
     for i, ids in enumerate(batch_prompts):
         names.append(f"{run_id}.{i}")
-        engine.add(names[-1], ids, SamplingParams(max_tokens=new_tokens + 1, temperature=0.0),
-                   grammar=grammar)
+        engine.add(
+            names[-1],
+            ids,
+            SamplingParams(max_tokens=new_tokens + 1, temperature=0.0),
+            grammar=grammar,
+        )
     while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
         if engine.has_work():
             engine.step()  # grammars ready, prompts prefilled, first tokens out
         else:
             time.sleep(0.0005)
-    constrained = sum(engine.requests[n].grammar is not None for n in names
-                      if n in engine.requests)
+    constrained = sum(engine.requests[n].grammar is not None for n in names if n in engine.requests)
     produced, start = 0, time.perf_counter()
     while engine.has_work():
         produced += len(engine.step().request_ids)
@@ -89,16 +95,27 @@ def decode_once(engine: Engine, batch_prompts, new_tokens: int, grammar: str,
 def run_decode(args, tokenizer, template, compiler) -> None:
     grammar = compiler.compile(StructuredOutputSpec.json_schema(PEOPLE_SCHEMA))
     batch_prompts = prompts(args.batch, tokenizer, template)
-    print(f"\ndecode: batch {args.batch}, {args.decode_tokens} new tokens, greedy, "
-          f"threads {torch.get_num_threads()}, best of {args.repeats}, interleaved")
-    print(f"{'dtype':10s}{'plain tok/s':>13s}{'json tok/s':>12s}{'ratio':>8s}"
-          f"{'grammar ms/step':>17s}{'step ms':>9s}{'rows':>6s}")
+    print(
+        f"\ndecode: batch {args.batch}, {args.decode_tokens} new tokens, greedy, "
+        f"threads {torch.get_num_threads()}, best of {args.repeats}, interleaved"
+    )
+    print(
+        f"{'dtype':10s}{'plain tok/s':>13s}{'json tok/s':>12s}{'ratio':>8s}"
+        f"{'grammar ms/step':>17s}{'step ms':>9s}{'rows':>6s}"
+    )
     for dtype in args.dtype.split(","):
         # The prefix cache lets every run after the first skip its prefill: only decode is
         # timed, so runs can be short and many (best-of is what survives a busy machine).
-        engine = Engine(EngineConfig(model_path=str(args.model), dtype=dtype,
-                                     engine_threads=args.threads, enable_prefix_cache=True,
-                                     max_batch_size=args.batch, kv_cache_tokens=65536))
+        engine = Engine(
+            EngineConfig(
+                model_path=str(args.model),
+                dtype=dtype,
+                engine_threads=args.threads,
+                enable_prefix_cache=True,
+                max_batch_size=args.batch,
+                kv_cache_tokens=65536,
+            )
+        )
         engine.set_grammar_vocabulary(args.vocabulary)
         decode_once(engine, batch_prompts[:2], 2, grammar, "warm")
         masker_time = _time_grammar_work(engine)
@@ -109,17 +126,22 @@ def run_decode(args, tokenizer, template, compiler) -> None:
             rate, _, _ = decode_once(engine, batch_prompts, args.decode_tokens, "", f"p{r}")
             plain = max(plain, rate)
             masker_time.clear()
-            rate, elapsed, alive = decode_once(engine, batch_prompts, args.decode_tokens,
-                                               grammar, f"c{r}")
+            rate, elapsed, alive = decode_once(
+                engine, batch_prompts, args.decode_tokens, grammar, f"c{r}"
+            )
             if rate > constrained:
                 constrained, rows = rate, alive
                 grammar_ms = float(np.mean(masker_time)) * 1e3 if masker_time else 0.0
                 step_ms = elapsed / args.decode_tokens * 1e3
-        print(f"{dtype:10s}{plain:13.1f}{constrained:12.1f}{constrained / plain:7.2f}x"
-              f"{grammar_ms:17.2f}{step_ms:9.1f}{rows:>6d}")
+        print(
+            f"{dtype:10s}{plain:13.1f}{constrained:12.1f}{constrained / plain:7.2f}x"
+            f"{grammar_ms:17.2f}{step_ms:9.1f}{rows:>6d}"
+        )
         engine.close()
-    print("  (grammar ms/step: waiting for the batched mask after the forward, applying it and "
-          "advancing the matchers)")
+    print(
+        "  (grammar ms/step: waiting for the batched mask after the forward, applying it and "
+        "advancing the matchers)"
+    )
 
 
 def _time_grammar_work(engine: Engine) -> list[float]:
@@ -135,6 +157,7 @@ def _time_grammar_work(engine: Engine) -> list[float]:
             result = original(*args)
             spent[0] += time.perf_counter() - t
             return result
+
         return call
 
     def step(original=engine.step):
@@ -169,9 +192,11 @@ def run_mask(args, compiler, builder, vocab_size: int) -> None:
                     grammars[row] = None  # complete: unconstrained from here
             times.append(time.perf_counter() - t)
     ms = np.array(times) * 1e3
-    print(f"\nmask: batch {args.batch}, nested schema, {len(times)} steps: grammar work per step "
-          f"min {ms.min():.2f} / p50 {np.percentile(ms, 50):.2f} / p90 "
-          f"{np.percentile(ms, 90):.2f} ms")
+    print(
+        f"\nmask: batch {args.batch}, nested schema, {len(times)} steps: grammar work per step "
+        f"min {ms.min():.2f} / p50 {np.percentile(ms, 50):.2f} / p90 "
+        f"{np.percentile(ms, 90):.2f} ms"
+    )
 
 
 def run_compile(args, compiler, builder) -> None:
@@ -191,17 +216,26 @@ def run_compile(args, compiler, builder) -> None:
         while not grammar.ready():
             time.sleep(0.0002)
         built[label] = time.perf_counter() - t
-    print(f"  tokenizer worker: check {worker_cold * 1e3:8.2f} ms cold, "
-          f"{worker_cached * 1e3:6.3f} ms cached; grammar text {len(text)} characters")
-    print(f"  engine thread:    build {built['cold'] * 1e3:8.2f} ms cold, "
-          f"{built['cached'] * 1e3:6.3f} ms cached (a copy of the warm template)")
+    print(
+        f"  tokenizer worker: check {worker_cold * 1e3:8.2f} ms cold, "
+        f"{worker_cached * 1e3:6.3f} ms cached; grammar text {len(text)} characters"
+    )
+    print(
+        f"  engine thread:    build {built['cold'] * 1e3:8.2f} ms cold, "
+        f"{built['cached'] * 1e3:6.3f} ms cached (a copy of the warm template)"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workloads", nargs="*", default=["decode", "ttft", "itl"],
-                        choices=["decode", "ttft", "itl", "compile", "mask"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "workloads",
+        nargs="*",
+        default=["decode", "ttft", "itl"],
+        choices=["decode", "ttft", "itl", "compile", "mask"],
+    )
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default model if unset)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (decode, mask)")
     parser.add_argument("--dtype", default="float32", help="decode: comma-separated dtypes")
@@ -212,8 +246,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20, help="ttft: requests per mode")
     parser.add_argument("--streams", type=int, default=8, help="itl: decoding requests")
     parser.add_argument("--stream-tokens", type=int, default=160, help="itl: their length")
-    parser.add_argument("--arrival-interval-ms", type=float, default=500.0,
-                        help="itl: a new request (a new schema, or none) every this often")
+    parser.add_argument(
+        "--arrival-interval-ms",
+        type=float,
+        default=500.0,
+        help="itl: a new request (a new schema, or none) every this often",
+    )
     args = parser.parse_args()
     args.model = resolve_model(args.model)
     torch.set_num_threads(args.threads)

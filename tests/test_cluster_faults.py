@@ -40,8 +40,13 @@ def poll(predicate, timeout_s: float = 20.0, what: str = "condition"):
 @pytest.fixture(scope="module")
 def cluster():
     # 240 tokens: ~5 s in flight
-    with launch_cluster(None, tokenizer_workers=2, heartbeat_interval_s=0.1, max_restarts=3,
-                        engine_factory=SLOW_FAKE_ENGINE) as c:
+    with launch_cluster(
+        None,
+        tokenizer_workers=2,
+        heartbeat_interval_s=0.1,
+        max_restarts=3,
+        engine_factory=SLOW_FAKE_ENGINE,
+    ) as c:
         yield c
 
 
@@ -51,8 +56,12 @@ def pid_of(cluster, role: str, index: int = 0) -> int:
 
 def restarted(cluster, role: str, index: int, old_pid: int) -> bool:
     child = cluster._child(role, index)
-    return child is not None and child.popen.pid != old_pid and child.ready is not None \
+    return (
+        child is not None
+        and child.popen.pid != old_pid
+        and child.ready is not None
         and child.popen.poll() is None
+    )
 
 
 def terminal_counts(handles) -> list[int]:
@@ -70,7 +79,8 @@ def account(fault: str, handles, timeout_s: float = 20.0) -> list:
     assert counts == [1] * len(handles), counts
     for r in results:  # finished normally, or a clear error; never a client-side timeout
         assert r.finish_reason in ("length", "stop", "abort") or (
-            r.error_code == "unavailable" and r.error.startswith("unavailable: ")), r
+            r.error_code == "unavailable" and r.error.startswith("unavailable: ")
+        ), r
     return results
 
 
@@ -103,7 +113,8 @@ def test_tokenizer_killed_with_requests_queued_in_it(cluster):
     wire ids) and finish there, with their latency counted from the first submit."""
     with Client(cluster.client_addr, deadline_s=60) as client:
         handles, held, results = kill_tokenizer_with_half_queued(
-            cluster, client, 1, "tokenizer[1] SIGKILL, half the requests queued in it")
+            cluster, client, 1, "tokenizer[1] SIGKILL, half the requests queued in it"
+        )
         assert [r.finish_reason for r in results] == ["length"] * N
         for h, r in zip(handles, results):
             assert h.resubmits == (1 if h in held else 0)
@@ -120,7 +131,8 @@ def test_tokenizer_killed_without_retries_ends_its_requests_with_an_error(cluste
     before = cluster.restarts.get("tokenizer[0]", 0)
     with Client(cluster.client_addr, deadline_s=60, tokenizer_retries=0) as client:
         handles, held, results = kill_tokenizer_with_half_queued(
-            cluster, client, 0, "tokenizer[0] SIGKILL, no retries")
+            cluster, client, 0, "tokenizer[0] SIGKILL, no retries"
+        )
         for h, r in zip(handles, results):
             if h in held:
                 assert r.error_code == "unavailable" and "tokenizer worker 0 died" in r.error
@@ -146,8 +158,10 @@ def test_async_client_sends_a_dead_tokenizers_requests_again(cluster):
                 os.kill(victim, signal.SIGKILL)
             results = [await h.result(timeout=30, check=False) for h in handles]
             counts = terminal_counts(handles)
-            print(f"\nFAULT | tokenizer[1] SIGKILL, asyncio client | requests {N} | ended "
-                  f"correctly {counts.count(1)} | lost {counts.count(0)}")
+            print(
+                f"\nFAULT | tokenizer[1] SIGKILL, asyncio client | requests {N} | ended "
+                f"correctly {counts.count(1)} | lost {counts.count(0)}"
+            )
             assert counts == [1] * N
             assert [r.finish_reason for r in results] == ["length"] * N
             assert len(held) == N // 2 and all(h.resubmits == 1 for h in held)
@@ -164,8 +178,9 @@ def test_tokenizer_queries_in_a_killed_tokenizer_get_exactly_one_answer(cluster)
     from ipc.client import AsyncClient, UnavailableError
 
     async def run(retries: int, index: int) -> tuple[list, list]:
-        async with AsyncClient(cluster.client_addr, deadline_s=60,
-                               tokenizer_retries=retries) as client:
+        async with AsyncClient(
+            cluster.client_addr, deadline_s=60, tokenizer_retries=retries
+        ) as client:
             victim = pid_of(cluster, "tokenizer", index)
             os.kill(victim, signal.SIGSTOP)
             try:
@@ -178,8 +193,7 @@ def test_tokenizer_queries_in_a_killed_tokenizer_get_exactly_one_answer(cluster)
             assert client._core.records == {}  # every query ended
             expected = [(await client.tokenize(f"word{i}")).token_ids for i in range(N // 2)]
             expected += [await client.detokenize([100 + i]) for i in range(N // 2)]
-            poll(lambda: restarted(cluster, "tokenizer", index, victim),
-                 what="tokenizer restart")
+            poll(lambda: restarted(cluster, "tokenizer", index, victim), what="tokenizer restart")
         return [getattr(a, "token_ids", a) for a in answers], expected
 
     answers, expected = asyncio.run(run(1, 0))
@@ -187,10 +201,12 @@ def test_tokenizer_queries_in_a_killed_tokenizer_get_exactly_one_answer(cluster)
     answers, expected = asyncio.run(run(0, 1))
     errors = [a for a in answers if isinstance(a, Exception)]
     assert len(errors) == N // 2  # round-robin: half were in the dead worker
-    assert all(isinstance(a, UnavailableError) and "tokenizer worker 1 died" in str(a)
-               for a in errors)
+    assert all(
+        isinstance(a, UnavailableError) and "tokenizer worker 1 died" in str(a) for a in errors
+    )
     assert [(a, e) for a, e in zip(answers, expected) if a not in errors] == [
-        (e, e) for a, e in zip(answers, expected) if a not in errors]
+        (e, e) for a, e in zip(answers, expected) if a not in errors
+    ]
 
 
 def test_engine_killed_with_requests_in_flight(cluster):
@@ -258,8 +274,9 @@ def test_restart_hygiene_no_zombies_no_run_dir(cluster):
 
 
 def test_shutdown_policy_stops_the_cluster_and_ends_requests():
-    with launch_cluster(None, restart_policy="shutdown",
-                        engine_factory=SLOW_FAKE_ENGINE) as cluster:
+    with launch_cluster(
+        None, restart_policy="shutdown", engine_factory=SLOW_FAKE_ENGINE
+    ) as cluster:
         with Client(cluster.client_addr, deadline_s=60) as client:
             handles = [client.submit(f"doomed {i}", max_tokens=240) for i in range(4)]
             next(handles[0].stream(timeout=30))
@@ -267,8 +284,10 @@ def test_shutdown_policy_stops_the_cluster_and_ends_requests():
             assert cluster.wait(timeout_s=20)
             account("engine SIGKILL, restart_policy=shutdown", handles)
         assert "engine[0]" in cluster.failure
-        poll(lambda: all(c.popen.poll() is not None for c in cluster.children),
-             what="every child stopped")
+        poll(
+            lambda: all(c.popen.poll() is not None for c in cluster.children),
+            what="every child stopped",
+        )
 
 
 CLIENT_SCRIPT = textwrap.dedent("""
@@ -287,28 +306,46 @@ CLIENT_SCRIPT = textwrap.dedent("""
 def test_client_killed_mid_stream_frees_its_requests_and_kv(tiny_model_dir):
     """A client process killed with SIGKILL never says goodbye: the detokenizer notices when its
     next event cannot be delivered, and aborts its requests in the engine; their KV comes back."""
-    with launch_cluster(tiny_model_dir, enable_prefix_cache=False,
-                        heartbeat_interval_s=0.1) as cluster:
-        proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, cluster.client_addr],
-                                cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    with launch_cluster(
+        tiny_model_dir, enable_prefix_cache=False, heartbeat_interval_s=0.1
+    ) as cluster:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CLIENT_SCRIPT, cluster.client_addr],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         try:
             assert proc.stdout.readline().strip() == "streaming"
-            poll(lambda: cluster.worker_stats("engine").get("kv_blocks_used", 0) > 0,
-                 what="KV in use")
+            poll(
+                lambda: cluster.worker_stats("engine").get("kv_blocks_used", 0) > 0,
+                what="KV in use",
+            )
             proc.kill()
             proc.wait()
         finally:
             if proc.poll() is None:
                 proc.kill()
-        stats = poll(lambda: (s := cluster.worker_stats("engine")).get("live", 1) == 0
-                     and s.get("running", 1) == 0 and s.get("kv_blocks_used", 1) == 0 and s,
-                     what="the engine freeing the vanished client's requests")
+        stats = poll(
+            lambda: (
+                (s := cluster.worker_stats("engine")).get("live", 1) == 0
+                and s.get("running", 1) == 0
+                and s.get("kv_blocks_used", 1) == 0
+                and s
+            ),
+            what="the engine freeing the vanished client's requests",
+        )
         assert stats["kv_blocks_available"] == stats["kv_blocks_total"]
-        print("\nFAULT | client SIGKILL mid-stream (tiny model) | requests 4 | aborted in the "
-              "engine, KV freed 4 | lost 0")
+        print(
+            "\nFAULT | client SIGKILL mid-stream (tiny model) | requests 4 | aborted in the "
+            "engine, KV freed 4 | lost 0"
+        )
         # Its heartbeat may predate the client's loss by one interval: poll, then require it.
-        poll(lambda: cluster.worker_stats("detokenizer").get("open_requests") == 0,
-             what="the detokenizer holding none of the vanished client's requests")
+        poll(
+            lambda: cluster.worker_stats("detokenizer").get("open_requests") == 0,
+            what="the detokenizer holding none of the vanished client's requests",
+        )
         with Client(cluster.client_addr) as client:
             assert client.submit("still serving", max_tokens=2).result(timeout=30).ok

@@ -20,8 +20,9 @@ TOKENIZE_DELAY_MS = 300
 
 @pytest.fixture(scope="module")
 def cluster():
-    with launch_cluster(None, tokenizer_workers=2, stream_interval_tokens=1,
-                        engine_factory=FAKE_ENGINE) as c:
+    with launch_cluster(
+        None, tokenizer_workers=2, stream_interval_tokens=1, engine_factory=FAKE_ENGINE
+    ) as c:
         yield c
 
 
@@ -44,8 +45,15 @@ def test_stream_end_to_end(client):
     result = handle.result()
     assert result.usage.completion_tokens == 9 and result.usage.prompt_tokens == 7
     t = result.timings
-    assert t.t_submit <= t.t_tokenize_start <= t.t_tokenized <= t.t_arrived <= t.t_first_token \
-        <= t.t_last_token <= t.t_finished
+    assert (
+        t.t_submit
+        <= t.t_tokenize_start
+        <= t.t_tokenized
+        <= t.t_arrived
+        <= t.t_first_token
+        <= t.t_last_token
+        <= t.t_finished
+    )
     # It ended in the step that produced its last token: it finished at that step's time, not
     # whenever the detokenizer got round to it.
     assert t.t_finished == t.t_last_token
@@ -68,21 +76,31 @@ def test_abort_mid_stream(client):
     _assert_still_serving(client)
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(prompt="word " * 300), "context length"),
-    (dict(prompt_token_ids=[1, 2, 10**6]), "prompt_token_ids"),
-    (dict(prompt="x", stop_token_ids=[10**7]), "stop_token_ids"),
-    (dict(messages=[{"role": "", "content": "x"}]), "role"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(prompt="word " * 300), "context length"),
+        (dict(prompt_token_ids=[1, 2, 10**6]), "prompt_token_ids"),
+        (dict(prompt="x", stop_token_ids=[10**7]), "stop_token_ids"),
+        (dict(messages=[{"role": "", "content": "x"}]), "role"),
+    ],
+)
 def test_bad_requests_get_a_clear_error_and_the_cluster_keeps_serving(client, kwargs, fragment):
     with pytest.raises(BadRequestError, match=fragment):
         client.submit(max_tokens=4, **kwargs).result(timeout=30)
     _assert_still_serving(client)
 
 
-@pytest.mark.parametrize("kwargs", [dict(prompt=""), dict(max_tokens=0, prompt="x"),
-                                    dict(prompt="x", temperature=-1), dict(prompt="x", top_p=0),
-                                    dict(prompt="x", messages=[])])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(prompt=""),
+        dict(max_tokens=0, prompt="x"),
+        dict(prompt="x", temperature=-1),
+        dict(prompt="x", top_p=0),
+        dict(prompt="x", messages=[]),
+    ],
+)
 def test_invalid_arguments_fail_at_submit(client, kwargs):
     with pytest.raises(BadRequestError):
         client.submit(**kwargs)
@@ -99,15 +117,20 @@ def test_malformed_frames_sent_raw_to_a_tokenizer(cluster, client):
     for i, prompt in enumerate([b"\xff\xfe bad utf-8", "x"]):
         rec = client._core.new_record(f"raw{i}", None)
         from ipc.client import RequestHandle
+
         h = RequestHandle(client, rec)
         client._core.records[rec.wire_id] = h
         handles.append(h)
-        body = {"kind": "submit", "request_id": rec.wire_id, "client_id": client._core.client_id,
-                "sampling": {"max_tokens": 2} if i == 0 else {"max_tokens": "two"},
-                "prompt": "PLACEHOLDER"}
+        body = {
+            "kind": "submit",
+            "request_id": rec.wire_id,
+            "client_id": client._core.client_id,
+            "sampling": {"max_tokens": 2} if i == 0 else {"max_tokens": "two"},
+            "prompt": "PLACEHOLDER",
+        }
         frame = msgpack.packb(body, use_bin_type=True)
         if isinstance(prompt, bytes):
-            frame = frame.replace(b"\xabPLACEHOLDER", bytes([0xa0 | len(prompt)]) + prompt)
+            frame = frame.replace(b"\xabPLACEHOLDER", bytes([0xA0 | len(prompt)]) + prompt)
         push.send(frame)
     push.send(b"\x00\x01 not msgpack at all")  # unattributable: logged, nothing else
     push.close(linger=1000)
@@ -155,8 +178,10 @@ def test_async_client(cluster):
             streamed = [d.text async for d in handles[0]]
             results = [await h.result(timeout=30) for h in handles]
             return streamed, results
+
     try:
         import uvloop
+
         run = uvloop.run
     except ImportError:  # pragma: no cover
         run = asyncio.run
@@ -167,8 +192,7 @@ def test_async_client(cluster):
 
 
 def test_generate_batch(client):
-    results = client.generate(["a b", [{"role": "user", "content": "hi"}], [5, 6, 7]],
-                              max_tokens=2)
+    results = client.generate(["a b", [{"role": "user", "content": "hi"}], [5, 6, 7]], max_tokens=2)
     assert [r.finish_reason for r in results] == ["length"] * 3
     assert results[2].token_ids == [5, 6]
 

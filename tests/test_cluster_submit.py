@@ -18,8 +18,13 @@ SLOW_PREPARER = "tests.procs.slow_preparer:make"  # DELAY_S per tokenize batch
 
 @pytest.fixture(scope="module")
 def slow_cluster():
-    with launch_cluster(None, tokenizer_workers=1, tokenizer_queue_max=4,
-                        engine_factory=FAKE_ENGINE, preparer_factory=SLOW_PREPARER) as c:
+    with launch_cluster(
+        None,
+        tokenizer_workers=1,
+        tokenizer_queue_max=4,
+        engine_factory=FAKE_ENGINE,
+        preparer_factory=SLOW_PREPARER,
+    ) as c:
         yield c
 
 

@@ -18,9 +18,15 @@ from ipc.messages import SamplingParams
 from procs.launch_cluster import launch_cluster
 from runtime.model_files import load_tokenizer
 
-ENGINE_KNOBS = dict(max_batch_size=32, prefill_max_batch_size=32, prefill_max_tokens=4096,
-                    prefill_chunk_tokens=2048, block_size=16, kv_cache_tokens=16384,
-                    max_model_len=1024)
+ENGINE_KNOBS = dict(
+    max_batch_size=32,
+    prefill_max_batch_size=32,
+    prefill_max_tokens=4096,
+    prefill_chunk_tokens=2048,
+    block_size=16,
+    kv_cache_tokens=16384,
+    max_model_len=1024,
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +38,12 @@ def cluster(tiny_model_dir):
 def test_streamed_chat_request(cluster):
     with Client(cluster.client_addr, deadline_s=120) as client:
         assert client.max_model_len == 1024 and client.welcome.vocab_size == 49152
-        handle = client.submit(messages=[{"role": "user", "content": "Hi there"}],
-                               max_tokens=12, temperature=0, ignore_eos=True)
+        handle = client.submit(
+            messages=[{"role": "user", "content": "Hi there"}],
+            max_tokens=12,
+            temperature=0,
+            ignore_eos=True,
+        )
         deltas = list(handle.stream(timeout=60))
         assert sum(d.finished for d in deltas) == 1
         result = handle.result()
@@ -45,15 +55,24 @@ def test_streamed_chat_request(cluster):
 def _prompts(n: int) -> list[str]:
     rng = random.Random(7)
     words = "the quick brown fox jumps over lazy dog paris london tokyo river mountain".split()
-    return [" ".join(rng.choice(words) for _ in range(rng.choice([1, 5, 30, 120])))
-            for _ in range(n)]
+    return [
+        " ".join(rng.choice(words) for _ in range(rng.choice([1, 5, 30, 120]))) for _ in range(n)
+    ]
 
 
-def _in_process_greedy(model_dir: Path, id_lists: list[list[int]],
-                       max_tokens: list[int]) -> list[list[int]]:
-    engine = Engine(EngineConfig(model_path=str(model_dir), device="cpu", dtype="float32",
-                                 enable_prefix_cache=True, max_waiting_requests=4096,
-                                 **ENGINE_KNOBS))
+def _in_process_greedy(
+    model_dir: Path, id_lists: list[list[int]], max_tokens: list[int]
+) -> list[list[int]]:
+    engine = Engine(
+        EngineConfig(
+            model_path=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            enable_prefix_cache=True,
+            max_waiting_requests=4096,
+            **ENGINE_KNOBS,
+        )
+    )
     for i, (ids, n) in enumerate(zip(id_lists, max_tokens)):
         engine.add(f"r{i}", ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(id_lists))}
@@ -65,15 +84,20 @@ def _in_process_greedy(model_dir: Path, id_lists: list[list[int]],
 
 
 def test_64_concurrent_requests_from_two_clients_match_the_engine_in_process(
-        cluster, tiny_model_dir):
+    cluster, tiny_model_dir
+):
     prompts = _prompts(64)
     max_tokens = [4 + (i % 5) * 3 for i in range(64)]
     tokenizer = load_tokenizer(tiny_model_dir)
     id_lists = [tokenizer.encode(p).ids for p in prompts]
-    with Client(cluster.client_addr, deadline_s=120) as a, \
-            Client(cluster.client_addr, deadline_s=120) as b:
-        handles = [(a if i % 2 else b).submit(p, max_tokens=n, temperature=0, ignore_eos=True)
-                   for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+    with (
+        Client(cluster.client_addr, deadline_s=120) as a,
+        Client(cluster.client_addr, deadline_s=120) as b,
+    ):
+        handles = [
+            (a if i % 2 else b).submit(p, max_tokens=n, temperature=0, ignore_eos=True)
+            for i, (p, n) in enumerate(zip(prompts, max_tokens))
+        ]
         results = [h.result(timeout=120) for h in handles]
     expected = _in_process_greedy(tiny_model_dir, id_lists, max_tokens)
     for r, ids, want in zip(results, id_lists, expected):
@@ -91,8 +115,9 @@ def test_abort_and_stop_token_with_the_real_engine(cluster):
         assert list(stream)[-1].finish_reason == "abort"
         first = client.submit("abc", max_tokens=5, temperature=0, ignore_eos=True).result(60)
         stop_id = first.token_ids[2]
-        r = client.submit("abc", max_tokens=5, temperature=0, ignore_eos=True,
-                          stop_token_ids=[stop_id]).result(60)
+        r = client.submit(
+            "abc", max_tokens=5, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]
+        ).result(60)
         assert r.finish_reason == "stop" and r.token_ids[-1] == stop_id
         assert len(r.token_ids) == first.token_ids.index(stop_id) + 1
 
@@ -101,8 +126,9 @@ def test_engine_process_never_loads_a_tokenizer(cluster):
     with Client(cluster.client_addr, deadline_s=120) as client:
         client.submit("make the engine step", max_tokens=3).result(timeout=60)
         steps_before = cluster.worker_stats("engine").get("steps", 0)
-        client.submit(messages=[{"role": "user", "content": "and again"}],
-                      max_tokens=3).result(timeout=60)
+        client.submit(messages=[{"role": "user", "content": "and again"}], max_tokens=3).result(
+            timeout=60
+        )
     deadline = time.monotonic() + 10  # wait for a heartbeat sent after those steps
     while cluster.worker_stats("engine").get("steps", 0) <= steps_before:
         assert time.monotonic() < deadline
@@ -121,7 +147,9 @@ def test_a_burst_of_a_thousand_submits_from_a_default_client_is_accepted(cluster
     are sized from the cluster's admission bound, so nothing is refused as overloaded while the
     engine's waiting queue (4096 by default) has room."""
     with Client(cluster.client_addr) as client:
-        handles = [client.submit(prompt_token_ids=[1, 2 + i % 1000, 3], max_tokens=1,
-                                 temperature=0) for i in range(1000)]
+        handles = [
+            client.submit(prompt_token_ids=[1, 2 + i % 1000, 3], max_tokens=1, temperature=0)
+            for i in range(1000)
+        ]
         results = [h.result(timeout=240) for h in handles]
     assert [r.finish_reason for r in results] == ["length"] * 1000

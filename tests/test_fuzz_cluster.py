@@ -36,16 +36,24 @@ EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "150"))
 DEADLINE_S = 30.0
 MAX_MODEL_LEN = 64  # bounds every accidentally valid request to a few dozen tokens
 # Derandomized by default so CI replays the same examples; SPLITSERVE_FUZZ_RANDOM=1 explores.
-FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                         derandomize=not os.environ.get("SPLITSERVE_FUZZ_RANDOM"),
-                         suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                HealthCheck.too_slow])
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    derandomize=not os.environ.get("SPLITSERVE_FUZZ_RANDOM"),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    with launch_cluster(str(tiny_model_dir), tokenizer_workers=1, max_model_len=MAX_MODEL_LEN,
-                        kv_cache_tokens=4096, max_batch_size=16) as c:
+    with launch_cluster(
+        str(tiny_model_dir),
+        tokenizer_workers=1,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_tokens=4096,
+        max_batch_size=16,
+    ) as c:
         yield c
 
 
@@ -64,8 +72,10 @@ class RawClient:
         assert self.dealer.poll(int(DEADLINE_S * 1000)), "no welcome"
         codec.decode_as(self.dealer.recv(), ClientWelcome)
         self.pushes = {}
-        for name, addr in (("tokenizer", cluster.config.tokenizer_addr(0)),
-                           ("engine", cluster.config.engine_addr)):
+        for name, addr in (
+            ("tokenizer", cluster.config.tokenizer_addr(0)),
+            ("engine", cluster.config.engine_addr),
+        ):
             push = self.ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.connect(addr)
@@ -132,19 +142,35 @@ def tally():
 # --- strategies ---------------------------------------------------------------------------------
 
 wild = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-2**63, max_value=2**64 - 1),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12), st.binary(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.binary(max_size=12),
     st.lists(st.one_of(st.integers(-3, 50000), st.text(max_size=4)), max_size=4),
-    st.dictionaries(st.text(max_size=6), st.integers(-2**63, 2**64 - 1), max_size=2),
+    st.dictionaries(st.text(max_size=6), st.integers(-(2**63), 2**64 - 1), max_size=2),
 )
 sampling_fields = st.sampled_from(
-    ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-     "ignore_eos", "skip_special_tokens", "bogus"])
-bad_numbers = st.sampled_from([float("nan"), float("inf"), -float("inf"), -1, -1.5, 0, -2**63,
-                               2**64 - 1, 1e308])
+    [
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "bogus",
+    ]
+)
+bad_numbers = st.sampled_from(
+    [float("nan"), float("inf"), -float("inf"), -1, -1.5, 0, -(2**63), 2**64 - 1, 1e308]
+)
 invalid_utf8 = st.binary(min_size=1, max_size=40).filter(lambda b: not _is_utf8(b))
 token_ids = st.one_of(
-    st.lists(st.integers(-2**31, 2**31 - 1), min_size=0, max_size=8),
+    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=0, max_size=8),
     st.lists(st.integers(0, 49151), min_size=MAX_MODEL_LEN, max_size=MAX_MODEL_LEN + 8),
 )
 
@@ -160,8 +186,11 @@ def _is_utf8(b: bytes) -> bool:
 def _msgpack_str(raw_bytes: bytes) -> bytes:
     """A msgpack *str* holding arbitrary bytes (msgpack-python would refuse to write this)."""
     n = len(raw_bytes)
-    head = bytes([0xa0 | n]) if n < 32 else (b"\xd9" + bytes([n]) if n < 256
-                                              else b"\xda" + struct.pack(">H", n))
+    head = (
+        bytes([0xA0 | n])
+        if n < 32
+        else (b"\xd9" + bytes([n]) if n < 256 else b"\xda" + struct.pack(">H", n))
+    )
     return head + raw_bytes
 
 
@@ -193,25 +222,57 @@ def _with_sampling(draw, body: dict, how: str):
     if how == "sampling":
         body["sampling"][draw(sampling_fields)] = draw(wild)
         return msgpack.packb(body), True, None
-    body["sampling"][draw(st.sampled_from(["temperature", "top_p", "top_k", "max_tokens",
-                                           "seed"]))] = draw(bad_numbers)
+    body["sampling"][
+        draw(st.sampled_from(["temperature", "top_p", "top_k", "max_tokens", "seed"]))
+    ] = draw(bad_numbers)
     return msgpack.packb(body), True, not _valid_sampling(body["sampling"])
 
 
 # --- the tokenizer's ingress ----------------------------------------------------------------------
 
+
 @st.composite
 def submit_frames(draw, rid: str, cid: bytes):
     """(frame, attributable, must_fail) for a SubmitRequest-shaped frame with one defect."""
-    body = {"kind": "submit", "request_id": rid, "client_id": cid,
-            "sampling": {"max_tokens": 2, "temperature": 0.0}, "prompt": "hello there"}
-    how = draw(st.sampled_from(["sampling", "bad_number", "field", "utf8", "ids", "kind",
-                                "messages", "unknown_field", "raw", "request_id", "truncated"]))
+    body = {
+        "kind": "submit",
+        "request_id": rid,
+        "client_id": cid,
+        "sampling": {"max_tokens": 2, "temperature": 0.0},
+        "prompt": "hello there",
+    }
+    how = draw(
+        st.sampled_from(
+            [
+                "sampling",
+                "bad_number",
+                "field",
+                "utf8",
+                "ids",
+                "kind",
+                "messages",
+                "unknown_field",
+                "raw",
+                "request_id",
+                "truncated",
+            ]
+        )
+    )
     if how in ("sampling", "bad_number"):
         return _with_sampling(draw, body, how)
     if how == "field":
-        field = draw(st.sampled_from(["prompt", "messages", "prompt_token_ids", "sampling",
-                                      "add_generation_prompt", "t_submit"]))
+        field = draw(
+            st.sampled_from(
+                [
+                    "prompt",
+                    "messages",
+                    "prompt_token_ids",
+                    "sampling",
+                    "add_generation_prompt",
+                    "t_submit",
+                ]
+            )
+        )
         body[field] = draw(wild)
         return msgpack.packb(body), True, None
     if how == "utf8":
@@ -224,10 +285,21 @@ def submit_frames(draw, rid: str, cid: bytes):
         return msgpack.packb(body), True, True
     if how == "messages":
         del body["prompt"]
-        body["messages"] = draw(st.lists(st.one_of(
-            st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", ""]),
-                                   "content": st.text(max_size=20)}),
-            st.dictionaries(st.text(max_size=6), wild, max_size=3), wild), max_size=3))
+        body["messages"] = draw(
+            st.lists(
+                st.one_of(
+                    st.fixed_dictionaries(
+                        {
+                            "role": st.sampled_from(["user", "system", "assistant", ""]),
+                            "content": st.text(max_size=20),
+                        }
+                    ),
+                    st.dictionaries(st.text(max_size=6), wild, max_size=3),
+                    wild,
+                ),
+                max_size=3,
+            )
+        )
         return msgpack.packb(body), True, None
     if how == "unknown_field":
         body[draw(st.text(min_size=1, max_size=8).filter(lambda k: k not in body))] = draw(wild)
@@ -238,7 +310,7 @@ def submit_frames(draw, rid: str, cid: bytes):
         body["request_id"] = draw(wild.filter(lambda v: not isinstance(v, str)))
         return msgpack.packb(body), False, None
     frame = msgpack.packb(body)  # truncated: msgpack that ends early
-    return frame[:draw(st.integers(0, len(frame) - 1))], False, None
+    return frame[: draw(st.integers(0, len(frame) - 1))], False, None
 
 
 def _check(raw, tally, name, rid, frame, attributable, must_fail):
@@ -271,31 +343,65 @@ def test_fuzz_tokenizer_ingress(raw, tally):
 
 # --- the engine's ingress (internal, but reachable by anyone who can reach the run dir) ----------
 
+
 def _with_ids(draw, body: dict, key: str, min_raw: int):
     """``body[key]`` = packed ids (maybe out of vocabulary or too many) or raw bytes; the frame
     must fail unless they are a valid packed prompt."""
-    body[key] = packed = draw(st.one_of(st.just(_pack_ids(draw(token_ids))),
-                                        st.binary(min_size=min_raw, max_size=11)))
-    ok = (packed and len(packed) % 4 == 0
-          and all(0 <= i < 49152 for i in np.frombuffer(packed, "<i4"))
-          and len(packed) // 4 < MAX_MODEL_LEN)
+    body[key] = packed = draw(
+        st.one_of(st.just(_pack_ids(draw(token_ids))), st.binary(min_size=min_raw, max_size=11))
+    )
+    ok = (
+        packed
+        and len(packed) % 4 == 0
+        and all(0 <= i < 49152 for i in np.frombuffer(packed, "<i4"))
+        and len(packed) // 4 < MAX_MODEL_LEN
+    )
     return msgpack.packb(body), True, not ok
 
 
 @st.composite
 def tokenized_frames(draw, rid: str, cid: bytes):
     meta = {"request_id": rid, "client_id": cid, "prompt_tokens": 3}
-    body = {"kind": "tokenized", "request_id": rid, "token_ids": _pack_ids([5, 6, 7]),
-            "sampling": {"max_tokens": 2, "temperature": 0.0}, "meta": meta}
-    how = draw(st.sampled_from(["ids", "sampling", "bad_number", "meta", "meta_id", "stop",
-                                "unknown_field", "utf8_stop", "raw"]))
+    body = {
+        "kind": "tokenized",
+        "request_id": rid,
+        "token_ids": _pack_ids([5, 6, 7]),
+        "sampling": {"max_tokens": 2, "temperature": 0.0},
+        "meta": meta,
+    }
+    how = draw(
+        st.sampled_from(
+            [
+                "ids",
+                "sampling",
+                "bad_number",
+                "meta",
+                "meta_id",
+                "stop",
+                "unknown_field",
+                "utf8_stop",
+                "raw",
+            ]
+        )
+    )
     if how == "ids":
         return _with_ids(draw, body, "token_ids", min_raw=0)
     if how in ("sampling", "bad_number"):
         return _with_sampling(draw, body, how)
     if how == "meta":
-        field = draw(st.sampled_from(["prompt_tokens", "stop", "skip_special_tokens",
-                                      "tokenizer_index", "t_submit", "t_tokenized", "bogus"]))
+        field = draw(
+            st.sampled_from(
+                [
+                    "prompt_tokens",
+                    "stop",
+                    "skip_special_tokens",
+                    "tokenizer_index",
+                    "t_submit",
+                    "t_tokenized",
+                    "bogus",
+                ]
+            )
+        )
         meta[field] = draw(wild)
         return msgpack.packb(body), True, None
     if how == "meta_id":
@@ -311,8 +417,11 @@ def tokenized_frames(draw, rid: str, cid: bytes):
     if how == "utf8_stop":
         meta["stop"] = ["x"]
         frame = msgpack.packb(body)
-        return frame.replace(msgpack.packb(["x"]), b"\x91" + _msgpack_str(
-            draw(invalid_utf8))), True, True
+        return (
+            frame.replace(msgpack.packb(["x"]), b"\x91" + _msgpack_str(draw(invalid_utf8))),
+            True,
+            True,
+        )
     return draw(st.binary(max_size=64)), False, None
 
 
@@ -336,13 +445,19 @@ def test_fuzz_engine_ingress(raw, tally):
 
 client_messages = st.one_of(
     st.binary(max_size=64),
-    st.builds(lambda kind, body: msgpack.packb({"kind": kind, **body}),
-              st.sampled_from(["hello", "client_abort", "bye", "events", "welcome", "step",
-                               "submit", "nonsense"]),
-              st.dictionaries(st.sampled_from(["client_id", "request_ids", "events", "extra"]),
-                              wild, max_size=3)),
-    st.builds(lambda ids: msgpack.packb({"kind": "client_abort", "request_ids": ids}),
-              st.lists(st.text(max_size=30), max_size=5)),
+    st.builds(
+        lambda kind, body: msgpack.packb({"kind": kind, **body}),
+        st.sampled_from(
+            ["hello", "client_abort", "bye", "events", "welcome", "step", "submit", "nonsense"]
+        ),
+        st.dictionaries(
+            st.sampled_from(["client_id", "request_ids", "events", "extra"]), wild, max_size=3
+        ),
+    ),
+    st.builds(
+        lambda ids: msgpack.packb({"kind": "client_abort", "request_ids": ids}),
+        st.lists(st.text(max_size=30), max_size=5),
+    ),
 )
 
 
@@ -352,6 +467,7 @@ def test_fuzz_client_router(cluster, raw, tally):
     hostile.setsockopt(zmq.LINGER, 0)
     hostile.connect(cluster.client_addr)
     try:
+
         @FUZZ_SETTINGS
         @given(st.lists(client_messages, min_size=1, max_size=3))
         def run(frames):
@@ -363,10 +479,18 @@ def test_fuzz_client_router(cluster, raw, tally):
         run()
         # Whatever the ROUTER was sent, the raw client is still served, by the book.
         rid = raw.new_id()
-        raw.send("tokenizer", msgpack.packb({
-            "kind": "submit", "request_id": rid, "client_id": raw.client_id,
-            "sampling": {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True},
-            "prompt": "still here"}))
+        raw.send(
+            "tokenizer",
+            msgpack.packb(
+                {
+                    "kind": "submit",
+                    "request_id": rid,
+                    "client_id": raw.client_id,
+                    "sampling": {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True},
+                    "prompt": "still here",
+                }
+            ),
+        )
         final = raw.terminal(rid)
         assert final.finish_reason == "length" and final.usage.completion_tokens == 3
     finally:
@@ -376,9 +500,18 @@ def test_fuzz_client_router(cluster, raw, tally):
 
 def test_a_prompt_over_the_decoding_limit_is_still_answered(raw):
     rid = raw.new_id()
-    raw.send("tokenizer", msgpack.packb({
-        "kind": "submit", "request_id": rid, "client_id": raw.client_id,
-        "sampling": {"max_tokens": 2}, "prompt": "x" * (codec.MAX_STR_BYTES + 1)}))
+    raw.send(
+        "tokenizer",
+        msgpack.packb(
+            {
+                "kind": "submit",
+                "request_id": rid,
+                "client_id": raw.client_id,
+                "sampling": {"max_tokens": 2},
+                "prompt": "x" * (codec.MAX_STR_BYTES + 1),
+            }
+        ),
+    )
     final = raw.terminal(rid)
     assert final.error_code == "bad_request" and "max_str_len" in final.error
     raw.check_exactly_once()
@@ -386,12 +519,12 @@ def test_a_prompt_over_the_decoding_limit_is_still_answered(raw):
 
 def test_after_the_fuzz_everything_is_alive_and_serving(cluster, raw, tally):
     with Client(cluster.client_addr, deadline_s=DEADLINE_S) as client:
-        result = client.submit("The capital of France is", max_tokens=4, temperature=0,
-                               ignore_eos=True).result(timeout=DEADLINE_S)
+        result = client.submit(
+            "The capital of France is", max_tokens=4, temperature=0, ignore_eos=True
+        ).result(timeout=DEADLINE_S)
         assert result.finish_reason == "length" and len(result.token_ids) == 4
     assert cluster.failure is None
     assert all(c.popen.poll() is None for c in cluster.children)
     restarts = getattr(cluster, "restarts", {})
     assert not any(restarts.values()), f"processes were replaced during the fuzz: {restarts}"
     raw.check_exactly_once()
-

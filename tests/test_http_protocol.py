@@ -27,40 +27,43 @@ def _error(response, status: int) -> dict:
     return error
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"prompt": "hi", "max_tokens": -1}, None, "max_tokens"),
-    ({"prompt": "hi", "temperature": -0.5}, None, "temperature"),
-    ({"prompt": "hi", "temperature": "hot"}, "temperature", "number"),
-    ({"prompt": "hi", "top_p": 0}, None, "top_p"),
-    ({"prompt": "hi", "top_k": -2}, None, "top_k"),
-    ({"prompt": "hi", "seed": -1}, None, "seed"),
-    ({"prompt": "hi", "stop": ["x"] * 17}, None, "stop"),
-    ({"prompt": "hi", "stop": [""]}, None, "stop"),
-    ({"prompt": "hi", "n": 0}, "n", "greater"),
-    ({"prompt": "hi", "n": 17}, "n", "less"),
-    ({"prompt": ["a"] * 20, "n": 16}, "n", "choices"),
-    ({"prompt": ""}, "prompt", "empty"),
-    ({"prompt": []}, "prompt", "empty"),
-    ({"prompt": ["a", ""]}, "prompt", "empty"),
-    ({"prompt": [[1, 2], []]}, "prompt", "empty"),
-    ({"prompt": ["a", 1]}, "prompt", ""),
-    ({}, "prompt", "required"),
-    ({"prompt": "hi", "logprobs": 21}, None, "logprobs must be an integer in [0, 20]"),
-    ({"prompt": "hi", "logprobs": -1}, None, "logprobs must be"),
-    ({"prompt": "hi", "prompt_logprobs": 30}, None, "prompt_logprobs must be"),
-    ({"prompt": "hi", "max_tokens": 0}, None, "0 only with echo or prompt_logprobs"),
-    ({"prompt": "hi", "min_tokens": -1}, None, "min_tokens"),
-    ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, None, "must not exceed"),
-    ({"prompt": "hi", "min_p": 1.5}, None, "min_p"),
-    ({"prompt": "hi", "best_of": 3}, None, "best_of is not supported"),
-    ({"prompt": "hi", "presence_penalty": 2.5}, None, "presence_penalty"),
-    ({"prompt": "hi", "frequency_penalty": -3}, None, "frequency_penalty"),
-    ({"prompt": "hi", "repetition_penalty": 0}, None, "repetition_penalty"),
-    ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias", "keys must be token ids"),
-    ({"prompt": "hi", "logit_bias": {"5": 101}}, None, "logit_bias values must be"),
-    ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, None, "at most 300"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"prompt": "hi", "max_tokens": -1}, None, "max_tokens"),
+        ({"prompt": "hi", "temperature": -0.5}, None, "temperature"),
+        ({"prompt": "hi", "temperature": "hot"}, "temperature", "number"),
+        ({"prompt": "hi", "top_p": 0}, None, "top_p"),
+        ({"prompt": "hi", "top_k": -2}, None, "top_k"),
+        ({"prompt": "hi", "seed": -1}, None, "seed"),
+        ({"prompt": "hi", "stop": ["x"] * 17}, None, "stop"),
+        ({"prompt": "hi", "stop": [""]}, None, "stop"),
+        ({"prompt": "hi", "n": 0}, "n", "greater"),
+        ({"prompt": "hi", "n": 17}, "n", "less"),
+        ({"prompt": ["a"] * 20, "n": 16}, "n", "choices"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": ["a", ""]}, "prompt", "empty"),
+        ({"prompt": [[1, 2], []]}, "prompt", "empty"),
+        ({"prompt": ["a", 1]}, "prompt", ""),
+        ({}, "prompt", "required"),
+        ({"prompt": "hi", "logprobs": 21}, None, "logprobs must be an integer in [0, 20]"),
+        ({"prompt": "hi", "logprobs": -1}, None, "logprobs must be"),
+        ({"prompt": "hi", "prompt_logprobs": 30}, None, "prompt_logprobs must be"),
+        ({"prompt": "hi", "max_tokens": 0}, None, "0 only with echo or prompt_logprobs"),
+        ({"prompt": "hi", "min_tokens": -1}, None, "min_tokens"),
+        ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, None, "must not exceed"),
+        ({"prompt": "hi", "min_p": 1.5}, None, "min_p"),
+        ({"prompt": "hi", "best_of": 3}, None, "best_of is not supported"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, None, "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": -3}, None, "frequency_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, None, "repetition_penalty"),
+        ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias", "keys must be token ids"),
+        ({"prompt": "hi", "logit_bias": {"5": 101}}, None, "logit_bias values must be"),
+        ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, None, "at most 300"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
+    ],
+)
 def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words):
     error = _error(http.post("/v1/completions", json={"model": "m", **body}), 400)
     assert error["type"] == "invalid_request_error"
@@ -69,22 +72,41 @@ def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words)
         assert error["param"] == param
 
 
-@pytest.mark.parametrize("body, words", [
-    ({"messages": []}, "at least 1"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-     "top_logprobs is only allowed when logprobs is true"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
-     "logprobs must be an integer in [0, 20]"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": {"type": "function"}},
-     "tools: Input should be a valid list"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
-     "response_format type must be"),
-    ({"messages": [{"role": "user", "content": "hi"}],
-      "structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"messages": []}, "at least 1"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+            "top_logprobs is only allowed when logprobs is true",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "logprobs must be an integer in [0, 20]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": {"type": "function"}},
+            "tools: Input should be a valid list",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+            "response_format type must be",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "structured_outputs": {"regex": "a", "choice": ["a"]},
+            },
+            "exactly one of",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+            "max_tokens",
+        ),
+    ],
+)
 def test_bad_chat_params_are_400(http, body, words):
     error = _error(http.post("/v1/chat/completions", json={"model": "m", **body}), 400)
     assert words in error["message"]
@@ -92,8 +114,9 @@ def test_bad_chat_params_are_400(http, body, words):
 
 def test_malformed_bodies_are_400_not_422_or_500(http):
     for content in (b"{not json", b"[1, 2]", b"", b"\xff\xfe"):
-        r = http.post("/v1/completions", content=content,
-                      headers={"content-type": "application/json"})
+        r = http.post(
+            "/v1/completions", content=content, headers={"content-type": "application/json"}
+        )
         _error(r, 400)
 
 
@@ -114,26 +137,49 @@ def test_valid_request_without_a_cluster_is_503_and_health_says_so(http):
 def test_metrics_parse_and_count_answers_by_status(http):
     http.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 0})
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
-    counted = {(s.labels["endpoint"], s.labels["status"]): s.value
-               for s in families["splitserve_http_requests"].samples
-               if s.name.endswith("_total")}
+    counted = {
+        (s.labels["endpoint"], s.labels["status"]): s.value
+        for s in families["splitserve_http_requests"].samples
+        if s.name.endswith("_total")
+    }
     assert counted[("/v1/completions", "400")] >= 1
     assert "splitserve_http_time_to_first_token_seconds" in families
 
 
 def test_sampling_mapping():
-    req = CompletionRequest(prompt="x", temperature=0, top_p=0.5, top_k=4, seed=7, stop="END",
-                            stop_token_ids=[3], ignore_eos=True, n=2)
+    req = CompletionRequest(
+        prompt="x",
+        temperature=0,
+        top_p=0.5,
+        top_k=4,
+        seed=7,
+        stop="END",
+        stop_token_ids=[3],
+        ignore_eos=True,
+        n=2,
+    )
     a, b = req.sampling(5, 0), req.sampling(5, 1)
-    assert (a.max_tokens, a.temperature, a.top_p, a.top_k, a.stop, a.stop_token_ids,
-            a.ignore_eos) == (5, 0.0, 0.5, 4, ["END"], [3], True)
+    assert (
+        a.max_tokens,
+        a.temperature,
+        a.top_p,
+        a.top_k,
+        a.stop,
+        a.stop_token_ids,
+        a.ignore_eos,
+    ) == (5, 0.0, 0.5, 4, ["END"], [3], True)
     assert (a.seed, b.seed) == (7, 8)  # n choices with one seed differ, reproducibly
     defaults = CompletionRequest(prompt="x").sampling(16, 0)
-    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.seed) == (1.0, 1.0, 0,
-                                                                                      None)
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.seed) == (
+        1.0,
+        1.0,
+        0,
+        None,
+    )
     assert not defaults.penalized
-    p = CompletionRequest(prompt="x", presence_penalty=0.5, frequency_penalty=-0.25,
-                          repetition_penalty=1.3).sampling(16, 0)
+    p = CompletionRequest(
+        prompt="x", presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3
+    ).sampling(16, 0)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.3)
     with pytest.raises(APIError) as info:
         CompletionRequest(prompt="x", temperature=-1).sampling(16, 0)
@@ -148,15 +194,19 @@ def test_logprob_fields_map_to_sampling_params():
     both = CompletionRequest(prompt="x", echo=True, logprobs=1, prompt_logprobs=4).sampling(1, 0)
     assert both.prompt_logprobs == 4  # the prompt's entries serve both
     assert CompletionRequest(prompt="x", echo=True).sampling(1, 0).prompt_logprobs is None
-    extras = CompletionRequest(prompt="x", min_tokens=2, min_p=0.1, logit_bias={"7": -100},
-                               include_stop_str_in_output=True).sampling(4, 0)
-    assert (extras.min_tokens, extras.min_p, extras.logit_bias,
-            extras.include_stop_str_in_output) == (2, 0.1, {7: -100.0}, True)
+    extras = CompletionRequest(
+        prompt="x", min_tokens=2, min_p=0.1, logit_bias={"7": -100}, include_stop_str_in_output=True
+    ).sampling(4, 0)
+    assert (
+        extras.min_tokens,
+        extras.min_p,
+        extras.logit_bias,
+        extras.include_stop_str_in_output,
+    ) == (2, 0.1, {7: -100.0}, True)
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert ChatCompletionRequest(**chat).sampling(4, 0).logprobs is None
     assert ChatCompletionRequest(**chat, logprobs=True).sampling(4, 0).logprobs == 0
-    assert ChatCompletionRequest(**chat, logprobs=True, top_logprobs=5).sampling(4, 0).logprobs \
-        == 5
+    assert ChatCompletionRequest(**chat, logprobs=True, top_logprobs=5).sampling(4, 0).logprobs == 5
     assert ChatCompletionRequest(**chat, prompt_logprobs=1).sampling(4, 0).prompt_logprobs == 1
 
 
@@ -165,13 +215,19 @@ def test_prompt_shapes():
     assert CompletionRequest(prompt=["a", "b"]).prompts() == [{"prompt": "a"}, {"prompt": "b"}]
     assert CompletionRequest(prompt=[1, 2]).prompts() == [{"prompt_token_ids": [1, 2]}]
     assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [
-        {"prompt_token_ids": [1]}, {"prompt_token_ids": [2, 3]}]
+        {"prompt_token_ids": [1]},
+        {"prompt_token_ids": [2, 3]},
+    ]
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    chat = ChatCompletionRequest(messages=[{"role": "developer", "content": "be brief"},
-                                           {"role": "user", "content": parts}],
-                                 max_tokens=3, max_completion_tokens=9)
-    assert chat.prompts()[0]["messages"] == [{"role": "system", "content": "be brief"},
-                                             {"role": "user", "content": "ab"}]
+    chat = ChatCompletionRequest(
+        messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}],
+        max_tokens=3,
+        max_completion_tokens=9,
+    )
+    assert chat.prompts()[0]["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    ]
     assert chat.max_tokens_or(100) == 9  # the newer name wins
 
 
@@ -183,8 +239,9 @@ def test_response_shapes():
     assert end["delta"] == {} and end["finish_reason"] == "stop"
     full = CompletionFormat("m").full([ChoiceOutput("hi", "length")], {"prompt_tokens": 1})
     assert full["id"].startswith("cmpl-") and full["object"] == "text_completion"
-    assert full["choices"] == [{"index": 0, "text": "hi", "logprobs": None,
-                                "finish_reason": "length"}]
+    assert full["choices"] == [
+        {"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}
+    ]
 
 
 def test_sdk_errors_map_to_statuses_clients_can_act_on():
@@ -197,21 +254,41 @@ def test_sdk_errors_map_to_statuses_clients_can_act_on():
         UnavailableError,
     )
 
-    statuses = {cls: api_error_from(cls("why")).status for cls in (
-        BadRequestError, OverloadedError, UnavailableError, RequestTimeoutError, SplitserveError)}
-    assert statuses == {BadRequestError: 400, OverloadedError: 429, UnavailableError: 503,
-                        RequestTimeoutError: 504, SplitserveError: 500}
+    statuses = {
+        cls: api_error_from(cls("why")).status
+        for cls in (
+            BadRequestError,
+            OverloadedError,
+            UnavailableError,
+            RequestTimeoutError,
+            SplitserveError,
+        )
+    }
+    assert statuses == {
+        BadRequestError: 400,
+        OverloadedError: 429,
+        UnavailableError: 503,
+        RequestTimeoutError: 504,
+        SplitserveError: 500,
+    }
     assert api_error_from(OverloadedError("queue full")).body()["error"]["message"] == "queue full"
 
 
 def test_the_api_key_guards_v1_and_the_tokenizer_endpoints_not_version_or_metrics():
-    app = build_app(FrontendSettings(client_addr="ipc:///nonexistent", model_name="m",
-                                     api_key="sesame"))
+    app = build_app(
+        FrontendSettings(client_addr="ipc:///nonexistent", model_name="m", api_key="sesame")
+    )
     http = TestClient(app, raise_server_exceptions=False)
-    for method, path in (("post", "/tokenize"), ("post", "/detokenize"),
-                         ("get", "/tokenizer_info"), ("get", "/v1/models")):
-        assert _error(http.request(method.upper(), path, json={"prompt": "x"}), 401)["code"] == \
-            "invalid_api_key"
+    for method, path in (
+        ("post", "/tokenize"),
+        ("post", "/detokenize"),
+        ("get", "/tokenizer_info"),
+        ("get", "/v1/models"),
+    ):
+        assert (
+            _error(http.request(method.upper(), path, json={"prompt": "x"}), 401)["code"]
+            == "invalid_api_key"
+        )
     key = {"Authorization": "Bearer sesame"}
     # With the key: past the guard (503: this app has no cluster behind it).
     assert http.post("/tokenize", json={"prompt": "x"}, headers=key).status_code == 503
@@ -222,9 +299,9 @@ def test_the_api_key_guards_v1_and_the_tokenizer_endpoints_not_version_or_metric
 def test_tokenizer_endpoints_check_the_body_before_needing_a_cluster(http):
     assert _error(http.post("/tokenize", content=b"{oops"), 400)["message"]
     assert _error(http.post("/tokenize", json=[1]), 400)["message"]
-    assert _error(http.post("/tokenize", json={"prompt": "x", "extra": 1}), 400)["param"] == \
-        "extra"
+    assert _error(http.post("/tokenize", json={"prompt": "x", "extra": 1}), 400)["param"] == "extra"
     assert _error(http.post("/detokenize", json={"tokens": ["a"]}), 400)["param"].startswith(
-        "tokens")
+        "tokens"
+    )
     assert _error(http.post("/tokenize", json={"prompt": "x", "model": "gpt"}), 404)
     assert _error(http.post("/tokenize", json={"prompt": "x"}), 503)["code"] == "unavailable"

@@ -15,36 +15,47 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def oai(default_model_dir):
     # Dense fp32 weights and activations: the logprob test compares with transformers' fp32.
-    with launch_cluster(str(default_model_dir), tokenizer_workers=1, max_model_len=2048,
-                        weights="fp32", dtype="float32") as c:
+    with launch_cluster(
+        str(default_model_dir),
+        tokenizer_workers=1,
+        max_model_len=2048,
+        weights="fp32",
+        dtype="float32",
+    ) as c:
         port = free_port()
         popen = start_frontend(c, port, model_name="smollm2")
         try:
-            yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                                max_retries=0, timeout=120)
+            yield openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
+            )
         finally:
             stop_frontend(popen)
 
 
 def test_chat_answers_paris(oai):
-    r = oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
-                                    max_tokens=24)
+    r = oai.chat.completions.create(
+        model="smollm2", messages=QUESTION, temperature=0, max_tokens=24
+    )
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"  # the model ends its turn by itself
     assert r.usage.completion_tokens < 24
 
 
 def test_streamed_chat_answers_paris(oai):
-    chunks = list(oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
-                                              max_completion_tokens=24, stream=True))
+    chunks = list(
+        oai.chat.completions.create(
+            model="smollm2", messages=QUESTION, temperature=0, max_completion_tokens=24, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert "Paris" in text and chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_stop_string_on_the_answer(oai):
-    r = oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
-                                    max_tokens=24, stop=["Paris"])
+    r = oai.chat.completions.create(
+        model="smollm2", messages=QUESTION, temperature=0, max_tokens=24, stop=["Paris"]
+    )
     assert r.choices[0].finish_reason == "stop" and "Paris" not in r.choices[0].message.content
 
 
@@ -64,24 +75,36 @@ def test_echo_logprobs_score_a_continuation_as_transformers_does(oai, hf, defaul
 
     text = "The capital of France is Paris"
     ids = load_tokenizer(default_model_dir).encode(text).ids
-    r = oai.completions.create(model="smollm2", prompt=text, max_tokens=1, temperature=0,
-                               logprobs=1, echo=True)
+    r = oai.completions.create(
+        model="smollm2", prompt=text, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
     lp = r.choices[0].logprobs
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
     expected = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + 1
-    assert max(abs(a - float(b)) for a, b in zip(lp.token_logprobs[1:len(ids)], expected)) < 1e-3
+    assert max(abs(a - float(b)) for a, b in zip(lp.token_logprobs[1 : len(ids)], expected)) < 1e-3
     # " Paris" was the model's own choice after "The capital of France is".
     assert max(lp.top_logprobs[len(ids) - 1], key=lp.top_logprobs[len(ids) - 1].get) == " Paris"
 
 
 def test_chat_logprobs_streamed_and_not_agree(oai):
-    kwargs = dict(model="smollm2", messages=QUESTION, temperature=0, max_tokens=8,
-                  logprobs=True, top_logprobs=5)
+    kwargs = dict(
+        model="smollm2",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=5,
+    )
     full = oai.chat.completions.create(**kwargs).choices[0]
-    streamed = [e for chunk in oai.chat.completions.create(stream=True, **kwargs)
-                for choice in chunk.choices if choice.logprobs for e in choice.logprobs.content]
+    streamed = [
+        e
+        for chunk in oai.chat.completions.create(stream=True, **kwargs)
+        for choice in chunk.choices
+        if choice.logprobs
+        for e in choice.logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in full.logprobs.content]
     # Every token has its entry, the end-of-turn token too (its text is not in the content).
     assert "".join(e.token for e in full.logprobs.content) == full.message.content + "<|im_end|>"

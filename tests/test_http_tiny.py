@@ -39,16 +39,24 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    with launch_cluster(str(tiny_model_dir), tokenizer_workers=1, kv_cache_tokens=16384,
-                        max_model_len=MAX_MODEL_LEN, heartbeat_interval_s=0.1) as c:
+    with launch_cluster(
+        str(tiny_model_dir),
+        tokenizer_workers=1,
+        kv_cache_tokens=16384,
+        max_model_len=MAX_MODEL_LEN,
+        heartbeat_interval_s=0.1,
+    ) as c:
         yield c
 
 
-def start_frontend(cluster, port: int, model_name: str = "tiny", env: dict | None = None,
-                   **kwargs) -> subprocess.Popen:
-    popen = subprocess.Popen(frontend_command(cluster.client_addr, port=port,
-                                              model_name=model_name, **kwargs),
-                             cwd=str(REPO_ROOT), env=None if env is None else {**os.environ, **env})
+def start_frontend(
+    cluster, port: int, model_name: str = "tiny", env: dict | None = None, **kwargs
+) -> subprocess.Popen:
+    popen = subprocess.Popen(
+        frontend_command(cluster.client_addr, port=port, model_name=model_name, **kwargs),
+        cwd=str(REPO_ROOT),
+        env=None if env is None else {**os.environ, **env},
+    )
     try:
         wait_until_serving(f"http://127.0.0.1:{port}", popen, timeout_s=60)
     except BaseException:
@@ -69,8 +77,12 @@ def openai_client(cluster, model_name: str = "tiny", timeout_s: float = 120):
     port = free_port()
     popen = start_frontend(cluster, port, model_name=model_name)
     try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                            max_retries=0, timeout=timeout_s)
+        yield openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout_s,
+        )
     finally:
         stop_frontend(popen)
 
@@ -95,8 +107,11 @@ def tokenizer(tiny_model_dir):
 
 def metrics(base_url: str) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{base_url}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_models_and_health(base_url, oai):
@@ -106,8 +121,9 @@ def test_models_and_health(base_url, oai):
 
 def test_completion_matches_the_sdk_and_counts_tokens_like_the_tokenizer(cluster, oai, tokenizer):
     prompt = "The quick brown fox jumps over"
-    r = oai.completions.create(model="tiny", prompt=prompt, max_tokens=7, temperature=0,
-                               extra_body={"ignore_eos": True})
+    r = oai.completions.create(
+        model="tiny", prompt=prompt, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == "tiny"
     (choice,) = r.choices
     assert choice.index == 0 and choice.finish_reason == "length" and choice.logprobs is None
@@ -125,51 +141,99 @@ def test_penalties_reach_the_engine(cluster, oai):
     prompt = "the the the the"
     kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
     plain = oai.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
-    penalized = oai.completions.create(**kw, frequency_penalty=2.0, presence_penalty=1.0,
-                                       extra_body={"ignore_eos": True,
-                                                   "repetition_penalty": 3.0}).choices[0].text
+    penalized = (
+        oai.completions.create(
+            **kw,
+            frequency_penalty=2.0,
+            presence_penalty=1.0,
+            extra_body={"ignore_eos": True, "repetition_penalty": 3.0},
+        )
+        .choices[0]
+        .text
+    )
     with Client(cluster.client_addr) as client:
-        sdk = client.submit(prompt, max_tokens=12, temperature=0, ignore_eos=True,
-                            frequency_penalty=2.0, presence_penalty=1.0,
-                            repetition_penalty=3.0).result(60)
+        sdk = client.submit(
+            prompt,
+            max_tokens=12,
+            temperature=0,
+            ignore_eos=True,
+            frequency_penalty=2.0,
+            presence_penalty=1.0,
+            repetition_penalty=3.0,
+        ).result(60)
     assert penalized == sdk.text and penalized != plain
 
 
 def test_token_id_prompt_and_batch_with_n(oai, tokenizer):
     ids = tokenizer.encode("hello world").ids
-    r = oai.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0,
-                               extra_body={"ignore_eos": True})
+    r = oai.completions.create(
+        model="tiny", prompt=ids, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.prompt_tokens == len(ids)
-    by_text = oai.completions.create(model="tiny", prompt="hello world", max_tokens=3,
-                                     temperature=0, extra_body={"ignore_eos": True})
+    by_text = oai.completions.create(
+        model="tiny",
+        prompt="hello world",
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].text == by_text.choices[0].text
-    batch = oai.completions.create(model="tiny", prompt=["one", "two three"], n=2, max_tokens=4,
-                                   temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    batch = oai.completions.create(
+        model="tiny",
+        prompt=["one", "two three"],
+        n=2,
+        max_tokens=4,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     assert batch.usage.completion_tokens == 16
     # The prompt is counted once per prompt, not once per choice.
     assert batch.usage.prompt_tokens == len(tokenizer.encode("one").ids) + len(
-        tokenizer.encode("two three").ids)
-    again = oai.completions.create(model="tiny", prompt=["one", "two three"], n=2, max_tokens=4,
-                                   temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+        tokenizer.encode("two three").ids
+    )
+    again = oai.completions.create(
+        model="tiny",
+        prompt=["one", "two three"],
+        n=2,
+        max_tokens=4,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.text for c in again.choices] == [c.text for c in batch.choices]  # seeded
 
 
 def test_chat_completion_and_its_stream_agree(cluster, oai):
     messages = [{"role": "user", "content": "Tell me a story"}]
-    full = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=9,
-                                       temperature=0, extra_body={"ignore_eos": True})
+    full = oai.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=9,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
     message = full.choices[0].message
     assert message.role == "assistant" and message.content and full.usage.completion_tokens == 9
     with Client(cluster.client_addr) as client:
-        sdk = client.submit(messages=messages, max_tokens=9, temperature=0,
-                            ignore_eos=True).result(60)
+        sdk = client.submit(messages=messages, max_tokens=9, temperature=0, ignore_eos=True).result(
+            60
+        )
     assert message.content == sdk.text and full.usage.prompt_tokens == sdk.usage.prompt_tokens
 
-    chunks = list(oai.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=9, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -181,14 +245,15 @@ def test_chat_completion_and_its_stream_agree(cluster, oai):
 
 
 def test_stop_strings_end_the_text_before_the_stop(oai):
-    kw = dict(model="tiny", prompt="count", max_tokens=12, temperature=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny", prompt="count", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = oai.completions.create(**kw).choices[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
     r = oai.completions.create(**kw, stop=[stop, "never-appears"])
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].text == text[:text.index(stop)]
+    assert r.choices[0].text == text[: text.index(stop)]
     streamed = list(oai.completions.create(**kw, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
     assert streamed[-1].choices[0].finish_reason == "stop"
@@ -198,8 +263,12 @@ def test_bad_requests_get_400_with_the_servers_message(oai, tokenizer):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         oai.completions.create(model="tiny", prompt="hi", temperature=-1)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                    logprobs=True, top_logprobs=21)
+        oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            logprobs=True,
+            top_logprobs=21,
+        )
     # A token id outside the vocabulary in logit_bias: the tokenizer worker's 400.
     with pytest.raises(openai.BadRequestError, match=r"logit_bias \[49152\] are outside"):
         oai.completions.create(model="tiny", prompt="hi", logit_bias={"49152": 1})
@@ -229,10 +298,17 @@ def _wait_for(predicate, timeout_s: float = 15.0) -> None:
 def test_disconnect_mid_stream_aborts_the_request_in_the_engine(cluster, base_url):
     """Observables: the frontend's in-flight gauges back to 0, a 'disconnected' outcome
     counted, and the engine's own heartbeat stats showing no running request."""
-    before = metrics(base_url).get(("splitserve_generations_total",
-                                    (("outcome", "disconnected"),)), 0.0)
-    body = {"model": "tiny", "prompt": "go on forever", "max_tokens": LONG, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    before = metrics(base_url).get(
+        ("splitserve_generations_total", (("outcome", "disconnected"),)), 0.0
+    )
+    body = {
+        "model": "tiny",
+        "prompt": "go on forever",
+        "max_tokens": LONG,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{base_url}/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -251,12 +327,20 @@ def test_disconnect_mid_stream_aborts_the_request_in_the_engine(cluster, base_ur
 
 def test_disconnect_while_waiting_for_a_whole_answer_aborts_too(cluster, base_url):
     port = int(base_url.rsplit(":", 1)[1])
-    body = json.dumps({"model": "tiny", "prompt": "go on", "max_tokens": LONG,
-                       "temperature": 0, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": "go on",
+            "max_tokens": LONG,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                     + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         _wait_for(lambda: _running_in_engine(cluster) >= 1)
     _wait_for(lambda: metrics(base_url)[("splitserve_http_requests_in_flight", ())] == 0)
     _wait_for(lambda: _running_in_engine(cluster) == 0, IDLE_WITHIN_S)
@@ -264,8 +348,9 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts_too(cluster, base_ur
 
 def test_metrics_move_with_traffic(base_url, oai):
     before = metrics(base_url)
-    oai.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0,
-                           extra_body={"ignore_eos": True})
+    oai.completions.create(
+        model="tiny", prompt="abc", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = metrics(base_url)
 
     def moved(name: str, labels: tuple = ()) -> float:
@@ -288,8 +373,7 @@ def test_two_frontends_share_one_port_and_their_metrics(cluster, tmp_path):
     mode either one's /metrics counts the requests both served."""
     port = free_port()
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    frontends = [start_frontend(cluster, port, index=i, reuse_port=True, env=env)
-                 for i in range(2)]
+    frontends = [start_frontend(cluster, port, index=i, reuse_port=True, env=env) for i in range(2)]
     url = f"http://127.0.0.1:{port}"
     try:
         pids = set()
@@ -299,11 +383,14 @@ def test_two_frontends_share_one_port_and_their_metrics(cluster, tmp_path):
                 break
         assert pids == {p.pid for p in frontends}
         for _ in range(6):
-            r = httpx.post(f"{url}/v1/completions",
-                           json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            r = httpx.post(
+                f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}
+            )
             assert r.status_code == 200 and len(r.json()["choices"]) == 1
-        ok = ("splitserve_http_requests_total",
-              (("endpoint", "/v1/completions"), ("status", "200")))
+        ok = (
+            "splitserve_http_requests_total",
+            (("endpoint", "/v1/completions"), ("status", "200")),
+        )
         assert metrics(url)[ok] == 6
     finally:
         for popen in frontends:
@@ -320,10 +407,15 @@ def test_supervised_frontend_reports_ready_and_heartbeats(cluster, tmp_path):
 
     ctx = zmq.Context()
     inbox = PullQueue(ctx, f"ipc://{tmp_path}/supervisor.sock", WorkerReady, Heartbeat)
-    popen = subprocess.Popen(frontend_command(
-        cluster.client_addr, port=0, index=3, extra_args=(
-            "--supervisor-addr", inbox.address, "--heartbeat-interval-s", "0.1")),
-        cwd=str(REPO_ROOT))
+    popen = subprocess.Popen(
+        frontend_command(
+            cluster.client_addr,
+            port=0,
+            index=3,
+            extra_args=("--supervisor-addr", inbox.address, "--heartbeat-interval-s", "0.1"),
+        ),
+        cwd=str(REPO_ROOT),
+    )
     try:
         assert inbox.wait(60_000)
         ready = inbox.get()
@@ -344,8 +436,14 @@ def test_supervisor_starts_frontends_and_stops_them_in_order(tiny_model_dir):
     """launch_cluster(http_port=0, http_workers=2): the supervisor picks one port, starts both
     frontends after the rest is ready, and on shutdown a stream still open ends (it is told the
     cluster stopped) before every frontend exits."""
-    with launch_cluster(str(tiny_model_dir), tokenizer_workers=1, kv_cache_tokens=16384,
-                        max_model_len=MAX_MODEL_LEN, http_port=0, http_workers=2) as cluster:
+    with launch_cluster(
+        str(tiny_model_dir),
+        tokenizer_workers=1,
+        kv_cache_tokens=16384,
+        max_model_len=MAX_MODEL_LEN,
+        http_port=0,
+        http_workers=2,
+    ) as cluster:
         url = cluster.http_url
         assert url and url.startswith("http://127.0.0.1:")
         frontends = {c.popen.pid: c.popen for c in cluster.children if c.role == "http"}
@@ -356,19 +454,34 @@ def test_supervisor_starts_frontends_and_stops_them_in_order(tiny_model_dir):
             if seen == set(frontends):
                 break
         assert seen == set(frontends)
-        r = httpx.post(f"{url}/v1/completions",
-                       json={"model": cluster.config.model_name, "prompt": "hi", "max_tokens": 3,
-                             "ignore_eos": True})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={
+                "model": cluster.config.model_name,
+                "prompt": "hi",
+                "max_tokens": 3,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
         lines: list[str] = []
         stopper = threading.Thread(target=cluster.shutdown)
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
-                "model": cluster.config.model_name, "prompt": "hi", "max_tokens": LONG,
-                "ignore_eos": True, "stream": True}) as stream:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            timeout=60,
+            json={
+                "model": cluster.config.model_name,
+                "prompt": "hi",
+                "max_tokens": LONG,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as stream:
             for line in stream.iter_lines():
                 if line.startswith("data: "):
-                    lines.append(line[len("data: "):])
+                    lines.append(line[len("data: ") :])
                     if len(lines) == 2:
                         stopper.start()
         stopper.join(timeout=60)

@@ -42,9 +42,15 @@ WORDS = "the quick brown fox jumps over lazy dog paris london tokyo river mounta
 def cluster(tiny_model_dir):
     # Small bounds so that a flood reaches every one of them quickly: the clients' pipes
     # (submit_hwm), the tokenizers' queues and the engine's waiting queue.
-    with launch_cluster(str(tiny_model_dir), tokenizer_workers=2, max_model_len=256,
-                        kv_cache_tokens=4096, max_batch_size=32, max_waiting_requests=64,
-                        tokenizer_queue_max=256) as c:
+    with launch_cluster(
+        str(tiny_model_dir),
+        tokenizer_workers=2,
+        max_model_len=256,
+        kv_cache_tokens=4096,
+        max_batch_size=32,
+        max_waiting_requests=64,
+        tokenizer_queue_max=256,
+    ) as c:
         yield c
 
 
@@ -88,8 +94,11 @@ def wait_engine_idle(cluster, timeout_s: float = 60.0) -> dict[str, float]:
     stats: dict[str, float] = {}
     while time.monotonic() < deadline:
         stats = cluster.worker_stats("engine")
-        if stats and stats["live"] == stats["running"] == stats["waiting"] == 0 \
-                and stats.get("kv_blocks_used", 0) == 0:
+        if (
+            stats
+            and stats["live"] == stats["running"] == stats["waiting"] == 0
+            and stats.get("kv_blocks_used", 0) == 0
+        ):
             return stats
         time.sleep(0.1)
     raise AssertionError(f"the engine did not become idle: {stats}")
@@ -108,6 +117,7 @@ def _assert_alive(cluster) -> None:
 
 # --- flood ----------------------------------------------------------------------------------------
 
+
 def test_flood_every_request_ends_and_memory_stays_bounded(cluster):
     rng = random.Random(1)
     with Client(cluster.client_addr, submit_hwm=64) as client:
@@ -120,8 +130,11 @@ def test_flood_every_request_ends_and_memory_stays_bounded(cluster):
         t0 = time.monotonic()
         for i in range(FLOOD_N):
             try:
-                handles.append(client.submit(_prompt(rng, 1 + i % 12), max_tokens=2,
-                                             temperature=0, ignore_eos=True))
+                handles.append(
+                    client.submit(
+                        _prompt(rng, 1 + i % 12), max_tokens=2, temperature=0, ignore_eos=True
+                    )
+                )
             except OverloadedError:
                 outcomes["overloaded at submit"] += 1
         submit_wall = time.monotonic() - t0
@@ -137,16 +150,21 @@ def test_flood_every_request_ends_and_memory_stays_bounded(cluster):
         sampler.stop()
         after = rss_mb(cluster)
         peak = sampler.peak()
-    print(f"\nflood: {FLOOD_N} submits in {submit_wall:.2f} s, {len(handles)} accepted; "
-          f"outcomes {dict(outcomes)}; lost {lost}")
-    print("flood RSS MB (before / peak / after): " + ", ".join(
-        f"{n} {before[n]:.0f}/{peak[n]:.0f}/{after[n]:.0f}" for n in before))
+    print(
+        f"\nflood: {FLOOD_N} submits in {submit_wall:.2f} s, {len(handles)} accepted; "
+        f"outcomes {dict(outcomes)}; lost {lost}"
+    )
+    print(
+        "flood RSS MB (before / peak / after): "
+        + ", ".join(f"{n} {before[n]:.0f}/{peak[n]:.0f}/{after[n]:.0f}" for n in before)
+    )
     assert lost == 0
     assert sum(outcomes.values()) == FLOOD_N
     assert set(outcomes) <= {"length", "overloaded at submit", "error overloaded"}, outcomes
     assert outcomes["length"] > 0
-    assert outcomes["overloaded at submit"] + outcomes["error overloaded"] > 0, \
+    assert outcomes["overloaded at submit"] + outcomes["error overloaded"] > 0, (
         "the flood never reached a bound: make it bigger or the bounds smaller"
+    )
     for name in before:
         assert peak[name] - before[name] < FLOOD_RSS_GROWTH_MB, (name, before[name], peak[name])
     stats = wait_engine_idle(cluster)
@@ -157,6 +175,7 @@ def test_flood_every_request_ends_and_memory_stays_bounded(cluster):
 
 
 # --- soak -----------------------------------------------------------------------------------------
+
 
 class Worker(threading.Thread):
     """One user of the cluster, running a random mix of request kinds until told to stop."""
@@ -184,8 +203,9 @@ class Worker(threading.Thread):
 
     def one(self, client: Client) -> None:
         rng = self.rng
-        kind = rng.choice(["short", "long", "chat", "ids", "stream", "abort", "stop", "bad",
-                           "sampled"])
+        kind = rng.choice(
+            ["short", "long", "chat", "ids", "stream", "abort", "stop", "bad", "sampled"]
+        )
         try:
             if kind == "bad":
                 with pytest.raises(BadRequestError):
@@ -193,8 +213,9 @@ class Worker(threading.Thread):
                 self.outcomes["bad_request"] += 1
                 return
             if kind in ("stream", "abort"):
-                h = client.submit(_prompt(rng, rng.randint(1, 40)), max_tokens=48,
-                                  ignore_eos=True, temperature=0)
+                h = client.submit(
+                    _prompt(rng, rng.randint(1, 40)), max_tokens=48, ignore_eos=True, temperature=0
+                )
                 deltas = []
                 for d in h.stream(timeout=60):
                     deltas.append(d)
@@ -211,19 +232,28 @@ class Worker(threading.Thread):
             elif kind == "long":
                 h = client.submit(_prompt(rng, rng.randint(60, 180)), **sampling)
             elif kind == "chat":
-                h = client.submit(messages=[{"role": "user", "content": _prompt(rng, 6)}],
-                                  **sampling)
+                h = client.submit(
+                    messages=[{"role": "user", "content": _prompt(rng, 6)}], **sampling
+                )
             elif kind == "ids":
-                h = client.submit(prompt_token_ids=[rng.randrange(49152) for _ in range(20)],
-                                  **sampling)
+                h = client.submit(
+                    prompt_token_ids=[rng.randrange(49152) for _ in range(20)], **sampling
+                )
             elif kind == "stop":
                 h = client.submit(_prompt(rng, 10), max_tokens=32, stop=[rng.choice(WORDS), "e"])
             else:
-                h = client.submit(_prompt(rng, 10), max_tokens=16, temperature=0.8, top_p=0.9,
-                                  top_k=50, seed=rng.randrange(1000))
+                h = client.submit(
+                    _prompt(rng, 10),
+                    max_tokens=16,
+                    temperature=0.8,
+                    top_p=0.9,
+                    top_k=50,
+                    seed=rng.randrange(1000),
+                )
             r = h.result(timeout=60, check=False)
-            self.outcomes[f"{kind}:{r.finish_reason}" + (f" {r.error_code}" if not r.ok else "")
-                          ] += 1
+            self.outcomes[
+                f"{kind}:{r.finish_reason}" + (f" {r.error_code}" if not r.ok else "")
+            ] += 1
             if not r.ok:
                 self.problems.append(f"{kind}: {r.error_code}: {r.error}")
         except OverloadedError:
@@ -252,8 +282,10 @@ def test_soak_mixed_workload_rss_flat_and_kv_returns(cluster):
     first = {n: max(s[n] for t, s in rows if t < warmup_end + 2.0) for n in rows[0][1]}
     peak = sampler.peak(since=warmup_end)
     print(f"\nsoak {SOAK_S:.0f} s: {sum(outcomes.values())} requests; {dict(outcomes)}")
-    print("soak RSS MB (after warm-up / peak): " + ", ".join(
-        f"{n} {first[n]:.0f}/{peak[n]:.0f}" for n in first))
+    print(
+        "soak RSS MB (after warm-up / peak): "
+        + ", ".join(f"{n} {first[n]:.0f}/{peak[n]:.0f}" for n in first)
+    )
     assert not any(w.is_alive() for w in workers), "a soak worker hung"
     assert not problems, problems[:10]
     assert outcomes["abort:abort"] > 0 and outcomes["bad_request"] > 0
@@ -263,8 +295,8 @@ def test_soak_mixed_workload_rss_flat_and_kv_returns(cluster):
     assert stats["kv_blocks_available"] == stats["kv_blocks_total"]
     deadline = time.monotonic() + 30  # heartbeats lag: poll, then require the quiet state
     while time.monotonic() < deadline and any(
-            cluster.worker_stats("detokenizer").get(key, 1)
-            for key in ("open_requests", "clients")):
+        cluster.worker_stats("detokenizer").get(key, 1) for key in ("open_requests", "clients")
+    ):
         time.sleep(0.1)
     detok = cluster.worker_stats("detokenizer")
     assert detok["open_requests"] == 0 and detok["clients"] == 0, detok

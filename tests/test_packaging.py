@@ -17,20 +17,37 @@ import pytest
 tomllib = pytest.importorskip("tomllib")
 
 ROOT = Path(__file__).resolve().parents[1]
-OWN = {"procs", "ipc", "runtime", "engine_worker", "tokenizer_worker", "detok_worker",
-       "http_worker", "bench", "tests", "scripts"}
+OWN = {
+    "procs",
+    "ipc",
+    "runtime",
+    "engine_worker",
+    "tokenizer_worker",
+    "detok_worker",
+    "http_worker",
+    "bench",
+    "tests",
+    "scripts",
+}
 OWN |= {p.stem for p in (ROOT / "scripts").glob("*.py")}
-PACKAGES = ("procs", "ipc", "runtime", "engine_worker", "tokenizer_worker", "detok_worker",
-            "http_worker")
+PACKAGES = (
+    "procs",
+    "ipc",
+    "runtime",
+    "engine_worker",
+    "tokenizer_worker",
+    "detok_worker",
+    "http_worker",
+)
 
 
 def _guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
     while node in parents:
         node = parents[node]
         if isinstance(node, ast.Try) and any(
-                isinstance(h.type, ast.Name) and h.type.id in ("ImportError",
-                                                                "ModuleNotFoundError")
-                for h in node.handlers):
+            isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+            for h in node.handlers
+        ):
             return True
     return False
 
@@ -41,8 +58,9 @@ def imported_modules(folders: list[Path]) -> dict[str, str]:
     for folder in folders:
         for path in folder.rglob("*.py"):
             tree = ast.parse(path.read_text(), str(path))
-            parents = {child: node for node in ast.walk(tree)
-                       for child in ast.iter_child_nodes(node)}
+            parents = {
+                child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)
+            }
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
                     names = [a.name for a in node.names]

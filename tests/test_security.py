@@ -62,14 +62,20 @@ def _wait_for(predicate, timeout_s: float = DEADLINE_S, what: str = "condition")
 
 # --- files and permissions ----------------------------------------------------------------------
 
+
 def test_run_dir_is_0700_and_socket_files_are_owner_only():
     with launch_cluster(None, tokenizer_workers=2, engine_factory=FAKE_ENGINE) as cluster:
         run_dir = Path(cluster.config.run_dir)
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         socks = sorted(run_dir.glob("*.sock"))
-        assert {p.name for p in socks} >= {"client.sock", "engine.sock", "detokenizer.sock",
-                                           "supervisor.sock", "tokenizer-0.sock",
-                                           "tokenizer-1.sock"}
+        assert {p.name for p in socks} >= {
+            "client.sock",
+            "engine.sock",
+            "detokenizer.sock",
+            "supervisor.sock",
+            "tokenizer-0.sock",
+            "tokenizer-1.sock",
+        }
         for path in socks + [cluster.config.config_path]:
             mode = stat.S_IMODE(path.stat().st_mode)
             assert mode & 0o077 == 0, f"{path.name} is accessible to others: {oct(mode)}"
@@ -81,17 +87,15 @@ def test_run_dir_is_0700_and_socket_files_are_owner_only():
 
 # --- loopback by default, CURVE beyond it -------------------------------------------------------
 
+
 def test_tcp_beyond_loopback_needs_curve_keys(tmp_path):
     with pytest.raises(ValueError, match="requires CURVE keys"):
-        ClusterConfig.build("m", str(tmp_path), transport="tcp", host="0.0.0.0",
-                      base_port=5000)
+        ClusterConfig.build("m", str(tmp_path), transport="tcp", host="0.0.0.0", base_port=5000)
     with pytest.raises(ValueError, match="no CURVE keys"):
         ClusterConfig.build("m", str(tmp_path), require_curve=True)
     with pytest.raises(ValueError, match="40-character"):
-        ClusterConfig.build("m", str(tmp_path), curve_public_key="short",
-                      curve_secret_key="short")
-    loopback = ClusterConfig.build("m", str(tmp_path), transport="tcp",
-                             base_port=5000)
+        ClusterConfig.build("m", str(tmp_path), curve_public_key="short", curve_secret_key="short")
+    loopback = ClusterConfig.build("m", str(tmp_path), transport="tcp", base_port=5000)
     assert loopback.client_addr == "tcp://127.0.0.1:5000" and loopback.curve is None
     assert curve_overrides(dict(transport="tcp", host="127.0.0.1")) == {}
 
@@ -109,8 +113,7 @@ def test_listen_flag_switches_on_curve_and_keeps_internal_sockets_on_loopback(tm
     for internal in (config.engine_addr, config.detokenizer_addr, config.supervisor_addr):
         assert internal.startswith("tcp://127.0.0.1:"), internal
     # A client that reached the cluster at a real address dials the tokenizers there too.
-    assert tokenizer_addrs("tcp://10.1.2.3:5000", config.tokenizer_addrs) == [
-        "tcp://10.1.2.3:5016"]
+    assert tokenizer_addrs("tcp://10.1.2.3:5000", config.tokenizer_addrs) == ["tcp://10.1.2.3:5016"]
     with pytest.raises(SystemExit, match="--port"):
         cluster_kwargs(build_parser().parse_args(["launch", "--listen", "0.0.0.0"]))
     assert cluster_kwargs(build_parser().parse_args(["launch"]))["transport"] == "ipc"
@@ -119,8 +122,14 @@ def test_listen_flag_switches_on_curve_and_keeps_internal_sockets_on_loopback(tm
 @pytest.fixture(scope="module")
 def curve_cluster():
     # The test can only listen on loopback, so CURVE is forced on as --listen would do.
-    with launch_cluster(None, transport="tcp", host="127.0.0.1", base_port=free_port_block(1),
-                        require_curve=True, engine_factory=FAKE_ENGINE) as c:
+    with launch_cluster(
+        None,
+        transport="tcp",
+        host="127.0.0.1",
+        base_port=free_port_block(1),
+        require_curve=True,
+        engine_factory=FAKE_ENGINE,
+    ) as c:
         yield c
 
 
@@ -133,14 +142,18 @@ def test_curve_public_key_is_published(curve_cluster):
 
 
 def test_client_with_the_key_is_served(curve_cluster):
-    with Client(curve_cluster.client_addr, server_public_key=curve_cluster.curve_public_key,
-                deadline_s=DEADLINE_S) as client:
+    with Client(
+        curve_cluster.client_addr,
+        server_public_key=curve_cluster.curve_public_key,
+        deadline_s=DEADLINE_S,
+    ) as client:
         result = client.submit("secret handshake", max_tokens=3).result(timeout=DEADLINE_S)
         assert (result.text, result.finish_reason) == ("secret handshake", "length")
 
     async def with_async_client():
-        async with AsyncClient(curve_cluster.client_addr,
-                               server_public_key=curve_cluster.curve_public_key) as client:
+        async with AsyncClient(
+            curve_cluster.client_addr, server_public_key=curve_cluster.curve_public_key
+        ) as client:
             return await client.submit("async secret", max_tokens=2).result(timeout=DEADLINE_S)
 
     assert asyncio.run(with_async_client()).text == "async secret"
@@ -170,19 +183,34 @@ def test_plain_sockets_cannot_submit_or_reach_internal_sockets(curve_cluster):
         # A plain (no CURVE) peer sends a well-formed request, attributed to the keyed client so
         # that any leak would show up there, to the tokenizer and straight to the engine.
         intruder_id = f"{client._core.client_id.decode()}:intruder"
-        submit = msgpack.packb({"kind": "submit", "request_id": intruder_id,
-                                "client_id": client._core.client_id,
-                                "sampling": {"max_tokens": 1}, "prompt": "let me in"})
-        tokenized = msgpack.packb({"kind": "tokenized", "request_id": intruder_id,
-                                   "token_ids": b"\x05\x00\x00\x00",
-                                   "sampling": {"max_tokens": 1},
-                                   "meta": {"request_id": intruder_id,
-                                            "client_id": client._core.client_id,
-                                            "prompt_tokens": 1}})
+        submit = msgpack.packb(
+            {
+                "kind": "submit",
+                "request_id": intruder_id,
+                "client_id": client._core.client_id,
+                "sampling": {"max_tokens": 1},
+                "prompt": "let me in",
+            }
+        )
+        tokenized = msgpack.packb(
+            {
+                "kind": "tokenized",
+                "request_id": intruder_id,
+                "token_ids": b"\x05\x00\x00\x00",
+                "sampling": {"max_tokens": 1},
+                "meta": {
+                    "request_id": intruder_id,
+                    "client_id": client._core.client_id,
+                    "prompt_tokens": 1,
+                },
+            }
+        )
         ctx = zmq.Context()
         try:
-            for addr, frame in ((config.tokenizer_addr(0), submit),
-                                (config.engine_addr, tokenized)):
+            for addr, frame in (
+                (config.tokenizer_addr(0), submit),
+                (config.engine_addr, tokenized),
+            ):
                 push = ctx.socket(zmq.PUSH)
                 push.connect(addr)
                 push.send(frame, zmq.NOBLOCK)  # queued: the handshake never completes
@@ -206,12 +234,22 @@ def test_plain_sockets_cannot_submit_or_reach_internal_sockets(curve_cluster):
 
 # --- no pickle, bounded decoding ----------------------------------------------------------------
 
+
 def test_no_pickle_anywhere():
-    pattern = re.compile(r"\bpickle\b|\bcPickle\b|\bdill\b|recv_pyobj|send_pyobj|torch\.load\(|"
-                         r"\bmarshal\.loads?\b|yaml\.load\(")
+    pattern = re.compile(
+        r"\bpickle\b|\bcPickle\b|\bdill\b|recv_pyobj|send_pyobj|torch\.load\(|"
+        r"\bmarshal\.loads?\b|yaml\.load\("
+    )
     offenders = []
-    for top in ("ipc", "procs", "runtime", "tokenizer_worker", "detok_worker", "engine_worker",
-                "scripts"):
+    for top in (
+        "ipc",
+        "procs",
+        "runtime",
+        "tokenizer_worker",
+        "detok_worker",
+        "engine_worker",
+        "scripts",
+    ):
         for path in (REPO / top).rglob("*.py"):
             for n, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#", 1)[0]
@@ -220,13 +258,17 @@ def test_no_pickle_anywhere():
     assert not offenders, "\n".join(offenders)
 
 
-@pytest.mark.parametrize("frame", [
-    b"\xdb\xff\xff\xff\xff" + b"x" * 16,  # a str claiming 4 GiB
-    b"\xc6\xff\xff\xff\xff" + b"x" * 16,  # a bin claiming 4 GiB
-    b"\xdd\xff\xff\xff\xff" + b"\x00" * 16,  # an array claiming 2**32-1 items
-    b"\xdf\xff\xff\xff\xff" + b"\x00" * 16,  # a map claiming 2**32-1 entries
-    b"\xd6\xff\x00\x00\x00\x00",  # an ext (timestamp): never accepted
-], ids=["str", "bin", "array", "map", "ext"])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\xdb\xff\xff\xff\xff" + b"x" * 16,  # a str claiming 4 GiB
+        b"\xc6\xff\xff\xff\xff" + b"x" * 16,  # a bin claiming 4 GiB
+        b"\xdd\xff\xff\xff\xff" + b"\x00" * 16,  # an array claiming 2**32-1 items
+        b"\xdf\xff\xff\xff\xff" + b"\x00" * 16,  # a map claiming 2**32-1 entries
+        b"\xd6\xff\x00\x00\x00\x00",  # an ext (timestamp): never accepted
+    ],
+    ids=["str", "bin", "array", "map", "ext"],
+)
 def test_decoding_refuses_huge_declared_lengths(frame):
     with pytest.raises(codec.DecodeError):
         codec.unpack_frame(frame)
@@ -250,13 +292,24 @@ def test_supervised_http_frontend_works_under_curve():
     import json
     import urllib.request
 
-    with launch_cluster(None, transport="tcp", host="127.0.0.1", base_port=free_port_block(1),
-                        require_curve=True, http_port=0, engine_factory=FAKE_ENGINE) as cluster:
+    with launch_cluster(
+        None,
+        transport="tcp",
+        host="127.0.0.1",
+        base_port=free_port_block(1),
+        require_curve=True,
+        http_port=0,
+        engine_factory=FAKE_ENGINE,
+    ) as cluster:
         assert cluster.http_url
-        body = json.dumps({"model": cluster.config.model_name, "prompt": "over curve",
-                           "max_tokens": 2}).encode()
-        request = urllib.request.Request(f"{cluster.http_url}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": cluster.config.model_name, "prompt": "over curve", "max_tokens": 2}
+        ).encode()
+        request = urllib.request.Request(
+            f"{cluster.http_url}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=DEADLINE_S) as reply:
             answer = json.loads(reply.read())
         assert answer["choices"][0]["text"] == "over curve"

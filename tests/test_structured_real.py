@@ -18,29 +18,62 @@ from tests.test_http_tiny import openai_client
 
 pytestmark = pytest.mark.slow
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "minLength": 1, "maxLength": 16},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "address": {"type": "object", "properties": {
-        "city": {"type": "string", "minLength": 1, "maxLength": 16},
-        "country": {"enum": ["France", "Japan", "Peru", "Norway", "Other"]}},
-        "required": ["city", "country"], "additionalProperties": False},
-    "color": {"enum": ["red", "green", "blue"]},
-    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                "minItems": 1, "maxItems": 3}},
-    "required": ["name", "age", "address", "color", "hobbies"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 16},
+                "country": {"enum": ["France", "Japan", "Peru", "Norway", "Other"]},
+            },
+            "required": ["city", "country"],
+            "additionalProperties": False,
+        },
+        "color": {"enum": ["red", "green", "blue"]},
+        "hobbies": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "age", "address", "color", "hobbies"],
+    "additionalProperties": False,
+}
 NAMES = ["Ada", "Bruno", "Chen", "Dana", "Emil", "Fatima", "Goro", "Hana"]
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo"]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "minLength": 1, "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                   "required": ["city"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
@@ -57,16 +90,27 @@ def oai(cluster):
 
 
 def chat(oai, messages, **kwargs):
-    return oai.chat.completions.create(model="smollm2", messages=messages, temperature=0,
-                                       **{"max_tokens": 160, **kwargs})
+    return oai.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, **{"max_tokens": 160, **kwargs}
+    )
 
 
 def test_32_prompts_with_a_nested_schema_all_validate(oai):
-    prompts = [[{"role": "user", "content": f"Describe {NAMES[i % 8]}, who lives in "
-                 f"{CITIES[i // 8]}, as a JSON object with name, age, address, favourite "
-                 f"color and hobbies."}] for i in range(32)]
-    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
-                                                  "strict": True}}
+    prompts = [
+        [
+            {
+                "role": "user",
+                "content": f"Describe {NAMES[i % 8]}, who lives in "
+                f"{CITIES[i // 8]}, as a JSON object with name, age, address, favourite "
+                f"color and hobbies.",
+            }
+        ]
+        for i in range(32)
+    ]
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
     with ThreadPoolExecutor(32) as pool:  # all at once: one batch in the engine
         answers = list(pool.map(lambda m: chat(oai, m, response_format=fmt), prompts))
     for r in answers:
@@ -75,24 +119,36 @@ def test_32_prompts_with_a_nested_schema_all_validate(oai):
 
 
 def test_json_object_choice_and_regex(oai):
-    r = chat(oai, [{"role": "user", "content": "Give a JSON object with the name and age of a "
-                                               "cat."}],
-             response_format={"type": "json_object"}, max_tokens=200)
+    r = chat(
+        oai,
+        [{"role": "user", "content": "Give a JSON object with the name and age of a cat."}],
+        response_format={"type": "json_object"},
+        max_tokens=200,
+    )
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    r = chat(oai, [{"role": "user", "content": "Is Paris in France? Answer yes or no."}],
-             extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    r = chat(
+        oai,
+        [{"role": "user", "content": "Is Paris in France? Answer yes or no."}],
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
     assert r.choices[0].message.content in ("yes", "no")
     pattern = r"[A-Z][a-z]{2,12}, [A-Z][a-z]{2,12}"
-    r = chat(oai, [{"role": "user", "content": "Name a city and its country."}],
-             extra_body={"structured_outputs": {"regex": pattern}})
+    r = chat(
+        oai,
+        [{"role": "user", "content": "Name a city and its country."}],
+        extra_body={"structured_outputs": {"regex": pattern}},
+    )
     assert re.fullmatch(pattern, r.choices[0].message.content), r.choices[0].message.content
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_calls_have_valid_arguments(oai, choice, stream):
-    tool_choice = ("required" if choice == "required"
-                   else {"type": "function", "function": {"name": "get_weather"}})
+    tool_choice = (
+        "required"
+        if choice == "required"
+        else {"type": "function", "function": {"name": "get_weather"}}
+    )
     kwargs = dict(tools=[WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=False)
     if stream:
         chunks = list(chat(oai, ASK_WEATHER, stream=True, **kwargs))
@@ -116,13 +172,18 @@ def test_forced_tool_calls_have_valid_arguments(oai, choice, stream):
 
 
 def test_a_conversation_with_a_tool_result_is_answered(oai):
-    first = chat(oai, ASK_WEATHER, tools=[WEATHER], tool_choice="required",
-                 parallel_tool_calls=False)
+    first = chat(
+        oai, ASK_WEATHER, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
+    )
     call = first.choices[0].message.tool_calls[0]
     history = ASK_WEATHER + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id,
-         "content": json.dumps({"temperature": 21, "sky": "sunny"})}]
+        {
+            "role": "tool",
+            "tool_call_id": call.id,
+            "content": json.dumps({"temperature": 21, "sky": "sunny"}),
+        },
+    ]
     second = chat(oai, history, tools=[WEATHER], max_tokens=60)
     answer = second.choices[0].message
     assert second.choices[0].finish_reason == "stop" and not answer.tool_calls
@@ -130,17 +191,26 @@ def test_a_conversation_with_a_tool_result_is_answered(oai):
 
 
 def test_unconstrained_requests_are_untouched_by_constrained_ones_in_their_batch(cluster):
-    plain = [[{"role": "user", "content": q}] for q in
-             ("What is the capital of France?", "Name three colors.")]
+    plain = [
+        [{"role": "user", "content": q}]
+        for q in ("What is the capital of France?", "Name three colors.")
+    ]
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     with Client(cluster.client_addr, deadline_s=600) as client:
-        alone = [client.submit(messages=m, max_tokens=24, temperature=0).result().token_ids
-                 for m in plain]
+        alone = [
+            client.submit(messages=m, max_tokens=24, temperature=0).result().token_ids
+            for m in plain
+        ]
         handles = [client.submit(messages=m, max_tokens=24, temperature=0) for m in plain]
-        handles += [client.submit(messages=[{"role": "user", "content": f"Describe {n} as a "
-                                             f"JSON object."}],
-                                  max_tokens=160, temperature=0, response_format=fmt)
-                    for n in NAMES[:4]]
+        handles += [
+            client.submit(
+                messages=[{"role": "user", "content": f"Describe {n} as a JSON object."}],
+                max_tokens=160,
+                temperature=0,
+                response_format=fmt,
+            )
+            for n in NAMES[:4]
+        ]
         results = [h.result() for h in handles]
     assert [r.token_ids for r in results[:2]] == alone
     for r in results[2:]:

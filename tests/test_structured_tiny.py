@@ -19,21 +19,41 @@ from procs.launch_cluster import launch_cluster
 from tests.test_cluster_faults import pid_of, poll, restarted
 from tests.test_http_tiny import openai_client
 
-SCHEMA = {"type": "object", "properties": {
-    "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
-    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3}},
-    "required": ["color", "ok", "tags"], "additionalProperties": False}
-TOOL = {"type": "function", "function": {"name": "set_light", "parameters": {
-    "type": "object", "properties": {"on": {"type": "boolean"},
-                                     "room": {"enum": ["hall", "kitchen"]}},
-    "required": ["on", "room"], "additionalProperties": False}}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["color", "ok", "tags"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_light",
+        "parameters": {
+            "type": "object",
+            "properties": {"on": {"type": "boolean"}, "room": {"enum": ["hall", "kitchen"]}},
+            "required": ["on", "room"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK = [{"role": "user", "content": "Go."}]
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    with launch_cluster(str(tiny_model_dir), tokenizer_workers=1, kv_cache_tokens=8192,
-                        max_model_len=2048, heartbeat_interval_s=0.1, max_restarts=2) as c:
+    with launch_cluster(
+        str(tiny_model_dir),
+        tokenizer_workers=1,
+        kv_cache_tokens=8192,
+        max_model_len=2048,
+        heartbeat_interval_s=0.1,
+        max_restarts=2,
+    ) as c:
         yield c
 
 
@@ -44,26 +64,32 @@ def oai(cluster):
 
 
 def chat(oai, **kwargs):
-    return oai.chat.completions.create(model="tiny", messages=ASK, temperature=0,
-                                       max_tokens=80, **kwargs)
+    return oai.chat.completions.create(
+        model="tiny", messages=ASK, temperature=0, max_tokens=80, **kwargs
+    )
 
 
 def test_schema_choice_and_regex_shape_the_output(oai):
-    r = chat(oai, response_format={"type": "json_schema",
-                                   "json_schema": {"name": "x", "schema": SCHEMA}})
+    r = chat(
+        oai, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    )
     assert r.choices[0].finish_reason == "stop"  # the grammar ended it
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     r = chat(oai, extra_body={"structured_outputs": {"choice": ["alpha", "beta gamma"]}})
     assert r.choices[0].message.content in ("alpha", "beta gamma")
-    r = oai.completions.create(model="tiny", prompt="Code:", temperature=0, max_tokens=40,
-                               extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-\d{3}"}})
+    r = oai.completions.create(
+        model="tiny",
+        prompt="Code:",
+        temperature=0,
+        max_tokens=40,
+        extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-\d{3}"}},
+    )
     assert re.fullmatch(r"[A-Z]{2}-\d{3}", r.choices[0].text), r.choices[0].text
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_function_is_called_with_valid_arguments(oai, stream):
-    kwargs = dict(tools=[TOOL], tool_choice={"type": "function",
-                                             "function": {"name": "set_light"}})
+    kwargs = dict(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "set_light"}})
     if not stream:
         r = chat(oai, **kwargs)
         calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
@@ -81,22 +107,48 @@ def test_a_named_function_is_called_with_valid_arguments(oai, stream):
     jsonschema.validate(json.loads(arguments), TOOL["function"]["parameters"])
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "objekt"}}}}, "invalid JSON schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
-     "unsupported JSON schema keyword(s): uniqueItems"),
-    ({"extra_body": {"structured_outputs": {"regex": "(ab"}}}, "unclosed group"),
-    ({"extra_body": {"structured_outputs": {"grammar": "root ::= undefined"}}}, "grammar"),
-    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "fly"}}},
-     "tool_choice names the function 'fly', which is not among the tools (set_light)"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
-     "tools[0].function.name"),
-    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "cannot be combined"),
-    ({"response_format": {"type": "yaml"}}, "response_format type must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                }
+            },
+            "invalid JSON schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "unsupported JSON schema keyword(s): uniqueItems",
+        ),
+        ({"extra_body": {"structured_outputs": {"regex": "(ab"}}}, "unclosed group"),
+        ({"extra_body": {"structured_outputs": {"grammar": "root ::= undefined"}}}, "grammar"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "fly"}}},
+            "tool_choice names the function 'fly', which is not among the tools (set_light)",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools[0].function.name",
+        ),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot be combined",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format type must be"),
+    ],
+)
 def test_bad_input_is_a_400_naming_the_problem(oai, kwargs, fragment):
     with pytest.raises(openai.BadRequestError) as caught:
         chat(oai, **kwargs)
@@ -107,10 +159,12 @@ def test_the_vocabulary_reaches_a_restarted_engine(cluster):
     with Client(cluster.client_addr, deadline_s=120) as client:
         victim = pid_of(cluster, "engine")
         os.kill(victim, signal.SIGKILL)
-        poll(lambda: restarted(cluster, "engine", 0, victim), timeout_s=60,
-             what="engine restart")
-        result = client.submit(messages=ASK, max_tokens=60, temperature=0,
-                               response_format={"type": "json_schema", "json_schema": {
-                                   "name": "x", "schema": SCHEMA}}).result(timeout=120)
+        poll(lambda: restarted(cluster, "engine", 0, victim), timeout_s=60, what="engine restart")
+        result = client.submit(
+            messages=ASK,
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+        ).result(timeout=120)
     assert result.finish_reason == "stop"
     jsonschema.validate(json.loads(result.text), SCHEMA)

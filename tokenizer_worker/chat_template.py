@@ -18,8 +18,15 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
-                      "cls_token", "mask_token")
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class ChatTemplateError(ValueError):
@@ -30,11 +37,17 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # Hugging Face templates expect non-ASCII kept as is (jinja's own tojson escapes HTML).
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _token_string(value: Any) -> str | None:
@@ -48,7 +61,8 @@ def _token_string(value: Any) -> str | None:
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -81,15 +95,24 @@ class ChatTemplate:
                 source = raw
         return cls(source, special) if source else None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None,
-               tools: list[dict[str, Any]] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """``extra``: the request's chat_template_kwargs (e.g. ``enable_thinking``); the
         variables the request states itself (messages, add_generation_prompt, tools) always win.
         ``tools``: for a template that renders them (tokenizer_worker.tool_calls)."""
-        variables = {**self.special_tokens, **(extra or {}), "messages": messages,
-                     "add_generation_prompt": add_generation_prompt, "tools": tools,
-                     "documents": None}
+        variables = {
+            **self.special_tokens,
+            **(extra or {}),
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": tools,
+            "documents": None,
+        }
         try:
             return self._template.render(**variables)
         except ChatTemplateError:

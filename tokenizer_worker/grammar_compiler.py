@@ -44,9 +44,14 @@ class GrammarSpecError(ValueError):
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer: llguidance.LLTokenizer | None = None, *,
-                 compact_json: bool = True, max_cached: int = MAX_CACHED_SPECS,
-                 max_cached_chars: int = MAX_CACHED_CHARS) -> None:
+    def __init__(
+        self,
+        tokenizer: llguidance.LLTokenizer | None = None,
+        *,
+        compact_json: bool = True,
+        max_cached: int = MAX_CACHED_SPECS,
+        max_cached_chars: int = MAX_CACHED_CHARS,
+    ) -> None:
         """``tokenizer``: llguidance's tokenizer for the model's vocabulary (checks references
         to special tokens; None skips that check)."""
         self.tokenizer = tokenizer
@@ -105,8 +110,9 @@ class GrammarCompiler:
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):
-            raise GrammarSpecError("a JSON schema must be an object or a boolean, got "
-                                   f"{type(schema).__name__}")
+            raise GrammarSpecError(
+                f"a JSON schema must be an object or a boolean, got {type(schema).__name__}"
+            )
         check_schema(schema)
         return self._layout(schema)
 
@@ -121,7 +127,8 @@ class GrammarCompiler:
     def _check(self, lark: str, what: str) -> None:
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer)
+            grammar, self.tokenizer
+        )
         if is_error:
             raise GrammarSpecError(describe_error(messages[0] if messages else "", what))
 
@@ -147,8 +154,9 @@ def check_schema(schema: dict) -> None:
         validators.validator_for(schema, default=Draft7Validator).check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
-        raise GrammarSpecError(f"invalid JSON schema: {exc.message}"
-                               + (f" (at {where})" if where else "")) from None
+        raise GrammarSpecError(
+            f"invalid JSON schema: {exc.message}" + (f" (at {where})" if where else "")
+        ) from None
 
 
 def describe_error(message: str, what: str) -> str:

@@ -49,16 +49,23 @@ class Limits:
 
 
 class RequestPreparer:
-    def __init__(self, tokenizer, chat_template: ChatTemplate | None, limits: Limits,
-                 tokenizer_index: int = 0, structured: StructuredOutputs | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        chat_template: ChatTemplate | None,
+        limits: Limits,
+        tokenizer_index: int = 0,
+        structured: StructuredOutputs | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.limits = limits
         self.tokenizer_index = tokenizer_index
         # Structured outputs and tools; the vocabulary is read on first use unless the owner
         # started it already (the worker does, at start-up).
-        self.structured = structured or StructuredOutputs(tokenizer, limits.vocab_size,
-                                                          chat_template)
+        self.structured = structured or StructuredOutputs(
+            tokenizer, limits.vocab_size, chat_template
+        )
 
     def prepare_batch(self, requests: list[SubmitRequest]) -> list[TokenizedRequest | RequestError]:
         """One result per request, in order. Text is encoded with one encode_batch per kind."""
@@ -82,8 +89,9 @@ class RequestPreparer:
                 results[i] = _error(req, str(exc), exc.code)
         for group, add_special in ((plain, True), (chat, False)):
             if group:
-                encodings = self.tokenizer.encode_batch([t for _, t in group],
-                                                        add_special_tokens=add_special)
+                encodings = self.tokenizer.encode_batch(
+                    [t for _, t in group], add_special_tokens=add_special
+                )
                 for (i, _), enc in zip(group, encodings):
                     ids[i] = enc.ids
         t_done = time.monotonic()
@@ -95,8 +103,14 @@ class RequestPreparer:
                     results[i] = _error(req, str(exc), exc.code)
         return results  # type: ignore[return-value]
 
-    def _finish(self, req: SubmitRequest, ids: list[int], t_start: float, t_done: float,
-                plan: OutputPlan | None = None) -> TokenizedRequest:
+    def _finish(
+        self,
+        req: SubmitRequest,
+        ids: list[int],
+        t_start: float,
+        t_done: float,
+        plan: OutputPlan | None = None,
+    ) -> TokenizedRequest:
         n = len(ids)
         if n == 0:
             raise RequestRejected("the prompt encodes to zero tokens")
@@ -104,7 +118,8 @@ class RequestPreparer:
         if room < 1:
             raise RequestRejected(
                 f"the prompt has {n} tokens; with at least one generated token that exceeds the "
-                f"context length of {self.limits.max_model_len} tokens")
+                f"context length of {self.limits.max_model_len} tokens"
+            )
         sampling = req.sampling
         if sampling.max_tokens > room:
             # Clamp instead of refusing: the request still ends with reason "length" at the
@@ -112,18 +127,30 @@ class RequestPreparer:
             sampling = _with_max_tokens(sampling, room)
         packed = pack_ids(ids)
         meta = RequestMeta(
-            request_id=req.request_id, client_id=req.client_id, prompt_tokens=n,
-            stop=list(sampling.stop), skip_special_tokens=sampling.skip_special_tokens,
-            tokenizer_index=self.tokenizer_index, t_submit=req.t_submit,
-            t_tokenize_start=t_start, t_tokenized=t_done,
+            request_id=req.request_id,
+            client_id=req.client_id,
+            prompt_tokens=n,
+            stop=list(sampling.stop),
+            skip_special_tokens=sampling.skip_special_tokens,
+            tokenizer_index=self.tokenizer_index,
+            t_submit=req.t_submit,
+            t_tokenize_start=t_start,
+            t_tokenized=t_done,
             continuous_usage_stats=req.continuous_usage_stats,
             # The detokenizer turns these into the echoed text and the prompt's token strings.
-            prompt_token_ids=packed if sampling.scores_prompt else b"", echo=sampling.echo,
+            prompt_token_ids=packed if sampling.scores_prompt else b"",
+            echo=sampling.echo,
             prompt_logprobs=sampling.prompt_logprobs is not None,
             include_stop_str_in_output=sampling.include_stop_str_in_output,
-            tool_parser=plan.tool_parser if plan else "")
-        return TokenizedRequest(request_id=req.request_id, token_ids=packed,
-                                sampling=sampling, meta=meta, grammar=plan.grammar if plan else "")
+            tool_parser=plan.tool_parser if plan else "",
+        )
+        return TokenizedRequest(
+            request_id=req.request_id,
+            token_ids=packed,
+            sampling=sampling,
+            meta=meta,
+            grammar=plan.grammar if plan else "",
+        )
 
     def _plan(self, req: SubmitRequest) -> OutputPlan | None:
         if not needs_plan(req):
@@ -133,16 +160,20 @@ class RequestPreparer:
         except (GrammarSpecError, ToolSpecError) as exc:
             raise RequestRejected(str(exc)) from None
         except Exception as exc:  # e.g. the vocabulary could not be read: this request fails
-            raise RequestRejected(f"structured outputs are unavailable: {exc}",
-                                  ERR_INTERNAL) from None
+            raise RequestRejected(
+                f"structured outputs are unavailable: {exc}", ERR_INTERNAL
+            ) from None
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
-        for name, ids in (("stop_token_ids", sampling.stop_token_ids),
-                          ("logit_bias", sampling.logit_bias)):
+        for name, ids in (
+            ("stop_token_ids", sampling.stop_token_ids),
+            ("logit_bias", sampling.logit_bias),
+        ):
             bad = [t for t in ids if t >= self.limits.vocab_size]
             if bad:
-                raise RequestRejected(f"{name} {bad[:8]} are outside the vocabulary "
-                                      f"(size {self.limits.vocab_size})")
+                raise RequestRejected(
+                    f"{name} {bad[:8]} are outside the vocabulary (size {self.limits.vocab_size})"
+                )
 
     def _check_text(self, text: str) -> str:
         if not text:
@@ -161,20 +192,31 @@ class RequestPreparer:
         if int(arr.min()) < 0 or int(arr.max()) >= self.limits.vocab_size:
             raise RequestRejected(
                 f"prompt_token_ids must be in [0, {self.limits.vocab_size}); got values in "
-                f"[{int(arr.min())}, {int(arr.max())}]")
+                f"[{int(arr.min())}, {int(arr.max())}]"
+            )
         return arr.tolist()
 
     def _render_chat(self, req: SubmitRequest, plan: OutputPlan | None = None) -> str:
-        return self._check_text(render_chat(
-            self.chat_template, req.messages or [], req.add_generation_prompt,
-            req.chat_template_kwargs, plan.conversation if plan else None,
-            plan.template_tools if plan else None))
+        return self._check_text(
+            render_chat(
+                self.chat_template,
+                req.messages or [],
+                req.add_generation_prompt,
+                req.chat_template_kwargs,
+                plan.conversation if plan else None,
+                plan.template_tools if plan else None,
+            )
+        )
 
 
-def render_chat(template: ChatTemplate | None, messages: list[ChatMessage],
-                add_generation_prompt: bool, extra: dict[str, Any],
-                conversation: list[dict[str, Any]] | None = None,
-                tools: list[dict[str, Any]] | None = None) -> str:
+def render_chat(
+    template: ChatTemplate | None,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    extra: dict[str, Any],
+    conversation: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """The chat as the model's template writes it; RequestRejected says what is wrong.
     ``conversation`` and ``tools``: what tool calling renders instead of ``messages`` (the
     history's calls and results written in, the tools offered; tokenizer_worker.structured)."""
@@ -186,11 +228,14 @@ def render_chat(template: ChatTemplate | None, messages: list[ChatMessage],
         if not m.role:
             raise RequestRejected("every chat message needs a non-empty role")
     if conversation is None:
-        conversation = [{"role": m.role, "content": m.content,
-                         **({"name": m.name} if m.name else {})} for m in messages]
+        conversation = [
+            {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+            for m in messages
+        ]
     try:
-        return template.render(conversation, add_generation_prompt=add_generation_prompt,
-                               extra=extra, tools=tools)
+        return template.render(
+            conversation, add_generation_prompt=add_generation_prompt, extra=extra, tools=tools
+        )
     except ChatTemplateError as exc:
         raise RequestRejected(str(exc)) from None
 
@@ -203,5 +248,10 @@ def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParam
 
 
 def _error(req: SubmitRequest, message: str, code: str) -> RequestError:
-    return RequestError(request_id=req.request_id, client_id=req.client_id, message=message,
-                        code=code, t_submit=req.t_submit)
+    return RequestError(
+        request_id=req.request_id,
+        client_id=req.client_id,
+        message=message,
+        code=code,
+        t_submit=req.t_submit,
+    )

@@ -18,16 +18,34 @@ from tokenizer_worker.chat_template import SPECIAL_TOKEN_KEYS, ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer, RequestRejected, render_chat
 
 # tokenizer_config.json entries that are about files on the server, not the tokenizer.
-_PRIVATE_CONFIG_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path",
-                        "is_local", "local_files_only")
+_PRIVATE_CONFIG_KEYS = (
+    "vocab_file",
+    "merges_file",
+    "tokenizer_file",
+    "name_or_path",
+    "is_local",
+    "local_files_only",
+)
 _INT64_MAX = 2**63 - 1
-_ADDED_TOKEN_FIELDS = {"content", "lstrip", "rstrip", "normalized", "single_word", "special",
-                       "__type"}
+_ADDED_TOKEN_FIELDS = {
+    "content",
+    "lstrip",
+    "rstrip",
+    "normalized",
+    "single_word",
+    "special",
+    "__type",
+}
 
 
 class TokenizerQueries:
-    def __init__(self, tokenizer: Any, chat_template: ChatTemplate | None, limits: Limits,
-                 model_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: ChatTemplate | None,
+        limits: Limits,
+        model_dir: str | Path | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.limits = limits
@@ -38,14 +56,16 @@ class TokenizerQueries:
         return cls(preparer.tokenizer, preparer.chat_template, preparer.limits, model_dir)
 
     def answer(self, req: TokenizeRequest) -> TokenizeResult | RequestError:
-        result = TokenizeResult(req.request_id, req.client_id,
-                                max_model_len=self.limits.max_model_len)
+        result = TokenizeResult(
+            req.request_id, req.client_id, max_model_len=self.limits.max_model_len
+        )
         try:
             if req.info:
                 result.info = self.info
             elif req.detokenize_ids:
-                result.text = self.tokenizer.decode(self._check_ids(req.detokenize_ids),
-                                                    skip_special_tokens=False)
+                result.text = self.tokenizer.decode(
+                    self._check_ids(req.detokenize_ids), skip_special_tokens=False
+                )
             else:
                 ids = self._encode(req)
                 result.token_ids = pack_ids(ids)
@@ -57,8 +77,12 @@ class TokenizerQueries:
 
     def _encode(self, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
-            text = render_chat(self.chat_template, req.messages, req.add_generation_prompt,
-                               req.chat_template_kwargs)
+            text = render_chat(
+                self.chat_template,
+                req.messages,
+                req.add_generation_prompt,
+                req.chat_template_kwargs,
+            )
         else:
             text = req.prompt or ""
         return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens).ids
@@ -71,12 +95,15 @@ class TokenizerQueries:
         if int(ids.min()) < 0 or int(ids.max()) >= self.limits.vocab_size:
             raise RequestRejected(
                 f"token ids must be in [0, {self.limits.vocab_size}); got values in "
-                f"[{int(ids.min())}, {int(ids.max())}]", ERR_BAD_REQUEST)
+                f"[{int(ids.min())}, {int(ids.max())}]",
+                ERR_BAD_REQUEST,
+            )
         return ids.tolist()
 
 
-def tokenizer_info(model_dir: str | Path | None, chat_template: ChatTemplate | None,
-                   limits: Limits) -> dict[str, Any]:
+def tokenizer_info(
+    model_dir: str | Path | None, chat_template: ChatTemplate | None, limits: Limits
+) -> dict[str, Any]:
     """The shape of vLLM's /tokenizer_info: the tokenizer's configuration (its
     tokenizer_config.json, special tokens as their strings), ``tokenizer_class`` and the chat
     template; plus what this server enforces (``max_model_len``, ``vocab_size``)."""
@@ -93,9 +120,11 @@ def tokenizer_info(model_dir: str | Path | None, chat_template: ChatTemplate | N
     # Hugging Face writes a huge sentinel when the checkpoint names no limit; the limit a client
     # must respect here is the server's context length.
     declared = config.get("model_max_length")
-    info["model_max_length"] = (min(declared, limits.max_model_len)
-                                if isinstance(declared, int) and not isinstance(declared, bool)
-                                else limits.max_model_len)
+    info["model_max_length"] = (
+        min(declared, limits.max_model_len)
+        if isinstance(declared, int) and not isinstance(declared, bool)
+        else limits.max_model_len
+    )
     info["max_model_len"] = limits.max_model_len
     info["vocab_size"] = limits.vocab_size
     if chat_template is not None:

@@ -40,8 +40,7 @@ class OutputPlan:
 
 def needs_plan(req: SubmitRequest) -> bool:
     """Whether the request asks for anything here (cheap: most requests do not)."""
-    return bool(req.structured is not None or req.tools or req.tool_choice
-                or _has_tool_turns(req))
+    return bool(req.structured is not None or req.tools or req.tool_choice or _has_tool_turns(req))
 
 
 def _has_tool_turns(req: SubmitRequest) -> bool:
@@ -50,11 +49,17 @@ def _has_tool_turns(req: SubmitRequest) -> bool:
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer, vocab_size: int, chat_template: ChatTemplate | None,
-                 eos_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        chat_template: ChatTemplate | None,
+        eos_ids: list[int] | None = None,
+    ) -> None:
         self._tokenizer, self._vocab_size, self._eos_ids = tokenizer, vocab_size, eos_ids
         self.supports_tools = chat_template is not None and tool_calls.template_supports_tools(
-            chat_template.source)
+            chat_template.source
+        )
         self._backend: Future[tuple[GrammarCompiler, GrammarVocabulary]] = Future()
         self._started = False
         self._lock = threading.Lock()
@@ -70,8 +75,7 @@ class StructuredOutputs:
 
     def _build(self) -> None:
         try:
-            backend, vocabulary = grammar_backend(self._tokenizer, self._vocab_size,
-                                                  self._eos_ids)
+            backend, vocabulary = grammar_backend(self._tokenizer, self._vocab_size, self._eos_ids)
             self._backend.set_result((GrammarCompiler(backend), vocabulary))
         except BaseException as exc:  # a request that needs it reports it; the worker goes on
             self._backend.set_exception(exc)
@@ -100,18 +104,24 @@ class StructuredOutputs:
                 raise ToolSpecError("tools and tool_choice need chat messages")
             tools = tool_calls.check_tools(_json(req.tools, "tools")) if req.tools else []
             choice = tool_calls.resolve_tool_choice(
-                tools, _json(req.tool_choice, "tool_choice") if req.tool_choice else None)
+                tools, _json(req.tool_choice, "tool_choice") if req.tool_choice else None
+            )
         spec = tool_calls.forced_tool_call_spec(tools, choice, req.parallel_tool_calls)
         if spec is not None and req.structured is not None:
-            raise ToolSpecError('tool_choice "required" or a named function forces a tool call; '
-                                "it cannot be combined with response_format or "
-                                "structured_outputs")
+            raise ToolSpecError(
+                'tool_choice "required" or a named function forces a tool call; '
+                "it cannot be combined with response_format or "
+                "structured_outputs"
+            )
         spec = spec or req.structured
-        plan = OutputPlan(grammar=self.compiler.compile(spec) if spec is not None else "",
-                          tool_parser=TOOL_PARSER if choice.mode != "none" else "")
+        plan = OutputPlan(
+            grammar=self.compiler.compile(spec) if spec is not None else "",
+            tool_parser=TOOL_PARSER if choice.mode != "none" else "",
+        )
         if req.messages is not None and (choice.mode != "none" or _has_tool_turns(req)):
             plan.conversation, plan.template_tools = tool_calls.conversation_for_template(
-                [openai_message(m) for m in req.messages], tools, choice, self.supports_tools)
+                [openai_message(m) for m in req.messages], tools, choice, self.supports_tools
+            )
         return plan
 
 

@@ -44,8 +44,10 @@ To call a function, write its name and arguments as a JSON object between <tool_
 {{"name": "function_name", "arguments": {{"argument": "value"}}}}
 </tool_call>
 Results come back between <tool_response> and </tool_response>."""
-CHOICE_HINTS = {"required": "You must call at least one function.",
-                "named": "You must call the function {name}."}
+CHOICE_HINTS = {
+    "required": "You must call at least one function.",
+    "named": "You must call the function {name}.",
+}
 
 
 class ToolSpecError(ValueError):
@@ -65,14 +67,17 @@ def check_tools(tools: Any) -> list[dict]:
     seen = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" \
-                or not isinstance(function, dict):
-            raise ToolSpecError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
-                                f"{{...}}}}")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+        ):
+            raise ToolSpecError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}')
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise ToolSpecError(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, "
-                                f"got {name!r}")
+            raise ToolSpecError(
+                f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}"
+            )
         if name in seen:
             raise ToolSpecError(f"tools[{i}]: function {name!r} is defined twice")
         seen.add(name)
@@ -98,13 +103,21 @@ def resolve_tool_choice(tools: list[dict], tool_choice: Any) -> ToolChoice:
             raise ToolSpecError('tool_choice "required" needs at least one tool')
         return ToolChoice(tool_choice if tools else "none")
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" \
-            or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ToolSpecError('tool_choice must be "none", "auto", "required" or '
-                            '{"type": "function", "function": {"name": ...}}')
+    if (
+        not isinstance(tool_choice, dict)
+        or tool_choice.get("type") != "function"
+        or not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
+    ):
+        raise ToolSpecError(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}'
+        )
     if function["name"] not in names:
-        raise ToolSpecError(f"tool_choice names the function {function['name']!r}, which is not "
-                            f"among the tools ({', '.join(names) or 'none given'})")
+        raise ToolSpecError(
+            f"tool_choice names the function {function['name']!r}, which is not "
+            f"among the tools ({', '.join(names) or 'none given'})"
+        )
     return ToolChoice("named", function["name"])
 
 
@@ -114,8 +127,9 @@ def template_supports_tools(template_source: str) -> bool:
     return "tools" in meta.find_undeclared_variables(env.parse(template_source))
 
 
-def conversation_for_template(messages: list[dict], tools: list[dict], choice: ToolChoice,
-                              supports_tools: bool) -> tuple[list[dict], list[dict] | None]:
+def conversation_for_template(
+    messages: list[dict], tools: list[dict], choice: ToolChoice, supports_tools: bool
+) -> tuple[list[dict], list[dict] | None]:
     """(messages, tools) to render. ``messages`` are OpenAI chat messages (assistant ones may
     carry ``tool_calls``, ``role: "tool"`` ones answer them)."""
     offered = tools if choice.mode != "none" else []
@@ -124,18 +138,29 @@ def conversation_for_template(messages: list[dict], tools: list[dict], choice: T
         for m in messages:
             m = dict(m)
             if m.get("tool_calls"):
-                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(
-                    c["function"].get("arguments"))}} for c in _checked_calls(m["tool_calls"])]
+                m["tool_calls"] = [
+                    {
+                        **c,
+                        "function": {
+                            **c["function"],
+                            "arguments": _arguments(c["function"].get("arguments")),
+                        },
+                    }
+                    for c in _checked_calls(m["tool_calls"])
+                ]
             out.append(m)
         return out, offered or None
     out = []
     for m in messages:
         role, content = m.get("role"), m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
-            calls = [_call_text(c["function"]["name"], _arguments(c["function"].get("arguments")))
-                     for c in _checked_calls(m["tool_calls"])]
-            out.append({"role": "assistant", "content": "\n".join(
-                ([content] if content else []) + calls)})
+            calls = [
+                _call_text(c["function"]["name"], _arguments(c["function"].get("arguments")))
+                for c in _checked_calls(m["tool_calls"])
+            ]
+            out.append(
+                {"role": "assistant", "content": "\n".join(([content] if content else []) + calls)}
+            )
         elif role == "tool":
             response = f"<tool_response>\n{content}\n</tool_response>"
             if out and out[-1].get("_tool_results"):  # results of one turn share a user message
@@ -162,23 +187,37 @@ def tool_system_prompt(tools: list[dict], choice: ToolChoice) -> str:
     return f"{prompt}\n{hint.format(name=choice.name)}" if hint else prompt
 
 
-def forced_tool_call_spec(tools: list[dict], choice: ToolChoice,
-                          parallel_tool_calls: bool = True) -> StructuredOutputSpec | None:
+def forced_tool_call_spec(
+    tools: list[dict], choice: ToolChoice, parallel_tool_calls: bool = True
+) -> StructuredOutputSpec | None:
     """The grammar that makes the output valid calls, for "required" and a named function;
     None for "auto" and "none" (nothing is forced)."""
     if choice.mode not in ("required", "named"):
         return None
-    allowed = [t["function"] for t in tools
-               if choice.mode == "required" or t["function"]["name"] == choice.name]
-    objects = [{"type": "object", "properties": {
-        "name": {"const": f["name"]},
-        "arguments": f.get("parameters", {"type": "object", "properties": {}})},
-        "required": ["name", "arguments"], "additionalProperties": False} for f in allowed]
+    allowed = [
+        t["function"]
+        for t in tools
+        if choice.mode == "required" or t["function"]["name"] == choice.name
+    ]
+    objects = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters", {"type": "object", "properties": {}}),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in allowed
+    ]
     schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
     schema = {**schema, "x-guidance": COMPACT_JSON}
     repeat = ' ("\\n" call)*' if parallel_tool_calls and choice.mode == "required" else ""
-    lark = (f"start: call{repeat}\n"
-            f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"\n')
+    lark = (
+        f"start: call{repeat}\n"
+        f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"\n'
+    )
     return StructuredOutputSpec(STRUCTURED_GRAMMAR, lark)
 
 

@@ -14,9 +14,9 @@ from ipc.codec import pack_ids
 from ipc.structured import GrammarVocabulary
 
 
-def grammar_backend(tokenizer, vocab_size: int,
-                    eos_ids: list[int] | None = None
-                    ) -> tuple[llguidance.LLTokenizer, GrammarVocabulary]:
+def grammar_backend(
+    tokenizer, vocab_size: int, eos_ids: list[int] | None = None
+) -> tuple[llguidance.LLTokenizer, GrammarVocabulary]:
     """llguidance's tokenizer (the compiler checks grammars with it) and the vocabulary as data
     for the engine, from one reading of ``tokenizer`` (a ``tokenizers.Tokenizer``; ~0.3 s for
     49k tokens). ``vocab_size``: the model's logits width (ids the tokenizer has beyond it can
@@ -31,12 +31,17 @@ def grammar_backend(tokenizer, vocab_size: int,
         raise ValueError("the vocabulary's bytes do not fit int32 offsets")
     eos = [t for t in (eos_ids or backend.eos_tokens) if 0 <= t < vocab_size]
     vocabulary = GrammarVocabulary(
-        vocab_size=vocab_size, token_bytes=b"".join(pieces), token_ends=pack_ids(ends),
-        special_ids=pack_ids(special), eos_ids=sorted(set(eos)))
+        vocab_size=vocab_size,
+        token_bytes=b"".join(pieces),
+        token_ends=pack_ids(ends),
+        special_ids=pack_ids(special),
+        eos_ids=sorted(set(eos)),
+    )
     vocabulary.fingerprint = vocabulary.digest()
     return backend, vocabulary
 
 
-def grammar_vocabulary(tokenizer, vocab_size: int,
-                       eos_ids: list[int] | None = None) -> GrammarVocabulary:
+def grammar_vocabulary(
+    tokenizer, vocab_size: int, eos_ids: list[int] | None = None
+) -> GrammarVocabulary:
     return grammar_backend(tokenizer, vocab_size, eos_ids)[1]

@@ -46,8 +46,11 @@ class VocabularySender:
         self.to_engine.put(vocabulary)
         self.due = False
         self.sent += 1
-        logger.info("sent the grammar vocabulary (%d tokens, %s) to the engine",
-                    vocabulary.vocab_size, vocabulary.fingerprint[:12])
+        logger.info(
+            "sent the grammar vocabulary (%d tokens, %s) to the engine",
+            vocabulary.vocab_size,
+            vocabulary.fingerprint[:12],
+        )
 
     def close(self) -> None:
         self.to_engine.socket.disable_monitor()

@@ -32,8 +32,7 @@ logger = logging.getLogger("splitserve.tokenizer")
 def model_limits(config: ClusterConfig) -> Limits:
     """The engine's resolved values when the supervisor filled them in, else the model's own."""
     model_config = json.loads((Path(config.model_path) / "config.json").read_text())
-    max_len = config.engine.max_model_len or int(model_config.get("max_position_embeddings",
-                                                                   2048))
+    max_len = config.engine.max_model_len or int(model_config.get("max_position_embeddings", 2048))
     vocab = config.vocab_size or int(model_config["vocab_size"])
     return Limits(max_model_len=max_len, vocab_size=vocab)
 
@@ -46,8 +45,9 @@ def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:
     limits = model_limits(config)
     structured = StructuredOutputs(tokenizer, limits.vocab_size, template, model_eos_ids(config))
     structured.start()  # the vocabulary is read in the background, ready for the first grammar
-    return RequestPreparer(tokenizer, template, limits, tokenizer_index=index,
-                           structured=structured)
+    return RequestPreparer(
+        tokenizer, template, limits, tokenizer_index=index, structured=structured
+    )
 
 
 def model_eos_ids(config: ClusterConfig) -> list[int]:
@@ -64,8 +64,13 @@ class TokenizerWorker:
         # A small receive queue: when it fills, clients' round-robin skips this worker and, once
         # every worker is full, submit() raises OverloadedError instead of queueing without bound.
         self.inbox: PullQueue[SubmitRequest | TokenizeRequest] = PullQueue(
-            ctx, config.tokenizer_addr(index), SubmitRequest, TokenizeRequest,
-            hwm=config.tokenizer_queue_max, curve=config.curve)
+            ctx,
+            config.tokenizer_addr(index),
+            SubmitRequest,
+            TokenizeRequest,
+            hwm=config.tokenizer_queue_max,
+            curve=config.curve,
+        )
         self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
         self.to_detok = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
         self.vocabulary = VocabularySender(self.to_engine, self.preparer.structured)
@@ -107,9 +112,15 @@ class TokenizerWorker:
             return
         if self.runtime.draining:
             for req in requests:
-                self._send_error(RequestError(req.request_id, req.client_id,
-                                              "unavailable: the cluster is shutting down",
-                                              ERR_UNAVAILABLE, req.t_submit))
+                self._send_error(
+                    RequestError(
+                        req.request_id,
+                        req.client_id,
+                        "unavailable: the cluster is shutting down",
+                        ERR_UNAVAILABLE,
+                        req.t_submit,
+                    )
+                )
             return
         t0 = time.monotonic()
         results = self.preparer.prepare_batch(requests)
@@ -126,9 +137,15 @@ class TokenizerWorker:
     def answer_queries(self, queries: list[TokenizeRequest]) -> None:
         for query in queries:
             if self.runtime.draining:
-                self._send_error(RequestError(query.request_id, query.client_id,
-                                              "unavailable: the cluster is shutting down",
-                                              ERR_UNAVAILABLE, query.t_submit))
+                self._send_error(
+                    RequestError(
+                        query.request_id,
+                        query.client_id,
+                        "unavailable: the cluster is shutting down",
+                        ERR_UNAVAILABLE,
+                        query.t_submit,
+                    )
+                )
                 continue
             answer = self.queries.answer(query)
             if isinstance(answer, RequestError):
@@ -150,8 +167,13 @@ class TokenizerWorker:
         self.to_detok.put(err)
 
     def _stats(self) -> dict[str, float]:
-        return {"served": self.served, "rejected": self.rejected, "answered": self.answered,
-                "tokenize_s": self.tokenize_s, "draining": float(self.runtime.draining)}
+        return {
+            "served": self.served,
+            "rejected": self.rejected,
+            "answered": self.answered,
+            "tokenize_s": self.tokenize_s,
+            "draining": float(self.runtime.draining),
+        }
 
     def close(self) -> None:
         self.vocabulary.close()

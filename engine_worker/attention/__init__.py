@@ -21,8 +21,16 @@ from engine_worker.attention.kv_cache import PagedKVCache, kv_bytes_per_token
 from engine_worker.attention.paged_cpu import PagedCpuBackend
 from engine_worker.attention.sdpa import SdpaBackend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "PagedCpuBackend", "PagedKVCache",
-           "SdpaBackend", "StepBatch", "kv_bytes_per_token", "select_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "PagedCpuBackend",
+    "PagedKVCache",
+    "SdpaBackend",
+    "StepBatch",
+    "kv_bytes_per_token",
+    "select_backend",
+]
 
 
 def select_backend(cache: PagedKVCache, decode_workspace_max_bytes: int) -> AttentionBackend:

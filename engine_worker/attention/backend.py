@@ -25,8 +25,14 @@ class AttentionBackend(ABC):
         """Called once per step, before the forward."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """q [T, H, D], this step's k/v [T, KV, D] -> attention output [T, H, D]."""
 
     @abstractmethod

@@ -20,8 +20,9 @@ def fused_cpu_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def build_continuations(step: StepBatch, seqs: np.ndarray, dtype: torch.dtype,
-                        device: torch.device) -> ContinuationBatch:
+def build_continuations(
+    step: StepBatch, seqs: np.ndarray, dtype: torch.dtype, device: torch.device
+) -> ContinuationBatch:
     """The padded batch of the continuation sequences ``seqs``; sequences whose tables begin
     with the same blocks (all before any of their new tokens) share those."""
     size, tables = step.block_size, step.block_tables
@@ -49,45 +50,52 @@ def build_continuations(step: StepBatch, seqs: np.ndarray, dtype: torch.dtype,
     rest_blocks = int((blocks - shared).max())
     rest: np.ndarray = np.zeros((count, rest_blocks), dtype=np.int64)  # pads read block 0, masked
     for j, i in enumerate(seqs):
-        rest[j, :blocks[j] - shared[j]] = tables[i, shared[j]:blocks[j]]
+        rest[j, : blocks[j] - shared[j]] = tables[i, shared[j] : blocks[j]]
     max_tokens = int(seg_lengths.max())
     # Query j of segment s sits at position start + j; rest column c holds position
     # shared * size + c. Pad queries (j >= length) see every real key, so no row is empty.
     query_pos = seg_starts[:, None] + np.arange(max_tokens)[None, :]
     key_pos = shared[:, None] * size + np.arange(rest_blocks * size)[None, :]
-    hidden = ((key_pos[:, None, :] > query_pos[:, :, None])
-              | (key_pos >= (seg_starts + seg_lengths)[:, None])[:, None, :])
+    hidden = (key_pos[:, None, :] > query_pos[:, :, None]) | (
+        key_pos >= (seg_starts + seg_lengths)[:, None]
+    )[:, None, :]
     mask = torch.zeros(hidden.shape, dtype=dtype)
     mask.masked_fill_(torch.from_numpy(hidden), float("-inf"))
     within = np.arange(max_tokens)[None, :]
     real = within < seg_lengths[:, None]
     gather_rows = step.row_starts[seqs][:, None] + np.minimum(within, seg_lengths[:, None] - 1)
     return ContinuationBatch(
-        max_tokens=max_tokens, gather_rows=to_device(gather_rows.reshape(-1), device),
+        max_tokens=max_tokens,
+        gather_rows=to_device(gather_rows.reshape(-1), device),
         padded_index=to_device(np.nonzero(real.reshape(-1))[0], device),
         out_rows=to_device(gather_rows[real], device),
         rest_table=to_device(rest.reshape(-1), device),
-        rest_mask=mask[:, :, None, :].to(device), groups=groups)
+        rest_mask=mask[:, :, None, :].to(device),
+        groups=groups,
+    )
 
 
-def attend_continuations(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         cont: ContinuationBatch) -> torch.Tensor:
+def attend_continuations(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cont: ContinuationBatch
+) -> torch.Tensor:
     """All continuation queries -> [real tokens, H, D] (rows in ``cont.out_rows`` order)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads
     segments = cont.gather_rows.shape[0] // cont.max_tokens
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     # [S, N, KV, g, D] -> [KV, S, N, g, D]: a kv head's query heads become its query rows.
-    queries = q.index_select(0, cont.gather_rows).view(segments, cont.max_tokens, kv_heads,
-                                                        group, head_dim)
+    queries = q.index_select(0, cont.gather_rows).view(
+        segments, cont.max_tokens, kv_heads, group, head_dim
+    )
     queries = queries.permute(2, 0, 1, 3, 4).contiguous()
     rows_per_segment = cont.max_tokens * group
     # Rest of each segment's context: one padded batch.
     keys = gather(k_cache, cont.rest_table).view(kv_heads * segments, -1, head_dim)
     values = gather(v_cache, cont.rest_table).view(kv_heads * segments, -1, head_dim)
-    scores = torch.bmm(queries.view(kv_heads * segments, rows_per_segment, head_dim),
-                       keys.transpose(1, 2)).mul_(scale)
+    scores = torch.bmm(
+        queries.view(kv_heads * segments, rows_per_segment, head_dim), keys.transpose(1, 2)
+    ).mul_(scale)
     columns = scores.shape[-1]
     scores.view(kv_heads, segments, cont.max_tokens, group, columns).add_(cont.rest_mask)
     rest_max = scores.amax(dim=-1, keepdim=True)

@@ -13,8 +13,14 @@ from engine_worker.model_config import ModelConfig
 
 
 class PagedKVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
         self.block_size = block_size
         self.num_kv_heads = config.num_kv_heads

@@ -58,10 +58,13 @@ class PagedCpuBackend(SdpaBackend):
         order) each grew by exactly one token and still fit, else a fresh one (None: too big)."""
         ws = self._workspace
         longest = int(context.max())
-        if (ws is not None and longest <= ws.capacity
-                and len(decoding) == len(ws.sequences)
-                and all(a is b for a, b in zip(decoding, ws.sequences))
-                and np.array_equal(ws.context + 1, context)):
+        if (
+            ws is not None
+            and longest <= ws.capacity
+            and len(decoding) == len(ws.sequences)
+            and all(a is b for a, b in zip(decoding, ws.sequences))
+            and np.array_equal(ws.context + 1, context)
+        ):
             ws.fresh = False
             ws.context = context
             return ws
@@ -73,18 +76,21 @@ class PagedCpuBackend(SdpaBackend):
         self._workspace = DecodeWorkspace(capacity=capacity, sequences=decoding, context=context)
         return self._workspace
 
-    def _prepare_prefills(self, step: StepBatch, seqs: np.ndarray,
-                          metadata: AttentionMetadata) -> None:
+    def _prepare_prefills(
+        self, step: StepBatch, seqs: np.ndarray, metadata: AttentionMetadata
+    ) -> None:
         continuing = seqs[step.starts[seqs] > 0]
         if len(continuing):
-            metadata.continuations = build_continuations(step, continuing, self.cache.dtype,
-                                                         self.cache.device)
+            metadata.continuations = build_continuations(
+                step, continuing, self.cache.dtype, self.cache.device
+            )
             seqs = seqs[step.starts[seqs] == 0]
         super()._prepare_prefills(step, seqs, metadata)
 
     # --- forward ------------------------------------------------------------------------------
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                decode: DecodeBatch) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, decode: DecodeBatch
+    ) -> torch.Tensor:
         ws = decode.workspace
         if ws is None:
             return super()._decode(q, k, v, layer, decode)
@@ -95,16 +101,26 @@ class PagedCpuBackend(SdpaBackend):
         else:
             keys, values = ws.keys[layer], ws.values[layer]
             head_dim = k.shape[2]
-            keys.view(-1, head_dim).index_copy_(0, ws.new_slots, k.transpose(0, 1).reshape(
-                -1, head_dim))
-            values.view(-1, head_dim).index_copy_(0, ws.new_slots, v.transpose(0, 1).reshape(
-                -1, head_dim))
+            keys.view(-1, head_dim).index_copy_(
+                0, ws.new_slots, k.transpose(0, 1).reshape(-1, head_dim)
+            )
+            values.view(-1, head_dim).index_copy_(
+                0, ws.new_slots, v.transpose(0, 1).reshape(-1, head_dim)
+            )
         return decode_attention(q, keys, values, decode.mask)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                 metadata: AttentionMetadata, out: torch.Tensor) -> None:
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
         cont = metadata.continuations
         if cont is not None:
-            out[cont.out_rows] = attend_continuations(q, self.cache.layer_keys[layer],
-                                                      self.cache.layer_values[layer], cont)
+            out[cont.out_rows] = attend_continuations(
+                q, self.cache.layer_keys[layer], self.cache.layer_values[layer], cont
+            )
         super()._prefill(q, k, v, layer, metadata, out)

@@ -44,8 +44,9 @@ class SdpaBackend(AttentionBackend):
         blocks = -(-int(step.ends[seqs].max()) // step.block_size)
         return self._decode_batch(step, seqs, blocks * step.block_size, with_tables=True)
 
-    def _decode_batch(self, step: StepBatch, seqs: np.ndarray, columns: int,
-                      with_tables: bool) -> DecodeBatch:
+    def _decode_batch(
+        self, step: StepBatch, seqs: np.ndarray, columns: int, with_tables: bool
+    ) -> DecodeBatch:
         """Decode rows ``seqs`` over ``columns`` key columns (a multiple of the block size)."""
         context = step.ends[seqs]
         rows = None if len(seqs) == len(step.sequences) else self._device(step.row_starts[seqs])
@@ -64,12 +65,14 @@ class SdpaBackend(AttentionBackend):
             tables = self._device(table)
         return DecodeBatch(rows=rows, mask=mask, block_tables=tables)
 
-    def _prepare_prefills(self, step: StepBatch, seqs: np.ndarray,
-                          metadata: AttentionMetadata) -> None:
+    def _prepare_prefills(
+        self, step: StepBatch, seqs: np.ndarray, metadata: AttentionMetadata
+    ) -> None:
         for i in seqs:
             start, n = int(step.starts[i]), int(step.lengths[i])
-            seg = PrefillSegment(row_start=int(step.row_starts[i]), num_tokens=n,
-                                 start_position=start)
+            seg = PrefillSegment(
+                row_start=int(step.row_starts[i]), num_tokens=n, start_position=start
+            )
             if start > 0:
                 blocks = -(-(start + n) // step.block_size)
                 seg.block_table = self._device(step.block_tables[i, :blocks].copy())
@@ -81,8 +84,14 @@ class SdpaBackend(AttentionBackend):
         return to_device(array, self.cache.device)
 
     # --- forward (every layer) ----------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         self.cache.write(layer, metadata.slot_mapping, k, v)
         decode = metadata.decode
         if decode is not None and decode.rows is None:  # decode rows only: no row gathers
@@ -94,8 +103,9 @@ class SdpaBackend(AttentionBackend):
         self._prefill(q, k, v, layer, metadata, out)
         return out
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                decode: DecodeBatch) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, decode: DecodeBatch
+    ) -> torch.Tensor:
         """q [B, H, D] of the decode rows; their new k/v [B, KV, D] are in the cache already."""
         keys, values = self._gather_decode(layer, decode)
         return decode_attention(q, keys, values, decode.mask)
@@ -104,11 +114,20 @@ class SdpaBackend(AttentionBackend):
         """The layer's keys and values at the decode rows' blocks, [KV * B, columns, D] each."""
         tables = decode.block_tables
         assert tables is not None, "a decode batch without a workspace has block tables"
-        return (gather_decode(self.cache.layer_keys[layer], tables),
-                gather_decode(self.cache.layer_values[layer], tables))
+        return (
+            gather_decode(self.cache.layer_keys[layer], tables),
+            gather_decode(self.cache.layer_values[layer], tables),
+        )
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                 metadata: AttentionMetadata, out: torch.Tensor) -> None:
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
         """Writes each prefill segment's rows of ``out``."""
         for seg in metadata.prefills:
             rows = slice(seg.row_start, seg.row_start + seg.num_tokens)

@@ -28,6 +28,18 @@ from ipc.client.queries import Tokenized
 from ipc.client.results import Delta, GenerationResult
 from ipc.client.sync_client import Client, RequestHandle
 
-__all__ = ["Client", "AsyncClient", "RequestHandle", "AsyncRequestHandle", "GenerationResult",
-           "Delta", "SplitserveError", "BadRequestError", "OverloadedError", "UnavailableError",
-           "RequestTimeoutError", "ERR_TIMEOUT", "Tokenized"]
+__all__ = [
+    "Client",
+    "AsyncClient",
+    "RequestHandle",
+    "AsyncRequestHandle",
+    "GenerationResult",
+    "Delta",
+    "SplitserveError",
+    "BadRequestError",
+    "OverloadedError",
+    "UnavailableError",
+    "RequestTimeoutError",
+    "ERR_TIMEOUT",
+    "Tokenized",
+]

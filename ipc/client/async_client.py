@@ -66,6 +66,7 @@ class AsyncRequestHandle(HandleBase):
         async def finished() -> None:
             while self.record.final is None:
                 await self._changed.wait()
+
         try:
             await asyncio.wait_for(finished(), timeout)
         except asyncio.TimeoutError:
@@ -80,10 +81,16 @@ class AsyncRequestHandle(HandleBase):
 
 
 class AsyncClient(QueryMethods):
-    def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
-                 deadline_s: float | None = None, submit_hwm: int | None = None,
-                 server_public_key: str | bytes | None = None,
-                 tokenizer_retries: int = 1) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        connect_timeout_s: float = 30.0,
+        deadline_s: float | None = None,
+        submit_hwm: int | None = None,
+        server_public_key: str | bytes | None = None,
+        tokenizer_retries: int = 1,
+    ) -> None:
         """See ipc.client.Client for the arguments (server_public_key: the cluster's CURVE key)."""
         self.address = address
         self._curve = curve_keys(server_public_key)
@@ -105,47 +112,73 @@ class AsyncClient(QueryMethods):
 
     async def start(self) -> AsyncClient:
         """The handshake; raises UnavailableError when nobody answers."""
-        dealer: zmq.asyncio.Socket = make_dealer(self._ctx.socket(zmq.DEALER),
-                                                 self._core.client_id, self.address, self._curve)
+        dealer: zmq.asyncio.Socket = make_dealer(
+            self._ctx.socket(zmq.DEALER), self._core.client_id, self.address, self._curve
+        )
         await dealer.send(self._core.hello_frame())
         if not await dealer.poll(int(self.connect_timeout_s * 1000)):
             dealer.close(linger=0)
-            raise UnavailableError(f"no splitserve cluster answered at {self.address} within "
-                                   f"{self.connect_timeout_s} s")
+            raise UnavailableError(
+                f"no splitserve cluster answered at {self.address} within "
+                f"{self.connect_timeout_s} s"
+            )
         self.welcome = codec.decode_as(await dealer.recv(), ClientWelcome)
         self._dealer = dealer
         self._monitor = disconnect_monitor(dealer)
         # Plain sockets: a NOBLOCK send never waits, so submit() needs no await.
-        self._submit = make_submit_sockets(self._ctx, self.address, self.welcome, self.submit_hwm,
-                                           self._curve)
+        self._submit = make_submit_sockets(
+            self._ctx, self.address, self.welcome, self.submit_hwm, self._curve
+        )
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
         return self
 
-    def submit(self, prompt: str | None = None, *, messages: list[Any] | None = None,
-               prompt_token_ids: Any = None, sampling: SamplingParams | None = None,
-               request_id: str | None = None, add_generation_prompt: bool = True,
-               deadline_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-               continuous_usage_stats: bool = False,
-               **sampling_kwargs: Any) -> AsyncRequestHandle:
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[Any] | None = None,
+        prompt_token_ids: Any = None,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        add_generation_prompt: bool = True,
+        deadline_s: float | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        continuous_usage_stats: bool = False,
+        **sampling_kwargs: Any,
+    ) -> AsyncRequestHandle:
         """See Client.submit."""
         if self._submit is None:
             raise UnavailableError("the client is not started (await start()) or is closed")
         return self._core.submit(
-            self._submit, lambda record: AsyncRequestHandle(self, record), request_id,
-            deadline_s, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-            sampling=sampling, sampling_kwargs=sampling_kwargs,
+            self._submit,
+            lambda record: AsyncRequestHandle(self, record),
+            request_id,
+            deadline_s,
+            prompt=prompt,
+            messages=messages,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            sampling_kwargs=sampling_kwargs,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
-            continuous_usage_stats=continuous_usage_stats)
+            continuous_usage_stats=continuous_usage_stats,
+        )
 
-    def _ask(self, build: Builder, timeout: float | None, read: Callable[[Any], Any], *,
-             to_detokenizer: bool = False) -> Any:
+    def _ask(
+        self,
+        build: Builder,
+        timeout: float | None,
+        read: Callable[[Any], Any],
+        *,
+        to_detokenizer: bool = False,
+    ) -> Any:
         """Sends one query now (see QueryMethods); the awaitable it returns gives read(reply)."""
         if self._submit is None:
             raise UnavailableError("the client is not started (await start()) or is closed")
 
         def make(record: RequestRecord) -> AsyncRequestHandle:
             return AsyncRequestHandle(self, record)
+
         if to_detokenizer:
             handle, frame = self._core.open_query(make, timeout, build)
             self._send_soon(frame)
@@ -155,12 +188,20 @@ class AsyncClient(QueryMethods):
         async def answer() -> Any:
             await handle.result()  # raises the query's error
             return read(handle.record.reply)
+
         return answer()
 
-    async def generate(self, prompts: list[Any], sampling: SamplingParams | None = None, *,
-                       check: bool = True, **sampling_kwargs: Any) -> list[GenerationResult]:
-        handles = [self.submit(**prompt_kwargs(p), sampling=sampling, **sampling_kwargs)
-                   for p in prompts]
+    async def generate(
+        self,
+        prompts: list[Any],
+        sampling: SamplingParams | None = None,
+        *,
+        check: bool = True,
+        **sampling_kwargs: Any,
+    ) -> list[GenerationResult]:
+        handles = [
+            self.submit(**prompt_kwargs(p), sampling=sampling, **sampling_kwargs) for p in prompts
+        ]
         return [await h.result(check=check) for h in handles]
 
     async def _receive_loop(self) -> None:
@@ -179,8 +220,11 @@ class AsyncClient(QueryMethods):
             if expired:
                 await self._dealer.send(codec.encode(ClientAbort(expired)))
                 for wire_id in expired:
-                    self._core.apply(self._core.records[wire_id],
-                                timeout_event(wire_id, self._core.deadline_s), time.monotonic())
+                    self._core.apply(
+                        self._core.records[wire_id],
+                        timeout_event(wire_id, self._core.deadline_s),
+                        time.monotonic(),
+                    )
 
     def _route(self, frame: bytes) -> None:
         routed = self._core.route(frame)

@@ -41,6 +41,7 @@ from ipc.queries import EngineStatsReport, TokenizeResult
 
 H = TypeVar("H", bound=HandleBase)
 
+
 @dataclass(slots=True)
 class Routed:
     """What ClientCore.route found in one frame beyond events (see there)."""
@@ -99,23 +100,41 @@ class ClientCore:
             with self._heap_lock:
                 heapq.heappush(self._deadlines, (record.deadline, record.wire_id))
 
-    def submit(self, socks: list[zmq.Socket], make_handle: Callable[[RequestRecord], H],
-               request_id: str | None, deadline_s: float | None, **request: Any) -> H:
+    def submit(
+        self,
+        socks: list[zmq.Socket],
+        make_handle: Callable[[RequestRecord], H],
+        request_id: str | None,
+        deadline_s: float | None,
+        **request: Any,
+    ) -> H:
         """Builds, registers and sends one request without blocking; returns its handle.
 
         ``socks``: one PUSH per tokenizer worker (see _send). Raises BadRequestError for
         invalid arguments, OverloadedError when every tokenizer's pipe is full, UnavailableError
         while the detokenizer reconnects (the request was not accepted and is forgotten)."""
-        return self.send(socks, make_handle, request_id, deadline_s, lambda wire_id, t: (
-            build_submit(self.client_id, wire_id, t_submit=t, **request)))
+        return self.send(
+            socks,
+            make_handle,
+            request_id,
+            deadline_s,
+            lambda wire_id, t: build_submit(self.client_id, wire_id, t_submit=t, **request),
+        )
 
-    def send(self, socks: list[zmq.Socket], make_handle: Callable[[RequestRecord], H],
-             request_id: str | None, deadline_s: float | None, build: Builder) -> H:
+    def send(
+        self,
+        socks: list[zmq.Socket],
+        make_handle: Callable[[RequestRecord], H],
+        request_id: str | None,
+        deadline_s: float | None,
+        build: Builder,
+    ) -> H:
         """submit() for any message for a tokenizer worker (a SubmitRequest, a TokenizeRequest
         query): ``build`` makes it from its wire id and submit time."""
         if self.reconnecting:
-            raise UnavailableError("the detokenizer connection was lost; reconnecting, retry "
-                                   "shortly", request_id)
+            raise UnavailableError(
+                "the detokenizer connection was lost; reconnecting, retry shortly", request_id
+            )
         record = self.new_record(request_id, deadline_s)
         msg = build(record.wire_id, time.monotonic())
         record.t_submit = msg.t_submit
@@ -123,8 +142,10 @@ class ClientCore:
         record.pending = msg
         frame = codec.encode(msg)
         if len(frame) > codec.MAX_FRAME_BYTES:  # the tokenizer's socket would drop it unseen
-            raise BadRequestError(f"the request is {len(frame)} bytes encoded; the limit is "
-                                  f"{codec.MAX_FRAME_BYTES}", record.request_id)
+            raise BadRequestError(
+                f"the request is {len(frame)} bytes encoded; the limit is {codec.MAX_FRAME_BYTES}",
+                record.request_id,
+            )
         handle = make_handle(record)
         self.records[record.wire_id] = handle
         self.open_ids.add(record.request_id)
@@ -133,13 +154,16 @@ class ClientCore:
             # may have listed the open requests before this one was registered, and the restarted
             # detokenizer would drop this one's events until our new hello. Not sent: refuse it.
             self.forget(record)
-            raise UnavailableError("the detokenizer connection was lost; reconnecting, retry "
-                                   "shortly", record.request_id)
+            raise UnavailableError(
+                "the detokenizer connection was lost; reconnecting, retry shortly",
+                record.request_id,
+            )
         if self._send(socks, record, frame):
             return handle
         self.forget(record)
-        raise OverloadedError("every tokenizer worker's queue is full; retry later",
-                              record.request_id)
+        raise OverloadedError(
+            "every tokenizer worker's queue is full; retry later", record.request_id
+        )
 
     def _send(self, socks: list[zmq.Socket], record: RequestRecord, frame: bytes) -> bool:
         """Round-robin over the tokenizer workers, live ones first (a dead one's socket queues
@@ -159,13 +183,15 @@ class ClientCore:
             return True
         return False
 
-    def open_query(self, make_handle: Callable[[RequestRecord], H], deadline_s: float | None,
-                   build: Builder) -> tuple[H, bytes]:
+    def open_query(
+        self, make_handle: Callable[[RequestRecord], H], deadline_s: float | None, build: Builder
+    ) -> tuple[H, bytes]:
         """Registers a query for the detokenizer itself (EngineStatsQuery); returns its handle
         and the frame, which the caller sends on its DEALER."""
         if self.reconnecting:
-            raise UnavailableError("the detokenizer connection was lost; reconnecting, retry "
-                                   "shortly")
+            raise UnavailableError(
+                "the detokenizer connection was lost; reconnecting, retry shortly"
+            )
         record = self.new_record(None, deadline_s)
         record.query = True
         frame = codec.encode(build(record.wire_id, time.monotonic()))
@@ -174,8 +200,9 @@ class ClientCore:
         self.open_ids.add(record.request_id)
         return handle, frame
 
-    def resubmit(self, socks: list[zmq.Socket],
-                 lost: list[tuple[str, StreamEvent]]) -> list[tuple[str, StreamEvent]]:
+    def resubmit(
+        self, socks: list[zmq.Socket], lost: list[tuple[str, StreamEvent]]
+    ) -> list[tuple[str, StreamEvent]]:
         """Sends the requests a dead tokenizer held to live workers, each under a fresh wire id
         (its t_submit kept: its latency counts from the first send); returns the ones that are
         not sent again (out of retries, no worker with room), which end as ``lost`` says,
@@ -188,11 +215,18 @@ class ClientCore:
             handle = self.records.get(wire_id)
             record = handle.record if handle is not None else None
             if record is not None and record.aborted:
-                still_lost.append((wire_id, StreamEvent(request_id=wire_id, finished=True,
-                                                        finish_reason=FINISH_ABORT)))
+                still_lost.append(
+                    (
+                        wire_id,
+                        StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ABORT),
+                    )
+                )
                 continue
-            if (record is None or record.pending is None
-                    or record.resubmits >= self.tokenizer_retries):
+            if (
+                record is None
+                or record.pending is None
+                or record.resubmits >= self.tokenizer_retries
+            ):
                 still_lost.append((wire_id, event))
                 continue
             new_id = self._wire_id(next(self._counter), record.request_id)
@@ -227,12 +261,16 @@ class ClientCore:
             lost = [wid for wid, h in list(self.records.items()) if not h.record.query]
         elif notice.role == "tokenizer":
             self.down.add(notice.index)
-            message = (f"unavailable: tokenizer worker {notice.index} died{detail} before the "
-                       "request reached the engine, and it could not be sent again; retry it")
+            message = (
+                f"unavailable: tokenizer worker {notice.index} died{detail} before the "
+                "request reached the engine, and it could not be sent again; retry it"
+            )
             alive = set(notice.alive_ids)
-            lost = [wid for wid, h in list(self.records.items())
-                    if h.record.tokenizer == notice.index and not h.record.seen
-                    and wid not in alive]
+            lost = [
+                wid
+                for wid, h in list(self.records.items())
+                if h.record.tokenizer == notice.index and not h.record.seen and wid not in alive
+            ]
         else:
             return []
         return [(wid, unavailable_event(wid, message)) for wid in lost]
@@ -261,16 +299,20 @@ class ClientCore:
         aborts in the cluster, sends again with ``resubmit`` where ``retry`` says so, and ends
         with ``end_lost``."""
         try:
-            msg = codec.decode_as(frame, ClientEvents, ClusterNotice, ClientWelcome,
-                                  TokenizeResult, EngineStatsReport)
+            msg = codec.decode_as(
+                frame, ClientEvents, ClusterNotice, ClientWelcome, TokenizeResult, EngineStatsReport
+            )
         except codec.DecodeError:
             return Routed()  # not from a splitserve detokenizer; nothing to attribute it to
         if isinstance(msg, (TokenizeResult, EngineStatsReport)):
             # A query's reply is its terminal event; the caller reads it from the record.
             if (handle := self.records.get(msg.request_id)) is not None:
                 handle.record.reply = msg
-                self.apply(handle, StreamEvent(msg.request_id, finished=True,
-                                               finish_reason=FINISH_STOP), time.monotonic())
+                self.apply(
+                    handle,
+                    StreamEvent(msg.request_id, finished=True, finish_reason=FINISH_STOP),
+                    time.monotonic(),
+                )
             return Routed()
         if isinstance(msg, ClusterNotice):
             return Routed(lost=self.on_notice(msg), retry=msg.role == "tokenizer")

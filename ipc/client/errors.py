@@ -29,11 +29,14 @@ class UnavailableError(SplitserveError):
 
 class RequestTimeoutError(SplitserveError, TimeoutError):
     """The client-side deadline passed with no terminal event (a last resort against hangs)."""
+
     code = ERR_TIMEOUT
 
 
-_ERRORS = {cls.code: cls for cls in (BadRequestError, OverloadedError, UnavailableError,
-                                     RequestTimeoutError)}
+_ERRORS = {
+    cls.code: cls
+    for cls in (BadRequestError, OverloadedError, UnavailableError, RequestTimeoutError)
+}
 
 
 def error_for(code: str | None, message: str, request_id: str | None = None) -> SplitserveError:

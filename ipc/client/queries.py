@@ -31,10 +31,15 @@ class Tokenized:
         return len(self.token_ids)
 
 
-def tokenize_builder(client_id: bytes, prompt: str | None, messages: list[Any] | None,
-                     add_special_tokens: bool | None, add_generation_prompt: bool,
-                     chat_template_kwargs: dict[str, Any] | None,
-                     return_token_strs: bool) -> Builder:
+def tokenize_builder(
+    client_id: bytes,
+    prompt: str | None,
+    messages: list[Any] | None,
+    add_special_tokens: bool | None,
+    add_generation_prompt: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+    return_token_strs: bool,
+) -> Builder:
     """``add_special_tokens`` None: as a submit of the same input gets them (a prompt gets the
     tokenizer's special tokens, a chat only what its template writes), as vLLM defaults."""
     if prompt is not None and not isinstance(prompt, str):
@@ -46,11 +51,20 @@ def tokenize_builder(client_id: bytes, prompt: str | None, messages: list[Any] |
     special = (messages is None) if add_special_tokens is None else add_special_tokens
 
     def build(wire_id: str, t_submit: float) -> TokenizeRequest:
-        return _checked(lambda: TokenizeRequest(
-            wire_id, client_id, prompt=prompt, messages=chat, add_special_tokens=special,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=dict(chat_template_kwargs or {}),
-            return_token_strs=return_token_strs, t_submit=t_submit))
+        return _checked(
+            lambda: TokenizeRequest(
+                wire_id,
+                client_id,
+                prompt=prompt,
+                messages=chat,
+                add_special_tokens=special,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=dict(chat_template_kwargs or {}),
+                return_token_strs=return_token_strs,
+                t_submit=t_submit,
+            )
+        )
+
     return build
 
 
@@ -63,12 +77,14 @@ def detokenize_builder(client_id: bytes, token_ids: Any) -> Builder:
 
     def build(wire_id: str, t_submit: float) -> TokenizeRequest:
         return TokenizeRequest(wire_id, client_id, detokenize_ids=packed, t_submit=t_submit)
+
     return build
 
 
 def info_builder(client_id: bytes) -> Builder:
-    return lambda wire_id, t_submit: TokenizeRequest(wire_id, client_id, info=True,
-                                                     t_submit=t_submit)
+    return lambda wire_id, t_submit: TokenizeRequest(
+        wire_id, client_id, info=True, t_submit=t_submit
+    )
 
 
 def stats_builder() -> Builder:
@@ -77,8 +93,11 @@ def stats_builder() -> Builder:
 
 def tokenized(reply: Any, with_strs: bool) -> Tokenized:
     result = _expect(reply, TokenizeResult)
-    return Tokenized(unpack_id_list(result.token_ids), result.max_model_len,
-                     list(result.token_strs) if with_strs else None)
+    return Tokenized(
+        unpack_id_list(result.token_ids),
+        result.max_model_len,
+        list(result.token_strs) if with_strs else None,
+    )
 
 
 def detokenized(reply: Any) -> str:
@@ -115,18 +134,38 @@ class QueryMethods:
 
     client_id: bytes
 
-    def _ask(self, build: Builder, timeout: float | None, read: Callable[[Any], Any], *,
-             to_detokenizer: bool = False) -> Any:
+    def _ask(
+        self,
+        build: Builder,
+        timeout: float | None,
+        read: Callable[[Any], Any],
+        *,
+        to_detokenizer: bool = False,
+    ) -> Any:
         raise NotImplementedError
 
-    def tokenize(self, prompt: str | None = None, *, messages: list[Any] | None = None,
-                 add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
-                 chat_template_kwargs: dict[str, Any] | None = None,
-                 return_token_strs: bool = False, timeout: float | None = None) -> Any:
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[Any] | None = None,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        return_token_strs: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
         """-> Tokenized: the ids the engine would see for this prompt or chat.
         ``add_special_tokens`` None: as a submit of the same input (see tokenize_builder)."""
-        build = tokenize_builder(self.client_id, prompt, messages, add_special_tokens,
-                                 add_generation_prompt, chat_template_kwargs, return_token_strs)
+        build = tokenize_builder(
+            self.client_id,
+            prompt,
+            messages,
+            add_special_tokens,
+            add_generation_prompt,
+            chat_template_kwargs,
+            return_token_strs,
+        )
         return self._ask(build, timeout, lambda reply: tokenized(reply, return_token_strs))
 
     def detokenize(self, token_ids: Any, *, timeout: float | None = None) -> Any:

@@ -16,9 +16,27 @@ from ipc.structured import ToolCall, add_tool_call_deltas
 class RequestRecord:
     """The client's view of one request; the handle classes wrap it."""
 
-    __slots__ = ("request_id", "wire_id", "t_submit", "deadline", "text", "token_ids",
-                 "t_received", "final", "tokenizer", "seen", "pending", "resubmits", "aborted",
-                 "query", "reply", "logprobs", "prompt_logprobs", "echo_text", "tool_calls")
+    __slots__ = (
+        "request_id",
+        "wire_id",
+        "t_submit",
+        "deadline",
+        "text",
+        "token_ids",
+        "t_received",
+        "final",
+        "tokenizer",
+        "seen",
+        "pending",
+        "resubmits",
+        "aborted",
+        "query",
+        "reply",
+        "logprobs",
+        "prompt_logprobs",
+        "echo_text",
+        "tool_calls",
+    )
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
         self.request_id, self.wire_id, self.deadline = request_id, wire_id, deadline
@@ -43,9 +61,22 @@ class RequestRecord:
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
         ids = unpack_id_list(event.token_ids) if event.token_ids else []
-        delta = Delta(self.request_id, event.text, ids, t, event.finished, event.finish_reason,
-                      event.error, event.error_code, event.usage, event.timings,
-                      event.logprobs, event.prompt_logprobs, event.echo_text, event.tool_calls)
+        delta = Delta(
+            self.request_id,
+            event.text,
+            ids,
+            t,
+            event.finished,
+            event.finish_reason,
+            event.error,
+            event.error_code,
+            event.usage,
+            event.timings,
+            event.logprobs,
+            event.prompt_logprobs,
+            event.echo_text,
+            event.tool_calls,
+        )
         self.text.append(event.text)
         add_tool_call_deltas(self.tool_calls, event.tool_calls)
         self.token_ids.extend(ids)
@@ -63,10 +94,22 @@ class RequestRecord:
     def result(self) -> GenerationResult:
         f = self.final
         assert f is not None, "result() before the terminal event"
-        return GenerationResult(self.request_id, "".join(self.text), list(self.token_ids),
-                                f.finish_reason, f.usage, f.timings, f.error, f.error_code,
-                                self.t_submit, list(self.t_received), list(self.logprobs),
-                                list(self.prompt_logprobs), self.echo_text, list(self.tool_calls))
+        return GenerationResult(
+            self.request_id,
+            "".join(self.text),
+            list(self.token_ids),
+            f.finish_reason,
+            f.usage,
+            f.timings,
+            f.error,
+            f.error_code,
+            self.t_submit,
+            list(self.t_received),
+            list(self.logprobs),
+            list(self.prompt_logprobs),
+            self.echo_text,
+            list(self.tool_calls),
+        )
 
 
 class HandleBase:
@@ -118,17 +161,30 @@ class HandleBase:
 
 
 def timeout_event(wire_id: str, seconds: float | None) -> StreamEvent:
-    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
-                       error=f"no terminal event within the client deadline of {seconds} s",
-                       error_code=ERR_TIMEOUT)
+    return StreamEvent(
+        request_id=wire_id,
+        finished=True,
+        finish_reason=FINISH_ERROR,
+        error=f"no terminal event within the client deadline of {seconds} s",
+        error_code=ERR_TIMEOUT,
+    )
 
 
 def unavailable_event(wire_id: str, message: str) -> StreamEvent:
-    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
-                       error=message, error_code=ERR_UNAVAILABLE)
+    return StreamEvent(
+        request_id=wire_id,
+        finished=True,
+        finish_reason=FINISH_ERROR,
+        error=message,
+        error_code=ERR_UNAVAILABLE,
+    )
 
 
 def closed_event(wire_id: str) -> StreamEvent:
-    return StreamEvent(request_id=wire_id, finished=True, finish_reason=FINISH_ERROR,
-                       error="the client was closed before the request finished",
-                       error_code=ERR_UNAVAILABLE)
+    return StreamEvent(
+        request_id=wire_id,
+        finished=True,
+        finish_reason=FINISH_ERROR,
+        error="the client was closed before the request finished",
+        error_code=ERR_UNAVAILABLE,
+    )

@@ -12,15 +12,29 @@ from ipc.structured import StructuredOutputSpec, ToolCall, spec_from_request
 
 # Keywords of submit() that shape the output rather than sample it (OpenAI's names): they travel
 # with the sampling keywords and are taken out here.
-OUTPUT_OPTIONS = ("response_format", "structured_outputs", "tools", "tool_choice",
-                  "parallel_tool_calls")
+OUTPUT_OPTIONS = (
+    "response_format",
+    "structured_outputs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+)
 
 
-def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
-                 messages: list[Any] | None, prompt_token_ids: Any, sampling: SamplingParams | None,
-                 sampling_kwargs: dict[str, Any], add_generation_prompt: bool,
-                 t_submit: float, chat_template_kwargs: dict[str, Any] | None = None,
-                 continuous_usage_stats: bool = False) -> SubmitRequest:
+def build_submit(
+    client_id: bytes,
+    wire_id: str,
+    *,
+    prompt: str | None,
+    messages: list[Any] | None,
+    prompt_token_ids: Any,
+    sampling: SamplingParams | None,
+    sampling_kwargs: dict[str, Any],
+    add_generation_prompt: bool,
+    t_submit: float,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    continuous_usage_stats: bool = False,
+) -> SubmitRequest:
     """The SubmitRequest for one submit() call; anything invalid raises BadRequestError."""
     try:
         sampling_kwargs = _max_tokens_alias(sampling_kwargs)
@@ -37,19 +51,30 @@ def build_submit(client_id: bytes, wire_id: str, *, prompt: str | None,
             packed = pack_ids(prompt_token_ids)
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        return SubmitRequest(request_id=wire_id, client_id=client_id, sampling=sampling,
-                             prompt=prompt, messages=chat, prompt_token_ids=packed,
-                             add_generation_prompt=add_generation_prompt, t_submit=t_submit,
-                             chat_template_kwargs=dict(chat_template_kwargs or {}),
-                             continuous_usage_stats=continuous_usage_stats,
-                             **_output_fields(**options))
+        return SubmitRequest(
+            request_id=wire_id,
+            client_id=client_id,
+            sampling=sampling,
+            prompt=prompt,
+            messages=chat,
+            prompt_token_ids=packed,
+            add_generation_prompt=add_generation_prompt,
+            t_submit=t_submit,
+            chat_template_kwargs=dict(chat_template_kwargs or {}),
+            continuous_usage_stats=continuous_usage_stats,
+            **_output_fields(**options),
+        )
     except (ValueError, TypeError, OverflowError) as exc:
         raise BadRequestError(str(exc)) from None
 
 
-def _output_fields(response_format: Any = None, structured_outputs: Any = None,
-                   tools: Any = None, tool_choice: Any = None,
-                   parallel_tool_calls: bool = True) -> dict[str, Any]:
+def _output_fields(
+    response_format: Any = None,
+    structured_outputs: Any = None,
+    tools: Any = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool = True,
+) -> dict[str, Any]:
     """``response_format``: OpenAI's map or a StructuredOutputSpec; ``structured_outputs``:
     vLLM's map; ``tools`` / ``tool_choice``: OpenAI's values, sent as JSON text (the tokenizer
     worker checks them and names what is wrong)."""
@@ -62,9 +87,12 @@ def _output_fields(response_format: Any = None, structured_outputs: Any = None,
         spec = spec_from_request(response_format, structured_outputs)
     if not isinstance(parallel_tool_calls, bool):
         raise ValueError("parallel_tool_calls must be true or false")
-    return {"structured": spec, "parallel_tool_calls": parallel_tool_calls,
-            "tools": "" if tools is None else json.dumps(tools, ensure_ascii=False),
-            "tool_choice": "" if tool_choice is None else json.dumps(tool_choice)}
+    return {
+        "structured": spec,
+        "parallel_tool_calls": parallel_tool_calls,
+        "tools": "" if tools is None else json.dumps(tools, ensure_ascii=False),
+        "tool_choice": "" if tool_choice is None else json.dumps(tool_choice),
+    }
 
 
 def _max_tokens_alias(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -87,15 +115,24 @@ def chat_message(m: Any) -> ChatMessage:
     if isinstance(m, ChatMessage):
         return m
     calls = m.get("tool_calls") if isinstance(m, dict) else None
-    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-            and (isinstance(m.get("content"), str) or (m.get("content") is None and calls))
-            and all(isinstance(m.get(k), (str, type(None))) for k in ("name", "tool_call_id"))
-            and set(m) <= CHAT_MESSAGE_KEYS):
-        raise ValueError("a chat message is a {'role': str, 'content': str} map (and optionally "
-                         f"'name', 'tool_calls', 'tool_call_id'), got {m!r:.300}")
-    return ChatMessage(role=m["role"], content=m.get("content") or "", name=m.get("name") or None,
-                       tool_calls=None if calls is None else [_tool_call(c) for c in calls],
-                       tool_call_id=m.get("tool_call_id"))
+    if not (
+        isinstance(m, dict)
+        and isinstance(m.get("role"), str)
+        and (isinstance(m.get("content"), str) or (m.get("content") is None and calls))
+        and all(isinstance(m.get(k), (str, type(None))) for k in ("name", "tool_call_id"))
+        and set(m) <= CHAT_MESSAGE_KEYS
+    ):
+        raise ValueError(
+            "a chat message is a {'role': str, 'content': str} map (and optionally "
+            f"'name', 'tool_calls', 'tool_call_id'), got {m!r:.300}"
+        )
+    return ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        name=m.get("name") or None,
+        tool_calls=None if calls is None else [_tool_call(c) for c in calls],
+        tool_call_id=m.get("tool_call_id"),
+    )
 
 
 def _tool_call(call: Any) -> ToolCall:
@@ -104,8 +141,10 @@ def _tool_call(call: Any) -> ToolCall:
         return call
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ValueError(f"a tool call is {{'id', 'type': 'function', 'function': {{'name', "
-                         f"'arguments'}}}}, got {call!r:.200}")
+        raise ValueError(
+            f"a tool call is {{'id', 'type': 'function', 'function': {{'name', "
+            f"'arguments'}}}}, got {call!r:.200}"
+        )
     arguments = function.get("arguments", "{}")
     if not isinstance(arguments, str):  # OpenAI sends JSON text; an object is taken as meant
         arguments = json.dumps(arguments, ensure_ascii=False)

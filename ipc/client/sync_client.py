@@ -78,10 +78,16 @@ class RequestHandle(HandleBase):
 
 
 class Client(QueryMethods):
-    def __init__(self, address: str, *, connect_timeout_s: float = 30.0,
-                 deadline_s: float | None = None, submit_hwm: int | None = None,
-                 server_public_key: str | bytes | None = None,
-                 tokenizer_retries: int = 1) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        connect_timeout_s: float = 30.0,
+        deadline_s: float | None = None,
+        submit_hwm: int | None = None,
+        server_public_key: str | bytes | None = None,
+        tokenizer_retries: int = 1,
+    ) -> None:
         """Connects and does the handshake (raises UnavailableError when nobody answers).
 
         deadline_s: a client-side limit per request; past it the request ends with a timeout
@@ -107,8 +113,10 @@ class Client(QueryMethods):
         if not dealer.poll(int(connect_timeout_s * 1000)):
             dealer.close(linger=0)
             self._ctx.term()
-            raise UnavailableError(f"no splitserve cluster answered at {address} within "
-                                   f"{connect_timeout_s} s" + _curve_hint(curve))
+            raise UnavailableError(
+                f"no splitserve cluster answered at {address} within "
+                f"{connect_timeout_s} s" + _curve_hint(curve)
+            )
         self.welcome: ClientWelcome = codec.decode_as(dealer.recv(), ClientWelcome)
         self._submit = make_submit_sockets(self._ctx, address, self.welcome, submit_hwm, curve)
         self._control_addr = f"inproc://control-{self._core.client_id.decode()}"
@@ -118,9 +126,12 @@ class Client(QueryMethods):
         self._control.connect(self._control_addr)
         self._closing = threading.Event()
         monitor = disconnect_monitor(dealer)
-        self._thread = threading.Thread(target=self._receive_loop,
-                                        args=(dealer, control_in, monitor),
-                                        name="splitserve-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self._receive_loop,
+            args=(dealer, control_in, monitor),
+            name="splitserve-client",
+            daemon=True,
+        )
         self._thread.start()
 
     @property
@@ -132,11 +143,20 @@ class Client(QueryMethods):
         return self.welcome.max_model_len
 
     # --- submitting ---------------------------------------------------------------------------
-    def submit(self, prompt: str | None = None, *, messages: list[Any] | None = None,
-               prompt_token_ids: Any = None, sampling: SamplingParams | None = None,
-               request_id: str | None = None, add_generation_prompt: bool = True,
-               deadline_s: float | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-               continuous_usage_stats: bool = False, **sampling_kwargs: Any) -> RequestHandle:
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[Any] | None = None,
+        prompt_token_ids: Any = None,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        add_generation_prompt: bool = True,
+        deadline_s: float | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        continuous_usage_stats: bool = False,
+        **sampling_kwargs: Any,
+    ) -> RequestHandle:
         """Sampling keywords are SamplingParams' fields (max_completion_tokens is accepted as
         max_tokens' other name). chat_template_kwargs: extra chat template variables (with
         messages), e.g. {"enable_thinking": False}. continuous_usage_stats: every delta carries
@@ -145,26 +165,48 @@ class Client(QueryMethods):
             if self._closing.is_set():
                 raise UnavailableError("the client is closed")
             return self._core.submit(
-                self._submit, lambda record: RequestHandle(self, record), request_id, deadline_s,
-                prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                sampling=sampling, sampling_kwargs=sampling_kwargs,
+                self._submit,
+                lambda record: RequestHandle(self, record),
+                request_id,
+                deadline_s,
+                prompt=prompt,
+                messages=messages,
+                prompt_token_ids=prompt_token_ids,
+                sampling=sampling,
+                sampling_kwargs=sampling_kwargs,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
-                continuous_usage_stats=continuous_usage_stats)
+                continuous_usage_stats=continuous_usage_stats,
+            )
 
-    def generate(self, prompts: list[Any], sampling: SamplingParams | None = None, *,
-                 check: bool = True, timeout: float | None = None,
-                 **sampling_kwargs: Any) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: list[Any],
+        sampling: SamplingParams | None = None,
+        *,
+        check: bool = True,
+        timeout: float | None = None,
+        **sampling_kwargs: Any,
+    ) -> list[GenerationResult]:
         """Submits every prompt (a string, or a list of chat messages) and waits for all."""
-        handles = [self.submit(**prompt_kwargs(p), sampling=sampling, **sampling_kwargs)
-                   for p in prompts]
+        handles = [
+            self.submit(**prompt_kwargs(p), sampling=sampling, **sampling_kwargs) for p in prompts
+        ]
         return [h.result(timeout, check=check) for h in handles]
 
-    def _ask(self, build: Builder, timeout: float | None, read: Callable[[Any], Any], *,
-             to_detokenizer: bool = False) -> Any:
+    def _ask(
+        self,
+        build: Builder,
+        timeout: float | None,
+        read: Callable[[Any], Any],
+        *,
+        to_detokenizer: bool = False,
+    ) -> Any:
         """Sends one query (see QueryMethods) and returns read(its reply)."""
+
         def make(record: RequestRecord) -> RequestHandle:
             return RequestHandle(self, record)
+
         with self._lock:
             if self._closing.is_set():
                 raise UnavailableError("the client is closed")
@@ -180,8 +222,9 @@ class Client(QueryMethods):
         return read(handle.record.reply)
 
     # --- the receiver thread ------------------------------------------------------------------
-    def _receive_loop(self, dealer: zmq.Socket, control_in: zmq.Socket,
-                      monitor: zmq.Socket) -> None:
+    def _receive_loop(
+        self, dealer: zmq.Socket, control_in: zmq.Socket, monitor: zmq.Socket
+    ) -> None:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(control_in, zmq.POLLIN)
@@ -218,8 +261,9 @@ class Client(QueryMethods):
             self.welcome = routed.welcome
         self._end_lost(routed.lost, dealer, routed.retry)
 
-    def _end_lost(self, lost: list[tuple[str, StreamEvent]], dealer: zmq.Socket,
-                  retry: bool = False) -> None:
+    def _end_lost(
+        self, lost: list[tuple[str, StreamEvent]], dealer: zmq.Socket, retry: bool = False
+    ) -> None:
         """Aborts any copy still in the cluster of requests lost with a worker, sends those
         lost with a tokenizer again where it can, and ends the rest."""
         if lost:
@@ -236,8 +280,9 @@ class Client(QueryMethods):
             dealer.send(codec.encode(ClientAbort(expired)))
         for wire_id in expired:
             handle = self._core.records[wire_id]
-            self._core.apply(handle, timeout_event(wire_id, self._core.deadline_s),
-                             time.monotonic())
+            self._core.apply(
+                handle, timeout_event(wire_id, self._core.deadline_s), time.monotonic()
+            )
 
     def _abort(self, record: RequestRecord) -> None:
         with self._lock:  # a resend either happened (new wire id) or will see the flag
@@ -273,8 +318,11 @@ class Client(QueryMethods):
 
 
 def _curve_hint(curve: object) -> str:
-    return ("" if curve is not None else
-            " (a cluster that listens beyond loopback needs server_public_key=)")
+    return (
+        ""
+        if curve is not None
+        else " (a cluster that listens beyond loopback needs server_public_key=)"
+    )
 
 
 def _recv_nowait(sock: zmq.Socket) -> bytes | None:

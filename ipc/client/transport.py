@@ -37,9 +37,13 @@ def submit_hwm_for(welcome: ClientWelcome, asked: int | None) -> int:
     return max(MIN_SUBMIT_HWM, -(-welcome.max_waiting_requests // workers))
 
 
-def make_submit_sockets(ctx: zmq.Context, address: str, welcome: ClientWelcome,
-                        hwm: int | None = None, curve: CurveKeys | None = None
-                        ) -> list[zmq.Socket]:
+def make_submit_sockets(
+    ctx: zmq.Context,
+    address: str,
+    welcome: ClientWelcome,
+    hwm: int | None = None,
+    curve: CurveKeys | None = None,
+) -> list[zmq.Socket]:
     """One plain (sync) PUSH per tokenizer worker the welcome names, dialled as this client
     must (``tokenizer_addrs``), each holding ``submit_hwm_for`` frames (NOBLOCK sends never wait):
     the client knows which worker holds each request, so a worker's death ends exactly its
@@ -99,11 +103,11 @@ def tokenizer_addrs(client_addr: str, advertised: list[str]) -> list[str]:
     (``--listen 0.0.0.0``) advertises that host, which only means "the host you reached me at"."""
     if not client_addr.startswith("tcp://"):
         return advertised
-    reached = client_addr[len("tcp://"):].rsplit(":", 1)[0]
+    reached = client_addr[len("tcp://") :].rsplit(":", 1)[0]
     out = []
     for addr in advertised:
         if addr.startswith("tcp://"):
-            host, port = addr[len("tcp://"):].rsplit(":", 1)
+            host, port = addr[len("tcp://") :].rsplit(":", 1)
             if host in _WILDCARD_HOSTS:
                 addr = f"tcp://{reached}:{port}"
         out.append(addr)

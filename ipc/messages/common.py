@@ -19,6 +19,7 @@ ERR_OVERLOADED = "overloaded"  # a bounded queue is full; retry later
 ERR_UNAVAILABLE = "unavailable"  # a worker died or the cluster is shutting down
 ERR_INTERNAL = "internal"
 
+
 @dataclass(slots=True)
 class ChatMessage:
     role: str

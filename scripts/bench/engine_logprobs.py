@@ -1,16 +1,16 @@
 """The 'logprobs' workload of scripts/bench_engine.py: what logprobs cost, and who pays.
 
-  decode  one batch of the largest --decode-batch decoding --decode-tokens steps, where the
-          first request asks for its token's logprob and the top 20 on every other step only
-          (then, in a second run, every request does): adjacent steps of the same batch
-          compare with and without, so load on a shared machine and the growing context hit
-          both sides alike. Step time median and best, and decode tokens/s from the median.
-  row     the logprob work of one decode step alone (log-softmax of the asking rows, top-20,
-          the sampled token's logprob, the copy to the host) for one row and for the whole
-          batch, best of 200.
-  prompt  prefill tokens/s of one --prefill-tokens prompt (the first length) plain, with
-          prompt_logprobs 0 and with 20 (what echo and scoring cost), interleaved, best of
-          --repeats.
+decode  one batch of the largest --decode-batch decoding --decode-tokens steps, where the
+        first request asks for its token's logprob and the top 20 on every other step only
+        (then, in a second run, every request does): adjacent steps of the same batch
+        compare with and without, so load on a shared machine and the growing context hit
+        both sides alike. Step time median and best, and decode tokens/s from the median.
+row     the logprob work of one decode step alone (log-softmax of the asking rows, top-20,
+        the sampled token's logprob, the copy to the host) for one row and for the whole
+        batch, best of 200.
+prompt  prefill tokens/s of one --prefill-tokens prompt (the first length) plain, with
+        prompt_logprobs 0 and with 20 (what echo and scoring cost), interleaved, best of
+        --repeats.
 """
 
 from __future__ import annotations
@@ -34,25 +34,32 @@ def run_logprobs(args) -> None:
     batch = max(args.decode_batch)
     engine = make_engine(args, enable_prefix_cache=False, max_batch_size=batch)
     prompts = decode_prompts(args, np.random.default_rng(0), batch)
-    print(f"\nlogprobs (threads={torch.get_num_threads()}, {engine.runner.model.dtype}, "
-          f"{engine.model_name}, "
-          f"decode batch {batch}, {args.decode_tokens} steps alternating off/on)")
+    print(
+        f"\nlogprobs (threads={torch.get_num_threads()}, {engine.runner.model.dtype}, "
+        f"{engine.model_name}, "
+        f"decode batch {batch}, {args.decode_tokens} steps alternating off/on)"
+    )
     print(f"  {'':26s}{'median ms':>10s}{'best ms':>9s}{'tok/s':>8s}{'ratio':>8s}")
     for asking in ([0], list(range(batch))):
         off, on = alternating_step_ms(engine, prompts, args.decode_tokens, asking)
         who = "1 request asks" if len(asking) == 1 else f"all {batch} ask"
         for name, times in (("none asks", off), (f"{who} top {TOP}", on)):
             median = statistics.median(times)
-            print(f"  {name:26s}{median:10.2f}{min(times):9.2f}{batch / median * 1000:8.1f}"
-                  f"{median / statistics.median(off):8.3f}x")
+            print(
+                f"  {name:26s}{median:10.2f}{min(times):9.2f}{batch / median * 1000:8.1f}"
+                f"{median / statistics.median(off):8.3f}x"
+            )
     for rows in (1, batch):
-        print(f"  logprob work alone, {rows:2d} asking row(s): "
-              f"{logprob_work_ms(batch, engine.vocab_size, rows):.3f} ms per step")
+        print(
+            f"  logprob work alone, {rows:2d} asking row(s): "
+            f"{logprob_work_ms(batch, engine.vocab_size, rows):.3f} ms per step"
+        )
     run_prompt_logprobs(args)
 
 
-def alternating_step_ms(engine: Engine, prompts: list[list[int]], steps: int,
-                        asking: list[int]) -> tuple[list[float], list[float]]:
+def alternating_step_ms(
+    engine: Engine, prompts: list[list[int]], steps: int, asking: list[int]
+) -> tuple[list[float], list[float]]:
     """Decode step times (ms) of one batch, with the ``asking`` requests' logprobs off on even
     steps and on (top 20) on odd ones."""
     run = next(_runs)
@@ -93,8 +100,11 @@ def run_prompt_logprobs(args) -> None:
     length = args.prefill_tokens[0]
     engine = make_engine(args, enable_prefix_cache=False)
     prompt = random_prompt(np.random.default_rng(3), length)
-    cases = {"plain": {}, "prompt_logprobs 0": {"prompt_logprobs": 0},
-             f"prompt_logprobs {TOP}": {"prompt_logprobs": TOP}}
+    cases = {
+        "plain": {},
+        "prompt_logprobs 0": {"prompt_logprobs": 0},
+        f"prompt_logprobs {TOP}": {"prompt_logprobs": TOP},
+    }
     rates = dict.fromkeys(cases, 0.0)
     for r in range(args.repeats):
         for name, sampling in cases.items():
@@ -104,5 +114,6 @@ def run_prompt_logprobs(args) -> None:
                 engine.step()
             rates[name] = max(rates[name], length / (time.perf_counter() - start))
     for name, rate in rates.items():
-        print(f"  prefill {length} tokens, {name:18s}{rate:10.1f} tok/s"
-              f"{rate / rates['plain']:8.3f}x")
+        print(
+            f"  prefill {length} tokens, {name:18s}{rate:10.1f} tok/s{rate / rates['plain']:8.3f}x"
+        )

@@ -38,8 +38,9 @@ def default_launch_knobs(args) -> dict[str, str]:
 
 def params(max_tokens: int, **sampling) -> SamplingParams:
     """Greedy unless ``sampling`` says otherwise; every requested token is generated."""
-    return SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling},
-                          ignore_eos=True)
+    return SamplingParams(
+        max_tokens=max_tokens, **{"temperature": 0.0, **sampling}, ignore_eos=True
+    )
 
 
 # --- core: prefill and decode throughput against transformers ----------------------------------
@@ -54,14 +55,16 @@ def engine_prefill_rate(engine: Engine, prompt: list[int], repeats: int) -> floa
     return len(prompt) / best
 
 
-def engine_decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int,
-                       **sampling) -> float:
+def engine_decode_rate(
+    engine: Engine, prompts: list[list[int]], new_tokens: int, **sampling
+) -> float:
     """Decode tokens/s of ``new_tokens`` steps after everyone's prefill (the same count
     hf_decode_rate times). ``sampling``: SamplingParams fields (default greedy)."""
     engine_decode_rate.runs = getattr(engine_decode_rate, "runs", 0) + 1
     for i, prompt in enumerate(prompts):
-        engine.add(f"decode{engine_decode_rate.runs}.{i}", prompt,
-                   params(new_tokens + 1, **sampling))
+        engine.add(
+            f"decode{engine_decode_rate.runs}.{i}", prompt, params(new_tokens + 1, **sampling)
+        )
     while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
         engine.step()  # prefill everyone first
     produced, start = 0, time.perf_counter()
@@ -82,20 +85,26 @@ class _StepClock:
         return scores
 
 
-def hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int,
-                        clock: _StepClock | None = None, **sampling) -> float:
+def hf_generate_seconds(
+    model, prompts: list[list[int]], new_tokens: int, clock: _StepClock | None = None, **sampling
+) -> float:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), 2, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):  # left padding, as batched generation needs
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, pad_token_id=2,
-                       logits_processor=[clock] if clock is not None else None,
-                       **{"do_sample": False, **sampling})
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=2,
+            logits_processor=[clock] if clock is not None else None,
+            **{"do_sample": False, **sampling},
+        )
     return time.perf_counter() - start
 
 
@@ -120,22 +129,28 @@ def decode_prompts(args, rng: np.random.Generator, batch: int) -> list[list[int]
     return [random_prompt(rng, int(n)) for n in rng.integers(low, high + 1, size=batch)]
 
 
-def best_decode_rates(args, engine: Engine, hf, prompts: list[list[int]],
-                      ours_sampling: dict | None = None,
-                      hf_sampling: dict | None = None) -> tuple[float, float]:
+def best_decode_rates(
+    args,
+    engine: Engine,
+    hf,
+    prompts: list[list[int]],
+    ours_sampling: dict | None = None,
+    hf_sampling: dict | None = None,
+) -> tuple[float, float]:
     """Best of --repeats for both, alternating, so a disturbance hits one run, not one side."""
     hf_generate_seconds(hf, prompts, 2, **(hf_sampling or {}))  # warm-up
     ours = theirs = 0.0
     for _ in range(args.repeats):
-        ours = max(ours, engine_decode_rate(engine, prompts, args.decode_tokens,
-                                            **(ours_sampling or {})))
-        theirs = max(theirs, hf_decode_rate(hf, prompts, args.decode_tokens,
-                                            **(hf_sampling or {})))
+        ours = max(
+            ours, engine_decode_rate(engine, prompts, args.decode_tokens, **(ours_sampling or {}))
+        )
+        theirs = max(theirs, hf_decode_rate(hf, prompts, args.decode_tokens, **(hf_sampling or {})))
     return ours, theirs
 
 
-def print_rates(title: str, rows: list[tuple[str, float, float]],
-                peer: str = "transformers") -> None:
+def print_rates(
+    title: str, rows: list[tuple[str, float, float]], peer: str = "transformers"
+) -> None:
     print(title)
     print(f"{'':24s}{'engine tok/s':>14s}{peer:>14s}{'ratio':>8s}")
     for name, ours, theirs in rows:

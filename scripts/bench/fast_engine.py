@@ -27,14 +27,23 @@ FAST_ENGINE_HIDDEN_SIZE = 64
 FAST_ENGINE_CONTEXT_TOKENS = 8192  # room for 2,048-token prompts, the template and run tags
 
 
-def fast_engine_model(stack: contextlib.ExitStack, num_layers: int = FAST_ENGINE_LAYERS,
-                      hidden_size: int = FAST_ENGINE_HIDDEN_SIZE) -> str:
+def fast_engine_model(
+    stack: contextlib.ExitStack,
+    num_layers: int = FAST_ENGINE_LAYERS,
+    hidden_size: int = FAST_ENGINE_HIDDEN_SIZE,
+) -> str:
     """Writes the model to a temporary directory that ``stack`` removes; returns its path."""
     from scripts.bench.tiny_model import make_tiny_model
 
     directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="splitserve-fast-engine-"))
-    return str(make_tiny_model(directory, num_layers=num_layers, hidden_size=hidden_size,
-                               max_position_embeddings=FAST_ENGINE_CONTEXT_TOKENS))
+    return str(
+        make_tiny_model(
+            directory,
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            max_position_embeddings=FAST_ENGINE_CONTEXT_TOKENS,
+        )
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +72,19 @@ class Calibration:
         return self.prompt_tokens / self.tokenize_cpu_ms * 1e3
 
     def describe(self) -> str:
-        return (f"{self.prompts} prompts of {self.prompt_tokens:.0f} tokens (medians): tokenize "
-                f"{self.tokenize_cpu_ms:.2f} ms CPU ({self.tokenize_wall_ms:.2f} ms wall), "
-                f"engine prefill to first token {self.prefill_cpu_ms:.2f} ms CPU "
-                f"({self.prefill_wall_ms:.2f} ms wall); tokenize/prefill "
-                f"{self.ratio_cpu:.3f} (CPU), {self.ratio_wall:.3f} (wall); one tokenizer core "
-                f"encodes {self.tokenizer_tokens_per_cpu_s / 1e3:.0f}k tokens/s")
+        return (
+            f"{self.prompts} prompts of {self.prompt_tokens:.0f} tokens (medians): tokenize "
+            f"{self.tokenize_cpu_ms:.2f} ms CPU ({self.tokenize_wall_ms:.2f} ms wall), "
+            f"engine prefill to first token {self.prefill_cpu_ms:.2f} ms CPU "
+            f"({self.prefill_wall_ms:.2f} ms wall); tokenize/prefill "
+            f"{self.ratio_cpu:.3f} (CPU), {self.ratio_wall:.3f} (wall); one tokenizer core "
+            f"encodes {self.tokenizer_tokens_per_cpu_s / 1e3:.0f}k tokens/s"
+        )
 
 
-def calibrate(engine_config, requests: list[BenchRequest], samples: int = 8,
-              warmup: int = 2) -> Calibration:
+def calibrate(
+    engine_config, requests: list[BenchRequest], samples: int = 8, warmup: int = 2
+) -> Calibration:
     """Prepares and prefills ``warmup + samples`` of the workload's prompts one at a time, on an
     engine of its own built from ``engine_config`` (freed afterwards)."""
     from engine_worker.engine import Engine
@@ -81,12 +93,13 @@ def calibrate(engine_config, requests: list[BenchRequest], samples: int = 8,
     engine = Engine(engine_config)
     preparer = make_preparer(engine_config.model_path, engine)
     sampling = SamplingParams(max_tokens=1, temperature=0.0)
-    chosen = salt_requests(requests[:warmup + samples], "calibration")
+    chosen = salt_requests(requests[: warmup + samples], "calibration")
     tokenize, prefill, lengths = [], [], []
     for i, request in enumerate(chosen):
         cpu, wall = time.process_time(), time.perf_counter()
-        prepared = prepare_request(preparer, f"calibrate-{i}", sampling, time.monotonic(),
-                                   request.prompt, request.messages)
+        prepared = prepare_request(
+            preparer, f"calibrate-{i}", sampling, time.monotonic(), request.prompt, request.messages
+        )
         tokenized = (time.process_time() - cpu, time.perf_counter() - wall)
         if isinstance(prepared, RequestError):
             raise ValueError(f"a calibration prompt was refused: {prepared.message}")
@@ -105,7 +118,11 @@ def calibrate(engine_config, requests: list[BenchRequest], samples: int = 8,
     def median_ms(pairs: list[tuple[float, float]], index: int) -> float:
         return statistics.median(p[index] for p in pairs) * 1e3
 
-    return Calibration(prompts=len(lengths), prompt_tokens=statistics.median(lengths),
-                       tokenize_cpu_ms=median_ms(tokenize, 0),
-                       tokenize_wall_ms=median_ms(tokenize, 1),
-                       prefill_cpu_ms=median_ms(prefill, 0), prefill_wall_ms=median_ms(prefill, 1))
+    return Calibration(
+        prompts=len(lengths),
+        prompt_tokens=statistics.median(lengths),
+        tokenize_cpu_ms=median_ms(tokenize, 0),
+        tokenize_wall_ms=median_ms(tokenize, 1),
+        prefill_cpu_ms=median_ms(prefill, 0),
+        prefill_wall_ms=median_ms(prefill, 1),
+    )

@@ -49,6 +49,7 @@ class Llguidance:
 
     def __init__(self, tokens, special, eos, threads):
         import llguidance
+
         self.llg = llguidance
         self.vocab = len(tokens)
 
@@ -75,6 +76,7 @@ class Llguidance:
         if kind == "choice":
             return header + "start: " + " | ".join(json.dumps(c) for c in spec)
         from llguidance.gbnf_to_lark import any_to_lark
+
         return header + any_to_lark(spec)
 
     def compile_worker(self, kind, spec):
@@ -97,8 +99,11 @@ class Llguidance:
 
     def fill(self, matchers, bitmask, threads):
         self.executors[threads].unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
-            bitmask.shape[1] * 4, bitmask.shape[0])
+            [(m, i) for i, m in enumerate(matchers)],
+            bitmask.ctypes.data,
+            bitmask.shape[1] * 4,
+            bitmask.shape[0],
+        )
 
     def fill_one(self, matcher, bitmask):
         matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.shape[1] * 4)
@@ -112,25 +117,30 @@ class Xgrammar:
 
     def __init__(self, tokens, special, eos, threads):
         import torch
+
         try:
             import xgrammar
         except ImportError:
-            raise SystemExit("the xgrammar side of the comparison needs `pip install xgrammar` "
-                             "(not a dependency: the engine uses llguidance)") from None
+            raise SystemExit(
+                "the xgrammar side of the comparison needs `pip install xgrammar` "
+                "(not a dependency: the engine uses llguidance)"
+            ) from None
         self.xgr, self.torch = xgrammar, torch
         self.vocab = len(tokens)
         # Special tokens as empty strings: xgrammar then never allows them as text.
         encoded = [b"" if i in special else t for i, t in enumerate(tokens)]
-        self.info = xgrammar.TokenizerInfo(encoded, xgrammar.VocabType.RAW,
-                                           vocab_size=len(tokens), stop_token_ids=[eos])
+        self.info = xgrammar.TokenizerInfo(
+            encoded, xgrammar.VocabType.RAW, vocab_size=len(tokens), stop_token_ids=[eos]
+        )
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.batchers = {t: xgrammar.BatchGrammarMatcher(t) for t in threads}
 
     def compile_worker(self, kind, spec):
         c = self.compiler
         if kind in ("json_schema", "json_object"):
-            compiled = c.compile_json_schema(json.dumps(spec), any_whitespace=False,
-                                             separators=(", ", ": "))
+            compiled = c.compile_json_schema(
+                json.dumps(spec), any_whitespace=False, separators=(", ", ": ")
+            )
         elif kind == "regex":
             compiled = c.compile_regex(spec)
         elif kind == "choice":
@@ -151,7 +161,8 @@ class Xgrammar:
 
     def fill(self, matchers, bitmask, threads):
         self.batchers[threads].batch_fill_next_token_bitmask(
-            matchers, self.torch.from_numpy(bitmask))
+            matchers, self.torch.from_numpy(bitmask)
+        )
 
     def fill_one(self, matcher, bitmask):
         matcher.fill_next_token_bitmask(self.torch.from_numpy(bitmask))

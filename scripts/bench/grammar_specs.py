@@ -8,9 +8,15 @@ NESTED_SCHEMA = {
     "properties": {
         "name": {"type": "string", "maxLength": 40},
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "address": {"type": "object", "properties": {
-            "city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
         "color": {"enum": ["red", "green", "blue"]},
         "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
         "active": {"type": "boolean"},
@@ -36,8 +42,15 @@ def large_schema(fields: int = 120) -> dict:
         elif kind == 2:
             props[f"field_{i}"] = {"type": "array", "items": {"type": "integer"}, "maxItems": 4}
         else:
-            props[f"field_{i}"] = {"type": "object", "properties": {
-                "x": {"type": "number"}, "y": {"type": "boolean"}}, "required": ["x", "y"],
-                "additionalProperties": False}
-    return {"type": "object", "properties": props, "required": list(props),
-            "additionalProperties": False}
+            props[f"field_{i}"] = {
+                "type": "object",
+                "properties": {"x": {"type": "number"}, "y": {"type": "boolean"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(props),
+        "additionalProperties": False,
+    }

@@ -52,34 +52,58 @@ class _Abort:
 def make_preparer(model_dir: str, engine: Engine) -> RequestPreparer:
     """A tokenizer worker's request preparer for this engine's limits."""
     return RequestPreparer(
-        load_tokenizer(model_dir), ChatTemplate.from_model_dir(model_dir),
-        Limits(max_model_len=engine.max_model_len, vocab_size=engine.vocab_size))
+        load_tokenizer(model_dir),
+        ChatTemplate.from_model_dir(model_dir),
+        Limits(max_model_len=engine.max_model_len, vocab_size=engine.vocab_size),
+    )
 
 
-def prepare_request(preparer: RequestPreparer, request_id: str, sampling: SamplingParams,
-                    t_submit: float, prompt: str | None, messages: list[dict] | None,
-                    prompt_token_ids: list[int] | None = None) -> TokenizedRequest | RequestError:
+def prepare_request(
+    preparer: RequestPreparer,
+    request_id: str,
+    sampling: SamplingParams,
+    t_submit: float,
+    prompt: str | None,
+    messages: list[dict] | None,
+    prompt_token_ids: list[int] | None = None,
+) -> TokenizedRequest | RequestError:
     """The client SDK's SubmitRequest, then what a tokenizer worker makes of it."""
-    request = build_submit(CLIENT_ID, request_id, prompt=prompt, messages=messages,
-                           prompt_token_ids=prompt_token_ids, sampling=sampling,
-                           sampling_kwargs={}, add_generation_prompt=True, t_submit=t_submit)
+    request = build_submit(
+        CLIENT_ID,
+        request_id,
+        prompt=prompt,
+        messages=messages,
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling,
+        sampling_kwargs={},
+        add_generation_prompt=True,
+        t_submit=t_submit,
+    )
     return preparer.prepare_batch([request])[0]
 
 
 class InprocServer:
-    def __init__(self, engine_config, deliver: Callable[[list[StreamEvent]], None], *,
-                 stream_interval_tokens: int = 1, name: str = "inproc") -> None:
+    def __init__(
+        self,
+        engine_config,
+        deliver: Callable[[list[StreamEvent]], None],
+        *,
+        stream_interval_tokens: int = 1,
+        name: str = "inproc",
+    ) -> None:
         model_dir = engine_config.model_path
         self.engine = Engine(engine_config)
         # Each role loads its own tokenizer, as the cluster's processes do.
         self.preparer = make_preparer(model_dir, self.engine)
-        self.detokenizer = DetokenizerCore(load_tokenizer(model_dir),
-                                           stream_interval_tokens=stream_interval_tokens)
+        self.detokenizer = DetokenizerCore(
+            load_tokenizer(model_dir), stream_interval_tokens=stream_interval_tokens
+        )
         self.detokenizer.on_hello(CLIENT_ID)
         self.detokenizer.take_output()  # the welcome: nobody to send it to
         self._deliver = deliver
-        self._inbox: queue.SimpleQueue[TokenizedRequest | RequestError | _Abort | None] = \
+        self._inbox: queue.SimpleQueue[TokenizedRequest | RequestError | _Abort | None] = (
             queue.SimpleQueue()
+        )
         self._new_metas: list[RequestMeta] = []  # added since the last step
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
@@ -87,31 +111,44 @@ class InprocServer:
     # --- the caller's side ----------------------------------------------------------------------
     def pretokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
         """The prompt's token ids exactly as submit() would make them (for inproc-pretok)."""
-        result = self._prepare("pretokenize", SamplingParams(), time.monotonic(), prompt,
-                               messages, None)
+        result = self._prepare(
+            "pretokenize", SamplingParams(), time.monotonic(), prompt, messages, None
+        )
         if isinstance(result, RequestError):
             raise ValueError(result.message)
         return unpack_id_list(result.token_ids)
 
-    def submit(self, request_id: str, sampling: SamplingParams, *, prompt: str | None = None,
-               messages: list[dict] | None = None,
-               prompt_token_ids: list[int] | None = None) -> float:
+    def submit(
+        self,
+        request_id: str,
+        sampling: SamplingParams,
+        *,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> float:
         """Tokenizes (or, given ids, validates them) in this thread, then queues the request for
         the engine thread. Returns t_submit (taken before tokenizing)."""
         t_submit = time.monotonic()
-        result = self._prepare(request_id, sampling, t_submit, prompt, messages,
-                               prompt_token_ids)
+        result = self._prepare(request_id, sampling, t_submit, prompt, messages, prompt_token_ids)
         if prompt_token_ids is not None and isinstance(result, TokenizedRequest):
             # Pretokenized: tokenization happened outside the timed region.
             result.meta.t_tokenize_start = result.meta.t_tokenized = t_submit
         self._inbox.put(result)
         return t_submit
 
-    def _prepare(self, request_id: str, sampling: SamplingParams, t_submit: float,
-                 prompt: str | None, messages: list[dict] | None,
-                 prompt_token_ids: list[int] | None) -> TokenizedRequest | RequestError:
-        return prepare_request(self.preparer, request_id, sampling, t_submit, prompt, messages,
-                               prompt_token_ids)
+    def _prepare(
+        self,
+        request_id: str,
+        sampling: SamplingParams,
+        t_submit: float,
+        prompt: str | None,
+        messages: list[dict] | None,
+        prompt_token_ids: list[int] | None,
+    ) -> TokenizedRequest | RequestError:
+        return prepare_request(
+            self.preparer, request_id, sampling, t_submit, prompt, messages, prompt_token_ids
+        )
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -147,8 +184,12 @@ class InprocServer:
                 self._flush()
         except Exception:  # a dead engine thread must not hang the benchmark silently
             logger.exception("the in-process engine thread failed")
-            self.detokenizer.end_all(FINISH_ERROR, time.monotonic(), code=ERR_INTERNAL,
-                                     error="the in-process engine thread failed")
+            self.detokenizer.end_all(
+                FINISH_ERROR,
+                time.monotonic(),
+                code=ERR_INTERNAL,
+                error="the in-process engine thread failed",
+            )
             self._flush()
 
     def _wait_for_input(self) -> list:
@@ -173,8 +214,12 @@ class InprocServer:
     def _add(self, req: TokenizedRequest) -> None:
         """What the engine process does with a TokenizedRequest; a refusal ends that request."""
         try:
-            self.engine.add(req.request_id, unpack_id_list(req.token_ids), req.sampling,
-                            arrival_time=time.monotonic())
+            self.engine.add(
+                req.request_id,
+                unpack_id_list(req.token_ids),
+                req.sampling,
+                arrival_time=time.monotonic(),
+            )
         except EngineOverloaded as exc:
             self._refuse(req, f"overloaded: {exc}", ERR_OVERLOADED)
         except ValueError as exc:
@@ -186,8 +231,9 @@ class InprocServer:
             self._new_metas.append(req.meta)
 
     def _refuse(self, req: TokenizedRequest, message: str, code: str) -> None:
-        self.detokenizer.on_request_error(RequestError(
-            req.request_id, CLIENT_ID, message, code, req.meta.t_submit))
+        self.detokenizer.on_request_error(
+            RequestError(req.request_id, CLIENT_ID, message, code, req.meta.t_submit)
+        )
 
     def _flush(self) -> None:
         out = self.detokenizer.take_output()

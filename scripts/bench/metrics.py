@@ -90,8 +90,7 @@ class RequestRecord:
         return [b - a for a, b in zip(self.delta_times, self.delta_times[1:])]
 
     def ttft_parts(self) -> dict[str, float]:
-        return {name: getattr(self, end) - getattr(self, start)
-                for name, start, end in TTFT_PARTS}
+        return {name: getattr(self, end) - getattr(self, start) for name, start, end in TTFT_PARTS}
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -123,14 +122,20 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def _meets(rec: RequestRecord, slos: dict[str, float]) -> bool:
-    values_ms = {"ttft": [rec.ttft * 1e3], "e2el": [rec.latency * 1e3],
-                 "tpot": [] if rec.tpot is None else [rec.tpot * 1e3],
-                 "itl": [x * 1e3 for x in rec.itls]}
+    values_ms = {
+        "ttft": [rec.ttft * 1e3],
+        "e2el": [rec.latency * 1e3],
+        "tpot": [] if rec.tpot is None else [rec.tpot * 1e3],
+        "itl": [x * 1e3 for x in rec.itls],
+    }
     return rec.ok and all(v <= limit for key, limit in slos.items() for v in values_ms[key])
 
 
-def summarize(records: list[RequestRecord], cpu_seconds: dict[str, float],
-              slos: dict[str, float] | None = None) -> dict[str, float | None]:
+def summarize(
+    records: list[RequestRecord],
+    cpu_seconds: dict[str, float],
+    slos: dict[str, float] | None = None,
+) -> dict[str, float | None]:
     """One run's metrics as a flat {name: value} dict; times in ms unless the name says _s."""
     ok = [r for r in records if r.ok]
     out: dict[str, float | None] = {
@@ -174,8 +179,11 @@ def summarize(records: list[RequestRecord], cpu_seconds: dict[str, float],
     out["completion_rate_rps"] = span_rate([r.t_done for r in ok])
     out["request_throughput_rps"] = len(ok) / duration if duration > 0 else None
     out["output_throughput_tps"] = out["output_tokens_total"] / duration if duration > 0 else None
-    out["total_throughput_tps"] = ((out["prompt_tokens_total"] + out["output_tokens_total"])
-                                   / duration if duration > 0 else None)
+    out["total_throughput_tps"] = (
+        (out["prompt_tokens_total"] + out["output_tokens_total"]) / duration
+        if duration > 0
+        else None
+    )
     if slos:
         good = sum(1 for r in records if _meets(r, slos))
         out["goodput_rps"] = good / duration if duration > 0 else None

@@ -14,7 +14,8 @@ def _int_list(text: str) -> list[int]:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected integers separated by commas, got {text!r}") from None
+            f"expected integers separated by commas, got {text!r}"
+        ) from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -22,113 +23,232 @@ def _int_list(text: str) -> list[int]:
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="splitserve bench", description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="splitserve bench",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("what is compared")
-    g.add_argument("--model", default=None,
-                   help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct, "
-                        "provisioned on first use)")
-    g.add_argument("--fast-engine", action="store_true",
-                   help="instead of --model, a small random-weight Llama model (2 layers, hidden "
-                        "size 64) with the default model's tokenizer, whose steps cost "
-                        "milliseconds: tokenization is then as large a share of TTFT as in front "
-                        "of a GPU engine; prints the measured tokenize/prefill ratio")
-    g.add_argument("--modes", default="inproc,inproc-pretok,cluster",
-                   help="comma-separated modes: inproc, inproc-pretok, cluster (or cluster-twN), "
-                        "http (the cluster through its OpenAI frontend, or --endpoint); the "
-                        "first is the baseline of the ratios (default: %(default)s)")
-    g.add_argument("--endpoint", default=None, metavar="URL",
-                   help="mode http drives this already-serving OpenAI-compatible frontend "
-                        "(e.g. http://127.0.0.1:8000) instead of launching a cluster with one")
-    g.add_argument("--tokenizer-workers", type=_int_list, default=[1],
-                   help="tokenizer worker processes of the cluster; a list (1,2,4) sweeps, one "
-                        "mode each: cluster-tw1, cluster-tw2, ... (default: 1)")
-    g.add_argument("--client-submit-hwm", type=int, default=0,
-                   help="the cluster client's send queue per tokenizer worker, in requests; "
-                        "a full one makes submit() raise OverloadedError (0: the SDK's default, "
-                        "the cluster's max_waiting_requests spread over its tokenizer workers)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct, "
+        "provisioned on first use)",
+    )
+    g.add_argument(
+        "--fast-engine",
+        action="store_true",
+        help="instead of --model, a small random-weight Llama model (2 layers, hidden "
+        "size 64) with the default model's tokenizer, whose steps cost "
+        "milliseconds: tokenization is then as large a share of TTFT as in front "
+        "of a GPU engine; prints the measured tokenize/prefill ratio",
+    )
+    g.add_argument(
+        "--modes",
+        default="inproc,inproc-pretok,cluster",
+        help="comma-separated modes: inproc, inproc-pretok, cluster (or cluster-twN), "
+        "http (the cluster through its OpenAI frontend, or --endpoint); the "
+        "first is the baseline of the ratios (default: %(default)s)",
+    )
+    g.add_argument(
+        "--endpoint",
+        default=None,
+        metavar="URL",
+        help="mode http drives this already-serving OpenAI-compatible frontend "
+        "(e.g. http://127.0.0.1:8000) instead of launching a cluster with one",
+    )
+    g.add_argument(
+        "--tokenizer-workers",
+        type=_int_list,
+        default=[1],
+        help="tokenizer worker processes of the cluster; a list (1,2,4) sweeps, one "
+        "mode each: cluster-tw1, cluster-tw2, ... (default: 1)",
+    )
+    g.add_argument(
+        "--client-submit-hwm",
+        type=int,
+        default=0,
+        help="the cluster client's send queue per tokenizer worker, in requests; "
+        "a full one makes submit() raise OverloadedError (0: the SDK's default, "
+        "the cluster's max_waiting_requests spread over its tokenizer workers)",
+    )
     add_cluster_flags(g, ("tokenizer_threads", "tokenizer_batch_max", "stream_interval_tokens"))
 
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=256, help="requests per run")
-    g.add_argument("--prompt-tokens", type=int, default=256,
-                   help="target length of each synthetic prompt in tokens (default: 256)")
-    g.add_argument("--prompt-tokens-range-ratio", type=float, default=0.0,
-                   help="vary lengths uniformly in [P*(1-r), P*(1+r)] tokens (default: 0)")
-    g.add_argument("--prompt", default=None,
-                   help="a literal prompt text for every request instead of synthetic text")
-    g.add_argument("--unique-prompts", action="store_true",
-                   help="give every request its own prompt text (default: all send the same "
-                        "one, which the prefix cache then shares)")
-    g.add_argument("--shared-prefix-tokens", type=int, default=0,
-                   help="shared-prefix workload: every prompt starts with the same text this "
-                        "many tokens long (a system prompt), then --prompt-tokens of its own")
-    g.add_argument("--dataset-jsonl", default=None,
-                   help='prompts from a file: one {"prompt": str} or {"messages": [{"role", '
-                        '"content"}]} per line, optional "max_tokens"; cycled to --num-requests')
-    g.add_argument("--max-new-tokens", type=int, default=16,
-                   help="tokens to generate per request (default: 16)")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="keep generating past end-of-sequence (every request makes "
-                        "--max-new-tokens)")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 is greedy (default: 0)")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="a stop string for every request, in every mode (repeatable)")
+    g.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=256,
+        help="target length of each synthetic prompt in tokens (default: 256)",
+    )
+    g.add_argument(
+        "--prompt-tokens-range-ratio",
+        type=float,
+        default=0.0,
+        help="vary lengths uniformly in [P*(1-r), P*(1+r)] tokens (default: 0)",
+    )
+    g.add_argument(
+        "--prompt",
+        default=None,
+        help="a literal prompt text for every request instead of synthetic text",
+    )
+    g.add_argument(
+        "--unique-prompts",
+        action="store_true",
+        help="give every request its own prompt text (default: all send the same "
+        "one, which the prefix cache then shares)",
+    )
+    g.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        help="shared-prefix workload: every prompt starts with the same text this "
+        "many tokens long (a system prompt), then --prompt-tokens of its own",
+    )
+    g.add_argument(
+        "--dataset-jsonl",
+        default=None,
+        help='prompts from a file: one {"prompt": str} or {"messages": [{"role", '
+        '"content"}]} per line, optional "max_tokens"; cycled to --num-requests',
+    )
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=16,
+        help="tokens to generate per request (default: 16)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past end-of-sequence (every request makes --max-new-tokens)",
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default: 0)",
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a stop string for every request, in every mode (repeatable)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
 
     g = p.add_argument_group("arrival (default: a burst, every request at once)")
-    g.add_argument("--submit-interval-ms", type=float, default=0.0,
-                   help="a fixed gap between submits in milliseconds (0: burst)")
-    g.add_argument("--submit-schedule", choices=("relative", "absolute"), default="absolute",
-                   help="with --submit-interval-ms: absolute submits the i-th request at "
-                        "t0 + i*gap; relative sleeps the gap after each submit returns, so a slow "
-                        "submit delays all later ones (default: %(default)s)")
-    g.add_argument("--request-rate", default="inf", metavar="RPS[,RPS...]",
-                   help="Poisson-like arrivals at this many requests per second (default: inf, "
-                        "a burst); a list (2,4,8) sweeps the rates, every mode at each, and "
-                        "reports the highest rate each mode sustains")
-    g.add_argument("--duration-s", type=float, default=0.0,
-                   help="with a finite --request-rate: each run sends rate x this many seconds "
-                        "of requests (at least 10) instead of --num-requests")
-    g.add_argument("--slo-ttft-p99-ms", type=float, default=500.0,
-                   help="a rate sweep's SLO: a mode sustains a rate when TTFT p99 (from the "
-                        "planned arrival) stays within it, every request succeeds and requests "
-                        "complete at >= 95%% of the rate they arrive (default: %(default)s)")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="with --request-rate: gamma shape of the gaps; 1 is Poisson, <1 "
-                        "burstier, >1 steadier (default: 1)")
-    g.add_argument("--max-concurrency", type=int, default=0,
-                   help="at most this many requests in flight; submit waits for a slot "
-                        "(0: unlimited)")
+    g.add_argument(
+        "--submit-interval-ms",
+        type=float,
+        default=0.0,
+        help="a fixed gap between submits in milliseconds (0: burst)",
+    )
+    g.add_argument(
+        "--submit-schedule",
+        choices=("relative", "absolute"),
+        default="absolute",
+        help="with --submit-interval-ms: absolute submits the i-th request at "
+        "t0 + i*gap; relative sleeps the gap after each submit returns, so a slow "
+        "submit delays all later ones (default: %(default)s)",
+    )
+    g.add_argument(
+        "--request-rate",
+        default="inf",
+        metavar="RPS[,RPS...]",
+        help="Poisson-like arrivals at this many requests per second (default: inf, "
+        "a burst); a list (2,4,8) sweeps the rates, every mode at each, and "
+        "reports the highest rate each mode sustains",
+    )
+    g.add_argument(
+        "--duration-s",
+        type=float,
+        default=0.0,
+        help="with a finite --request-rate: each run sends rate x this many seconds "
+        "of requests (at least 10) instead of --num-requests",
+    )
+    g.add_argument(
+        "--slo-ttft-p99-ms",
+        type=float,
+        default=500.0,
+        help="a rate sweep's SLO: a mode sustains a rate when TTFT p99 (from the "
+        "planned arrival) stays within it, every request succeeds and requests "
+        "complete at >= 95%% of the rate they arrive (default: %(default)s)",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="with --request-rate: gamma shape of the gaps; 1 is Poisson, <1 "
+        "burstier, >1 steadier (default: 1)",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=0,
+        help="at most this many requests in flight; submit waits for a slot (0: unlimited)",
+    )
 
-    add_engine_flags(p.add_argument_group("engine (the same for every mode)"), help_overrides={
-        "engine_threads": "torch threads of the engine in every mode (0: the cluster "
-                          "supervisor's budget for each cluster mode, and the same count for "
-                          "inproc)",
-        "kv_cache_tokens": "KV cache capacity in tokens of each engine (0: twice what "
-                           "--max-batch-size requests of the workload's longest length need)"})
+    add_engine_flags(
+        p.add_argument_group("engine (the same for every mode)"),
+        help_overrides={
+            "engine_threads": "torch threads of the engine in every mode (0: the cluster "
+            "supervisor's budget for each cluster mode, and the same count for "
+            "inproc)",
+            "kv_cache_tokens": "KV cache capacity in tokens of each engine (0: twice what "
+            "--max-batch-size requests of the workload's longest length need)",
+        },
+    )
 
     g = p.add_argument_group("runs and output")
-    g.add_argument("--warmup-runs", type=int, default=1,
-                   help="unreported runs per mode first (default: 1)")
-    g.add_argument("--warmup-num-requests", type=int, default=16,
-                   help="requests in a warmup run: the first this many of the workload; it "
-                        "warms kernels and caches, it need not be the whole workload "
-                        "(default: 16)")
-    g.add_argument("--repeat-runs", type=int, default=1,
-                   help="measured runs per mode; the report shows medians (default: 1)")
-    g.add_argument("--no-run-tag", action="store_true",
-                   help="send identical prompts in every run (later runs may then be served "
-                        "from the prefix cache of earlier ones)")
-    g.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
-                   help="SLOs in milliseconds, e.g. ttft:500 tpot:50 (keys: ttft, tpot, itl, "
-                        "e2el); goodput counts requests meeting all of them")
-    g.add_argument("--request-timeout-s", type=float, default=600.0,
-                   help="after the last submit, give up on unfinished requests after this long")
-    g.add_argument("--json", dest="json_path", default=None,
-                   help="write every per-request timestamp and the summaries here")
-    g.add_argument("--plot", dest="plot_path", default=None,
-                   help="write a PNG: TTFT CDF per mode and TTFT's parts stacked")
+    g.add_argument(
+        "--warmup-runs", type=int, default=1, help="unreported runs per mode first (default: 1)"
+    )
+    g.add_argument(
+        "--warmup-num-requests",
+        type=int,
+        default=16,
+        help="requests in a warmup run: the first this many of the workload; it "
+        "warms kernels and caches, it need not be the whole workload "
+        "(default: 16)",
+    )
+    g.add_argument(
+        "--repeat-runs",
+        type=int,
+        default=1,
+        help="measured runs per mode; the report shows medians (default: 1)",
+    )
+    g.add_argument(
+        "--no-run-tag",
+        action="store_true",
+        help="send identical prompts in every run (later runs may then be served "
+        "from the prefix cache of earlier ones)",
+    )
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        default=None,
+        help="SLOs in milliseconds, e.g. ttft:500 tpot:50 (keys: ttft, tpot, itl, "
+        "e2el); goodput counts requests meeting all of them",
+    )
+    g.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="after the last submit, give up on unfinished requests after this long",
+    )
+    g.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        help="write every per-request timestamp and the summaries here",
+    )
+    g.add_argument(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        help="write a PNG: TTFT CDF per mode and TTFT's parts stacked",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

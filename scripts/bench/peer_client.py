@@ -18,9 +18,10 @@ def _client(base_url: str):
     # a kept-alive connection just as the next request goes out on it ("Server disconnected
     # without sending a response"; ~1 request in 8 at one stream). A new loopback connection
     # costs well under a millisecond. No retries: a failure must show.
-    http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
-                             limits=httpx.Limits(max_connections=None,
-                                                 max_keepalive_connections=0))
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0, connect=30.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+    )
     return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http)
 
 
@@ -29,15 +30,22 @@ async def _model_id(client) -> str:
     return models.data[0].id
 
 
-async def _one(client, model: str, rec: RequestRecord, messages, max_tokens: int,
-               extra_body: dict) -> None:
+async def _one(
+    client, model: str, rec: RequestRecord, messages, max_tokens: int, extra_body: dict
+) -> None:
     rec.t_submit = rec.t_planned = time.monotonic()
     rec.t_submit_done = rec.t_submit
     chunks_with_text = 0
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
-            stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra_body,
+        )
         async for chunk in stream:
             now = time.monotonic()
             for choice in chunk.choices or ():
@@ -63,8 +71,9 @@ async def _one(client, model: str, rec: RequestRecord, messages, max_tokens: int
         rec.output_tokens = chunks_with_text
 
 
-async def _run(base_url: str, chats: list, concurrency: int, max_tokens: int,
-               extra_body: dict, tag: str) -> list[RequestRecord]:
+async def _run(
+    base_url: str, chats: list, concurrency: int, max_tokens: int, extra_body: dict, tag: str
+) -> list[RequestRecord]:
     client = _client(base_url)
     try:
         model = await _model_id(client)
@@ -81,10 +90,24 @@ async def _run(base_url: str, chats: list, concurrency: int, max_tokens: int,
         await client.close()
 
 
-def run_chats(base_url: str, chats: list, concurrency: int, max_tokens: int,
-              extra_body: dict | None = None, tag: str = "peer") -> list[RequestRecord]:
+def run_chats(
+    base_url: str,
+    chats: list,
+    concurrency: int,
+    max_tokens: int,
+    extra_body: dict | None = None,
+    tag: str = "peer",
+) -> list[RequestRecord]:
     """Sends every chat, at most ``concurrency`` at a time; one record per chat, in order."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-    return asyncio.run(_run(base_url, chats, concurrency, max_tokens,
-                            {"ignore_eos": True, **(extra_body or {})}, tag))
+    return asyncio.run(
+        _run(
+            base_url,
+            chats,
+            concurrency,
+            max_tokens,
+            {"ignore_eos": True, **(extra_body or {})},
+            tag,
+        )
+    )

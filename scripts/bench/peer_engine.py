@@ -39,28 +39,36 @@ def weight_bytes_per_token(model) -> int:
     """Bytes a batch-1 decode step must read: each linear layer's decode copy (the quantized one
     where a layer keeps a dense copy for large steps too), the norms and the lm_head (a tied
     dense head is the embedding table); the embedding alone is only indexed, one row a token."""
+
     def nbytes(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
     total = nbytes(model.norm) + model.lm_head.nbytes
     for layer in model.layers:
-        total += sum(linear.nbytes for linear in (layer.qkv, layer.o_proj, layer.gate_up,
-                                                   layer.down))
-        total += sum(nbytes(t) for t in (layer.input_norm, layer.post_attention_norm,
-                                         layer.q_norm, layer.k_norm))
+        total += sum(
+            linear.nbytes for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        )
+        total += sum(
+            nbytes(t)
+            for t in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm)
+        )
     return total
 
 
 def bound_line(name: str, weight_bytes: int, bandwidth_gbs: float, rate: float | None) -> str:
     bound = bandwidth_gbs * 1e9 / weight_bytes
     share = "" if rate is None else f"; measured {rate:.1f} tok/s = {100 * rate / bound:.0f}% of it"
-    return (f"  {name}: {weight_bytes / 1e6:.1f} MB of weights per token / {bandwidth_gbs:.1f} "
-            f"GB/s = {bound:.0f} tok/s bound{share}")
+    return (
+        f"  {name}: {weight_bytes / 1e6:.1f} MB of weights per token / {bandwidth_gbs:.1f} "
+        f"GB/s = {bound:.0f} tok/s bound{share}"
+    )
 
 
 # --- llama.cpp through llama-cpp-python ---------------------------------------------------------
-NEEDS_PEER_EXTRA = ("the llama.cpp peer needs llama-cpp-python: pip install 'splitserve[peer]' "
-                    "(it builds llama.cpp from source, ~5 minutes)")
+NEEDS_PEER_EXTRA = (
+    "the llama.cpp peer needs llama-cpp-python: pip install 'splitserve[peer]' "
+    "(it builds llama.cpp from source, ~5 minutes)"
+)
 
 
 def llama_cpp_available() -> bool:
@@ -82,9 +90,14 @@ class LlamaCppPeer:
             raise RuntimeError(NEEDS_PEER_EXTRA) from None
 
         self.version = llama_cpp.__version__
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads,
-                                   n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
-                                   verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=n_ctx,
+            n_batch=512,
+            verbose=False,
+        )
 
     def prefill_rate(self, prompt: list[int], repeats: int) -> float:
         best = float("inf")
@@ -110,11 +123,23 @@ class LlamaCppPeer:
         self.llm.close()
 
 
-def llama_bench(binary: str, gguf: str | Path, threads: int, prompt_tokens: list[int],
-                new_tokens: int) -> list[tuple[str, float]]:
+def llama_bench(
+    binary: str, gguf: str | Path, threads: int, prompt_tokens: list[int], new_tokens: int
+) -> list[tuple[str, float]]:
     """llama.cpp's own benchmark tool: (test name, tokens/s) for pp<N> and tg<M>."""
-    cmd = [binary, "-m", str(gguf), "-t", str(threads), "-p", ",".join(map(str, prompt_tokens)),
-           "-n", str(new_tokens), "-o", "json"]
+    cmd = [
+        binary,
+        "-m",
+        str(gguf),
+        "-t",
+        str(threads),
+        "-p",
+        ",".join(map(str, prompt_tokens)),
+        "-n",
+        str(new_tokens),
+        "-o",
+        "json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
     rows = []
     for test in json.loads(out):

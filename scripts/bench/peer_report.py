@@ -25,8 +25,12 @@ def spread(values: list[float]) -> dict[str, float] | None:
     values = [v for v in values if v is not None]
     if not values:
         return None
-    return {"median": float(statistics.median(values)), "min": float(min(values)),
-            "max": float(max(values)), "n": len(values)}
+    return {
+        "median": float(statistics.median(values)),
+        "min": float(min(values)),
+        "max": float(max(values)),
+        "n": len(values),
+    }
 
 
 def aggregate(summaries: list[dict]) -> dict[str, dict[str, float] | None]:
@@ -44,8 +48,11 @@ def per_request(summary: dict) -> dict[str, float | None]:
         "prompt_tokens_mean": summary["prompt_tokens_total"] / ok if ok else None,
         "output_tokens_mean": out_tokens / ok if ok else None,
         "cached_tokens_mean": summary["cached_tokens_total"] / ok if ok else None,
-        "server_cpu_ms_per_token": (1e3 * summary["cpu_s[server]"] / out_tokens
-                                    if out_tokens and "cpu_s[server]" in summary else None),
+        "server_cpu_ms_per_token": (
+            1e3 * summary["cpu_s[server]"] / out_tokens
+            if out_tokens and "cpu_s[server]" in summary
+            else None
+        ),
     }
 
 
@@ -69,11 +76,15 @@ def pick(stats: dict, key: str, higher_is_better: bool, statistic: str) -> float
 STATISTICS = ("median", "best")
 
 
-def best_of(stats_by_target: dict[str, dict], targets: list[str],
-            statistic: str = "median") -> str | None:
+def best_of(
+    stats_by_target: dict[str, dict], targets: list[str], statistic: str = "median"
+) -> str | None:
     """The target with the highest headline figure (llama.cpp at its best)."""
-    scored = [(pick(stats_by_target[t], HEADLINE, True, statistic), t) for t in targets
-              if t in stats_by_target]
+    scored = [
+        (pick(stats_by_target[t], HEADLINE, True, statistic), t)
+        for t in targets
+        if t in stats_by_target
+    ]
     scored = [(v, t) for v, t in scored if v is not None]
     return max(scored)[1] if scored else None
 
@@ -87,8 +98,13 @@ def _ratio_text(ours: float | None, theirs: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}x"
 
 
-def comparison_rows(stats: dict[str, dict[int, dict]], ours: str, peers: list[str],
-                    levels: list[int], statistic: str = "median") -> list[dict]:
+def comparison_rows(
+    stats: dict[str, dict[int, dict]],
+    ours: str,
+    peers: list[str],
+    levels: list[int],
+    statistic: str = "median",
+) -> list[dict]:
     """One row per concurrency: each figure ours, theirs (the best peer at that concurrency)
     and the ratio ours / theirs; ``statistic`` says which repeat's figures (median or best)."""
     rows = []
@@ -99,8 +115,12 @@ def comparison_rows(stats: dict[str, dict[int, dict]], ours: str, peers: list[st
         for _label, key, higher, _ in FIGURES:
             a = pick(at_level.get(ours, {}), key, higher, statistic)
             b = pick(at_level[peer], key, higher, statistic) if peer else None
-            row["figures"][key] = {"ours": a, "theirs": b, "ratio": ratio(a, b),
-                                   "higher_is_better": higher}
+            row["figures"][key] = {
+                "ours": a,
+                "theirs": b,
+                "ratio": ratio(a, b),
+                "higher_is_better": higher,
+            }
         rows.append(row)
     return rows
 
@@ -109,15 +129,21 @@ def markdown_comparison(rows: list[dict], ours: str, peer_label: str = "llama.cp
     head = ["streams", *[label for label, *_ in FIGURES], "llama.cpp at its best"]
     statistic = rows[0]["statistic"] if rows else "median"
     which = "medians" if statistic == "median" else "best repeat of each figure"
-    lines = [f"**{ours}** / {peer_label} ({which}; each cell ours / theirs = ratio; "
-             "TTFT and ITL: lower is better)", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"**{ours}** / {peer_label} ({which}; each cell ours / theirs = ratio; "
+        "TTFT and ITL: lower is better)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for row in rows:
         cells = [str(row["concurrency"])]
         for _, key, _, decimals in FIGURES:
             f = row["figures"][key]
-            cells.append(f"{_fmt(f['ours'], decimals)} / {_fmt(f['theirs'], decimals)} = "
-                         f"{_ratio_text(f['ours'], f['theirs'])}")
+            cells.append(
+                f"{_fmt(f['ours'], decimals)} / {_fmt(f['theirs'], decimals)} = "
+                f"{_ratio_text(f['ours'], f['theirs'])}"
+            )
         cells.append(row["peer"] or "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -126,9 +152,20 @@ def markdown_comparison(rows: list[dict], ours: str, peer_label: str = "llama.cp
 def markdown_all(stats: dict[str, dict[int, dict]], levels: list[int]) -> str:
     """Every target at every concurrency: median [min-max] of the headline figures, and what
     each request really was (tokens in and out, from the server's usage)."""
-    head = ["target", "streams", "output tok/s median [min-max]", "TTFT p50 (ms)",
-            "ITL p50 (ms)", "req/s", "prompt tok/req", "output tok/req", "cached tok/req",
-            "server CPU ms/token", "errors", "runs"]
+    head = [
+        "target",
+        "streams",
+        "output tok/s median [min-max]",
+        "TTFT p50 (ms)",
+        "ITL p50 (ms)",
+        "req/s",
+        "prompt tok/req",
+        "output tok/req",
+        "cached tok/req",
+        "server CPU ms/token",
+        "errors",
+        "runs",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for target, by_level in stats.items():
         for level in levels:
@@ -136,14 +173,29 @@ def markdown_all(stats: dict[str, dict[int, dict]], levels: list[int]) -> str:
             if s is None:
                 continue
             tput = s.get(HEADLINE)
-            spread_text = ("n/a" if tput is None else
-                           f"{tput['median']:.1f} [{tput['min']:.1f}-{tput['max']:.1f}]")
-            lines.append("| " + " | ".join([
-                target, str(level), spread_text, _fmt(median(s, "ttft_ms_p50"), 0),
-                _fmt(median(s, "itl_ms_p50"), 1), _fmt(median(s, "request_throughput_rps"), 2),
-                _fmt(median(s, "prompt_tokens_mean"), 1), _fmt(median(s, "output_tokens_mean"), 1),
-                _fmt(median(s, "cached_tokens_mean"), 1),
-                _fmt(median(s, "server_cpu_ms_per_token"), 1),
-                _fmt(s["errors"]["max"] if s.get("errors") else None, 0),
-                str(tput["n"] if tput else 0)]) + " |")
+            spread_text = (
+                "n/a"
+                if tput is None
+                else f"{tput['median']:.1f} [{tput['min']:.1f}-{tput['max']:.1f}]"
+            )
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        target,
+                        str(level),
+                        spread_text,
+                        _fmt(median(s, "ttft_ms_p50"), 0),
+                        _fmt(median(s, "itl_ms_p50"), 1),
+                        _fmt(median(s, "request_throughput_rps"), 2),
+                        _fmt(median(s, "prompt_tokens_mean"), 1),
+                        _fmt(median(s, "output_tokens_mean"), 1),
+                        _fmt(median(s, "cached_tokens_mean"), 1),
+                        _fmt(median(s, "server_cpu_ms_per_token"), 1),
+                        _fmt(s["errors"]["max"] if s.get("errors") else None, 0),
+                        str(tput["n"] if tput else 0),
+                    ]
+                )
+                + " |"
+            )
     return "\n".join(lines)

@@ -61,8 +61,12 @@ class _Server:
     def __init__(self, name: str) -> None:
         self.name = name
         self.keep_log = False  # a server's log outlives it only where it failed
-        self.log = tempfile.NamedTemporaryFile(prefix=f"peer-{re.sub(r'[^a-z0-9]+', '-', name)}-",
-                                               suffix=".log", delete=False, mode="w+")
+        self.log = tempfile.NamedTemporaryFile(
+            prefix=f"peer-{re.sub(r'[^a-z0-9]+', '-', name)}-",
+            suffix=".log",
+            delete=False,
+            mode="w+",
+        )
 
     def cpu_seconds(self) -> float:
         return tree_cpu_seconds(self.popen.pid)
@@ -73,9 +77,11 @@ class _Server:
     def _check_alive(self) -> None:
         if self.popen.poll() is not None:
             self.keep_log = True  # the error below names it
-            raise RuntimeError(f"{self.name} exited with status {self.popen.returncode} "
-                               f"while starting; its log ({self.log.name}) ends:\n"
-                               f"{self.log_tail()}")
+            raise RuntimeError(
+                f"{self.name} exited with status {self.popen.returncode} "
+                f"while starting; its log ({self.log.name}) ends:\n"
+                f"{self.log_tail()}"
+            )
 
     def close(self) -> None:
         if self.popen.poll() is None:
@@ -97,17 +103,46 @@ class LlamaServer(_Server):
     """``llama-server`` with ``threads`` threads for both decode and prompt batches, ``parallel``
     slots of ``ctx_per_slot`` tokens each, the GGUF's own chat template (jinja)."""
 
-    def __init__(self, binary: str, gguf: str, threads: int, parallel: int = 32,
-                 ctx_per_slot: int = 512, extra_args: str = "", start_timeout_s: float = 180.0):
+    def __init__(
+        self,
+        binary: str,
+        gguf: str,
+        threads: int,
+        parallel: int = 32,
+        ctx_per_slot: int = 512,
+        extra_args: str = "",
+        start_timeout_s: float = 180.0,
+    ):
         super().__init__(f"llama.cpp t{threads}")
         self.threads, self.parallel = threads, parallel
         port = free_port()
-        self.command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                        "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
-                        "-c", str(parallel * ctx_per_slot), "--jinja", "--no-webui",
-                        *shlex.split(extra_args)]
-        self.popen = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self.command = [
+            binary,
+            "-m",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            str(parallel),
+            "-c",
+            str(parallel * ctx_per_slot),
+            "--jinja",
+            "--no-webui",
+            *shlex.split(extra_args),
+        ]
+        self.popen = subprocess.Popen(
+            self.command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.url = f"http://127.0.0.1:{port}/v1"
         deadline = time.monotonic() + start_timeout_s
         while True:
@@ -121,8 +156,10 @@ class LlamaServer(_Server):
             if time.monotonic() > deadline:
                 self.keep_log = True
                 self.close()
-                raise RuntimeError(f"{self.name} not healthy after {start_timeout_s:.0f} s; "
-                                   f"its log: {self.log.name}")
+                raise RuntimeError(
+                    f"{self.name} not healthy after {start_timeout_s:.0f} s; "
+                    f"its log: {self.log.name}"
+                )
             time.sleep(0.2)
 
     def describe(self) -> str:
@@ -135,12 +172,26 @@ class SplitserveServer(_Server):
     def __init__(self, args: str = "", start_timeout_s: float = 300.0) -> None:
         super().__init__(f"splitserve {args}".strip() if args else "splitserve defaults")
         self.args = args
-        self.command = [sys.executable, "-m", "procs.cli", "launch", "--http-port", "0",
-                        *shlex.split(args)]
+        self.command = [
+            sys.executable,
+            "-m",
+            "procs.cli",
+            "launch",
+            "--http-port",
+            "0",
+            *shlex.split(args),
+        ]
         env = dict(os.environ, PYTHONPATH=str(REPO), SPLITSERVE_LOG_LEVEL="INFO")
-        self.popen = subprocess.Popen(self.command, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      cwd=REPO, env=env, text=True, start_new_session=True)
+        self.popen = subprocess.Popen(
+            self.command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
         self.budget = ""
         found = threading.Event()
         holder: dict[str, str] = {}
@@ -163,8 +214,10 @@ class SplitserveServer(_Server):
             if time.monotonic() > deadline:
                 self.keep_log = True
                 self.close()
-                raise RuntimeError(f"{self.name} printed no API address in "
-                                   f"{start_timeout_s:.0f} s; its log: {self.log.name}")
+                raise RuntimeError(
+                    f"{self.name} printed no API address in "
+                    f"{start_timeout_s:.0f} s; its log: {self.log.name}"
+                )
         self.url = holder["url"]
 
     def describe(self) -> str:

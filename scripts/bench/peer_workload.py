@@ -15,7 +15,8 @@ CORPUS_MODULES = (
     "argparse asyncio collections concurrent.futures contextlib csv dataclasses datetime decimal "
     "email enum fractions functools heapq http.client inspect itertools json logging pathlib "
     "queue random re shutil socket sqlite3 statistics string subprocess tarfile threading "
-    "textwrap unittest urllib.parse uuid zipfile").split()
+    "textwrap unittest urllib.parse uuid zipfile"
+).split()
 INSTRUCTION = "Summarize the following passage in a few sentences.\n\n"
 
 
@@ -25,9 +26,13 @@ def prose_paragraphs() -> list[str]:
     for name in CORPUS_MODULES:
         module = importlib.import_module(name)
         docs = [module.__doc__ or ""]
-        docs += [obj.__doc__ or "" for attr, obj in sorted(vars(module).items())
-                 if not attr.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
-                 and getattr(obj, "__module__", "") == module.__name__]
+        docs += [
+            obj.__doc__ or ""
+            for attr, obj in sorted(vars(module).items())
+            if not attr.startswith("_")
+            and (inspect.isfunction(obj) or inspect.isclass(obj))
+            and getattr(obj, "__module__", "") == module.__name__
+        ]
         for doc in docs:
             for para in re.split(r"\n\s*\n", inspect.cleandoc(doc)):
                 para = " ".join(para.split())
@@ -58,18 +63,21 @@ class PromptCounter:
 
     def cut(self, text: str, n_tokens: int) -> str:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return self.tokenizer.decode(ids[:max(0, n_tokens)]).strip()
+        return self.tokenizer.decode(ids[: max(0, n_tokens)]).strip()
 
 
 def chat_messages(index: int, passage: str) -> list[dict[str, str]]:
     # The request number opens the prompt, so no two requests share more than the template's
     # first few tokens (no prefix-cache wins for either server).
-    return [{"role": "system", "content": f"Request {index}. You are a helpful assistant."},
-            {"role": "user", "content": INSTRUCTION + passage}]
+    return [
+        {"role": "system", "content": f"Request {index}. You are a helpful assistant."},
+        {"role": "user", "content": INSTRUCTION + passage},
+    ]
 
 
-def build_chats(counter: PromptCounter, count: int, prompt_tokens: int,
-                start: int = 0) -> list[list[dict[str, str]]]:
+def build_chats(
+    counter: PromptCounter, count: int, prompt_tokens: int, start: int = 0
+) -> list[list[dict[str, str]]]:
     """``count`` chats of exactly ``prompt_tokens`` templated tokens where the text allows (the
     last token of a cut can merge with the template's next one: then one off), each passage
     starting at a different paragraph of the corpus; ``start`` numbers them (distinct runs)."""
@@ -86,8 +94,10 @@ def build_chats(counter: PromptCounter, count: int, prompt_tokens: int,
             j += 1
         overhead = counter.count(chat_messages(index, ""))
         if overhead >= prompt_tokens:
-            raise ValueError(f"--prompt-tokens {prompt_tokens} leaves no room for text: the chat "
-                             f"template and instruction alone take {overhead} tokens")
+            raise ValueError(
+                f"--prompt-tokens {prompt_tokens} leaves no room for text: the chat "
+                f"template and instruction alone take {overhead} tokens"
+            )
         want = prompt_tokens - overhead
         for _ in range(4):  # a cut can tokenize one longer or shorter in context: adjust
             messages = chat_messages(index, counter.cut(passage, want))

@@ -25,17 +25,14 @@ class SystemUnderTest(Protocol):
     def prepare(self, requests: list[BenchRequest]) -> None:
         """Work done before the timed region (pretokenizing, for instance)."""
 
-    def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
-        ...
+    def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None: ...
 
-    def abort(self, request_id: str) -> None:
-        ...
+    def abort(self, request_id: str) -> None: ...
 
     def cpu_seconds(self) -> dict[str, float]:
         """Cumulative user+system CPU seconds per role (differenced around each run)."""
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 class EventCollector:
@@ -121,14 +118,22 @@ def _finish_from_event(rec: RequestRecord, ev: StreamEvent, t: float) -> None:
 def copy_timings(rec: RequestRecord, timings: RequestTimings | None) -> None:
     """The server-side stamps (the client's own t_submit is kept)."""
     if timings is not None:
-        for name in ("t_tokenize_start", "t_tokenized", "t_arrived", "t_scheduled",
-                     "t_first_token", "t_last_token", "t_finished"):
+        for name in (
+            "t_tokenize_start",
+            "t_tokenized",
+            "t_arrived",
+            "t_scheduled",
+            "t_first_token",
+            "t_last_token",
+            "t_finished",
+        ):
             setattr(rec, name, getattr(timings, name))
 
 
 def fail(error: str, reason: str = "error") -> Callable[[RequestRecord], None]:
     def fill(rec: RequestRecord) -> None:
         rec.finish_reason, rec.error = reason, error
+
     return fill
 
 
@@ -150,19 +155,33 @@ class RunOptions:
     progress: bool = True
 
 
-def run_once(system: SystemUnderTest, collector: EventCollector, requests: list[BenchRequest],
-             arrival: ArrivalSpec, sampling_for, options: RunOptions, *, mode: str,
-             run_index: int, warmup: bool) -> RunResult:
+def run_once(
+    system: SystemUnderTest,
+    collector: EventCollector,
+    requests: list[BenchRequest],
+    arrival: ArrivalSpec,
+    sampling_for,
+    options: RunOptions,
+    *,
+    mode: str,
+    run_index: int,
+    warmup: bool,
+) -> RunResult:
     """Runs the workload once; ``sampling_for(request)`` gives each request's SamplingParams."""
     system.prepare(requests)
-    records = {f"{mode}-{run_index}-{r.index}": RequestRecord(index=r.index,
-                                                              request_id=f"{mode}-{run_index}-{r.index}")
-               for r in requests}
+    records = {
+        f"{mode}-{run_index}-{r.index}": RequestRecord(
+            index=r.index, request_id=f"{mode}-{run_index}-{r.index}"
+        )
+        for r in requests
+    }
     ids = list(records)
-    limiter = threading.BoundedSemaphore(options.max_concurrency) \
-        if options.max_concurrency > 0 else None
-    bar = _progress(len(requests), f"{mode} run {run_index}{' (warmup)' if warmup else ''}",
-                    options.progress)
+    limiter = (
+        threading.BoundedSemaphore(options.max_concurrency) if options.max_concurrency > 0 else None
+    )
+    bar = _progress(
+        len(requests), f"{mode} run {run_index}{' (warmup)' if warmup else ''}", options.progress
+    )
 
     def on_done(_rec: RequestRecord) -> None:
         if limiter is not None:
@@ -188,15 +207,26 @@ def run_once(system: SystemUnderTest, collector: EventCollector, requests: list[
         bar.close()
     # Clock-tick rounding can make a near-idle role's difference a hair below zero.
     cpu = {role: max(0.0, cpu_after[role] - cpu_before.get(role, 0.0)) for role in cpu_after}
-    return RunResult(mode=mode, run_index=run_index, warmup=warmup,
-                     records=[records[rid] for rid in ids], cpu_seconds=cpu, timed_out=timed_out,
-                     request_rate=arrival.request_rate)
+    return RunResult(
+        mode=mode,
+        run_index=run_index,
+        warmup=warmup,
+        records=[records[rid] for rid in ids],
+        cpu_seconds=cpu,
+        timed_out=timed_out,
+        request_rate=arrival.request_rate,
+    )
 
 
-def _submit_all(system: SystemUnderTest, collector: EventCollector,
-                records: dict[str, RequestRecord], requests: list[BenchRequest],
-                arrival: ArrivalSpec, sampling_for,
-                limiter: threading.BoundedSemaphore | None) -> None:
+def _submit_all(
+    system: SystemUnderTest,
+    collector: EventCollector,
+    records: dict[str, RequestRecord],
+    requests: list[BenchRequest],
+    arrival: ArrivalSpec,
+    sampling_for,
+    limiter: threading.BoundedSemaphore | None,
+) -> None:
     offsets = arrival.offsets_s(len(requests))
     t0 = time.monotonic()
     for i, (rid, request) in enumerate(zip(records, requests)):
@@ -228,8 +258,9 @@ def _submit_all(system: SystemUnderTest, collector: EventCollector,
         rec.submit_cpu_s = time.thread_time() - cpu
 
 
-def _give_up(system: SystemUnderTest, collector: EventCollector,
-             records: dict[str, RequestRecord]) -> int:
+def _give_up(
+    system: SystemUnderTest, collector: EventCollector, records: dict[str, RequestRecord]
+) -> int:
     """Aborts whatever has not finished and marks it as an error, so the run still reports."""
     late = [rid for rid, rec in records.items() if not rec.t_done]
     for rid in late:

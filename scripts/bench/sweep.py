@@ -33,8 +33,9 @@ def parse_rates(text: str) -> list[float]:
     try:
         rates = [float(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--request-rate takes numbers separated by commas, got {text!r}") \
-            from None
+        raise ValueError(
+            f"--request-rate takes numbers separated by commas, got {text!r}"
+        ) from None
     if not rates or any(not r > 0 or math.isnan(r) for r in rates):
         raise ValueError(f"request rates must be > 0, got {text!r}")
     if len(rates) > 1 and any(math.isinf(r) for r in rates):
@@ -89,13 +90,19 @@ def _us(value_ms: float | None) -> str:
 
 def sweep_lines(sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float) -> list[str]:
     """One table per mode (a row per rate), then each mode's highest sustainable rate."""
-    lines = [f"=== rate sweep (medians over measured runs; TTFT from the planned arrival; "
-             f"SLO: TTFT p99 <= {slo_ttft_p99_ms:g} ms; submit CPU: the submitting thread's own "
-             "CPU time in submit()) ==="]
-    header = (f"{'rate':>8} {'arrived':>8} {'done':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-              f"{'submit p50':>10} {'submit p99':>10} {'CPU p99':>8} {'lag p99':>8}  sustains")
-    units = (f"{'req/s':>8} {'req/s':>8} {'req/s':>8} {'ms':>9} {'ms':>9} {'us':>10} {'us':>10} "
-             f"{'us':>8} {'ms':>8}")
+    lines = [
+        f"=== rate sweep (medians over measured runs; TTFT from the planned arrival; "
+        f"SLO: TTFT p99 <= {slo_ttft_p99_ms:g} ms; submit CPU: the submitting thread's own "
+        "CPU time in submit()) ==="
+    ]
+    header = (
+        f"{'rate':>8} {'arrived':>8} {'done':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'submit p50':>10} {'submit p99':>10} {'CPU p99':>8} {'lag p99':>8}  sustains"
+    )
+    units = (
+        f"{'req/s':>8} {'req/s':>8} {'req/s':>8} {'ms':>9} {'ms':>9} {'us':>10} {'us':>10} "
+        f"{'us':>8} {'ms':>8}"
+    )
     for mode, by_rate in sweep.items():
         lines += ["", f"--- {mode} ---", header, units]
         for rate in sorted(by_rate):
@@ -109,10 +116,16 @@ def sweep_lines(sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float) -> 
                 f"{_us(s.get('submit_latency_ms_p99')):>10} {_us(s.get('submit_cpu_ms_p99')):>8} "
                 f"{_ms(s.get('submit_lag_ms_p99')):>8}  "
                 f"{'yes' if sustains(s, slo_ttft_p99_ms) else 'NO'}"
-                + (f" ({int(s['errors'])} errors)" if s.get("errors") else ""))
-    lines += ["", "highest sustainable rate (req/s): " + ", ".join(
-        f"{mode} {_rate(highest_sustained(by_rate, slo_ttft_p99_ms))}"
-        for mode, by_rate in sweep.items())]
+                + (f" ({int(s['errors'])} errors)" if s.get("errors") else "")
+            )
+    lines += [
+        "",
+        "highest sustainable rate (req/s): "
+        + ", ".join(
+            f"{mode} {_rate(highest_sustained(by_rate, slo_ttft_p99_ms))}"
+            for mode, by_rate in sweep.items()
+        ),
+    ]
     return lines
 
 
@@ -120,8 +133,9 @@ def _rate(rate: float | None) -> str:
     return "below the lowest rate swept" if rate is None else f"{rate:g}"
 
 
-def sweep_target_lines(sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float,
-                       baseline: str) -> list[str]:
+def sweep_target_lines(
+    sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float, baseline: str
+) -> list[str]:
     """The sweep's targets for every cluster mode against the baseline (targets.py)."""
     if baseline not in sweep:
         return []
@@ -134,38 +148,48 @@ def sweep_target_lines(sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: flo
             continue
         worst_submit = max((s.get("submit_latency_ms_p99") or 0.0) for s in by_rate.values())
         worst_cpu = max((s.get("submit_cpu_ms_p99") or 0.0) for s in by_rate.values())
-        submit = (f"submit p99 < {SUBMIT_P99_MAX_MS * 1e3:g} us at every rate (worst "
-                  f"{worst_submit * 1e3:.1f} us; its CPU time {worst_cpu * 1e3:.1f} us): "
-                  f"{'met' if worst_submit < SUBMIT_P99_MAX_MS else 'MISSED'}")
+        submit = (
+            f"submit p99 < {SUBMIT_P99_MAX_MS * 1e3:g} us at every rate (worst "
+            f"{worst_submit * 1e3:.1f} us; its CPU time {worst_cpu * 1e3:.1f} us): "
+            f"{'met' if worst_submit < SUBMIT_P99_MAX_MS else 'MISSED'}"
+        )
         if not sweep_targets_apply(mode):
             lines.append(f"{mode}: {submit} (reported beside the SDK's, not a target)")
             continue
         best = highest_sustained(by_rate, slo_ttft_p99_ms)
         checks = []
         if base_best is None or best is None:
-            checks.append(f"highest sustainable rate >= {SWEEP_RATE_RATIO:g}x {baseline}'s: "
-                          f"n/a ({_rate(best)} vs {_rate(base_best)})")
+            checks.append(
+                f"highest sustainable rate >= {SWEEP_RATE_RATIO:g}x {baseline}'s: "
+                f"n/a ({_rate(best)} vs {_rate(base_best)})"
+            )
         else:
             ratio = best / base_best
-            checks.append(f"highest sustainable rate >= {SWEEP_RATE_RATIO:g}x {baseline}'s "
-                          f"({best:g} / {base_best:g} = {ratio:.2f}x): "
-                          f"{'met' if ratio >= SWEEP_RATE_RATIO else 'MISSED'}")
+            checks.append(
+                f"highest sustainable rate >= {SWEEP_RATE_RATIO:g}x {baseline}'s "
+                f"({best:g} / {base_best:g} = {ratio:.2f}x): "
+                f"{'met' if ratio >= SWEEP_RATE_RATIO else 'MISSED'}"
+            )
         if half is None:
             checks.append(f"TTFT p50 at half of {baseline}'s saturation rate: n/a")
         else:
             ours = by_rate.get(half, {}).get("ttft_from_arrival_ms_p50")
             theirs = sweep[baseline][half].get("ttft_from_arrival_ms_p50")
-            verdict = "n/a" if ours is None or theirs is None else (
-                "met" if ours <= theirs else "MISSED")
-            checks.append(f"TTFT p50 at {half:g} req/s (half of {baseline}'s {base_best:g}) no "
-                          f"worse ({_ms(ours)} vs {_ms(theirs)} ms): {verdict}")
+            verdict = (
+                "n/a" if ours is None or theirs is None else ("met" if ours <= theirs else "MISSED")
+            )
+            checks.append(
+                f"TTFT p50 at {half:g} req/s (half of {baseline}'s {base_best:g}) no "
+                f"worse ({_ms(ours)} vs {_ms(theirs)} ms): {verdict}"
+            )
         lines.append(f"targets {mode} vs {baseline}: " + "; ".join(checks + [submit]))
     return lines
 
 
 # --- the plot -----------------------------------------------------------------------------------
-def plot_sweep(path, sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float,
-               title: str = "") -> None:
+def plot_sweep(
+    path, sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float, title: str = ""
+) -> None:
     """Left: TTFT p99 (solid) and p50 (dotted) against offered rate, per mode, with the SLO.
     Right: submit latency p99 against offered rate."""
     import matplotlib
@@ -176,12 +200,25 @@ def plot_sweep(path, sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float
     fig, (ax_ttft, ax_submit) = plt.subplots(1, 2, figsize=(13, 5))
     for mode, by_rate in sweep.items():
         rates = sorted(by_rate)
-        line, = ax_ttft.plot(rates, [by_rate[r].get("ttft_from_arrival_ms_p99") for r in rates],
-                             marker="o", label=f"{mode} p99")
-        ax_ttft.plot(rates, [by_rate[r].get("ttft_from_arrival_ms_p50") for r in rates],
-                     linestyle=":", color=line.get_color(), label=f"{mode} p50")
-        ax_submit.plot(rates, [(by_rate[r].get("submit_latency_ms_p99") or 0) * 1e3
-                               for r in rates], marker="o", label=mode)
+        (line,) = ax_ttft.plot(
+            rates,
+            [by_rate[r].get("ttft_from_arrival_ms_p99") for r in rates],
+            marker="o",
+            label=f"{mode} p99",
+        )
+        ax_ttft.plot(
+            rates,
+            [by_rate[r].get("ttft_from_arrival_ms_p50") for r in rates],
+            linestyle=":",
+            color=line.get_color(),
+            label=f"{mode} p50",
+        )
+        ax_submit.plot(
+            rates,
+            [(by_rate[r].get("submit_latency_ms_p99") or 0) * 1e3 for r in rates],
+            marker="o",
+            label=mode,
+        )
     ax_ttft.axhline(slo_ttft_p99_ms, color="grey", linestyle="--", label="SLO (p99)")
     ax_ttft.set_yscale("log")
     ax_ttft.set_xlabel("offered rate (req/s)")

@@ -55,8 +55,9 @@ class InprocSystem:
     submitting and collecting threads (including tokenization when not pretok), "engine" the
     rest of the process (the engine thread, torch's worker threads, detokenization)."""
 
-    def __init__(self, name: str, server: InprocServer, collector: EventCollector,
-                 pretok: bool) -> None:
+    def __init__(
+        self, name: str, server: InprocServer, collector: EventCollector, pretok: bool
+    ) -> None:
         self.name = name
         self.pretok = pretok
         self.server = server
@@ -64,22 +65,29 @@ class InprocSystem:
         self._ids: dict[int, list[int]] = {}
 
     def describe(self) -> dict[str, object]:
-        return {"tokenize": "before the timed region" if self.pretok
-                else "inside submit(), in the caller's thread",
-                "engine_threads": self.server.engine.config.engine_threads,
-                "detokenize": "in the engine thread",
-                "stream_interval_tokens": self.server.detokenizer.stream_interval_tokens}
+        return {
+            "tokenize": "before the timed region"
+            if self.pretok
+            else "inside submit(), in the caller's thread",
+            "engine_threads": self.server.engine.config.engine_threads,
+            "detokenize": "in the engine thread",
+            "stream_interval_tokens": self.server.detokenizer.stream_interval_tokens,
+        }
 
     def prepare(self, requests: list[BenchRequest]) -> None:
-        self._ids = ({r.index: self.server.pretokenize(r.prompt, r.messages) for r in requests}
-                     if self.pretok else {})
+        self._ids = (
+            {r.index: self.server.pretokenize(r.prompt, r.messages) for r in requests}
+            if self.pretok
+            else {}
+        )
 
     def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
         if self.pretok:
             self.server.submit(request_id, sampling, prompt_token_ids=self._ids[request.index])
         else:
-            self.server.submit(request_id, sampling, prompt=request.prompt,
-                               messages=request.messages)
+            self.server.submit(
+                request_id, sampling, prompt=request.prompt, messages=request.messages
+            )
 
     def abort(self, request_id: str) -> None:
         self.server.abort(request_id)
@@ -102,9 +110,16 @@ class ClusterSystem:
     are processes: each tokenizer worker, the engine, the detokenizer, and this process (client).
     """
 
-    def __init__(self, name: str, model_path: str, tokenizer_workers: int,
-                 cluster_knobs: dict, collector: EventCollector, poll_s: float,
-                 submit_hwm: int | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        tokenizer_workers: int,
+        cluster_knobs: dict,
+        collector: EventCollector,
+        poll_s: float,
+        submit_hwm: int | None,
+    ) -> None:
         """poll_s: how often the watcher looks for finished handles. Only the progress bar and
         --max-concurrency wait on it (the timestamps are the SDK's own); each wake-up takes the
         GIL from the submitting thread, so poll slowly unless a concurrency cap needs it."""
@@ -116,10 +131,12 @@ class ClusterSystem:
         self._poll_s = poll_s
         self._stack = contextlib.ExitStack()
         try:
-            self.cluster = self._stack.enter_context(launch_cluster(
-                model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs))
-            self.client = self._stack.enter_context(Client(self.cluster.client_addr,
-                                                           submit_hwm=submit_hwm))
+            self.cluster = self._stack.enter_context(
+                launch_cluster(model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs)
+            )
+            self.client = self._stack.enter_context(
+                Client(self.cluster.client_addr, submit_hwm=submit_hwm)
+            )
             self._submit_hwm = submit_hwm
         except BaseException:
             self._stack.close()
@@ -131,18 +148,24 @@ class ClusterSystem:
 
     def describe(self) -> dict[str, object]:
         c = self.cluster.config
-        return {"tokenize": f"{c.tokenizer_workers} tokenizer worker process(es) x "
-                            f"{c.tokenizer_threads} thread(s)",
-                "engine_threads": c.engine.engine_threads,
-                "stream_interval_tokens": c.stream_interval_tokens,
-                "client submit_hwm": self._submit_hwm or "SDK default (cluster admission bound)"}
+        return {
+            "tokenize": f"{c.tokenizer_workers} tokenizer worker process(es) x "
+            f"{c.tokenizer_threads} thread(s)",
+            "engine_threads": c.engine.engine_threads,
+            "stream_interval_tokens": c.stream_interval_tokens,
+            "client submit_hwm": self._submit_hwm or "SDK default (cluster admission bound)",
+        }
 
     def prepare(self, requests: list[BenchRequest]) -> None:
         pass
 
     def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
-        handle = self.client.submit(prompt=request.prompt, messages=request.messages,
-                                    sampling=sampling, request_id=request_id)
+        handle = self.client.submit(
+            prompt=request.prompt,
+            messages=request.messages,
+            sampling=sampling,
+            request_id=request_id,
+        )
         self._new.put((request_id, handle))
 
     def abort(self, request_id: str) -> None:
@@ -194,8 +217,7 @@ class _ErrorEnd:
 
 def _fill(rec: RequestRecord, deltas: list) -> None:
     final = deltas[-1]
-    rec.delta_times = [d.t_received for d in deltas
-                       if not isinstance(d, _ErrorEnd) and d.token_ids]
+    rec.delta_times = [d.t_received for d in deltas if not isinstance(d, _ErrorEnd) and d.token_ids]
     rec.t_done = final.t_received
     if isinstance(final, _ErrorEnd):
         rec.finish_reason, rec.error = "error", final.error

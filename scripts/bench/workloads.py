@@ -43,15 +43,20 @@ class WorkloadSpec:
         if self.prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be at least 1, got {self.prompt_tokens}")
         if not 0.0 <= self.prompt_tokens_range_ratio < 1.0:
-            raise ValueError("prompt_tokens_range_ratio must be in [0, 1), "
-                             f"got {self.prompt_tokens_range_ratio}")
+            raise ValueError(
+                f"prompt_tokens_range_ratio must be in [0, 1), got {self.prompt_tokens_range_ratio}"
+            )
         if self.shared_prefix_tokens < 0:
             raise ValueError("shared_prefix_tokens must be >= 0")
-        sources = [self.prompt_text is not None, self.jsonl_path is not None,
-                   self.shared_prefix_tokens > 0]
+        sources = [
+            self.prompt_text is not None,
+            self.jsonl_path is not None,
+            self.shared_prefix_tokens > 0,
+        ]
         if sum(sources) > 1:
-            raise ValueError("give at most one of a literal prompt, a JSONL file or a shared "
-                             "prefix")
+            raise ValueError(
+                "give at most one of a literal prompt, a JSONL file or a shared prefix"
+            )
 
     @property
     def source(self) -> str:
@@ -74,11 +79,17 @@ class TextSynthesizer:
         self.tokenizer = tokenizer
         vocab = tokenizer.get_vocab()
         # "\u0120" marks a leading space in byte-level BPE vocabularies (GPT-2, Llama-3, SmolLM2).
-        ranked = sorted((i, w[1:]) for w, i in vocab.items() if w.startswith("\u0120")
-                        and w[1:].isascii() and w[1:].isalpha() and len(w) > 3)
+        ranked = sorted(
+            (i, w[1:])
+            for w, i in vocab.items()
+            if w.startswith("\u0120") and w[1:].isascii() and w[1:].isalpha() and len(w) > 3
+        )
         if len(ranked) < 100:  # a vocabulary without that convention: plain words instead
-            ranked = sorted((i, w.strip("\u2581").lower()) for w, i in vocab.items()
-                            if w.strip("\u2581").isalpha() and w.isascii() and len(w) > 3)
+            ranked = sorted(
+                (i, w.strip("\u2581").lower())
+                for w, i in vocab.items()
+                if w.strip("\u2581").isalpha() and w.isascii() and len(w) > 3
+            )
         if not ranked:
             raise ValueError("the tokenizer's vocabulary has no usable words")
         self.words = [w for _, w in ranked]
@@ -88,8 +99,7 @@ class TextSynthesizer:
     def _prose(self, n_words: int) -> str:
         rng, out, count = self.rng, [], 0
         while count < n_words:
-            sentence = rng.choices(self.words, cum_weights=self._cum_weights,
-                                   k=rng.randint(6, 16))
+            sentence = rng.choices(self.words, cum_weights=self._cum_weights, k=rng.randint(6, 16))
             sentence[0] = sentence[0].capitalize()
             out.append(" ".join(sentence) + rng.choice((".", ".", ".", ",", "?", ";")))
             count += len(sentence)
@@ -122,14 +132,19 @@ def build_workload(spec: WorkloadSpec, tokenizer) -> list[BenchRequest]:
         shared = synth.text(spec.shared_prefix_tokens)
         prompts = [f"{shared}\n\n{synth.text(length())}" for _ in range(n)]
     elif spec.prompt_text is not None:
-        prompts = ([f"Request {i}: {spec.prompt_text}" for i in range(n)] if spec.unique_prompts
-                   else [spec.prompt_text] * n)
+        prompts = (
+            [f"Request {i}: {spec.prompt_text}" for i in range(n)]
+            if spec.unique_prompts
+            else [spec.prompt_text] * n
+        )
     elif spec.unique_prompts:
         prompts = [synth.text(length()) for _ in range(n)]
     else:
         prompts = [synth.text(length())] * n
-    return [BenchRequest(index=i, max_tokens=spec.max_new_tokens, prompt=p)
-            for i, p in enumerate(prompts)]
+    return [
+        BenchRequest(index=i, max_tokens=spec.max_new_tokens, prompt=p)
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _from_jsonl(spec: WorkloadSpec) -> list[BenchRequest]:
@@ -142,22 +157,31 @@ def _from_jsonl(spec: WorkloadSpec) -> list[BenchRequest]:
             continue
         row = json.loads(line)
         if not isinstance(row, dict) or (("prompt" in row) == ("messages" in row)):
-            raise ValueError(f"{path}:{lineno}: each line needs exactly one of "
-                             "'prompt' or 'messages'")
+            raise ValueError(
+                f"{path}:{lineno}: each line needs exactly one of 'prompt' or 'messages'"
+            )
         messages = row.get("messages")
         if messages is not None and not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        ):
             raise ValueError(f"{path}:{lineno}: messages must be [{{'role', 'content'}}, ...]")
-        items.append((row.get("prompt"), messages, int(row.get("max_tokens",
-                                                                spec.max_new_tokens))))
+        items.append((row.get("prompt"), messages, int(row.get("max_tokens", spec.max_new_tokens))))
     if not items:
         raise ValueError(f"{path} holds no prompts")
     out = []
     for i in range(spec.num_requests):
         prompt, messages, max_tokens = items[i % len(items)]
-        out.append(BenchRequest(index=i, max_tokens=max_tokens, prompt=prompt,
-                                messages=[dict(m) for m in messages] if messages else None))
+        out.append(
+            BenchRequest(
+                index=i,
+                max_tokens=max_tokens,
+                prompt=prompt,
+                messages=[dict(m) for m in messages] if messages else None,
+            )
+        )
     return out
 
 
@@ -208,8 +232,10 @@ class ArrivalSpec:
         if self.kind == "interval":
             return f"fixed interval {self.submit_interval_ms:g} ms, {self.submit_schedule} schedule"
         if self.kind == "poisson":
-            return (f"{self.request_rate:g} req/s, gamma gaps (burstiness {self.burstiness:g}), "
-                    "absolute schedule")
+            return (
+                f"{self.request_rate:g} req/s, gamma gaps (burstiness {self.burstiness:g}), "
+                "absolute schedule"
+            )
         return "burst (all requests at once)"
 
     @property

@@ -30,17 +30,24 @@ def tokenizer(default_model_dir):
 
 
 def meta(rid: str, client: bytes = CLIENT, stop=(), tokenizer_index: int = 0) -> RequestMeta:
-    return RequestMeta(rid, client, prompt_tokens=3, stop=list(stop),
-                       tokenizer_index=tokenizer_index, t_submit=1.0)
+    return RequestMeta(
+        rid, client, prompt_tokens=3, stop=list(stop), tokenizer_index=tokenizer_index, t_submit=1.0
+    )
 
 
 def step(n: int, *, metas=(), tokens=(), finished=(), started=(), pid: int = 0) -> StepOutput:
     """tokens: (request_id, token id) pairs; finished: (request_id, reason[, error, code])."""
-    finished = [tuple(f) + ("", "")[len(f) - 2:] for f in finished]
+    finished = [tuple(f) + ("", "")[len(f) - 2 :] for f in finished]
     return StepOutput(
-        step=n, t_step=10.0 + n, new_requests=list(metas),
-        request_ids=[rid for rid, _ in tokens], token_ids=pack_ids([t for _, t in tokens]),
-        started=list(started), finished=[FinishRecord(*f) for f in finished], engine_pid=pid)
+        step=n,
+        t_step=10.0 + n,
+        new_requests=list(metas),
+        request_ids=[rid for rid, _ in tokens],
+        token_ids=pack_ids([t for _, t in tokens]),
+        started=list(started),
+        finished=[FinishRecord(*f) for f in finished],
+        engine_pid=pid,
+    )
 
 
 def core_with_clients(tokenizer, *clients: bytes, **kwargs) -> DetokenizerCore:
@@ -51,17 +58,28 @@ def core_with_clients(tokenizer, *clients: bytes, **kwargs) -> DetokenizerCore:
     return core
 
 
-def stream(core: DetokenizerCore, rid: str, ids: list[int], *, first_step: int = 1,
-           finish_reason: str | None = "length", **meta_kwargs):
+def stream(
+    core: DetokenizerCore,
+    rid: str,
+    ids: list[int],
+    *,
+    first_step: int = 1,
+    finish_reason: str | None = "length",
+    **meta_kwargs,
+):
     """Feeds a request's tokens one step each (meta with the first), the engine's finish with the
     last; returns every event its client got and the engine aborts, in order."""
     events, aborts = [], []
     for i, token in enumerate(ids):
         last = i == len(ids) - 1
-        core.on_step_output(step(
-            first_step + i, metas=[meta(rid, **meta_kwargs)] if i == 0 else (),
-            tokens=[(rid, token)], finished=[(rid, finish_reason)] if last and finish_reason
-            else ()))
+        core.on_step_output(
+            step(
+                first_step + i,
+                metas=[meta(rid, **meta_kwargs)] if i == 0 else (),
+                tokens=[(rid, token)],
+                finished=[(rid, finish_reason)] if last and finish_reason else (),
+            )
+        )
         out = core.take_output()
         events += out.events.get(CLIENT, [])
         aborts += out.aborts
@@ -75,8 +93,9 @@ def test_a_request_streams_its_text_and_ends_with_one_terminal_event(tokenizer):
     core.on_step_output(step(0, metas=[meta("r")]))
     core.on_step_output(step(1, tokens=[("r", ids[0])], started=[RequestStart("r", 2.0, 3.0, 1)]))
     for i, token in enumerate(ids[1:], 2):
-        core.on_step_output(step(i, tokens=[("r", token)],
-                                 finished=[("r", "length")] if i == len(ids) else ()))
+        core.on_step_output(
+            step(i, tokens=[("r", token)], finished=[("r", "length")] if i == len(ids) else ())
+        )
     events = core.take_output().events[CLIENT]
     assert "".join(e.text for e in events) == text
     assert [e.finished for e in events].count(True) == 1 and events[-1].finished
@@ -115,8 +134,9 @@ def test_a_stop_string_ends_the_request_here_and_aborts_it_in_the_engine(tokeniz
 def test_the_token_of_the_finishing_step_rides_in_the_terminal_event(tokenizer):
     core = core_with_clients(tokenizer, CLIENT)
     ids = tokenizer.encode("alpha beta", add_special_tokens=False).ids
-    core.on_step_output(step(1, metas=[meta("r")], tokens=[("r", ids[0])],
-                             finished=[("r", "stop")]))
+    core.on_step_output(
+        step(1, metas=[meta("r")], tokens=[("r", ids[0])], finished=[("r", "stop")])
+    )
     (event,) = core.take_output().events[CLIENT]
     assert event.finished and unpack_id_list(event.token_ids) == [ids[0]]
 
@@ -136,15 +156,22 @@ def test_an_abort_before_the_meta_is_repeated_when_the_request_shows_up(tokenize
 def test_a_gone_client_gets_nothing_more_and_its_requests_are_aborted(tokenizer):
     core = core_with_clients(tokenizer, CLIENT, OTHER)
     ids = tokenizer.encode("one two", add_special_tokens=False).ids
-    core.on_step_output(step(1, metas=[meta("a1"), meta("b1", OTHER)],
-                             tokens=[("a1", ids[0]), ("b1", ids[0])]))
+    core.on_step_output(
+        step(1, metas=[meta("a1"), meta("b1", OTHER)], tokens=[("a1", ids[0]), ("b1", ids[0])])
+    )
     # The worker drops a client whose queue is full: what was queued for it goes nowhere.
     core.on_client_gone(CLIENT, reason="stopped reading")
     out = core.take_output()
     assert set(out.events) == {OTHER} and out.aborts == ["a1"]
     assert not core.has_client(CLIENT)
-    core.on_step_output(step(2, metas=[meta("a2")], tokens=[("a1", ids[1]), ("b1", ids[1])],
-                             finished=[("a1", "abort"), ("b1", "length")]))
+    core.on_step_output(
+        step(
+            2,
+            metas=[meta("a2")],
+            tokens=[("a1", ids[1]), ("b1", ids[1])],
+            finished=[("a1", "abort"), ("b1", "length")],
+        )
+    )
     out = core.take_output()
     assert out.aborts == ["a2"]  # a meta of a gone client: aborted, never streamed
     assert set(out.events) == {OTHER} and out.events[OTHER][-1].finished
@@ -168,14 +195,21 @@ def test_a_request_error_is_the_requests_terminal_event(tokenizer):
     out = core.take_output()
     (event,) = out.events[CLIENT]
     assert (event.finished, event.finish_reason, event.error, event.error_code) == (
-        True, "error", "the prompt is empty", "bad_request")
+        True,
+        "error",
+        "the prompt is empty",
+        "bad_request",
+    )
     assert set(out.events) == {CLIENT} and not core.clients[CLIENT].pending_aborts
 
 
 def test_an_engine_error_without_a_code_reaches_the_client_as_internal(tokenizer):
     core = core_with_clients(tokenizer, CLIENT)
-    core.on_step_output(step(1, metas=[meta("a"), meta("b")],
-                             finished=[("a", "error", "boom", ""), ("b", "length")]))
+    core.on_step_output(
+        step(
+            1, metas=[meta("a"), meta("b")], finished=[("a", "error", "boom", ""), ("b", "length")]
+        )
+    )
     events = {e.request_id: e for e in core.take_output().events[CLIENT]}
     assert (events["a"].error, events["a"].error_code) == ("boom", "internal")
     assert (events["b"].finish_reason, events["b"].error_code) == ("length", None)
@@ -184,8 +218,9 @@ def test_an_engine_error_without_a_code_reaches_the_client_as_internal(tokenizer
 def test_a_dead_engine_ends_every_request_and_its_late_output_is_dropped(tokenizer):
     core = core_with_clients(tokenizer, CLIENT, OTHER)
     ids = tokenizer.encode("one two", add_special_tokens=False).ids
-    core.on_step_output(step(1, metas=[meta("a"), meta("b", OTHER)], tokens=[("a", ids[0])],
-                             pid=111))
+    core.on_step_output(
+        step(1, metas=[meta("a"), meta("b", OTHER)], tokens=[("a", ids[0])], pid=111)
+    )
     core.take_output()
     core.on_notice(ClusterNotice(NOTICE_DIED, "engine", 0, pid=111, detail="killed"), now=99.0)
     out = core.take_output()
@@ -204,8 +239,12 @@ def test_a_dead_engine_ends_every_request_and_its_late_output_is_dropped(tokeniz
 
 def test_a_dead_tokenizer_names_each_clients_requests_alive_in_the_engine(tokenizer):
     core = core_with_clients(tokenizer, CLIENT, OTHER)
-    core.on_step_output(step(1, metas=[meta("a0"), meta("a1", tokenizer_index=1),
-                                       meta("b1", OTHER, tokenizer_index=1)]))
+    core.on_step_output(
+        step(
+            1,
+            metas=[meta("a0"), meta("a1", tokenizer_index=1), meta("b1", OTHER, tokenizer_index=1)],
+        )
+    )
     core.on_notice(ClusterNotice(NOTICE_DIED, "tokenizer", 1, pid=5), now=0.0)
     core.on_notice(ClusterNotice(NOTICE_READY, "tokenizer", 1, pid=6), now=0.0)
     out = core.take_output()
@@ -237,8 +276,7 @@ def test_a_step_with_a_token_count_mismatch_keeps_its_finishes(tokenizer):
 def test_a_second_meta_for_a_live_request_changes_nothing(tokenizer):
     core = core_with_clients(tokenizer, CLIENT)
     core.on_step_output(step(1, metas=[meta("a")], tokens=[("a", 5)]))
-    core.on_step_output(step(2, metas=[meta("a")], tokens=[("a", 6)],
-                             finished=[("a", "length")]))
+    core.on_step_output(step(2, metas=[meta("a")], tokens=[("a", 6)], finished=[("a", "length")]))
     events = core.take_output().events[CLIENT]
     assert events[-1].finished and events[-1].usage.completion_tokens == 2
 
@@ -268,8 +306,14 @@ def test_stats_queries_get_the_engines_latest_stats_and_a_dead_engine_zeroes_the
     core.on_stats_query(CLIENT, "s0")
     (before,) = core.take_output().replies[CLIENT]
     assert before.request_id == "s0" and before.stats == EngineStats() and before.engine_pid == 0
-    busy = EngineStats(running=3, waiting=2, kv_blocks_used=5, kv_blocks_total=10,
-                       prefix_queried_tokens_total=40, prefix_hit_tokens_total=16)
+    busy = EngineStats(
+        running=3,
+        waiting=2,
+        kv_blocks_used=5,
+        kv_blocks_total=10,
+        prefix_queried_tokens_total=40,
+        prefix_hit_tokens_total=16,
+    )
     out = step(1, pid=77)
     out.stats = busy
     core.on_step_output(out)
@@ -295,13 +339,21 @@ def test_continuous_usage_puts_the_usage_so_far_on_every_event(tokenizer):
     ids = tokenizer.encode(" one two three").ids
     plain, counted = meta("plain"), meta("counted")
     counted.continuous_usage_stats = True
-    core.on_step_output(step(1, metas=[plain, counted],
-                             tokens=[("plain", ids[0]), ("counted", ids[0])]))
+    core.on_step_output(
+        step(1, metas=[plain, counted], tokens=[("plain", ids[0]), ("counted", ids[0])])
+    )
     core.on_step_output(step(2, tokens=[("plain", ids[1]), ("counted", ids[1])]))
-    core.on_step_output(step(3, tokens=[("plain", ids[2]), ("counted", ids[2])],
-                             finished=[("plain", "length"), ("counted", "length")]))
+    core.on_step_output(
+        step(
+            3,
+            tokens=[("plain", ids[2]), ("counted", ids[2])],
+            finished=[("plain", "length"), ("counted", "length")],
+        )
+    )
     events = core.take_output().events[CLIENT]
-    usage = {rid: [e.usage and e.usage.completion_tokens for e in events if e.request_id == rid]
-             for rid in ("plain", "counted")}
+    usage = {
+        rid: [e.usage and e.usage.completion_tokens for e in events if e.request_id == rid]
+        for rid in ("plain", "counted")
+    }
     assert usage == {"plain": [None, None, 3], "counted": [1, 2, 3]}
     assert all(e.usage.prompt_tokens == 3 for e in events if e.request_id == "counted")

@@ -13,8 +13,9 @@ from ipc.structured import ToolCall, add_tool_call_deltas
 from runtime.model_files import load_tokenizer
 from tests.detok_worker.test_core import CLIENT, core_with_clients, step
 
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n' \
-       '</tool_call>'
+CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,14 @@ def run(tokenizer, text: str, parser: str, reason: str = "stop", stop=()):
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     meta = RequestMeta("r", CLIENT, prompt_tokens=3, stop=list(stop), tool_parser=parser)
     for i, token in enumerate(ids):
-        core.on_step_output(step(i + 1, metas=[meta] if i == 0 else (), tokens=[("r", token)],
-                                 finished=[("r", reason)] if i == len(ids) - 1 else ()))
+        core.on_step_output(
+            step(
+                i + 1,
+                metas=[meta] if i == 0 else (),
+                tokens=[("r", token)],
+                finished=[("r", reason)] if i == len(ids) - 1 else (),
+            )
+        )
     events = core.take_output().events.get(CLIENT, [])
     calls: list[ToolCall] = []
     for event in events:

@@ -10,8 +10,11 @@ from ipc.codec import unpack_id_list
 from ipc.messages import RequestMeta
 from runtime.model_files import load_tokenizer
 
-TEXTS = ["Héllo wörld! 日本語のテキスト 🙂🚀 naïve café", "ascii only, plain text.\nline two",
-         "emoji split 👨‍👩‍👧‍👦 and ∑∫√ math"]
+TEXTS = [
+    "Héllo wörld! 日本語のテキスト 🙂🚀 naïve café",
+    "ascii only, plain text.\nline two",
+    "emoji split 👨‍👩‍👧‍👦 and ∑∫√ math",
+]
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,14 @@ def test_byte_level_tokens_keep_their_own_bytes(tokenizer):
 def test_sentencepiece_tokens_show_spaces_and_fallback_bytes():
     vocab = {"<unk>": 0, "\u2581the": 1, "<0xE2>": 2, "a": 3}
     sp = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    sp.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     strings = TokenStrings(sp)
     assert strings.get(1) == (" the", b" the")
     assert strings.get(2) == ("\ufffd", b"\xe2")
@@ -60,8 +66,13 @@ def core_for(tokenizer, **kwargs) -> DetokenizerCore:
 
 
 def meta(rid: str, prompt: list[int] | None = None, **kwargs) -> RequestMeta:
-    return RequestMeta(rid, CLIENT, prompt_tokens=len(prompt or [1]),
-                       prompt_token_ids=pack_ids(prompt) if prompt else b"", **kwargs)
+    return RequestMeta(
+        rid,
+        CLIENT,
+        prompt_tokens=len(prompt or [1]),
+        prompt_token_ids=pack_ids(prompt) if prompt else b"",
+        **kwargs,
+    )
 
 
 def test_logprobs_travel_with_their_tokens_at_any_stream_interval(tokenizer):
@@ -69,12 +80,19 @@ def test_logprobs_travel_with_their_tokens_at_any_stream_interval(tokenizer):
     ids = tokenizer.encode("one two three four five six seven", add_special_tokens=False).ids
     for i, token in enumerate(ids):
         # Row 0 is a neighbour that did not ask; row 1 asked for its token and its top 2.
-        core.on_step_output(StepOutput(
-            step=i, t_step=float(i), new_requests=[meta("plain"), meta("asked")] if i == 0 else [],
-            request_ids=["plain", "asked"], token_ids=pack_ids([token, token]),
-            logprobs=[TokenLogprobs(1, -0.5 - i, pack_ids([token, 7]), floats([-0.5 - i, -9]))],
-            finished=[FinishRecord(r, "length") for r in ("plain", "asked")]
-            if i == len(ids) - 1 else []))
+        core.on_step_output(
+            StepOutput(
+                step=i,
+                t_step=float(i),
+                new_requests=[meta("plain"), meta("asked")] if i == 0 else [],
+                request_ids=["plain", "asked"],
+                token_ids=pack_ids([token, token]),
+                logprobs=[TokenLogprobs(1, -0.5 - i, pack_ids([token, 7]), floats([-0.5 - i, -9]))],
+                finished=[FinishRecord(r, "length") for r in ("plain", "asked")]
+                if i == len(ids) - 1
+                else [],
+            )
+        )
     events = core.take_output().events[CLIENT]
     asked = [e for e in events if e.request_id == "asked"]
     assert len(asked) > 2 and not any(e.logprobs for e in events if e.request_id == "plain")
@@ -92,12 +110,35 @@ def test_echo_and_prompt_logprobs_come_first_even_when_scoring_only(tokenizer):
     prompt = tokenizer.encode("The capital of France", add_special_tokens=False).ids
     n = len(prompt)
     # Two prefill chunks; scoring only (no token), so the engine's finish ends it.
-    core.on_step_output(StepOutput(step=1, t_step=1.0, new_requests=[
-        meta("r", prompt, echo=True, prompt_logprobs=True)], prompt_logprobs=[
-        PromptLogprobs("r", 1, floats([-1.0, -2.0]), 1, pack_ids([5, 6]), floats([-0.1, -0.2]))]))
-    core.on_step_output(StepOutput(step=2, t_step=2.0, prompt_logprobs=[
-        PromptLogprobs("r", 3, floats(range(-3, -n, -1)), 1, pack_ids(range(3, n)),
-                       floats([0] * (n - 3)))], finished=[FinishRecord("r", "length")]))
+    core.on_step_output(
+        StepOutput(
+            step=1,
+            t_step=1.0,
+            new_requests=[meta("r", prompt, echo=True, prompt_logprobs=True)],
+            prompt_logprobs=[
+                PromptLogprobs(
+                    "r", 1, floats([-1.0, -2.0]), 1, pack_ids([5, 6]), floats([-0.1, -0.2])
+                )
+            ],
+        )
+    )
+    core.on_step_output(
+        StepOutput(
+            step=2,
+            t_step=2.0,
+            prompt_logprobs=[
+                PromptLogprobs(
+                    "r",
+                    3,
+                    floats(range(-3, -n, -1)),
+                    1,
+                    pack_ids(range(3, n)),
+                    floats([0] * (n - 3)),
+                )
+            ],
+            finished=[FinishRecord("r", "length")],
+        )
+    )
     (event,) = core.take_output().events[CLIENT]
     assert event.finished and event.echo_text == "The capital of France" and not event.text
     entries = event.prompt_logprobs
@@ -111,11 +152,19 @@ def test_echo_without_prompt_logprobs_and_a_stop_string_kept(tokenizer):
     core = core_for(tokenizer)
     prompt = tokenizer.encode("Say it:", add_special_tokens=False).ids
     ids = tokenizer.encode(" yes. And more", add_special_tokens=False).ids
-    core.on_step_output(StepOutput(step=1, t_step=1.0, new_requests=[
-        meta("r", prompt, echo=True, stop=["."], include_stop_str_in_output=True)]))
+    core.on_step_output(
+        StepOutput(
+            step=1,
+            t_step=1.0,
+            new_requests=[
+                meta("r", prompt, echo=True, stop=["."], include_stop_str_in_output=True)
+            ],
+        )
+    )
     for i, token in enumerate(ids):
-        core.on_step_output(StepOutput(step=2 + i, t_step=2.0, request_ids=["r"],
-                                       token_ids=pack_ids([token])))
+        core.on_step_output(
+            StepOutput(step=2 + i, t_step=2.0, request_ids=["r"], token_ids=pack_ids([token]))
+        )
     events = core.take_output().events[CLIENT]
     assert events[0].echo_text == "Say it:" and not any(e.echo_text for e in events[1:])
     assert not any(e.prompt_logprobs for e in events)

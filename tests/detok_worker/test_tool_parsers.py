@@ -13,10 +13,13 @@ from hypothesis import strategies as st
 from detok_worker.tool_parsers import TOOL_PARSERS, HermesToolParser, ParsedDelta, parse_complete
 from ipc.structured import ToolCallDelta
 
-WEATHER = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
-           '\n</tool_call>')
-TRICKY = ('<tool_call>\n{"name": "say", "arguments": {"text": "a \\"}\\" </tool_call> {[", '
-          '"n": [1, {"x": "]"}]}}\n</tool_call>')
+WEATHER = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+)
+TRICKY = (
+    '<tool_call>\n{"name": "say", "arguments": {"text": "a \\"}\\" </tool_call> {[", '
+    '"n": [1, {"x": "]"}]}}\n</tool_call>'
+)
 
 
 def parser() -> HermesToolParser:
@@ -29,24 +32,35 @@ def calls_of(text):
     return content, [(c.id, c.name, json.loads(c.arguments)) for c in calls]
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    ("The capital is Paris.", "The capital is Paris.", []),
-    ("ends with a space ", "ends with a space ", []),
-    (WEATHER, "", [("call_0", "get_weather", {"city": "Paris", "days": 3})]),
-    ("Let me check.\n" + WEATHER + "\n" + WEATHER.replace("Paris", "Oslo"), "Let me check.",
-     [("call_0", "get_weather", {"city": "Paris", "days": 3}),
-      ("call_1", "get_weather", {"city": "Oslo", "days": 3})]),
-    (TRICKY, "", [("call_0", "say", {"text": 'a "}" </tool_call> {[', "n": [1, {"x": "]"}]})]),
-    # Arguments before the name: parsed when the call closes.
-    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', "",
-     [("call_0", "f", {"a": 1})]),
-    # Not a call: kept as text, tags and all.
-    ("<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
-    # Cut off after a complete object (eos or max tokens before the closing tag).
-    ('<tool_call>\n{"name": "f", "arguments": {}}', "", [("call_0", "f", {})]),
-    ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),
-    ("a <tool_ b", "a <tool_ b", []),
-])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("The capital is Paris.", "The capital is Paris.", []),
+        ("ends with a space ", "ends with a space ", []),
+        (WEATHER, "", [("call_0", "get_weather", {"city": "Paris", "days": 3})]),
+        (
+            "Let me check.\n" + WEATHER + "\n" + WEATHER.replace("Paris", "Oslo"),
+            "Let me check.",
+            [
+                ("call_0", "get_weather", {"city": "Paris", "days": 3}),
+                ("call_1", "get_weather", {"city": "Oslo", "days": 3}),
+            ],
+        ),
+        (TRICKY, "", [("call_0", "say", {"text": 'a "}" </tool_call> {[', "n": [1, {"x": "]"}]})]),
+        # Arguments before the name: parsed when the call closes.
+        (
+            '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
+            "",
+            [("call_0", "f", {"a": 1})],
+        ),
+        # Not a call: kept as text, tags and all.
+        ("<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
+        # Cut off after a complete object (eos or max tokens before the closing tag).
+        ('<tool_call>\n{"name": "f", "arguments": {}}', "", [("call_0", "f", {})]),
+        ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),
+        ("a <tool_ b", "a <tool_ b", []),
+    ],
+)
 def test_whole_outputs(text, content, calls):
     assert calls_of(text) == (content, calls)
 
@@ -70,8 +84,12 @@ def merged(deltas: list[ParsedDelta]):
     return content, [(i, n, json.loads(a)) for i, n, a in calls]
 
 
-SAMPLES = ["Let me check.\n" + WEATHER + "\n" + WEATHER.replace("Paris", "Oslo"), TRICKY,
-           "plain <tool text", '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>']
+SAMPLES = [
+    "Let me check.\n" + WEATHER + "\n" + WEATHER.replace("Paris", "Oslo"),
+    TRICKY,
+    "plain <tool text",
+    '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
+]
 
 
 @settings(max_examples=150, deadline=None)
@@ -85,11 +103,15 @@ def test_char_by_char_name_first_then_argument_fragments():
     deltas = stream(WEATHER, list(range(1, len(WEATHER))))
     first = next(i for i, d in enumerate(deltas) if d.tool_calls)
     start = deltas[first].tool_calls[0]
-    assert start.as_openai() == {"index": 0, "id": "call_0", "type": "function",
-                                 "function": {"name": "get_weather", "arguments": "{"}}
+    assert start.as_openai() == {
+        "index": 0,
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": "{"},
+    }
     # The name went out as soon as the arguments began, long before they were complete.
-    assert WEATHER[:first + 1].endswith('"arguments": {')
-    fragments = [d.tool_calls[0] for d in deltas[first + 1:] if d.tool_calls]
+    assert WEATHER[: first + 1].endswith('"arguments": {')
+    fragments = [d.tool_calls[0] for d in deltas[first + 1 :] if d.tool_calls]
     assert len(fragments) > 10 and all(f.id is None for f in fragments)
     assert fragments[0].as_openai() == {"index": 0, "function": {"arguments": '"'}}
     assert all(len(d.tool_calls) <= 1 for d in deltas)
@@ -105,5 +127,7 @@ def test_text_that_may_open_a_call_is_held_back_then_released():
 
 def test_registry_names_the_default_format():
     assert TOOL_PARSERS["hermes"] is HermesToolParser
-    assert ToolCallDelta(2, arguments="x").as_openai() == {"index": 2,
-                                                           "function": {"arguments": "x"}}
+    assert ToolCallDelta(2, arguments="x").as_openai() == {
+        "index": 2,
+        "function": {"arguments": "x"},
+    }

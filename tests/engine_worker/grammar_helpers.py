@@ -14,8 +14,26 @@ from ipc.structured import GrammarVocabulary
 
 EOS = 0
 SPECIAL = [EOS, 1]  # 1 is a special token that is not eos: never text
-MERGES = [b'{"', b'": ', b'", "', b'"}', b', ', b'true', b'false', b'null', b'red', b'green',
-          b'name', b'age', b'tags', b'ab', b'12', b'\n', b'\xc3', b'\xa9']  # last two: half of é
+MERGES = [
+    b'{"',
+    b'": ',
+    b'", "',
+    b'"}',
+    b", ",
+    b"true",
+    b"false",
+    b"null",
+    b"red",
+    b"green",
+    b"name",
+    b"age",
+    b"tags",
+    b"ab",
+    b"12",
+    b"\n",
+    b"\xc3",
+    b"\xa9",
+]  # last two: half of é
 
 
 def tiny_vocabulary(padding: int = 40) -> GrammarVocabulary:
@@ -24,8 +42,12 @@ def tiny_vocabulary(padding: int = 40) -> GrammarVocabulary:
     tokens = [b"<|end|>", b"<|other|>"] + [bytes([c]) for c in range(32, 127)] + MERGES
     ends = np.cumsum([len(t) for t in tokens])
     vocabulary = GrammarVocabulary(
-        vocab_size=len(tokens) + padding, token_bytes=b"".join(tokens),
-        token_ends=pack_ids(ends), special_ids=pack_ids(SPECIAL), eos_ids=[EOS])
+        vocab_size=len(tokens) + padding,
+        token_bytes=b"".join(tokens),
+        token_ends=pack_ids(ends),
+        special_ids=pack_ids(SPECIAL),
+        eos_ids=[EOS],
+    )
     vocabulary.fingerprint = vocabulary.digest()
     return vocabulary
 
@@ -38,8 +60,9 @@ def wait_ready(grammar: RequestGrammar, timeout_s: float = 10.0) -> RequestGramm
     return grammar
 
 
-def sample_constrained(grammars: list[RequestGrammar | None], vocab_size: int, steps: int,
-                       seed: int = 0) -> tuple[list[list[int]], list[str | None]]:
+def sample_constrained(
+    grammars: list[RequestGrammar | None], vocab_size: int, steps: int, seed: int = 0
+) -> tuple[list[list[int]], list[str | None]]:
     """Greedy over random logits, every row masked by its grammar each step. Returns each
     row's tokens and how it ended (a finish reason, or None if still going after ``steps``)."""
     generator = torch.Generator().manual_seed(seed)

@@ -13,8 +13,9 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
 
-def collect(engine: Engine, max_steps: int = 10_000, on_step=None,
-            totals: dict | None = None) -> dict[str, dict]:
+def collect(
+    engine: Engine, max_steps: int = 10_000, on_step=None, totals: dict | None = None
+) -> dict[str, dict]:
     """Steps the engine until idle; returns per-request tokens, finish reason, start info and,
     where asked, the TokenLogprobs ("logprobs") and PromptLogprobs ("prompt_logprobs").
 
@@ -52,8 +53,15 @@ def collect(engine: Engine, max_steps: int = 10_000, on_step=None,
 def manual_request(engine: Engine, token_ids: list[int], name: str = "r") -> EngineRequest:
     """A request the test drives through engine.runner directly (no scheduler)."""
     params = greedy(1)
-    return EngineRequest(name, list(token_ids), params, RequestSampler(params, engine.device),
-                         frozenset(), engine.max_model_len, 0.0)
+    return EngineRequest(
+        name,
+        list(token_ids),
+        params,
+        RequestSampler(params, engine.device),
+        frozenset(),
+        engine.max_model_len,
+        0.0,
+    )
 
 
 def give_blocks(engine: Engine, request: EngineRequest, num_tokens: int) -> None:

@@ -26,8 +26,9 @@ def publish_chain(cache, blocks, ids):
     owned = blocks.allocate(len(ids) // size)
     keys, node = [], ROOT_NODE
     for i, block in enumerate(owned):
-        key, node = cache.publish(block, tuple(ids[i * size:(i + 1) * size]),
-                                  keys[-1] if keys else None, node)
+        key, node = cache.publish(
+            block, tuple(ids[i * size : (i + 1) * size]), keys[-1] if keys else None, node
+        )
         keys.append(key)
     return owned, keys, node
 
@@ -62,8 +63,7 @@ def test_prefix_cache_shares_verifies_and_evicts_lru():
 def test_prefix_cache_refuses_a_block_whose_chain_key_collides(monkeypatch):
     """Chain keys that ignore the prefix (a forced collision): [Y][Z] must not get the Z block
     computed after [X], although its key and its own tokens are the same."""
-    monkeypatch.setattr(PrefixCache, "chain_key", staticmethod(lambda parent, tokens:
-                                                               hash(tokens)))
+    monkeypatch.setattr(PrefixCache, "chain_key", staticmethod(lambda parent, tokens: hash(tokens)))
     cache = PrefixCache(block_size=2)
     blocks = KVBlockManager(num_blocks=8, block_size=2, prefix_cache=cache)
     x, y, z, w = [1, 2], [3, 4], [5, 6], [7, 8]

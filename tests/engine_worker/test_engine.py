@@ -20,8 +20,9 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1467, 30]
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dir):
-    return Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=1024,
-                               max_waiting_requests=8))
+    return Engine(
+        EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=1024, max_waiting_requests=8)
+    )
 
 
 def assert_idle_and_leak_free(engine: Engine) -> None:
@@ -33,16 +34,24 @@ def assert_idle_and_leak_free(engine: Engine) -> None:
 @pytest.mark.slow
 def test_continuous_batching_matches_transformers_generate(default_model_dir):
     prompts = [
-        "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-        "The three primary colors are", "Water boils at", "import numpy as np\n",
-        "My favourite book is", "The quick brown fox jumps over",
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "The three primary colors are",
+        "Water boils at",
+        "import numpy as np\n",
+        "My favourite book is",
+        "The quick brown fox jumps over",
     ]
     from tokenizers import Tokenizer  # the test may tokenize; the engine never does
 
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
     ids = [tokenizer.encode(p).ids for p in prompts]
-    engine = Engine(EngineConfig(model_path=str(default_model_dir), dtype="float32",
-                                 weights="fp32", kv_cache_tokens=2048))
+    engine = Engine(
+        EngineConfig(
+            model_path=str(default_model_dir), dtype="float32", weights="fp32", kv_cache_tokens=2048
+        )
+    )
     arrivals = {0: [0, 1, 2], 2: [3], 3: [4, 5], 7: [6], 12: [7]}  # step -> prompts arriving
 
     def arrive(step, eng):
@@ -52,8 +61,9 @@ def test_continuous_batching_matches_transformers_generate(default_model_dir):
     results = collect(engine, on_step=arrive)
     hf = load_reference_model(default_model_dir)
     for i, prompt_ids in enumerate(ids):
-        expected = hf.generate(torch.tensor([prompt_ids]), attention_mask=None, max_new_tokens=32,
-                               do_sample=False)[0, len(prompt_ids):].tolist()
+        expected = hf.generate(
+            torch.tensor([prompt_ids]), attention_mask=None, max_new_tokens=32, do_sample=False
+        )[0, len(prompt_ids) :].tolist()
         assert results[f"p{i}"]["tokens"] == expected, f"prompt {i} differs"
         assert results[f"p{i}"]["reason"] == (FINISH_STOP if expected[-1] == 2 else FINISH_LENGTH)
     assert_idle_and_leak_free(engine)
@@ -62,18 +72,23 @@ def test_continuous_batching_matches_transformers_generate(default_model_dir):
 def test_engine_imports_no_tokenizer_code(tiny_model_dir):
     import subprocess
 
-    code = ("import sys; from engine_worker.engine import Engine; "
-            "from ipc.engine_config import EngineConfig; "
-            f"Engine(EngineConfig(model_path={str(tiny_model_dir)!r}, kv_cache_tokens=256)); "
-            "bad = [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))]; "
-            "print('LOADED', bad)")
+    code = (
+        "import sys; from engine_worker.engine import Engine; "
+        "from ipc.engine_config import EngineConfig; "
+        f"Engine(EngineConfig(model_path={str(tiny_model_dir)!r}, kv_cache_tokens=256)); "
+        "bad = [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))]; "
+        "print('LOADED', bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "LOADED []" in out.stdout, out.stdout + out.stderr
 
 
 def test_stops_max_tokens_eos_and_context_limit(tiny_model_dir):
-    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=512,
-                                 max_model_len=len(PROMPT) + 5))
+    engine = Engine(
+        EngineConfig(
+            model_path=str(tiny_model_dir), kv_cache_tokens=512, max_model_len=len(PROMPT) + 5
+        )
+    )
     engine.add("len", PROMPT, greedy(3))
     engine.add("ctx", PROMPT, greedy(100))
     results = collect(engine)
@@ -90,7 +105,7 @@ def test_stops_max_tokens_eos_and_context_limit(tiny_model_dir):
 
 
 def results_prefix(stop_token: int, tokens: list[int]) -> list[int]:
-    return tokens[:tokens.index(stop_token) + 1]
+    return tokens[: tokens.index(stop_token) + 1]
 
 
 def test_eos_stops_unless_ignore_eos(tiny_model_dir):
@@ -163,8 +178,11 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_engine):
     engine.add("noise1", PROMPT[:4], SamplingParams(max_tokens=8, temperature=1.5))
     engine.add("seeded", PROMPT, params)
     engine.add("noise2", PROMPT[::-1], SamplingParams(max_tokens=8, temperature=0.7, top_p=0.5))
-    engine.add("other-seed", PROMPT, SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9,
-                                                    top_k=50, seed=99))
+    engine.add(
+        "other-seed",
+        PROMPT,
+        SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=99),
+    )
     results = collect(engine)
     assert results["seeded"]["tokens"] == alone
     assert results["other-seed"]["tokens"] != alone  # 8 sampled tokens: a clash is negligible
@@ -196,9 +214,16 @@ def test_decode_workspace_matches_the_gather_path(tiny_model_dir):
     sampling = SamplingParams(max_tokens=60, temperature=0.8, seed=11, ignore_eos=True)
     logits = {}
     for budget in (0, 1 << 30):
-        engine = Engine(EngineConfig(model_path=tiny_model_dir, dtype="float32", device="cpu",
-                                     kv_cache_tokens=4096, enable_prefix_cache=False,
-                                     decode_workspace_max_bytes=budget))
+        engine = Engine(
+            EngineConfig(
+                model_path=tiny_model_dir,
+                dtype="float32",
+                device="cpu",
+                kv_cache_tokens=4096,
+                enable_prefix_cache=False,
+                decode_workspace_max_bytes=budget,
+            )
+        )
         seen, original = [], engine.runner._forward
 
         def recording(inputs, original=original, seen=seen):
@@ -216,8 +241,12 @@ def test_decode_workspace_matches_the_gather_path(tiny_model_dir):
 
         engine.runner.attention._decode_workspace = tracking
         arrivals = {0: [0, 1], 3: [2], 7: [3, 4]}  # joins rebuild; 60 tokens outgrow 32 spare
-        collect(engine, on_step=lambda step, e, arrivals=arrivals: [
-            e.add(f"r{i}", prompts[i], sampling) for i in arrivals.get(step, [])])
+        collect(
+            engine,
+            on_step=lambda step, e, arrivals=arrivals: [
+                e.add(f"r{i}", prompts[i], sampling) for i in arrivals.get(step, [])
+            ],
+        )
         assert engine.runner.attention._workspace is None  # dropped once idle
         assert (sum(reused) > 40) == (budget > 0) and (sum(reused) == 0) == (budget == 0)
         logits[budget] = seen
@@ -245,6 +274,7 @@ def test_cpu_steps_take_a_bounded_number_of_prompt_tokens(tiny_model_dir):
     assert prefill_steps == 4  # 1,600 prompt tokens in steps of at most 512
     collect(engine)
     assert_idle_and_leak_free(engine)
-    explicit = Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=1024,
-                                   prefill_max_tokens=4096))
+    explicit = Engine(
+        EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=1024, prefill_max_tokens=4096)
+    )
     assert explicit.config.prefill_max_tokens == 4096

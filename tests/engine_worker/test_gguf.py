@@ -23,14 +23,30 @@ from procs.model_store import gguf_file
 from tests.engine_worker.helpers import give_blocks, manual_request
 
 T = GGMLQuantizationType
-GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-              "output_norm.weight", "input_layernorm": "attn_norm", "post_attention_layernorm":
-              "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 # One tensor kind per served type: what the tiny file holds.
-TINY_TYPES = {"token_embd": T.Q8_0, "attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1,
-              "attn_output": T.Q4_0, "ffn_gate": T.Q4_1, "ffn_up": T.Q4_0, "ffn_down": T.F16}
+TINY_TYPES = {
+    "token_embd": T.Q8_0,
+    "attn_q": T.Q4_1,
+    "attn_k": T.Q4_1,
+    "attn_v": T.Q4_1,
+    "attn_output": T.Q4_0,
+    "ffn_gate": T.Q4_1,
+    "ffn_up": T.Q4_0,
+    "ffn_down": T.F16,
+}
 
 
 def to_gguf_name(hf: str) -> str:
@@ -43,8 +59,9 @@ def to_gguf_name(hf: str) -> str:
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter order for q/k rows (pairs of adjacent rope dimensions)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def write_gguf(model_dir, out_dir, types: dict) -> dict[str, torch.Tensor]:
@@ -68,13 +85,19 @@ def write_gguf(model_dir, out_dir, types: dict) -> dict[str, torch.Tensor]:
                 w = permute_rows(w, heads_of)
             kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
             qtype = types.get(kind, T.F32) if w.ndim == 2 else T.F32
-            data = w if qtype == T.F32 else w.astype(np.float16) if qtype == T.F16 else \
-                quants.quantize(w, qtype)
+            data = (
+                w
+                if qtype == T.F32
+                else w.astype(np.float16)
+                if qtype == T.F16
+                else quants.quantize(w, qtype)
+            )
             writer.add_tensor(name, data, raw_dtype=qtype)
             exact = quants.dequantize(data, qtype) if qtype not in (T.F32, T.F16) else data
             exact = np.asarray(exact, dtype=np.float32).reshape(w.shape)
             reference[hf] = torch.from_numpy(
-                np.ascontiguousarray(permute_back(exact, heads_of) if heads_of else exact))
+                np.ascontiguousarray(permute_back(exact, heads_of) if heads_of else exact)
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -83,8 +106,9 @@ def write_gguf(model_dir, out_dir, types: dict) -> dict[str, torch.Tensor]:
 
 
 def permute_back(w: np.ndarray, heads: int) -> np.ndarray:
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape)
+    return (
+        w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
@@ -112,8 +136,11 @@ def test_blocks_parse_exactly_and_int4_kernel_reproduces_gguf_dequantize(tiny_gg
     reader = GGUFReader(str(tiny_gguf[0] / "model.gguf"))
     seen = set()
     for t in reader.tensors:
-        expected = torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type),
-                                             dtype=np.float32).reshape(t.data.shape[0], -1))
+        expected = torch.from_numpy(
+            np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+                t.data.shape[0], -1
+            )
+        )
         source = _parse(t.tensor_type.name, np.asarray(t.data), [int(d) for d in t.shape])
         assert torch.equal(dequantize(source).reshape(expected.shape), expected), t.name
         seen.add(t.tensor_type.name)
@@ -131,18 +158,25 @@ def test_gguf_checkpoint_matches_its_dequantized_weights(tiny_gguf):
     reference = last_logits(Engine(EngineConfig(model_path=str(dense_dir), **config)), PROMPT)
     # fp32 dense from the GGUF: the very same weights (mapping, row order, every block type);
     # only the GEMMs' rounding may differ (their blocking depends on the buffers' alignment).
-    served = last_logits(Engine(EngineConfig(model_path=str(gguf_dir), weights="fp32",
-                                             **config)), PROMPT)
+    served = last_logits(
+        Engine(EngineConfig(model_path=str(gguf_dir), weights="fp32", **config)), PROMPT
+    )
     assert (served - reference).abs().max() < 1e-6 * reference.abs().max()
     # Quantized at the file's own precision, no dense copy: Q4_x run on the int4 kernel with the
     # file's exact weights, Q8_0 (the tied head) is re-quantized to int8 per channel.
-    auto = Engine(EngineConfig(model_path=str(gguf_dir), weights="auto",
-                               quantized_max_tokens=1 << 20, **config))
+    auto = Engine(
+        EngineConfig(
+            model_path=str(gguf_dir), weights="auto", quantized_max_tokens=1 << 20, **config
+        )
+    )
     kinds = auto.runner.model.weight_format.counts
     assert kinds == {"int4": 6, "dense": 2, "int8": 1}, kinds  # 2 layers x (qkv, o, gate_up)
-    exact_weights = Engine(EngineConfig(model_path=str(gguf_dir), **config),
-                           weight_format=WeightFormat("auto", torch.float32, torch.device("cpu"),
-                                                      reference_for=torch.float32))
+    exact_weights = Engine(
+        EngineConfig(model_path=str(gguf_dir), **config),
+        weight_format=WeightFormat(
+            "auto", torch.float32, torch.device("cpu"), reference_for=torch.float32
+        ),
+    )
     expected = last_logits(exact_weights, PROMPT)
     diff = (last_logits(auto, PROMPT) - expected).abs().max().item()
     assert diff < 1e-4 * expected.abs().max().item(), diff
@@ -192,10 +226,12 @@ def test_engine_on_a_gguf_imports_no_tokenizer_code(tiny_gguf):
     import subprocess
     import sys
 
-    code = ("import sys; from engine_worker.engine import Engine; "
-            "from ipc.engine_config import EngineConfig; "
-            f"Engine(EngineConfig(model_path={str(tiny_gguf[0])!r}, kv_cache_tokens=256)); "
-            "bad = [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))]; "
-            "print('LOADED', bad)")
+    code = (
+        "import sys; from engine_worker.engine import Engine; "
+        "from ipc.engine_config import EngineConfig; "
+        f"Engine(EngineConfig(model_path={str(tiny_gguf[0])!r}, kv_cache_tokens=256)); "
+        "bad = [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))]; "
+        "print('LOADED', bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "LOADED []" in out.stdout, out.stdout + out.stderr

@@ -29,13 +29,22 @@ from tests.engine_worker.grammar_helpers import (
 )
 from tokenizer_worker.grammar_compiler import GrammarCompiler
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6},
-    "color": {"enum": ["red", "green"]},
-    "tags": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
-             "minItems": 1, "maxItems": 3},
-    "ok": {"type": "boolean"}},
-    "required": ["name", "color", "tags", "ok"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "color": {"enum": ["red", "green"]},
+        "tags": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 99},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "color", "tags", "ok"],
+    "additionalProperties": False,
+}
 STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
@@ -60,8 +69,9 @@ def build(builder, compiler, spec):
     return wait_ready(builder.request(compiler.compile(spec)))
 
 
-def test_json_schema_rows_always_give_valid_json_and_stop_when_complete(builder, compiler,
-                                                                         vocabulary):
+def test_json_schema_rows_always_give_valid_json_and_stop_when_complete(
+    builder, compiler, vocabulary
+):
     spec = StructuredOutputSpec.json_schema(SCHEMA)
     grammars = [build(builder, compiler, spec) for _ in range(6)]
     tokens, ended = sample_constrained(grammars, vocabulary.vocab_size, steps=300)
@@ -72,17 +82,19 @@ def test_json_schema_rows_always_give_valid_json_and_stop_when_complete(builder,
         assert list(doc) == list(SCHEMA["properties"])  # in the schema's order
         # The compact layout: outside strings, exactly what json.dumps writes.
         assert STRINGS.sub(b'""', text_of(vocabulary, row)) == STRINGS.sub(
-            b'""', json.dumps(doc).encode())
+            b'""', json.dumps(doc).encode()
+        )
     assert builder.built == 1  # one build, five copies from the cache
 
 
 def test_regex_choice_and_grammar_match_in_full(builder, compiler, vocabulary):
     cases = [
         (StructuredOutputSpec("regex", r"(ab|12){2,4}!"), rb"(ab|12){2,4}!"),
-        (StructuredOutputSpec("choice", choices=["red", "green", "na\"me"]),
-         rb'red|green|na"me'),
-        (StructuredOutputSpec("grammar", 'root ::= item (", " item)*\nitem ::= "true" | "null"'),
-         rb"(true|null)(, (true|null))*"),
+        (StructuredOutputSpec("choice", choices=["red", "green", 'na"me']), rb'red|green|na"me'),
+        (
+            StructuredOutputSpec("grammar", 'root ::= item (", " item)*\nitem ::= "true" | "null"'),
+            rb"(true|null)(, (true|null))*",
+        ),
     ]
     for seed, (spec, pattern) in enumerate(cases):
         grammars = [build(builder, compiler, spec) for _ in range(4)]
@@ -93,7 +105,8 @@ def test_regex_choice_and_grammar_match_in_full(builder, compiler, vocabulary):
 
 
 def test_unconstrained_rows_are_untouched_and_constrained_rows_allow_only_grammar_tokens(
-        builder, compiler, vocabulary):
+    builder, compiler, vocabulary
+):
     grammar = build(builder, compiler, StructuredOutputSpec("choice", choices=["true", "null"]))
     logits = torch.randn(3, vocabulary.vocab_size, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
@@ -101,8 +114,9 @@ def test_unconstrained_rows_are_untouched_and_constrained_rows_allow_only_gramma
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     table = vocabulary.token_table()
-    assert allowed and all(b"true".startswith(table[t]) or b"null".startswith(table[t])
-                           for t in allowed)
+    assert allowed and all(
+        b"true".startswith(table[t]) or b"null".startswith(table[t]) for t in allowed
+    )
     assert torch.equal(logits[1][allowed], before[1][allowed])
     # No row constrained: nothing is touched (and no mask is computed).
     same = before.clone()
@@ -130,8 +144,9 @@ def test_special_padding_and_eos_tokens(builder, compiler, vocabulary):
     assert grammar2.accept(EOS) == FINISH_STOP
 
 
-def test_a_refused_token_and_a_bad_grammar_end_the_request_with_an_error(builder, compiler,
-                                                                          vocabulary):
+def test_a_refused_token_and_a_bad_grammar_end_the_request_with_an_error(
+    builder, compiler, vocabulary
+):
     grammar = build(builder, compiler, StructuredOutputSpec("regex", "ab"))
     z = vocabulary.token_table().index(b"z")
     assert grammar.accept(z) == FINISH_ERROR and "refused token" in grammar.error
@@ -171,8 +186,10 @@ def test_ready_waits_for_the_build_and_the_vocabulary_is_required(vocabulary):
 
 def test_template_cache_is_bounded(vocabulary, compiler):
     builder = GrammarBuilder(vocabulary, max_cached=2)
-    texts = [compiler.compile(StructuredOutputSpec("choice", choices=[w])) for w in
-             ("red", "green", "true")]
+    texts = [
+        compiler.compile(StructuredOutputSpec("choice", choices=[w]))
+        for w in ("red", "green", "true")
+    ]
     for text in texts + texts[-1:]:
         wait_ready(builder.request(text))
     assert builder.built == 3 and len(builder._templates) == 2
@@ -217,6 +234,7 @@ def test_masker_protocol_and_the_torch_path(builder, compiler, vocabulary):
 def test_engine_side_needs_no_tokenizer_library(tmp_path, vocabulary):
     """Built from the vocabulary's wire form in a fresh process: no tokenizers/transformers."""
     from ipc.codec import encode
+
     frame = tmp_path / "vocabulary.msgpack"
     frame.write_bytes(encode(vocabulary))
     code = (
@@ -224,7 +242,7 @@ def test_engine_side_needs_no_tokenizer_library(tmp_path, vocabulary):
         "from engine_worker.grammar_builder import GrammarBuilder\n"
         "from engine_worker.grammar_mask import GrammarMasker\n"
         f"v = decode(open({str(frame)!r}, 'rb').read()); b = GrammarBuilder(v)\n"
-        "g = b.request('start: %json {\"type\": \"object\"}')\n"
+        'g = b.request(\'start: %json {"type": "object"}\')\n'
         "import time\n"
         "while not g.ready(): time.sleep(0.001)\n"
         "logits = torch.zeros(1, v.vocab_size)\n"
@@ -242,6 +260,7 @@ def test_default_vocabulary_nested_schema(default_model_dir):
     from tokenizers import Tokenizer
 
     from tokenizer_worker.vocabulary import grammar_vocabulary
+
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
     vocabulary = grammar_vocabulary(tokenizer, 49152, [2])
     compiler = GrammarCompiler(backend_tokenizer(vocabulary))

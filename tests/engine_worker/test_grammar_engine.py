@@ -21,10 +21,16 @@ from tests.engine_worker.helpers import collect, greedy
 from tokenizer_worker.grammar_compiler import GrammarCompiler
 from tokenizer_worker.vocabulary import grammar_backend
 
-SCHEMA = {"type": "object", "properties": {
-    "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
-    "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["color", "ok", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["color", "ok", "n"],
+    "additionalProperties": False,
+}
 PROMPTS = [[5, 9, 300, 41], [77, 12, 9, 1000, 3, 8], [400, 401, 402], [9, 9, 9, 9, 9]]
 
 
@@ -33,15 +39,23 @@ def parts(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     backend, vocabulary = grammar_backend(tokenizer, 49152, [2])
     compiler = GrammarCompiler(backend)
-    grammars = {"schema": compiler.compile(StructuredOutputSpec.json_schema(SCHEMA)),
-                "choice": compiler.compile(StructuredOutputSpec("choice",
-                                                                choices=["yes", "no way"]))}
+    grammars = {
+        "schema": compiler.compile(StructuredOutputSpec.json_schema(SCHEMA)),
+        "choice": compiler.compile(StructuredOutputSpec("choice", choices=["yes", "no way"])),
+    }
     return tokenizer, vocabulary, grammars
 
 
 def engine_for(tiny_model_dir) -> Engine:
-    return Engine(EngineConfig(model_path=str(tiny_model_dir), dtype="float32", device="cpu",
-                               kv_cache_tokens=4096, enable_prefix_cache=False))
+    return Engine(
+        EngineConfig(
+            model_path=str(tiny_model_dir),
+            dtype="float32",
+            device="cpu",
+            kv_cache_tokens=4096,
+            enable_prefix_cache=False,
+        )
+    )
 
 
 def test_constrained_rows_follow_their_grammar_and_leave_the_others_alone(tiny_model_dir, parts):

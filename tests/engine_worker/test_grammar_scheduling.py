@@ -21,8 +21,9 @@ def request(name: str, grammar: RequestGrammar | None = None) -> EngineRequest:
 
 
 def test_unbuilt_grammar_is_passed_over_then_admitted():
-    scheduler = Scheduler(EngineConfig(model_path="unused", block_size=4),
-                          KVBlockManager(16, 4), None)
+    scheduler = Scheduler(
+        EngineConfig(model_path="unused", block_size=4), KVBlockManager(16, 4), None
+    )
     building: Future = Future()
     constrained, plain = request("json", RequestGrammar(building)), request("plain")
     scheduler.waiting.extend([constrained, plain])
@@ -38,8 +39,11 @@ def test_unbuilt_grammar_is_passed_over_then_admitted():
 
 
 def test_ready_requests_keep_their_order():
-    scheduler = Scheduler(EngineConfig(model_path="unused", block_size=4, max_batch_size=2),
-                          KVBlockManager(16, 4), None)
+    scheduler = Scheduler(
+        EngineConfig(model_path="unused", block_size=4, max_batch_size=2),
+        KVBlockManager(16, 4),
+        None,
+    )
     done: Future = Future()
     done.set_result(object())
     first, second, third = request("a", RequestGrammar(done)), request("b"), request("c")

@@ -62,8 +62,14 @@ def test_the_wait_is_a_fraction_of_the_expected_first_step():
 
 @pytest.fixture(scope="module")
 def windowed_engine(tiny_model_dir):
-    return Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=1024,
-                               idle_batch_window_ms=200.0, idle_batch_window_step_fraction=0.0))
+    return Engine(
+        EngineConfig(
+            model_path=str(tiny_model_dir),
+            kv_cache_tokens=1024,
+            idle_batch_window_ms=200.0,
+            idle_batch_window_step_fraction=0.0,
+        )
+    )
 
 
 def test_an_idle_engine_waits_and_a_busy_one_does_not(windowed_engine):
@@ -86,23 +92,30 @@ def test_an_idle_engine_waits_and_a_busy_one_does_not(windowed_engine):
 
 def test_the_engine_process_lets_a_burst_share_its_first_step(tiny_model_dir):
     window_ms = 1000.0  # far longer than the gap below, however loaded the machine
-    with launch_cluster(str(tiny_model_dir), tokenizer_workers=1, kv_cache_tokens=4096,
-                        idle_batch_window_ms=window_ms,
-                        idle_batch_window_step_fraction=0.0) as cluster, \
-            Client(cluster.client_addr, deadline_s=120) as client:
-        first = client.submit(prompt="The first request of a burst", max_tokens=2,
-                              temperature=0, ignore_eos=True)
+    with (
+        launch_cluster(
+            str(tiny_model_dir),
+            tokenizer_workers=1,
+            kv_cache_tokens=4096,
+            idle_batch_window_ms=window_ms,
+            idle_batch_window_step_fraction=0.0,
+        ) as cluster,
+        Client(cluster.client_addr, deadline_s=120) as client,
+    ):
+        first = client.submit(
+            prompt="The first request of a burst", max_tokens=2, temperature=0, ignore_eos=True
+        )
         time.sleep(0.05)
-        second = client.submit(prompt="and the second one", max_tokens=2, temperature=0,
-                               ignore_eos=True)
+        second = client.submit(
+            prompt="and the second one", max_tokens=2, temperature=0, ignore_eos=True
+        )
         a, b = first.result(timeout=60), second.result(timeout=60)
         # One step scheduled both and produced both first tokens.
         assert a.timings.t_scheduled == b.timings.t_scheduled
         assert a.timings.t_first_token == b.timings.t_first_token
 
         # A busy engine takes a newcomer into its next step: no window wait.
-        long = client.submit(prompt="Keep going", max_tokens=1500, temperature=0,
-                             ignore_eos=True)
+        long = client.submit(prompt="Keep going", max_tokens=1500, temperature=0, ignore_eos=True)
         next(iter(long.stream(timeout=60)))  # its first token: the engine is decoding it
         late = client.submit(prompt="A late arrival", max_tokens=1, temperature=0)
         result = late.result(timeout=60)

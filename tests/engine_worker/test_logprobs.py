@@ -21,8 +21,9 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1467, 30, 77, 88, 99, 1000, 2000, 3
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir),
-                                                             dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(tiny_model_dir), dtype=torch.float32
+    ).eval()
 
 
 def reference(hf, ids: list[int]) -> torch.Tensor:
@@ -33,8 +34,7 @@ def reference(hf, ids: list[int]) -> torch.Tensor:
 
 def make_engine(model_dir, **knobs) -> Engine:
     knobs.setdefault("kv_cache_tokens", 2048)
-    return Engine(EngineConfig(model_path=str(model_dir), dtype="float32", device="cpu",
-                               **knobs))
+    return Engine(EngineConfig(model_path=str(model_dir), dtype="float32", device="cpu", **knobs))
 
 
 def long_prompt(length: int, seed: int = 0) -> list[int]:
@@ -71,9 +71,18 @@ def test_sampled_token_logprobs_are_raw_and_only_for_rows_that_asked(tiny_model_
     engine.add("plain", PROMPT, greedy(6))
     engine.add("top5", PROMPT, greedy(6, logprobs=5))
     # Temperature, a penalty and a bias change what is drawn, never the logprobs reported.
-    engine.add("drawn", PROMPT[:9], SamplingParams(
-        max_tokens=6, temperature=0.8, seed=5, repetition_penalty=1.3, logprobs=0,
-        logit_bias={17: 5.0}))
+    engine.add(
+        "drawn",
+        PROMPT[:9],
+        SamplingParams(
+            max_tokens=6,
+            temperature=0.8,
+            seed=5,
+            repetition_penalty=1.3,
+            logprobs=0,
+            logit_bias={17: 5.0},
+        ),
+    )
     results = collect(engine)
     assert results["plain"]["tokens"] == alone and "logprobs" not in results["plain"]
     assert results["top5"]["tokens"] == alone
@@ -86,8 +95,12 @@ def test_sampled_token_logprobs_are_raw_and_only_for_rows_that_asked(tiny_model_
             assert abs(entry.logprob - float(row[token])) < TOLERANCE
             top_ids = np.frombuffer(entry.top_ids, "<i4")
             assert top_ids.tolist() == row.topk(k).indices.tolist()
-            np.testing.assert_allclose(np.frombuffer(entry.top_logprobs, "<f4"),
-                                       row.topk(k).values.numpy(), atol=TOLERANCE, rtol=0)
+            np.testing.assert_allclose(
+                np.frombuffer(entry.top_logprobs, "<f4"),
+                row.topk(k).values.numpy(),
+                atol=TOLERANCE,
+                rtol=0,
+            )
 
 
 def test_prompt_logprobs_under_chunked_prefill_and_a_step_budget(tiny_model_dir, hf):
@@ -120,8 +133,9 @@ def test_prompt_logprobs_never_read_the_prefix_cache(tiny_model_dir, hf):
 
 def test_prompt_logprobs_are_sent_once_across_preemption(tiny_model_dir, hf):
     prompts = [long_prompt(40, seed=2), long_prompt(40, seed=3)]
-    engine = make_engine(tiny_model_dir, kv_cache_tokens=80, prefill_chunk_tokens=16,
-                         enable_prefix_cache=False)
+    engine = make_engine(
+        tiny_model_dir, kv_cache_tokens=80, prefill_chunk_tokens=16, enable_prefix_cache=False
+    )
     for i, prompt in enumerate(prompts):
         engine.add(f"p{i}", prompt, greedy(8, prompt_logprobs=1, ignore_eos=True))
     totals: dict = {}

@@ -23,16 +23,26 @@ def reference_last_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0, -1].float()
 
 
-def check_against_transformers(model_dir, decode_steps: int, chunk: int | None = None,
-                               backend=None) -> None:
+def check_against_transformers(
+    model_dir, decode_steps: int, chunk: int | None = None, backend=None
+) -> None:
     # Dense fp32 weights: a GGUF checkpoint is dequantized exactly, as transformers does.
-    engine = Engine(EngineConfig(model_path=str(model_dir), dtype="float32", weights="fp32",
-                                 kv_cache_tokens=1024, block_size=4))
+    engine = Engine(
+        EngineConfig(
+            model_path=str(model_dir),
+            dtype="float32",
+            weights="fp32",
+            kv_cache_tokens=1024,
+            block_size=4,
+        )
+    )
     if backend is not None:
         engine.runner.attention = backend(engine.runner.kv_cache)
     hf = load_reference_model(model_dir)
-    prompts = [[1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
-               [1, 504, 3458, 282, 4649, 314, 253, 1467, 11, 4, 77, 9001, 18, 7]]
+    prompts = [
+        [1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
+        [1, 504, 3458, 282, 4649, 314, 253, 1467, 11, 4, 77, 9001, 18, 7],
+    ]
     requests = [manual_request(engine, p, f"r{i}") for i, p in enumerate(prompts)]
     # Prefill both together (packed); optionally the second one in two chunks.
     if chunk:
@@ -84,9 +94,14 @@ def test_rope_llama3_scaling_matches_transformers(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama3-rope", architecture="llama")
     config_file = model_dir / "config.json"
     config = json.loads(config_file.read_text())
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
-               "rope_theta": 500000.0}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 500000.0,
+    }
     config["rope_parameters"] = scaling
     config["rope_scaling"] = scaling
     config_file.write_text(json.dumps(config))
@@ -101,8 +116,11 @@ def test_default_model_matches_transformers(default_model_dir):
 def test_batched_continuations_match_per_segment_attention(tiny_model_dir):
     """Continuations attended together (shared prefix blocks once, LSE-merged) give the same
     logits as attending each segment on its own."""
-    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), dtype="float32",
-                                 kv_cache_tokens=1024, block_size=4))
+    engine = Engine(
+        EngineConfig(
+            model_path=str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, block_size=4
+        )
+    )
     prefix = [1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 504, 3458, 282]  # 3 whole blocks
     first = manual_request(engine, prefix + [7, 8], "first")
     give_blocks(engine, first, first.num_tokens)
@@ -123,8 +141,10 @@ def test_batched_continuations_match_per_segment_attention(tiny_model_dir):
     requests = sharing + [chunked, fresh]
     counts = [r.remaining for r in requests]
     results = {}
-    for batched, backend in ((True, PagedCpuBackend(engine.runner.kv_cache, 1 << 30)),
-                             (False, SdpaBackend(engine.runner.kv_cache))):
+    for batched, backend in (
+        (True, PagedCpuBackend(engine.runner.kv_cache, 1 << 30)),
+        (False, SdpaBackend(engine.runner.kv_cache)),
+    ):
         engine.runner.attention = backend
         results[batched] = engine.runner.compute_logits(requests, counts)
     assert results[True][1] == results[False][1] == [0, 1, 2, 3, 4]

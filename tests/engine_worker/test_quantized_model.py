@@ -16,8 +16,10 @@ from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
 from tests.engine_worker.helpers import collect, give_blocks, greedy, manual_request
 
-PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
-           [1, 504, 3458, 282, 4649, 314, 253, 1467, 11, 4, 77, 9001, 18, 7]]
+PROMPTS = [
+    [1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
+    [1, 504, 3458, 282, 4649, 314, 253, 1467, 11, 4, 77, 9001, 18, 7],
+]
 # Largest |logit difference| / largest |logit| allowed against the exact-weights reference:
 # float32 activations differ only in summation order; bf16 activations round every activation
 # (and the int8 kernel's bf16 products) to 8 bits of mantissa.
@@ -49,16 +51,26 @@ def step_logits(engine: Engine, prompts: list[list[int]], tokens: list[list[int]
 
 def kernel_error(model_dir, weights: str, dtype: torch.dtype, prompts, decode_steps: int):
     config = dict(model_path=str(model_dir), kv_cache_tokens=1024, block_size=4)
-    reference = Engine(EngineConfig(dtype="float32", **config), weight_format=WeightFormat(
-        weights, torch.float32, torch.device("cpu"), reference_for=dtype))
+    reference = Engine(
+        EngineConfig(dtype="float32", **config),
+        weight_format=WeightFormat(
+            weights, torch.float32, torch.device("cpu"), reference_for=dtype
+        ),
+    )
     first = step_logits(reference, prompts, [[0]] * len(prompts))[0]
     tokens = [[int(t)] * decode_steps for t in first.argmax(-1)]
     expected = step_logits(reference, prompts, tokens)
-    engine = Engine(EngineConfig(dtype=str(dtype).removeprefix("torch."), weights=weights,
-                                 quantized_max_tokens=ALL_QUANTIZED, **config))
+    engine = Engine(
+        EngineConfig(
+            dtype=str(dtype).removeprefix("torch."),
+            weights=weights,
+            quantized_max_tokens=ALL_QUANTIZED,
+            **config,
+        )
+    )
     got = step_logits(engine, prompts, tokens)
     error = max(((g - e).abs().max() / e.abs().max()).item() for g, e in zip(got, expected))
-    print(f'{weights} {dtype}: relative logit error {error:.2e}')
+    print(f"{weights} {dtype}: relative logit error {error:.2e}")
     return error
 
 
@@ -77,21 +89,38 @@ def test_default_model_kernels_match_dequantized_reference(default_model_dir, we
 
 
 QUESTIONS = [
-    "What is the capital of France?", "Name three primary colors.",
+    "What is the capital of France?",
+    "Name three primary colors.",
     "How many legs does a spider have?",
-    "Write a haiku about the sea.", "What is 12 times 12?", "Who wrote Romeo and Juliet?",
-    "Explain photosynthesis in one sentence.", "What is the boiling point of water?",
-    "Give me a synonym for happy.", "What does a compiler do?",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+    "Explain photosynthesis in one sentence.",
+    "What is the boiling point of water?",
+    "Give me a synonym for happy.",
+    "What does a compiler do?",
     "Translate 'good morning' to Spanish.",
-    "What is the largest planet in the solar system?", "Describe a cat in five words.",
-    "Why is the sky blue?", "List two benefits of exercise.", "What is an atom?",
-    "Suggest a name for a pet goldfish.", "What is the square root of 81?",
-    "How do airplanes stay in the air?", "What is the opposite of cold?",
-    "Write one sentence about autumn.", "What language is spoken in Brazil?",
-    "What is a prime number?", "Recommend a healthy breakfast.", "Who painted the Mona Lisa?",
-    "What is the freezing point of water in Fahrenheit?", "How many continents are there?",
-    "What is gravity?", "Tell me a fun fact about octopuses.", "What is the speed of light?",
-    "Define the word 'ephemeral'.", "What year did the first person walk on the Moon?",
+    "What is the largest planet in the solar system?",
+    "Describe a cat in five words.",
+    "Why is the sky blue?",
+    "List two benefits of exercise.",
+    "What is an atom?",
+    "Suggest a name for a pet goldfish.",
+    "What is the square root of 81?",
+    "How do airplanes stay in the air?",
+    "What is the opposite of cold?",
+    "Write one sentence about autumn.",
+    "What language is spoken in Brazil?",
+    "What is a prime number?",
+    "Recommend a healthy breakfast.",
+    "Who painted the Mona Lisa?",
+    "What is the freezing point of water in Fahrenheit?",
+    "How many continents are there?",
+    "What is gravity?",
+    "Tell me a fun fact about octopuses.",
+    "What is the speed of light?",
+    "Define the word 'ephemeral'.",
+    "What year did the first person walk on the Moon?",
 ]
 AGREEMENT_TOKENS = 16
 
@@ -101,15 +130,21 @@ def chat_prompts(default_model_dir):
     from transformers import AutoTokenizer  # the test may tokenize; the engine never does
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                             add_generation_prompt=True, return_dict=True)
-               for q in QUESTIONS]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True
+        )
+        for q in QUESTIONS
+    ]
     return tokenizer, [list(p["input_ids"]) for p in prompts]
 
 
 def greedy_continuations(model_dir, prompts, tokens: int, **knobs) -> list[list[int]]:
-    engine = Engine(EngineConfig(model_path=str(model_dir), kv_cache_tokens=8192,
-                                 max_batch_size=len(prompts), **knobs))
+    engine = Engine(
+        EngineConfig(
+            model_path=str(model_dir), kv_cache_tokens=8192, max_batch_size=len(prompts), **knobs
+        )
+    )
     for i, prompt in enumerate(prompts):
         engine.add(f"p{i}", prompt, greedy(tokens, ignore_eos=True))
     results = collect(engine)
@@ -118,16 +153,22 @@ def greedy_continuations(model_dir, prompts, tokens: int, **knobs) -> list[list[
 
 @pytest.fixture(scope="module")
 def fp32_continuations(default_model_dir, chat_prompts):
-    return greedy_continuations(default_model_dir, chat_prompts[1], AGREEMENT_TOKENS,
-                                weights="fp32", dtype="float32")
+    return greedy_continuations(
+        default_model_dir, chat_prompts[1], AGREEMENT_TOKENS, weights="fp32", dtype="float32"
+    )
 
 
 def agreement(got: list[list[int]], expected: list[list[int]], mode: str) -> float:
     agree = sum(g == e for g, e in zip(got, expected))
-    first_difference = [next(i for i, (a, b) in enumerate(zip(g, e)) if a != b)
-                        for g, e in zip(got, expected) if g != e]
-    print(f"{mode}: {agree}/{len(got)} prompts agree with fp32 for {AGREEMENT_TOKENS} tokens; "
-          f"the others first differ at token {sorted(first_difference)}")
+    first_difference = [
+        next(i for i, (a, b) in enumerate(zip(g, e)) if a != b)
+        for g, e in zip(got, expected)
+        if g != e
+    ]
+    print(
+        f"{mode}: {agree}/{len(got)} prompts agree with fp32 for {AGREEMENT_TOKENS} tokens; "
+        f"the others first differ at token {sorted(first_difference)}"
+    )
     return agree / len(got)
 
 
@@ -142,14 +183,20 @@ class Int4LayersDenseHead(WeightFormat):
 
 
 @pytest.mark.slow
-def test_int4_kernel_path_at_float32_agrees_with_fp32(default_model_dir, chat_prompts,
-                                                       fp32_continuations):
+def test_int4_kernel_path_at_float32_agrees_with_fp32(
+    default_model_dir, chat_prompts, fp32_continuations
+):
     # Prefill runs on the dense copy (the same weights), every decode step on the int4 kernel.
-    fmt = Int4LayersDenseHead("int4", torch.float32, torch.device("cpu"),
-                              max_tokens=len(QUESTIONS))
-    engine = Engine(EngineConfig(model_path=str(default_model_dir), kv_cache_tokens=8192,
-                                 dtype="float32", max_batch_size=len(QUESTIONS)),
-                    weight_format=fmt)
+    fmt = Int4LayersDenseHead("int4", torch.float32, torch.device("cpu"), max_tokens=len(QUESTIONS))
+    engine = Engine(
+        EngineConfig(
+            model_path=str(default_model_dir),
+            kv_cache_tokens=8192,
+            dtype="float32",
+            max_batch_size=len(QUESTIONS),
+        ),
+        weight_format=fmt,
+    )
     for i, prompt in enumerate(chat_prompts[1]):
         engine.add(f"p{i}", prompt, greedy(AGREEMENT_TOKENS, ignore_eos=True))
     results = collect(engine)
@@ -164,9 +211,12 @@ def test_int4_kernel_path_at_float32_agrees_with_fp32(default_model_dir, chat_pr
 # They catch a broken path (an int4 head gave 5/32).
 AGREEMENT_FLOORS = {"auto": 0.65, "bf16": 0.65, "int4": 0.6, "int8": 0.4}
 # Every mode as served, and the integer kernels alone (every step on them).
-AGREEMENT_MODES = {"auto": {}, "bf16": {"weights": "bf16"},
-                   "int8": {"weights": "int8", "quantized_max_tokens": ALL_QUANTIZED},
-                   "int4": {"weights": "int4", "quantized_max_tokens": ALL_QUANTIZED}}
+AGREEMENT_MODES = {
+    "auto": {},
+    "bf16": {"weights": "bf16"},
+    "int8": {"weights": "int8", "quantized_max_tokens": ALL_QUANTIZED},
+    "int4": {"weights": "int4", "quantized_max_tokens": ALL_QUANTIZED},
+}
 
 
 @pytest.mark.slow
@@ -176,11 +226,13 @@ def test_fp32_path_answers_paris(chat_prompts, fp32_continuations):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", AGREEMENT_MODES)
-def test_every_weight_mode_agrees_with_fp32_and_answers_paris(default_model_dir, chat_prompts,
-                                                              fp32_continuations, mode):
+def test_every_weight_mode_agrees_with_fp32_and_answers_paris(
+    default_model_dir, chat_prompts, fp32_continuations, mode
+):
     tokenizer, prompts = chat_prompts
-    got = greedy_continuations(default_model_dir, prompts, AGREEMENT_TOKENS,
-                               **AGREEMENT_MODES[mode])
+    got = greedy_continuations(
+        default_model_dir, prompts, AGREEMENT_TOKENS, **AGREEMENT_MODES[mode]
+    )
     assert agreement(got, fp32_continuations, mode) >= AGREEMENT_FLOORS[mode]
     assert QUESTIONS[0] == "What is the capital of France?"
     answer = tokenizer.decode(got[0], skip_special_tokens=True)

@@ -12,10 +12,43 @@ from tests.engine_worker.helpers import collect, greedy
 
 pytestmark = pytest.mark.slow
 
-SYSTEM = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 411, 2749, 15,
-          7043, 1488, 28, 346, 1073, 28, 284, 260, 2989, 28, 2, 198, 1, 4093, 198] * 2  # 58
-QUESTIONS = [[504, 3458, 282, 4649, 314], [1073, 314, 260, 2989, 30, 7], [9001, 18, 7, 4649],
-             [2683, 359, 253, 10]]
+SYSTEM = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3717,
+    411,
+    2749,
+    15,
+    7043,
+    1488,
+    28,
+    346,
+    1073,
+    28,
+    284,
+    260,
+    2989,
+    28,
+    2,
+    198,
+    1,
+    4093,
+    198,
+] * 2  # 58
+QUESTIONS = [
+    [504, 3458, 282, 4649, 314],
+    [1073, 314, 260, 2989, 30, 7],
+    [9001, 18, 7, 4649],
+    [2683, 359, 253, 10],
+]
 MAX_TOKENS = 16
 
 
@@ -30,8 +63,9 @@ def run(model_dir, arrivals: dict[int, list[int]], **knobs) -> tuple[dict, dict]
 
     def arrive(step, eng):
         for i in arrivals.get(step, []):
-            eng.add(f"q{i}", SYSTEM + QUESTIONS[i % len(QUESTIONS)], greedy(MAX_TOKENS,
-                                                                          ignore_eos=True))
+            eng.add(
+                f"q{i}", SYSTEM + QUESTIONS[i % len(QUESTIONS)], greedy(MAX_TOKENS, ignore_eos=True)
+            )
 
     totals: dict = {}
     results = collect(engine, on_step=arrive, max_steps=400, totals=totals)
@@ -66,23 +100,30 @@ def test_prefix_cache_keeps_outputs_and_reports_hits(default_model_dir, baseline
 
 
 def test_chunked_prefill_keeps_outputs(default_model_dir, baseline):
-    results, totals = run(default_model_dir, ARRIVALS, enable_prefix_cache=False,
-                          prefill_chunk_tokens=16, prefill_max_tokens=24)
+    results, totals = run(
+        default_model_dir,
+        ARRIVALS,
+        enable_prefix_cache=False,
+        prefill_chunk_tokens=16,
+        prefill_max_tokens=24,
+    )
     assert tokens_of(results) == tokens_of(baseline)
     assert totals["prefill_tokens"] == sum(len(SYSTEM + QUESTIONS[i]) for i in range(4))
 
 
 def test_preemption_keeps_outputs_and_emits_each_token_once(default_model_dir, baseline):
     # 9 blocks = 144 tokens: two requests of ~79 tokens cannot both stay resident.
-    results, totals = run(default_model_dir, ARRIVALS, enable_prefix_cache=True,
-                          kv_cache_tokens=144)
+    results, totals = run(
+        default_model_dir, ARRIVALS, enable_prefix_cache=True, kv_cache_tokens=144
+    )
     assert totals["preempted"] > 0
     assert tokens_of(results) == tokens_of(baseline)  # collect() also checks no re-emission
 
 
 def test_in_batch_dedup_prefills_once(default_model_dir):
-    engine = Engine(EngineConfig(model_path=str(default_model_dir), block_size=16,
-                                 kv_cache_tokens=1024))
+    engine = Engine(
+        EngineConfig(model_path=str(default_model_dir), block_size=16, kv_cache_tokens=1024)
+    )
     prompt = SYSTEM + QUESTIONS[0]  # 63 tokens: 3 full blocks
     for i in range(3):
         engine.add(f"same{i}", prompt, greedy(4))
@@ -98,8 +139,9 @@ def test_in_batch_dedup_prefills_once(default_model_dir):
 
 
 def test_context_is_capped_to_the_kv_pool_so_no_request_outgrows_it(default_model_dir):
-    engine = Engine(EngineConfig(model_path=str(default_model_dir), block_size=16,
-                                 kv_cache_tokens=64))
+    engine = Engine(
+        EngineConfig(model_path=str(default_model_dir), block_size=16, kv_cache_tokens=64)
+    )
     assert engine.max_model_len == 64  # the model's own 8192 would not fit the pool
     engine.add("big", SYSTEM[:40], greedy(60, ignore_eos=True))
     results = collect(engine)
@@ -111,8 +153,9 @@ def test_context_is_capped_to_the_kv_pool_so_no_request_outgrows_it(default_mode
 def test_a_request_the_pool_cannot_hold_is_a_bad_request(default_model_dir):
     """Unreachable through the capped context; if it ever happens it is the caller's size
     against the server's capacity (bad_request, naming both), not an internal error."""
-    engine = Engine(EngineConfig(model_path=str(default_model_dir), block_size=16,
-                                 kv_cache_tokens=64))
+    engine = Engine(
+        EngineConfig(model_path=str(default_model_dir), block_size=16, kv_cache_tokens=64)
+    )
     engine.max_model_len = 1000  # what the cap above prevents
     engine.add("big", SYSTEM[:40], greedy(60, ignore_eos=True))
     finished = {}

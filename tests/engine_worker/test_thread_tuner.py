@@ -24,13 +24,13 @@ def test_a_busy_machine_moves_decode_to_one_thread_and_back_when_it_clears():
         busy = drive(tuner, FIRST_PROBE_AFTER + 5, lambda t: 0.05 if t == 2 else 0.01)
         assert busy[:FIRST_PROBE_AFTER] == [2] * FIRST_PROBE_AFTER  # all cores until measured
         # 5x slower is decisive: two pairs end the probe.
-        assert sorted(busy[FIRST_PROBE_AFTER:FIRST_PROBE_AFTER + 4]) == [1, 1, 2, 2]
+        assert sorted(busy[FIRST_PROBE_AFTER : FIRST_PROBE_AFTER + 4]) == [1, 1, 2, 2]
         assert busy[-1] == 1
         assert tuner.describe() == {"decode": 1} and tuner.switches == 1
         assert torch.get_num_threads() == 1
         # The machine gets quiet: the next probe finds all threads faster again.
         quiet = drive(tuner, FIRST_PROBE_AFTER + 5, lambda t: 0.006 if t == 2 else 0.01)
-        assert quiet[:FIRST_PROBE_AFTER - 1] == [1] * (FIRST_PROBE_AFTER - 1)
+        assert quiet[: FIRST_PROBE_AFTER - 1] == [1] * (FIRST_PROBE_AFTER - 1)
         assert quiet[-1] == 2
         assert tuner.describe() == {"decode": 2} and tuner.switches == 2
     finally:

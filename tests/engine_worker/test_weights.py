@@ -66,7 +66,7 @@ def test_int4_quantizer_error_is_within_half_a_step(dtype):
     err = (dequantize(groups) - w).abs().view(48, 4, 32)
     step = groups.scale[..., None]
     # Half a step from rounding q, plus the rounding of the zero to the scale dtype.
-    zero_rounding = (groups.zero[..., None].abs() * 2.0 ** -8) if dtype == torch.bfloat16 else 0
+    zero_rounding = (groups.zero[..., None].abs() * 2.0**-8) if dtype == torch.bfloat16 else 0
     assert (err <= step / 2 * 1.0001 + zero_rounding).all()
     layer = Int4Linear(groups, dtype)
     x = torch.randn(3, 128).to(dtype)
@@ -107,8 +107,9 @@ def test_weight_format_builds_each_kind_and_keeps_checkpoint_weights_dense():
     layer = fmt.linear([w[:32], w[32:]])
     assert isinstance(layer, BatchSizeSwitch) and isinstance(layer.quantized, Int4Linear)
     assert torch.equal(layer.dense.weight, w)  # the dense copy is the checkpoint's, not int4's
-    assert isinstance(WeightFormat("int8", torch.bfloat16, CPU, dense_copy=False).linear([w]),
-                      Int8Linear)
+    assert isinstance(
+        WeightFormat("int8", torch.bfloat16, CPU, dense_copy=False).linear([w]), Int8Linear
+    )
     assert isinstance(WeightFormat("auto", torch.bfloat16, CPU).linear([w]), DenseLinear)
     auto = WeightFormat("auto", torch.bfloat16, CPU, dense_copy=False)
     assert isinstance(auto.linear([random_groups(32, 64)]), Int4Linear)

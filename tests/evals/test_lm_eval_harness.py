@@ -41,31 +41,70 @@ def cluster(default_model_dir):
     # fp32 on the CPU pinned, the arithmetic the harness's hf run below does: dtype "auto" is
     # bf16/fp16 on CUDA, and bf16 rounding would not be float noise next to fp32 (nor would
     # quantized weights, should the engine get a knob for them: pin it to dense here too).
-    with launch_cluster(str(default_model_dir), tokenizer_workers=1, max_model_len=2048,
-                        http_port=0, device="cpu", dtype="float32") as c:
+    with launch_cluster(
+        str(default_model_dir),
+        tokenizer_workers=1,
+        max_model_len=2048,
+        http_port=0,
+        device="cpu",
+        dtype="float32",
+    ) as c:
         yield c
 
 
 def api_model_args(cluster, endpoint: str) -> str:
-    return (f"model={cluster.config.model_name},base_url={cluster.http_url}/v1/{endpoint},"
-            "num_concurrent=1,max_retries=1")
+    return (
+        f"model={cluster.config.model_name},base_url={cluster.http_url}/v1/{endpoint},"
+        "num_concurrent=1,max_retries=1"
+    )
 
 
-def run_harness(task: str, model: str, model_args: str, tmp_path: Path, *extra: str,
-                env: dict[str, str] | None = None) -> tuple[list[dict], dict, str]:
+def run_harness(
+    task: str,
+    model: str,
+    model_args: str,
+    tmp_path: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> tuple[list[dict], dict, str]:
     """One offline harness run; returns its samples (in doc order), results and log."""
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), **(env or {})}
+    env = {
+        **os.environ,
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        **(env or {}),
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args,
-         "--tasks", task, "--include_path", "tests/evals", "--output_path", str(tmp_path),
-         "--log_samples", *extra],
-        cwd=str(REPO_ROOT), env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "run",
+            "--model",
+            model,
+            "--model_args",
+            model_args,
+            "--tasks",
+            task,
+            "--include_path",
+            "tests/evals",
+            "--output_path",
+            str(tmp_path),
+            "--log_samples",
+            *extra,
+        ],
+        cwd=str(REPO_ROOT),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (samples_file,) = tmp_path.rglob(f"samples_{task}_*.jsonl")
     (results_file,) = tmp_path.rglob("results_*.json")
-    samples = sorted((json.loads(line) for line in samples_file.open()),
-                     key=lambda s: s["doc_id"])
+    samples = sorted((json.loads(line) for line in samples_file.open()), key=lambda s: s["doc_id"])
     results = json.loads(results_file.read_text())["results"][task]
     return samples, results, done.stderr
 
@@ -85,30 +124,48 @@ def check_scores(samples: list[dict], results: dict, answers: list[str]) -> None
 
 
 def test_generate_until_through_local_completions(cluster, tmp_path):
-    samples, results, log = run_harness(TASK, "local-completions",
-                                        api_model_args(cluster, "completions"), tmp_path)
+    samples, results, log = run_harness(
+        TASK, "local-completions", api_model_args(cluster, "completions"), tmp_path
+    )
     assert "Auto-detected remote tokenizer support" in log  # our /tokenizer_info, /tokenize
     assert len(samples) == len(DOCS)
     with Client(cluster.client_addr) as client:
         eos = client.tokenizer_info()["eos_token"]
         # The harness stops at its `until` and the tokenizer's eos string, as it told us.
-        answers = [client.submit(s["arguments"]["gen_args_0"]["arg_0"], temperature=0,
-                                 max_tokens=MAX_GEN_TOKS, stop=["\n", eos]).result(120).text
-                   for s in samples]
+        answers = [
+            client.submit(
+                s["arguments"]["gen_args_0"]["arg_0"],
+                temperature=0,
+                max_tokens=MAX_GEN_TOKS,
+                stop=["\n", eos],
+            )
+            .result(120)
+            .text
+            for s in samples
+        ]
     check_scores(samples, results, answers)
 
 
 def test_generate_until_through_local_chat_completions(cluster, tmp_path):
-    samples, results, _ = run_harness(TASK, "local-chat-completions",
-                                      api_model_args(cluster, "chat/completions"), tmp_path,
-                                      "--apply_chat_template")
+    samples, results, _ = run_harness(
+        TASK,
+        "local-chat-completions",
+        api_model_args(cluster, "chat/completions"),
+        tmp_path,
+        "--apply_chat_template",
+    )
     assert len(samples) == len(DOCS)
     with Client(cluster.client_addr) as client:
         answers = []
         for s in samples:
             (chat,) = s["arguments"]["gen_args_0"]["arg_0"]  # the messages, as JSON
-            answers.append(client.submit(messages=json.loads(chat), temperature=0,
-                                         max_tokens=MAX_GEN_TOKS, stop=["\n"]).result(120).text)
+            answers.append(
+                client.submit(
+                    messages=json.loads(chat), temperature=0, max_tokens=MAX_GEN_TOKS, stop=["\n"]
+                )
+                .result(120)
+                .text
+            )
     check_scores(samples, results, answers)
 
 
@@ -121,33 +178,53 @@ def greedy_flags(scores: list[list[tuple[float, bool]]]) -> list[list[bool]]:
     return [[greedy for _, greedy in doc] for doc in scores]
 
 
-def test_multiple_choice_loglikelihoods_equal_the_harness_hf_backend(cluster, default_model_dir,
-                                                                     tmp_path):
-    ours, our_results, log = run_harness(MC_TASK, "local-completions",
-                                         api_model_args(cluster, "completions"),
-                                         tmp_path / "ours", "--batch_size", "16")
+def test_multiple_choice_loglikelihoods_equal_the_harness_hf_backend(
+    cluster, default_model_dir, tmp_path
+):
+    ours, our_results, log = run_harness(
+        MC_TASK,
+        "local-completions",
+        api_model_args(cluster, "completions"),
+        tmp_path / "ours",
+        "--batch_size",
+        "16",
+    )
     assert "Auto-detected remote tokenizer support" in log  # contexts tokenized by our server
     # One torch thread: the idle cluster's processes and other work share these cores, and an
     # oversubscribed torch thread pool runs several times slower than one thread.
     ref, ref_results, _ = run_harness(
-        MC_TASK, "hf", f"pretrained={default_model_dir},dtype=float32", tmp_path / "hf",
-        "--device", "cpu", "--batch_size", "16", env={"OMP_NUM_THREADS": "1"})
+        MC_TASK,
+        "hf",
+        f"pretrained={default_model_dir},dtype=float32",
+        tmp_path / "hf",
+        "--device",
+        "cpu",
+        "--batch_size",
+        "16",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert len(ours) == len(ref) == len(MC_DOCS)
     assert [s["arguments"] for s in ours] == [s["arguments"] for s in ref]
     our_scores, ref_scores = choice_scores(ours), choice_scores(ref)
-    gaps = [abs(a - b) for doc_a, doc_b in zip(our_scores, ref_scores)
-            for (a, _), (b, _) in zip(doc_a, doc_b)]
+    gaps = [
+        abs(a - b)
+        for doc_a, doc_b in zip(our_scores, ref_scores)
+        for (a, _), (b, _) in zip(doc_a, doc_b)
+    ]
     assert len(gaps) == 4 * len(MC_DOCS) and max(gaps) < LOGLIKELIHOOD_TOLERANCE, max(gaps)
     assert greedy_flags(our_scores) == greedy_flags(ref_scores)
     for metric in ("acc", "acc_norm"):
         assert [s[metric] for s in ours] == [s[metric] for s in ref]
         assert our_results[f"{metric},none"] == ref_results[f"{metric},none"]
     # acc is the argmax of the loglikelihoods our server returned.
-    right = [max(range(4), key=lambda i: doc[i][0]) == d["answer"]
-             for doc, d in zip(our_scores, MC_DOCS)]
+    right = [
+        max(range(4), key=lambda i: doc[i][0]) == d["answer"] for doc, d in zip(our_scores, MC_DOCS)
+    ]
     assert our_results["acc,none"] == pytest.approx(sum(right) / len(MC_DOCS))
-    print(f"\nlm-eval acc {our_results['acc,none']:.3f} acc_norm {our_results['acc_norm,none']:.3f}"
-          f" over {len(MC_DOCS)} docs on both backends; largest loglikelihood gap {max(gaps):.2e}")
+    print(
+        f"\nlm-eval acc {our_results['acc,none']:.3f} acc_norm {our_results['acc_norm,none']:.3f}"
+        f" over {len(MC_DOCS)} docs on both backends; largest loglikelihood gap {max(gaps):.2e}"
+    )
 
 
 def test_the_harness_reads_a_greedy_continuation_as_greedy(cluster):
@@ -158,14 +235,25 @@ def test_the_harness_reads_a_greedy_continuation_as_greedy(cluster):
 
     with Client(cluster.client_addr) as client:
         context = client.tokenize("The capital of France is").token_ids
-        greedy = client.submit(prompt_token_ids=context, temperature=0, max_tokens=3,
-                               ignore_eos=True).result(120).token_ids
+        greedy = (
+            client.submit(prompt_token_ids=context, temperature=0, max_tokens=3, ignore_eos=True)
+            .result(120)
+            .token_ids
+        )
     changed = greedy[:2] + [greedy[2] + 1]  # its last token is not the model's choice
-    body = {"model": cluster.config.model_name, "prompt": [context + greedy, context + changed],
-            "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    body = {
+        "model": cluster.config.model_name,
+        "prompt": [context + greedy, context + changed],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     done = httpx.post(f"{cluster.http_url}/v1/completions", json=body, timeout=120)
     assert done.status_code == 200, done.text
     (greedy_ll, greedy_is_greedy), (changed_ll, changed_is_greedy) = (
-        LocalCompletionsAPI.parse_logprobs(done.json(), ctxlens=[len(context)] * 2))
+        LocalCompletionsAPI.parse_logprobs(done.json(), ctxlens=[len(context)] * 2)
+    )
     assert greedy_is_greedy and not changed_is_greedy
     assert changed_ll < greedy_ll < 0

@@ -12,15 +12,28 @@ from ipc.config import ClusterConfig
 from procs.cli import build_parser, cluster_kwargs
 
 
-@pytest.mark.parametrize("value, neutral, expected", [
-    (None, (), True), ([], (), True), ({}, (), True), ("", (), True),
-    (0, (0,), True), (0.0, (0,), True), (1, (1, 1.0), True), (["text"], (["text"],), True),
-    (False, (False,), True), (True, (True,), True),
-    (False, (0,), False),  # false is not 0 here, nor true 1
-    (1, (True,), False), (0, (False,), False),
-    (2, (0,), False), (["text", "audio"], (["text"],), False), ({"a": 1}, (), False),
-    ("auto", (), False),
-])
+@pytest.mark.parametrize(
+    "value, neutral, expected",
+    [
+        (None, (), True),
+        ([], (), True),
+        ({}, (), True),
+        ("", (), True),
+        (0, (0,), True),
+        (0.0, (0,), True),
+        (1, (1, 1.0), True),
+        (["text"], (["text"],), True),
+        (False, (False,), True),
+        (True, (True,), True),
+        (False, (0,), False),  # false is not 0 here, nor true 1
+        (1, (True,), False),
+        (0, (False,), False),
+        (2, (0,), False),
+        (["text", "audio"], (["text"],), False),
+        ({"a": 1}, (), False),
+        ("auto", (), False),
+    ],
+)
 def test_what_asks_for_nothing(value, neutral, expected):
     assert asks_for_nothing(value, neutral) is expected
 
@@ -35,8 +48,10 @@ def test_the_tables_do_not_overlap_nor_name_a_declared_field():
 
 def test_lenient_fields_goes_from_the_command_line_to_the_config(tmp_path):
     assert FrontendSettings(client_addr="x").lenient_fields is False
-    for argv, expected in ((["launch", "--http-port", "0"], False),
-                           (["launch", "--http-port", "0", "--lenient-fields"], True)):
+    for argv, expected in (
+        (["launch", "--http-port", "0"], False),
+        (["launch", "--http-port", "0", "--lenient-fields"], True),
+    ):
         kwargs = cluster_kwargs(build_parser().parse_args(argv))
         config = ClusterConfig.build("m", str(tmp_path), **kwargs)
         assert config.lenient_fields is expected

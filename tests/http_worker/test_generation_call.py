@@ -16,8 +16,13 @@ from procs.launch_cluster import launch_cluster
 @pytest.fixture(scope="module")
 def one_slot_cluster(tiny_model_dir):
     # One request decodes at a time, so a second one waits, deterministically, without a token.
-    with launch_cluster(str(tiny_model_dir), tokenizer_workers=1, max_batch_size=1,
-                        kv_cache_tokens=8192, max_model_len=4096) as c:
+    with launch_cluster(
+        str(tiny_model_dir),
+        tokenizer_workers=1,
+        max_batch_size=1,
+        kv_cache_tokens=8192,
+        max_model_len=4096,
+    ) as c:
         yield c
 
 
@@ -27,8 +32,9 @@ def test_a_call_that_ends_without_a_token_observes_a_true_latency(one_slot_clust
         await frontend.start()
         try:
             client = frontend.require_client()
-            busy = client.submit("keep the only slot", max_tokens=4000, ignore_eos=True,
-                                 temperature=0)
+            busy = client.submit(
+                "keep the only slot", max_tokens=4000, ignore_eos=True, temperature=0
+            )
             async for _ in busy:  # it holds the slot once its first token is out
                 break
             waiting = client.submit("never scheduled", max_tokens=4, temperature=0)
@@ -41,9 +47,11 @@ def test_a_call_that_ends_without_a_token_observes_a_true_latency(one_slot_clust
             busy.abort()
             assert deltas[-1].finish_reason == "abort" and not any(d.token_ids for d in deltas)
             value = frontend.metrics.registry.get_sample_value
-            return (value("splitserve_http_e2e_request_latency_seconds_count"),
-                    value("splitserve_http_e2e_request_latency_seconds_sum"),
-                    time.monotonic() - t_arrived)
+            return (
+                value("splitserve_http_e2e_request_latency_seconds_count"),
+                value("splitserve_http_e2e_request_latency_seconds_sum"),
+                time.monotonic() - t_arrived,
+            )
         finally:
             await frontend.close()
 

@@ -35,14 +35,26 @@ class Sock:
 
 
 def submit(core: ClientCore, socks, request_id=None, deadline_s=None):
-    return core.submit(socks, Handle, request_id, deadline_s, prompt="hi", messages=None,
-                       prompt_token_ids=None, sampling=None, sampling_kwargs={},
-                       add_generation_prompt=True)
+    return core.submit(
+        socks,
+        Handle,
+        request_id,
+        deadline_s,
+        prompt="hi",
+        messages=None,
+        prompt_token_ids=None,
+        sampling=None,
+        sampling_kwargs={},
+        add_generation_prompt=True,
+    )
 
 
 def finish(core: ClientCore, handle: Handle) -> None:
-    core.apply(handle, StreamEvent(request_id=handle.record.wire_id, finished=True,
-                                   finish_reason="stop"), time.monotonic())
+    core.apply(
+        handle,
+        StreamEvent(request_id=handle.record.wire_id, finished=True, finish_reason="stop"),
+        time.monotonic(),
+    )
 
 
 def test_a_reused_request_id_keeps_its_own_deadline():
@@ -96,8 +108,11 @@ def test_a_reused_request_id_gets_a_new_wire_id_and_duplicates_in_flight_are_ref
     first = submit(core, [Sock()], request_id="a")
     with pytest.raises(BadRequestError, match="already in flight"):
         submit(core, [Sock()], request_id="a")
-    core.apply(first, StreamEvent(request_id=first.record.wire_id, finished=True,
-                                  finish_reason="stop"), time.monotonic())
+    core.apply(
+        first,
+        StreamEvent(request_id=first.record.wire_id, finished=True, finish_reason="stop"),
+        time.monotonic(),
+    )
     second = submit(core, [Sock()], request_id="a")
     assert second.record.request_id == "a"
     assert second.record.wire_id != first.record.wire_id
@@ -118,13 +133,17 @@ def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_i
     on_1 = [h for h in handles if h.record.tokenizer == 1]
     assert len(on_1) == 2
     started, aborted = on_1
-    core.apply(started, StreamEvent(request_id=started.record.wire_id, text="x"),
-               time.monotonic())  # past its tokenizer: not lost with it
+    core.apply(
+        started, StreamEvent(request_id=started.record.wire_id, text="x"), time.monotonic()
+    )  # past its tokenizer: not lost with it
     aborted.record.aborted = True
     waiting = submit(core, socks, request_id="w")
     assert waiting.record.tokenizer == 0
-    waiting_wire, t_submit, deadline = (waiting.record.wire_id, waiting.record.t_submit,
-                                        waiting.record.deadline)
+    waiting_wire, t_submit, deadline = (
+        waiting.record.wire_id,
+        waiting.record.t_submit,
+        waiting.record.deadline,
+    )
     waiting.record.tokenizer = 1  # say it went to worker 1 too
 
     def died(index):

@@ -34,8 +34,9 @@ class FakeEngine:
             raise EngineOverloaded("fake queue full")
         if len(prompt_token_ids) + 1 > self.max_model_len:
             raise ValueError("prompt too long")
-        self.requests[request_id] = dict(ids=list(prompt_token_ids), sampling=sampling,
-                                         n=0, t=arrival_time or time.monotonic())
+        self.requests[request_id] = dict(
+            ids=list(prompt_token_ids), sampling=sampling, n=0, t=arrival_time or time.monotonic()
+        )
 
     def abort(self, request_id):
         self.aborted.add(request_id)

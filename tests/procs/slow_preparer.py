@@ -20,5 +20,6 @@ class SlowPreparer(RequestPreparer):
 
 def make(config, index: int) -> SlowPreparer:
     base = make_preparer(dataclasses.replace(config, preparer_factory=""), index)
-    return SlowPreparer(base.tokenizer, base.chat_template, base.limits, base.tokenizer_index,
-                        base.structured)
+    return SlowPreparer(
+        base.tokenizer, base.chat_template, base.limits, base.tokenizer_index, base.structured
+    )

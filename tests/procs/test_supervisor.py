@@ -23,8 +23,12 @@ class Launched:
         self.run_dir = run_dir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "procs.cli", "launch", "--run-dir", str(run_dir), *extra],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})})
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self.stderr: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
         self.client_addr = None
@@ -43,8 +47,11 @@ class Launched:
         supervisor printed its address; the pump thread may still be reading them)."""
         deadline = time.monotonic() + 30
         while True:
-            pids = [int(m.group(1)) for line in list(self.stderr)
-                    if (m := re.search(r"^splitserve \w+\[\d+\] pid=(\d+) ready", line))]
+            pids = [
+                int(m.group(1))
+                for line in list(self.stderr)
+                if (m := re.search(r"^splitserve \w+\[\d+\] pid=(\d+) ready", line))
+            ]
             if len(pids) >= expected or time.monotonic() > deadline:
                 return pids
             time.sleep(0.05)
@@ -87,11 +94,13 @@ def test_sigterm_with_requests_in_flight(tmp_path):
     # tokenizer (possible on a loaded machine) is refused as unavailable, never lost.
     for r in results:
         assert r.finish_reason in ("abort", "length") or (
-            r.error_code == "unavailable" and "shutting down" in r.error), r
+            r.error_code == "unavailable" and "shutting down" in r.error
+        ), r
     assert any(r.finish_reason == "abort" for r in results)
     for r in late_results:
-        assert r.finish_reason == "abort" or (r.error_code == "unavailable"
-                                              and "shutting down" in r.error)
+        assert r.finish_reason == "abort" or (
+            r.error_code == "unavailable" and "shutting down" in r.error
+        )
     assert sup.proc.wait(timeout=30) == 0
     assert _wait_all_gone(pids)
     assert not run_dir.exists()
@@ -108,10 +117,22 @@ def test_children_die_with_a_killed_supervisor(tmp_path):
 
 def test_help_explains_every_knob():
     help_text = build_parser()._subparsers._group_actions[0].choices["launch"].format_help()
-    for flag in ("--model", "--tokenizer-workers", "--engine-threads", "--max-batch-size",
-                 "--prefill-max-batch-size", "--prefill-max-tokens", "--prefill-chunk-tokens",
-                 "--kv-cache-tokens", "--block-size", "--no-prefix-cache",
-                 "--stream-interval-tokens", "--transport", "--port", "--run-dir"):
+    for flag in (
+        "--model",
+        "--tokenizer-workers",
+        "--engine-threads",
+        "--max-batch-size",
+        "--prefill-max-batch-size",
+        "--prefill-max-tokens",
+        "--prefill-chunk-tokens",
+        "--kv-cache-tokens",
+        "--block-size",
+        "--no-prefix-cache",
+        "--stream-interval-tokens",
+        "--transport",
+        "--port",
+        "--run-dir",
+    ):
         assert flag in help_text
 
 
@@ -127,11 +148,20 @@ def test_shutdown_waits_for_a_stop_the_watcher_began(tmp_path):
     config = ClusterConfig.build(str(tmp_path), str(run_dir))
     cluster = Cluster(config, owns_run_dir=True)
     # An "engine" that takes 7 s to exit after SIGTERM: longer than shutdown()'s 5 s join.
-    slow = subprocess.Popen([sys.executable, "-c", (
-        "import signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(7), sys.exit(0)))\n"
-        "print('up', flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    slow = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(7), sys.exit(0)))\n"
+                "print('up', flush=True)\n"
+                "time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert slow.stdout.readline().strip() == "up"
         cluster.children.append(Child("engine", 0, slow))

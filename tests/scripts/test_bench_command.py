@@ -12,14 +12,38 @@ from procs.children import REPO_ROOT
 from procs.cli import run_bench
 
 
-def test_bench_runs_from_any_directory_and_relative_paths_stay_the_callers(tiny_model_dir,
-                                                                           tmp_path):
+def test_bench_runs_from_any_directory_and_relative_paths_stay_the_callers(
+    tiny_model_dir, tmp_path
+):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "procs.cli", "bench", "--model", str(tiny_model_dir), "--modes",
-         "inproc", "--num-requests", "2", "--prompt-tokens", "16", "--max-new-tokens", "2",
-         "--warmup-runs", "0", "--no-progress", "--json", "out.json"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "procs.cli",
+            "bench",
+            "--model",
+            str(tiny_model_dir),
+            "--modes",
+            "inproc",
+            "--num-requests",
+            "2",
+            "--prompt-tokens",
+            "16",
+            "--max-new-tokens",
+            "2",
+            "--warmup-runs",
+            "0",
+            "--no-progress",
+            "--json",
+            "out.json",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "=== inproc (median of 1 measured run) ===" in proc.stdout
     data = json.loads((tmp_path / "out.json").read_text())  # where the caller stands

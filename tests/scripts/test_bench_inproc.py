@@ -40,11 +40,15 @@ def make_server(tiny_model_dir):
     def make(stream_interval_tokens: int = 1, **knobs) -> tuple[InprocServer, Inbox]:
         inbox = Inbox()
         # No prefix cache: a repeated prompt is computed the same way twice.
-        config = EngineConfig(model_path=str(tiny_model_dir), dtype="float32",
-                              kv_cache_tokens=4096, enable_prefix_cache=False, engine_threads=1,
-                              **knobs)
-        server = InprocServer(config, inbox.deliver,
-                              stream_interval_tokens=stream_interval_tokens)
+        config = EngineConfig(
+            model_path=str(tiny_model_dir),
+            dtype="float32",
+            kv_cache_tokens=4096,
+            enable_prefix_cache=False,
+            engine_threads=1,
+            **knobs,
+        )
+        server = InprocServer(config, inbox.deliver, stream_interval_tokens=stream_interval_tokens)
         servers.append(server)
         return server, inbox
 
@@ -63,12 +67,12 @@ def test_a_stop_string_ends_the_text_and_frees_the_request_in_the_engine(make_se
     full = inbox.until_finished("full")
     text = "".join(e.text for e in full)
     assert full[-1].finish_reason == "length" and full[-1].usage.completion_tokens == MAX_TOKENS
-    stop = text[len(text) // 3:len(text) // 3 + 3]
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
     assert len(stop) == 3 and stop.strip(), text
 
     server.submit("stopped", greedy(stop=[stop]), prompt="Once upon a time there was")
     stopped = inbox.until_finished("stopped")
-    assert "".join(e.text for e in stopped) == text[:text.index(stop)]
+    assert "".join(e.text for e in stopped) == text[: text.index(stop)]
     assert stopped[-1].finish_reason == "stop"
     assert stopped[-1].usage.completion_tokens < MAX_TOKENS
     deadline = time.monotonic() + 10
@@ -110,8 +114,7 @@ def first_step_of_each(inbox: Inbox, request_ids: set[str]) -> dict[str, float]:
 def test_the_idle_window_lets_a_burst_share_the_first_step(make_server, window_ms):
     # A fixed window far longer than the gap between the two submits, however loaded the
     # machine; without it the first request's step starts (and on the tiny model ends) alone.
-    server, inbox = make_server(idle_batch_window_ms=window_ms,
-                                idle_batch_window_step_fraction=0.0)
+    server, inbox = make_server(idle_batch_window_ms=window_ms, idle_batch_window_step_fraction=0.0)
     server.submit("first", greedy(), prompt="The first request of a burst")
     time.sleep(0.2)
     server.submit("second", greedy(), prompt="and the second one")

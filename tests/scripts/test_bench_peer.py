@@ -15,27 +15,39 @@ from scripts.bench.metrics import RequestRecord, summarize
 
 
 def _args(*extra: str):
-    return bench_peer.validate(bench_peer.build_parser().parse_args(
-        ["--llama-server", sys.executable, *extra]))
+    return bench_peer.validate(
+        bench_peer.build_parser().parse_args(["--llama-server", sys.executable, *extra])
+    )
 
 
 def test_defaults_and_lists():
     args = _args()
     assert args.llama_threads == [1, 2] and args.concurrency == [1, 8, 32]
     assert args.splitserve == [""] and args.parallel == 32 and args.prompt_tokens == 158
-    args = _args("--splitserve", "", "--splitserve", "--dtype bfloat16 --engine-threads 2",
-                 "--llama-threads", "2", "--concurrency", "4,16")
+    args = _args(
+        "--splitserve",
+        "",
+        "--splitserve",
+        "--dtype bfloat16 --engine-threads 2",
+        "--llama-threads",
+        "2",
+        "--concurrency",
+        "4,16",
+    )
     assert args.splitserve == ["", "--dtype bfloat16 --engine-threads 2"]
     assert args.llama_threads == [2] and args.concurrency == [4, 16]
     assert bench_peer.requests_for(args, 1) == 8 and bench_peer.requests_for(args, 16) == 32
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--concurrency", "64"], "exceeds llama-server's --parallel 32"),
-    (["--splitserve", "", "--splitserve", ""], "must differ"),
-    (["--repeats", "0"], "--repeats must be at least 1"),
-    (["--ctx-per-slot", "64"], "--ctx-per-slot is too small"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--concurrency", "64"], "exceeds llama-server's --parallel 32"),
+        (["--splitserve", "", "--splitserve", ""], "must differ"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--ctx-per-slot", "64"], "--ctx-per-slot is too small"),
+    ],
+)
 def test_bad_arguments_are_refused(extra, message):
     with pytest.raises(ValueError, match=message):
         _args(*extra)
@@ -43,8 +55,9 @@ def test_bad_arguments_are_refused(extra, message):
 
 def test_llama_server_must_be_executable(tmp_path):
     with pytest.raises(ValueError, match="not an executable"):
-        bench_peer.validate(bench_peer.build_parser().parse_args(
-            ["--llama-server", str(tmp_path / "missing")]))
+        bench_peer.validate(
+            bench_peer.build_parser().parse_args(["--llama-server", str(tmp_path / "missing")])
+        )
 
 
 def test_bad_list_is_a_usage_error(capsys):
@@ -65,8 +78,15 @@ def _run(tokens_per_s: float, ttft_s: float, requests: int = 4, tokens: int = 5)
     TTFT of ttft_s and then one token every 1/tokens_per_s."""
     records, t = [], 100.0
     for i in range(requests):
-        rec = RequestRecord(index=i, request_id=str(i), t_submit=t, t_submit_done=t,
-                            prompt_tokens=158, output_tokens=tokens, finish_reason="length")
+        rec = RequestRecord(
+            index=i,
+            request_id=str(i),
+            t_submit=t,
+            t_submit_done=t,
+            prompt_tokens=158,
+            output_tokens=tokens,
+            finish_reason="length",
+        )
         rec.delta_times = [t + ttft_s + k / tokens_per_s for k in range(tokens)]
         rec.t_done = rec.delta_times[-1]
         t = rec.t_done
@@ -92,12 +112,18 @@ def median_tps(stats: dict) -> float:
 
 def test_comparison_takes_llama_at_its_best_per_level():
     stats = {
-        "ours": {1: peer_report.aggregate([_run(30, 0.05)]),
-                 8: peer_report.aggregate([_run(60, 0.05)])},
-        "llama t1": {1: peer_report.aggregate([_run(40, 0.2)]),
-                     8: peer_report.aggregate([_run(20, 0.2)])},
-        "llama t2": {1: peer_report.aggregate([_run(20, 0.4)]),
-                     8: peer_report.aggregate([_run(50, 0.1)])},
+        "ours": {
+            1: peer_report.aggregate([_run(30, 0.05)]),
+            8: peer_report.aggregate([_run(60, 0.05)]),
+        },
+        "llama t1": {
+            1: peer_report.aggregate([_run(40, 0.2)]),
+            8: peer_report.aggregate([_run(20, 0.2)]),
+        },
+        "llama t2": {
+            1: peer_report.aggregate([_run(20, 0.4)]),
+            8: peer_report.aggregate([_run(50, 0.1)]),
+        },
     }
     rows = peer_report.comparison_rows(stats, "ours", ["llama t1", "llama t2"], [1, 8])
     assert [r["peer"] for r in rows] == ["llama t1", "llama t2"]
@@ -137,10 +163,18 @@ def test_weight_bytes_count_a_tied_lm_head_once_and_quantized_layers_as_stored(t
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     model = LlamaFamilyModel.load(tiny_model_dir, cpu, bf16, 64, WeightFormat("bf16", bf16, cpu))
     assert model.lm_head.weight is model.embed
-    expected = sum(t.numel() * 2 for layer in model.layers for t in
-                   (layer.input_norm, layer.qkv.weight, layer.o_proj.weight,
-                    layer.post_attention_norm, layer.gate_up.weight, layer.down.weight)
-                   ) + 2 * (model.norm.numel() + model.embed.numel())
+    expected = sum(
+        t.numel() * 2
+        for layer in model.layers
+        for t in (
+            layer.input_norm,
+            layer.qkv.weight,
+            layer.o_proj.weight,
+            layer.post_attention_norm,
+            layer.gate_up.weight,
+            layer.down.weight,
+        )
+    ) + 2 * (model.norm.numel() + model.embed.numel())
     assert weight_bytes_per_token(model) == expected
     # int8 layers read one byte a weight (plus scales), though each keeps a dense copy too
     int8 = LlamaFamilyModel.load(tiny_model_dir, cpu, bf16, 64, WeightFormat("int8", bf16, cpu))
@@ -173,9 +207,11 @@ def test_client_against_a_real_splitserve_server(tiny_model_dir):
 
 
 def test_best_statistic_takes_each_figures_best_repeat():
-    stats = {"ours": {1: peer_report.aggregate([_run(10, 0.1), _run(40, 0.3)])},
-             "peer": {1: peer_report.aggregate([_run(20, 0.2)])}}
-    row, = peer_report.comparison_rows(stats, "ours", ["peer"], [1], "best")
+    stats = {
+        "ours": {1: peer_report.aggregate([_run(10, 0.1), _run(40, 0.3)])},
+        "peer": {1: peer_report.aggregate([_run(20, 0.2)])},
+    }
+    (row,) = peer_report.comparison_rows(stats, "ours", ["peer"], [1], "best")
     assert row["figures"]["ttft_ms_p50"]["ours"] == pytest.approx(100)  # the lowest
     assert row["figures"]["itl_ms_p50"]["ours"] == pytest.approx(25)
     assert "best repeat" in peer_report.markdown_comparison([row], "ours")
@@ -186,18 +222,29 @@ def test_best_statistic_takes_each_figures_best_repeat():
 def test_saved_json_renders_again_with_either_statistic(tmp_path):
     import json
 
-    stats = {"splitserve defaults": {1: peer_report.aggregate([_run(30, 0.05), _run(10, 0.05)])},
-             "llama.cpp t2": {1: peer_report.aggregate([_run(20, 0.2)])}}
-    setup = {"gguf": "m.gguf", "host": "h", "workload": "w", "client": "c",
-             "servers": {"splitserve defaults": "splitserve launch", "llama.cpp t2": "llama"},
-             "idle_cpu_percent": {}, "peers": ["llama.cpp t2"], "ours": ["splitserve defaults"]}
+    stats = {
+        "splitserve defaults": {1: peer_report.aggregate([_run(30, 0.05), _run(10, 0.05)])},
+        "llama.cpp t2": {1: peer_report.aggregate([_run(20, 0.2)])},
+    }
+    setup = {
+        "gguf": "m.gguf",
+        "host": "h",
+        "workload": "w",
+        "client": "c",
+        "servers": {"splitserve defaults": "splitserve launch", "llama.cpp t2": "llama"},
+        "idle_cpu_percent": {},
+        "peers": ["llama.cpp t2"],
+        "ours": ["splitserve defaults"],
+    }
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"setup": setup, "runs": [], "stats": stats}))
     median = bench_peer.render_saved(str(path), "median")
     best = bench_peer.render_saved(str(path), "best")
     fig = "output_throughput_tps"
-    assert (best["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"]
-            > median["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"])
+    assert (
+        best["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"]
+        > median["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"]
+    )
     assert "best repeat" in best["text"] and "(medians;" in median["text"]
 
 

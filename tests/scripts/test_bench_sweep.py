@@ -38,10 +38,15 @@ def test_requests_per_rate_follow_the_duration():
     assert requests_at(math.inf, 5.0, 100) == 100
 
 
-def point(p99_ms: float = 100.0, arrived: float = 10.0, completed: float = 10.0,
-          errors: int = 0) -> dict:
-    return {"ttft_from_arrival_ms_p99": p99_ms, "arrival_rate_rps": arrived,
-            "completion_rate_rps": completed, "errors": errors}
+def point(
+    p99_ms: float = 100.0, arrived: float = 10.0, completed: float = 10.0, errors: int = 0
+) -> dict:
+    return {
+        "ttft_from_arrival_ms_p99": p99_ms,
+        "arrival_rate_rps": arrived,
+        "completion_rate_rps": completed,
+        "errors": errors,
+    }
 
 
 def test_sustaining_needs_the_slo_the_throughput_and_no_errors():
@@ -66,29 +71,53 @@ def test_the_highest_sustained_rate_stops_at_the_first_failure():
 
 def test_the_sweep_targets_compare_each_cluster_mode_with_the_baseline():
     def mode(best: float, p50: float, submit_ms: float) -> dict[float, dict]:
-        return {r: point(p99_ms=100 if r <= best else 900) | {
-            "ttft_from_arrival_ms_p50": p50, "submit_latency_ms_p99": submit_ms,
-            "submit_cpu_ms_p99": submit_ms / 2} for r in (2.0, 4.0, 8.0, 12.0)}
+        return {
+            r: point(p99_ms=100 if r <= best else 900)
+            | {
+                "ttft_from_arrival_ms_p50": p50,
+                "submit_latency_ms_p99": submit_ms,
+                "submit_cpu_ms_p99": submit_ms / 2,
+            }
+            for r in (2.0, 4.0, 8.0, 12.0)
+        }
 
-    sweep = {"inproc": mode(8.0, 50.0, 3.0), "cluster-tw2": mode(12.0, 40.0, 0.03),
-             "cluster-tw1": mode(8.0, 60.0, 0.08), "http": mode(8.0, 70.0, 1.0)}
+    sweep = {
+        "inproc": mode(8.0, 50.0, 3.0),
+        "cluster-tw2": mode(12.0, 40.0, 0.03),
+        "cluster-tw1": mode(8.0, 60.0, 0.08),
+        "http": mode(8.0, 70.0, 1.0),
+    }
     lines = "\n".join(sweep_target_lines(sweep, SLO_MS, "inproc"))
-    assert "targets cluster-tw2 vs inproc: highest sustainable rate >= 1.5x inproc's " \
-           "(12 / 8 = 1.50x): met; TTFT p50 at 4 req/s (half of inproc's 8) no worse " \
-           "(40.0 vs 50.0 ms): met; submit p99 < 50 us at every rate (worst 30.0 us" in lines
+    assert (
+        "targets cluster-tw2 vs inproc: highest sustainable rate >= 1.5x inproc's "
+        "(12 / 8 = 1.50x): met; TTFT p50 at 4 req/s (half of inproc's 8) no worse "
+        "(40.0 vs 50.0 ms): met; submit p99 < 50 us at every rate (worst 30.0 us" in lines
+    )
     assert "(8 / 8 = 1.00x): MISSED; TTFT p50 at 4 req/s" in lines
-    assert "(60.0 vs 50.0 ms): MISSED; submit p99 < 50 us at every rate (worst 80.0 us; its " \
-           "CPU time 40.0 us): MISSED" in lines
+    assert (
+        "(60.0 vs 50.0 ms): MISSED; submit p99 < 50 us at every rate (worst 80.0 us; its "
+        "CPU time 40.0 us): MISSED" in lines
+    )
     assert "http: submit p99 < 50 us" in lines and "not a target" in lines
 
 
 def test_rates_are_measured_over_their_own_span():
     assert span_rate([0.0, 1.0, 2.0]) == 1.0
     assert span_rate([5.0]) is None and span_rate([1.0, 1.0]) is None
-    records = [RequestRecord(index=i, request_id=str(i), t_planned=i * 0.5, t_submit=i * 0.5,
-                             t_submit_done=i * 0.5 + 1e-5, delta_times=[i * 0.5 + 0.1],
-                             t_done=i * 1.0 + 0.2, finish_reason="length", output_tokens=1)
-               for i in range(5)]
+    records = [
+        RequestRecord(
+            index=i,
+            request_id=str(i),
+            t_planned=i * 0.5,
+            t_submit=i * 0.5,
+            t_submit_done=i * 0.5 + 1e-5,
+            delta_times=[i * 0.5 + 0.1],
+            t_done=i * 1.0 + 0.2,
+            finish_reason="length",
+            output_tokens=1,
+        )
+        for i in range(5)
+    ]
     summary = summarize(records, {})
     assert summary["arrival_rate_rps"] == pytest.approx(2.0)
     assert summary["completion_rate_rps"] == pytest.approx(1.0)  # falling behind
@@ -97,12 +126,31 @@ def test_rates_are_measured_over_their_own_span():
 
 def test_the_fast_engine_sweep_runs_every_mode_at_every_rate(tmp_path, capsys):
     json_path, plot_path = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    data = bench_serving.main([
-        "--fast-engine", "--modes", "inproc,inproc-pretok,cluster",
-        "--request-rate", "40,20", "--duration-s", "0.3", "--prompt-tokens", "64",
-        "--unique-prompts", "--max-new-tokens", "2", "--warmup-runs", "1",
-        "--warmup-num-requests", "2", "--no-progress", "--json", str(json_path),
-        "--plot", str(plot_path)])
+    data = bench_serving.main(
+        [
+            "--fast-engine",
+            "--modes",
+            "inproc,inproc-pretok,cluster",
+            "--request-rate",
+            "40,20",
+            "--duration-s",
+            "0.3",
+            "--prompt-tokens",
+            "64",
+            "--unique-prompts",
+            "--max-new-tokens",
+            "2",
+            "--warmup-runs",
+            "1",
+            "--warmup-num-requests",
+            "2",
+            "--no-progress",
+            "--json",
+            str(json_path),
+            "--plot",
+            str(plot_path),
+        ]
+    )
     text = capsys.readouterr().out
     assert "Fast engine: 2 layers, hidden size 64" in text and "tokenize/prefill" in text
     assert "highest sustainable rate (req/s): inproc" in text

@@ -24,8 +24,9 @@ def _lengths(tokenizer, requests):
 
 
 def test_synthetic_prompts_hit_the_target_length(tokenizer):
-    reqs = build_workload(WorkloadSpec(num_requests=8, prompt_tokens=100, unique_prompts=True),
-                          tokenizer)
+    reqs = build_workload(
+        WorkloadSpec(num_requests=8, prompt_tokens=100, unique_prompts=True), tokenizer
+    )
     assert all(abs(n - 100) <= 3 for n in _lengths(tokenizer, reqs))
     assert len({r.prompt for r in reqs}) == 8
 
@@ -33,21 +34,27 @@ def test_synthetic_prompts_hit_the_target_length(tokenizer):
 def test_prompts_repeat_unless_unique(tokenizer):
     reqs = build_workload(WorkloadSpec(num_requests=5, prompt_tokens=20), tokenizer)
     assert len({r.prompt for r in reqs}) == 1
-    lit = build_workload(WorkloadSpec(num_requests=3, prompt_text="Hello", unique_prompts=True),
-                         tokenizer)
+    lit = build_workload(
+        WorkloadSpec(num_requests=3, prompt_text="Hello", unique_prompts=True), tokenizer
+    )
     assert len({r.prompt for r in lit}) == 3 and all(r.prompt.endswith("Hello") for r in lit)
 
 
 def test_length_range_ratio_spreads_lengths(tokenizer):
-    reqs = build_workload(WorkloadSpec(num_requests=30, prompt_tokens=60, unique_prompts=True,
-                                       prompt_tokens_range_ratio=0.5), tokenizer)
+    reqs = build_workload(
+        WorkloadSpec(
+            num_requests=30, prompt_tokens=60, unique_prompts=True, prompt_tokens_range_ratio=0.5
+        ),
+        tokenizer,
+    )
     lengths = _lengths(tokenizer, reqs)
     assert 27 <= min(lengths) and max(lengths) <= 93 and max(lengths) - min(lengths) > 15
 
 
 def test_shared_prefix_shares_its_tokens_and_survives_the_run_tag(tokenizer):
-    reqs = build_workload(WorkloadSpec(num_requests=4, prompt_tokens=16,
-                                       shared_prefix_tokens=64), tokenizer)
+    reqs = build_workload(
+        WorkloadSpec(num_requests=4, prompt_tokens=16, shared_prefix_tokens=64), tokenizer
+    )
     tagged = salt_requests(reqs, "run 1 cluster-tw1")
     for batch in (reqs, tagged):
         ids = [tokenizer.encode(r.prompt).ids for r in batch]
@@ -60,14 +67,23 @@ def test_shared_prefix_shares_its_tokens_and_survives_the_run_tag(tokenizer):
 
 def test_jsonl_prompts_and_chats_cycle(tmp_path, tokenizer):
     path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join([
-        json.dumps({"prompt": "Hi there"}),
-        "",
-        json.dumps({"messages": [{"role": "user", "content": "Capital of France?"}],
-                    "max_tokens": 3}),
-    ]))
-    reqs = build_workload(WorkloadSpec(num_requests=5, jsonl_path=str(path),
-                                       max_new_tokens=7), tokenizer)
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "Hi there"}),
+                "",
+                json.dumps(
+                    {
+                        "messages": [{"role": "user", "content": "Capital of France?"}],
+                        "max_tokens": 3,
+                    }
+                ),
+            ]
+        )
+    )
+    reqs = build_workload(
+        WorkloadSpec(num_requests=5, jsonl_path=str(path), max_new_tokens=7), tokenizer
+    )
     assert [r.prompt for r in reqs] == ["Hi there", None, "Hi there", None, "Hi there"]
     assert reqs[1].messages == [{"role": "user", "content": "Capital of France?"}]
     assert [r.max_tokens for r in reqs] == [7, 3, 7, 3, 7]
@@ -89,25 +105,52 @@ def test_arrival_schedules():
         assert statistics.mean(gaps) == pytest.approx(1 / 50, rel=0.1)
         # gamma gaps: coefficient of variation 1/sqrt(shape)
         cv = statistics.pstdev(gaps) / statistics.mean(gaps)
-        assert cv == pytest.approx(burstiness ** -0.5, rel=0.15)
+        assert cv == pytest.approx(burstiness**-0.5, rel=0.15)
     with pytest.raises(ValueError):
         ArrivalSpec(submit_interval_ms=5, request_rate=10)
 
 
 def _record(i, t_submit, deltas, output_tokens, **stamps):
-    rec = RequestRecord(index=i, request_id=str(i), t_planned=t_submit, t_submit=t_submit,
-                        t_submit_done=t_submit + 0.001, delta_times=list(deltas),
-                        t_done=deltas[-1], output_tokens=output_tokens, prompt_tokens=10,
-                        finish_reason="length", **stamps)
+    rec = RequestRecord(
+        index=i,
+        request_id=str(i),
+        t_planned=t_submit,
+        t_submit=t_submit,
+        t_submit_done=t_submit + 0.001,
+        delta_times=list(deltas),
+        t_done=deltas[-1],
+        output_tokens=output_tokens,
+        prompt_tokens=10,
+        finish_reason="length",
+        **stamps,
+    )
     return rec
 
 
 def test_summary_follows_the_vllm_conventions():
     # Two requests: 4 tokens in 4 deltas; 1 token in 1 delta (no TPOT, no ITL).
-    a = _record(0, 10.0, [10.100, 10.120, 10.150, 10.190], 4, t_tokenize_start=10.002,
-                t_tokenized=10.010, t_arrived=10.011, t_scheduled=10.050, t_first_token=10.090)
-    b = _record(1, 10.0, [10.300], 1, t_tokenize_start=10.003, t_tokenized=10.020,
-                t_arrived=10.021, t_scheduled=10.200, t_first_token=10.290)
+    a = _record(
+        0,
+        10.0,
+        [10.100, 10.120, 10.150, 10.190],
+        4,
+        t_tokenize_start=10.002,
+        t_tokenized=10.010,
+        t_arrived=10.011,
+        t_scheduled=10.050,
+        t_first_token=10.090,
+    )
+    b = _record(
+        1,
+        10.0,
+        [10.300],
+        1,
+        t_tokenize_start=10.003,
+        t_tokenized=10.020,
+        t_arrived=10.021,
+        t_scheduled=10.200,
+        t_first_token=10.290,
+    )
     s = summarize([a, b], {"client": 1.5}, parse_goodput(["ttft:200"]))
     assert s["requests"] == 2 and s["errors"] == 0
     assert s["ttft_ms_p50"] == pytest.approx(200.0)  # median of 100 and 300

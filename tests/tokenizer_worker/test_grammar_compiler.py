@@ -19,16 +19,21 @@ def compiler():
     return GrammarCompiler(backend_tokenizer(tiny_vocabulary()))
 
 
-@pytest.mark.parametrize("spec, fragment", [
-    (S.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
-     '%json {"type": "object"'),
-    (S("json_object"), '%json {"type": "object"'),
-    (S("regex", r"\d{3}-[a-z]+"), r"/\d{3}-[a-z]+/"),
-    (S("regex", "a/b"), r"/a\/b/"),  # a slash cannot end the Lark regex early
-    (S("choice", choices=['say "hi"', "bye"]), r'"say \"hi\"" | "bye"'),
-    (S("grammar", 'root ::= "yes" | "no"'), '"yes"'),  # GBNF, converted
-    (S("grammar", 'start: "a" b\nb: "c"'), 'start: "a" b'),  # Lark, as is
-])
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        (
+            S.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
+            '%json {"type": "object"',
+        ),
+        (S("json_object"), '%json {"type": "object"'),
+        (S("regex", r"\d{3}-[a-z]+"), r"/\d{3}-[a-z]+/"),
+        (S("regex", "a/b"), r"/a\/b/"),  # a slash cannot end the Lark regex early
+        (S("choice", choices=['say "hi"', "bye"]), r'"say \"hi\"" | "bye"'),
+        (S("grammar", 'root ::= "yes" | "no"'), '"yes"'),  # GBNF, converted
+        (S("grammar", 'start: "a" b\nb: "c"'), 'start: "a" b'),  # Lark, as is
+    ],
+)
 def test_each_kind_compiles(compiler, spec, fragment):
     assert fragment in compiler.compile(spec)
 
@@ -37,30 +42,43 @@ def test_json_layout_is_compact_and_the_servers(compiler):
     schema = {"type": "object", "x-guidance": {"whitespace_flexible": True, "coerce_one_of": True}}
     text = compiler.compile(S.json_schema(schema))
     options = json.loads(text.removeprefix("start: %json "))["x-guidance"]
-    assert options == {"whitespace_flexible": False, "item_separator": ", ",
-                       "key_separator": ": ", "coerce_one_of": True}
+    assert options == {
+        "whitespace_flexible": False,
+        "item_separator": ", ",
+        "key_separator": ": ",
+        "coerce_one_of": True,
+    }
     flexible = GrammarCompiler(compact_json=False).compile(S("json_object"))
     assert '"whitespace_flexible": true' in flexible
 
 
-@pytest.mark.parametrize("spec, message", [
-    (S.json_schema({"type": "array", "uniqueItems": True, "contains": {}}),
-     "unsupported JSON schema keyword(s): contains, uniqueItems"),
-    (S.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}}),
-     "invalid JSON schema: 'strin' is not valid under any of the given schemas "
-     "(at properties/a/type)"),
-    (S("json_schema", "{not json"), "the JSON schema is not valid JSON"),
-    (S.json_schema([1, 2]), "a JSON schema must be an object or a boolean, got list"),
-    (S.json_schema(False), "the JSON schema is false"),
-    (S.json_schema({"type": "integer", "minimum": 5, "maximum": 1}),
-     "minimum (5) is greater than maximum (1)"),
-    (S.json_schema({"$ref": "#/$defs/missing"}), "/$defs/missing' does not exist"),
-    (S.json_schema({"type": "string", "pattern": "(?=a)b"}), "look-around"),
-    (S("regex", "a(b"), "the regex cannot be used: invalid regex \"a(b\""),
-    (S("grammar", 'root ::= "a" ('), "the grammar does not parse"),
-    (S("grammar", "root ::= missing"), "Rule 'missing' not found"),
-    (S("grammar", "start: <|no_such_token|>"), "the grammar cannot be used"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            S.json_schema({"type": "array", "uniqueItems": True, "contains": {}}),
+            "unsupported JSON schema keyword(s): contains, uniqueItems",
+        ),
+        (
+            S.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}}),
+            "invalid JSON schema: 'strin' is not valid under any of the given schemas "
+            "(at properties/a/type)",
+        ),
+        (S("json_schema", "{not json"), "the JSON schema is not valid JSON"),
+        (S.json_schema([1, 2]), "a JSON schema must be an object or a boolean, got list"),
+        (S.json_schema(False), "the JSON schema is false"),
+        (
+            S.json_schema({"type": "integer", "minimum": 5, "maximum": 1}),
+            "minimum (5) is greater than maximum (1)",
+        ),
+        (S.json_schema({"$ref": "#/$defs/missing"}), "/$defs/missing' does not exist"),
+        (S.json_schema({"type": "string", "pattern": "(?=a)b"}), "look-around"),
+        (S("regex", "a(b"), 'the regex cannot be used: invalid regex "a(b"'),
+        (S("grammar", 'root ::= "a" ('), "the grammar does not parse"),
+        (S("grammar", "root ::= missing"), "Rule 'missing' not found"),
+        (S("grammar", "start: <|no_such_token|>"), "the grammar cannot be used"),
+    ],
+)
 def test_bad_specs_name_the_problem(compiler, spec, message):
     with pytest.raises(GrammarSpecError) as caught:
         compiler.compile(spec)

@@ -14,8 +14,11 @@ from tokenizer_worker.prepare import Limits, RequestPreparer
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓ 日本"}],
-    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-     {"role": "user", "content": "c\n\nd"}],
+    [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c\n\nd"},
+    ],
 ]
 
 
@@ -26,31 +29,41 @@ def hf_tokenizer(default_model_dir):
 
 @pytest.fixture(scope="module")
 def preparer(default_model_dir):
-    return RequestPreparer(load_tokenizer(default_model_dir),
-                           ChatTemplate.from_model_dir(default_model_dir),
-                           Limits(max_model_len=64, vocab_size=49152))
+    return RequestPreparer(
+        load_tokenizer(default_model_dir),
+        ChatTemplate.from_model_dir(default_model_dir),
+        Limits(max_model_len=64, vocab_size=49152),
+    )
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(default_model_dir, hf_tokenizer, conversation,
-                                            add_generation_prompt):
-    ours = ChatTemplate.from_model_dir(default_model_dir).render(conversation,
-                                                                 add_generation_prompt)
-    theirs = hf_tokenizer.apply_chat_template(conversation, tokenize=False,
-                                              add_generation_prompt=add_generation_prompt)
+def test_chat_template_matches_transformers(
+    default_model_dir, hf_tokenizer, conversation, add_generation_prompt
+):
+    ours = ChatTemplate.from_model_dir(default_model_dir).render(
+        conversation, add_generation_prompt
+    )
+    theirs = hf_tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert ours == theirs
 
 
 def test_chat_ids_match_transformers(preparer, hf_tokenizer):
     conversation = CONVERSATIONS[0]
-    req = SubmitRequest("r", b"c", SamplingParams(), messages=[ChatMessage(**m)
-                                                              for m in conversation])
+    req = SubmitRequest(
+        "r", b"c", SamplingParams(), messages=[ChatMessage(**m) for m in conversation]
+    )
     (out,) = preparer.prepare_batch([req])
-    expected = hf_tokenizer.apply_chat_template(conversation, tokenize=True,
-                                                add_generation_prompt=True)
-    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(
-        expected, "keys") else expected
+    expected = hf_tokenizer.apply_chat_template(
+        conversation, tokenize=True, add_generation_prompt=True
+    )
+    expected = (
+        expected["input_ids"]
+        if isinstance(expected, dict) or hasattr(expected, "keys")
+        else expected
+    )
     assert unpack_id_list(out.token_ids) == list(expected)
 
 
@@ -86,12 +99,17 @@ def test_out_of_vocab_ids_and_stop_ids_are_rejected(preparer):
 
 
 def test_one_bad_request_does_not_spoil_the_batch(preparer):
-    reqs = [SubmitRequest("a", b"c", SamplingParams(), prompt="Hi"),
-            SubmitRequest("b", b"c", SamplingParams(), prompt="word " * 200),
-            SubmitRequest("c", b"c", SamplingParams(), prompt_token_ids=pack_ids([5, 6]))]
+    reqs = [
+        SubmitRequest("a", b"c", SamplingParams(), prompt="Hi"),
+        SubmitRequest("b", b"c", SamplingParams(), prompt="word " * 200),
+        SubmitRequest("c", b"c", SamplingParams(), prompt_token_ids=pack_ids([5, 6])),
+    ]
     out = preparer.prepare_batch(reqs)
-    assert [type(o).__name__ for o in out] == ["TokenizedRequest", "RequestError",
-                                               "TokenizedRequest"]
+    assert [type(o).__name__ for o in out] == [
+        "TokenizedRequest",
+        "RequestError",
+        "TokenizedRequest",
+    ]
     assert unpack_id_list(out[2].token_ids) == [5, 6]
 
 
@@ -99,8 +117,10 @@ def test_logit_bias_ids_outside_the_vocabulary_are_rejected(preparer):
     out = _one(preparer, prompt="x", sampling=SamplingParams(logit_bias={5: 1.0, 49152: -1.0}))
     assert isinstance(out, RequestError)
     assert "logit_bias [49152] are outside the vocabulary (size 49152)" in out.message
-    assert isinstance(_one(preparer, prompt="x", sampling=SamplingParams(
-        logit_bias={49151: 100.0})), TokenizedRequest)
+    assert isinstance(
+        _one(preparer, prompt="x", sampling=SamplingParams(logit_bias={49151: 100.0})),
+        TokenizedRequest,
+    )
 
 
 def test_prompt_ids_reach_the_detokenizer_only_when_echo_or_prompt_logprobs_ask(preparer):

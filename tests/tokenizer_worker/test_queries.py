@@ -26,8 +26,12 @@ def thinking_dir(default_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def queries(thinking_dir):
-    return TokenizerQueries(load_tokenizer(thinking_dir),
-                            ChatTemplate.from_model_dir(thinking_dir), LIMITS, thinking_dir)
+    return TokenizerQueries(
+        load_tokenizer(thinking_dir),
+        ChatTemplate.from_model_dir(thinking_dir),
+        LIMITS,
+        thinking_dir,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +58,23 @@ def test_tokenize_and_detokenize_match_the_tokenizer(queries, hf, text, special)
 
 @pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_tokens_match_transformers_with_template_kwargs(queries, hf, kwargs,
-                                                             add_generation_prompt):
+def test_chat_tokens_match_transformers_with_template_kwargs(
+    queries, hf, kwargs, add_generation_prompt
+):
     messages = CHAT + [{"role": "user", "content": "and you?", "name": "Ann"}]
-    answer = ask(queries, messages=[ChatMessage(**m) for m in messages],
-                 add_special_tokens=False, add_generation_prompt=add_generation_prompt,
-                 chat_template_kwargs=kwargs)
-    expected = hf.apply_chat_template(messages, tokenize=False,
-                                      add_generation_prompt=add_generation_prompt, **kwargs)
-    assert ("<think>" in expected) == (kwargs == {"enable_thinking": False}
-                                       and add_generation_prompt)
+    answer = ask(
+        queries,
+        messages=[ChatMessage(**m) for m in messages],
+        add_special_tokens=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=kwargs,
+    )
+    expected = hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    assert ("<think>" in expected) == (
+        kwargs == {"enable_thinking": False} and add_generation_prompt
+    )
     assert "(Ann)" in expected
     assert unpack_id_list(answer.token_ids) == hf(expected, add_special_tokens=False)["input_ids"]
 
@@ -71,18 +82,24 @@ def test_chat_tokens_match_transformers_with_template_kwargs(queries, hf, kwargs
 def test_tokenizer_info_says_what_lm_eval_reads(queries):
     info = ask(queries, info=True).info
     assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (
-        "<|im_end|>", "<|im_start|>", "<|im_end|>")
+        "<|im_end|>",
+        "<|im_start|>",
+        "<|im_end|>",
+    )
     assert info["chat_template"] == THINKING_TEMPLATE
     assert info["model_max_length"] == info["max_model_len"] == LIMITS.max_model_len
     assert info["tokenizer_class"] and info["vocab_size"] == LIMITS.vocab_size
     assert "sep_token" in info and info["sep_token"] is None
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"detokenize_ids": pack_ids([5, 49152])}, "must be in [0, 49152)"),
-    ({"detokenize_ids": pack_ids([-1])}, "must be in [0, 49152)"),
-    ({"messages": [ChatMessage("", "x")]}, "non-empty role"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"detokenize_ids": pack_ids([5, 49152])}, "must be in [0, 49152)"),
+        ({"detokenize_ids": pack_ids([-1])}, "must be in [0, 49152)"),
+        ({"messages": [ChatMessage("", "x")]}, "non-empty role"),
+    ],
+)
 def test_bad_input_gets_an_error_naming_it(queries, kwargs, fragment):
     answer = queries.answer(TokenizeRequest("q", b"c", t_submit=3.0, **kwargs))
     assert isinstance(answer, RequestError) and fragment in answer.message

@@ -16,28 +16,48 @@ from runtime.model_files import load_tokenizer
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def preparer(default_model_dir):
     tokenizer = load_tokenizer(default_model_dir)
-    return RequestPreparer(tokenizer, ChatTemplate.from_model_dir(default_model_dir),
-                           Limits(max_model_len=2048, vocab_size=49152))
+    return RequestPreparer(
+        tokenizer,
+        ChatTemplate.from_model_dir(default_model_dir),
+        Limits(max_model_len=2048, vocab_size=49152),
+    )
 
 
 def prepare(preparer, messages=None, prompt=None, **options):
-    request = build_submit(b"c", "r", prompt=prompt, messages=messages, prompt_token_ids=None,
-                           sampling=SamplingParams(max_tokens=8), sampling_kwargs=options,
-                           add_generation_prompt=True, t_submit=0.0)
+    request = build_submit(
+        b"c",
+        "r",
+        prompt=prompt,
+        messages=messages,
+        prompt_token_ids=None,
+        sampling=SamplingParams(max_tokens=8),
+        sampling_kwargs=options,
+        add_generation_prompt=True,
+        t_submit=0.0,
+    )
     result = preparer.prepare_batch([request])[0]
     if isinstance(result, TokenizedRequest):  # with the prompt the model sees
-        return result, preparer.tokenizer.decode(unpack_id_list(result.token_ids),
-                                                 skip_special_tokens=False)
+        return result, preparer.tokenizer.decode(
+            unpack_id_list(result.token_ids), skip_special_tokens=False
+        )
     return result, ""
 
 
@@ -50,37 +70,66 @@ def test_auto_tools_are_offered_in_the_generic_prompt_and_parsed(preparer):
 
 
 def test_forced_calls_carry_a_grammar(preparer):
-    named, text = prepare(preparer, ASK, tools=[WEATHER],
-                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named, text = prepare(
+        preparer,
+        ASK,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     assert named.meta.tool_parser == "hermes" and "get_weather" in named.grammar
     assert "You must call the function get_weather." in text
-    schema, _ = prepare(preparer, prompt="Name:", response_format=StructuredOutputSpec(
-        "regex", "[A-Z][a-z]+"))
+    schema, _ = prepare(
+        preparer, prompt="Name:", response_format=StructuredOutputSpec("regex", "[A-Z][a-z]+")
+    )
     assert schema.grammar and schema.meta.tool_parser == ""
 
 
 def test_a_history_with_calls_and_results_is_written_in_the_call_format(preparer):
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
     result, text = prepare(preparer, history, tools=[WEATHER])
     assert isinstance(result, TokenizedRequest)
-    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-            in text)
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    )
     assert '<tool_response>\n{"sky": "clear"}\n</tool_response>' in text
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"prompt": "x", "tools": [WEATHER]}, "tools and tool_choice need chat messages"),
-    ({"messages": ASK, "tools": [WEATHER], "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "cannot be combined"),
-    ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function"}},
-     "tool_choice must be"),
-    ({"messages": ASK, "structured_outputs": {"json": {"type": "objekt"}}},
-     "invalid JSON schema"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"prompt": "x", "tools": [WEATHER]}, "tools and tool_choice need chat messages"),
+        (
+            {
+                "messages": ASK,
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot be combined",
+        ),
+        (
+            {"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function"}},
+            "tool_choice must be",
+        ),
+        (
+            {"messages": ASK, "structured_outputs": {"json": {"type": "objekt"}}},
+            "invalid JSON schema",
+        ),
+    ],
+)
 def test_bad_requests_are_named(preparer, kwargs, fragment):
     result, _ = prepare(preparer, **kwargs)
     assert isinstance(result, RequestError) and fragment in result.message

@@ -29,27 +29,50 @@ from tokenizer_worker.tool_calls import (
     template_supports_tools,
 )
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
-        "additionalProperties": False}}}
-COUNT = {"type": "function", "function": {
-    "name": "count", "parameters": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
-        "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+COUNT = {
+    "type": "function",
+    "function": {
+        "name": "count",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["n"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, COUNT]
 
 
-@pytest.mark.parametrize("tools, fragment", [
-    ({"a": 1}, "must be a list"),
-    ([{"type": "code_interpreter"}], 'tools[0] must be {"type": "function"'),
-    ([{"type": "function", "function": {"name": "bad name"}}], "tools[0].function.name"),
-    ([WEATHER, WEATHER], "'get_weather' is defined twice"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
-     "tools[0].function.parameters: invalid JSON schema"),
-])
+@pytest.mark.parametrize(
+    "tools, fragment",
+    [
+        ({"a": 1}, "must be a list"),
+        ([{"type": "code_interpreter"}], 'tools[0] must be {"type": "function"'),
+        ([{"type": "function", "function": {"name": "bad name"}}], "tools[0].function.name"),
+        ([WEATHER, WEATHER], "'get_weather' is defined twice"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+            "tools[0].function.parameters: invalid JSON schema",
+        ),
+    ],
+)
 def test_bad_tools_are_named(tools, fragment):
     with pytest.raises(ToolSpecError, match=fragment.replace("[", r"\[").replace("{", r"\{")):
         check_tools(tools)
@@ -62,8 +85,11 @@ def test_tool_choice():
     assert resolve_tool_choice(TOOLS, "none") == ToolChoice("none")
     named = {"type": "function", "function": {"name": "count"}}
     assert resolve_tool_choice(TOOLS, named) == ToolChoice("named", "count")
-    with pytest.raises(ToolSpecError, match="'nope', which is not among the tools "
-                                            r"\(get_weather, count\)"):
+    with pytest.raises(
+        ToolSpecError,
+        match="'nope', which is not among the tools "
+        r"\(get_weather, count\)",
+    ):
         resolve_tool_choice(TOOLS, {"type": "function", "function": {"name": "nope"}})
     with pytest.raises(ToolSpecError, match="needs at least one tool"):
         resolve_tool_choice([], "required")
@@ -73,11 +99,22 @@ def test_tool_choice():
 
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}},
-        {"id": "call_2", "type": "function",
-         "function": {"name": "count", "arguments": '{"n": 2}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+            },
+            {
+                "id": "call_2",
+                "type": "function",
+                "function": {"name": "count", "arguments": '{"n": 2}'},
+            },
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
     {"role": "tool", "tool_call_id": "call_2", "content": "2"},
 ]
@@ -87,16 +124,25 @@ def test_generic_format_for_a_template_without_tools(default_model_dir):
     template = ChatTemplate.from_model_dir(default_model_dir)
     source = (default_model_dir / "chat_template.jinja").read_text()
     assert not template_supports_tools(source)
-    messages, tools = conversation_for_template(HISTORY, TOOLS, ToolChoice("named", "count"),
-                                                supports_tools=False)
-    assert tools is None and [m["role"] for m in messages] == ["system", "user", "assistant",
-                                                               "user"]
+    messages, tools = conversation_for_template(
+        HISTORY, TOOLS, ToolChoice("named", "count"), supports_tools=False
+    )
+    assert tools is None and [m["role"] for m in messages] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+    ]
     text = template.render(messages)
     assert json.dumps(WEATHER) in text and "You must call the function count." in text
-    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
-            '\n</tool_call>\n<tool_call>\n{"name": "count"') in text
-    assert ("<tool_response>\n18 C, sunny\n</tool_response>\n<tool_response>\n2\n"
-            "</tool_response><|im_end|>") in text
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "count"'
+    ) in text
+    assert (
+        "<tool_response>\n18 C, sunny\n</tool_response>\n<tool_response>\n2\n"
+        "</tool_response><|im_end|>"
+    ) in text
     assert text.endswith("<|im_start|>assistant\n")
     # An existing system message is kept, the tools appended to it.
     with_system = [{"role": "system", "content": "Be brief."}] + HISTORY[:1]
@@ -108,15 +154,21 @@ def test_generic_format_for_a_template_without_tools(default_model_dir):
 
 
 def test_a_template_that_knows_tools_gets_them():
-    source = ("{% if tools %}TOOLS:{{ tools | length }}{% endif %}{% for m in messages %}"
-              "{{ m.role }}{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.city }}"
-              "{% endif %};{% endfor %}")
+    source = (
+        "{% if tools %}TOOLS:{{ tools | length }}{% endif %}{% for m in messages %}"
+        "{{ m.role }}{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.city }}"
+        "{% endif %};{% endfor %}"
+    )
     assert template_supports_tools(source)
     messages, tools = conversation_for_template(HISTORY, TOOLS, ToolChoice("auto"), True)
     assert tools == TOOLS and messages[1]["tool_calls"][0]["function"]["arguments"] == {
-        "city": "Paris", "unit": "c"}
-    assert ChatTemplate(source, {})._template.render(messages=messages, tools=tools) == \
-        "TOOLS:2user;assistantParis;tool;tool;"
+        "city": "Paris",
+        "unit": "c",
+    }
+    assert (
+        ChatTemplate(source, {})._template.render(messages=messages, tools=tools)
+        == "TOOLS:2user;assistantParis;tool;tool;"
+    )
     assert HISTORY[1]["tool_calls"][0]["function"]["arguments"].startswith("{")  # not mutated
 
 
@@ -128,9 +180,15 @@ def grammar_parts():
     builder.close()
 
 
-@pytest.mark.parametrize("choice, parallel", [
-    (ToolChoice("named", "get_weather"), False), (ToolChoice("named", "get_weather"), True),
-    (ToolChoice("required"), False), (ToolChoice("required"), True)])
+@pytest.mark.parametrize(
+    "choice, parallel",
+    [
+        (ToolChoice("named", "get_weather"), False),
+        (ToolChoice("named", "get_weather"), True),
+        (ToolChoice("required"), False),
+        (ToolChoice("required"), True),
+    ],
+)
 def test_forced_calls_parse_and_match_the_schema(grammar_parts, choice, parallel):
     vocabulary, compiler, builder = grammar_parts
     assert forced_tool_call_spec(TOOLS, ToolChoice("auto")) is None

@@ -9,17 +9,23 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from ipc.codec import decode, encode
 from tokenizer_worker.vocabulary import grammar_vocabulary
 
-TEXTS = ['{"name": "Zoë", "tags": ["a", "b"]}', "héllo wörld ✓ 日本語 🙂",
-         "x = [1, 2, 3]\n\ttab",
-         "The quick brown fox jumps over the lazy dog. " * 3]
+TEXTS = [
+    '{"name": "Zoë", "tags": ["a", "b"]}',
+    "héllo wörld ✓ 日本語 🙂",
+    "x = [1, 2, 3]\n\ttab",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+]
 
 
 def byte_level_tokenizer() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|end|>", "<|pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|end|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(TEXTS * 4, trainer)
     return tokenizer
 
@@ -32,11 +38,13 @@ def byte_fallback_tokenizer() -> Tokenizer:
     for piece in ["▁"] + [chr(c) for c in range(33, 127)] + ["▁t", "he", "▁the", "é"]:
         vocab.setdefault(piece, len(vocab))
     merges = [("▁", "t"), ("h", "e"), ("▁t", "he")]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
-                                     unk_token="<unk>"))
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>")
+    )
     tokenizer.normalizer = normalizers.Replace(" ", "▁")
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                           decoders.Fuse()])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
     return tokenizer
 
@@ -66,13 +74,14 @@ def test_special_ids_sizes_and_wire_round_trip():
     assert decode(encode(vocabulary)) == vocabulary
     assert vocabulary.fingerprint == vocabulary.digest()
     smaller = grammar_vocabulary(tokenizer, size - 3, [0])  # ids past the model's are dropped
-    assert smaller.token_table() == table[:size - 3]
+    assert smaller.token_table() == table[: size - 3]
     assert smaller.digest() != vocabulary.digest()
 
 
 def test_malformed_vocabulary_is_refused():
     from ipc.codec import pack_ids
     from ipc.structured import GrammarVocabulary
+
     with pytest.raises(ValueError, match="do not fit"):
         GrammarVocabulary(2, b"abc", pack_ids([1, 2, 3]), b"", [0])
     with pytest.raises(ValueError, match="eos_ids"):
