@@ -131,7 +131,9 @@ class Scheduler:
             if victim is request and len(self.running) == 1:
                 capacity = self.blocks.num_blocks * self.blocks.block_size
                 tokens = request.num_computed + count
-                message = f"the request needs {tokens} tokens of KV cache; it holds {capacity}"
+                message = (
+                    f"the request needs {tokens} tokens of KV cache, which holds {capacity} tokens"
+                )
                 batch.failed.append((request, message))
                 self.running.pop()
                 self.free_blocks(request)

@@ -38,8 +38,8 @@ class EngineConfig:
     dtype: str = knob(
         "auto",
         "activations and KV cache (auto: bf16 on CUDA, fp16 there "
-        "without bf16; on CPU bf16 where it is native (AVX512-BF16 or AMX), else "
-        "float32; a dense --weights format sets it)",
+        "without bf16; float32 on CPU, where bf16 activations changed the default model's "
+        "greedy answers; a dense --weights format sets it)",
         choices=DTYPES,
     )
     weights: str = knob("auto", WEIGHTS_HELP, choices=WEIGHTS)

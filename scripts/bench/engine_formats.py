@@ -47,20 +47,21 @@ def kernel_formats() -> dict:
             PrototypeInt4WeightOnlyConfig,
         )
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as exc:
+        print(f"(torchao formats skipped: {exc})")
+        return formats
 
-        def torchao(config):
-            def build(w):
-                layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=bf16)
-                layer.weight.data = w.to(bf16)
-                quantize_(layer, config)
-                return type("TorchaoLinear", (), {"apply": lambda self, x: layer(x)})()
+    def torchao(config):
+        def build(w):
+            layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=bf16)
+            layer.weight.data = w.to(bf16)
+            quantize_(layer, config)
+            return type("TorchaoLinear", (), {"apply": lambda self, x: layer(x)})()
 
-            return build
+        return build
 
-        formats["ao-int8"] = (torchao(Int8WeightOnlyConfig()), bf16)
-        formats["ao-int4"] = (torchao(PrototypeInt4WeightOnlyConfig(group_size=32)), bf16)
-    except Exception as exc:  # noqa: BLE001 - any import or config failure just skips them
-        print(f"(torchao formats skipped: {type(exc).__name__}: {exc})")
+    formats["ao-int8"] = (torchao(Int8WeightOnlyConfig()), bf16)
+    formats["ao-int4"] = (torchao(PrototypeInt4WeightOnlyConfig(group_size=32)), bf16)
     return formats
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 from ipc.client import Client
 from procs.children import REPO_ROOT
 from procs.launch_cluster import launch_cluster
+from procs.model_store import gguf_file, load_reference_model
 
 pytestmark = pytest.mark.slow  # harness runs on the real model: 20-60 s each here
 TASK = "splitserve_capitals"
@@ -40,7 +42,7 @@ LOGLIKELIHOOD_TOLERANCE = 1e-3
 def cluster(default_model_dir):
     # fp32 on the CPU pinned, the arithmetic the harness's hf run below does: dtype "auto" is
     # bf16/fp16 on CUDA, and bf16 rounding would not be float noise next to fp32 (nor would
-    # quantized weights, should the engine get a knob for them: pin it to dense here too).
+    # quantized weights: dense fp32 weights pinned too).
     with launch_cluster(
         str(default_model_dir),
         tokenizer_workers=1,
@@ -48,8 +50,31 @@ def cluster(default_model_dir):
         http_port=0,
         device="cpu",
         dtype="float32",
+        weights="fp32",
     ) as c:
         yield c
+
+
+def hf_checkpoint(model_dir: Path, out: Path) -> Path:
+    """A safetensors checkpoint of the model for the harness's hf backend. The default model
+    ships as a GGUF beside its HF metadata; transformers dequantizes it to float32 (as the
+    cluster's fp32 weights are), and the copy keeps the directory's own tokenizer files (the
+    harness cannot use a tokenizer read from the GGUF)."""
+    if gguf_file(model_dir) is None:
+        return model_dir
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # A model read from a GGUF refuses to save itself: its float32 weights go into a plain one.
+    plain = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+    )
+    plain.load_state_dict(load_reference_model(model_dir).state_dict())
+    plain.save_pretrained(out)
+    for name in model_dir.iterdir():
+        if name.suffix != ".gguf" and not (out / name.name).exists():
+            shutil.copy(name, out / name.name)
+    return out
 
 
 def api_model_args(cluster, endpoint: str) -> str:
@@ -195,7 +220,7 @@ def test_multiple_choice_loglikelihoods_equal_the_harness_hf_backend(
     ref, ref_results, _ = run_harness(
         MC_TASK,
         "hf",
-        f"pretrained={default_model_dir},dtype=float32",
+        f"pretrained={hf_checkpoint(Path(default_model_dir), tmp_path / 'ckpt')},dtype=float32",
         tmp_path / "hf",
         "--device",
         "cpu",
