@@ -21,12 +21,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> torch.dtype:
-    """auto: what a dense ``weights`` format names; else bf16 on CUDA (fp16 without bf16) and
-    float32 on a CPU. bf16 activations on the CPU are ~2x faster for dense matmuls where the CPU
-    has native bf16, but they moved the default model's greedy answers: with its 4-bit weights,
-    "What is the capital of France?" got a French word list instead of Paris, and 25 of 32
-    prompts kept fp32's first 16 tokens (32 of 32 with fp32 activations). Ask for
-    ``--dtype bfloat16`` to trade that for speed."""
+    """auto: what a dense ``weights`` format names; else bf16 on CUDA (fp16 without bf16) and on
+    a CPU with native bf16, float32 on other CPUs."""
     if name != "auto":
         return getattr(torch, name)
     implied = dtype_for_weights(weights)
@@ -34,7 +30,21 @@ def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> tor
         return implied
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo: bf16 matmuls run natively (2x fp32 here);
+    without them torch emulates bf16 and fp32 is the faster choice."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def available_memory_bytes() -> int:

@@ -1,8 +1,9 @@
 """Which format each linear layer's weights take (the ``weights`` knob), decided once at load.
 
-  auto  serve a checkpoint at its own precision: GGUF Q4_0/Q4_1 -> int4, Q8_0 -> int8 (Q8_0's
-        per-32 scales have no per-channel int8 equivalent: re-quantized per channel), dense
-        tensors (safetensors, F16/F32) -> dense in the activation dtype
+  auto  int4 where the kernel computes a GGUF Q4_0/Q4_1 layer exactly (bf16 activations that
+        hold its scales and zeros); everything else dense in the activation dtype (Q4 blocks
+        whose fp16 scales bf16 would round, Q8_0, safetensors, F16/F32). The default model's
+        Q4_1 scales do not fit bf16, so it is served dense: ask for --weights int4 for speed
   bf16, fp32  dense weights in that dtype (quantized blocks are dequantized)
   int8  per-channel int8 for every linear layer, lm_head included
   int4  group-32 int4 for every linear layer (GGUF Q4 blocks map exactly); the lm_head takes int4
@@ -161,12 +162,15 @@ class WeightFormat:
             dtype = self.reference_for or self.dtype
             if self.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
                 return "dense"
-            if all(isinstance(s, Int4Groups) for s in sources):
-                weights = "int4"
-            elif any(isinstance(s, torch.Tensor) for s in sources):
+            # The checkpoint's own blocks, where the kernel computes exactly them: int4 groups
+            # whose scales and zeros the activation dtype holds, with bf16 activations (the
+            # kernel's fast path: with float32 ones it runs ~30x slower here). Anything else is
+            # dense: re-rounded 4-bit scales in bf16 changed the default model's batch-1 greedy
+            # answer to "What is the capital of France?"; re-quantized Q8_0 blocks likewise.
+            exact = all(isinstance(s, Int4Groups) and s.exact_in(dtype) for s in sources)
+            if dtype != torch.bfloat16 or not exact:
                 return "dense"
-            else:
-                weights = "int8"
+            weights = "int4"
         if weights in DENSE_DTYPES:
             return "dense"
         n = sum(s.shape[0] if isinstance(s, torch.Tensor) else s.q.shape[0] for s in sources)

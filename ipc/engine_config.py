@@ -12,8 +12,10 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4")  # engine_worker/weight_format.py
 WEIGHTS_HELP = (
-    "the linear layers' weights. auto: the checkpoint's own precision (a GGUF's Q4_0/Q4_1 "
-    "blocks on torch's int4 kernel, Q8_0 as int8 per channel, dense tensors in --dtype); "
+    "the linear layers' weights. auto: a GGUF's Q4_0/Q4_1 blocks on torch's int4 kernel "
+    "where it computes them exactly (bf16 activations holding their scales), everything else "
+    "dense in --dtype (the default model's scales do not fit bf16: it is served dense; "
+    "int4 is the faster, less exact choice); "
     "bf16, fp32: dense in that dtype (quantized blocks dequantized; needs that --dtype or "
     "auto); int8: int8 per output channel; int4: int4 in groups of 32 (lm_head int8 unless "
     "the checkpoint's is 4-bit). Quantized layers serve small steps (decode, reading 2-4x "
@@ -38,8 +40,8 @@ class EngineConfig:
     dtype: str = knob(
         "auto",
         "activations and KV cache (auto: bf16 on CUDA, fp16 there "
-        "without bf16; float32 on CPU, where bf16 activations changed the default model's "
-        "greedy answers; a dense --weights format sets it)",
+        "without bf16; on CPU bf16 where it is native (AVX512-BF16 or AMX), else "
+        "float32; a dense --weights format sets it)",
         choices=DTYPES,
     )
     weights: str = knob("auto", WEIGHTS_HELP, choices=WEIGHTS)

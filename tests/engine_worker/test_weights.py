@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_worker.device import resolve_dtype
+from engine_worker.device import cpu_has_native_bf16, resolve_dtype
 from engine_worker.linear import (
     BatchSizeSwitch,
     DenseLinear,
@@ -112,7 +112,12 @@ def test_weight_format_builds_each_kind_and_keeps_checkpoint_weights_dense():
     )
     assert isinstance(WeightFormat("auto", torch.bfloat16, CPU).linear([w]), DenseLinear)
     auto = WeightFormat("auto", torch.bfloat16, CPU, dense_copy=False)
-    assert isinstance(auto.linear([random_groups(32, 64)]), Int4Linear)
+    # auto takes int4 only where the kernel computes the checkpoint's groups exactly.
+    groups = random_groups(32, 64)
+    assert isinstance(auto.linear([groups.rounded(torch.bfloat16)]), Int4Linear)
+    assert isinstance(auto.linear([groups]), DenseLinear)  # fp32 scales bf16 would round
+    fp32_auto = WeightFormat("auto", torch.float32, CPU, dense_copy=False)
+    assert isinstance(fp32_auto.linear([groups.rounded(torch.bfloat16)]), DenseLinear)
     # The reference holds exactly the weights the kernel computes with, densely, in fp32.
     reference = WeightFormat("int4", torch.float32, CPU, reference_for=torch.bfloat16)
     dense = reference.linear([w])
@@ -130,5 +135,12 @@ def test_weights_and_dtype_knobs():
     assert resolve_dtype("auto", CPU, "fp32") == torch.float32
     assert resolve_dtype("auto", CPU, "bf16") == torch.bfloat16
     assert resolve_dtype("float32", CPU, "int4") == torch.float32
-    # CPU activations stay float32 with quantized weights (bf16 moved greedy answers).
-    assert resolve_dtype("auto", CPU, "auto") == torch.float32
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert cpu_has_native_bf16() == native
+    assert resolve_dtype("auto", CPU, "auto") == (torch.bfloat16 if native else torch.float32)
