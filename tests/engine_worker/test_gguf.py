@@ -162,23 +162,24 @@ def test_gguf_checkpoint_matches_its_dequantized_weights(tiny_gguf):
         Engine(EngineConfig(model_path=str(gguf_dir), weights="fp32", **config)), PROMPT
     )
     assert (served - reference).abs().max() < 1e-6 * reference.abs().max()
-    # Quantized at the file's own precision, no dense copy: Q4_x run on the int4 kernel with the
-    # file's exact weights, Q8_0 (the tied head) is re-quantized to int8 per channel.
-    auto = Engine(
+    # --weights int4, no dense copy: Q4_x layers run on the int4 kernel with the file's exact
+    # weights (float32 holds their scales), the file's dense layers are quantized to int4, and
+    # Q8_0 (the tied head) is re-quantized to int8 per channel.
+    quantized = Engine(
         EngineConfig(
-            model_path=str(gguf_dir), weights="auto", quantized_max_tokens=1 << 20, **config
+            model_path=str(gguf_dir), weights="int4", quantized_max_tokens=1 << 20, **config
         )
     )
-    kinds = auto.runner.model.weight_format.counts
-    assert kinds == {"int4": 6, "dense": 2, "int8": 1}, kinds  # 2 layers x (qkv, o, gate_up)
+    kinds = quantized.runner.model.weight_format.counts
+    assert kinds == {"int4": 8, "int8": 1}, kinds  # 2 layers x (qkv, o, gate_up, down), head
     exact_weights = Engine(
         EngineConfig(model_path=str(gguf_dir), **config),
         weight_format=WeightFormat(
-            "auto", torch.float32, torch.device("cpu"), reference_for=torch.float32
+            "int4", torch.float32, torch.device("cpu"), reference_for=torch.float32
         ),
     )
     expected = last_logits(exact_weights, PROMPT)
-    diff = (last_logits(auto, PROMPT) - expected).abs().max().item()
+    diff = (last_logits(quantized, PROMPT) - expected).abs().max().item()
     assert diff < 1e-4 * expected.abs().max().item(), diff
 
 
