@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP = 32  # columns per int4 scale/zero; GGUF Q4_0/Q4_1 blocks are 32 weights too
+MAX_INT4_PARTS = 2  # more would read the 4-bit weights as often as a dense bf16 layer's bytes
 
 
 class LinearWeight(Protocol):
@@ -52,14 +53,21 @@ class Int4Groups:
     def group(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
 
-    def rounded(self, dtype: torch.dtype) -> Int4Groups:
-        """The groups with scale and zero as the kernel holds them (rounded to ``dtype``)."""
-        return Int4Groups(self.q, self.scale.to(dtype).float(), self.zero.to(dtype).float())
+    def rounded(self, dtype: torch.dtype, parts: int = 1) -> Int4Groups:
+        """The groups with scale and zero as a kernel of ``parts`` parts holds them (each the sum
+        of ``split_parts`` in ``dtype``)."""
+        scale, zero = (_total(split_parts(v, dtype, parts)) for v in (self.scale, self.zero))
+        return Int4Groups(self.q, scale, zero)
 
-    def exact_in(self, dtype: torch.dtype) -> bool:
-        """Whether ``dtype`` holds every scale and zero exactly (the kernel then computes the
-        checkpoint's own weights)."""
-        r = self.rounded(dtype)
+    def parts_for(self, dtype: torch.dtype) -> int:
+        """The fewest kernel parts (at most ``MAX_INT4_PARTS``) that hold the scales and zeros
+        exactly in ``dtype``; 0 when none does."""
+        return next((p for p in range(1, MAX_INT4_PARTS + 1) if self.exact_in(dtype, p)), 0)
+
+    def exact_in(self, dtype: torch.dtype, parts: int = 1) -> bool:
+        """Whether ``parts`` values of ``dtype`` summed hold every scale and zero exactly (the
+        kernel then computes the checkpoint's own weights)."""
+        r = self.rounded(dtype, parts)
         return torch.equal(r.scale, self.scale) and torch.equal(r.zero, self.zero)
 
 
@@ -72,6 +80,24 @@ class Int8Blocks:
 
 
 WeightSource: TypeAlias = torch.Tensor | Int4Groups | Int8Blocks
+
+
+def _total(parts: list[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].float()
+    for part in parts[1:]:
+        total = total + part.float()
+    return total
+
+
+def split_parts(values: torch.Tensor, dtype: torch.dtype, parts: int) -> list[torch.Tensor]:
+    """``values`` (float32) as ``parts`` tensors of ``dtype`` whose sum is nearest to them: each
+    part rounds what the ones before it left over. Two bf16 parts hold any fp16 value exactly
+    (8 + 8 significant bits against 11, and bf16 has float32's exponent range)."""
+    out, rest = [], values.float()
+    for _ in range(parts):
+        out.append(rest.to(dtype))
+        rest = rest - out[-1].float()
+    return out
 
 
 def dequantize(source: WeightSource) -> torch.Tensor:
@@ -161,8 +187,18 @@ class Int8Linear:
 
 
 class Int4Linear:
+    """``parts`` > 1: the kernel runs over the input repeated ``parts`` times along K, against the
+    same 4-bit weights repeated, part i holding the i-th ``split_parts`` of every scale and zero:
+    the sum, accumulated in float32 inside one kernel call, is the layer with scales and zeros the
+    activation dtype alone cannot hold (a GGUF file's fp16 ones in bf16). It reads the weights
+    ``parts`` times."""
+
     def __init__(
-        self, groups: Int4Groups, dtype: torch.dtype, bias: torch.Tensor | None = None
+        self,
+        groups: Int4Groups,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+        parts: int = 1,
     ) -> None:
         n, k = groups.q.shape
         if not int4_supported(n, k, groups.group):
@@ -170,16 +206,18 @@ class Int4Linear:
                 f"int4 needs out_features % 16 == 0 and in_features % "
                 f"{groups.group} == 0, got {n} x {k}"
             )
-        self.group, self.bias, self.out_features = groups.group, bias, n
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.int(), 1)
-        self.scale_zero = (
-            torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).to(dtype).contiguous()
-        )  # [K / group, N, 2]
+        self.group, self.bias, self.out_features, self.parts = groups.group, bias, n, parts
+        q = groups.q.int().repeat(1, parts)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        scales = split_parts(groups.scale, dtype, parts)
+        zeros = split_parts(groups.zero, dtype, parts)
+        self.scale_zero = torch.cat(
+            [torch.stack([s.t(), z.t()], dim=-1) for s, z in zip(scales, zeros)]
+        ).contiguous()  # [parts * K / group, N, 2]
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.contiguous(), self.packed, self.group, self.scale_zero
-        )
+        x = x.contiguous() if self.parts == 1 else x.repeat(1, self.parts)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
         return y if self.bias is None else y + self.bias
 
     @property

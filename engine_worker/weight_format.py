@@ -1,15 +1,19 @@
 """Which format each linear layer's weights take (the ``weights`` knob), decided once at load.
 
-  auto  int4 where the kernel computes a GGUF Q4_0/Q4_1 layer exactly (bf16 activations that
-        hold its scales and zeros); everything else dense in the activation dtype (Q4 blocks
-        whose fp16 scales bf16 would round, Q8_0, safetensors, F16/F32). The default model's
-        Q4_1 scales do not fit bf16, so it is served dense: ask for --weights int4 for speed
+  auto  on a CPU with bf16 activations, a GGUF's Q4_0/Q4_1 layers as int4 (as ``int4`` below);
+        everything else dense in the activation dtype (Q8_0, F16/F32, safetensors, and any
+        checkpoint with float32 activations, where the int4 kernel runs ~30x slower)
   bf16, fp32  dense weights in that dtype (quantized blocks are dequantized)
   int8  per-channel int8 for every linear layer, lm_head included
-  int4  group-32 int4 for every linear layer (GGUF Q4 blocks map exactly); the lm_head takes int4
-        only when the checkpoint's head is 4-bit already, else int8: re-quantizing this model's
-        Q8_0 head to int4 left 5 of 32 greedy continuations equal to float32's for 16 tokens,
-        int8 28 of 32 (float32 activations, the other layers exact)
+  int4  group-32 int4 for every linear layer, one kernel pass with scales and zeros in the
+        activation dtype: a GGUF's fp16 Q4 scales rounded to bf16 (on the default model, as
+        close to float32's logits as dense bf16 weights: mean KL 1.2e-3 against 1.1e-3). The
+        lm_head takes int4 only when the checkpoint's head is 4-bit already, else it is dense:
+        re-quantizing this model's Q8_0 head to int4 left 5 of 32 greedy continuations equal to
+        float32's, and to int8 it answered "What is the capital of France?" wrongly at batch 1
+  int4-exact  as int4, with every scale and zero split into two bf16 parts that sum to the
+        file's fp16 value, the kernel reading the 4-bit weights twice in one call: the file's
+        own weights, at about half int4's decode speed
 
 A quantized layer also keeps a dense copy, used by steps of more than ``max_tokens`` tokens
 (prefill and large decode batches, where dense GEMM beats the integer kernels), when that copy
@@ -24,6 +28,7 @@ import torch
 
 from engine_worker.linear import (
     INT4_GROUP,
+    MAX_INT4_PARTS,
     BatchSizeSwitch,
     DenseLinear,
     Int4Groups,
@@ -46,7 +51,8 @@ DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Largest step (tokens through a linear layer) that still runs on the quantized copy: measured
 # crossovers on a 2-core AVX-512 (BF16) CPU with bf16 activations, scripts/bench_engine.py
 # kernels. Above it the dense bf16 copy is faster.
-QUANTIZED_MAX_TOKENS = {"int4": 16, "int8": 4}
+QUANTIZED_MAX_TOKENS = {"int4": 16, "int4x2": 4, "int8": 4}
+QUANTIZED_FORMATS = ("int8", "int4", "int4-exact")
 
 
 def check_weights_and_dtype(weights: str, dtype: torch.dtype, device: torch.device) -> None:
@@ -56,12 +62,12 @@ def check_weights_and_dtype(weights: str, dtype: torch.dtype, device: torch.devi
         raise ValueError(
             f"weights={weights} needs dtype {DENSE_DTYPES[weights]} (or auto), got {dtype}"
         )
-    if weights in ("int8", "int4") and device.type != "cpu":
+    if weights in QUANTIZED_FORMATS and device.type != "cpu":
         raise ValueError(
             f"weights={weights} runs on torch's CPU kernels only; on "
             f"{device.type} use auto or a dense format"
         )
-    if weights in ("int8", "int4") and dtype not in (torch.float32, torch.bfloat16):
+    if weights in QUANTIZED_FORMATS and dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"weights={weights} needs dtype float32 or bfloat16, got {dtype}")
 
 
@@ -131,10 +137,10 @@ class WeightFormat:
         checkpoint's weights, not the re-quantized ones. ``head``: this is the lm_head."""
         kind = self._kind(sources)
         if head and kind == "int4" and not all(isinstance(s, Int4Groups) for s in sources):
-            kind = "int8"
+            kind = "dense"
         source = _stack(sources)
-        self.counts[kind] = self.counts.get(kind, 0) + 1
         if kind == "dense":
+            self._count(kind)
             return DenseLinear(dense if dense is not None else self.dense(source), bias)
         scale_dtype = self.reference_for or self.dtype
         if kind == "int4":
@@ -143,10 +149,14 @@ class WeightFormat:
                 if isinstance(source, Int4Groups)
                 else quantize_int4(dequantize(source), scale_dtype)
             )
+            parts = self._int4_parts(groups, scale_dtype)
+            kind = "int4" if parts == 1 else f"int4x{parts}"
+            self._count(kind)
             if self.reference_for is not None:
-                return DenseLinear(dequantize(groups.rounded(scale_dtype)), bias)
-            layer: LinearWeight = Int4Linear(groups, self.dtype, bias)
+                return DenseLinear(dequantize(groups.rounded(scale_dtype, parts)), bias)
+            layer: LinearWeight = Int4Linear(groups, self.dtype, bias, parts)
         else:
+            self._count(kind)
             q, scale = quantize_int8(dequantize(source), scale_dtype)
             if self.reference_for is not None:
                 return DenseLinear(q.float() * scale[:, None], bias)
@@ -156,25 +166,39 @@ class WeightFormat:
             layer = BatchSizeSwitch(layer, copy, self.max_tokens or QUANTIZED_MAX_TOKENS[kind])
         return layer
 
+    def _int4_parts(self, groups: Int4Groups, dtype: torch.dtype) -> int:
+        if self.weights != "int4-exact":
+            return 1
+        parts = groups.parts_for(dtype)
+        if not parts:
+            logger.warning(
+                "%d bf16 parts cannot hold this layer's int4 scales exactly: nearest kept",
+                MAX_INT4_PARTS,
+            )
+        return parts or MAX_INT4_PARTS
+
+    def _count(self, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+
     def _kind(self, sources: list[WeightSource]) -> str:
         weights = self.weights
         if weights == "auto":
             dtype = self.reference_for or self.dtype
             if self.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
                 return "dense"
-            # The checkpoint's own blocks, where the kernel computes exactly them: int4 groups
-            # whose scales and zeros the activation dtype holds, with bf16 activations (the
-            # kernel's fast path: with float32 ones it runs ~30x slower here). Anything else is
-            # dense: re-rounded 4-bit scales in bf16 changed the default model's batch-1 greedy
-            # answer to "What is the capital of France?"; re-quantized Q8_0 blocks likewise.
-            exact = all(isinstance(s, Int4Groups) and s.exact_in(dtype) for s in sources)
-            if dtype != torch.bfloat16 or not exact:
+            # The checkpoint's 4-bit blocks, with bf16 activations (the int4 kernel's fast path:
+            # with float32 ones it runs ~30x slower). Anything else is dense: re-quantizing
+            # a Q8_0 head (to int8 or int4) changed the default model's greedy answers.
+            q4 = all(isinstance(s, Int4Groups) for s in sources)
+            if dtype != torch.bfloat16 or not q4:
                 return "dense"
             weights = "int4"
         if weights in DENSE_DTYPES:
             return "dense"
         n = sum(s.shape[0] if isinstance(s, torch.Tensor) else s.q.shape[0] for s in sources)
         k = sources[0].shape[1] if isinstance(sources[0], torch.Tensor) else sources[0].q.shape[1]
+        if weights == "int4-exact":
+            weights = "int4"
         if weights == "int4" and not int4_supported(n, k, INT4_GROUP):
             logger.warning(
                 "a %d x %d layer cannot take int4 (needs rows %% 16 == 0 and "

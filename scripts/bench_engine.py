@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from engine_worker.engine import Engine
+from ipc.engine_config import WEIGHTS
 from procs.model_store import resolve_model
 from scripts.bench.engine_runs import (
     best_decode_rates,
@@ -324,7 +325,7 @@ def main() -> None:
     parser.add_argument(
         "--weights",
         default=None,
-        choices=["auto", "bf16", "fp32", "int8", "int4"],
+        choices=list(WEIGHTS),
         help="the engine's weight format (default: dense in --dtype, 'peer' "
         "auto; splitserve launch --help says what each is)",
     )

@@ -164,14 +164,14 @@ def test_gguf_checkpoint_matches_its_dequantized_weights(tiny_gguf):
     assert (served - reference).abs().max() < 1e-6 * reference.abs().max()
     # --weights int4, no dense copy: Q4_x layers run on the int4 kernel with the file's exact
     # weights (float32 holds their scales), the file's dense layers are quantized to int4, and
-    # Q8_0 (the tied head) is re-quantized to int8 per channel.
+    # Q8_0 (the tied head) stays dense.
     quantized = Engine(
         EngineConfig(
             model_path=str(gguf_dir), weights="int4", quantized_max_tokens=1 << 20, **config
         )
     )
     kinds = quantized.runner.model.weight_format.counts
-    assert kinds == {"int4": 8, "int8": 1}, kinds  # 2 layers x (qkv, o, gate_up, down), head
+    assert kinds == {"int4": 8, "dense": 1}, kinds  # 2 layers x (qkv, o, gate_up, down), head
     exact_weights = Engine(
         EngineConfig(model_path=str(gguf_dir), **config),
         weight_format=WeightFormat(
@@ -193,7 +193,8 @@ def test_unsupported_gguf_type_is_refused_by_name(tiny_model_dir, tmp_path):
 
 def test_default_model_q4_1_blocks_map_exactly_in_fp32_not_bf16(default_model_dir):
     """The shipped file: every Q4_1 block's m + 8d is a float32, so fp32 activations compute
-    the file's own weights; bf16 cannot hold the fp16 scales (most blocks change)."""
+    the file's own weights; bf16 cannot hold the fp16 scales (most blocks change), two bf16
+    parts (int4-exact) hold every one."""
     path = gguf_file(default_model_dir)
     assert path is not None, "the default model is served from its GGUF"
     reader = _reader_class()(str(path))
@@ -205,6 +206,7 @@ def test_default_model_q4_1_blocks_map_exactly_in_fp32_not_bf16(default_model_di
             continue
         source = _parse("Q4_1", np.asarray(t.data), [int(d) for d in t.shape])
         assert source.exact_in(torch.float32), t.name
+        assert source.exact_in(torch.bfloat16, parts=2), t.name
         rounded = source.rounded(torch.bfloat16)
         exact_bf16 += int(((rounded.scale == source.scale) & (rounded.zero == source.zero)).sum())
         total += source.scale.numel()

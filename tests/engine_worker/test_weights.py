@@ -17,6 +17,7 @@ from engine_worker.linear import (
     dequantize,
     quantize_int4,
     quantize_int8,
+    split_parts,
 )
 from engine_worker.weight_format import WeightFormat, check_weights_and_dtype
 from ipc.engine_config import EngineConfig
@@ -52,6 +53,21 @@ def test_int4_kernel_with_bf16_activations_rounds_scale_and_zero():
     expected = dequantize(groups.rounded(torch.bfloat16)).bfloat16().float()
     assert torch.equal(kernel_weights(layer, 96, torch.bfloat16), expected)
     assert not torch.equal(expected, dequantize(groups).bfloat16().float())
+
+
+def test_two_bf16_parts_hold_fp16_scales_and_the_kernel_sums_them():
+    groups = random_groups(64, 96)
+    assert groups.parts_for(torch.bfloat16) == 2 and groups.exact_in(torch.bfloat16, 2)
+    fp16 = (torch.randn(10_000) * 10.0 ** torch.randint(-6, 4, (10_000,))).half().float()
+    high, low = split_parts(fp16, torch.bfloat16, 2)
+    assert torch.equal(high.float() + low.float(), fp16)
+    # One kernel call over the input twice: the file's weights, rounded once to the bf16 output.
+    layer = Int4Linear(groups, torch.bfloat16, parts=2)
+    assert layer.scale_zero.shape == (6, 64, 2)
+    assert torch.equal(
+        kernel_weights(layer, 96, torch.bfloat16), dequantize(groups).bfloat16().float()
+    )
+    assert layer.nbytes == 2 * Int4Linear(groups, torch.bfloat16).nbytes
 
 
 def test_int4_refuses_shapes_the_kernel_cannot_take():
@@ -112,12 +128,17 @@ def test_weight_format_builds_each_kind_and_keeps_checkpoint_weights_dense():
     )
     assert isinstance(WeightFormat("auto", torch.bfloat16, CPU).linear([w]), DenseLinear)
     auto = WeightFormat("auto", torch.bfloat16, CPU, dense_copy=False)
-    # auto takes int4 only where the kernel computes the checkpoint's groups exactly.
+    # auto takes the checkpoint's 4-bit groups as int4 (one part, bf16 scales) with bf16
+    # activations; int4-exact as many parts as hold its scales.
     groups = random_groups(32, 64)
-    assert isinstance(auto.linear([groups.rounded(torch.bfloat16)]), Int4Linear)
-    assert isinstance(auto.linear([groups]), DenseLinear)  # fp32 scales bf16 would round
+    layer = auto.linear([groups])
+    assert isinstance(layer, Int4Linear) and layer.parts == 1
+    exact = WeightFormat("int4-exact", torch.bfloat16, CPU, dense_copy=False)
+    assert exact.linear([groups]).parts == 2
+    assert exact.linear([groups.rounded(torch.bfloat16)]).parts == 1
+    assert exact.counts == {"int4x2": 1, "int4": 1}
     fp32_auto = WeightFormat("auto", torch.float32, CPU, dense_copy=False)
-    assert isinstance(fp32_auto.linear([groups.rounded(torch.bfloat16)]), DenseLinear)
+    assert isinstance(fp32_auto.linear([groups]), DenseLinear)
     # The reference holds exactly the weights the kernel computes with, densely, in fp32.
     reference = WeightFormat("int4", torch.float32, CPU, reference_for=torch.bfloat16)
     dense = reference.linear([w])
