@@ -59,6 +59,14 @@ class Int4Groups:
         scale, zero = (_total(split_parts(v, dtype, parts)) for v in (self.scale, self.zero))
         return Int4Groups(self.q, scale, zero)
 
+    def split(self, dtype: torch.dtype, parts: int) -> list[Int4Groups]:
+        """``parts`` planes of these weights whose scales and zeros ``dtype`` holds and whose
+        sum is these groups' (``split_parts``); one part is these groups."""
+        if parts == 1:
+            return [self]
+        scales, zeros = (split_parts(v, dtype, parts) for v in (self.scale, self.zero))
+        return [Int4Groups(self.q, s.float(), z.float()) for s, z in zip(scales, zeros)]
+
     def parts_for(self, dtype: torch.dtype) -> int:
         """The fewest kernel parts (at most ``MAX_INT4_PARTS``) that hold the scales and zeros
         exactly in ``dtype``; 0 when none does."""
@@ -77,6 +85,17 @@ class Int8Blocks:
 
     q: torch.Tensor
     scale: torch.Tensor
+
+    def as_int4_planes(self) -> list[Int4Groups]:
+        """The same weights as two 4-bit planes for ``Int4Linear.from_planes``: with
+        q + 128 = 16 hi + lo, w = 16 d (hi - 8) + d (lo - 8) + 8 d. Scales in the kernel's dtype
+        round d alone (16 d rounds alike), so the layer computes round(d) * q."""
+        u = self.q.to(torch.int16) + 128
+        hi, lo = (u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)
+        return [
+            Int4Groups(hi, 16 * self.scale, torch.zeros_like(self.scale)),
+            Int4Groups(lo, self.scale.clone(), 8 * self.scale),
+        ]
 
 
 WeightSource: TypeAlias = torch.Tensor | Int4Groups | Int8Blocks
@@ -113,6 +132,33 @@ def dequantize(source: WeightSource) -> torch.Tensor:
         return (source.q.view(n, groups, -1).float() * scale).view(n, k)
     q = source.q.view(n, groups, -1).float().sub_(8)
     return q.mul_(scale).add_(source.zero[..., None]).view(n, k)
+
+
+def source_rows(source: WeightSource, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of the source's weights as float32 [len(rows), K], as ``dequantize``."""
+    if isinstance(source, torch.Tensor):
+        return source[rows].float()
+    if isinstance(source, Int8Blocks):
+        return dequantize(Int8Blocks(source.q[rows], source.scale[rows]))
+    return dequantize(Int4Groups(source.q[rows], source.scale[rows], source.zero[rows]))
+
+
+# Logits a low-precision head recomputes in float32 per row (refine_top_logits): bf16 logits are
+# rounded to 8 significant bits, steps of 0.125 between 16 and 32, where a model's top two often
+# lie closer (the default model's first answer token to "What is the capital of France?": "The"
+# 25.325, "L" 25.243 in float32; both 25.25 through its bf16 head).
+EXACT_TOP_LOGITS = 8
+
+
+def refine_top_logits(
+    logits: torch.Tensor, hidden: torch.Tensor, head: WeightSource, k: int = EXACT_TOP_LOGITS
+) -> None:
+    """Replaces each row's ``k`` largest ``logits`` [R, V] (float32 holding a low-precision
+    head's output) with float32 dot products of ``hidden`` [R, K] and ``head``'s rows."""
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
+    rows = source_rows(head, top.flatten()).view(*top.shape, -1)
+    exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)
+    logits.scatter_(1, top, exact)
 
 
 def quantize_int4(
@@ -187,11 +233,12 @@ class Int8Linear:
 
 
 class Int4Linear:
-    """``parts`` > 1: the kernel runs over the input repeated ``parts`` times along K, against the
-    same 4-bit weights repeated, part i holding the i-th ``split_parts`` of every scale and zero:
-    the sum, accumulated in float32 inside one kernel call, is the layer with scales and zeros the
-    activation dtype alone cannot hold (a GGUF file's fp16 ones in bf16). It reads the weights
-    ``parts`` times."""
+    """One call of the int4 kernel over ``planes``: 4-bit group layers of one shape, each applied
+    to the same input and summed, laid side by side along K (the input repeated once per plane)
+    so the sum accumulates in float32 inside the kernel. One plane is the plain int4 layer;
+    ``parts`` > 1 splits its scales and zeros into that many planes (``Int4Groups.split``),
+    holding values the activation dtype alone cannot (a GGUF's fp16 scales in bf16); a Q8_0
+    tensor is two planes of nibbles (``Int8Blocks.as_int4_planes``). Each plane is read once."""
 
     def __init__(
         self,
@@ -200,20 +247,33 @@ class Int4Linear:
         bias: torch.Tensor | None = None,
         parts: int = 1,
     ) -> None:
-        n, k = groups.q.shape
-        if not int4_supported(n, k, groups.group):
+        self._build(groups.split(dtype, parts), dtype, bias)
+
+    @classmethod
+    def from_planes(
+        cls, planes: list[Int4Groups], dtype: torch.dtype, bias: torch.Tensor | None = None
+    ) -> Int4Linear:
+        layer = cls.__new__(cls)
+        layer._build(planes, dtype, bias)
+        return layer
+
+    def _build(
+        self, planes: list[Int4Groups], dtype: torch.dtype, bias: torch.Tensor | None
+    ) -> None:
+        n, k = planes[0].q.shape
+        group = planes[0].group
+        if not int4_supported(n, k, group):
             raise ValueError(
-                f"int4 needs out_features % 16 == 0 and in_features % "
-                f"{groups.group} == 0, got {n} x {k}"
+                f"int4 needs out_features % 16 == 0 and in_features % {group} == 0, got {n} x {k}"
             )
-        self.group, self.bias, self.out_features, self.parts = groups.group, bias, n, parts
-        q = groups.q.int().repeat(1, parts)
+        self.group, self.bias, self.out_features, self.parts = group, bias, n, len(planes)
+        q = torch.cat([p.q for p in planes], dim=1).int()
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        scales = split_parts(groups.scale, dtype, parts)
-        zeros = split_parts(groups.zero, dtype, parts)
-        self.scale_zero = torch.cat(
-            [torch.stack([s.t(), z.t()], dim=-1) for s, z in zip(scales, zeros)]
-        ).contiguous()  # [parts * K / group, N, 2]
+        self.scale_zero = (
+            torch.cat([torch.stack([p.scale.t(), p.zero.t()], dim=-1) for p in planes])
+            .to(dtype)
+            .contiguous()
+        )  # [parts * K / group, N, 2]
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous() if self.parts == 1 else x.repeat(1, self.parts)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.gguf_tensors import read_gguf
-from engine_worker.linear import LinearWeight, WeightSource
+from engine_worker.linear import LinearWeight, WeightSource, refine_top_logits
 from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
 from engine_worker.weight_format import WeightFormat
 
@@ -82,12 +82,20 @@ class LlamaFamilyModel:
             )
         self.norm = take("model.norm.weight")
         if "lm_head.weight" in tensors and not config.tie_word_embeddings:
-            self.lm_head = fmt.linear([tensors.pop("lm_head.weight")], None, head=True)
+            head_source = tensors.pop("lm_head.weight")
+            self.lm_head = fmt.linear([head_source], None, head=True)
         else:
             # Tied: a quantized head is built from the checkpoint's own embedding tensor (its
             # blocks, for a GGUF); the dense head is the embedding table itself.
             tensors.pop("lm_head.weight", None)
-            self.lm_head = fmt.linear([embed_source], None, dense=self.embed, head=True)
+            head_source = embed_source
+            self.lm_head = fmt.linear([head_source], None, dense=self.embed, head=True)
+        # Below float32 the head's output is rounded: each row's top logits are recomputed in
+        # float32 from the checkpoint's own head rows (blocks: small, kept on the CPU) or the
+        # dense head's (linear.refine_top_logits).
+        self.exact_head: WeightSource | None = None
+        if dtype != torch.float32:
+            self.exact_head = _exact_head_rows(head_source, self.lm_head, device)
         inv_freq, attention_scaling = rope_inverse_frequencies(config.rope, config.head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
@@ -168,7 +176,19 @@ class LlamaFamilyModel:
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         hidden = F.rms_norm(hidden, (cfg.hidden_size,), self.norm, eps)
-        return self.lm_head.apply(hidden).float()
+        logits = self.lm_head.apply(hidden).float()
+        if self.exact_head is not None:
+            refine_top_logits(logits, hidden, self.exact_head)
+        return logits
+
+
+def _exact_head_rows(
+    source: WeightSource, head: LinearWeight, device: torch.device
+) -> WeightSource | None:
+    if not isinstance(source, torch.Tensor) and device.type == "cpu":
+        return source
+    dense = getattr(head, "dense", head)
+    return getattr(dense, "weight", None)
 
 
 def load_tensors(model_dir: Path, config: ModelConfig) -> dict[str, WeightSource]:

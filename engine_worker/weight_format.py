@@ -1,23 +1,26 @@
 """Which format each linear layer's weights take (the ``weights`` knob), decided once at load.
 
-  auto  on a CPU with bf16 activations, a GGUF's Q4_0/Q4_1 layers as int4 (as ``int4`` below);
-        everything else dense in the activation dtype (Q8_0, F16/F32, safetensors, and any
-        checkpoint with float32 activations, where the int4 kernel runs ~30x slower)
+  auto  on a CPU with bf16 activations, a GGUF's own blocks on torch's int4 kernel, as ``int4``
+        below: Q4_0/Q4_1 layers as they are, Q8_0 ones (the default model's tied head) as two
+        4-bit planes; everything else dense in the activation dtype (F16/F32, safetensors,
+        float32 activations, where the int4 kernel runs ~30x slower). Nothing is re-quantized
   bf16, fp32  dense weights in that dtype (quantized blocks are dequantized)
-  int8  per-channel int8 for every linear layer, lm_head included
-  int4  group-32 int4 for every linear layer, one kernel pass with scales and zeros in the
-        activation dtype: a GGUF's fp16 Q4 scales rounded to bf16 (on the default model, as
-        close to float32's logits as dense bf16 weights: mean KL 1.2e-3 against 1.1e-3). The
-        lm_head takes int4 only when the checkpoint's head is 4-bit already, else it is dense:
-        re-quantizing this model's Q8_0 head to int4 left 5 of 32 greedy continuations equal to
-        float32's, and to int8 it answered "What is the capital of France?" wrongly at batch 1
-  int4-exact  as int4, with every scale and zero split into two bf16 parts that sum to the
-        file's fp16 value, the kernel reading the 4-bit weights twice in one call: the file's
-        own weights, at about half int4's decode speed
+  int8  per-channel int8 for every linear layer, lm_head included (re-quantized)
+  int4  one call of torch's group-32 int4 kernel per layer, scales and zeros in the activation
+        dtype: a GGUF's fp16 scales rounded to bf16 (every weight of a block scaled by the same
+        rounded value; on the default model as close to float32's logits as dense bf16
+        weights). Q8_0 blocks become two planes of nibbles (hi and lo 4 bits, one call over the
+        input twice: 1 byte per weight); dense layers are quantized to int4, except a dense
+        lm_head, which stays dense (re-quantized to int4 it left 5 of 32 greedy continuations
+        equal to float32's)
+  int4-exact  as int4, with every scale and zero split into bf16 parts that sum to the file's
+        fp16 value (two per plane): the file's own weights, each plane read twice
 
 A quantized layer also keeps a dense copy, used by steps of more than ``max_tokens`` tokens
 (prefill and large decode batches, where dense GEMM beats the integer kernels), when that copy
 fits the memory budget. Quantized kernels are CPU-only: on CUDA, auto serves dense weights.
+Whatever the head's format, below float32 each row's top logits are recomputed in float32 from
+the checkpoint's head rows (``linear.refine_top_logits``, in the model's forward).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Largest step (tokens through a linear layer) that still runs on the quantized copy: measured
 # crossovers on a 2-core AVX-512 (BF16) CPU with bf16 activations, scripts/bench_engine.py
 # kernels. Above it the dense bf16 copy is faster.
-QUANTIZED_MAX_TOKENS = {"int4": 16, "int4x2": 4, "int8": 4}
+QUANTIZED_MAX_TOKENS = {"int4": 16, "int4x2": 4, "int4x4": 1, "int8": 4}
 QUANTIZED_FORMATS = ("int8", "int4", "int4-exact")
 
 
@@ -135,26 +138,20 @@ class WeightFormat:
         gate/up). ``dense``: the checkpoint's weights already in the activation dtype, to share
         (a tied lm_head's embedding table). A dense copy kept beside quantized weights holds the
         checkpoint's weights, not the re-quantized ones. ``head``: this is the lm_head."""
-        kind = self._kind(sources)
-        if head and kind == "int4" and not all(isinstance(s, Int4Groups) for s in sources):
-            kind = "dense"
+        kind = self._kind(sources, head)
         source = _stack(sources)
         if kind == "dense":
             self._count(kind)
             return DenseLinear(dense if dense is not None else self.dense(source), bias)
         scale_dtype = self.reference_for or self.dtype
         if kind == "int4":
-            groups = (
-                source
-                if isinstance(source, Int4Groups)
-                else quantize_int4(dequantize(source), scale_dtype)
-            )
-            parts = self._int4_parts(groups, scale_dtype)
-            kind = "int4" if parts == 1 else f"int4x{parts}"
+            planes = self._int4_planes(source, scale_dtype)
+            kind = "int4" if len(planes) == 1 else f"int4x{len(planes)}"
             self._count(kind)
             if self.reference_for is not None:
-                return DenseLinear(dequantize(groups.rounded(scale_dtype, parts)), bias)
-            layer: LinearWeight = Int4Linear(groups, self.dtype, bias, parts)
+                weight = torch.stack([dequantize(p.rounded(scale_dtype)) for p in planes])
+                return DenseLinear(weight.sum(0), bias)
+            layer: LinearWeight = Int4Linear.from_planes(planes, self.dtype, bias)
         else:
             self._count(kind)
             q, scale = quantize_int8(dequantize(source), scale_dtype)
@@ -166,40 +163,55 @@ class WeightFormat:
             layer = BatchSizeSwitch(layer, copy, self.max_tokens or QUANTIZED_MAX_TOKENS[kind])
         return layer
 
-    def _int4_parts(self, groups: Int4Groups, dtype: torch.dtype) -> int:
+    def _int4_planes(self, source: WeightSource, dtype: torch.dtype) -> list[Int4Groups]:
+        """The planes of one int4 layer: a checkpoint's 4-bit groups as they are, its Q8_0
+        blocks as two nibble planes, dense weights quantized; int4-exact splits each plane's
+        scales and zeros into as many ``dtype`` parts as hold them."""
+        if isinstance(source, Int4Groups):
+            planes = [source]
+        elif isinstance(source, Int8Blocks):
+            planes = source.as_int4_planes()
+        else:
+            planes = [quantize_int4(dequantize(source), dtype)]
         if self.weights != "int4-exact":
-            return 1
-        parts = groups.parts_for(dtype)
-        if not parts:
-            logger.warning(
-                "%d bf16 parts cannot hold this layer's int4 scales exactly: nearest kept",
-                MAX_INT4_PARTS,
-            )
-        return parts or MAX_INT4_PARTS
+            return planes
+        out = []
+        for plane in planes:
+            parts = plane.parts_for(dtype)
+            if not parts:
+                logger.warning(
+                    "%d %s parts cannot hold a layer's int4 scales exactly: nearest kept",
+                    MAX_INT4_PARTS,
+                    dtype,
+                )
+            out += plane.split(dtype, parts or MAX_INT4_PARTS)
+        return out
 
     def _count(self, kind: str) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
 
-    def _kind(self, sources: list[WeightSource]) -> str:
+    def _kind(self, sources: list[WeightSource], head: bool) -> str:
         weights = self.weights
+        blocks = all(isinstance(s, Int4Groups) for s in sources) or all(
+            isinstance(s, Int8Blocks) for s in sources
+        )
         if weights == "auto":
             dtype = self.reference_for or self.dtype
-            if self.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-                return "dense"
-            # The checkpoint's 4-bit blocks, with bf16 activations (the int4 kernel's fast path:
-            # with float32 ones it runs ~30x slower). Anything else is dense: re-quantizing
-            # a Q8_0 head (to int8 or int4) changed the default model's greedy answers.
-            q4 = all(isinstance(s, Int4Groups) for s in sources)
-            if dtype != torch.bfloat16 or not q4:
+            # The checkpoint's own 4-bit and Q8_0 blocks, with bf16 activations (the int4
+            # kernel's fast path: with float32 ones it runs ~30x slower); anything else dense,
+            # never re-quantized.
+            if self.device.type != "cpu" or dtype != torch.bfloat16 or not blocks:
                 return "dense"
             weights = "int4"
         if weights in DENSE_DTYPES:
             return "dense"
+        if weights != "int8" and head and not blocks:
+            # Re-quantizing a dense head to 4 bits left 5 of 32 of the default model's greedy
+            # continuations equal to float32's; it stays dense.
+            return "dense"
         n = sum(s.shape[0] if isinstance(s, torch.Tensor) else s.q.shape[0] for s in sources)
         k = sources[0].shape[1] if isinstance(sources[0], torch.Tensor) else sources[0].q.shape[1]
-        if weights == "int4-exact":
-            weights = "int4"
-        if weights == "int4" and not int4_supported(n, k, INT4_GROUP):
+        if weights != "int8" and not int4_supported(n, k, INT4_GROUP):
             logger.warning(
                 "a %d x %d layer cannot take int4 (needs rows %% 16 == 0 and "
                 "columns %% %d == 0): int8 instead",
@@ -208,7 +220,7 @@ class WeightFormat:
                 INT4_GROUP,
             )
             return "int8"
-        return weights
+        return "int8" if weights == "int8" else "int4"
 
     def describe(self) -> str:
         parts = []

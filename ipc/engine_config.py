@@ -13,14 +13,15 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4", "int4-exact")  # engine_worker/weight_format.py
 WEIGHTS_HELP = (
     "the linear layers' weights. auto: on a CPU with bf16 activations, a GGUF's Q4_0/Q4_1 "
-    "layers as int4, everything else dense in --dtype; "
-    "bf16, fp32: dense in that dtype (quantized blocks dequantized; needs that --dtype or "
-    "auto); int8: int8 per output channel; int4: int4 in groups of 32 on torch's kernel, "
-    "scales and zeros rounded to the activation dtype (lm_head dense unless the checkpoint's "
-    "is 4-bit); int4-exact: as int4 with each scale and zero held as two bf16 parts, so a "
-    "GGUF's fp16 values are kept exactly (reads the 4-bit weights twice). Quantized layers "
-    "serve small steps (decode, reading 2-4x fewer bytes than bf16) and, where memory allows, "
-    "keep a dense copy for larger ones (prefill, big decode batches); they run on CPU only"
+    "and Q8_0 layers on torch's int4 kernel as int4 below, everything else dense in --dtype "
+    "(nothing re-quantized); bf16, fp32: dense in that dtype (quantized blocks dequantized; "
+    "needs that --dtype or auto); int8: int8 per output channel; int4: int4 in groups of 32, "
+    "scales and zeros rounded to the activation dtype, Q8_0 blocks as two 4-bit planes, other "
+    "layers quantized (a dense lm_head stays dense); int4-exact: as int4 with each scale and "
+    "zero held as two bf16 parts, so a GGUF's fp16 values are kept exactly (reads the 4-bit "
+    "weights twice). Quantized layers serve small steps (decode, reading 2-4x fewer bytes "
+    "than bf16) and, where memory allows, keep a dense copy for larger ones (prefill, big "
+    "decode batches); they run on CPU only"
 )
 
 # Prompt tokens one step may compute when prefill_max_tokens is 0. A step holds up the decode of

@@ -164,14 +164,14 @@ def test_gguf_checkpoint_matches_its_dequantized_weights(tiny_gguf):
     assert (served - reference).abs().max() < 1e-6 * reference.abs().max()
     # --weights int4, no dense copy: Q4_x layers run on the int4 kernel with the file's exact
     # weights (float32 holds their scales), the file's dense layers are quantized to int4, and
-    # Q8_0 (the tied head) stays dense.
+    # Q8_0 (the tied head) runs as two planes of nibbles on the same kernel, exact too.
     quantized = Engine(
         EngineConfig(
             model_path=str(gguf_dir), weights="int4", quantized_max_tokens=1 << 20, **config
         )
     )
     kinds = quantized.runner.model.weight_format.counts
-    assert kinds == {"int4": 8, "dense": 1}, kinds  # 2 layers x (qkv, o, gate_up, down), head
+    assert kinds == {"int4": 8, "int4x2": 1}, kinds  # 2 layers x (qkv, o, gate_up, down), head
     exact_weights = Engine(
         EngineConfig(model_path=str(gguf_dir), **config),
         weight_format=WeightFormat(

@@ -13,6 +13,7 @@ from engine_worker.linear import (
     DenseLinear,
     Int4Groups,
     Int4Linear,
+    Int8Blocks,
     Int8Linear,
     dequantize,
     quantize_int4,
@@ -68,6 +69,28 @@ def test_two_bf16_parts_hold_fp16_scales_and_the_kernel_sums_them():
         kernel_weights(layer, 96, torch.bfloat16), dequantize(groups).bfloat16().float()
     )
     assert layer.nbytes == 2 * Int4Linear(groups, torch.bfloat16).nbytes
+
+
+def test_q8_0_blocks_as_two_nibble_planes():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (48, 96), generator=g, dtype=torch.int8)
+    d = (torch.rand(48, 3, generator=g) * 0.01 + 1e-4).half().float()
+    blocks = Int8Blocks(q, d)
+    planes = blocks.as_int4_planes()
+    assert all(p.q.max() <= 15 for p in planes)
+    layer = Int4Linear.from_planes(planes, torch.float32)
+    assert torch.equal(kernel_weights(layer, 96, torch.float32), dequantize(blocks))
+    # In bf16 the block scale alone is rounded: round(d) * q, then the bf16 output rounding.
+    layer = Int4Linear.from_planes(planes, torch.bfloat16)
+    rounded = Int8Blocks(q, d.bfloat16().float())
+    expected = dequantize(rounded).bfloat16().float()
+    assert torch.equal(kernel_weights(layer, 96, torch.bfloat16), expected)
+    # int4-exact: two bf16 parts per plane hold d exactly.
+    exact = WeightFormat("int4-exact", torch.bfloat16, CPU, dense_copy=False).linear([blocks])
+    assert exact.parts == 4
+    assert torch.equal(
+        kernel_weights(exact, 96, torch.bfloat16), dequantize(blocks).bfloat16().float()
+    )
 
 
 def test_int4_refuses_shapes_the_kernel_cannot_take():
