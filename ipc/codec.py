@@ -10,6 +10,7 @@ make a process allocate without bound. Nothing is ever pickled.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 import types
 import typing
@@ -65,13 +66,52 @@ def _field_specs(cls: type) -> tuple[tuple[str, Any, bool], ...]:
     return specs
 
 
+_PLAIN_TYPES = (str, int, float, bool, bytes, type(None))
+_ENCODERS: dict[type, Callable[[Any], dict]] = {}
+
+
+def _may_hold_dataclass(hint: Any) -> bool:
+    """Whether a field of this type can hold a dataclass (then it is walked when encoded)."""
+    if hint in _PLAIN_TYPES:
+        return False
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is None or not args:
+        return hint is Any or dataclasses.is_dataclass(hint) or not isinstance(hint, type)
+    return any(_may_hold_dataclass(a) for a in args if a is not Ellipsis)
+
+
+def _encoder(cls: type) -> Callable[[Any], dict]:
+    """The field map of a ``cls`` instance: fields that cannot hold a dataclass are taken as
+    they are, in one ``attrgetter`` call; the others are walked."""
+    encoder = _ENCODERS.get(cls)
+    if encoder is None:
+        specs = _field_specs(cls)
+        plain = [name for name, hint, _ in specs if not _may_hold_dataclass(hint)]
+        deep = [name for name, hint, _ in specs if _may_hold_dataclass(hint)]
+        get_plain = operator.attrgetter(*plain) if len(plain) > 1 else None
+
+        def encoder(value: Any) -> dict:
+            if get_plain is not None:
+                wire = dict(zip(plain, get_plain(value)))
+            else:
+                wire = {name: getattr(value, name) for name in plain}
+            for name in deep:
+                wire[name] = _to_wire(getattr(value, name))
+            return wire
+
+        _ENCODERS[cls] = encoder
+    return encoder
+
+
 def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: _to_wire(getattr(value, name)) for name, _, _ in _field_specs(type(value))}
+    if isinstance(value, _PLAIN_TYPES):
+        return value
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_wire(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _encoder(type(value))(value)
     return value
 
 
