@@ -155,6 +155,8 @@ def refine_top_logits(
 ) -> None:
     """Replaces each row's ``k`` largest ``logits`` [R, V] (float32 holding a low-precision
     head's output) with float32 dot products of ``hidden`` [R, K] and ``head``'s rows."""
+    if not logits.shape[0]:  # a step whose rows all continue a prefill samples nothing
+        return
     top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
     rows = source_rows(head, top.flatten()).view(*top.shape, -1)
     exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)

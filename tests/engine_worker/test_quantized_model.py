@@ -81,6 +81,23 @@ def test_tiny_model_kernels_match_dequantized_reference(tiny_model_dir, weights,
     assert error < RELATIVE_TOLERANCE[dtype], error
 
 
+def test_bf16_engine_chunked_prefill_and_refined_logits(tiny_model_dir):
+    # bf16 steps recompute their top logits in float32; a chunk that samples nothing has none.
+    engine = Engine(
+        EngineConfig(
+            model_path=str(tiny_model_dir),
+            kv_cache_tokens=256,
+            block_size=4,
+            dtype="bfloat16",
+            prefill_max_tokens=8,
+        )
+    )
+    assert engine.runner.model.exact_head is not None
+    engine.add("r", list(range(3, 33)), greedy(4, ignore_eos=True))
+    result = collect(engine)["r"]
+    assert len(result["tokens"]) == 4 and result["reason"] == "length"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["int4", "int4-exact", "int8"])
 def test_default_model_kernels_match_dequantized_reference(default_model_dir, weights):

@@ -18,6 +18,7 @@ from engine_worker.linear import (
     dequantize,
     quantize_int4,
     quantize_int8,
+    refine_top_logits,
     split_parts,
 )
 from engine_worker.weight_format import WeightFormat, check_weights_and_dtype
@@ -91,6 +92,24 @@ def test_q8_0_blocks_as_two_nibble_planes():
     assert torch.equal(
         kernel_weights(exact, 96, torch.bfloat16), dequantize(blocks).bfloat16().float()
     )
+
+
+@pytest.mark.parametrize("kind", ["dense", "q8_0", "int4"])
+def test_refine_top_logits_recomputes_the_largest_in_float32(kind):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (64, 96), generator=g, dtype=torch.int8)
+    blocks = Int8Blocks(q, (torch.rand(64, 3, generator=g) * 0.01).half().float())
+    head = {"dense": dequantize(blocks).bfloat16(), "q8_0": blocks, "int4": random_groups(64, 96)}
+    source = head[kind]
+    hidden = torch.randn(5, 96, generator=g).bfloat16()
+    exact = hidden.float() @ dequantize(source).t()
+    logits = (hidden @ dequantize(source).bfloat16().t()).float()  # a bf16 head's output
+    refine_top_logits(logits, hidden, source, k=4)
+    top = exact.topk(4, dim=-1)
+    assert torch.allclose(logits.gather(1, top.indices), top.values, rtol=1e-6, atol=1e-6)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    empty = torch.empty(0, 64)
+    refine_top_logits(empty, torch.empty(0, 96).bfloat16(), source)  # no rows: nothing to do
 
 
 def test_int4_refuses_shapes_the_kernel_cannot_take():
