@@ -204,20 +204,23 @@ def test_int4_kernel_path_at_float32_agrees_with_fp32(
     default_model_dir, chat_prompts, fp32_continuations
 ):
     # Prefill runs on the dense copy (the same weights), every decode step on the int4 kernel.
-    fmt = Int4LayersDenseHead("int4", torch.float32, torch.device("cpu"), max_tokens=len(QUESTIONS))
+    # With float32 activations that kernel runs its scalar loop: 8 of the prompts (32 took 90 s
+    # and agreed 32/32; the kernel's exactness on the file's blocks is test_gguf's).
+    count = 8
+    fmt = Int4LayersDenseHead("int4", torch.float32, torch.device("cpu"), max_tokens=count)
     engine = Engine(
         EngineConfig(
             model_path=str(default_model_dir),
             kv_cache_tokens=8192,
             dtype="float32",
-            max_batch_size=len(QUESTIONS),
+            max_batch_size=count,
         ),
         weight_format=fmt,
     )
-    for i, prompt in enumerate(chat_prompts[1]):
+    for i, prompt in enumerate(chat_prompts[1][:count]):
         engine.add(f"p{i}", prompt, greedy(AGREEMENT_TOKENS, ignore_eos=True))
     results = collect(engine)
-    got = [results[f"p{i}"]["tokens"] for i in range(len(QUESTIONS))]
+    got = [results[f"p{i}"]["tokens"] for i in range(count)]
     assert agreement(got, fp32_continuations, "int4 layers, fp32 activations") >= 0.9
 
 
