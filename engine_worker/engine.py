@@ -294,11 +294,14 @@ class Engine:
     # --- internals --------------------------------------------------------------------------
     def _run(self, batch: ScheduledBatch) -> StepResult:
         """The forward and sampling, on the thread count the tuner picks for this kind of step
-        (decode steps by batch size, prefill steps by their power-of-two token bucket)."""
+        (decode steps by their power-of-two batch-size bucket, compared at equal batch sizes:
+        the other processes on the cores weigh differently on a batch-1 step than on a batch-32
+        one; prefill steps by their power-of-two token bucket)."""
         if batch.prefill_tokens:
             kind, size = "prefill", (batch.prefill_tokens + batch.decode_tokens).bit_length()
         else:
-            kind, size = "decode", batch.decode_tokens
+            kind = f"decode{1 << (batch.decode_tokens.bit_length() - 1)}+"
+            size = batch.decode_tokens
         switches = self.threads.switches
         self.threads.threads_for(kind, size)
         t_start = time.perf_counter()

@@ -21,6 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 PROBE_PAIRS = 4  # adjacent (one thread, all threads) step pairs per probe, at most
+# Steps a probe may take. A step whose size differs from the one before it cannot complete a
+# pair, and a probe's unpaired steps run on one thread: while batch sizes keep changing (a
+# closed loop of many streams, requests finishing and arriving) an unbounded probe kept decode
+# on one thread for as long as they changed. A probe that has paired nothing after PROBE_PAIRS
+# steps gives up (the next waits four times longer); one that pairs stops at PROBE_MAX_STEPS.
+PROBE_MAX_STEPS = 4 * PROBE_PAIRS
 FIRST_PROBE_AFTER = 4  # steps of a kind before its first probe: settled in the first requests
 MAX_PROBE_INTERVAL = 4096  # steps between probes once a choice has kept winning
 MARGIN = 0.05  # the other setting must be this much faster (median ratio) to take over
@@ -37,6 +43,7 @@ class _Kind:
     countdown: int = FIRST_PROBE_AFTER
     probing: bool = False
     pending: tuple[int, int, float] | None = None  # (size, threads, seconds) of a probe step
+    probe_steps: int = 0  # steps the current probe has taken
     ratios: list[float] = field(default_factory=list)  # all-threads time / one-thread time
 
 
@@ -78,9 +85,14 @@ class ThreadTuner:
             state.countdown -= 1
             if state.countdown <= 0:
                 state.probing, state.pending, state.ratios = True, None, []
+                state.probe_steps = 0
             return
+        state.probe_steps += 1
         if state.pending is None or state.pending[0] != size:
             state.pending = (size, threads, seconds)
+            unpaired = not state.ratios and state.probe_steps >= PROBE_PAIRS
+            if unpaired or state.probe_steps >= PROBE_MAX_STEPS:
+                self._decide(state)  # on the pairs it has (none: the choice stays)
             return
         _, first_threads, first_seconds = state.pending
         state.pending = None
@@ -89,12 +101,12 @@ class ThreadTuner:
         decisive = len(state.ratios) == 2 and (
             min(state.ratios) > DECISIVE or max(state.ratios) < 1 / DECISIVE
         )
-        if decisive or len(state.ratios) >= PROBE_PAIRS:
+        if decisive or len(state.ratios) >= PROBE_PAIRS or state.probe_steps >= PROBE_MAX_STEPS:
             self._decide(state)
 
     def _decide(self, state: _Kind) -> None:
-        ratio = statistics.median(state.ratios)
-        growth = 4 if not 1 / DECISIVE <= ratio <= DECISIVE else 2
+        ratio = statistics.median(state.ratios) if state.ratios else 1.0
+        growth = 4 if not state.ratios or not 1 / DECISIVE <= ratio <= DECISIVE else 2
         if ratio < 1 - MARGIN:
             best = self.max_threads
         elif ratio > 1 + MARGIN:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_worker.thread_tuner import FIRST_PROBE_AFTER, PROBE_PAIRS, ThreadTuner
+from engine_worker.thread_tuner import FIRST_PROBE_AFTER, PROBE_MAX_STEPS, PROBE_PAIRS, ThreadTuner
 
 
 def drive(tuner: ThreadTuner, steps: int, seconds_for, kind: str = "decode", size=lambda i: 4):
@@ -57,13 +57,32 @@ def test_steps_of_different_sizes_or_kinds_are_never_compared():
     before = torch.get_num_threads()
     try:
         tuner = ThreadTuner(2)
-        # Every step a different batch size: no pair ever completes, the choice stays.
-        drive(tuner, 200, lambda t: 0.05 if t == 2 else 0.01, size=lambda i: i)
+        # Every step a different batch size: no pair ever completes, the choice stays, and the
+        # probes' unpaired steps (on one thread) give up after PROBE_PAIRS steps each, their
+        # intervals growing 4x: probes after 4, 16 and 64 more steps in 200.
+        used = drive(tuner, 200, lambda t: 0.05 if t == 2 else 0.01, size=lambda i: i)
         assert tuner.describe() == {"decode": 2} and tuner.switches == 0
+        assert used.count(1) == 3 * PROBE_PAIRS
         # Prefill steps are their own kind: decode's probe leaves them alone.
+        tuner = ThreadTuner(2)
         drive(tuner, FIRST_PROBE_AFTER + 2 * PROBE_PAIRS, lambda t: 0.05 if t == 2 else 0.01)
         drive(tuner, 3, lambda t: 0.01, kind="prefill")
         assert tuner.describe() == {"decode": 1, "prefill": 2}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_probe_whose_sizes_keep_changing_ends_within_its_step_limit():
+    before = torch.get_num_threads()
+    try:
+        tuner = ThreadTuner(2)
+        # Sizes repeat in runs of three: a pair forms now and then, not PROBE_PAIRS of them soon.
+        used = drive(
+            tuner, 200, lambda t: 0.009 if t == 2 else 0.01, size=lambda i: (i // 3) % 7 + 10
+        )
+        state = tuner.kinds["decode"]
+        assert not state.probing or state.probe_steps < PROBE_MAX_STEPS
+        assert used.count(1) < 200 // 4  # most steps stay on the choice, all threads
     finally:
         torch.set_num_threads(before)
 
