@@ -87,7 +87,7 @@ class Int8Blocks:
     scale: torch.Tensor
 
     def as_int4_planes(self) -> list[Int4Groups]:
-        """The same weights as two 4-bit planes for ``Int4Linear.from_planes``: with
+        """The same weights as two 4-bit planes for ``Int4Linear``: with
         q + 128 = 16 hi + lo, w = 16 d (hi - 8) + d (lo - 8) + 8 d. Scales in the kernel's dtype
         round d alone (16 d rounds alike), so the layer computes round(d) * q."""
         u = self.q.to(torch.int16) + 128
@@ -237,31 +237,19 @@ class Int8Linear:
 class Int4Linear:
     """One call of the int4 kernel over ``planes``: 4-bit group layers of one shape, each applied
     to the same input and summed, laid side by side along K (the input repeated once per plane)
-    so the sum accumulates in float32 inside the kernel. One plane is the plain int4 layer;
-    ``parts`` > 1 splits its scales and zeros into that many planes (``Int4Groups.split``),
-    holding values the activation dtype alone cannot (a GGUF's fp16 scales in bf16); a Q8_0
-    tensor is two planes of nibbles (``Int8Blocks.as_int4_planes``). Each plane is read once."""
+    so the sum accumulates in float32 inside the kernel. One plane (or plain ``Int4Groups``) is
+    the plain int4 layer; ``Int4Groups.split`` gives planes whose scales and zeros the activation
+    dtype holds where it alone cannot (a GGUF's fp16 scales in bf16); a Q8_0 tensor is two
+    planes of nibbles (``Int8Blocks.as_int4_planes``). Each plane is read once."""
 
     def __init__(
         self,
-        groups: Int4Groups,
+        planes: Int4Groups | list[Int4Groups],
         dtype: torch.dtype,
         bias: torch.Tensor | None = None,
-        parts: int = 1,
     ) -> None:
-        self._build(groups.split(dtype, parts), dtype, bias)
-
-    @classmethod
-    def from_planes(
-        cls, planes: list[Int4Groups], dtype: torch.dtype, bias: torch.Tensor | None = None
-    ) -> Int4Linear:
-        layer = cls.__new__(cls)
-        layer._build(planes, dtype, bias)
-        return layer
-
-    def _build(
-        self, planes: list[Int4Groups], dtype: torch.dtype, bias: torch.Tensor | None
-    ) -> None:
+        if isinstance(planes, Int4Groups):
+            planes = [planes]
         n, k = planes[0].q.shape
         group = planes[0].group
         if not int4_supported(n, k, group):

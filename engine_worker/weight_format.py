@@ -151,7 +151,7 @@ class WeightFormat:
             if self.reference_for is not None:
                 weight = torch.stack([dequantize(p.rounded(scale_dtype)) for p in planes])
                 return DenseLinear(weight.sum(0), bias)
-            layer: LinearWeight = Int4Linear.from_planes(planes, self.dtype, bias)
+            layer: LinearWeight = Int4Linear(planes, self.dtype, bias)
         else:
             self._count(kind)
             q, scale = quantize_int8(dequantize(source), scale_dtype)
@@ -205,13 +205,16 @@ class WeightFormat:
             weights = "int4"
         if weights in DENSE_DTYPES:
             return "dense"
-        if weights != "int8" and head and not blocks:
+        if weights == "int8":
+            return "int8"
+        # int4 or int4-exact from here
+        if head and not blocks:
             # Re-quantizing a dense head to 4 bits left 5 of 32 of the default model's greedy
             # continuations equal to float32's; it stays dense.
             return "dense"
         n = sum(s.shape[0] if isinstance(s, torch.Tensor) else s.q.shape[0] for s in sources)
         k = sources[0].shape[1] if isinstance(sources[0], torch.Tensor) else sources[0].q.shape[1]
-        if weights != "int8" and not int4_supported(n, k, INT4_GROUP):
+        if not int4_supported(n, k, INT4_GROUP):
             logger.warning(
                 "a %d x %d layer cannot take int4 (needs rows %% 16 == 0 and "
                 "columns %% %d == 0): int8 instead",
@@ -220,7 +223,7 @@ class WeightFormat:
                 INT4_GROUP,
             )
             return "int8"
-        return "int8" if weights == "int8" else "int4"
+        return "int4"
 
     def describe(self) -> str:
         parts = []

@@ -64,7 +64,7 @@ def test_two_bf16_parts_hold_fp16_scales_and_the_kernel_sums_them():
     high, low = split_parts(fp16, torch.bfloat16, 2)
     assert torch.equal(high.float() + low.float(), fp16)
     # One kernel call over the input twice: the file's weights, rounded once to the bf16 output.
-    layer = Int4Linear(groups, torch.bfloat16, parts=2)
+    layer = Int4Linear(groups.split(torch.bfloat16, 2), torch.bfloat16)
     assert layer.scale_zero.shape == (6, 64, 2)
     assert torch.equal(
         kernel_weights(layer, 96, torch.bfloat16), dequantize(groups).bfloat16().float()
@@ -79,10 +79,10 @@ def test_q8_0_blocks_as_two_nibble_planes():
     blocks = Int8Blocks(q, d)
     planes = blocks.as_int4_planes()
     assert all(p.q.max() <= 15 for p in planes)
-    layer = Int4Linear.from_planes(planes, torch.float32)
+    layer = Int4Linear(planes, torch.float32)
     assert torch.equal(kernel_weights(layer, 96, torch.float32), dequantize(blocks))
     # In bf16 the block scale alone is rounded: round(d) * q, then the bf16 output rounding.
-    layer = Int4Linear.from_planes(planes, torch.bfloat16)
+    layer = Int4Linear(planes, torch.bfloat16)
     rounded = Int8Blocks(q, d.bfloat16().float())
     expected = dequantize(rounded).bfloat16().float()
     assert torch.equal(kernel_weights(layer, 96, torch.bfloat16), expected)
