@@ -34,6 +34,7 @@ from ipc.messages import (
 from ipc.sockets import PullQueue, PushQueue
 from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
+from runtime.memory import IdleTrim
 from runtime.worker import WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.engine")
@@ -90,6 +91,7 @@ class EngineProcess:
         self.pending = StepOutput(step=0, t_step=0.0)  # metas and errors awaiting the next send
         self.steps = 0
         self.received = 0
+        self.trim = IdleTrim()
 
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -107,10 +109,11 @@ class EngineProcess:
                     self.inbox.wait(math.ceil(delay_s * 1000))
                 else:
                     self.step()
+                    self.trim.busy()
             elif self._has_pending():
                 self.send(self.take_pending())
-            else:
-                self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100))
+            elif not self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100)):
+                self.trim.idle()  # nothing came: hand back what the last burst freed
             self.runtime.maybe_heartbeat(self.stats())
         self.shutdown()
 
@@ -236,7 +239,11 @@ class EngineProcess:
             "steps": self.steps,
             "received": self.received,
             "imported_tokenizers": float(bool(tokenizer_modules_loaded())),
+            "memory_trims": self.trim.trims,
         }
+        grammars = getattr(self.engine, "grammars", None)  # the real engine's
+        if grammars is not None:
+            stats["grammar_rows_deferred"] = grammars.deferred_rows
         blocks = getattr(self.engine, "blocks", None)  # the real engine's KV block manager
         if blocks is not None:
             # used: held by a running request; available: free or only cached (evictable).

@@ -18,6 +18,7 @@ from ipc.messages import ERR_BAD_REQUEST, ERR_UNAVAILABLE, RequestError, SubmitR
 from ipc.queries import TokenizeRequest
 from ipc.sockets import PullQueue, PushQueue
 from runtime.factories import load_factory
+from runtime.memory import IdleTrim
 from runtime.model_files import load_tokenizer
 from runtime.worker import WorkerRuntime, run_on_context
 from tokenizer_worker.chat_template import ChatTemplate
@@ -78,6 +79,7 @@ class TokenizerWorker:
         self.rejected = 0
         self.answered = 0  # TokenizeRequests
         self.tokenize_s = 0.0
+        self.trim = IdleTrim()
 
     def run(self) -> None:
         self.runtime.announce([self.inbox.address])
@@ -85,8 +87,10 @@ class TokenizerWorker:
             self.runtime.maybe_heartbeat(self._stats())
             self.vocabulary.poll()
             if not self.inbox.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):
+                self.trim.idle()  # nothing came: hand back what the last batch freed
                 continue
             self.handle(self.inbox.drain(self.config.tokenizer_batch_max, self._reject_frame))
+            self.trim.busy()
         # Stopping: answer whatever is still queued, so no accepted request goes silent.
         self.runtime.draining = True
         deadline = time.monotonic() + 0.2
@@ -173,6 +177,7 @@ class TokenizerWorker:
             "answered": self.answered,
             "tokenize_s": self.tokenize_s,
             "draining": float(self.runtime.draining),
+            "memory_trims": self.trim.trims,
         }
 
     def close(self) -> None:
