@@ -180,6 +180,7 @@ class DetokenizerCore:
                 finish_reason=FINISH_ERROR,
                 error=err.message,
                 error_code=err.code,
+                error_param=err.param or None,
             ),
         )
 

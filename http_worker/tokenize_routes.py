@@ -9,30 +9,25 @@ gives exactly the ids a completion of the same input is computed on.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field
 from starlette.responses import Response
 
-from http_worker.fields import (
-    GENERATION_POLICIES,
-    NOT_IMPLEMENTED_FIELDS,
-    FieldPolicy,
-    check_fields,
-)
+from http_worker.body import BodyReader
+from http_worker.fields import GENERATION_POLICIES, NOT_IMPLEMENTED_FIELDS, FieldPolicy
 from http_worker.frontend import Frontend
 from http_worker.generation import api_error_from
-from http_worker.protocol import ChatMessageIn, bad_request
+from http_worker.openapi import operation
+from http_worker.protocol import STRICT, ChatMessageIn, TokenId
 from ipc.client import SplitserveError
 
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class TokenizePromptBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -40,7 +35,7 @@ class TokenizePromptBody(BaseModel):
 
 
 class TokenizeChatBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     model: str | None = None
     messages: list[ChatMessageIn] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -50,11 +45,12 @@ class TokenizeChatBody(BaseModel):
 
 
 class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId] = Field(min_length=1)
 
 
+TOKENIZER_BODIES: list[type[BaseModel]] = [TokenizePromptBody, TokenizeChatBody, DetokenizeBody]
 _TOKENIZE_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED_FIELDS, "tools": (), "tool_choice": ("none",)}
 POLICIES = {
     **GENERATION_POLICIES,
@@ -64,7 +60,7 @@ POLICIES = {
 }
 
 
-def _version() -> str:
+def package_version() -> str:
     try:
         return importlib.metadata.version("splitserve")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
@@ -72,35 +68,29 @@ def _version() -> str:
 
 
 def install_tokenize_routes(
-    app: FastAPI, frontend: Frontend, lenient: bool, json_response: Any
+    app: FastAPI, frontend: Frontend, bodies: BodyReader, json_response: Any
 ) -> None:
-    version = _version()
+    """``bodies`` reads and checks every body (http_worker.body), with POLICIES for its fields."""
+    version = package_version()
 
     async def parse(request: Request, choose: Any) -> Any:
-        """The body as the model ``choose(data)`` names (a 400 if it does not fit), checked
-        field by field as the generation endpoints' bodies are."""
-        try:
-            data = json.loads(await request.body())
-        except ValueError:
-            raise bad_request("the body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise bad_request("the body must be a JSON object")
-        try:
-            body = choose(data).model_validate(data)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
-        check_fields(body, lenient, POLICIES)
+        body: Any = await bodies.parse(request, choose)
         frontend.check_model(body.model)
         return body
 
-    async def ask(query: Any) -> Any:
-        """Runs ``query(client)`` (an SDK query); its SDK errors become HTTP errors."""
+    async def ask(query: Any, param: str | None = None) -> Any:
+        """Runs ``query(client)`` (an SDK query); its SDK errors become HTTP errors, a bad
+        request's under ``param`` when given (the SDK calls /detokenize's tokens token_ids)."""
         try:
             return await query(frontend.require_client())
         except SplitserveError as exc:
-            raise api_error_from(exc) from None
+            error = api_error_from(exc)
+            if param and error.status == 400:
+                error.param = param
+                error.message = error.message.replace("token_ids", param)
+            raise error from None
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=operation(TokenizePromptBody, TokenizeChatBody))
     async def tokenize(request: Request) -> Response:
         body = await parse(
             request, lambda data: TokenizeChatBody if "messages" in data else TokenizePromptBody
@@ -132,10 +122,10 @@ def install_tokenize_routes(
             }
         )
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=operation(DetokenizeBody))
     async def detokenize(request: Request) -> Response:
         body = await parse(request, lambda data: DetokenizeBody)
-        text = await ask(lambda client: client.detokenize(body.tokens))
+        text = await ask(lambda client: client.detokenize(body.tokens), param="tokens")
         return json_response({"prompt": text})
 
     @app.get("/tokenizer_info")

@@ -38,6 +38,16 @@ class DecodeError(ValueError):
     """A frame that is not a well-formed message of a known kind."""
 
 
+class EncodeError(ValueError):
+    """A message the wire cannot carry: a string that is not valid Unicode (a lone UTF-16
+    surrogate, which UTF-8 cannot encode) or an integer outside msgpack's 64 bits. ``path``
+    names the value in the message (``messages[0].content``, ``sampling.logit_bias``)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+
+
 def message(cls: type[_T]) -> type[_T]:
     """Registers a dataclass as a wire message; its ``KIND`` class attribute names it."""
     kind = getattr(cls, "KIND", None)
@@ -125,7 +135,54 @@ def to_wire(msg: Any) -> dict:
 
 
 def encode(msg: Any) -> bytes:
-    return msgpack.packb(to_wire(msg), use_bin_type=True)
+    wire = to_wire(msg)
+    try:
+        return msgpack.packb(wire, use_bin_type=True)
+    except (UnicodeEncodeError, OverflowError):
+        # Only a failed message is walked: the common case costs nothing more.
+        found = _unencodable(wire, "")
+        raise (found or EncodeError("", "the message cannot be encoded")) from None
+
+
+def _unencodable(value: Any, path: str) -> EncodeError | None:
+    """The first value under ``value`` that msgpack cannot carry, as an EncodeError."""
+    if isinstance(value, str):
+        surrogate = first_lone_surrogate(value)
+        if surrogate is None:
+            return None
+        return EncodeError(
+            path,
+            f"a lone UTF-16 surrogate (U+{ord(value[surrogate]):04X}) at character "
+            f"{surrogate} is not Unicode text",
+        )
+    if isinstance(value, int) and not isinstance(value, bool):
+        if -(2**63) <= value < 2**64:
+            return None
+        return EncodeError(path, f"the integer {value} does not fit in 64 bits")
+    if isinstance(value, (list, tuple)):
+        items: Any = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items() if k != "kind")
+        for key in value:  # keys are values too (logit_bias maps token ids)
+            if (found := _unencodable(key, f"{path} key")) is not None:
+                return found
+    else:
+        return None
+    for where, item in items:
+        if (found := _unencodable(item, where)) is not None:
+            return found
+    return None
+
+
+def first_lone_surrogate(text: str) -> int | None:
+    """The position of the first UTF-16 surrogate in ``text``, or None. A Python str holds a
+    surrogate only when it came from a lone ``\\ud800``-style escape (a valid pair decodes to
+    one character), and UTF-8 has no encoding for one."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        return exc.start
 
 
 def unpack_frame(frame: bytes) -> Any:

@@ -51,6 +51,18 @@ class Routed:
     retry: bool = False  # lost with a tokenizer worker: ClientCore.resubmit may send them again
 
 
+def encode_request(msg: Any, request_id: str | None) -> bytes:
+    """The frame of a message for a tokenizer worker; what the wire cannot carry (a lone
+    surrogate in any string, an integer past 64 bits) is the caller's BadRequestError, naming
+    the field as submit() takes it (sampling keywords are flat there)."""
+    try:
+        return codec.encode(msg)
+    except codec.EncodeError as exc:
+        param = exc.path.removeprefix("sampling.")
+        message = str(exc).removeprefix("sampling.")
+        raise BadRequestError(message, request_id, param or None) from None
+
+
 class ClientCore:
     """Ids, records and deadlines; no sockets, no threads (the clients bring those).
 
@@ -140,7 +152,7 @@ class ClientCore:
         record.t_submit = msg.t_submit
         record.query = not isinstance(msg, SubmitRequest)
         record.pending = msg
-        frame = codec.encode(msg)
+        frame = encode_request(msg, record.request_id)
         if len(frame) > codec.MAX_FRAME_BYTES:  # the tokenizer's socket would drop it unseen
             raise BadRequestError(
                 f"the request is {len(frame)} bytes encoded; the limit is {codec.MAX_FRAME_BYTES}",
