@@ -29,7 +29,14 @@ from hypothesis import strategies as st
 
 from ipc import codec
 from ipc.client import Client
-from ipc.messages import ClientEvents, ClientHello, ClientWelcome, SamplingParams
+from ipc.messages import (
+    ERR_DUPLICATE_REQUEST,
+    ClientEvents,
+    ClientHello,
+    ClientWelcome,
+    SamplingParams,
+    SubmitRequest,
+)
 from procs.launch_cluster import launch_cluster
 
 EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "150"))
@@ -81,6 +88,9 @@ class RawClient:
             push.connect(addr)
             self.pushes[name] = push
         self.events: dict[str, list] = defaultdict(list)
+        # Terminal events of refused copies of a live id (they carry the live id, their code
+        # tells them apart): one per copy sent, never counted against the live request.
+        self.refused_copies: dict[str, list] = defaultdict(list)
         self.after_terminal: list[str] = []
         self._ids = itertools.count()
 
@@ -99,6 +109,9 @@ class RawClient:
             except zmq.Again:
                 return
             for event in codec.decode_as(frame, ClientEvents).events:  # strict: must decode
+                if event.error_code == ERR_DUPLICATE_REQUEST:
+                    self.refused_copies[event.request_id].append(event)
+                    continue
                 seen = self.events[event.request_id]
                 if any(e.finished for e in seen):
                     self.after_terminal.append(event.request_id)
@@ -514,6 +527,25 @@ def test_a_prompt_over_the_decoding_limit_is_still_answered(raw):
     )
     final = raw.terminal(rid)
     assert final.error_code == "bad_request" and "max_str_len" in final.error
+    raw.check_exactly_once()
+
+
+def test_copies_of_a_live_request_id_each_get_an_error_and_leave_it_alone(raw):
+    """Issue 23 item 12: five submits with one id, straight to a tokenizer worker's socket (the
+    SDK never does this; the wire is the contract). The first runs to its end with all its
+    tokens; each copy ends with one error of its own code (it used to get nothing)."""
+    rid = raw.new_id()
+    sampling = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)  # outlives copies
+    frame = codec.encode(SubmitRequest(rid, raw.client_id, sampling, prompt="hi"))
+    for _ in range(5):
+        raw.send("tokenizer", frame)
+    final = raw.terminal(rid)
+    assert final.finish_reason == "length" and final.usage.completion_tokens == 48
+    deadline = time.monotonic() + DEADLINE_S
+    while len(raw.refused_copies[rid]) < 4 and time.monotonic() < deadline:
+        raw.pump(50)
+    copies = raw.refused_copies[rid]
+    assert len(copies) == 4 and all(c.finished and "already in flight" in c.error for c in copies)
     raw.check_exactly_once()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -25,6 +26,7 @@ from ipc.client.queries import Builder
 from ipc.client.records import HandleBase, RequestRecord, unavailable_event
 from ipc.client.requests import build_submit
 from ipc.messages import (
+    ERR_DUPLICATE_REQUEST,
     FINISH_ABORT,
     FINISH_STOP,
     NOTICE_DIED,
@@ -40,6 +42,7 @@ from ipc.messages import (
 from ipc.queries import EngineStatsReport, TokenizeResult
 
 H = TypeVar("H", bound=HandleBase)
+logger = logging.getLogger("splitserve.client")
 
 
 @dataclass(slots=True)
@@ -334,6 +337,13 @@ class ClientCore:
         now = time.monotonic()
         assert isinstance(msg, ClientEvents)
         for event in msg.events:
+            if event.error_code == ERR_DUPLICATE_REQUEST:
+                # About a copy this client never sent (its wire ids are unique per submission;
+                # someone else used its client id): the open request it names goes on.
+                logger.warning(
+                    "a copy of request %r was refused: %s", event.request_id, event.error
+                )
+                continue
             if (handle := self.records.get(event.request_id)) is not None:
                 self.apply(handle, event, now)
         return Routed()
