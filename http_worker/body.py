@@ -33,7 +33,7 @@ from starlette.requests import Request
 
 from http_worker.fields import FieldPolicy, check_fields
 from http_worker.protocol import APIError, bad_request
-from ipc.codec import first_lone_surrogate
+from ipc.codec import lone_surrogate
 
 INLINE_BODY_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 200  # pydantic-core's parser refuses deeper nesting ("recursion limit")
@@ -137,21 +137,16 @@ def _not_json(raw: bytes, reason: str) -> APIError:
 def _not_json_value(value: Any, where: str) -> tuple[str, str] | None:
     """(path, problem) of the first string that is not Unicode or number that is not JSON."""
     if isinstance(value, str):
-        at = first_lone_surrogate(value)
-        if at is None:
-            return None
-        return where, (
-            f"a lone UTF-16 surrogate (U+{ord(value[at]):04X}) at character {at} is not "
-            "Unicode text"
-        )
+        problem = lone_surrogate(value)
+        return None if problem is None else (where, problem)
     if isinstance(value, float) and not math.isfinite(value):
         return where, f"{value} is not a JSON number"
     if isinstance(value, list):
         children = ((f"{where}[{i}]", v) for i, v in enumerate(value))
     elif isinstance(value, dict):
         for key in value:
-            if first_lone_surrogate(key) is not None:
-                return f"{where}.{key!a}" if where else ascii(key), "the key is not Unicode text"
+            if (problem := lone_surrogate(key)) is not None:
+                return (f"{where}.{key!a}" if where else ascii(key)), f"the key has {problem}"
         children = ((f"{where}.{k}" if where else k, v) for k, v in value.items())
     else:
         return None

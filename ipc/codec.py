@@ -147,14 +147,8 @@ def encode(msg: Any) -> bytes:
 def _unencodable(value: Any, path: str) -> EncodeError | None:
     """The first value under ``value`` that msgpack cannot carry, as an EncodeError."""
     if isinstance(value, str):
-        surrogate = first_lone_surrogate(value)
-        if surrogate is None:
-            return None
-        return EncodeError(
-            path,
-            f"a lone UTF-16 surrogate (U+{ord(value[surrogate]):04X}) at character "
-            f"{surrogate} is not Unicode text",
-        )
+        problem = lone_surrogate(value)
+        return None if problem is None else EncodeError(path, problem)
     if isinstance(value, int) and not isinstance(value, bool):
         if -(2**63) <= value < 2**64:
             return None
@@ -174,15 +168,16 @@ def _unencodable(value: Any, path: str) -> EncodeError | None:
     return None
 
 
-def first_lone_surrogate(text: str) -> int | None:
-    """The position of the first UTF-16 surrogate in ``text``, or None. A Python str holds a
-    surrogate only when it came from a lone ``\\ud800``-style escape (a valid pair decodes to
-    one character), and UTF-8 has no encoding for one."""
+def lone_surrogate(text: str) -> str | None:
+    """What is wrong with ``text`` if it holds a UTF-16 surrogate, else None. A Python str holds
+    one only when it came from a lone ``\\ud800``-style escape (a valid pair decodes to one
+    character), and UTF-8 has no encoding for it."""
     try:
         text.encode("utf-8")
         return None
     except UnicodeEncodeError as exc:
-        return exc.start
+        code = ord(text[exc.start])
+        return f"a lone UTF-16 surrogate (U+{code:04X}) at character {exc.start}: not Unicode text"
 
 
 def unpack_frame(frame: bytes) -> Any:

@@ -315,3 +315,48 @@ def test_tokenizer_endpoints_check_the_body_before_needing_a_cluster(http):
     )
     assert _error(http.post("/tokenize", json={"prompt": "x", "model": "gpt"}), 404)
     assert _error(http.post("/tokenize", json={"prompt": "x"}), 503)["code"] == "unavailable"
+
+
+def test_an_unexpected_error_is_a_whole_500_and_the_connection_stays_usable():
+    """Issue 23 item 3's second half: Starlette's ``exception_handler(Exception)`` answered and
+    then raised again, and uvicorn dropped the keep-alive connection without Connection: close,
+    so the client's next request on it failed. A real uvicorn on a real socket here."""
+    import http.client
+    import threading
+
+    import uvicorn
+
+    app = build_app(FrontendSettings(client_addr="ipc:///nonexistent", model_name="m"))
+
+    @app.get("/fault")
+    async def fault() -> None:
+        raise RuntimeError("a bug")
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_config=None)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.connect()
+        sock = conn.sock
+        for path, status in (
+            ("/fault", 500),
+            ("/version", 200),
+            ("/fault", 500),
+            ("/version", 200),
+        ):
+            conn.request("GET", path)
+            reply = conn.getresponse()
+            body = reply.read()
+            assert reply.status == status and conn.sock is sock, (path, reply.status, body)
+            assert reply.getheader("connection", "") != "close"
+        assert b'"code":"internal"' in body or status == 200
+        conn.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
