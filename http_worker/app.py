@@ -37,7 +37,7 @@ from http_worker.generation import (
     submit_all,
     unless_disconnected,
 )
-from http_worker.openapi import install_openapi, operation
+from http_worker.openapi import JSON_OBJECT, install_openapi, operation, reading
 from http_worker.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from http_worker.responses import (
     ChatFormat,
@@ -266,11 +266,16 @@ def build_app(settings: FrontendSettings) -> FastAPI:
         )
         return await _generate(request, body_plan, fmt, t_arrived)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=reading(JSON_OBJECT, "401"))
     async def models() -> Response:
         return _json(models_body(frontend.model_name, frontend.t_start, frontend.max_model_len))
 
-    @app.get("/health")
+    health_answers = {"503": {"description": "a process does not answer", "content": JSON_OBJECT}}
+
+    @app.get(
+        "/health",
+        openapi_extra={"responses": {**reading(JSON_OBJECT)["responses"], **health_answers}},
+    )
     async def health() -> Response:
         problem = await frontend.healthy()
         who = {"pid": os.getpid(), "index": settings.index}
@@ -278,7 +283,7 @@ def build_app(settings: FrontendSettings) -> FastAPI:
             return _json({"status": "ok", **who})
         return _json({"status": "unavailable", "reason": problem, **who}, 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=reading({"text/plain": {"schema": {"type": "string"}}}))
     async def metrics() -> Response:
         text, content_type = frontend.metrics.render()
         return Response(text + await frontend.engine_metrics(), media_type=content_type)

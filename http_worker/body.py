@@ -140,7 +140,7 @@ def _not_json_value(value: Any, where: str) -> tuple[str, str] | None:
         problem = lone_surrogate(value)
         return None if problem is None else (where, problem)
     if isinstance(value, float) and not math.isfinite(value):
-        return where, f"{value} is not a JSON number"
+        return where, "NaN and Infinity are not JSON numbers"
     if isinstance(value, list):
         children = ((f"{where}[{i}]", v) for i, v in enumerate(value))
     elif isinstance(value, dict):

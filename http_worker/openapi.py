@@ -44,6 +44,7 @@ _ERROR_REASONS = {
     "504": "the request's deadline passed",
 }
 _OBJECT = {"type": "object"}
+JSON_OBJECT = {"application/json": {"schema": _OBJECT}}
 SSE_SCHEMA = {"type": "string", "description": "server-sent events, ending with [DONE]"}
 
 
@@ -57,6 +58,12 @@ def responses(success: dict[str, Any], *codes: str) -> dict[str, Any]:
     for code in codes or _ERROR_REASONS:
         out[code] = _error(_ERROR_REASONS[code])
     return out
+
+
+def reading(success: dict[str, Any], *codes: str) -> dict[str, Any]:
+    """A route without a body: its 200 content and the errors ``codes`` it may answer (a
+    /health that finds the cluster down answers 503 with its own JSON object)."""
+    return {"responses": responses(success, *codes) if codes else responses(success, "500")}
 
 
 def operation(

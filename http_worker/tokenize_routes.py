@@ -19,7 +19,7 @@ from http_worker.body import BodyReader
 from http_worker.fields import GENERATION_POLICIES, NOT_IMPLEMENTED_FIELDS, FieldPolicy
 from http_worker.frontend import Frontend
 from http_worker.generation import api_error_from
-from http_worker.openapi import operation
+from http_worker.openapi import JSON_OBJECT, operation, reading
 from http_worker.protocol import STRICT, ChatMessageIn, TokenId
 from ipc.client import SplitserveError
 
@@ -128,10 +128,10 @@ def install_tokenize_routes(
         text = await ask(lambda client: client.detokenize(body.tokens), param="tokens")
         return json_response({"prompt": text})
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", openapi_extra=reading(JSON_OBJECT, "401", "503", "504"))
     async def tokenizer_info() -> Response:
         return json_response(await ask(lambda client: client.tokenizer_info()))
 
-    @app.get("/version")
+    @app.get("/version", openapi_extra=reading(JSON_OBJECT))
     async def get_version() -> Response:
         return json_response({"version": version})

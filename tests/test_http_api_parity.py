@@ -366,7 +366,12 @@ def test_tokenize_chat_messages_like_transformers(base_url, hf, add_generation_p
         ("/tokenize", {}, 400, "prompt"),
         ("/detokenize", {"tokens": []}, 400, "at least 1 item"),
         ("/detokenize", {"tokens": [1, 49152]}, 400, "[0, 49152)"),
-        ("/detokenize", {"tokens": [-3]}, 400, "tokens[0]: Input should be greater than or equal to 0"),
+        (
+            "/detokenize",
+            {"tokens": [-3]},
+            400,
+            "tokens[0]: Input should be greater than or equal to 0",
+        ),
         ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ],
 )
