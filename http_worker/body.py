@@ -33,7 +33,7 @@ from starlette.requests import Request
 
 from http_worker.fields import FieldPolicy, check_fields
 from http_worker.protocol import APIError, bad_request
-from ipc.codec import lone_surrogate
+from ipc.codec import json_leaves, lone_surrogate
 
 INLINE_BODY_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 200  # pydantic-core's parser refuses deeper nesting ("recursion limit")
@@ -127,32 +127,20 @@ def _not_json(raw: bytes, reason: str) -> APIError:
         return bad_request("the body is not valid UTF-8")
     except (ValueError, RecursionError) as exc:
         return bad_request(f"the body is not valid JSON: {exc}")
-    found = _not_json_value(data, "")
+    found = _not_json_value(data)
     if found is None:
         return bad_request(f"the body is not valid JSON: {reason}")
     where, what = found
     return bad_request(f"{where}: {what}" if where else what, where or None)
 
 
-def _not_json_value(value: Any, where: str) -> tuple[str, str] | None:
+def _not_json_value(data: Any) -> tuple[str, str] | None:
     """(path, problem) of the first string that is not Unicode or number that is not JSON."""
-    if isinstance(value, str):
-        problem = lone_surrogate(value)
-        return None if problem is None else (where, problem)
-    if isinstance(value, float) and not math.isfinite(value):
-        return where, "NaN and Infinity are not JSON numbers"
-    if isinstance(value, list):
-        children = ((f"{where}[{i}]", v) for i, v in enumerate(value))
-    elif isinstance(value, dict):
-        for key in value:
-            if (problem := lone_surrogate(key)) is not None:
-                return (f"{where}.{key!a}" if where else ascii(key)), f"the key has {problem}"
-        children = ((f"{where}.{k}" if where else k, v) for k, v in value.items())
-    else:
-        return None
-    for path, child in children:
-        if (found := _not_json_value(child, path)) is not None:
-            return found
+    for path, value in json_leaves(data):
+        if isinstance(value, str) and (problem := lone_surrogate(value)) is not None:
+            return path, problem
+        if isinstance(value, float) and not math.isfinite(value):
+            return path, "NaN and Infinity are not JSON numbers"
     return None
 
 

@@ -15,7 +15,7 @@ import sys
 import types
 import typing
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import msgpack
@@ -140,32 +140,33 @@ def encode(msg: Any) -> bytes:
         return msgpack.packb(wire, use_bin_type=True)
     except (UnicodeEncodeError, OverflowError):
         # Only a failed message is walked: the common case costs nothing more.
-        found = _unencodable(wire, "")
+        found = _unencodable(wire)
         raise (found or EncodeError("", "the message cannot be encoded")) from None
 
 
-def _unencodable(value: Any, path: str) -> EncodeError | None:
-    """The first value under ``value`` that msgpack cannot carry, as an EncodeError."""
-    if isinstance(value, str):
-        problem = lone_surrogate(value)
-        return None if problem is None else EncodeError(path, problem)
-    if isinstance(value, int) and not isinstance(value, bool):
-        if -(2**63) <= value < 2**64:
-            return None
-        return EncodeError(path, f"the integer {value} does not fit in 64 bits")
-    if isinstance(value, (list, tuple)):
-        items: Any = ((f"{path}[{i}]", v) for i, v in enumerate(value))
-    elif isinstance(value, dict):
-        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items() if k != "kind")
-        for key in value:  # keys are values too (logit_bias maps token ids)
-            if (found := _unencodable(key, f"{path} key")) is not None:
-                return found
-    else:
-        return None
-    for where, item in items:
-        if (found := _unencodable(item, where)) is not None:
-            return found
+def _unencodable(wire: dict) -> EncodeError | None:
+    """The first value of a message that msgpack cannot carry, as an EncodeError."""
+    for path, value in json_leaves(wire):
+        if isinstance(value, str) and (problem := lone_surrogate(value)) is not None:
+            return EncodeError(path, problem)
+        if isinstance(value, int) and not -(2**63) <= value < 2**64:
+            return EncodeError(path, f"the integer {value} does not fit in 64 bits")
     return None
+
+
+def json_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) of every leaf of a JSON-like value and of every map key, depth first:
+    ``messages[0].content``; a key's own path ends with its ascii() form (it may not be
+    printable). For finding what is wrong in a value already refused: it walks everything."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from json_leaves(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield (f"{path}.{key!a}" if path else ascii(key)), key
+            yield from json_leaves(item, f"{path}.{key}" if path else str(key))
+    else:
+        yield path, value
 
 
 def lone_surrogate(text: str) -> str | None:

@@ -28,6 +28,7 @@ from schemathesis.specs.openapi.checks import (
 
 from ipc.client import BadRequestError, Client
 from procs.launch_cluster import launch_cluster
+from tests import test_http_tiny
 from tests.http_edge_cases import (
     CHAT,
     CHAT_COMPLETIONS,
@@ -37,7 +38,6 @@ from tests.http_edge_cases import (
     SURROGATES,
     hostile_bodies,
 )
-from tests.test_http_tiny import free_port, start_frontend, stop_frontend
 
 MAX_MODEL_LEN = 512
 SCHEMATHESIS_SETTINGS = settings(
@@ -62,12 +62,7 @@ def cluster(tiny_model_dir):
         yield c
 
 
-@pytest.fixture(scope="module")
-def port(cluster):
-    port = free_port()
-    popen = start_frontend(cluster, port)
-    yield port
-    stop_frontend(popen)
+base_url = test_http_tiny.base_url  # a frontend process for this module's cluster
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +75,9 @@ class KeepAlive:
     """One HTTP/1.1 connection, kept: each answer is read whole, and a server that closes the
     connection (or asks to) fails the test instead of being reconnected to silently."""
 
-    def __init__(self, port: int) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    def __init__(self, base_url: str) -> None:
+        host, port = base_url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
         self.conn.connect()
         self.sock = self.conn.sock
 
@@ -110,11 +106,11 @@ def refused(status: int, body: dict, param: str | None, code: int = 400) -> str:
 
 @pytest.mark.parametrize("path, raw, param", SURROGATES, ids=[p for _, _, p in SURROGATES])
 def test_lone_surrogates_are_400s_naming_the_field_and_the_connection_stays_usable(
-    port, path, raw, param
+    base_url, path, raw, param
 ):
     """Issue 23 item 3: they were 500s, after which uvicorn closed the keep-alive connection
     without a word (the error handler raised again after answering)."""
-    conn = KeepAlive(port)
+    conn = KeepAlive(base_url)
     try:
         variants = [raw]
         if path in (COMPLETIONS, CHAT_COMPLETIONS):
@@ -168,9 +164,11 @@ def test_sdk_queries_refuse_the_same_input(client):
 
 
 @pytest.mark.parametrize("path, body, param, words", INTEGERS)
-def test_integers_the_wire_cannot_carry_are_400s_in_the_apis_words(port, path, body, param, words):
+def test_integers_the_wire_cannot_carry_are_400s_in_the_apis_words(
+    base_url, path, body, param, words
+):
     """Issue 23 item 4: 500s (OverflowError in the encoder) or a C conversion's message."""
-    conn = KeepAlive(port)
+    conn = KeepAlive(base_url)
     try:
         bodies = [body] + ([{**body, "stream": True}] if path != "/detokenize" else [])
         for each in bodies:
@@ -180,23 +178,27 @@ def test_integers_the_wire_cannot_carry_are_400s_in_the_apis_words(port, path, b
 
 
 @pytest.mark.parametrize("path, fields, param", LAX, ids=[f"{p}-{f}" for p, f, _ in LAX])
-def test_types_are_strict_as_openais_and_each_refusal_names_its_field(port, path, fields, param):
+def test_types_are_strict_as_openais_and_each_refusal_names_its_field(
+    base_url, path, fields, param
+):
     """Issue 23 item 8: "10" was taken for 10, true for 1, "yes" streamed, prompt_logprobs: false
     returned prompt logprobs, tokens: [false] decoded token 0."""
     base = {"/detokenize": {}, "/tokenize": {}, CHAT_COMPLETIONS: {"messages": CHAT}}
     body = {**base.get(path, {"prompt": "hi"}), "max_tokens": 2, **fields}
     if path in ("/detokenize", "/tokenize"):
         body.pop("max_tokens")
-    conn = KeepAlive(port)
+    conn = KeepAlive(base_url)
     try:
         refused(*conn.post(path, json.dumps(body)), param)
     finally:
         conn.close()
 
 
-def test_max_tokens_past_the_contexts_room_is_a_400_and_no_limit_keeps_the_default(port, client):
+def test_max_tokens_past_the_contexts_room_is_a_400_and_no_limit_keeps_the_default(
+    base_url, client
+):
     """Issue 23 item 7: 10**12 ran for minutes (clamped); vLLM and OpenAI answer 400."""
-    conn = KeepAlive(port)
+    conn = KeepAlive(base_url)
     try:
         for path, body, param in (
             (COMPLETIONS, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
@@ -231,7 +233,7 @@ def test_max_tokens_past_the_contexts_room_is_a_400_and_no_limit_keeps_the_defau
     assert len(tail.token_ids) == 12  # the SDK's default (16), cut to the room
 
 
-def test_a_body_over_the_limit_is_a_413_before_it_is_read_or_forwarded(port, cluster):
+def test_a_body_over_the_limit_is_a_413_before_it_is_read_or_forwarded(base_url, cluster):
     """Issue 23 item 9: a 50 MB body was forwarded and answered by msgpack's own limit."""
 
     def seen() -> float:
@@ -245,17 +247,15 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read_or_forwarded(port, clu
         content = (
             body if not headers else iter([body[i : i + 2**20] for i in range(0, len(body), 2**20)])
         )
-        r = httpx.post(
-            f"http://127.0.0.1:{port}{COMPLETIONS}", content=content, headers=headers, timeout=60
-        )
+        r = httpx.post(f"{base_url}{COMPLETIONS}", content=content, headers=headers, timeout=60)
         assert r.status_code == 413 and r.headers["connection"] == "close", r.text
         error = r.json()["error"]
         assert error["code"] == "request_too_large" and "--http-max-body-bytes" in error["message"]
     assert seen() == before
 
 
-def test_405_says_allow_and_the_openapi_document_states_the_rules(port):
-    base = f"http://127.0.0.1:{port}"
+def test_405_says_allow_and_the_openapi_document_states_the_rules(base_url):
+    base = base_url
     r = httpx.get(f"{base}{COMPLETIONS}")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     doc = httpx.get(f"{base}/openapi.json").json()
@@ -271,12 +271,12 @@ def test_405_says_allow_and_the_openapi_document_states_the_rules(port):
     assert detokenize["items"]["maximum"] == 2**31 - 1 and detokenize["minItems"] == 1
 
 
-def test_schemathesis_over_every_route_finds_no_5xx_and_answers_as_documented(port):
+def test_schemathesis_over_every_route_finds_no_5xx_and_answers_as_documented(base_url):
     """Issue 23 item 10: schemathesis generates bodies from /openapi.json, valid and invalid,
     for every route (seeded, 25 examples per route and mode, max_tokens kept small so a valid
     one is cheap); no answer may be a 5xx, and every status, content type and body must be one
     the document declares."""
-    base = f"http://127.0.0.1:{port}"
+    base = base_url
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     checks = [
         not_a_server_error,
@@ -311,13 +311,13 @@ def test_schemathesis_over_every_route_finds_no_5xx_and_answers_as_documented(po
     assert paths >= {COMPLETIONS, CHAT_COMPLETIONS, "/tokenize", "/detokenize", "/v1/models"}
 
 
-def test_hostile_bodies_do_not_hold_up_the_other_streams_of_their_frontend(port):
+def test_hostile_bodies_do_not_hold_up_the_other_streams_of_their_frontend(base_url):
     """Issue 23 item 1, the HTTP half: while a client sends the issue's bodies (a 100,000-value
     enum, a 100,000-entry choice, a tool pattern (a+)+$), a stream served by the same frontend
     keeps receiving tokens: a body over 64 KiB is parsed and validated off the event loop. The
     check counts the stream's events that arrive while each hostile request is in flight (no
     timing threshold); the gaps are printed for the record."""
-    base = f"http://127.0.0.1:{port}"
+    base = base_url
     stop, times = threading.Event(), []
 
     def stream() -> None:
