@@ -163,8 +163,10 @@ class _GenerationRequest(BaseModel):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def named(self, exc: FieldError) -> FieldError:
-        """``exc`` with max_tokens called what this request called it."""
-        return renamed(exc, "max_tokens", self.max_tokens_name)
+        """``exc`` with its field called what this request called it (the SDK's and the
+        tokenizer worker's names: max_tokens, prompt_token_ids)."""
+        exc = renamed(exc, "max_tokens", self.max_tokens_name)
+        return renamed(exc, "prompt_token_ids", "prompt")
 
     def output_options(self) -> dict[str, Any]:
         """submit() keywords for structured outputs (and tools, on the chat endpoint)."""

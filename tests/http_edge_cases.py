@@ -54,6 +54,15 @@ INTEGERS = [
         "max_completion_tokens",
         "less than",
     ),
+    # Past the vocabulary: the tokenizer worker's 400, named as the request names the field.
+    (COMPLETIONS, {"prompt": [1, 49152]}, "prompt", "must be in [0, 49152)"),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "logit_bias": {"49152": 1}},
+        "logit_bias",
+        "outside the vocabulary",
+    ),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids", "outside"),
     ("/detokenize", {"tokens": [10**20]}, "tokens[0]", "less than or equal to 2147483647"),
     ("/detokenize", {"tokens": [2**31]}, "tokens[0]", "less than or equal to 2147483647"),
 ]

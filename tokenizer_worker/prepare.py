@@ -169,7 +169,8 @@ class RequestPreparer:
             bad = [t for t in ids if t >= self.limits.vocab_size]
             if bad:
                 raise RequestRejected(
-                    f"{name} {bad[:8]} are outside the vocabulary (size {self.limits.vocab_size})"
+                    f"{name} {bad[:8]} are outside the vocabulary (size {self.limits.vocab_size})",
+                    param=name,
                 )
 
     def _check_text(self, text: str) -> str:
@@ -189,7 +190,8 @@ class RequestPreparer:
         if int(arr.min()) < 0 or int(arr.max()) >= self.limits.vocab_size:
             raise RequestRejected(
                 f"prompt_token_ids must be in [0, {self.limits.vocab_size}); got values in "
-                f"[{int(arr.min())}, {int(arr.max())}]"
+                f"[{int(arr.min())}, {int(arr.max())}]",
+                param="prompt_token_ids",
             )
         return arr.tolist()
 
