@@ -229,6 +229,38 @@ def build_app(settings: FrontendSettings) -> FastAPI:
     _install_middleware(app, frontend, settings.api_key)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, *TOKENIZER_BODIES])
 
+    _install_generation_routes(app, frontend, bodies)
+
+    @app.get("/v1/models", openapi_extra=reading(JSON_OBJECT, "401"))
+    async def models() -> Response:
+        return _json(models_body(frontend.model_name, frontend.t_start, frontend.max_model_len))
+
+    health_answers = {"503": {"description": "a process does not answer", "content": JSON_OBJECT}}
+
+    @app.get(
+        "/health",
+        openapi_extra={"responses": {**reading(JSON_OBJECT)["responses"], **health_answers}},
+    )
+    async def health() -> Response:
+        problem = await frontend.healthy()
+        who = {"pid": os.getpid(), "index": settings.index}
+        if problem is None:
+            return _json({"status": "ok", **who})
+        return _json({"status": "unavailable", "reason": problem, **who}, 503)
+
+    @app.get("/metrics", openapi_extra=reading({"text/plain": {"schema": {"type": "string"}}}))
+    async def metrics() -> Response:
+        text, content_type = frontend.metrics.render()
+        return Response(text + await frontend.engine_metrics(), media_type=content_type)
+
+    install_tokenize_routes(app, frontend, bodies, _json)
+    return app
+
+
+def _install_generation_routes(app: FastAPI, frontend: Frontend, bodies: BodyReader) -> None:
+    """POST /v1/completions and /v1/chat/completions: each body is read and planned by
+    ``bodies`` (http_worker.body: off the event loop when it is large), then submitted."""
+
     async def plan(request: Request, model: type, default_max_tokens: int) -> GenerationPlan:
         return await bodies.parse(
             request, lambda data: model, lambda body: plan_generation(body, default_max_tokens)
@@ -265,31 +297,6 @@ def build_app(settings: FrontendSettings) -> FastAPI:
             prompt_logprobs=body.prompt_logprobs is not None,
         )
         return await _generate(request, body_plan, fmt, t_arrived)
-
-    @app.get("/v1/models", openapi_extra=reading(JSON_OBJECT, "401"))
-    async def models() -> Response:
-        return _json(models_body(frontend.model_name, frontend.t_start, frontend.max_model_len))
-
-    health_answers = {"503": {"description": "a process does not answer", "content": JSON_OBJECT}}
-
-    @app.get(
-        "/health",
-        openapi_extra={"responses": {**reading(JSON_OBJECT)["responses"], **health_answers}},
-    )
-    async def health() -> Response:
-        problem = await frontend.healthy()
-        who = {"pid": os.getpid(), "index": settings.index}
-        if problem is None:
-            return _json({"status": "ok", **who})
-        return _json({"status": "unavailable", "reason": problem, **who}, 503)
-
-    @app.get("/metrics", openapi_extra=reading({"text/plain": {"schema": {"type": "string"}}}))
-    async def metrics() -> Response:
-        text, content_type = frontend.metrics.render()
-        return Response(text + await frontend.engine_metrics(), media_type=content_type)
-
-    install_tokenize_routes(app, frontend, bodies, _json)
-    return app
 
 
 def _install_error_handlers(app: FastAPI) -> None:
