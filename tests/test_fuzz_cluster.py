@@ -549,6 +549,28 @@ def test_copies_of_a_live_request_id_each_get_an_error_and_leave_it_alone(raw):
     raw.check_exactly_once()
 
 
+def test_a_raw_submit_asking_more_than_the_context_ends_at_once(raw):
+    """Issue 23 item 7: max_tokens 2**64-1 or 2**31 on a tokenizer's own socket kept the engine
+    busy for ~95 s; past the wire's int32 it is a malformed frame, within it past the room."""
+    for max_tokens, words in (
+        (2**64 - 1, "max_tokens must be an integer in [0, 2147483647]"),
+        (2**31, "max_tokens must be an integer"),
+        (2**31 - 1, "at most"),
+    ):
+        rid = raw.new_id()
+        frame = {
+            "kind": "submit",
+            "request_id": rid,
+            "client_id": raw.client_id,
+            "sampling": {"max_tokens": max_tokens},
+            "prompt": "hi",
+        }
+        raw.send("tokenizer", msgpack.packb(frame))
+        final = raw.terminal(rid)
+        assert final.error_code == "bad_request" and words in final.error, final.error
+    raw.check_exactly_once()
+
+
 def test_after_the_fuzz_everything_is_alive_and_serving(cluster, raw, tally):
     with Client(cluster.client_addr, deadline_s=DEADLINE_S) as client:
         result = client.submit(
