@@ -339,10 +339,13 @@ def test_hostile_bodies_do_not_hold_up_the_other_streams_of_their_frontend(base_
         with httpx.Client(timeout=60) as hostile:
             for name, (path, body) in hostile_bodies().items():
                 raw = json.dumps(body).encode()
-                for _ in range(3):
+                spans = windows.setdefault(name, [])
+                # Again and again, until a second in flight: a stream that stalls for less than
+                # that (a slow machine's engine step) cannot make the count below zero.
+                while len(spans) < 3 or (sum(b - a for a, b in spans) < 1.0 and len(spans) < 50):
                     t_sent = time.monotonic()
                     status = hostile.post(f"{base}{path}", content=raw).status_code
-                    windows.setdefault(name, []).append((t_sent, time.monotonic()))
+                    spans.append((t_sent, time.monotonic()))
                     assert status < 500, (name, status)
     finally:
         stop.set()
@@ -355,6 +358,7 @@ def test_hostile_bodies_do_not_hold_up_the_other_streams_of_their_frontend(base_
         gaps = [b - a for a, b in zip(times, times[1:]) if any(s <= b <= e for s, e in spans)]
         print(
             f"{name}: {len(spans)} requests, {1e3 * sum(b - a for a, b in spans):.0f} ms in "
-            f"flight, {len(inside)} stream events meanwhile, max gap {1e3 * max(gaps):.0f} ms"
+            f"flight, {len(inside)} stream events meanwhile, max gap "
+            f"{1e3 * max(gaps, default=0):.0f} ms"
         )
         assert inside, f"no stream event arrived while the {name} requests were in flight"
