@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ipc.field_rules import (
+    MAX_CHAT_MESSAGES,
     MAX_INT32,
     MAX_SEED,
     MAX_TOKEN_ID,
@@ -34,6 +35,9 @@ MAX_CHOICES = 128  # prompts x n in one request: each is one engine request
 
 # Strict: no coercion (OpenAI's behaviour). Undeclared fields are kept for http_worker.fields.
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+# Validating a message costs ~10 us per content part: a body of many small parts (320,000 fit in
+# the body limit) would take seconds; these bound the work before it starts.
+MAX_CONTENT_PARTS = 4096  # text parts over all messages of one request
 Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
@@ -251,11 +255,7 @@ class CompletionRequest(_GenerationRequest):
             isinstance(v, list)
             and (ids(v) or all(isinstance(x, str) for x in v) or all(ids(x) for x in v))
         ):
-            for i, token in _token_ids(v):
-                if not 0 <= token <= MAX_TOKEN_ID:
-                    raise ValueError(
-                        f"token ids are integers in [0, {MAX_TOKEN_ID}], got {token} at {i}"
-                    )
+            _check_token_ids(v)
             return v
         raise ValueError(
             "prompt must be a string, a list of strings, a list of token ids or a "
@@ -281,16 +281,21 @@ class CompletionRequest(_GenerationRequest):
         return out
 
 
-def _token_ids(prompt: Any) -> Any:
-    """(position, id) of every token id in a prompt of ids or a batch of them."""
-    if isinstance(prompt, str):
+def _check_token_ids(prompt: Any) -> None:
+    """Every token id of a prompt of ids (or a batch of them) within the wire's int32. min() and
+    max() look at a list in C; the ids are walked one by one only to name a bad one."""
+    batch = bool(prompt) and isinstance(prompt[0], (list, str))
+    rows = [(f"[{i}]", row) for i, row in enumerate(prompt)] if batch else [("", prompt)]
+    rows = [(where, row) for where, row in rows if isinstance(row, list) and row]
+    if all(min(row) >= 0 and max(row) <= MAX_TOKEN_ID for _, row in rows):
         return
-    for i, item in enumerate(prompt):
-        if isinstance(item, list):
-            for j, token in enumerate(item):
-                yield f"[{i}][{j}]", token
-        elif not isinstance(item, str):
-            yield f"[{i}]", item
+    for where, row in rows:
+        for j, token in enumerate(row):
+            if not 0 <= token <= MAX_TOKEN_ID:
+                at = f"{where}[{j}]"
+                raise ValueError(
+                    f"token ids are integers in [0, {MAX_TOKEN_ID}], got {token} at {at}"
+                )
 
 
 class TextPart(BaseModel):
@@ -341,8 +346,26 @@ class ChatMessageIn(BaseModel):
         return out
 
 
+def bound_messages(messages: Any) -> Any:
+    """The messages list as parsed, before any message is validated: at most MAX_CHAT_MESSAGES
+    messages and MAX_CONTENT_PARTS text parts in all (a "before" validator of chat bodies)."""
+    if not isinstance(messages, list):
+        return messages  # the field's own checks say what is wrong
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise ValueError(f"at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}")
+    parts = sum(
+        len(m["content"])
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+    )
+    if parts > MAX_CONTENT_PARTS:
+        raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all, got {parts}")
+    return messages
+
+
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    _bounded = field_validator("messages", mode="before")(bound_messages)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None

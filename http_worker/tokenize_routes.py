@@ -12,7 +12,7 @@ import importlib.metadata
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from starlette.responses import Response
 
 from http_worker.body import BodyReader
@@ -20,8 +20,9 @@ from http_worker.fields import GENERATION_POLICIES, NOT_IMPLEMENTED_FIELDS, Fiel
 from http_worker.frontend import Frontend
 from http_worker.generation import api_error_from
 from http_worker.openapi import JSON_OBJECT, operation, reading
-from http_worker.protocol import STRICT, ChatMessageIn, TokenId
+from http_worker.protocol import STRICT, ChatMessageIn, TokenId, bound_messages
 from ipc.client import SplitserveError
+from ipc.field_rules import MAX_CHAT_MESSAGES
 
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
@@ -37,11 +38,12 @@ class TokenizePromptBody(BaseModel):
 class TokenizeChatBody(BaseModel):
     model_config = STRICT
     model: str | None = None
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the chat template writes the special tokens
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
+    _bounded = field_validator("messages", mode="before")(bound_messages)
 
 
 class DetokenizeBody(BaseModel):

@@ -17,6 +17,7 @@ from ipc.codec import pack_ids
 MAX_INT32 = 2**31 - 1
 MAX_TOKEN_ID = MAX_INT32  # the wire's bound; the vocabulary's is the tokenizer worker's check
 MAX_SEED = 2**63 - 1
+MAX_CHAT_MESSAGES = 4096  # messages of one chat request
 
 
 class FieldError(ValueError):

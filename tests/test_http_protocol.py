@@ -109,6 +109,12 @@ def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words)
             {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
             "max_completion_tokens must be at least 1",
         ),
+        # Bounded before any message is validated (thousands of parts take seconds).
+        ({"messages": [{"role": "user", "content": "hi"}] * 4097}, "at most 4096 messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 4097}]},
+            "messages: at most 4096 content parts in all",
+        ),
     ],
 )
 def test_bad_chat_params_are_400(http, body, words):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ipc.codec import DecodeError, pack_ids, unpack_ids
+from ipc.field_rules import MAX_CHAT_MESSAGES
 from ipc.messages import (
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
@@ -28,7 +29,6 @@ from tokenizer_worker.structured import OutputPlan, StructuredOutputs, needs_pla
 from tokenizer_worker.tool_calls import ToolSpecError
 
 MAX_PROMPT_CHARS = 8 * 1024 * 1024
-MAX_CHAT_MESSAGES = 4096
 
 
 class RequestRejected(ValueError):
