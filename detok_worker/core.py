@@ -29,6 +29,7 @@ from detok_worker.request_state import RequestState
 from detok_worker.token_strings import TokenStrings
 from ipc import codec
 from ipc.messages import (
+    ERR_DUPLICATE_REQUEST,
     ERR_UNAVAILABLE,
     FINISH_ERROR,
     FINISH_STOP,
@@ -168,18 +169,28 @@ class DetokenizerCore:
         self.output.replies.setdefault(result.client_id, []).append(result)
 
     def on_request_error(self, err: RequestError) -> None:
+        """A request that ended before the engine, or a refused copy of a live one. An error for
+        an id that is live here is always about a copy (the live request reached the engine, so
+        no worker before it can fail it): its sender learns under ERR_DUPLICATE_REQUEST, and the
+        live request's state, stream and pending aborts are left alone."""
         info = self.clients.get(err.client_id)
         if info is None:
             return
-        info.pending_aborts.pop(err.request_id, None)
+        code, message = err.code, err.message
+        if code != ERR_DUPLICATE_REQUEST and err.request_id in self.states:
+            code = ERR_DUPLICATE_REQUEST
+            message = f"request_id {err.request_id!r} is already in flight; this copy: {message}"
+        if code != ERR_DUPLICATE_REQUEST:
+            info.pending_aborts.pop(err.request_id, None)
         self._queue(
             err.client_id,
             StreamEvent(
                 request_id=err.request_id,
                 finished=True,
                 finish_reason=FINISH_ERROR,
-                error=err.message,
-                error_code=err.code,
+                error=message,
+                error_code=code,
+                error_param=err.param or None,
             ),
         )
 

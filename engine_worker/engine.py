@@ -114,7 +114,7 @@ class Engine:
         capacity = num_blocks * config.block_size
         if self.max_model_len > capacity:
             # One request must always fit: the context the server offers is what its KV cache
-            # can hold (tokenizers clamp max_tokens to it, so no request fails half-way).
+            # can hold (tokenizer workers keep max_tokens within it, so no request fails half-way).
             logger.warning(
                 "capping max_model_len %d to the KV cache's capacity of %d tokens "
                 "(raise kv_cache_tokens for longer contexts)",

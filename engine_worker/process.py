@@ -21,12 +21,14 @@ from ipc.codec import DecodeError, salvage_fields, unpack_id_list
 from ipc.config import ClusterConfig
 from ipc.messages import (
     ERR_BAD_REQUEST,
+    ERR_DUPLICATE_REQUEST,
     ERR_INTERNAL,
     ERR_OVERLOADED,
     FINISH_ABORT,
     FINISH_ERROR,
     AbortRequests,
     FinishRecord,
+    RequestError,
     RequestMeta,
     StepOutput,
     TokenizedRequest,
@@ -127,9 +129,8 @@ class EngineProcess:
 
     def add(self, req: TokenizedRequest) -> None:
         self.received += 1
-        if req.request_id in self.live:
-            # Only a raw client bypassing the SDK can do this; the live request keeps its events.
-            logger.warning("ignored a duplicate of live request %r", req.request_id)
+        if req.request_id in self.live or req.meta.request_id in self.live:
+            self._refuse_duplicate(req)
             return
         if req.meta.request_id != req.request_id:
             # Only a raw sender can do this; the detokenizer tracks the request by meta's id.
@@ -207,6 +208,28 @@ class EngineProcess:
         self.runtime.close()
 
     # --- helpers ------------------------------------------------------------------------------
+    def _refuse_duplicate(self, req: TokenizedRequest) -> None:
+        """A copy of a live request (only a raw client bypassing the SDK sends one). It gets its
+        own terminal event, as every accepted message does, and the live request keeps its
+        stream: a RequestError with its own code, which the detokenizer passes to the sender
+        without touching the live request's state (a finish here would end that one)."""
+        rid = req.meta.request_id
+        logger.warning("refused a copy of live request %r", rid)
+        error = RequestError(
+            request_id=rid,
+            client_id=req.meta.client_id,
+            message=f"request_id {rid!r} is already in flight: this copy was refused and "
+            "the request with that id goes on; give each request its own id",
+            code=ERR_DUPLICATE_REQUEST,
+            t_submit=req.meta.t_submit,
+        )
+        try:
+            self.outbox.put(error, timeout_ms=SEND_TIMEOUT_MS)
+        except zmq.Again:
+            logger.error(
+                "the detokenizer has not read for %d ms; dropped an error", SEND_TIMEOUT_MS
+            )
+
     def _finish_early(self, meta: RequestMeta, reason: str, error: str, code: str) -> None:
         self.pending.new_requests.append(meta)
         self.pending.finished.append(FinishRecord(meta.request_id, reason, error, code))

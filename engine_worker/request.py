@@ -57,7 +57,7 @@ class EngineRequest:
         self.params = params
         self.sampler = sampler
         self.stop_ids = stop_ids
-        self.max_total_len = min(max_model_len, self.prompt_len + params.max_tokens)
+        self.max_total_len = min(max_model_len, self.prompt_len + params.max_new_tokens)
         self.t_arrived = t_arrived
         self.t_scheduled = 0.0
         self.num_computed = 0
@@ -67,7 +67,9 @@ class EngineRequest:
         self.cached_tokens = 0
         self.started_sent = False
         self.num_generated = 0
-        self.samples = params.max_tokens > 0  # max_tokens 0: the prompt is scored, nothing drawn
+        self.samples = (
+            params.max_new_tokens > 0
+        )  # max_tokens 0: the prompt is scored, nothing drawn
         # The next prompt position whose logprob is still to be sent (positions from 1 have one);
         # prompt_len when none are wanted, or all were sent.
         self.prompt_logprobs_from = 1 if params.prompt_logprobs is not None else self.prompt_len

@@ -24,6 +24,11 @@ TRANSPORTS = ("ipc", "tcp")
 RESTART_POLICIES = ("restart", "shutdown")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# 8 MiB: the longest prompt a tokenizer worker takes (8M characters) fits in one body.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+HTTP_MAX_BODY_BYTES_HELP = (
+    "an HTTP request body larger than this is refused with a 413 before it is read or parsed"
+)
 LENIENT_FIELDS_HELP = (
     "HTTP: log and ignore request fields the server does not know (for clients "
     "that send vendor extras) instead of answering 400; fields it knows and "
@@ -98,6 +103,9 @@ class ClusterConfig:
         "", "require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints", cli=False
     )
     lenient_fields: bool = knob(False, LENIENT_FIELDS_HELP)
+    http_max_body_bytes: int = knob(
+        DEFAULT_MAX_BODY_BYTES, HTTP_MAX_BODY_BYTES_HELP, unit="BYTES", minimum=1024
+    )
 
     heartbeat_interval_s: float = knob(
         0.5,

@@ -112,3 +112,4 @@ class RequestError:
     message: str
     code: str = ERR_BAD_REQUEST
     t_submit: float = 0.0
+    param: str = ""  # the request field the error is about (max_tokens, ...), if one is
