@@ -195,6 +195,19 @@ class DetokenizerCore:
         )
 
     def on_step_output(self, out: StepOutput) -> None:
+        """One engine step, in passes whose order is the rule:
+
+        1. the engine's stats, from any step (one with no tokens too);
+        2. the metas of requests new since the last step: every later pass names requests,
+           and the engine sends a request's meta in the step output that precedes or carries
+           its first token;
+        3. starts and prompt logprobs, ahead of any token: a request's first delta carries its
+           queue times and its prompt's entries;
+        4. the tokens, decoded in order with stop strings matched and deltas queued, before the
+           finishes: a request's last tokens belong in the text its terminal event carries, so
+           a request that finishes in this step gets no delta of its own;
+        5. the finishes: each open request's terminal event.
+        """
         if out.engine_pid and out.engine_pid in self.dead_engine_pids:
             return  # a dead engine's late output: its requests already ended here
         self.steps += 1
@@ -203,12 +216,19 @@ class DetokenizerCore:
             self.engine_pid = out.engine_pid
         for meta in out.new_requests:
             self._admit(meta)
+        self._apply_starts(out)
+        self._apply_tokens(out)
+        self._apply_finishes(out)
+
+    def _apply_starts(self, out: StepOutput) -> None:
         for start in out.started:
             if (state := self.states.get(start.request_id)) is not None:
                 state.on_start(start)
-        for chunk in out.prompt_logprobs:  # ahead of the request's first token
+        for chunk in out.prompt_logprobs:
             if (state := self.states.get(chunk.request_id)) is not None:
                 state.on_prompt_logprobs(self.strings, chunk)
+
+    def _apply_tokens(self, out: StepOutput) -> None:
         ids = codec.unpack_id_list(out.token_ids)
         if len(ids) != len(out.request_ids):
             logger.error(
@@ -219,8 +239,7 @@ class DetokenizerCore:
             )
             ids = []
         logprobs = {e.row: e for e in out.logprobs if e.row < len(ids)}
-        finishes = out.finished
-        finishing = {f.request_id for f in finishes}
+        finishing = {f.request_id for f in out.finished}
         for row, (rid, token_id) in enumerate(zip(out.request_ids, ids)):
             state = self.states.get(rid)
             if state is None:
@@ -237,7 +256,9 @@ class DetokenizerCore:
                 self.output.aborts.append(rid)  # frees its KV blocks in the engine
             elif rid not in finishing and state.should_stream(self.stream_interval_tokens):
                 self._queue(state.meta.client_id, state.delta(self._prompt_strings(state)))
-        for finish in finishes:
+
+    def _apply_finishes(self, out: StepOutput) -> None:
+        for finish in out.finished:
             if finish.request_id in self.ignored:  # already ended here
                 del self.ignored[finish.request_id]
             elif finish.request_id in self.states:

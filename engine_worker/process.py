@@ -17,6 +17,7 @@ import time
 
 import zmq
 
+from engine_worker.interface import EngineLike, EngineOverloaded
 from ipc.codec import DecodeError, salvage_fields, unpack_id_list
 from ipc.config import ClusterConfig
 from ipc.messages import (
@@ -46,10 +47,11 @@ SHUTDOWN_QUIET_S = 0.3
 SHUTDOWN_MAX_S = 20.0
 
 
-def make_engine(config: ClusterConfig):
+def make_engine(config: ClusterConfig) -> EngineLike:
     if config.engine_factory:  # a test seam: a stand-in engine (no model)
-        return load_factory(config.engine_factory)(config)
-    from engine_worker.engine import Engine
+        engine: EngineLike = load_factory(config.engine_factory)(config)
+        return engine
+    from engine_worker.engine import Engine  # torch loads here, not with this module
 
     return Engine(config.engine)
 
@@ -65,12 +67,12 @@ def tokenizer_modules_loaded() -> list[str]:
 
 
 class EngineProcess:
-    def __init__(self, config: ClusterConfig, ctx: zmq.Context, engine=None) -> None:
+    def __init__(
+        self, config: ClusterConfig, ctx: zmq.Context, engine: EngineLike | None = None
+    ) -> None:
         self.config = config
         self.runtime = WorkerRuntime("engine", 0, config, ctx)
         self.engine = engine if engine is not None else make_engine(config)
-        # EngineOverloaded lives next to the engine class (the real one or a test stand-in).
-        self._overloaded = sys.modules[type(self.engine).__module__].EngineOverloaded
         self.inbox: PullQueue[TokenizedRequest | AbortRequests | GrammarVocabulary] = PullQueue(
             ctx,
             config.engine_addr,
@@ -84,9 +86,8 @@ class EngineProcess:
         # grammar builder writes to when a waiting request's grammar is ready.
         self.idle = zmq.Poller()
         self.idle.register(self.inbox.socket, zmq.POLLIN)
-        self.wakeup_fd = getattr(self.engine, "wakeup_fd", None)
-        if self.wakeup_fd is not None:
-            self.idle.register(self.wakeup_fd, zmq.POLLIN)
+        if self.engine.wakeup_fd is not None:
+            self.idle.register(self.engine.wakeup_fd, zmq.POLLIN)
         self.outbox = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
         self.live: set[str] = set()  # added to the engine and not finished yet
         self.pending = StepOutput(step=0, t_step=0.0)  # metas and errors awaiting the next send
@@ -122,8 +123,7 @@ class EngineProcess:
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
             elif isinstance(msg, GrammarVocabulary):
-                if hasattr(self.engine, "set_grammar_vocabulary"):
-                    self.engine.set_grammar_vocabulary(msg)
+                self.engine.set_grammar_vocabulary(msg)
             else:
                 self.add(msg)
 
@@ -148,11 +148,14 @@ class EngineProcess:
             return
         try:
             ids = unpack_id_list(req.token_ids)
-            grammar = {"grammar": req.grammar} if req.grammar else {}  # stand-ins take none
             self.engine.add(
-                req.request_id, ids, req.sampling, arrival_time=time.monotonic(), **grammar
+                req.request_id,
+                ids,
+                req.sampling,
+                arrival_time=time.monotonic(),
+                grammar=req.grammar,
             )
-        except self._overloaded as exc:
+        except EngineOverloaded as exc:
             self._finish_early(req.meta, FINISH_ERROR, f"overloaded: {exc}", ERR_OVERLOADED)
         except (ValueError, DecodeError) as exc:
             self._finish_early(req.meta, FINISH_ERROR, str(exc), ERR_BAD_REQUEST)
@@ -201,8 +204,7 @@ class EngineProcess:
         if self._has_pending():
             self.send(self.take_pending())
         self.runtime.maybe_heartbeat(self.stats())
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()
         self.inbox.close()
         self.outbox.close()
         self.runtime.close()
@@ -252,23 +254,24 @@ class EngineProcess:
         return pending
 
     def stats(self) -> dict[str, float]:
-        stats = {
-            "running": self.engine.num_running,
-            "waiting": self.engine.num_waiting,
+        load = self.engine.load()
+        return {
+            "running": load.running,
+            "waiting": load.waiting,
             "live": len(self.live),
             "steps": self.steps,
             "received": self.received,
             "imported_tokenizers": float(bool(tokenizer_modules_loaded())),
+            **(
+                {
+                    "kv_blocks_total": load.kv_blocks_total,
+                    "kv_blocks_used": load.kv_blocks_used,
+                    "kv_blocks_available": load.kv_blocks_available,
+                }
+                if load.kv_blocks_total
+                else {}
+            ),
         }
-        blocks = getattr(self.engine, "blocks", None)  # the real engine's KV block manager
-        if blocks is not None:
-            # used: held by a running request; available: free or only cached (evictable).
-            stats.update(
-                kv_blocks_total=blocks.num_blocks,
-                kv_blocks_used=blocks.num_used,
-                kv_blocks_available=blocks.num_available,
-            )
-        return stats
 
 
 def main(config: ClusterConfig, index: int = 0) -> None:
