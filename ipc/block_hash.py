@@ -58,9 +58,7 @@ def first_block_extra(cache_salt: str | None) -> tuple[str] | None:
     return (cache_salt,) if cache_salt else None
 
 
-def block_digest(
-    parent: bytes | None, tokens: Sequence[int], extra: tuple | None = None
-) -> bytes:
+def block_digest(parent: bytes | None, tokens: Sequence[int], extra: tuple | None = None) -> bytes:
     """The 32-byte digest of one full block after the prefix whose digest is ``parent`` (None:
     the block starts the prompt)."""
     payload = (parent or NONE_HASH, tuple(tokens), extra)

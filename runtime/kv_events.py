@@ -62,8 +62,9 @@ class _OpenSink:
 
     def __init__(self, ctx: zmq.Context, sink: EventSink) -> None:
         self.topic = sink.topic
+        pub_curve = sink.curve if sink.bind else None  # a collector we connect to is no CURVE peer
         self.pub = open_socket(
-            ctx, zmq.PUB, sink.address, bind_it=sink.bind, sndhwm=sink.hwm, curve=sink.curve
+            ctx, zmq.PUB, sink.address, bind_it=sink.bind, sndhwm=sink.hwm, curve=pub_curve
         )
         self.replay: zmq.Socket | None = None
         if sink.replay_address is not None:

@@ -9,13 +9,7 @@ import hashlib
 import cbor2
 import pytest
 
-from ipc.block_hash import (
-    NONE_HASH,
-    BlockHasher,
-    block_hashes,
-    check_cache_salt,
-    next_block_digest,
-)
+from ipc.block_hash import NONE_HASH, BlockHasher, block_hashes, check_cache_salt, next_block_digest
 from ipc.codec import pack_ids
 
 TOKENS = list(range(1000, 1040))  # two full blocks of 16 and 8 tokens that are never hashed
@@ -57,9 +51,7 @@ def test_salt_changes_the_first_block_and_every_later_one():
 def test_incremental_form_equals_the_whole_prompt_form():
     first = next_block_digest(None, TOKENS[:16], "s")
     second = next_block_digest(first, TOKENS[16:32], "s")  # the salt is only in the first block
-    assert [int.from_bytes(d[-8:], "big") for d in (first, second)] == block_hashes(
-        TOKENS, 16, "s"
-    )
+    assert [int.from_bytes(d[-8:], "big") for d in (first, second)] == block_hashes(TOKENS, 16, "s")
 
 
 def test_memo_returns_what_hashing_returns_and_stays_bounded():
