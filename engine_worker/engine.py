@@ -96,13 +96,8 @@ class Engine:
         self.model_name = os.path.basename(os.path.normpath(config.model_path))
         num_blocks = kv_cache_blocks(config, model_config, dtype, self.device, self.max_model_len)
         self.max_model_len = fit_to_kv_cache(self.max_model_len, num_blocks * config.block_size)
-        self.cache_events = (
-            CacheEventRecorder(
-                config.block_size, MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU
-            )
-            if cache_events
-            else None
-        )
+        medium = MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU
+        self.cache_events = CacheEventRecorder(config.block_size, medium) if cache_events else None
         self.prefix_cache = (
             PrefixCache(config.block_size, self.cache_events)
             if config.enable_prefix_cache

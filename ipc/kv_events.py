@@ -141,8 +141,8 @@ def _event_from_wire(obj: Any, where: str) -> KVCacheEvent:
     if not isinstance(token_ids, list) or not all(_is_int(t) for t in token_ids):
         raise DecodeError(f"{where}.token_ids must be an array of integers")
     if (
-        not _is_int(size)
-        or not isinstance(size, int)
+        not isinstance(size, int)
+        or isinstance(size, bool)
         or size < 1
         or len(token_ids) != size * len(hashes)
     ):

@@ -80,7 +80,7 @@ def test_events_follow_the_cache_through_decode_and_eviction(tiny_model_dir):
     for i in range(9):  # more than the pool holds: older blocks are evicted
         ids = prompt(10 + i % 5, 2 * SIZE + 3)
         engine.add(f"r{i}", ids, greedy(SIZE, ignore_eos=True))  # decode fills a block too
-        for step in range(3):
+        for _ in range(3):
             if engine.has_work():
                 engine.step()
         if i % 3 == 2:
