@@ -110,7 +110,7 @@ class EngineProcess:
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
         self.runtime.announce(
-            [self.inbox.address],
+            [self.inbox.address, *self.cache_events.addresses],
             model_name=str(self.engine.model_name),
             max_model_len=int(self.engine.max_model_len),
             vocab_size=int(self.engine.vocab_size),

@@ -121,6 +121,7 @@ class KVEventPublisher:
         self._seq = 0
         self._queue: queue.Queue[tuple[int, EventBatch] | None] = queue.Queue(queue_max)
         self._sinks = [_OpenSink(ctx, sink) for sink in sinks]  # bind errors surface here
+        self.addresses = [a for sink in sinks for a in (sink.address, sink.replay_address) if a]
         bell = f"inproc://kv-events-bell-{next(_bells)}"
         # One ring per queued batch, so the bell's pipe never needs more room than the queue.
         # (A pipe of one message looked full to the sender for a while after the thread had
