@@ -17,6 +17,7 @@ import torch
 from engine_worker.aborts import AbortBook
 from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
+from engine_worker.cache_events import CacheEventRecorder
 from engine_worker.device import (
     available_memory_bytes,
     resolve_device,
@@ -36,8 +37,10 @@ from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import ScheduledBatch, Scheduler
 from engine_worker.thread_tuner import ThreadTuner
 from engine_worker.weight_format import WeightFormat, dense_copy_fits
+from ipc.block_hash import check_cache_salt
 from ipc.codec import pack_ids
 from ipc.engine_config import EngineConfig
+from ipc.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from ipc.messages import (
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
@@ -63,9 +66,16 @@ class Engine:
     decision it needs (device and dtype, context length, weight format, KV cache size) is a
     function below it."""
 
-    def __init__(self, config: EngineConfig, weight_format: WeightFormat | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        weight_format: WeightFormat | None = None,
+        *,
+        cache_events: bool = False,
+    ) -> None:
         """``weight_format`` overrides the one ``config.weights`` describes (tests build a
-        dequantized reference with it)."""
+        dequantized reference with it). ``cache_events``: record what the prefix cache stores
+        and evicts, for ``take_cache_events`` (the engine process publishes them)."""
         if config.engine_threads:
             torch.set_num_threads(config.engine_threads)
         self.device = resolve_device(config.device)
@@ -86,7 +96,13 @@ class Engine:
         self.model_name = os.path.basename(os.path.normpath(config.model_path))
         num_blocks = kv_cache_blocks(config, model_config, dtype, self.device, self.max_model_len)
         self.max_model_len = fit_to_kv_cache(self.max_model_len, num_blocks * config.block_size)
-        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
+        medium = MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU
+        self.cache_events = CacheEventRecorder(config.block_size, medium) if cache_events else None
+        self.prefix_cache = (
+            PrefixCache(config.block_size, self.cache_events)
+            if config.enable_prefix_cache
+            else None
+        )
         self.blocks = KVBlockManager(num_blocks, config.block_size, self.prefix_cache)
         prompt_logprob_tokens = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache, prompt_logprob_tokens)
@@ -158,9 +174,11 @@ class Engine:
         sampling: SamplingParams,
         arrival_time: float | None = None,
         grammar: str = "",
+        cache_salt: str | None = None,
     ) -> None:
         """``grammar``: the Lark text the output must follow (see ipc.messages.TokenizedRequest);
-        its matcher is built in the background and the request waits for it."""
+        its matcher is built in the background and the request waits for it. ``cache_salt``:
+        the request shares cached blocks only with requests of the same salt."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running or waiting")
         if self.aborts.arrived(request_id):  # aborted on its way here: it ends at once
@@ -175,6 +193,7 @@ class Engine:
                 f"token ids must be in [0, {self.vocab_size}), got range "
                 f"[{int(ids.min())}, {int(ids.max())}]"
             )
+        check_cache_salt(cache_salt)
         if ids.size >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {ids.size} tokens; max_model_len is "
@@ -196,6 +215,7 @@ class Engine:
             stop_ids,
             self.max_model_len,
             time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt,
         )
         if grammar:
             self.grammars.attach(request, grammar)
@@ -225,6 +245,11 @@ class Engine:
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_available=self.blocks.num_available,
         )
+
+    def take_cache_events(self) -> list[KVCacheEvent]:
+        """What the prefix cache stored and evicted since the last call (AllBlocksCleared
+        first, after start); empty unless built with ``cache_events``."""
+        return self.cache_events.take() if self.cache_events is not None else []
 
     def step(self) -> StepOutput:
         """Schedule, run the batch, postprocess: one StepOutput for every request touched."""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from ipc.kv_events import KVCacheEvent
 from ipc.messages import SamplingParams, StepOutput
 from ipc.structured import GrammarVocabulary
 
@@ -58,6 +59,7 @@ class EngineLike(Protocol):
         sampling: SamplingParams,
         arrival_time: float | None = None,
         grammar: str = "",
+        cache_salt: str | None = None,
     ) -> None:
         """Queues a request. Raises EngineOverloaded when full, ValueError for bad input."""
 
@@ -76,6 +78,10 @@ class EngineLike(Protocol):
         """Takes the vocabulary grammars are built against; False if it was not needed."""
 
     def load(self) -> EngineLoad: ...
+
+    def take_cache_events(self) -> list[KVCacheEvent]:
+        """The KV events of the prefix cache since the last call (the loop publishes them after
+        each step; an engine without a prefix cache has none)."""
 
     def close(self) -> None:
         """Stops background threads; the loop calls it once, on its way out."""

@@ -17,6 +17,7 @@ import time
 
 import zmq
 
+from engine_worker.cache_events import event_queue_max, event_sinks
 from engine_worker.interface import EngineLike, EngineOverloaded
 from ipc.codec import DecodeError, salvage_fields, unpack_id_list
 from ipc.config import ClusterConfig
@@ -37,6 +38,7 @@ from ipc.messages import (
 from ipc.sockets import PullQueue, PushQueue
 from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
+from runtime.kv_events import KVEventPublisher
 from runtime.worker import WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.engine")
@@ -53,7 +55,7 @@ def make_engine(config: ClusterConfig) -> EngineLike:
         return engine
     from engine_worker.engine import Engine  # torch loads here, not with this module
 
-    return Engine(config.engine)
+    return Engine(config.engine, cache_events=True)
 
 
 def tokenizer_modules_loaded() -> list[str]:
@@ -68,11 +70,24 @@ def tokenizer_modules_loaded() -> list[str]:
 
 class EngineProcess:
     def __init__(
-        self, config: ClusterConfig, ctx: zmq.Context, engine: EngineLike | None = None
+        self,
+        config: ClusterConfig,
+        ctx: zmq.Context,
+        engine: EngineLike | None = None,
+        index: int = 0,
     ) -> None:
         self.config = config
-        self.runtime = WorkerRuntime("engine", 0, config, ctx)
+        self.runtime = WorkerRuntime("engine", index, config, ctx)
         self.engine = engine if engine is not None else make_engine(config)
+        # The prefix cache's events: off the step, on a publisher thread; the first batch
+        # (AllBlocksCleared) tells followers that this replica starts empty.
+        self.cache_events = KVEventPublisher(
+            ctx,
+            event_sinks(config, index),
+            data_parallel_rank=index,
+            queue_max=event_queue_max(config),
+        )
+        self.publish_cache_events()
         self.inbox: PullQueue[TokenizedRequest | AbortRequests | GrammarVocabulary] = PullQueue(
             ctx,
             config.engine_addr,
@@ -97,7 +112,7 @@ class EngineProcess:
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
         self.runtime.announce(
-            [self.inbox.address],
+            [self.inbox.address, *self.cache_events.addresses],
             model_name=str(self.engine.model_name),
             max_model_len=int(self.engine.max_model_len),
             vocab_size=int(self.engine.vocab_size),
@@ -154,6 +169,7 @@ class EngineProcess:
                 req.sampling,
                 arrival_time=time.monotonic(),
                 grammar=req.grammar,
+                cache_salt=req.cache_salt,
             )
         except EngineOverloaded as exc:
             self._finish_early(req.meta, FINISH_ERROR, f"overloaded: {exc}", ERR_OVERLOADED)
@@ -168,6 +184,7 @@ class EngineProcess:
 
     def step(self) -> None:
         out = self.engine.step()
+        self.publish_cache_events()
         self.steps += 1
         pending = self.take_pending()
         out.new_requests = pending.new_requests + list(out.new_requests)
@@ -205,6 +222,7 @@ class EngineProcess:
             self.send(self.take_pending())
         self.runtime.maybe_heartbeat(self.stats())
         self.engine.close()
+        self.cache_events.close()
         self.inbox.close()
         self.outbox.close()
         self.runtime.close()
@@ -244,6 +262,11 @@ class EngineProcess:
             meta = RequestMeta(request_id=rid, client_id=cid, prompt_tokens=0)
             self._finish_early(meta, FINISH_ERROR, f"malformed request: {exc}", ERR_BAD_REQUEST)
 
+    def publish_cache_events(self) -> None:
+        events = self.engine.take_cache_events()
+        if events:
+            self.cache_events.publish(events)
+
     def _has_pending(self) -> bool:
         return bool(self.pending.new_requests or self.pending.finished)
 
@@ -275,4 +298,4 @@ class EngineProcess:
 
 
 def main(config: ClusterConfig, index: int = 0) -> None:
-    run_on_context(lambda ctx: EngineProcess(config, ctx))
+    run_on_context(lambda ctx: EngineProcess(config, ctx, index=index))

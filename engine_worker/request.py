@@ -39,6 +39,7 @@ class EngineRequest:
         "samples",
         "prompt_logprobs_from",
         "grammar",
+        "cache_salt",
     )
 
     def __init__(
@@ -50,6 +51,7 @@ class EngineRequest:
         stop_ids: frozenset[int],
         max_model_len: int,
         t_arrived: float,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
@@ -74,6 +76,7 @@ class EngineRequest:
         # prompt_len when none are wanted, or all were sent.
         self.prompt_logprobs_from = 1 if params.prompt_logprobs is not None else self.prompt_len
         self.grammar: RequestGrammar | None = None  # the matcher, for a constrained request
+        self.cache_salt = cache_salt  # shares cached blocks only with requests of the same salt
 
     @property
     def ready(self) -> bool:

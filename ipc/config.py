@@ -241,6 +241,14 @@ class ClusterConfig:
         """The engine's PULL: tokenized requests from tokenizers, aborts from the detokenizer."""
         return self._addr("engine", 1)
 
+    def engine_events_addr(self, index: int) -> str:
+        """Engine replica ``index``'s KV-event PUB (ipc.kv_events): tokenizer workers follow it."""
+        return self._addr(f"engine-events-{index}", 32 + index)
+
+    def engine_events_replay_addr(self, index: int) -> str:
+        """...and its replay ROUTER, from which a (re)started follower rebuilds its view."""
+        return self._addr(f"engine-events-replay-{index}", 48 + index)
+
     @property
     def detokenizer_addr(self) -> str:
         """The detokenizer's PULL: step outputs from the engine, errors from tokenizers."""

@@ -19,6 +19,10 @@ OUTPUT_OPTIONS = (
     "tool_choice",
     "parallel_tool_calls",
 )
+# Keywords of submit() about the request rather than its sampling, taken out the same way:
+# cache_salt (a non-empty string of at most 256 characters) shares cached KV blocks only with
+# requests of the same salt.
+REQUEST_OPTIONS = ("cache_salt",)
 
 
 def build_submit(
@@ -40,6 +44,9 @@ def build_submit(
     try:
         sampling_kwargs = _max_tokens_alias(sampling_kwargs)
         options = {k: sampling_kwargs.pop(k) for k in OUTPUT_OPTIONS if k in sampling_kwargs}
+        request_options = {
+            k: sampling_kwargs.pop(k) for k in REQUEST_OPTIONS if k in sampling_kwargs
+        }
         if sampling is None:
             sampling = SamplingParams(**sampling_kwargs)
         elif sampling_kwargs:
@@ -63,6 +70,7 @@ def build_submit(
             t_submit=t_submit,
             chat_template_kwargs=dict(chat_template_kwargs or {}),
             continuous_usage_stats=continuous_usage_stats,
+            **request_options,
             **_output_fields(**options),
         )
     except FieldError as exc:

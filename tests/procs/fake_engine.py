@@ -14,6 +14,7 @@ from typing import Any
 from engine_worker.interface import EngineLike, EngineLoad, EngineOverloaded
 from ipc.codec import pack_ids
 from ipc.config import ClusterConfig
+from ipc.kv_events import KVCacheEvent
 from ipc.messages import EngineStats, FinishRecord, RequestStart, SamplingParams, StepOutput
 from ipc.structured import GrammarVocabulary
 
@@ -39,6 +40,7 @@ class FakeEngine:
         sampling: SamplingParams,
         arrival_time: float | None = None,
         grammar: str = "",
+        cache_salt: str | None = None,
     ) -> None:
         if len(self.requests) >= self.max_waiting:
             raise EngineOverloaded("fake queue full")
@@ -62,6 +64,9 @@ class FakeEngine:
 
     def load(self) -> EngineLoad:
         return EngineLoad(running=len(self.requests), waiting=0)
+
+    def take_cache_events(self) -> list[KVCacheEvent]:
+        return []  # no prefix cache
 
     def close(self) -> None:
         pass
