@@ -61,7 +61,7 @@ class Detokenizer:
             load_tokenizer(config.model_path),
             stream_interval_tokens=config.stream_interval_tokens,
             engines=config.engines,
-            routing_policy=config.policy if config.routes else "",
+            routing_policy=config.routing_policy if config.routes else "",
         )
         self.router = configure(ctx.socket(zmq.ROUTER), receives=True, sndhwm=100_000)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # never drop silently: raise instead

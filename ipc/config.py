@@ -76,11 +76,10 @@ class ClusterConfig:
         maximum=MAX_ENGINES,
     )
     routing_policy: str = knob(
-        "",
+        CACHE_AWARE,
         "how tokenizer workers pick a replica: cache_aware (the longest cached prefix unless "
-        "the load is imbalanced), least_loaded or round_robin; default: cache_aware with "
-        "several engines",
-        choices=("", *POLICIES),
+        "the load is imbalanced), least_loaded or round_robin",
+        choices=POLICIES,
     )
     routing_balance_abs_threshold: int = knob(
         64,
@@ -272,10 +271,6 @@ class ClusterConfig:
         """Whether tokenizer workers choose a replica (several engines); with one they send
         every request to it and neither hash nor follow events."""
         return self.engines > 1
-
-    @property
-    def policy(self) -> str:
-        return self.routing_policy or CACHE_AWARE
 
     @property
     def routing_thresholds(self) -> RoutingThresholds:

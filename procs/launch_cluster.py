@@ -199,7 +199,7 @@ class Cluster:
     def describe(self) -> str:
         http = f"HTTP {self.http_url}; " if self.http_url else ""
         engines = (
-            f"{self.config.engines} engine replicas routed {self.config.policy}; "
+            f"{self.config.engines} engine replicas routed {self.config.routing_policy}; "
             if self.config.routes
             else ""
         )

@@ -73,7 +73,7 @@ def converse(cluster, client: Client, conversations: int = 6, turns: int = 3, se
             result = handle.result(timeout=60)
             placed[c].append(result.engine_index)
             cached += result.usage.cached_tokens
-        if cluster.config.policy == "cache_aware":  # the others keep no index
+        if cluster.config.routing_policy == "cache_aware":  # the others keep no index
             stored = conversations * 4  # at least: new blocks on the replica that had the rest
             poll(
                 lambda known=known, stored=stored: all(

@@ -42,8 +42,8 @@ class ReplicaRouting:
     def __init__(self, config: ClusterConfig, worker_index: int, ctx: zmq.Context) -> None:
         self.worker_index = worker_index
         self.replicas = range(config.engines)
-        self.router = Router(config.policy, config.routing_thresholds)
-        self.uses_cache = config.policy == CACHE_AWARE
+        self.router = Router(config.routing_policy, config.routing_thresholds)
+        self.uses_cache = config.routing_policy == CACHE_AWARE
         self.hasher = BlockHasher(config.engine.block_size)
         self.subscribers = [
             KVEventSubscriber(
