@@ -265,16 +265,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def run_bench(argv: list[str], root: Path = REPO_ROOT) -> int:
-    """``splitserve bench ...`` is ``python -m scripts.bench_serving ...`` of the source checkout
+    """``splitserve bench ...`` is ``python -m scripts.bench serving ...`` of the source checkout
     this package runs from (the benchmark is not part of an installed wheel; an editable install
     keeps the checkout at hand). It runs in a child process with the checkout on PYTHONPATH and
     the caller's working directory, so relative paths among the arguments mean what they say."""
-    if not (root / "scripts" / "bench_serving.py").is_file():
+    workload = root / "scripts" / "bench" / "serving.py"
+    if not workload.is_file():
         print(
             "splitserve bench needs a source checkout of splitserve (the benchmark is not "
-            f"installed with the package; {root / 'scripts' / 'bench_serving.py'} is "
-            "missing): clone the repository, `pip install -e .` there, then run "
-            "`splitserve bench` or `python -m scripts.bench_serving` from its root",
+            f"installed with the package; {workload} is missing): clone the repository, "
+            "`pip install -e .` there, then run `splitserve bench` or "
+            "`python -m scripts.bench serving` from its root",
             file=sys.stderr,
         )
         return 2
@@ -283,7 +284,7 @@ def run_bench(argv: list[str], root: Path = REPO_ROOT) -> int:
     # -P (Python 3.11+): the working directory does not shadow the checkout's packages.
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     child = subprocess.Popen(
-        [sys.executable, *safe_path, "-m", "scripts.bench_serving", *argv], env=env
+        [sys.executable, *safe_path, "-m", "scripts.bench", "serving", *argv], env=env
     )
     # Ctrl-C reaches the child too; wait while it shuts its clusters down.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -317,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench",
         add_help=False,
-        help="the serving benchmark: inproc vs cluster, submit wall and TTFT "
-        "(splitserve bench --help for its options)",
+        help="the serving benchmark (python -m scripts.bench serving): inproc vs cluster, "
+        "submit wall and TTFT (splitserve bench --help for its options)",
     )
     return parser
 

@@ -3,9 +3,7 @@ llama.cpp at its best thread count per concurrency, ratios splitserve / llama.cp
 
 from __future__ import annotations
 
-import statistics
-
-from scripts.bench.metrics import ratio
+from scripts.bench.stats import ratio, spread
 
 # (label, summary key, higher is better, decimals): the figures compared per concurrency.
 FIGURES = (
@@ -19,22 +17,8 @@ FIGURES = (
 HEADLINE = "output_throughput_tps"  # what "llama.cpp at its best" maximizes
 
 
-def spread(values: list[float]) -> dict[str, float] | None:
-    """Median, min and max of one figure over repeats (None values, a run without the figure,
-    are left out; None when no run has it)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return {
-        "median": float(statistics.median(values)),
-        "min": float(min(values)),
-        "max": float(max(values)),
-        "n": len(values),
-    }
-
-
 def aggregate(summaries: list[dict]) -> dict[str, dict[str, float] | None]:
-    """Per figure of bench.metrics.summarize (plus what this module derives), its spread."""
+    """Per figure of stats.summarize (plus what this module derives), its spread."""
     derived = [dict(s, **per_request(s)) for s in summaries]
     keys = list(dict.fromkeys(k for s in derived for k in s))
     return {k: spread([s.get(k) for s in derived]) for k in keys}
