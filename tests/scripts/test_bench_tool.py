@@ -1,6 +1,11 @@
-"""The benchmark tool's entry point and its one A/B interleaver."""
+"""The benchmark tool's entry point, its one A/B interleaver, and the benchmark commands the README
+and docs print (each must parse with the tool as it is)."""
 
 from __future__ import annotations
+
+import importlib
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +51,43 @@ def test_the_entry_point_lists_every_workload_and_refuses_others(capsys):
     with pytest.raises(SystemExit):
         main(["engine", "--help"])
     assert "python -m scripts.bench engine" in capsys.readouterr().out
+
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFIXES = (
+    ("python -m scripts.bench ", None),
+    (".venv/bin/python -m scripts.bench ", None),
+    ("scripts/splitserve bench ", "serving"),
+    ("splitserve bench ", "serving"),
+)
+
+
+def bench_commands() -> list[tuple[str, str, list[str]]]:
+    """(file, workload, arguments) of every benchmark command line printed in the README and the
+    docs, continuation lines joined."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            line = line.split("  #")[0].strip()
+            for prefix, workload in PREFIXES:
+                if line.startswith(prefix):
+                    words = shlex.split(line[len(prefix) :])
+                    if workload is None:
+                        workload, words = words[0], words[1:]
+                    if not workload.startswith("-"):  # `python -m scripts.bench --help`
+                        found.append((path.name, workload, words))
+                    break
+    return found
+
+
+def test_every_benchmark_command_in_the_docs_parses():
+    commands = bench_commands()
+    assert len(commands) >= 15 and {w for _, w, _ in commands} == set(WORKLOADS)
+    for name, workload, words in commands:
+        assert workload in WORKLOADS, (name, workload)
+        parser = importlib.import_module(WORKLOADS[workload][0]).build_parser()
+        try:
+            parser.parse_args(words)
+        except SystemExit as exc:  # --help exits 0; a bad flag exits 2
+            assert exc.code == 0 and "--help" in words, (name, workload, words)
