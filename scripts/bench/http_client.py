@@ -2,14 +2,12 @@
 over httpx (asyncio), each request's outcome filling a RequestRecord. A token's time is when its
 SSE chunk reaches this client, the same for every server (splitserve's frontend, llama-server).
 
-Two ways to drive it: ``run_closed_loop`` keeps N requests in flight until all are sent (the peer
-workload), and the serving workload's HTTP mode submits on its arrival schedule through
-``stream`` on an event loop of its own (systems.HttpSystem).
+systems.HttpSystem drives it for the serving workload's HTTP mode and for the peer workload, on an
+event loop of its own, submitting on the runner's schedule.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -142,38 +140,3 @@ def _take_chunk(out: StreamOutcome, chunk: dict, now: float) -> None:
         out.finish_reason = choice.get("finish_reason") or out.finish_reason
     if chunk.get("usage"):
         out.usage = chunk["usage"]
-
-
-def run_closed_loop(
-    url: str,
-    requests: list[tuple[str, dict]],
-    concurrency: int,
-    *,
-    keepalive: bool = False,
-    tag: str = "http",
-) -> list[RequestRecord]:
-    """Sends every (path, body) request (each body's "model" is filled in from /v1/models),
-    keeping ``concurrency`` in flight: a new one as soon as one ends. One record per request,
-    in order."""
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-
-    async def run() -> list[RequestRecord]:
-        async with make_http(keepalive) as http:
-            model = await model_id(http, url)
-            records = [
-                RequestRecord(index=i, request_id=f"{tag}-{i}") for i in range(len(requests))
-            ]
-            pending = iter(range(len(requests)))
-
-            async def worker() -> None:
-                for i in pending:
-                    path, body = requests[i]
-                    records[i].t_submit = records[i].t_planned = time.monotonic()
-                    records[i].t_submit_done = records[i].t_submit
-                    (await stream(http, url, path, dict(body, model=model))).fill(records[i])
-
-            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
-            return records
-
-    return asyncio.run(run())

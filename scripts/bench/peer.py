@@ -205,27 +205,46 @@ def start_servers(args: argparse.Namespace, gguf: Path, stack: contextlib.ExitSt
     return servers
 
 
-def chat_requests(chats: list, max_tokens: int) -> list[tuple[str, dict]]:
-    """Streamed greedy chat completions that make every token asked for."""
-    from scripts.bench.http_client import request_body
-
-    return [request_body("", max_tokens=max_tokens, messages=c, ignore_eos=True) for c in chats]
-
-
-def measure(args: argparse.Namespace, servers: dict, counter) -> list[dict]:
-    """Every repeat, every concurrency, every server (order rotated each repeat): one run each."""
-    from scripts.bench.http_client import run_closed_loop
+def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.ExitStack):
+    """Every repeat, every concurrency, every server (order rotated each repeat): one run each,
+    through the serving workload's runner and HTTP client, --concurrency requests in flight."""
+    from ipc.messages import SamplingParams
     from scripts.bench.launcher import HeartbeatWarnings
     from scripts.bench.peer_workload import build_chats
+    from scripts.bench.runner import EventCollector, RunOptions, run_once
+    from scripts.bench.systems import HttpSystem
+    from scripts.bench.workloads import ArrivalSpec, BenchRequest
 
-    def send(server, chats: list, level: int, tag: str):
-        return run_closed_loop(server.url, chat_requests(chats, args.output_tokens), level, tag=tag)
+    collector, runs, start = EventCollector(), [], 0
+    clients = {}
+    for name, server in servers.items():
+        clients[name] = HttpSystem(name, collector, endpoint=server.url, keepalive=False)
+        stack.callback(clients[name].close)
+    sampling = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+
+    def send(name: str, chats: list, level: int, warmup: bool = False):
+        requests = [
+            BenchRequest(index=i, max_tokens=args.output_tokens, messages=chat)
+            for i, chat in enumerate(chats)
+        ]
+        options = RunOptions(max_concurrency=level, progress=False)
+        run = run_once(
+            clients[name],
+            collector,
+            requests,
+            ArrivalSpec(),
+            lambda _: sampling,
+            options,
+            mode=name,
+            run_index=len(runs),
+            warmup=warmup,
+        )
+        return run.records
 
     if args.warmup_requests:
         chats = build_chats(counter, args.warmup_requests, args.prompt_tokens, 10**6)
-        for name, s in servers.items():
-            send(s, chats, 8, f"{name}-warmup")
-    runs, start = [], 0
+        for name in servers:
+            send(name, chats, 8, warmup=True)
     for repeat in range(args.repeats):
         for level in args.concurrency:
             chats = build_chats(counter, requests_for(args, level), args.prompt_tokens, start)
@@ -233,7 +252,7 @@ def measure(args: argparse.Namespace, servers: dict, counter) -> list[dict]:
             for name in rotated(servers, repeat):
                 cpu0 = servers[name].cpu_seconds()
                 with HeartbeatWarnings() as silent:
-                    records = send(servers[name], chats, level, f"{name}-{repeat}")
+                    records = send(name, chats, level)
                 summary = summarize(records, {"server": servers[name].cpu_seconds() - cpu0})
                 runs.append(
                     {
@@ -268,7 +287,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         load_before = os.getloadavg()
         idle = idle_cpu_percent(servers)
         _log(f"servers up; idle CPU %: {json.dumps({k: round(v, 1) for k, v in idle.items()})}")
-        runs = measure(args, servers, counter)
+        runs = measure(args, servers, counter, stack)
         described = {name: s.describe() for name, s in servers.items()}
         load_after = os.getloadavg()
     setup = {
@@ -289,8 +308,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         f"text), {args.output_tokens} output tokens (ignore_eos, greedy), closed loop; "
         f"requests per run max({args.min_requests}, {args.requests_per_stream} x streams); "
         f"{args.repeats} repeats, interleaved",
-        "client": "httpx.AsyncClient (one per run, a connection per request), SSE, "
-        "stream_options.include_usage",
+        "client": "httpx.AsyncClient, a connection per request, SSE, stream_options.include_usage; "
+        "closed loop",
     }
     stats = _stats(runs, servers, args.concurrency)
     return tables(dict(setup=setup, runs=runs), stats, args.statistic)

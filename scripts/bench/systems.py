@@ -225,6 +225,7 @@ class HttpSystem:
         model_path: str | None = None,
         tokenizer_workers: int = 1,
         cluster_knobs: dict | None = None,
+        keepalive: bool = True,
     ) -> None:
         self.name = name
         self._collector = collector
@@ -249,7 +250,7 @@ class HttpSystem:
         self._tasks: dict[str, concurrent.futures.Future] = {}
 
         async def make_client():
-            return http_client.make_http(keepalive=True)
+            return http_client.make_http(keepalive)
 
         self._http = self._call(make_client())
         try:
