@@ -221,16 +221,17 @@ def run_peer(args) -> None:
         args, enable_prefix_cache=False, max_batch_size=1, **default_launch_knobs(args)
     )
     prompts = {n: random_prompt(rng, n) for n in args.prefill_tokens}
+    context = random_prompt(rng, args.decode_prompt_tokens)
     decode_rate(engine, [random_prompt(rng, 16)], 2)  # warm-up: first-call allocations
+    tg = f"tg{args.decode_tokens}"
 
     def ours() -> dict[str, float]:
         figures = {f"pp{n}": prefill_rate(engine, p) for n, p in prompts.items()}
-        return figures | {f"tg{args.decode_tokens}": decode_rate(engine, [[1]], args.decode_tokens)}
+        return figures | {tg: decode_rate(engine, [context], args.decode_tokens)}
 
     def theirs() -> dict[str, float]:
-        return llama_bench(
-            args.llama_bench, gguf, args.threads, args.prefill_tokens, args.decode_tokens
-        )
+        run = partial(llama_bench, args.llama_bench, gguf, args.threads)
+        return run(args.prefill_tokens, 0) | run([], args.decode_tokens, len(context))
 
     runs = interleave({"ours": ours, "theirs": theirs}, args.repeats)
     best = {side: {k: max(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
@@ -241,8 +242,9 @@ def run_peer(args) -> None:
     model = engine.runner.model
     print_rates(
         f"\npeer (threads={args.threads} for both; ours {model.weight_format.describe()}, "
-        f"activations {model.dtype}; llama-bench on {gguf.name}; decode from an empty context, "
-        f"{args.decode_tokens} new tokens; best of {args.repeats} interleaved)",
+        f"activations {model.dtype}; llama-bench on {gguf.name}; decode after a "
+        f"{args.decode_prompt_tokens}-token prompt, {args.decode_tokens} new tokens; best of "
+        f"{args.repeats} interleaved)",
         rows,
         peer="llama.cpp",
     )

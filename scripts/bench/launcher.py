@@ -259,11 +259,13 @@ def llama_bench(
     threads: int,
     prompt_tokens: list[int],
     new_tokens: int,
-    repetitions: int = 1,
+    depth: int = 0,
 ) -> dict[str, float]:
-    """llama.cpp's own benchmark of its engine alone: {"pp<N>" | "tg<M>": tokens/s}."""
-    cmd = [binary, "-m", str(gguf), "-t", str(threads), "-r", str(repetitions), "-o", "json"]
-    cmd += ["-p", ",".join(map(str, prompt_tokens)), "-n", str(new_tokens)]
+    """llama.cpp's own benchmark of its engine alone, one repetition: {"pp<N>" | "tg<M>":
+    tokens/s} (pp: a prompt of N tokens; tg: M tokens one at a time after ``depth`` in the KV
+    cache; an empty list or 0 leaves that test out)."""
+    cmd = [binary, "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", "-d", str(depth)]
+    cmd += ["-p", ",".join(map(str, prompt_tokens or [0])), "-n", str(new_tokens)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
     return {
         (f"pp{test['n_prompt']}" if test["n_prompt"] else f"tg{test['n_gen']}"): float(
