@@ -29,6 +29,7 @@ from detok_worker.request_state import RequestState
 from detok_worker.token_strings import TokenStrings
 from ipc import codec
 from ipc.messages import (
+    ERR_DUPLICATE_REQUEST,
     ERR_UNAVAILABLE,
     FINISH_ERROR,
     FINISH_STOP,
@@ -168,22 +169,45 @@ class DetokenizerCore:
         self.output.replies.setdefault(result.client_id, []).append(result)
 
     def on_request_error(self, err: RequestError) -> None:
+        """A request that ended before the engine, or a refused copy of a live one. An error for
+        an id that is live here is always about a copy (the live request reached the engine, so
+        no worker before it can fail it): its sender learns under ERR_DUPLICATE_REQUEST, and the
+        live request's state, stream and pending aborts are left alone."""
         info = self.clients.get(err.client_id)
         if info is None:
             return
-        info.pending_aborts.pop(err.request_id, None)
+        code, message = err.code, err.message
+        if code != ERR_DUPLICATE_REQUEST and err.request_id in self.states:
+            code = ERR_DUPLICATE_REQUEST
+            message = f"request_id {err.request_id!r} is already in flight; this copy: {message}"
+        if code != ERR_DUPLICATE_REQUEST:
+            info.pending_aborts.pop(err.request_id, None)
         self._queue(
             err.client_id,
             StreamEvent(
                 request_id=err.request_id,
                 finished=True,
                 finish_reason=FINISH_ERROR,
-                error=err.message,
-                error_code=err.code,
+                error=message,
+                error_code=code,
+                error_param=err.param or None,
             ),
         )
 
     def on_step_output(self, out: StepOutput) -> None:
+        """One engine step, in passes whose order is the rule:
+
+        1. the engine's stats, from any step (one with no tokens too);
+        2. the metas of requests new since the last step: every later pass names requests,
+           and the engine sends a request's meta in the step output that precedes or carries
+           its first token;
+        3. starts and prompt logprobs, ahead of any token: a request's first delta carries its
+           queue times and its prompt's entries;
+        4. the tokens, decoded in order with stop strings matched and deltas queued, before the
+           finishes: a request's last tokens belong in the text its terminal event carries, so
+           a request that finishes in this step gets no delta of its own;
+        5. the finishes: each open request's terminal event.
+        """
         if out.engine_pid and out.engine_pid in self.dead_engine_pids:
             return  # a dead engine's late output: its requests already ended here
         self.steps += 1
@@ -192,12 +216,19 @@ class DetokenizerCore:
             self.engine_pid = out.engine_pid
         for meta in out.new_requests:
             self._admit(meta)
+        self._apply_starts(out)
+        self._apply_tokens(out)
+        self._apply_finishes(out)
+
+    def _apply_starts(self, out: StepOutput) -> None:
         for start in out.started:
             if (state := self.states.get(start.request_id)) is not None:
                 state.on_start(start)
-        for chunk in out.prompt_logprobs:  # ahead of the request's first token
+        for chunk in out.prompt_logprobs:
             if (state := self.states.get(chunk.request_id)) is not None:
                 state.on_prompt_logprobs(self.strings, chunk)
+
+    def _apply_tokens(self, out: StepOutput) -> None:
         ids = codec.unpack_id_list(out.token_ids)
         if len(ids) != len(out.request_ids):
             logger.error(
@@ -208,8 +239,7 @@ class DetokenizerCore:
             )
             ids = []
         logprobs = {e.row: e for e in out.logprobs if e.row < len(ids)}
-        finishes = out.finished
-        finishing = {f.request_id for f in finishes}
+        finishing = {f.request_id for f in out.finished}
         for row, (rid, token_id) in enumerate(zip(out.request_ids, ids)):
             state = self.states.get(rid)
             if state is None:
@@ -226,7 +256,9 @@ class DetokenizerCore:
                 self.output.aborts.append(rid)  # frees its KV blocks in the engine
             elif rid not in finishing and state.should_stream(self.stream_interval_tokens):
                 self._queue(state.meta.client_id, state.delta(self._prompt_strings(state)))
-        for finish in finishes:
+
+    def _apply_finishes(self, out: StepOutput) -> None:
+        for finish in out.finished:
             if finish.request_id in self.ignored:  # already ended here
                 del self.ignored[finish.request_id]
             elif finish.request_id in self.states:

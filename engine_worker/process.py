@@ -17,16 +17,20 @@ import time
 
 import zmq
 
+from engine_worker.cache_events import event_queue_max, event_sinks
+from engine_worker.interface import EngineLike, EngineOverloaded
 from ipc.codec import DecodeError, salvage_fields, unpack_id_list
 from ipc.config import ClusterConfig
 from ipc.messages import (
     ERR_BAD_REQUEST,
+    ERR_DUPLICATE_REQUEST,
     ERR_INTERNAL,
     ERR_OVERLOADED,
     FINISH_ABORT,
     FINISH_ERROR,
     AbortRequests,
     FinishRecord,
+    RequestError,
     RequestMeta,
     StepOutput,
     TokenizedRequest,
@@ -34,6 +38,7 @@ from ipc.messages import (
 from ipc.sockets import PullQueue, PushQueue
 from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
+from runtime.kv_events import KVEventPublisher
 from runtime.worker import WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.engine")
@@ -44,12 +49,13 @@ SHUTDOWN_QUIET_S = 0.3
 SHUTDOWN_MAX_S = 20.0
 
 
-def make_engine(config: ClusterConfig):
+def make_engine(config: ClusterConfig) -> EngineLike:
     if config.engine_factory:  # a test seam: a stand-in engine (no model)
-        return load_factory(config.engine_factory)(config)
-    from engine_worker.engine import Engine
+        engine: EngineLike = load_factory(config.engine_factory)(config)
+        return engine
+    from engine_worker.engine import Engine  # torch loads here, not with this module
 
-    return Engine(config.engine)
+    return Engine(config.engine, cache_events=True)
 
 
 def tokenizer_modules_loaded() -> list[str]:
@@ -63,12 +69,25 @@ def tokenizer_modules_loaded() -> list[str]:
 
 
 class EngineProcess:
-    def __init__(self, config: ClusterConfig, ctx: zmq.Context, engine=None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        ctx: zmq.Context,
+        engine: EngineLike | None = None,
+        index: int = 0,
+    ) -> None:
         self.config = config
-        self.runtime = WorkerRuntime("engine", 0, config, ctx)
+        self.runtime = WorkerRuntime("engine", index, config, ctx)
         self.engine = engine if engine is not None else make_engine(config)
-        # EngineOverloaded lives next to the engine class (the real one or a test stand-in).
-        self._overloaded = sys.modules[type(self.engine).__module__].EngineOverloaded
+        # The prefix cache's events: off the step, on a publisher thread; the first batch
+        # (AllBlocksCleared) tells followers that this replica starts empty.
+        self.cache_events = KVEventPublisher(
+            ctx,
+            event_sinks(config, index),
+            data_parallel_rank=index,
+            queue_max=event_queue_max(config),
+        )
+        self.publish_cache_events()
         self.inbox: PullQueue[TokenizedRequest | AbortRequests | GrammarVocabulary] = PullQueue(
             ctx,
             config.engine_addr,
@@ -82,9 +101,8 @@ class EngineProcess:
         # grammar builder writes to when a waiting request's grammar is ready.
         self.idle = zmq.Poller()
         self.idle.register(self.inbox.socket, zmq.POLLIN)
-        self.wakeup_fd = getattr(self.engine, "wakeup_fd", None)
-        if self.wakeup_fd is not None:
-            self.idle.register(self.wakeup_fd, zmq.POLLIN)
+        if self.engine.wakeup_fd is not None:
+            self.idle.register(self.engine.wakeup_fd, zmq.POLLIN)
         self.outbox = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
         self.live: set[str] = set()  # added to the engine and not finished yet
         self.pending = StepOutput(step=0, t_step=0.0)  # metas and errors awaiting the next send
@@ -94,7 +112,7 @@ class EngineProcess:
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
         self.runtime.announce(
-            [self.inbox.address],
+            [self.inbox.address, *self.cache_events.addresses],
             model_name=str(self.engine.model_name),
             max_model_len=int(self.engine.max_model_len),
             vocab_size=int(self.engine.vocab_size),
@@ -120,16 +138,14 @@ class EngineProcess:
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
             elif isinstance(msg, GrammarVocabulary):
-                if hasattr(self.engine, "set_grammar_vocabulary"):
-                    self.engine.set_grammar_vocabulary(msg)
+                self.engine.set_grammar_vocabulary(msg)
             else:
                 self.add(msg)
 
     def add(self, req: TokenizedRequest) -> None:
         self.received += 1
-        if req.request_id in self.live:
-            # Only a raw client bypassing the SDK can do this; the live request keeps its events.
-            logger.warning("ignored a duplicate of live request %r", req.request_id)
+        if req.request_id in self.live or req.meta.request_id in self.live:
+            self._refuse_duplicate(req)
             return
         if req.meta.request_id != req.request_id:
             # Only a raw sender can do this; the detokenizer tracks the request by meta's id.
@@ -147,11 +163,15 @@ class EngineProcess:
             return
         try:
             ids = unpack_id_list(req.token_ids)
-            grammar = {"grammar": req.grammar} if req.grammar else {}  # stand-ins take none
             self.engine.add(
-                req.request_id, ids, req.sampling, arrival_time=time.monotonic(), **grammar
+                req.request_id,
+                ids,
+                req.sampling,
+                arrival_time=time.monotonic(),
+                grammar=req.grammar,
+                cache_salt=req.cache_salt,
             )
-        except self._overloaded as exc:
+        except EngineOverloaded as exc:
             self._finish_early(req.meta, FINISH_ERROR, f"overloaded: {exc}", ERR_OVERLOADED)
         except (ValueError, DecodeError) as exc:
             self._finish_early(req.meta, FINISH_ERROR, str(exc), ERR_BAD_REQUEST)
@@ -164,6 +184,7 @@ class EngineProcess:
 
     def step(self) -> None:
         out = self.engine.step()
+        self.publish_cache_events()
         self.steps += 1
         pending = self.take_pending()
         out.new_requests = pending.new_requests + list(out.new_requests)
@@ -200,13 +221,35 @@ class EngineProcess:
         if self._has_pending():
             self.send(self.take_pending())
         self.runtime.maybe_heartbeat(self.stats())
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()
+        self.cache_events.close()
         self.inbox.close()
         self.outbox.close()
         self.runtime.close()
 
     # --- helpers ------------------------------------------------------------------------------
+    def _refuse_duplicate(self, req: TokenizedRequest) -> None:
+        """A copy of a live request (only a raw client bypassing the SDK sends one). It gets its
+        own terminal event, as every accepted message does, and the live request keeps its
+        stream: a RequestError with its own code, which the detokenizer passes to the sender
+        without touching the live request's state (a finish here would end that one)."""
+        rid = req.meta.request_id
+        logger.warning("refused a copy of live request %r", rid)
+        error = RequestError(
+            request_id=rid,
+            client_id=req.meta.client_id,
+            message=f"request_id {rid!r} is already in flight: this copy was refused and "
+            "the request with that id goes on; give each request its own id",
+            code=ERR_DUPLICATE_REQUEST,
+            t_submit=req.meta.t_submit,
+        )
+        try:
+            self.outbox.put(error, timeout_ms=SEND_TIMEOUT_MS)
+        except zmq.Again:
+            logger.error(
+                "the detokenizer has not read for %d ms; dropped an error", SEND_TIMEOUT_MS
+            )
+
     def _finish_early(self, meta: RequestMeta, reason: str, error: str, code: str) -> None:
         self.pending.new_requests.append(meta)
         self.pending.finished.append(FinishRecord(meta.request_id, reason, error, code))
@@ -219,6 +262,11 @@ class EngineProcess:
             meta = RequestMeta(request_id=rid, client_id=cid, prompt_tokens=0)
             self._finish_early(meta, FINISH_ERROR, f"malformed request: {exc}", ERR_BAD_REQUEST)
 
+    def publish_cache_events(self) -> None:
+        events = self.engine.take_cache_events()
+        if events:
+            self.cache_events.publish(events)
+
     def _has_pending(self) -> bool:
         return bool(self.pending.new_requests or self.pending.finished)
 
@@ -229,24 +277,25 @@ class EngineProcess:
         return pending
 
     def stats(self) -> dict[str, float]:
-        stats = {
-            "running": self.engine.num_running,
-            "waiting": self.engine.num_waiting,
+        load = self.engine.load()
+        return {
+            "running": load.running,
+            "waiting": load.waiting,
             "live": len(self.live),
             "steps": self.steps,
             "received": self.received,
             "imported_tokenizers": float(bool(tokenizer_modules_loaded())),
+            **(
+                {
+                    "kv_blocks_total": load.kv_blocks_total,
+                    "kv_blocks_used": load.kv_blocks_used,
+                    "kv_blocks_available": load.kv_blocks_available,
+                }
+                if load.kv_blocks_total
+                else {}
+            ),
         }
-        blocks = getattr(self.engine, "blocks", None)  # the real engine's KV block manager
-        if blocks is not None:
-            # used: held by a running request; available: free or only cached (evictable).
-            stats.update(
-                kv_blocks_total=blocks.num_blocks,
-                kv_blocks_used=blocks.num_used,
-                kv_blocks_available=blocks.num_available,
-            )
-        return stats
 
 
 def main(config: ClusterConfig, index: int = 0) -> None:
-    run_on_context(lambda ctx: EngineProcess(config, ctx))
+    run_on_context(lambda ctx: EngineProcess(config, ctx, index=index))

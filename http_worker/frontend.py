@@ -12,6 +12,7 @@ from http_worker.engine_metrics import render_engine_metrics
 from http_worker.metrics import HttpMetrics
 from http_worker.protocol import APIError
 from ipc.client import AsyncClient, SplitserveError
+from ipc.config import DEFAULT_MAX_BODY_BYTES
 from ipc.messages import ERR_UNAVAILABLE
 
 logger = logging.getLogger("splitserve.http")
@@ -33,6 +34,7 @@ class FrontendSettings:
     server_public_key: str = ""  # the cluster's CURVE public key ("" = no CURVE)
     lenient_fields: bool = False  # unknown request fields: logged and ignored instead of a 400
     engine_stats_timeout_s: float = 2.0  # a scrape waits this long for the engine's figures
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is refused (413)
 
 
 class Frontend:

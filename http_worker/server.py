@@ -21,7 +21,13 @@ from typing import Any
 
 from http_worker.app import build_app
 from http_worker.frontend import FrontendSettings
-from ipc.config import LENIENT_FIELDS_HELP, LOOPBACK_HOSTS, ClusterConfig
+from ipc.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    HTTP_MAX_BODY_BYTES_HELP,
+    LENIENT_FIELDS_HELP,
+    LOOPBACK_HOSTS,
+    ClusterConfig,
+)
 from runtime.process import die_with_parent, setup_logging, under_supervisor
 
 
@@ -149,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=int, default=0, help="this frontend's number (for logs)")
     p.add_argument("--lenient-fields", action="store_true", help=LENIENT_FIELDS_HELP)
     p.add_argument(
+        "--http-max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help=f"{HTTP_MAX_BODY_BYTES_HELP} (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
         "--server-public-key",
         default=os.environ.get("SPLITSERVE_SERVER_PUBLIC_KEY", ""),
         metavar="KEY",
@@ -250,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat_interval_s=args.heartbeat_interval_s,
         server_public_key=args.server_public_key,
         lenient_fields=args.lenient_fields,
+        max_body_bytes=args.http_max_body_bytes,
     )
     serve(
         settings,
@@ -272,6 +286,7 @@ def main_from_config(config: ClusterConfig, index: int) -> None:
         heartbeat_interval_s=config.heartbeat_interval_s,
         server_public_key=config.curve_public_key,
         lenient_fields=config.lenient_fields,
+        max_body_bytes=config.http_max_body_bytes,
     )
     serve(
         settings,

@@ -24,6 +24,11 @@ TRANSPORTS = ("ipc", "tcp")
 RESTART_POLICIES = ("restart", "shutdown")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# 8 MiB: the longest prompt a tokenizer worker takes (8M characters) fits in one body.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+HTTP_MAX_BODY_BYTES_HELP = (
+    "an HTTP request body larger than this is refused with a 413 before it is read or parsed"
+)
 LENIENT_FIELDS_HELP = (
     "HTTP: log and ignore request fields the server does not know (for clients "
     "that send vendor extras) instead of answering 400; fields it knows and "
@@ -98,6 +103,9 @@ class ClusterConfig:
         "", "require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints", cli=False
     )
     lenient_fields: bool = knob(False, LENIENT_FIELDS_HELP)
+    http_max_body_bytes: int = knob(
+        DEFAULT_MAX_BODY_BYTES, HTTP_MAX_BODY_BYTES_HELP, unit="BYTES", minimum=1024
+    )
 
     heartbeat_interval_s: float = knob(
         0.5,
@@ -232,6 +240,14 @@ class ClusterConfig:
     def engine_addr(self) -> str:
         """The engine's PULL: tokenized requests from tokenizers, aborts from the detokenizer."""
         return self._addr("engine", 1)
+
+    def engine_events_addr(self, index: int) -> str:
+        """Engine replica ``index``'s KV-event PUB (ipc.kv_events): tokenizer workers follow it."""
+        return self._addr(f"engine-events-{index}", 32 + index)
+
+    def engine_events_replay_addr(self, index: int) -> str:
+        """...and its replay ROUTER, from which a (re)started follower rebuilds its view."""
+        return self._addr(f"engine-events-replay-{index}", 48 + index)
 
     @property
     def detokenizer_addr(self) -> str:

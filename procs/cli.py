@@ -95,7 +95,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="address the frontend listens on; anything but loopback needs "
         "--api-key (default 127.0.0.1)",
     )
-    add_cluster_flags(h, ("http_workers", "lenient_fields"))
+    add_cluster_flags(h, ("http_workers", "lenient_fields", "http_max_body_bytes"))
     h.add_argument(
         "--api-key",
         default=os.environ.get("SPLITSERVE_API_KEY", ""),
@@ -135,6 +135,7 @@ def http_kwargs(args: argparse.Namespace) -> dict:
         http_workers=args.http_workers,
         http_api_key=args.api_key,
         lenient_fields=args.lenient_fields,
+        http_max_body_bytes=args.http_max_body_bytes,
     )
 
 

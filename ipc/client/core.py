@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -25,6 +26,7 @@ from ipc.client.queries import Builder
 from ipc.client.records import HandleBase, RequestRecord, unavailable_event
 from ipc.client.requests import build_submit
 from ipc.messages import (
+    ERR_DUPLICATE_REQUEST,
     FINISH_ABORT,
     FINISH_STOP,
     NOTICE_DIED,
@@ -40,6 +42,7 @@ from ipc.messages import (
 from ipc.queries import EngineStatsReport, TokenizeResult
 
 H = TypeVar("H", bound=HandleBase)
+logger = logging.getLogger("splitserve.client")
 
 
 @dataclass(slots=True)
@@ -49,6 +52,18 @@ class Routed:
     welcome: ClientWelcome | None = None
     lost: list[tuple[str, StreamEvent]] = field(default_factory=list)
     retry: bool = False  # lost with a tokenizer worker: ClientCore.resubmit may send them again
+
+
+def encode_request(msg: Any, request_id: str | None) -> bytes:
+    """The frame of a message for a tokenizer worker; what the wire cannot carry (a lone
+    surrogate in any string, an integer past 64 bits) is the caller's BadRequestError, naming
+    the field as submit() takes it (sampling keywords are flat there)."""
+    try:
+        return codec.encode(msg)
+    except codec.EncodeError as exc:
+        param = exc.path.removeprefix("sampling.")
+        message = str(exc).removeprefix("sampling.")
+        raise BadRequestError(message, request_id, param or None) from None
 
 
 class ClientCore:
@@ -140,7 +155,7 @@ class ClientCore:
         record.t_submit = msg.t_submit
         record.query = not isinstance(msg, SubmitRequest)
         record.pending = msg
-        frame = codec.encode(msg)
+        frame = encode_request(msg, record.request_id)
         if len(frame) > codec.MAX_FRAME_BYTES:  # the tokenizer's socket would drop it unseen
             raise BadRequestError(
                 f"the request is {len(frame)} bytes encoded; the limit is {codec.MAX_FRAME_BYTES}",
@@ -322,6 +337,13 @@ class ClientCore:
         now = time.monotonic()
         assert isinstance(msg, ClientEvents)
         for event in msg.events:
+            if event.error_code == ERR_DUPLICATE_REQUEST:
+                # About a copy this client never sent (its wire ids are unique per submission;
+                # someone else used its client id): the open request it names goes on.
+                logger.warning(
+                    "a copy of request %r was refused: %s", event.request_id, event.error
+                )
+                continue
             if (handle := self.records.get(event.request_id)) is not None:
                 self.apply(handle, event, now)
         return Routed()

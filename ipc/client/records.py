@@ -76,6 +76,7 @@ class RequestRecord:
             event.prompt_logprobs,
             event.echo_text,
             event.tool_calls,
+            error_param=event.error_param,
         )
         self.text.append(event.text)
         add_tool_call_deltas(self.tool_calls, event.tool_calls)
@@ -109,6 +110,7 @@ class RequestRecord:
             list(self.prompt_logprobs),
             self.echo_text,
             list(self.tool_calls),
+            error_param=f.error_param,
         )
 
 
@@ -156,7 +158,12 @@ class HandleBase:
         """The i-th delta, raising the request's error if that delta ends it with one."""
         delta = self._deltas[i]
         if delta.error_code:
-            raise error_for(delta.error_code, delta.error or "request failed", self.request_id)
+            raise error_for(
+                delta.error_code,
+                delta.error or "request failed",
+                self.request_id,
+                delta.error_param,
+            )
         return delta
 
 

@@ -40,6 +40,7 @@ from ipc.messages.client_stream import (
 )
 from ipc.messages.common import (
     ERR_BAD_REQUEST,
+    ERR_DUPLICATE_REQUEST,
     ERR_INTERNAL,
     ERR_OVERLOADED,
     ERR_UNAVAILABLE,
@@ -73,6 +74,7 @@ __all__ = [
     "ClientWelcome",
     "ClusterNotice",
     "ERR_BAD_REQUEST",
+    "ERR_DUPLICATE_REQUEST",
     "ERR_INTERNAL",
     "ERR_OVERLOADED",
     "ERR_UNAVAILABLE",

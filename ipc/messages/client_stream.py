@@ -109,6 +109,7 @@ class StreamEvent:
     logprobs: list[LogprobEntry] = field(default_factory=list)
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""
+    error_param: str | None = None  # the request field a bad_request error is about
 
 
 @message

@@ -273,6 +273,25 @@ def test_a_step_with_a_token_count_mismatch_keeps_its_finishes(tokenizer):
     assert event.finished and event.usage.completion_tokens == 0
 
 
+def test_an_error_for_a_live_id_ends_only_the_copy_it_is_about(tokenizer):
+    """Issue 23 item 12: a refused copy of a live request (the engine's duplicate error, or a
+    tokenizer's error for a copy with bad input) reaches its sender as one terminal event with
+    its own code; the live request's stream, state and pending aborts are untouched."""
+    core = core_with_clients(tokenizer, CLIENT)
+    core.on_step_output(step(1, metas=[meta("a")], tokens=[("a", 5)]))
+    core.take_output()
+    core.on_request_error(
+        RequestError("a", CLIENT, "request_id 'a' is already in flight", "duplicate_request_id")
+    )
+    core.on_request_error(RequestError("a", CLIENT, "the prompt is empty", "bad_request"))
+    copies = core.take_output().events[CLIENT]
+    assert [(e.finished, e.error_code) for e in copies] == [(True, "duplicate_request_id")] * 2
+    assert "already in flight; this copy: the prompt is empty" in copies[1].error
+    core.on_step_output(step(2, tokens=[("a", 6)], finished=[("a", "length")]))
+    (last,) = core.take_output().events[CLIENT]
+    assert last.finished and last.finish_reason == "length" and last.usage.completion_tokens == 2
+
+
 def test_a_second_meta_for_a_live_request_changes_nothing(tokenizer):
     core = core_with_clients(tokenizer, CLIENT)
     core.on_step_output(step(1, metas=[meta("a")], tokens=[("a", 5)]))

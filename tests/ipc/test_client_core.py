@@ -119,6 +119,27 @@ def test_a_reused_request_id_gets_a_new_wire_id_and_duplicates_in_flight_are_ref
     assert set(core.records) == {second.record.wire_id} and core.open_ids == {"a"}
 
 
+def test_an_error_about_a_copy_it_never_sent_does_not_end_an_open_request():
+    """The cluster refuses a copy of a live id with ERR_DUPLICATE_REQUEST under the live id; the
+    SDK never sends one (its wire ids are unique), so such an event is not its request's end."""
+    from ipc import codec
+    from ipc.messages import ERR_DUPLICATE_REQUEST, ClientEvents
+
+    core = ClientCore(None)
+    live = submit(core, [Sock()], request_id="a")
+    copy = StreamEvent(
+        request_id=live.record.wire_id,
+        finished=True,
+        finish_reason="error",
+        error="already in flight",
+        error_code=ERR_DUPLICATE_REQUEST,
+    )
+    core.route(codec.encode(ClientEvents([copy])))
+    assert live.deltas == [] and live.record.wire_id in core.records
+    core.route(codec.encode(ClientEvents([StreamEvent(live.record.wire_id, "x", finished=True)])))
+    assert [d.text for d in live.deltas] == ["x"] and not core.records
+
+
 def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_id():
     """A tokenizer's death: what it held goes to a live worker under a new wire id (the old one
     is aborted by the caller), keeping its t_submit and deadline; a second death of the same

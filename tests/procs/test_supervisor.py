@@ -190,8 +190,8 @@ def test_shutdown_waits_for_a_stop_the_watcher_began(tmp_path):
     try:
         assert slow.stdout.readline().strip() == "up"
         cluster.children.append(Child("engine", 0, slow))
-        cluster._watcher = threading.Thread(target=cluster._stop_children)  # the failure path
-        cluster._watcher.start()
+        failing = threading.Thread(target=cluster._stop_children)  # what the watcher does
+        failing.start()
         time.sleep(0.3)
         cluster.shutdown()
         assert slow.poll() is not None, "shutdown() returned with a child still running"
