@@ -8,15 +8,18 @@ splitserve generate "Once upon a time" "The sky"    # raw prompts, one answer ea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-from ipc.config import TRANSPORTS
+from ipc.client import Client, SplitserveError
+from ipc.config import API_KEY_HELP, TRANSPORTS
 from procs.children import REPO_ROOT
 from procs.cluster_setup import make_config
 from procs.config_flags import (
@@ -100,8 +103,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get("SPLITSERVE_API_KEY", ""),
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
-        "(default: $SPLITSERVE_API_KEY, or none)",
+        help=f"{API_KEY_HELP} (default: $SPLITSERVE_API_KEY, or none)",
     )
     add_cluster_flags(p.add_argument_group("faults"), FAULT_KNOBS)
     add_cluster_flags(p.add_argument_group("testing (stand-ins for a role's core)"), TESTING_KNOBS)
@@ -217,11 +219,9 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    from ipc.client import Client, SplitserveError
-
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": args.prompt})
+@contextlib.contextmanager
+def _cluster_client(args: argparse.Namespace) -> Iterator[Client]:
+    """A cluster for one command (chat, generate) and a client connected to it."""
     with (
         launch_cluster(
             args.model,
@@ -231,6 +231,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         ) as cluster,
         Client(cluster.client_addr, server_public_key=cluster.curve_public_key) as client,
     ):
+        yield client
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    with _cluster_client(args) as client:
         try:
             handle = client.submit(messages=messages, **_sampling_kwargs(args))
             for delta in handle.stream():
@@ -243,17 +250,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ipc.client import Client, SplitserveError
-
-    with (
-        launch_cluster(
-            args.model,
-            run_dir=args.run_dir,
-            start_timeout_s=args.start_timeout_s,
-            **cluster_kwargs(args),
-        ) as cluster,
-        Client(cluster.client_addr, server_public_key=cluster.curve_public_key) as client,
-    ):
+    with _cluster_client(args) as client:
         try:
             results = client.generate(args.prompts, check=False, **_sampling_kwargs(args))
         except SplitserveError as exc:  # bad sampling values, refused before anything is sent
