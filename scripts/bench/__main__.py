@@ -29,6 +29,10 @@ WORKLOADS = {
         "scripts.bench.grammar",
         "a grammar's own cost (compile, build, per-step mask), and llguidance against xgrammar",
     ),
+    "http-body": (
+        "scripts.bench.http_body",
+        "how long a frontend's event loop stalls while it reads and validates a large body",
+    ),
 }
 
 
