@@ -35,6 +35,7 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 HTTP_MAX_BODY_BYTES_HELP = (
     "an HTTP request body larger than this is refused with a 413 before it is read or parsed"
 )
+API_KEY_HELP = "require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints"
 LENIENT_FIELDS_HELP = (
     "HTTP: log and ignore request fields the server does not know (for clients "
     "that send vendor extras) instead of answering 400; fields it knows and "
@@ -152,9 +153,7 @@ class ClusterConfig:
         cli=False,
     )
     http_workers: int = knob(1, "frontend processes sharing the port", unit="N", minimum=1)
-    http_api_key: str = knob(
-        "", "require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints", cli=False
-    )
+    http_api_key: str = knob("", API_KEY_HELP, cli=False)
     lenient_fields: bool = knob(False, LENIENT_FIELDS_HELP)
     http_max_body_bytes: int = knob(
         DEFAULT_MAX_BODY_BYTES, HTTP_MAX_BODY_BYTES_HELP, unit="BYTES", minimum=1024

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ipc.client import Client
 from procs.cli import build_parser
+from runtime.worker import write_line
 
 FAKE_ENGINE = "tests.procs.fake_engine:make"
 REPO = Path(__file__).resolve().parents[2]
@@ -104,6 +106,29 @@ def test_sigterm_with_requests_in_flight(tmp_path):
     assert sup.proc.wait(timeout=30) == 0
     assert _wait_all_gone(pids)
     assert not run_dir.exists()
+
+
+def test_a_start_up_line_reaches_stderr_in_one_write(monkeypatch):
+    """Children run with PYTHONUNBUFFERED=1, where stderr writes through at every write() call:
+    a line written as text, then newline (print()) let a second child's line land in between
+    under load, and the test above read 3 ready lines of 4 (one glued onto another)."""
+    chunks: list[bytes] = []
+
+    class Raw(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            chunks.append(bytes(data))
+            return len(data)
+
+    unbuffered = io.TextIOWrapper(Raw(), write_through=True, line_buffering=True)
+    monkeypatch.setattr(sys, "stderr", unbuffered)
+    print("splitserve engine[0] pid=1 ready: ipc://e", file=sys.stderr, flush=True)
+    assert chunks == [b"splitserve engine[0] pid=1 ready: ipc://e", b"\n"]  # what it did
+    chunks.clear()
+    write_line("splitserve engine[0] pid=1 ready: ipc://e")
+    assert chunks == [b"splitserve engine[0] pid=1 ready: ipc://e\n"]
 
 
 def test_children_die_with_a_killed_supervisor(tmp_path):

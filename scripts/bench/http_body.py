@@ -7,7 +7,7 @@ one request is answered. Each body is measured with the parsing and validation o
 (``inline``) and in the frontend's worker thread (``thread``: bodies over 64 KiB), alternating,
 and the median of the repeats is printed.
 
-    python -m scripts.bench_http_body [--repeats 5]
+    python -m scripts.bench http-body [--repeats 5]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ async def worst_lag(client: httpx.AsyncClient, path: str, raw: bytes) -> tuple[i
     return status, max(lateness)
 
 
-async def main(repeats: int) -> None:
+async def measure(repeats: int) -> None:
     app = build_app(FrontendSettings(client_addr="ipc:///nonexistent", model_name="m"))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://frontend") as client:
@@ -87,7 +87,13 @@ async def main(repeats: int) -> None:
             )
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    asyncio.run(main(parser.parse_args().repeats))
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench http-body", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="measured rounds (default 5)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(measure(build_parser().parse_args(argv).repeats))
