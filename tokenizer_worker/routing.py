@@ -7,6 +7,12 @@ picks the replica of each tokenized request. What it picked, what decided it and
 took go into the request's meta, so the detokenizer knows where the request runs and counts the
 decisions for /metrics.
 
+Hashing a prompt's blocks costs a few microseconds a block the first time (``ipc.block_hash``),
+so the request's path hashes only as far as some replica holds the prompt's blocks (a later block
+cannot extend a cached prefix), and each worker hashes the blocks the KV events announce into
+its memo as the events arrive (``BlockHasher.learn``), off any request's path: a chat's turn
+finds its history there, whichever worker routed the turn before.
+
 A replica's load is its running + waiting requests as of its latest report, plus this worker's
 requests on their way to it: what this worker sent there minus what the replica reports having
 received from it (exact: nothing is guessed about what finished). A worker that restarts catches
@@ -24,6 +30,7 @@ import zmq
 from ipc import codec
 from ipc.block_hash import BlockHasher
 from ipc.config import ClusterConfig
+from ipc.kv_events import BlockStored
 from ipc.messages import (
     LOAD_TOPIC,
     NOTICE_DIED,
@@ -62,6 +69,7 @@ class ReplicaRouting:
         self.pids = [0] * config.engines  # the process each replica's latest load came from
         self.decisions: Counter[str] = Counter()
         self.routing_s = 0.0
+        self.learn_s = 0.0  # hashing the announced blocks into the memo, off the request path
         self.lost_batches = 0
 
     # --- what the replicas say ----------------------------------------------------------------
@@ -76,6 +84,7 @@ class ReplicaRouting:
                 self.lost_batches += received.lost_before
                 if self.uses_cache:
                     self.router.index.apply(replica, received.batch.events)
+                    self._learn(received.batch.events)
             for _, _, payload in subscriber.take_side():
                 try:
                     load = codec.decode_as(payload, ReplicaLoad)
@@ -83,6 +92,13 @@ class ReplicaRouting:
                     logger.warning("undecodable load report of engine[%d]: %s", replica, exc)
                     continue
                 self._on_load(replica, load)
+
+    def _learn(self, events: list) -> None:
+        t_start = time.perf_counter()
+        for event in events:
+            if isinstance(event, BlockStored):
+                self.hasher.learn(event.parent_block_hash, event.block_hashes, event.token_ids)
+        self.learn_s += time.perf_counter() - t_start
 
     def _on_load(self, replica: int, load: ReplicaLoad) -> None:
         received = (
@@ -123,13 +139,17 @@ class ReplicaRouting:
         With every replica out of rotation it still picks one: its socket keeps the request
         for the replacement."""
         t_start = time.perf_counter()
-        block_ids = (
-            self.hasher.hashes(request.token_ids, request.cache_salt) if self.uses_cache else []
-        )
+        block_ids: list[int] = []
+        if self.uses_cache:
+            held = self.router.index.held
+            block_ids = self.hasher.hashes(request.token_ids, request.cache_salt, held)
         loads = {
             r: self.reported[r] + max(0, self.sent[r] - self.received[r]) for r in self.replicas
         }
-        replica, outcome = self.router.route(block_ids, loads, self.live or self.replicas)
+        blocks = len(request.token_ids) // (4 * self.hasher.block_size)
+        replica, outcome = self.router.route(
+            block_ids, loads, self.live or self.replicas, prompt_blocks=blocks
+        )
         self.sent[replica] += 1
         elapsed = time.perf_counter() - t_start
         self.decisions[outcome] += 1
@@ -143,6 +163,10 @@ class ReplicaRouting:
         return {
             "routed": routed,
             "routing_us_mean": self.routing_s / routed * 1e6 if routed else 0.0,
+            "learn_s": self.learn_s,
+            "learned_blocks": self.hasher.learned,
+            "hash_hits": self.hasher.hits,
+            "hash_misses": self.hasher.misses,
             "replicas_live": len(self.live),
             "index_blocks": sum(self.router.index.blocks_of(r) for r in self.replicas),
             "lost_event_batches": self.lost_batches,
