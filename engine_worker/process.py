@@ -116,7 +116,11 @@ class EngineProcess:
         # Requests received from each tokenizer worker (by meta.tokenizer_index): the load
         # report's, from which each worker knows its requests still on their way here.
         self.received_from = [0] * config.tokenizer_workers
-        self.load_reported_at = -1  # self.received when the load was last published
+        # When the load was last published, and self.received then: an idle replica publishes
+        # it again after arrivals that ended without a step, and every heartbeat interval (a
+        # load report is never replayed: a follower that joined late gets the next one).
+        self.load_published_t = 0.0
+        self.load_reported_at = -1
 
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -137,7 +141,10 @@ class EngineProcess:
             elif self._has_pending():
                 self.send(self.take_pending())
             else:
-                if self.received != self.load_reported_at:  # arrivals that ended without a step
+                if self.config.routes and (
+                    self.received != self.load_reported_at
+                    or time.monotonic() - self.load_published_t > self.config.heartbeat_interval_s
+                ):
                     self.publish_load()
                 self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100))
             self.runtime.maybe_heartbeat(self.stats())
@@ -288,7 +295,7 @@ class EngineProcess:
         if not self.config.routes:
             return
         load = self.engine.load()
-        self.load_reported_at = self.received
+        self.load_reported_at, self.load_published_t = self.received, time.monotonic()
         self.cache_events.publish_side(
             LOAD_TOPIC,
             ReplicaLoad(

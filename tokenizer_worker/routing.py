@@ -125,7 +125,10 @@ class ReplicaRouting:
         if notice.event == NOTICE_DIED:
             self.live.discard(notice.index)
             self.router.index.clear(notice.index)
-            self.reported[notice.index] = 0
+            # What was on its way to it is lost, or reaches the replacement, whose counts start
+            # from 0 (its first report takes this worker's new count for its baseline).
+            self.reported[notice.index] = self.sent[notice.index] = 0
+            self.received[notice.index] = self.pids[notice.index] = 0
         elif notice.event == NOTICE_READY:
             self.live.add(notice.index)
             self.subscribers[notice.index].start_over()
