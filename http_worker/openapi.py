@@ -45,7 +45,13 @@ _ERROR_REASONS = {
 }
 _OBJECT = {"type": "object"}
 JSON_OBJECT = {"application/json": {"schema": _OBJECT}}
-SSE_SCHEMA = {"type": "string", "description": "server-sent events, ending with [DONE]"}
+# Before OpenAPI 3.2 (itemSchema), a text/event-stream's schema describes each event.
+SSE_SCHEMA = {
+    "type": "object",
+    "description": "one server-sent event: its data is a JSON chunk, the last one's [DONE]",
+    "properties": {"data": {"type": "string"}},
+    "required": ["data"],
+}
 
 
 def _error(reason: str) -> dict[str, Any]:
