@@ -159,7 +159,7 @@ class Scheduler:
         if self.prefix_cache is not None and not request.wants_prompt_logprobs:
             # At least one token must be computed to sample from, so never match the last one.
             cached_blocks, keys, node = self.prefix_cache.match(
-                request.token_ids, (request.num_tokens - 1) // size
+                request.token_ids, (request.num_tokens - 1) // size, request.cache_salt
             )
         cached = len(cached_blocks) * size
         count = min(request.num_tokens - cached, self.config.prefill_chunk_tokens, token_budget)
@@ -188,7 +188,7 @@ class Scheduler:
             tokens = tuple(request.token_ids[index * size : (index + 1) * size])
             parent = request.block_keys[-1] if request.block_keys else None
             key, request.prefix_node = self.prefix_cache.publish(
-                request.block_ids[index], tokens, parent, request.prefix_node
+                request.block_ids[index], tokens, parent, request.prefix_node, request.cache_salt
             )
             request.block_keys.append(key)
 
