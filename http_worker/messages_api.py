@@ -112,10 +112,10 @@ class MessagesMessage(BaseModel):
 
 class MessagesTool(BaseModel):
     model_config = STRICT
+    type: Literal["custom"] | None = None  # first: a server tool is refused for being one
     name: Annotated[str, Field(pattern=TOOL_NAME)]
     description: str | None = None
     input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None  # Anthropic's server tools are not served here
     strict: bool | None = None  # a forced call always follows the schema; others are parsed
 
     def chat_tool(self) -> dict[str, Any]:

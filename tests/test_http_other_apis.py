@@ -13,7 +13,10 @@ import jsonschema
 import openai
 import pytest
 
+from http_worker.messages_api import CountTokensRequest
 from tests import test_http_tiny
+from tests.other_api_edge_cases import MESSAGES, PREFILL, RESPONSES
+from tests.test_http_edge import KeepAlive
 from tests.test_http_tiny import IDLE_WITHIN_S, LONG, _running_in_engine, _wait_for, metrics
 
 # This module's own cluster and frontend process, made as test_http_tiny makes its own.
@@ -155,41 +158,22 @@ def test_responses_json_schema_output_validates_and_logprobs_come_with_the_text(
     assert "".join(entry.token for entry in part.logprobs).startswith("{")
 
 
-@pytest.mark.parametrize(
-    "fields, param",
-    [
-        ({"temperature_x": 1}, "temperature_x"),
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"max_output_tokens": "8"}, "max_output_tokens"),
-        ({"max_output_tokens": 2**64}, "max_output_tokens"),
-        ({"max_output_tokens": 10**6}, "max_output_tokens"),
-        ({"input": [{"role": "user", "content": "hi\ud800"}]}, "input[0].content"),
-        (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input[0].content[0].type",
-        ),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
-        ({"input": [{"role": "user", "content": "hi", "extra": 1}]}, "input[0].extra"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
-        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format"),
-        (
-            {"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}},
-            "text.format.schema",
-        ),
-        ({"top_logprobs": 2}, None),
-        ({"metadata": {"k": "v" * 513}}, "metadata.k"),
-        ({"input": "x", "instructions": [[[[]]]]}, "instructions"),
-    ],
-)
-def test_responses_refusals_name_their_field(base_url, fields, param):
-    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, **fields}
-    for stream in (False, True):
-        r = httpx.post(f"{base_url}/v1/responses", content=_raw(body, stream), timeout=60)
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == param and error["type"] == "invalid_request_error", error
+@pytest.mark.parametrize("fields, param", RESPONSES, ids=[str(p) for _, p in RESPONSES])
+def test_responses_refusals_name_their_field_and_keep_the_connection(base_url, fields, param):
+    conn = KeepAlive(base_url)
+    try:
+        for stream in (False, True):
+            body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": stream}
+            status, answer = conn.post("/v1/responses", json.dumps({**body, **fields}))
+            error = answer["error"]
+            assert status == 400 and error["type"] == "invalid_request_error", answer
+            assert error["param"] == param and "Traceback" not in error["message"], error
+        status, answer = conn.post(
+            "/v1/responses", json.dumps({"input": "hi", "max_output_tokens": 2})
+        )
+        assert status == 200 and answer["status"] in ("completed", "incomplete")
+    finally:
+        conn.close()
 
 
 def test_responses_store_is_accepted_and_nothing_is_kept(oai):
@@ -297,72 +281,46 @@ def test_stop_sequences_end_with_stop_reason_stop_sequence(claude):
         )
 
 
+@pytest.mark.parametrize("fields, words", MESSAGES, ids=[w for _, w in MESSAGES])
+def test_messages_refusals_are_anthropics_shape_naming_the_field(base_url, fields, words):
+    conn = KeepAlive(base_url)
+    try:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            for stream in (False, True):
+                body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+                if path == "/v1/messages":
+                    body.update(max_tokens=4, stream=stream)
+                elif (
+                    stream
+                    or not set(fields) <= set(CountTokensRequest.model_fields)
+                    or fields is PREFILL
+                ):
+                    continue  # count_tokens has no stream and only some fields
+                status, answer = conn.post(path, json.dumps({**body, **fields}))
+                assert status == 400 and answer["type"] == "error", answer
+                error = answer["error"]
+                assert error["type"] == "invalid_request_error" and words in error["message"]
+        ok = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert conn.post("/v1/messages", json.dumps(ok))[0] == 200
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize(
-    "fields, status, kind, words",
+    "fields, error_class",
     [
-        ({"max_tokens": "8"}, 400, "invalid_request_error", "max_tokens"),
-        ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
-        ({"top_k": -1}, 400, "invalid_request_error", "top_k"),
-        ({"stop_sequences": [""]}, 400, "invalid_request_error", "stop_sequences[0]"),
-        (
-            {"thinking": {"type": "enabled", "budget_tokens": 1024}},
-            400,
-            "invalid_request_error",
-            "thinking",
-        ),
-        ({"unknown_field": 1}, 400, "invalid_request_error", "unknown_field"),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            400,
-            "invalid_request_error",
-            "messages[0].content[0].type",
-        ),
-        (
-            {"messages": [{"role": "user", "content": "a\ud800"}]},
-            400,
-            "invalid_request_error",
-            "messages[0].content",
-        ),
-        (
-            {"messages": [{"role": "assistant", "content": "Paris is"}]},
-            400,
-            "invalid_request_error",
-            "prefill",
-        ),
-        ({"tool_choice": {"type": "tool"}}, 400, "invalid_request_error", "tool_choice"),
-        (
-            {
-                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
-                "tool_choice": {"type": "tool", "name": "g"},
-            },
-            400,
-            "invalid_request_error",
-            "'g'",
-        ),
-        ({"model": "claude-x"}, 404, "not_found_error", "claude-x"),
+        ({"unknown_field": 1}, anthropic.BadRequestError),
+        ({"top_k": -1}, anthropic.BadRequestError),
+        ({"model": "claude-x"}, anthropic.NotFoundError),
     ],
 )
-def test_messages_errors_have_anthropics_shape_and_the_sdks_types(
-    base_url, claude, fields, status, kind, words
-):
-    body = {
-        "model": "tiny",
-        "max_tokens": 4,
-        "messages": [{"role": "user", "content": "hi"}],
-        **fields,
-    }
-    body = {k: v for k, v in body.items() if v is not None}
-    for stream in (False, True):
-        r = httpx.post(f"{base_url}/v1/messages", content=_raw(body, stream), timeout=60)
-        assert r.status_code == status and r.json()["type"] == "error", r.text
-        assert r.json()["error"]["type"] == kind and words in r.json()["error"]["message"]
-    if "max_tokens" not in body or "\\ud800" in json.dumps(body["messages"]):
-        return  # the SDK itself refuses these before sending
-    sdk_types = {400: anthropic.BadRequestError, 404: anthropic.NotFoundError}
-    known = {k: body.pop(k) for k in ("model", "max_tokens", "messages")}
-    with pytest.raises(sdk_types[status]) as caught:
-        claude.messages.create(**known, extra_body=body)
-    assert caught.value.body["error"]["type"] == kind
+def test_the_sdk_raises_its_own_error_types(claude, fields, error_class):
+    known = {"model": fields.pop("model", "tiny"), "max_tokens": 4}
+    with pytest.raises(error_class) as caught:
+        claude.messages.create(
+            **known, messages=[{"role": "user", "content": "hi"}], extra_body=fields
+        )
+    assert caught.value.body["type"] == "error"
 
 
 def test_unknown_paths_and_methods_answer_in_anthropics_shape(base_url):
@@ -440,13 +398,9 @@ def test_disconnect_mid_stream_aborts_the_request_in_the_engine(cluster, base_ur
             "POST", f"{base_url}{path}", json={**body, "stream": True, "temperature": 0}
         ) as r:
             assert r.status_code == 200
-            assert any(line.startswith("event: ") for line in r.iter_lines())
+            lines = r.iter_lines()  # kept: a dropped iterator would close the connection now
+            assert next(lines).startswith("event: ")
             _wait_for(lambda: _running_in_engine(cluster) >= 1)
     _wait_for(lambda: metrics(base_url)[("splitserve_http_requests_in_flight", ())] == 0)
     assert metrics(base_url)[key] == before + 1
     _wait_for(lambda: _running_in_engine(cluster) == 0, IDLE_WITHIN_S)
-
-
-def _raw(body: dict, stream: bool) -> bytes:
-    """JSON text as sent: a lone surrogate stays a "\\udXXX" escape."""
-    return json.dumps({**body, "stream": stream}).encode()
