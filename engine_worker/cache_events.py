@@ -73,6 +73,7 @@ def event_sinks(config: ClusterConfig, index: int) -> list[EventSink]:
             replay_address=config.engine_events_replay_addr(index),
             buffer_steps=INTERNAL_REPLAY_STEPS,
             curve=config.curve,
+            side=True,  # the replica's load too (ipc.messages.ReplicaLoad)
         )
     ]
     user = parse_kv_events_config(config.engine.kv_events_config)

@@ -1,4 +1,4 @@
-"""The engine process main loop: exactly one per cluster.
+"""The engine process main loop: one per engine replica (``--engines``, index r).
 
 Between engine steps it drains its PULL socket without blocking (tokenized requests from the
 tokenizers, aborts from the detokenizer); when the engine has nothing to do it blocks in poll. Each
@@ -6,6 +6,9 @@ step becomes one StepOutput for the detokenizer, carrying the RequestMeta of eve
 since the previous one, so a request's meta always travels ahead of its tokens on one ordered
 channel. The process never tokenizes: it only ever sees token ids (tests check that `tokenizers`
 is never imported here, via the `imported_tokenizers` heartbeat stat).
+
+With several replicas, each step is also followed by the replica's load on its event stream
+(``ReplicaLoad``, topic ``b"load"``), which the tokenizer workers route by.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from ipc.messages import (
     ERR_OVERLOADED,
     FINISH_ABORT,
     FINISH_ERROR,
+    LOAD_TOPIC,
     AbortRequests,
     FinishRecord,
+    ReplicaLoad,
     RequestError,
     RequestMeta,
     StepOutput,
@@ -39,6 +44,7 @@ from ipc.sockets import PullQueue, PushQueue
 from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
 from runtime.kv_events import KVEventPublisher
+from runtime.memory import IdleTrim
 from runtime.worker import WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.engine")
@@ -76,7 +82,7 @@ class EngineProcess:
         engine: EngineLike | None = None,
         index: int = 0,
     ) -> None:
-        self.config = config
+        self.config, self.index = config, index
         self.runtime = WorkerRuntime("engine", index, config, ctx)
         self.engine = engine if engine is not None else make_engine(config)
         # The prefix cache's events: off the step, on a publisher thread; the first batch
@@ -90,7 +96,7 @@ class EngineProcess:
         self.publish_cache_events()
         self.inbox: PullQueue[TokenizedRequest | AbortRequests | GrammarVocabulary] = PullQueue(
             ctx,
-            config.engine_addr,
+            config.engine_addr(index),
             TokenizedRequest,
             AbortRequests,
             GrammarVocabulary,
@@ -108,6 +114,15 @@ class EngineProcess:
         self.pending = StepOutput(step=0, t_step=0.0)  # metas and errors awaiting the next send
         self.steps = 0
         self.received = 0
+        self.trim = IdleTrim()
+        # Requests received from each tokenizer worker (by meta.tokenizer_index): the load
+        # report's, from which each worker knows its requests still on their way here.
+        self.received_from = [0] * config.tokenizer_workers
+        # When the load was last published, and self.received then: an idle replica publishes
+        # it again after arrivals that ended without a step, and every heartbeat interval (a
+        # load report is never replayed: a follower that joined late gets the next one).
+        self.load_published_t = 0.0
+        self.load_reported_at = -1
 
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -125,10 +140,17 @@ class EngineProcess:
                     self.inbox.wait(math.ceil(delay_s * 1000))
                 else:
                     self.step()
+                    self.trim.busy()
             elif self._has_pending():
                 self.send(self.take_pending())
             else:
-                self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100))
+                if self.config.routes and (
+                    self.received != self.load_reported_at
+                    or time.monotonic() - self.load_published_t > self.config.heartbeat_interval_s
+                ):
+                    self.publish_load()
+                if not self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100)):
+                    self.trim.idle()  # nothing came: hand back what the last burst freed
             self.runtime.maybe_heartbeat(self.stats())
         self.shutdown()
 
@@ -143,7 +165,10 @@ class EngineProcess:
                 self.add(msg)
 
     def add(self, req: TokenizedRequest) -> None:
+        req.meta.engine_index = self.index  # where it is, whatever its sender wrote
         self.received += 1
+        if 0 <= req.meta.tokenizer_index < len(self.received_from):
+            self.received_from[req.meta.tokenizer_index] += 1
         if req.request_id in self.live or req.meta.request_id in self.live:
             self._refuse_duplicate(req)
             return
@@ -185,6 +210,7 @@ class EngineProcess:
     def step(self) -> None:
         out = self.engine.step()
         self.publish_cache_events()
+        self.publish_load()
         self.steps += 1
         pending = self.take_pending()
         out.new_requests = pending.new_requests + list(out.new_requests)
@@ -195,6 +221,7 @@ class EngineProcess:
 
     def send(self, out: StepOutput) -> None:
         out.engine_pid = self.runtime.pid
+        out.engine_index = self.index
         try:
             self.outbox.put(out, timeout_ms=SEND_TIMEOUT_MS)
         except zmq.Again:
@@ -267,6 +294,24 @@ class EngineProcess:
         if events:
             self.cache_events.publish(events)
 
+    def publish_load(self) -> None:
+        """The replica's load for the tokenizer workers' routing (several engines only)."""
+        if not self.config.routes:
+            return
+        load = self.engine.load()
+        self.load_reported_at, self.load_published_t = self.received, time.monotonic()
+        self.cache_events.publish_side(
+            LOAD_TOPIC,
+            ReplicaLoad(
+                index=self.index,
+                pid=self.runtime.pid,
+                running=load.running,
+                waiting=load.waiting,
+                kv_usage=load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0,
+                received_from=list(self.received_from),
+            ),
+        )
+
     def _has_pending(self) -> bool:
         return bool(self.pending.new_requests or self.pending.finished)
 
@@ -285,6 +330,8 @@ class EngineProcess:
             "steps": self.steps,
             "received": self.received,
             "imported_tokenizers": float(bool(tokenizer_modules_loaded())),
+            "memory_trims": self.trim.trims,
+            "grammar_rows_deferred": load.grammar_rows_deferred,
             **(
                 {
                     "kv_blocks_total": load.kv_blocks_total,

@@ -150,7 +150,7 @@ class Frontend:
         except SplitserveError as exc:
             logger.warning("no engine stats for /metrics: %s", exc)
             return b""
-        return render_engine_metrics(report.stats, self.model_name)
+        return render_engine_metrics(report, self.model_name)
 
     def check_model(self, requested: str | None) -> None:
         if requested and requested != self.model_name:

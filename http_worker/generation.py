@@ -18,10 +18,11 @@ from http_worker.protocol import (
     CompletionRequest,
     bad_request,
 )
+from http_worker.request_metrics import RequestClock
 from http_worker.responses import ResponseFormat, usage_body
 from ipc.client import ERR_TIMEOUT, AsyncRequestHandle, Delta, SplitserveError
 from ipc.field_rules import FieldError
-from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE
+from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR
 
 
 def api_error_from(
@@ -62,6 +63,9 @@ class GenerationCall:
         self.errors: list[str] = [""] * len(handles)
         self._first_t: list[float] = [0.0] * len(handles)
         self._last_t: list[float] = [0.0] * len(handles)
+        self._clocks = [
+            RequestClock(frontend.metrics.vllm, frontend.model_name, t_arrived) for _ in handles
+        ]
         self._pumps: list[asyncio.Task] = []
         self._closed = False
         frontend.metrics.in_flight.inc()
@@ -111,8 +115,17 @@ class GenerationCall:
             self._first_t[i] = self._first_t[i] or delta.t_received
             self._last_t[i] = delta.t_received
             self.frontend.last_alive = delta.t_received
+            self._clocks[i].on_tokens(delta.engine_index, len(delta.token_ids), delta.t_received)
         if delta.finished:
             self.finals[i] = delta
+            if delta.finish_reason != FINISH_ERROR and delta.usage is not None:
+                usage = delta.usage
+                self._clocks[i].on_finished(
+                    delta.engine_index,
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    delta.t_received,
+                )
             metrics.generations_in_flight.dec()
             metrics.observe_generation(
                 delta.finish_reason, delta.usage, delta.timings, self._first_t[i], self._last_t[i]

@@ -58,8 +58,19 @@ _ERROR_REASONS = {
 }
 _OBJECT = {"type": "object"}
 JSON_OBJECT = {"application/json": {"schema": _OBJECT}}
-SSE_SCHEMA = {"type": "string", "description": "server-sent events, ending with [DONE]"}
-TYPED_SSE_SCHEMA = {"type": "string", "description": "server-sent events, each named by its type"}
+# Before OpenAPI 3.2 (itemSchema), a text/event-stream's schema describes each event.
+SSE_SCHEMA = {
+    "type": "object",
+    "description": "one server-sent event: its data is a JSON chunk, the last one's [DONE]",
+    "properties": {"data": {"type": "string"}},
+    "required": ["data"],
+}
+TYPED_SSE_SCHEMA = {
+    "type": "object",
+    "description": "one server-sent event, named by its type; its data is a JSON object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["event", "data"],
+}
 
 
 def _error(reason: str, schema: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ipc.block_hash import MAX_CACHE_SALT_CHARS
 from ipc.field_rules import (
     MAX_CHAT_MESSAGES,
     MAX_INT32,
@@ -41,6 +42,7 @@ MAX_CONTENT_PARTS = 4096  # text parts over all messages of one request
 Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 # --- errors -------------------------------------------------------------------------------------
 
@@ -122,6 +124,8 @@ class _GenerationRequest(BaseModel):
     # What the output must match: OpenAI's field, or vLLM's (json, regex, choice, grammar).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: the request shares cached KV blocks only with requests of the same salt.
+    cache_salt: CacheSalt | None = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _GenerationRequest:
@@ -173,13 +177,15 @@ class _GenerationRequest(BaseModel):
         return renamed(exc, "prompt_token_ids", "prompt")
 
     def output_options(self) -> dict[str, Any]:
-        """submit() keywords for structured outputs (and tools, on the chat endpoint)."""
+        """submit() keywords beside the prompt and sampling: structured outputs (and tools, on
+        the chat endpoint), the cache salt."""
         try:
             spec = spec_from_request(self.response_format, self.structured_outputs)
         except StructuredOutputError as exc:
             named = self.named(FieldError(exc.param, str(exc)))
             raise bad_request(str(named), named.param) from None
-        return {} if spec is None else {"response_format": spec}
+        salt = {} if self.cache_salt is None else {"cache_salt": self.cache_salt}
+        return salt if spec is None else {"response_format": spec, **salt}
 
     def sampling(self, default_max_tokens: int, choice: int) -> SamplingParams:
         """The SamplingParams of one choice; bad values raise APIError(400) naming the field.

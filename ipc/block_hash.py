@@ -25,7 +25,7 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import cbor2
 
@@ -100,7 +100,11 @@ class BlockHasher:
     hashing would. Eviction is least-recently-used in two generations: a hit in the older one
     moves the entry to the younger; when the younger fills, it becomes the older and the older is
     dropped. That keeps a hit at one or two dict probes (an OrderedDict's move_to_end doubled
-    the warm cost) and the memo within ``memo_blocks`` entries."""
+    the warm cost) and the memo within ``memo_blocks`` entries.
+
+    ``learn`` fills the memo from another process's stored blocks (a KV event's BlockStored), so
+    a worker that never saw a prompt before (several workers take a conversation's turns in
+    turn) still finds its history there instead of hashing it on the request's path."""
 
     def __init__(self, block_size: int, memo_blocks: int = DEFAULT_MEMO_BLOCKS) -> None:
         if block_size < 1:
@@ -109,12 +113,22 @@ class BlockHasher:
         self._generation_size = max(1, memo_blocks // 2)
         self._young: dict[object, tuple[bytes, int]] = {}
         self._old: dict[object, tuple[bytes, int]] = {}
+        # Digests of learned blocks by external id: an event names a chain's parent by id only.
+        self._learned: dict[int, bytes] = {}
         self._unpack = struct.Struct(f"<{block_size}i").unpack
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.learned = 0
 
-    def hashes(self, token_ids: bytes | Sequence[int], cache_salt: str | None = None) -> list[int]:
+    def hashes(
+        self,
+        token_ids: bytes | Sequence[int],
+        cache_salt: str | None = None,
+        held: Callable[[int], bool] | None = None,
+    ) -> list[int]:
         """The external ids of every full block of ``token_ids``: a sequence of ints, or the
-        packed little-endian int32 bytes a TokenizedRequest carries (``ipc.codec.pack_ids``)."""
+        packed little-endian int32 bytes a TokenizedRequest carries (``ipc.codec.pack_ids``).
+        With ``held`` (is a block id cached anywhere?), it stops after the first block that is
+        not: no later block can extend a cached prefix, and a prompt's new tail (a chat's new
+        turn) is what misses the memo."""
         packed = token_ids if isinstance(token_ids, bytes) else _pack(token_ids)
         width = 4 * self.block_size
         young, old = self._young, self._old
@@ -141,7 +155,35 @@ class BlockHasher:
                 self.hits += 1
             parent = found[0]
             ids.append(found[1])
+            if held is not None and not held(found[1]):
+                break
         return ids
+
+    def learn(self, parent: int | None, block_ids: Sequence[int], token_ids: Sequence[int]) -> int:
+        """Hashes the blocks a BlockStored names (``parent``: the id of the block before the
+        first; None: the prompt's start) into the memo, checking each against its id; returns
+        how many it learned. It stops at a block whose parent it does not know or whose hash is
+        not the event's id (a salted chain: the event does not carry the salt)."""
+        digest = NONE_HASH if parent is None else self._learned.get(parent)
+        if digest is None or len(token_ids) != len(block_ids) * self.block_size:
+            return 0
+        for j, block_id in enumerate(block_ids):
+            block = token_ids[j * self.block_size : (j + 1) * self.block_size]
+            key = digest + _pack(block)
+            found = self._young.get(key) or self._old.get(key)
+            if found is None:
+                new = block_digest(digest, block)
+                found = (new, external_id(new))
+                self._young[key] = found
+                if len(self._young) >= self._generation_size:
+                    self._old, self._young = self._young, {}
+            if found[1] != block_id:
+                return j
+            if len(self._learned) >= 2 * self._generation_size:
+                self._learned.clear()  # bounded: an unknown parent costs only hashing later
+            digest = self._learned[block_id] = found[0]
+            self.learned += 1
+        return len(block_ids)
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)

@@ -106,7 +106,8 @@ class EngineConfig:
     engine_threads: int = knob(
         0,
         "torch intra-op threads in the engine; 0 = leave torch's "
-        "setting (the supervisor decides it from the cores)",
+        "setting (the supervisor decides it from the cores). With several engine "
+        "replicas the launcher's value is what they share: each gets an equal part",
         unit="N",
         minimum=0,
     )

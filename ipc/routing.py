@@ -89,6 +89,10 @@ class PrefixIndex:
     def clear(self, replica: int) -> None:
         self.removed(replica, list(self._held.pop(replica, ())))
 
+    def held(self, block_id: int) -> bool:
+        """Whether any replica holds the block."""
+        return block_id in self._holders
+
     def blocks_of(self, replica: int) -> int:
         return len(self._held.get(replica, ()))
 
@@ -160,11 +164,16 @@ class Router:
         self._turn = 0
 
     def route(
-        self, block_ids: Sequence[int], loads: Mapping[int, int], live: Iterable[int]
+        self,
+        block_ids: Sequence[int],
+        loads: Mapping[int, int],
+        live: Iterable[int],
+        prompt_blocks: int | None = None,
     ) -> tuple[int, str]:
+        """``prompt_blocks``: the prompt's full blocks when ``block_ids`` stops early (after
+        the first block no replica holds; see BlockHasher.hashes), else len(block_ids)."""
         matched = self.index.longest_prefix(block_ids) if self.policy == CACHE_AWARE else {}
-        choice = choose(
-            self.policy, matched, len(block_ids), loads, live, self.thresholds, self._turn
-        )
+        total = len(block_ids) if prompt_blocks is None else prompt_blocks
+        choice = choose(self.policy, matched, total, loads, live, self.thresholds, self._turn)
         self._turn += 1
         return choice

@@ -23,6 +23,7 @@ from ipc.config import API_KEY_HELP, TRANSPORTS
 from procs.children import REPO_ROOT
 from procs.cluster_setup import make_config
 from procs.config_flags import (
+    DATA_PARALLEL_KNOBS,
     ENGINE_KNOBS,
     FAULT_KNOBS,
     TESTING_KNOBS,
@@ -83,6 +84,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="give up if the processes are not ready within this (default 180)",
     )
     add_engine_flags(p.add_argument_group("engine"))
+    add_cluster_flags(
+        p.add_argument_group("data-parallel engines (docs/data-parallel.md)"), DATA_PARALLEL_KNOBS
+    )
     h = p.add_argument_group("OpenAI-compatible HTTP frontend")
     h.add_argument(
         "--http-port",
@@ -113,7 +117,13 @@ def cluster_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         base_port=args.port,
         **knob_values(
-            args, ENGINE_KNOBS + TOKENIZER_KNOBS + FAULT_KNOBS + TESTING_KNOBS + ("require_curve",)
+            args,
+            ENGINE_KNOBS
+            + TOKENIZER_KNOBS
+            + DATA_PARALLEL_KNOBS
+            + FAULT_KNOBS
+            + TESTING_KNOBS
+            + ("require_curve",),
         ),
         **listen_kwargs(args),
         **http_kwargs(args),

@@ -24,6 +24,15 @@ TOKENIZER_KNOBS = (
     "stream_interval_tokens",
 )
 FAULT_KNOBS = ("restart_policy", "max_restarts", "hang_timeout_s")
+DATA_PARALLEL_KNOBS = (
+    "engines",
+    "routing_policy",
+    "routing_balance_abs_threshold",
+    "routing_balance_rel_threshold",
+    "routing_cache_threshold",
+    "devices",
+    "pin_engine_cores",
+)
 TESTING_KNOBS = ("engine_factory", "preparer_factory")
 
 

@@ -5,11 +5,13 @@ Library use (tests, benchmarks):
     with launch_cluster(model="default", tokenizer_workers=2) as cluster:
         client = Client(cluster.client_addr)
 
-Start-up: the engine first (it resolves the model's context length and vocabulary, which the
-tokenizers check against and the detokenizer hands to clients), then the detokenizer and the
-tokenizers; each reports WorkerReady. Shutdown is ordered so every request in flight gets its
-terminal event: tokenizers stop accepting (they answer "unavailable"), the engine aborts what it
-runs, tokenizers exit, and the detokenizer, last, forwards everything and ends what is left.
+Start-up: the engines first (each replica resolves the model's context length and vocabulary,
+which the tokenizers check against and the detokenizer hands to clients; the replicas must agree
+on the model and vocabulary, and the cluster offers the shortest context any of them resolved),
+then the detokenizer and the tokenizers; each reports WorkerReady. Shutdown is ordered so every
+request in flight gets its terminal event: tokenizers stop accepting (they answer
+"unavailable"), the engines abort what they run, tokenizers exit, and the detokenizer, last,
+forwards everything and ends what is left.
 While it runs, a ``Watcher`` (supervision.py) applies the restart policy to children that die or
 hang; ``Cluster.failure`` says why a cluster stopped on its own.
 """
@@ -43,13 +45,22 @@ CURVE_PUBLIC_KEY_FILE = "curve_public.key"
 __all__ = ["CURVE_PUBLIC_KEY_FILE", "Child", "Cluster", "ClusterStartError", "launch_cluster"]
 
 
-def with_engine_limits(config: ClusterConfig, ready: WorkerReady) -> ClusterConfig:
-    """The config the processes started after the engine get: the engine's resolved context
-    length, vocabulary size and model name filled in."""
+def with_engine_limits(config: ClusterConfig, readies: list[WorkerReady]) -> ClusterConfig:
+    """The config the processes started after the engines get: the replicas' model name and
+    vocabulary size (ClusterStartError unless they agree) and the shortest context any of them
+    resolved (each caps it to its own KV cache)."""
+    first = readies[0]
+    for ready in readies[1:]:
+        if (ready.model_name, ready.vocab_size) != (first.model_name, first.vocab_size):
+            raise ClusterStartError(
+                f"engine replicas disagree: engine[{first.index}] serves {first.model_name!r} "
+                f"with {first.vocab_size} tokens, engine[{ready.index}] {ready.model_name!r} "
+                f"with {ready.vocab_size}"
+            )
     return dataclasses.replace(
-        config.with_engine(max_model_len=ready.max_model_len),
-        vocab_size=ready.vocab_size,
-        model_name=ready.model_name,
+        config.with_engine(max_model_len=min(r.max_model_len for r in readies)),
+        vocab_size=first.vocab_size,
+        model_name=first.model_name,
     )
 
 
@@ -59,8 +70,13 @@ class Cluster:
         self.owns_run_dir = owns_run_dir
         self.ctx = zmq.Context()
         self.roster = Roster(self.ctx, config)
-        # ClusterNotices go to the detokenizer's inbox (it forwards them to clients).
+        # ClusterNotices go to the detokenizer's inbox (it forwards them to clients); with
+        # several engines, those about engines go to the tokenizer workers too (routing).
         self.notices = PushQueue(self.ctx, config.detokenizer_addr, hwm=1000, curve=config.curve)
+        self.router_notices = [
+            PushQueue(self.ctx, address, hwm=1000, curve=config.curve)
+            for address in (config.tokenizer_addrs if config.routes else [])
+        ]
         self.policy = SupervisionPolicy(config)
         self.watcher = Watcher(
             self.roster, self.policy, self._notify, self._respawn, self._stop_children
@@ -97,9 +113,8 @@ class Cluster:
             file=sys.stderr,
             flush=True,
         )
-        engine = self._spawn("engine", 0)
-        ready = self.roster.wait_ready([engine], timeout_s)[0]
-        self.config = with_engine_limits(self.config, ready)
+        engines = [self._spawn("engine", r) for r in range(self.config.engines)]
+        self.config = with_engine_limits(self.config, self.roster.wait_ready(engines, timeout_s))
         self.config.write()
         rest = [self._spawn("detokenizer", 0)]
         rest += [self._spawn("tokenizer", i) for i in range(self.config.tokenizer_workers)]
@@ -129,6 +144,13 @@ class Cluster:
             self.notices.put(notice, block=False)
         except zmq.Again:
             logger.error("the detokenizer is not reading; dropped notice %s", notice)
+        if notice.role != "engine":
+            return
+        for index, queue in enumerate(self.router_notices):
+            try:
+                queue.put(notice, block=False)
+            except zmq.Again:
+                logger.error("tokenizer[%d] is not reading; dropped notice %s", index, notice)
 
     # --- what the cluster is ------------------------------------------------------------------
     @property
@@ -176,8 +198,13 @@ class Cluster:
 
     def describe(self) -> str:
         http = f"HTTP {self.http_url}; " if self.http_url else ""
+        engines = (
+            f"{self.config.engines} engine replicas routed {self.config.routing_policy}; "
+            if self.config.routes
+            else ""
+        )
         return (
-            f"client address {self.client_addr}; {http}"
+            f"client address {self.client_addr}; {http}{engines}"
             f"{self.config.tokenizer_workers} tokenizer worker(s); model "
             f"{self.config.model_name or self.config.model_path} (max_model_len "
             f"{self.config.engine.max_model_len}); pids {self.pids}"
@@ -209,7 +236,8 @@ class Cluster:
                 return
             self._closed = True
         self.roster.close()
-        self.notices.socket.close(linger=0)
+        for queue in (self.notices, *self.router_notices):
+            queue.socket.close(linger=0)
         self.ctx.term()
         self._remove_run_dir()
 

@@ -31,6 +31,7 @@ SURROGATES = [
         '{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"\\ud800": 1}}',
         "chat_template_kwargs.'\\ud800'",
     ),
+    (COMPLETIONS, '{"prompt": "hi", "cache_salt": "tenant-\\ud800"}', "cache_salt"),
     ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
     ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
 ]
@@ -95,6 +96,8 @@ LAX = [
     ),
     (CHAT_COMPLETIONS, {"messages": CHAT, "logprobs": 1}, "logprobs"),
     (CHAT_COMPLETIONS, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (COMPLETIONS, {"cache_salt": 7}, "cache_salt"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "cache_salt": ["a"]}, "cache_salt"),
     ("/detokenize", {"tokens": [False]}, "tokens[0]"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "true"}, "add_special_tokens"),
 ]

@@ -81,7 +81,7 @@ class RawClient:
         self.pushes = {}
         for name, addr in (
             ("tokenizer", cluster.config.tokenizer_addr(0)),
-            ("engine", cluster.config.engine_addr),
+            ("engine", cluster.config.engine_addr(0)),
         ):
             push = self.ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)

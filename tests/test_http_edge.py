@@ -241,6 +241,36 @@ def test_max_tokens_past_the_contexts_room_is_a_400_and_no_limit_keeps_the_defau
     assert len(tail.token_ids) == 12  # the SDK's default (16), cut to the room
 
 
+def test_cache_salt_is_checked_like_every_field_and_keeps_caches_apart(base_url):
+    """vLLM's cache_salt: an empty or 257-character salt is a 400 naming it (types and lone
+    surrogates: LAX and SURROGATES); a request shares cached blocks only with requests of its
+    own salt, on both endpoints."""
+    conn = KeepAlive(base_url)
+    try:
+        for path, base in ((COMPLETIONS, {"prompt": "hi"}), (CHAT_COMPLETIONS, {"messages": CHAT})):
+            for bad in ("", "s" * 257):
+                for stream in (False, True):
+                    body = {**base, "cache_salt": bad, "stream": stream}
+                    assert "cache_salt" in refused(*conn.post(path, json.dumps(body)), "cache_salt")
+        prompt = [5 + i for i in range(64)]  # 4 blocks
+
+        def cached(path: str, **fields: Any) -> int:
+            # A system message of its own: the chat's first block holds none of earlier chats'.
+            chat = [{"role": "system", "content": "salted"}] + [CHAT[0]] * 20
+            base = {"prompt": prompt} if path == COMPLETIONS else {"messages": chat}
+            status, body = conn.post(path, json.dumps({**base, "max_tokens": 1, **fields}))
+            assert status == 200, body
+            return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        for path in (COMPLETIONS, CHAT_COMPLETIONS):
+            cached(path, cache_salt="tenant-a")
+            assert cached(path, cache_salt="tenant-a") > 0
+            assert cached(path, cache_salt="tenant-b") == 0
+            assert cached(path) == 0  # no salt: none of the salted blocks either
+    finally:
+        conn.close()
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_read_or_forwarded(base_url, cluster):
     """Issue 23 item 9: a 50 MB body was forwarded and answered by msgpack's own limit."""
 

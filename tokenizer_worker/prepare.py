@@ -147,6 +147,7 @@ class RequestPreparer:
             sampling=sampling,
             meta=meta,
             grammar=plan.grammar if plan else "",
+            cache_salt=req.cache_salt,
         )
 
     def _plan(self, req: SubmitRequest) -> OutputPlan | None:

@@ -36,6 +36,7 @@ class RequestRecord:
         "prompt_logprobs",
         "echo_text",
         "tool_calls",
+        "engine_index",
     )
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
@@ -58,6 +59,7 @@ class RequestRecord:
         self.prompt_logprobs: list[LogprobEntry] = []
         self.echo_text = ""
         self.tool_calls: list[ToolCall] = []
+        self.engine_index = -1  # the replica its events came from
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
         ids = unpack_id_list(event.token_ids) if event.token_ids else []
@@ -77,6 +79,7 @@ class RequestRecord:
             event.echo_text,
             event.tool_calls,
             error_param=event.error_param,
+            engine_index=event.engine_index,
         )
         self.text.append(event.text)
         add_tool_call_deltas(self.tool_calls, event.tool_calls)
@@ -86,6 +89,8 @@ class RequestRecord:
         self.echo_text += event.echo_text
         self.seen = True
         self.pending = None
+        if event.engine_index >= 0:
+            self.engine_index = event.engine_index
         if ids or event.text:
             self.t_received.append(t)
         if event.finished:
@@ -111,6 +116,7 @@ class RequestRecord:
             self.echo_text,
             list(self.tool_calls),
             error_param=f.error_param,
+            engine_index=self.engine_index,
         )
 
 

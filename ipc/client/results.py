@@ -30,6 +30,7 @@ class Delta:
     echo_text: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces of tool calls
     error_param: str | None = None  # the request field a bad_request error is about
+    engine_index: int = -1  # the engine replica serving it; -1: none (it ended before one)
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class GenerationResult:
     echo_text: str = ""  # the prompt's text, with echo=True (not part of ``text``)
     tool_calls: list[ToolCall] = field(default_factory=list)  # read from the text, when tools
     error_param: str | None = None  # the request field a bad_request error is about
+    engine_index: int = -1  # the engine replica that served it (-1: none)
 
     @property
     def ok(self) -> bool:

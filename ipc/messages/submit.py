@@ -80,6 +80,11 @@ class RequestMeta:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     tokenizer_index: int = 0
+    # The engine replica the tokenizer worker chose, what decided it (an ipc.routing OUTCOME_*;
+    # "" with one engine: no choice was made) and how long hashing and choosing took.
+    engine_index: int = 0
+    routing_outcome: str = ""
+    routing_s: float = 0.0
     t_submit: float = 0.0
     t_tokenize_start: float = 0.0
     t_tokenized: float = 0.0

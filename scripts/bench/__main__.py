@@ -29,6 +29,11 @@ WORKLOADS = {
         "scripts.bench.grammar",
         "a grammar's own cost (compile, build, per-step mask), and llguidance against xgrammar",
     ),
+    "data-parallel": (
+        "scripts.bench.data_parallel",
+        "engine replicas routed by the tokenizer workers: cache_aware, round_robin, "
+        "least_loaded and one replica on multi-turn chats; the routing's own cost",
+    ),
     "http-body": (
         "scripts.bench.http_body",
         "how long a frontend's event loop stalls while it reads and validates a large body",

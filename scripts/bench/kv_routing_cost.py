@@ -3,17 +3,14 @@ and warm through BlockHasher's memo) plus the prefix-index lookup, as a tokenize
 per request; and what recording KV events costs the engine's step (decode at batch 32, a
 2k-token prefill), events on against off, alternating in one run.
 
-    python -m scripts.bench.kv_routing_cost [MODEL_DIR]   # default: a tiny random model
-
-Prints medians; no timed assertions anywhere (the machine is shared, figures are noisy).
+The data-parallel workload prints them (``python -m scripts.bench data-parallel routing-cost``,
+``... event-cost``): medians, never asserted (the machine is shared, figures are noisy).
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -132,19 +129,3 @@ def engine_step_cost(model_dir: str, rounds: int = 5) -> dict[str, float]:
             engine.take_cache_events()
     medians = {name: statistics.median(times) * 1e3 for name, times in steps.items()}
     return medians | {name: statistics.median(us) for name, us in recording.items()}
-
-
-def main(model_dir: str | None = None) -> None:
-    for name, value in routing_cost().items():
-        print(f"{name:28s} {value:10.1f}")
-    if model_dir is None:
-        from scripts.bench.tiny_model import make_tiny_model
-
-        tiny = tempfile.mkdtemp(prefix="tiny-llama-")
-        model_dir = str(make_tiny_model(tiny, max_position_embeddings=4 * PROMPT_TOKENS))
-    for name, value in sorted(engine_step_cost(model_dir).items()):
-        print(f"{name:28s} {value:10.3f}")
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:2])

@@ -74,3 +74,20 @@ def test_cache_salt_is_validated(bad):
     with pytest.raises(ValueError, match="cache_salt"):
         check_cache_salt(bad)
     assert check_cache_salt(None) is None and check_cache_salt("x" * 256) == "x" * 256
+
+
+def test_a_hasher_learns_announced_blocks_and_then_hashes_their_prompts_from_its_memo():
+    """What one worker hashed (or an engine stored) and announced as a BlockStored, another
+    learns: its hashes of a prompt holding those blocks are the same ids with no block hashed
+    on the request's path. A salted chain is not learned (the event does not carry the salt),
+    nor a chain whose parent it does not know."""
+    tokens = list(range(1000, 1000 + 5 * 16))
+    ids = block_hashes(tokens, 16)
+    learner = BlockHasher(16)
+    assert learner.learn(None, ids[:3], tokens[: 3 * 16]) == 3
+    assert learner.learn(ids[2], ids[3:], tokens[3 * 16 :]) == 2  # a later step's continuation
+    misses = learner.misses
+    assert learner.hashes(tokens + [7] * 9) == ids and learner.misses == misses
+    salted = block_hashes(tokens, 16, cache_salt="tenant")
+    assert learner.learn(None, salted[:2], tokens[:32]) == 0
+    assert BlockHasher(16).learn(ids[0], ids[1:2], tokens[16:32]) == 0  # unknown parent

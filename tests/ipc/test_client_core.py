@@ -248,3 +248,32 @@ def test_a_query_in_a_dead_tokenizer_is_sent_again_or_ends_unavailable():
         else:
             core.end_lost(still_lost)
             assert handle.deltas[-1].error_code == "unavailable"
+
+
+def test_a_dead_engine_replica_sends_again_what_produced_nothing_and_is_not_alive():
+    """One replica of several died: the detokenizer lists the client's requests alive on the
+    others and ended those that had produced tokens; every other open generation is sent again
+    (queries never reach an engine and are left alone). With one engine, everything ends."""
+    from ipc import codec
+    from ipc.messages import NOTICE_DIED, ClusterNotice
+
+    core = ClientCore(deadline_s=None)
+    socks = [Sock(), Sock()]
+    alive, started, unstarted = (submit(core, socks, request_id=n) for n in ("a", "s", "u"))
+    tokenize = query(core, socks)
+    core.apply(started, StreamEvent(request_id=started.record.wire_id, text="x"), time.monotonic())
+    notice = ClusterNotice(
+        NOTICE_DIED, "engine", 1, alive_ids=[alive.record.wire_id], resend_unstarted=True
+    )
+    routed = core.route(codec.encode(notice))
+    assert routed.retry and [wid for wid, _ in routed.lost] == [unstarted.record.wire_id]
+    assert "engine replica 1 died" in routed.lost[0][1].error
+    old = unstarted.record.wire_id
+    assert core.resubmit(socks, routed.lost) == []
+    assert unstarted.record.wire_id != old and unstarted.record.resubmits == 1
+    assert tokenize.record.wire_id in core.records
+    one_engine = core.route(codec.encode(ClusterNotice(NOTICE_DIED, "engine", 0)))
+    assert not one_engine.retry
+    assert {wid for wid, _ in one_engine.lost} == {
+        h.record.wire_id for h in (alive, started, unstarted)
+    }

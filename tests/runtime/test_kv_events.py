@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from ipc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from runtime.kv_events import EventSink, KVEventPublisher, KVEventSubscriber, receive_until
+from runtime.kv_events import EventSink, KVEventPublisher
+from runtime.kv_subscriber import KVEventSubscriber, receive_until
 
 
 @pytest.fixture
@@ -189,3 +190,50 @@ def test_subscriber_starts_over_when_the_publisher_restarts(ctx, tmp_path):
     finally:
         subscriber.close()
         publisher.close()
+
+
+def test_side_topics_have_their_own_numbers_and_leave_the_kv_topic_gap_free(ctx, tmp_path):
+    """A replica's load goes out on the internal stream under b"load" between its KV batches:
+    a raw subscriber sees KV seqs 0, 1, 2 and load seqs 0, 1; the project's subscriber
+    delivers the KV batches with no gap and hands the load over through take_side. A sink not
+    marked side (the user's endpoint) never carries it."""
+    from ipc.codec import decode_as
+    from ipc.messages import LOAD_TOPIC, ReplicaLoad
+
+    address, replay = addresses(tmp_path)
+    user, _ = addresses(tmp_path, "user")
+    publisher = KVEventPublisher(
+        ctx, [EventSink(address, replay_address=replay, side=True), EventSink(user)]
+    )
+    raw, raw_user = raw_sub(ctx, address), raw_sub(ctx, user)
+    follower = KVEventSubscriber(ctx, address, replay, side_topics=(LOAD_TOPIC,))
+    time.sleep(0.3)  # the SUBs are connected: nothing published below is missed live
+    for i in range(3):
+        publisher.publish([stored(i)])
+        if i < 2:
+            publisher.publish_side(LOAD_TOPIC, ReplicaLoad(0, 9, running=i, waiting=0))
+    frames = []
+    while len(frames) < 5 and raw.poll(5000):
+        frames.append(raw.recv_multipart())
+    assert [(t, int.from_bytes(s, "big")) for t, s, _ in frames if t == b""] == [
+        (b"", 0),
+        (b"", 1),
+        (b"", 2),
+    ]
+    loads = [
+        (int.from_bytes(s, "big"), decode_as(p, ReplicaLoad).running)
+        for t, s, p in frames
+        if t == LOAD_TOPIC
+    ]
+    assert loads == [(0, 0), (1, 1)]
+    got = receive_until(follower, lambda got: len(got) >= 3, 10)
+    assert [b.seq for b in got] == [0, 1, 2] and all(b.lost_before == 0 for b in got)
+    assert [seq for _, seq, _ in follower.take_side()] == [0, 1] and follower.take_side() == []
+    user_topics = []
+    while raw_user.poll(500):
+        user_topics.append(raw_user.recv_multipart()[0])
+    assert user_topics == [b"", b"", b""]
+    for sock in (raw, raw_user):
+        sock.close(linger=0)
+    follower.close()
+    publisher.close()
