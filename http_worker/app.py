@@ -16,8 +16,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import zmq
@@ -86,8 +86,11 @@ async def _report_to_supervisor(settings: FrontendSettings, frontend: Frontend) 
         ctx.term()
 
 
-def build_app(settings: FrontendSettings) -> FastAPI:
-    frontend = Frontend(settings)
+def _lifespan(
+    settings: FrontendSettings, frontend: Frontend
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's start (the frontend's connections, the ready line, the supervisor reports)
+    and its end."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -112,13 +115,18 @@ def build_app(settings: FrontendSettings) -> FastAPI:
                     await reporting
             await frontend.close()
 
+    return lifespan
+
+
+def build_app(settings: FrontendSettings) -> FastAPI:
+    frontend = Frontend(settings)
     app = FastAPI(
         title="splitserve",
         description="An OpenAI-compatible API. Request fields are typed strictly (an integer "
         "field takes an integer, never a string or a boolean) and unknown fields are refused "
         "with a 400 naming them; docs/field-policy.md states the rules.",
         version=package_version(),
-        lifespan=lifespan,
+        lifespan=_lifespan(settings, frontend),
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",

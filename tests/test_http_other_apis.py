@@ -176,7 +176,7 @@ def test_responses_refusals_name_their_field_and_keep_the_connection(base_url, f
         conn.close()
 
 
-def test_responses_store_is_accepted_and_nothing_is_kept(oai):
+def test_responses_store_is_accepted_nothing_is_kept_and_unknown_fields_are_refused(oai):
     r = oai.responses.create(
         model="tiny", input="hi", store=True, max_output_tokens=2, metadata={"a": "b"}
     )
@@ -187,6 +187,9 @@ def test_responses_store_is_accepted_and_nothing_is_kept(oai):
         )
     assert caught.value.body["param"] == "previous_response_id"
     assert "keeps no responses" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:  # an unknown field, as the SDK sees it
+        oai.responses.create(model="tiny", input="hi", extra_body={"colour": "red"})
+    assert caught.value.body["param"] == "colour"
 
 
 # --- Messages -----------------------------------------------------------------------------------
