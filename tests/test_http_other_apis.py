@@ -335,32 +335,39 @@ def test_unknown_paths_and_methods_answer_in_anthropics_shape(base_url):
     )
 
 
-def test_api_key_by_either_header(cluster):
+def test_a_frontend_with_an_api_key_and_lenient_fields(cluster):
+    """The key as x-api-key or Bearer; --lenient-fields ignores unknown fields of both APIs and
+    still refuses the known ones it does not implement."""
     port = test_http_tiny.free_port()
-    popen = test_http_tiny.start_frontend(cluster, port, extra_args=("--api-key", "sekret"))
-    url = f"http://127.0.0.1:{port}"
+    args = ("--api-key", "sekret", "--lenient-fields")
+    popen = test_http_tiny.start_frontend(cluster, port, extra_args=args)
+    url, hi = f"http://127.0.0.1:{port}", [{"role": "user", "content": "hi"}]
     try:
         ok = anthropic.Anthropic(base_url=url, api_key="sekret", max_retries=0)
-        assert (
-            ok.messages.count_tokens(
-                model="tiny", messages=[{"role": "user", "content": "hi"}]
-            ).input_tokens
-            > 0
-        )
+        assert ok.messages.count_tokens(model="tiny", messages=hi).input_tokens > 0
         with pytest.raises(anthropic.AuthenticationError) as caught:
             anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
-                model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+                model="tiny", max_tokens=2, messages=hi
             )
         assert caught.value.body["error"]["type"] == "authentication_error"
-        assert openai.OpenAI(base_url=f"{url}/v1", api_key="sekret").responses.create(
-            model="tiny", input="hi", max_output_tokens=2
-        ).status in ("completed", "incomplete")
-        assert (
-            httpx.post(
-                f"{url}/v1/responses", json={"input": "hi"}, headers={"x-api-key": "no"}
-            ).status_code
-            == 401
-        )
+        bogus = {"colour": "red"}
+        answer = ok.messages.create(model="tiny", max_tokens=2, messages=hi, extra_body=bogus)
+        assert answer.stop_reason in ("end_turn", "max_tokens")
+        with pytest.raises(anthropic.BadRequestError, match="thinking"):
+            ok.messages.create(
+                model="tiny",
+                max_tokens=2,
+                messages=hi,
+                extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            )
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0)
+        r = oai.responses.create(model="tiny", input="hi", max_output_tokens=2, extra_body=bogus)
+        assert r.status in ("completed", "incomplete")
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.responses.create(model="tiny", input="hi", previous_response_id=r.id)
+        assert refused.value.body["param"] == "previous_response_id"
+        no = httpx.post(f"{url}/v1/responses", json={"input": "hi"}, headers={"x-api-key": "no"})
+        assert no.status_code == 401
     finally:
         test_http_tiny.stop_frontend(popen)
 
