@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
 from http_worker.body import BodyReader, validation_error
-from http_worker.frontend import Frontend, FrontendSettings
+from http_worker.frontend import Connect, Frontend, FrontendSettings, connect_cluster
 from http_worker.generation import (
     ClientGone,
     GenerationCall,
@@ -186,8 +186,9 @@ async def _report_to_supervisor(settings: FrontendSettings, frontend: Frontend) 
         ctx.term()
 
 
-def build_app(settings: FrontendSettings) -> FastAPI:
-    frontend = Frontend(settings)
+def build_app(settings: FrontendSettings, connect: Connect = connect_cluster) -> FastAPI:
+    """``connect``: how the frontend gets its client (the default: the cluster's address)."""
+    frontend = Frontend(settings, connect)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -100,8 +100,13 @@ class StructuredOutputs:
         tools: list[dict[str, Any]] = []
         choice = ToolChoice("none")
         if req.tools or req.tool_choice:
-            if req.messages is None:
-                raise ToolSpecError("tools and tool_choice need chat messages")
+            if req.prompt is not None:
+                # Token ids are taken as a chat already rendered with the tools (a Ray Serve
+                # ingress renders and encodes, then hands the engine replica the ids).
+                raise ToolSpecError(
+                    "tools and tool_choice need chat messages (or the token ids of a chat "
+                    "rendered with them)"
+                )
             tools = tool_calls.check_tools(_json(req.tools, "tools")) if req.tools else []
             choice = tool_calls.resolve_tool_choice(
                 tools, _json(req.tool_choice, "tool_choice") if req.tool_choice else None
