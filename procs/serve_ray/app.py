@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
@@ -16,6 +17,7 @@ from ipc.engine_config import EngineConfig
 from procs.serve_ray.engine import EngineReplica
 from procs.serve_ray.ingress import Ingress
 from procs.serve_ray.settings import (
+    APP_NAME,
     POWER_OF_TWO,
     PREFIX_CACHE_AFFINITY,
     SPLITSERVE_ROUTER,
@@ -24,7 +26,12 @@ from procs.serve_ray.settings import (
 
 ROUTER_CLASSES = {
     SPLITSERVE_ROUTER: "procs.serve_ray.router:TokenPrefixRouter",
-    PREFIX_CACHE_AFFINITY: "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+    # Ray's ray.serve.llm.request_router re-exports it, but that module refuses to import
+    # without vLLM or SGLang installed; the class itself needs neither.
+    PREFIX_CACHE_AFFINITY: (
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+        "PrefixCacheAffinityRouter"
+    ),
 }
 INGRESS_MAX_ONGOING = 4096  # HTTP requests one ingress replica holds at once
 GRACEFUL_SHUTDOWN_S = 30.0  # an engine replica's cluster ends its requests within this
@@ -91,3 +98,23 @@ def build_app(args: dict[str, Any] | None = None, **knobs: Any) -> Application:
         ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(engine.bind(settings), settings)
+
+
+def engine_replica_stats(app_name: str = APP_NAME) -> dict[int, dict[str, Any]]:
+    """Rank -> the routing stats of each live engine replica of ``app_name`` (its load, the
+    requests it served and aborted, its KV-event endpoint), asked of the replica actors directly
+    (from a process connected to the Ray cluster): what an operator, a test or the benchmark
+    sees of each replica. ``actor`` names the replica's actor."""
+    prefix = f"SERVE_REPLICA::{app_name}#engine#"
+    out: dict[int, dict[str, Any]] = {}
+    for named in ray.util.list_named_actors(all_namespaces=True):
+        if named["namespace"] != "serve" or not named["name"].startswith(prefix):
+            continue
+        try:
+            actor = ray.get_actor(named["name"], namespace="serve")
+            stats = ray.get(actor.record_routing_stats.remote(), timeout=10)
+        except Exception:  # dead, or not serving yet
+            continue
+        if stats:
+            out[stats["rank"]] = {**stats, "actor": named["name"]}
+    return out

@@ -8,8 +8,9 @@ tokenizer worker scores its engines: the prefix index follows each replica's KV 
 endpoint its routing stats advertise, replayed from the start when first seen), and a
 replica's load is the larger of the requests this process has in flight to it and the load the
 replica last reported (which counts the other ingress replicas' requests too, as of Serve's
-latest routing-stats poll). The choice comes first in the ranks returned, the others after it by
-load, so Serve falls through to them only when the chosen replica is at max_ongoing_requests.
+latest routing-stats poll), plus the requests chosen for it and not yet sent. The choice comes
+first in the ranks returned, the others after it by load, so Serve falls through to them only
+when the chosen replica is at max_ongoing_requests.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class TokenPrefixRouter(RequestRouter):
         self.numbers: dict[ReplicaID, int] = {}  # the prefix index's name for each replica
         self.followed: dict[ReplicaID, KVEventSubscriber] = {}
         self.in_flight: Counter[ReplicaID] = Counter()
+        # Chosen but not sent yet: Serve may choose for several requests (probing queue lengths
+        # in between) before it sends the first, and each must see the others' choices.
+        self.chosen: Counter[ReplicaID] = Counter()
         self.decisions: Counter[str] = Counter()
         self.follower: asyncio.Task | None = None
 
@@ -104,6 +108,10 @@ class TokenPrefixRouter(RequestRouter):
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
         self.in_flight[replica_id] += 1
+        if self.chosen[replica_id] > 0:
+            self.chosen[replica_id] -= 1
+        if not self.num_pending_requests:  # a choice that fell through is not counted forever
+            self.chosen.clear()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
@@ -123,6 +131,7 @@ class TokenPrefixRouter(RequestRouter):
         by_number = {self._number(r.replica_id): r for r in candidate_replicas}
         loads = {
             n: max(self.in_flight[r.replica_id], int(r.routing_stats.get("load", 0)))
+            + self.chosen[r.replica_id]
             for n, r in by_number.items()
         }
         call = engine_call(pending_request)
@@ -130,6 +139,7 @@ class TokenPrefixRouter(RequestRouter):
         blocks = call.prompt_blocks if call is not None else 0
         chosen, outcome = self.router.route(block_ids, loads, by_number, prompt_blocks=blocks)
         self.decisions[outcome] += 1
+        self.chosen[by_number[chosen].replica_id] += 1
         rest = sorted((n for n in by_number if n != chosen), key=lambda n: (loads[n], n))
         return [[by_number[n]] for n in (chosen, *rest)]
 
