@@ -43,7 +43,6 @@ from ipc.engine_config import EngineConfig
 from ipc.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from ipc.messages import (
     ERR_BAD_REQUEST,
-    ERR_INTERNAL,
     FINISH_ABORT,
     FINISH_ERROR,
     EngineStats,
@@ -149,14 +148,15 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def has_work(self) -> bool:
-        """Whether a step would do anything (a request whose grammar is being built is not
-        work yet: see ``wakeup_fd``)."""
+        """Whether a step would do anything (a request whose grammar is being built, or whose
+        late grammar mask is being computed, is not work yet: see ``wakeup_fd``)."""
         self.grammars.settle()
+        waiting = self.scheduler.waiting
         return bool(
-            self.scheduler.running
-            or self.aborts.pending()
-            or self.grammars.failed
-            or len(self.scheduler.waiting) > len(self.grammars.building)
+            self.aborts.pending()
+            or self.grammars.finished
+            or any(r.ready for r in self.scheduler.running)
+            or (len(waiting) > len(self.grammars.building) and any(r.ready for r in waiting))
         )
 
     @property
@@ -244,6 +244,7 @@ class Engine:
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_available=self.blocks.num_available,
+            grammar_rows_deferred=self.grammars.deferred_rows,
         )
 
     def take_cache_events(self) -> list[KVCacheEvent]:
@@ -259,8 +260,8 @@ class Engine:
         out = StepOutput(step=self._step, t_step=t_start)
         self._finish_aborted(out)
         self.grammars.settle()
-        for request, error, code in self.grammars.take_failed():
-            self._finish(out, request, FINISH_ERROR, error, code)
+        for request, reason, error, code in self.grammars.take_finished():
+            self._finish(out, request, reason, error, code)
         batch = self.scheduler.schedule()
         for request, message in batch.failed:
             self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
@@ -276,7 +277,6 @@ class Engine:
     def close(self) -> None:
         """Stops the grammar threads (the engine process calls this on its way out)."""
         self.grammars.close()
-        self.runner.close()
 
     # --- internals --------------------------------------------------------------------------
     def _run(self, batch: ScheduledBatch) -> StepResult:
@@ -312,16 +312,18 @@ class Engine:
             request.prompt_logprobs_from = entry.start + len(entry.logprobs) // 4
         out.prompt_logprobs = result.prompt_logprobs
         emitted_tokens = []
+        constrained: list[tuple[EngineRequest, int]] = []
+        deferred = set(result.deferred)
         for index, (request, count) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if index in deferred:  # its grammar mask was late: the last token is computed again
+                request.num_computed += count - 1
+                self.grammars.defer(request)
+                continue
             request.num_computed += count
             token = result.tokens[index]
-            grammar_end = None
             if token is not None:
                 if request.grammar is not None:
-                    grammar_end, error = self.grammars.accept(request, token)
-                    if grammar_end == FINISH_ERROR:  # the token is not one the grammar allows
-                        self._finish(out, request, FINISH_ERROR, error, ERR_INTERNAL)
-                        continue
+                    constrained.append((request, token))
                 request.append_token(token)
                 if (logprobs := result.logprobs.get(index)) is not None:
                     logprobs.row = len(out.request_ids)
@@ -340,9 +342,10 @@ class Engine:
                         request.cached_tokens,
                     )
                 )
-            reason = request.finish_reason() or grammar_end  # eos, stop ids, length first
+            reason = request.finish_reason()  # a complete grammar ends it at the next settle
             if reason is not None:
                 self._finish(out, request, reason)
+        self.grammars.advance([(r, t) for r, t in constrained if r.request_id in self.requests])
         out.token_ids = pack_ids(emitted_tokens)
 
     def _finish(

@@ -32,6 +32,7 @@ class EngineLoad:
     kv_blocks_total: int = 0  # 0: the engine keeps no paged KV cache (a stand-in)
     kv_blocks_used: int = 0  # held by a running request
     kv_blocks_available: int = 0  # free, or holding only a cached prefix (evictable)
+    grammar_rows_deferred: int = 0  # steps a constrained row sat out waiting for its mask
 
 
 class EngineLike(Protocol):

@@ -44,6 +44,7 @@ from ipc.sockets import PullQueue, PushQueue
 from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
 from runtime.kv_events import KVEventPublisher
+from runtime.memory import IdleTrim
 from runtime.worker import WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.engine")
@@ -113,6 +114,7 @@ class EngineProcess:
         self.pending = StepOutput(step=0, t_step=0.0)  # metas and errors awaiting the next send
         self.steps = 0
         self.received = 0
+        self.trim = IdleTrim()
         # Requests received from each tokenizer worker (by meta.tokenizer_index): the load
         # report's, from which each worker knows its requests still on their way here.
         self.received_from = [0] * config.tokenizer_workers
@@ -138,6 +140,7 @@ class EngineProcess:
                     self.inbox.wait(math.ceil(delay_s * 1000))
                 else:
                     self.step()
+                    self.trim.busy()
             elif self._has_pending():
                 self.send(self.take_pending())
             else:
@@ -146,7 +149,8 @@ class EngineProcess:
                     or time.monotonic() - self.load_published_t > self.config.heartbeat_interval_s
                 ):
                     self.publish_load()
-                self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100))
+                if not self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100)):
+                    self.trim.idle()  # nothing came: hand back what the last burst freed
             self.runtime.maybe_heartbeat(self.stats())
         self.shutdown()
 
@@ -326,6 +330,8 @@ class EngineProcess:
             "steps": self.steps,
             "received": self.received,
             "imported_tokenizers": float(bool(tokenizer_modules_loaded())),
+            "memory_trims": self.trim.trims,
+            "grammar_rows_deferred": load.grammar_rows_deferred,
             **(
                 {
                     "kv_blocks_total": load.kv_blocks_total,

@@ -80,8 +80,9 @@ class EngineRequest:
 
     @property
     def ready(self) -> bool:
-        """False while the request's grammar is still being built: it waits, others go on."""
-        return self.grammar is None or self.grammar.ready()
+        """False while the request's grammar is still being built, or while the mask its last
+        step lacked is still being computed: it waits, others go on."""
+        return self.grammar is None or self.grammar.schedulable()
 
     @property
     def num_tokens(self) -> int:

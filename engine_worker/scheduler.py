@@ -8,7 +8,8 @@ Order of a step, oldest first (FCFS):
 2. waiting requests are admitted while the batch has room (``max_batch_size``), the step has
    prefill budget (``prefill_max_batch_size`` requests, ``prefill_max_tokens`` tokens) and the
    pool has blocks. A request never computes more than ``prefill_chunk_tokens`` in one step.
-   One whose grammar is still being built is passed over until it is ready.
+A request that is not ``ready`` (its grammar is still being built, or the grammar mask its last
+step lacked is still being computed) is passed over, running or waiting, until it is.
 
 Requests that ask for prompt logprobs need the logits of every prompt position they compute:
 they never take blocks from the prefix cache (their own blocks are still published), and
@@ -72,6 +73,9 @@ class Scheduler:
         position = 0
         while position < len(self.running):
             request = self.running[position]
+            if not request.ready:
+                position += 1
+                continue
             if request.is_decoding:
                 count = 1
             else:

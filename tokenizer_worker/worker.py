@@ -29,6 +29,7 @@ from ipc.messages import (
 from ipc.queries import TokenizeRequest
 from ipc.sockets import PullQueue, PushQueue
 from runtime.factories import load_factory
+from runtime.memory import IdleTrim
 from runtime.model_files import load_tokenizer
 from runtime.worker import WorkerRuntime, run_on_context
 from tokenizer_worker.chat_template import ChatTemplate
@@ -102,6 +103,7 @@ class TokenizerWorker:
         self.rejected = 0
         self.answered = 0  # TokenizeRequests
         self.tokenize_s = 0.0
+        self.trim = IdleTrim()
 
     def run(self) -> None:
         self.runtime.announce([self.inbox.address])
@@ -110,8 +112,10 @@ class TokenizerWorker:
             for vocabulary in self.vocabularies:
                 vocabulary.poll()
             if not self.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):
+                self.trim.idle()  # nothing came: hand back what the last batch freed
                 continue
             self.handle(self.inbox.drain(self.config.tokenizer_batch_max, self._reject_frame))
+            self.trim.busy()
         # Stopping: answer whatever is still queued, so no accepted request goes silent.
         self.runtime.draining = True
         deadline = time.monotonic() + 0.2
@@ -221,6 +225,7 @@ class TokenizerWorker:
             "answered": self.answered,
             "tokenize_s": self.tokenize_s,
             "draining": float(self.runtime.draining),
+            "memory_trims": self.trim.trims,
             **(self.routing.stats() if self.routing is not None else {}),
         }
 

@@ -5,6 +5,7 @@ decode loop, and transformers' ``generate`` timed the same way."""
 from __future__ import annotations
 
 import itertools
+import select
 import time
 from dataclasses import dataclass
 
@@ -88,11 +89,23 @@ def decode_run(
         engine.add(name, prompt, params(new_tokens + 1, **sampling), grammar=grammar)
     prefill_all(engine)
     constrained = sum(engine.requests[n].grammar is not None for n in names if n in engine.requests)
-    produced, start = 0, time.perf_counter()
-    while engine.has_work():
-        produced += len(engine.step().request_ids)
+    start = time.perf_counter()
+    produced = step_until_done(engine)
     elapsed = time.perf_counter() - start
     return DecodeRun(produced / elapsed, elapsed, constrained)
+
+
+def step_until_done(engine: Engine) -> int:
+    """Steps until every request has ended; returns the tokens produced. A constrained row whose
+    mask is late is not work: the loop sleeps on the engine's wake-up pipe then, as the engine
+    process does."""
+    produced = 0
+    while engine.requests:
+        if engine.has_work():
+            produced += len(engine.step().request_ids)
+        else:
+            select.select([engine.wakeup_fd], [], [], 1.0)
+    return produced
 
 
 def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int, **sampling) -> float:

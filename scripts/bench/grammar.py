@@ -155,6 +155,7 @@ def run_compile(args) -> None:
 
 
 def run_mask(args) -> None:
+    from engine_worker.grammar_builder import advance_matcher
     from engine_worker.grammar_mask import GrammarMasker
     from ipc.structured import StructuredOutputSpec
 
@@ -171,8 +172,11 @@ def run_mask(args) -> None:
             t = time.perf_counter()
             masker.apply(logits, grammars)
             for row, token in enumerate(logits.argmax(dim=-1).tolist()):
-                if grammars[row] is not None and grammars[row].accept(token) is not None:
-                    grammars[row] = None  # complete: unconstrained from here
+                grammar = grammars[row]
+                if grammar is not None:
+                    advance_matcher(grammar, token)  # what the mask thread does, here inline
+                    if not grammar.mask_ready():
+                        grammars[row] = None  # complete (or failed): unconstrained from here
             times.append(time.perf_counter() - t)
     builder.close()
     ms = np.array(times) * 1e3

@@ -82,8 +82,9 @@ def run_decode(args, asker: _Asker | None = None) -> None:
     for dtype in args.dtypes:
         print(decode_row(args, dtype, prompts, grammar, vocabulary))
     print(
-        "  (grammar ms/step: waiting for the batched mask after the forward, applying it and "
-        "advancing the matchers)"
+        "  (grammar ms/step: the step's own grammar work, applying the ready masks and handing "
+        "the sampled tokens to the mask thread; rows whose mask was late are deferred, not "
+        "waited for)"
     )
 
 
@@ -127,8 +128,9 @@ def decode_row(args, dtype: str, prompts: list[list[int]], grammar: str, vocabul
 
 
 def _time_grammar_work(engine: Engine) -> list[float]:
-    """Times, per constrained step, the wait for the batched mask after the forward, applying
-    it and advancing the matchers (the masker exists once a constrained step has run)."""
+    """Times, per constrained step, the step's own grammar work: applying the ready masks and
+    handing the sampled tokens to the mask thread (the masker exists once a constrained step
+    has run)."""
     times: list[float] = []
     masker, grammars, spent = engine.runner.grammar_masker, engine.grammars, [0.0]
     assert masker is not None
@@ -149,8 +151,8 @@ def _time_grammar_work(engine: Engine) -> list[float]:
             times.append(spent[0])
         return out
 
-    masker.finish = timed(masker.finish)  # type: ignore[method-assign]
-    grammars.accept = timed(grammars.accept)  # type: ignore[method-assign]
+    masker.apply = timed(masker.apply)  # type: ignore[method-assign]
+    grammars.advance = timed(grammars.advance)  # type: ignore[method-assign]
     engine.step = step  # type: ignore[method-assign]
     return times
 
