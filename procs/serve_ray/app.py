@@ -77,10 +77,14 @@ def router_config(settings: ServeSettings) -> RequestRouterConfig:
     )
 
 
-def build_app(args: dict[str, Any] | None = None, **knobs: Any) -> Application:
-    """The application, from a ServeSettings or flat knobs (``args`` and keywords alike)."""
-    given = {**(args or {}), **knobs}
-    settings = given.pop("settings", None) or settings_from(given)
+def build_app(args: dict[str, Any]) -> Application:
+    """The application from flat knobs: what a Serve config file's ``import_path`` names, its
+    ``args`` the knobs (Serve calls a builder with exactly one argument, that dict)."""
+    return application(settings_from(args))
+
+
+def application(settings: ServeSettings) -> Application:
+    """The ingress bound to the engine deployment, with the request router ``settings`` name."""
     engine = serve.deployment(
         EngineReplica,
         name="engine",

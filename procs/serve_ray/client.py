@@ -50,15 +50,19 @@ logger = logging.getLogger("splitserve.serve_ray")
 BATCH_MAX = 64  # requests prepared in one encode_batch, as a tokenizer worker batches
 RETRIES = 1  # sends again of a request whose replica died before it produced anything
 
-Prepared = tuple[TokenizedRequest | RequestError, list[int]]
+# (the request ready for an engine, or why not; its block ids; its text for a character router)
+Prepared = tuple[TokenizedRequest | RequestError, list[int], str | None]
 
 
 class PrepareQueue:
     """Tokenizing and hashing on one thread of its own, batched: the event loop, which streams
-    every other request, never encodes a prompt."""
+    every other request, never encodes a prompt. ``with_text``: each request's prompt as text
+    too (its token ids decoded, the chat template applied), for a router that matches
+    characters."""
 
-    def __init__(self, preparer: RequestPreparer, block_size: int) -> None:
+    def __init__(self, preparer: RequestPreparer, block_size: int, with_text: bool = False) -> None:
         self.preparer = preparer
+        self.with_text = with_text
         self.queries = TokenizerQueries(preparer.tokenizer, preparer.chat_template, preparer.limits)
         self.hasher = BlockHasher(block_size)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="splitserve-tokenize")
@@ -97,9 +101,11 @@ class PrepareQueue:
         out: list[Prepared] = []
         for result in self.preparer.prepare_batch(requests):
             if isinstance(result, TokenizedRequest):
-                out.append((result, self.hasher.hashes(result.token_ids, result.cache_salt)))
+                hashes = self.hasher.hashes(result.token_ids, result.cache_salt)
+                text = self.preparer.tokenizer.decode(result.token_ids) if self.with_text else None
+                out.append((result, hashes, text))
             else:
-                out.append((result, []))
+                out.append((result, [], None))
         return out
 
     async def answer(self, query: Any) -> TokenizeResult | RequestError:
@@ -124,17 +130,11 @@ class ServeRequestHandle(AsyncRequestHandle):
 
 class ServeClient(QueryMethods):
     def __init__(
-        self,
-        engine: DeploymentHandle,
-        prepare: PrepareQueue,
-        welcome: ClientWelcome,
-        prompt_text: bool = False,
+        self, engine: DeploymentHandle, prepare: PrepareQueue, welcome: ClientWelcome
     ) -> None:
-        """``prompt_text``: give each call the prompt's text, for a router that reads it."""
         self.engine = engine.options(stream=True)
         self.prepare = prepare
         self.welcome: ClientWelcome | None = welcome
-        self.prompt_text = prompt_text
         self._core = ClientCore(None)
         self.client_id = self._core.client_id
         self.block_size = prepare.hasher.block_size
@@ -174,11 +174,11 @@ class ServeClient(QueryMethods):
     async def _run(self, handle: ServeRequestHandle, msg: SubmitRequest) -> None:
         record = handle.record
         try:
-            prepared, block_ids = await self.prepare.prepare(msg)
+            prepared, block_ids, text = await self.prepare.prepare(msg)
             if isinstance(prepared, RequestError):
                 self._end(handle, _error_event(record.wire_id, prepared))
                 return
-            call = self._engine_call(msg, prepared, block_ids)
+            call = self._engine_call(msg, prepared, block_ids, text)
             for attempt in range(RETRIES + 1):
                 try:
                     await self._stream(handle, call)
@@ -209,7 +209,7 @@ class ServeClient(QueryMethods):
             raise
 
     def _engine_call(
-        self, msg: SubmitRequest, prepared: TokenizedRequest, block_ids: list[int]
+        self, msg: SubmitRequest, prepared: TokenizedRequest, block_ids: list[int], text: str | None
     ) -> EngineCall:
         """Token ids in place of the text: the replica's cluster only checks them."""
         request = SubmitRequest(
@@ -229,7 +229,7 @@ class ServeClient(QueryMethods):
             codec.encode(request),
             tuple(block_ids),
             len(prepared.token_ids) // (4 * self.block_size),
-            _text_of(msg) if self.prompt_text else None,
+            text,
         )
 
     def _end(self, handle: ServeRequestHandle, event: StreamEvent) -> None:
@@ -271,10 +271,3 @@ def _error_event(wire_id: str, error: RequestError) -> StreamEvent:
         error_code=error.code,
         error_param=error.param or None,
     )
-
-
-def _text_of(msg: SubmitRequest) -> str:
-    """The prompt as a character-prefix router sees it: its text, or its messages' contents."""
-    if msg.prompt is not None:
-        return msg.prompt
-    return "".join(m.content for m in msg.messages or [])

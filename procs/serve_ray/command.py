@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     try:
         from ray import serve
 
-        from procs.serve_ray.app import build_app
+        from procs.serve_ray.app import application
     except ImportError as exc:
         print(
             f"splitserve serve-ray needs Ray Serve ({exc}): pip install -e '.[ray]'",
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
     start_ray(args)
     serve.start(http_options={"host": settings.http_host, "port": settings.http_port})
     try:
-        serve.run(build_app(settings=settings), name=APP_NAME, route_prefix="/")
+        serve.run(application(settings), name=APP_NAME, route_prefix="/")
         where = f"http://{settings.http_host}:{settings.http_port}"
         print(f"splitserve on Ray Serve: OpenAI API at {where}/v1", flush=True)
         print(f"settings: {dataclasses.asdict(settings)}", file=sys.stderr, flush=True)

@@ -47,7 +47,10 @@ class Ingress:
         welcome = ClientWelcome([], info["model"], limits.max_model_len, limits.vocab_size)
         return ServeClient(
             self.engine,
-            PrepareQueue(preparer, info["block_size"]),
+            PrepareQueue(
+                preparer,
+                info["block_size"],
+                with_text=self.settings.request_router == PREFIX_CACHE_AFFINITY,
+            ),
             welcome,
-            prompt_text=self.settings.request_router == PREFIX_CACHE_AFFINITY,
         )

@@ -147,13 +147,15 @@ def serve_app(model: str, router: str, replicas: int, knobs: dict[str, Any], arg
     from procs.serve_ray.app import build_app
 
     return build_app(
-        model=model,
-        replicas=replicas,
-        request_router=router,
-        kv_events_host="127.0.0.1",
-        routing_stats_period_s=0.5,
-        routing_balance_abs_threshold=args.balance_abs_threshold,
-        **knobs,
+        {
+            "model": model,
+            "replicas": replicas,
+            "request_router": router,
+            "kv_events_host": "127.0.0.1",
+            "routing_stats_period_s": 0.5,
+            "routing_balance_abs_threshold": args.balance_abs_threshold,
+            **knobs,
+        }
     )
 
 

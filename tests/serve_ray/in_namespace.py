@@ -111,7 +111,8 @@ def openai_streams(oai: openai.OpenAI) -> dict[str, Any]:
     try:
         oai.completions.create(model="", prompt="x", max_tokens=0)
     except openai.BadRequestError as exc:
-        bad = {"status": exc.status_code, "param": (exc.body or {}).get("param")}
+        body = exc.body if isinstance(exc.body, dict) else {}
+        bad = {"status": exc.status_code, "param": body.get("param")}
     return {
         "chat_deltas": sum(1 for c in chat_chunks if c.choices and c.choices[0].delta.content),
         "chat_finish": [c.choices[0].finish_reason for c in chat_chunks if c.choices][-1],
@@ -125,8 +126,8 @@ def openai_streams(oai: openai.OpenAI) -> dict[str, Any]:
 def sse_terminals(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """One streamed completion read raw: how many terminal events (a finish_reason or an error
     object) came before [DONE], and which."""
-    body = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    body["ignore_eos"] = True
+    body: dict[str, Any] = {"model": "", "prompt": prompt, "max_tokens": max_tokens}
+    body.update(stream=True, ignore_eos=True)
     terminals: list[str] = []
     done = False
     with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=120) as response:
@@ -186,7 +187,7 @@ def replica_killed_under_load() -> dict[str, Any]:
 
 def real_model_answer(model_dir: str) -> dict[str, Any]:
     serve.run(
-        build_app(model=model_dir, replicas=1, kv_events_host="127.0.0.1"),
+        build_app({"model": model_dir, "replicas": 1, "kv_events_host": "127.0.0.1"}),
         name="real",
         route_prefix="/",
     )
@@ -236,7 +237,7 @@ def start(tmp_dir: str, tiny_dir: str) -> dict[str, Any]:
         _temp_dir=str(Path(tmp_dir) / "ray"),
     )
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app(model=tiny_dir, **TINY_KNOBS), name="splitserve", route_prefix="/")
+    serve.run(build_app({"model": tiny_dir, **TINY_KNOBS}), name="splitserve", route_prefix="/")
     return {"node_ip": ray.util.get_node_ip_address()}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,3 +118,38 @@ def test_a_killed_engine_replica_loses_no_request_and_serve_brings_it_back(scena
 def test_the_real_model_answers_through_serve(scenarios):
     seen = part(scenarios, "real")
     assert "Paris" in seen["text"]
+
+
+# --- without a Ray cluster: how the application is described --------------------------------------
+def test_the_documented_serve_config_file_builds_the_application():
+    """docs/ray.md's config file, through Serve's own schema and application builder call."""
+    import yaml
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.schema import ServeDeploySchema
+
+    block = re.search(r"```yaml\n(.*?)```", (ROOT / "docs/ray.md").read_text(), re.S)
+    assert block is not None
+    config = ServeDeploySchema.model_validate(yaml.safe_load(block.group(1))).applications[0]
+    builder = import_attr(config.import_path)
+    ingress = call_user_app_builder_with_args_if_necessary(builder, config.args)._bound_deployment
+    engine, settings = ingress.init_args
+    deployment = engine._bound_deployment
+    assert (deployment.name, deployment.num_replicas) == ("engine", 4)
+    router = deployment._deployment_config.request_router_config
+    assert router.request_router_class == "procs.serve_ray.router:TokenPrefixRouter"
+    assert router.request_router_kwargs["balance_abs_threshold"] == 16
+    assert settings.api_key == "KEY" and settings.cluster["kv_cache_tokens"] == 65536
+    with pytest.raises(TypeError, match="replicaz"):
+        call_user_app_builder_with_args_if_necessary(builder, {"replicaz": 3})
+
+
+def test_the_command_line_splits_the_application_knobs_from_each_replicas():
+    from procs.serve_ray.command import build_parser, settings_of
+
+    argv = ["--replicas", "3", "--request-router", "power_of_two", "--max-batch-size", "8"]
+    settings = settings_of(build_parser().parse_args([*argv, "--routing-cache-threshold", "0.5"]))
+    assert (settings.replicas, settings.request_router) == (3, "power_of_two")
+    assert settings.cluster["max_batch_size"] == 8 and settings.thresholds.cache_threshold == 0.5
+    with pytest.raises(SystemExit):  # Serve makes the replicas: no --engines
+        build_parser().parse_args(["--engines", "2"])
