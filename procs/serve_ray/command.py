@@ -99,6 +99,7 @@ def main(argv: list[str]) -> int:
         print(f"splitserve serve-ray: {exc}", file=sys.stderr)
         return 2
     try:
+        import ray
         from ray import serve
 
         from procs.serve_ray.app import application
@@ -108,10 +109,11 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    start_ray(args)
+    # After ray.init, whose own SIGTERM handler would abort the process with no clean-up.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    start_ray(args)
     serve.start(http_options={"host": settings.http_host, "port": settings.http_port})
     try:
         serve.run(application(settings), name=APP_NAME, route_prefix="/")
@@ -122,6 +124,7 @@ def main(argv: list[str]) -> int:
     finally:
         print("splitserve serve-ray shutting down", flush=True)
         serve.delete(APP_NAME)
-        if not args.address:
+        if not args.address:  # the local Ray started here stops with it
             serve.shutdown()
+            ray.shutdown()
     return 0
