@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -37,7 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ipc.messages import Usage
-from scripts.bench.conversations import ChatWorkload, RunRecord, run_conversations
+from scripts.bench.conversations import (
+    ChatWorkload,
+    RunRecord,
+    add_workload_flags,
+    run_conversations,
+    workload_of,
+)
 from scripts.bench.cost_model_engine import FACTORY, STEP_COST_ENV, StepCost, output_ids
 from scripts.bench.http_client import make_http, request_body, stream
 from scripts.bench.options import add_parts, workload_parser
@@ -48,6 +55,8 @@ PARTS = ["routers", "overhead"]
 IN_NAMESPACE_ENV = "SPLITSERVE_BENCH_IN_NETNS"
 PORT = 8000
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
+# Serve's access log writes a line per request in every replica, on the cores being measured.
+QUIET_LOGS = {"log_level": "WARNING", "enable_access_log": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,11 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step-cost", default=StepCost().to_env(), metavar="MS,US,US")
     g.add_argument("--overhead-requests", type=int, default=40)
     g.add_argument("--overhead-prompt-tokens", type=int, default=512)
-    w = p.add_argument_group("workload (data-parallel's)")
-    defaults = ChatWorkload()
-    for name in ChatWorkload.__dataclass_fields__:
-        default = getattr(defaults, name)
-        w.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    add_workload_flags(p.add_argument_group("workload (data-parallel's)"))
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
     return p
 
@@ -164,7 +169,11 @@ def run_router(model: str, router: str, args: Any, workload: ChatWorkload) -> di
 
     from procs.serve_ray.app import engine_replica_stats
 
-    serve.run(serve_app(model, router, 2, engine_knobs(args, workload), args), name="bench")
+    serve.run(
+        serve_app(model, router, 2, engine_knobs(args, workload), args),
+        name="bench",
+        logging_config=QUIET_LOGS,
+    )
     try:
         record = asyncio.run(run_conversations(HttpChats(f"http://127.0.0.1:{PORT}"), workload))
         served = engine_replica_stats("bench")
@@ -192,7 +201,9 @@ def run_overhead(model: str, args: Any, workload: ChatWorkload) -> dict[str, Any
     from procs.launch_cluster import launch_cluster
 
     knobs = engine_knobs(args, workload)
-    serve.run(serve_app(model, "splitserve", 1, knobs, args), name="bench")
+    serve.run(
+        serve_app(model, "splitserve", 1, knobs, args), name="bench", logging_config=QUIET_LOGS
+    )
     try:
         serve_ttft = asyncio.run(one_stream(f"http://127.0.0.1:{PORT}", args))
     finally:
@@ -247,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from scripts.bench.fast_engine import fast_engine_model
 
-    workload = ChatWorkload(**{n: getattr(args, n) for n in ChatWorkload.__dataclass_fields__})
+    workload = workload_of(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     os.environ[STEP_COST_ENV] = StepCost(*map(float, args.step_cost.split(","))).to_env()
     print(f"load average {os.getloadavg()[0]:.2f}; {workload.describe()}", flush=True)
     results: dict[str, dict[str, Any]] = {}
