@@ -32,7 +32,9 @@ OBJECT_STORE_BYTES = 200 * 1024 * 1024
 TINY_KNOBS: dict[str, Any] = dict(
     replicas=2,
     engine_threads=1,
-    kv_events_host="127.0.0.1",
+    # Not in ipc.config.LOOPBACK_HOSTS, though on the namespace's lo: the replicas publish their
+    # KV events as on a multi-node cluster, on a TCP address with CURVE.
+    kv_events_host="127.0.0.2",
     kv_cache_tokens=8192,
     max_model_len=1024,
     routing_stats_period_s=0.5,
@@ -90,6 +92,7 @@ def routing(oai: openai.OpenAI) -> dict[str, Any]:
     out["aborted_after_disconnect"] = sum(s["aborted"] for s in stats.values()) - aborted_before
     out["load_after_disconnect"] = {r: s["load"] for r, s in stats.items()}
     out["kv_event_metadata"] = {r: s["kv_event_metadata"] for r, s in stats.items()}
+    out["curve"] = {r: bool(s["curve_public_key"]) for r, s in stats.items()}
     return out
 
 
