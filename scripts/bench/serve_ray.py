@@ -53,6 +53,7 @@ from scripts.bench.stats import percentiles
 ROUTERS = ("splitserve", "prefix_cache_affinity", "power_of_two")
 PARTS = ["routers", "overhead"]
 IN_NAMESPACE_ENV = "SPLITSERVE_BENCH_IN_NETNS"
+NICENESS = "RAY_worker_niceness"
 PORT = 8000
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
 # Serve's access log writes a line per request in every replica, on the cores being measured.
@@ -243,7 +244,8 @@ def report(results: dict[str, dict[str, Any]]) -> list[str]:
 def in_namespace(argv: list[str]) -> int:
     """Runs this workload again inside a private network namespace (loopback only)."""
     script = 'ip link set lo up && exec "$0" -m scripts.bench serve-ray "$@"'
-    env = {**os.environ, IN_NAMESPACE_ENV: "1", "RAY_AUTH_MODE": "disabled"}
+    # Ray starts its workers at nice 15; the plain cluster it is compared with runs at 0.
+    env = {**os.environ, IN_NAMESPACE_ENV: "1", "RAY_AUTH_MODE": "disabled", NICENESS: "0"}
     cmd = ["unshare", "-rn", "sh", "-c", script, sys.executable, *argv]
     return subprocess.run(cmd, env=env).returncode
 
