@@ -109,7 +109,8 @@ class ClusterClient(Protocol):
     implementation (``build_app(connect=)``): procs/serve_ray's, whose engines sit behind Ray
     Serve, hands out AsyncRequestHandles all the same."""
 
-    welcome: ClientWelcome | None
+    @property
+    def welcome(self) -> ClientWelcome | None: ...
 
     def submit(self, *args: Any, **kwargs: Any) -> AsyncRequestHandle: ...
     def tokenize(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -27,11 +27,11 @@ from ray.serve.handle import DeploymentHandle
 from ipc import codec
 from ipc.block_hash import BlockHasher
 from ipc.client import AsyncRequestHandle, UnavailableError
-from ipc.client.core import ClientCore, encode_request
+from ipc.client.core import ClientCore
 from ipc.client.errors import error_for
 from ipc.client.queries import Builder, QueryMethods
 from ipc.client.records import RequestRecord, unavailable_event
-from ipc.client.requests import build_submit
+from ipc.client.requests import build_submit, encode_request
 from ipc.messages import (
     FINISH_ABORT,
     FINISH_ERROR,
