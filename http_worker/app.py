@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from http_worker.answer import generate, json_response
 from http_worker.body import BodyReader, validation_error
-from http_worker.frontend import Frontend, FrontendSettings
+from http_worker.frontend import Connect, Frontend, FrontendSettings, connect_cluster
 from http_worker.generation import GenerationPlan, plan_generation
 from http_worker.messages_api_bodies import messages_error_body
 from http_worker.openapi import JSON_OBJECT, install_openapi, operation, reading
@@ -118,8 +118,9 @@ def _lifespan(
     return lifespan
 
 
-def build_app(settings: FrontendSettings) -> FastAPI:
-    frontend = Frontend(settings)
+def build_app(settings: FrontendSettings, connect: Connect = connect_cluster) -> FastAPI:
+    """``connect``: how the frontend gets its client (the default: the cluster's address)."""
+    frontend = Frontend(settings, connect)
     app = FastAPI(
         title="splitserve",
         description="An OpenAI-compatible API. Request fields are typed strictly (an integer "

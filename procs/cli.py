@@ -337,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the serving benchmark (python -m scripts.bench serving): inproc vs cluster, "
         "submit wall and TTFT (splitserve bench --help for its options)",
     )
+    sub.add_parser(
+        "serve-ray",
+        add_help=False,
+        help="serve on Ray Serve, one node or many (needs the ray extra; splitserve serve-ray "
+        "--help for its options; docs/ray.md)",
+    )
     return parser
 
 
@@ -344,6 +350,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         sys.exit(run_bench(argv[1:]))
+    if argv[:1] == ["serve-ray"]:
+        # Deferred: the Ray launcher is an optional extra, and nothing else needs it.
+        from procs.serve_ray.command import main as serve_ray
+
+        logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
+        sys.exit(serve_ray(argv[1:]))
     args = build_parser().parse_args(argv)
     quiet = args.command in ("chat", "generate")
     os.environ.setdefault("SPLITSERVE_LOG_LEVEL", "WARNING" if quiet else "INFO")

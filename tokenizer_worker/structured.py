@@ -97,7 +97,9 @@ class StructuredOutputs:
         return self._backend.result()[0]
 
     def plan(self, req: SubmitRequest) -> OutputPlan:
-        tools, choice = offered_tools(req.tools, req.tool_choice, req.messages is not None)
+        # Token ids with tools are taken as a chat already rendered with them (a Ray Serve
+        # ingress renders and encodes, then hands the engine replica the ids); raw text is not.
+        tools, choice = offered_tools(req.tools, req.tool_choice, req.prompt is None)
         spec = tool_calls.forced_tool_call_spec(tools, choice, req.parallel_tool_calls)
         if spec is not None and req.structured is not None:
             raise ToolSpecError(
@@ -127,13 +129,17 @@ class StructuredOutputs:
 
 
 def offered_tools(
-    tools_json: str, tool_choice_json: str, has_messages: bool
+    tools_json: str, tool_choice_json: str, is_chat: bool
 ) -> tuple[list[dict[str, Any]], ToolChoice]:
-    """A request's tools and tool_choice (JSON text, as they travel), checked."""
+    """A request's tools and tool_choice (JSON text, as they travel), checked. ``is_chat``:
+    chat messages, or the token ids of a chat rendered with the tools (not a text prompt)."""
     if not (tools_json or tool_choice_json):
         return [], ToolChoice("none")
-    if not has_messages:
-        raise ToolSpecError("tools and tool_choice need chat messages")
+    if not is_chat:
+        raise ToolSpecError(
+            "tools and tool_choice need chat messages (or the token ids of a chat rendered "
+            "with them)"
+        )
     tools = tool_calls.check_tools(_json(tools_json, "tools")) if tools_json else []
     choice = tool_calls.resolve_tool_choice(
         tools, _json(tool_choice_json, "tool_choice") if tool_choice_json else None
