@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,12 @@ def scenarios(request, tiny_model_dir, tmp_path_factory) -> dict[str, Any]:
     missing = [tool for tool in ("unshare", "ip") if shutil.which(tool) is None]
     if missing:
         pytest.fail(f"the Ray tests need {missing} (util-linux, iproute2) for their namespace")
-    tmp = tmp_path_factory.mktemp("ray")
-    out = tmp / "results.json"
-    args = [str(out), str(tmp), str(tiny_model_dir)]
+    out = tmp_path_factory.mktemp("ray") / "results.json"
+    # Ray's own temp dir holds unix sockets, whose paths may not pass 107 bytes: pytest's tmp
+    # paths (longer under pytest-xdist, popen-gwN) leave Ray too little, so it is short, in /tmp.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ssray-"))
+    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
+    args = [str(out), str(ray_tmp), str(tiny_model_dir)]
     if any(item.name == REAL_TEST for item in request.session.items):
         from procs.model_store import ensure_default_model
 
