@@ -48,9 +48,10 @@ class EngineConfig:
     weights: str = knob("auto", WEIGHTS_HELP, choices=WEIGHTS)
     quantized_max_tokens: int = knob(
         0,
-        "steps of more tokens than this run on the dense copy "
-        "of quantized weights; 0 = the format's measured "
-        "crossover",
+        "a step's decode rows run on quantized weights while "
+        "there are at most this many, on their dense copy above "
+        "(prompt rows always run on the dense copy); 0 = the "
+        "format's measured crossover",
         unit="TOKENS",
         minimum=0,
     )
