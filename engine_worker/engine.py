@@ -101,6 +101,7 @@ class Engine:
                 dense_copy=dense_copy_fits(
                     model_config, dtype, weight_copy_budget_bytes(self.device)
                 ),
+                deterministic=config.deterministic,
             )
         dtype = weight_format.dtype
         model = LlamaFamilyModel.load(

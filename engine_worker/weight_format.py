@@ -18,7 +18,8 @@
 
 A quantized layer also keeps a dense copy, when that copy fits the memory budget: prompt rows
 run on it (prefill, where dense GEMM beats the integer kernels), and so do the decode rows of a
-step that has more than ``max_tokens`` of them (``linear.BatchSizeSwitch``). Quantized kernels
+step that has more than ``max_tokens`` of them (``linear.BatchSizeSwitch``), unless the format
+is ``deterministic``: then decode rows always run on the quantized kernels. Quantized kernels
 are CPU-only: on CUDA, auto serves dense weights.
 Whatever the head's format, below float32 each row's top logits are recomputed in float32 from
 the checkpoint's head rows (``linear.refine_top_logits``, in the model's forward).
@@ -116,10 +117,11 @@ class WeightFormat:
         max_tokens: int = 0,
         dense_copy: bool = True,
         reference_for: torch.dtype | None = None,
+        deterministic: bool = False,
     ) -> None:
         check_weights_and_dtype(weights, reference_for or dtype, device)
         self.weights, self.dtype, self.device = weights, dtype, device
-        self.max_tokens = max_tokens
+        self.max_tokens = BatchSizeSwitch.UNBOUNDED if deterministic else max_tokens
         self.dense_copy = dense_copy and reference_for is None
         self.reference_for = reference_for
         self.counts: dict[str, int] = {}  # layers built per kind, for the start-up log line

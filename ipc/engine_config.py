@@ -55,6 +55,14 @@ class EngineConfig:
         unit="TOKENS",
         minimum=0,
     )
+    deterministic: bool = knob(
+        False,
+        "an identical request gets identical tokens at temperature 0 "
+        "or with a seed whatever the load: decode rows always run on "
+        "quantized weights and the lm_head on one kernel whatever the "
+        "batch size (costs decode speed above the crossover; "
+        "docs/determinism.md)",
+    )
     max_batch_size: int = knob(
         32, "most requests decoded together in one engine step", unit="REQUESTS", minimum=1
     )
