@@ -8,15 +8,17 @@ what must go out, handed over by ``take_output()``:
     events    per client, the StreamEvents of this pass (one ClientEvents message each)
     notices   per client, ClusterNotices to send after its events
     replies   per client, answers to its queries (TokenizeResult, EngineStatsReport)
-    aborts    request ids to abort in the engine: client aborts, matched stop strings, requests
-              of clients that are gone (what vLLM's OutputProcessor returns as reqs_to_abort)
+    aborts    (request id, engine replica) to abort: client aborts, matched stop strings,
+              requests of clients that are gone (what vLLM's OutputProcessor returns as
+              reqs_to_abort); replica EVERY_REPLICA while the request's meta, which says where
+              it runs, has not arrived
 
 Every request it learns about (a RequestMeta or a RequestError) ends in exactly one terminal
-StreamEvent to its client; every query, in exactly one reply or error event. It keeps the
-engine's latest stats (each StepOutput carries them) to answer EngineStatsQuery: the one process
-every client and HTTP frontend talks to, so all of them read the same figures. It reads no
-clock: times come from the messages, or as ``now`` from its caller. The process loop (worker.py)
-and the benchmark's in-process server run this same object.
+StreamEvent to its client; every query, in exactly one reply or error event. The engines' latest
+stats and the routing decisions live in an EngineBook (engine_book.py), which answers
+EngineStatsQuery; what a dead engine means for its requests, see on_notice. It reads no clock:
+times come from the messages, or as ``now`` from its caller. The process loop (worker.py) and
+the benchmark's in-process server run this same object.
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from detok_worker.engine_book import EngineBook
 from detok_worker.request_state import RequestState
 from detok_worker.token_strings import TokenStrings
 from ipc import codec
 from ipc.messages import (
+    ERR_DUPLICATE_REQUEST,
     ERR_UNAVAILABLE,
     FINISH_ERROR,
     FINISH_STOP,
     NOTICE_DIED,
     ClusterNotice,
-    EngineStats,
     RequestError,
     RequestMeta,
     StepOutput,
@@ -46,6 +49,7 @@ logger = logging.getLogger("splitserve.detokenizer")
 
 MAX_IGNORED = 100_000  # ids stopped/abandoned here whose engine finish has not arrived yet
 MAX_PENDING_ABORTS = 10_000  # per client: aborts for requests not seen yet
+EVERY_REPLICA = -1  # an abort's replica when the request's is not known here
 
 
 @dataclass(slots=True)
@@ -54,7 +58,7 @@ class DetokenizerOutput:
     events: dict[bytes, list[StreamEvent]] = field(default_factory=dict)
     notices: dict[bytes, list[ClusterNotice]] = field(default_factory=dict)
     replies: dict[bytes, list[TokenizeResult | EngineStatsReport]] = field(default_factory=dict)
-    aborts: list[str] = field(default_factory=list)
+    aborts: list[tuple[str, int]] = field(default_factory=list)
 
 
 class ClientInfo:
@@ -76,6 +80,8 @@ class DetokenizerCore:
         stream_interval_tokens: int = 1,
         max_pending_aborts: int = MAX_PENDING_ABORTS,
         max_ignored: int = MAX_IGNORED,
+        engines: int = 1,
+        routing_policy: str = "",
     ) -> None:
         if stream_interval_tokens < 1:
             raise ValueError(
@@ -90,10 +96,7 @@ class DetokenizerCore:
         self.states: dict[str, RequestState] = {}
         # Requests ended here (stop string, gone client) whose engine finish is still to come.
         self.ignored: OrderedDict[str, None] = OrderedDict()
-        self.dead_engine_pids: set[int] = set()
-        self.engine_stats = EngineStats()
-        self.engine_stats_t = 0.0  # the step the stats are from
-        self.engine_pid = 0
+        self.engines = EngineBook(engines, routing_policy)
         self.output = DetokenizerOutput()
         self.steps = 0
         self.notices = 0
@@ -126,7 +129,8 @@ class DetokenizerCore:
             # Known here: the engine answers with finish "abort". Not seen yet: tell the engine
             # now too (it remembers unknown ids for a while; after a detokenizer restart this
             # process never sees the metas of older requests) and abort again when it shows up.
-            self.output.aborts.append(rid)
+            state = self.states.get(rid) if rid in info.request_ids else None
+            self._abort(rid, state.meta.engine_index if state is not None else EVERY_REPLICA)
             if rid not in info.request_ids:
                 info.pending_aborts[rid] = None
                 info.pending_aborts.move_to_end(rid)
@@ -145,17 +149,13 @@ class DetokenizerCore:
             "client %r %s; aborting its %d requests", client_id, reason, len(info.request_ids)
         )
         for rid in info.request_ids:
-            self.states.pop(rid, None)
+            state = self.states.pop(rid, None)
             self._ignore(rid)
-            self.output.aborts.append(rid)
+            self._abort(rid, state.meta.engine_index if state is not None else EVERY_REPLICA)
 
     def on_stats_query(self, client_id: bytes, request_id: str) -> None:
         if client_id in self.clients:
-            self.output.replies.setdefault(client_id, []).append(
-                EngineStatsReport(
-                    request_id, self.engine_stats, self.engine_stats_t, self.engine_pid
-                )
-            )
+            self.output.replies.setdefault(client_id, []).append(self.engines.report(request_id))
 
     # --- engine, tokenizers, supervisor -------------------------------------------------------
     def on_tokenize_result(self, result: TokenizeResult) -> None:
@@ -168,36 +168,64 @@ class DetokenizerCore:
         self.output.replies.setdefault(result.client_id, []).append(result)
 
     def on_request_error(self, err: RequestError) -> None:
+        """A request that ended before the engine, or a refused copy of a live one. An error for
+        an id that is live here is always about a copy (the live request reached the engine, so
+        no worker before it can fail it): its sender learns under ERR_DUPLICATE_REQUEST, and the
+        live request's state, stream and pending aborts are left alone."""
         info = self.clients.get(err.client_id)
         if info is None:
             return
-        info.pending_aborts.pop(err.request_id, None)
+        code, message = err.code, err.message
+        if code != ERR_DUPLICATE_REQUEST and err.request_id in self.states:
+            code = ERR_DUPLICATE_REQUEST
+            message = f"request_id {err.request_id!r} is already in flight; this copy: {message}"
+        if code != ERR_DUPLICATE_REQUEST:
+            info.pending_aborts.pop(err.request_id, None)
         self._queue(
             err.client_id,
             StreamEvent(
                 request_id=err.request_id,
                 finished=True,
                 finish_reason=FINISH_ERROR,
-                error=err.message,
-                error_code=err.code,
+                error=message,
+                error_code=code,
+                error_param=err.param or None,
             ),
         )
 
     def on_step_output(self, out: StepOutput) -> None:
-        if out.engine_pid and out.engine_pid in self.dead_engine_pids:
-            return  # a dead engine's late output: its requests already ended here
+        """One engine step, in passes whose order is the rule:
+
+        1. the engine's stats, from any step (one with no tokens too); a dead engine's late
+           output is dropped whole (its requests already ended here);
+        2. the metas of requests new since the last step: every later pass names requests,
+           and the engine sends a request's meta in the step output that precedes or carries
+           its first token;
+        3. starts and prompt logprobs, ahead of any token: a request's first delta carries its
+           queue times and its prompt's entries;
+        4. the tokens, decoded in order with stop strings matched and deltas queued, before the
+           finishes: a request's last tokens belong in the text its terminal event carries, so
+           a request that finishes in this step gets no delta of its own;
+        5. the finishes: each open request's terminal event.
+        """
+        if not self.engines.on_step(out):
+            return
         self.steps += 1
-        if out.stats is not None:
-            self.engine_stats, self.engine_stats_t = out.stats, out.t_step
-            self.engine_pid = out.engine_pid
         for meta in out.new_requests:
             self._admit(meta)
+        self._apply_starts(out)
+        self._apply_tokens(out)
+        self._apply_finishes(out)
+
+    def _apply_starts(self, out: StepOutput) -> None:
         for start in out.started:
             if (state := self.states.get(start.request_id)) is not None:
                 state.on_start(start)
-        for chunk in out.prompt_logprobs:  # ahead of the request's first token
+        for chunk in out.prompt_logprobs:
             if (state := self.states.get(chunk.request_id)) is not None:
                 state.on_prompt_logprobs(self.strings, chunk)
+
+    def _apply_tokens(self, out: StepOutput) -> None:
         ids = codec.unpack_id_list(out.token_ids)
         if len(ids) != len(out.request_ids):
             logger.error(
@@ -208,8 +236,7 @@ class DetokenizerCore:
             )
             ids = []
         logprobs = {e.row: e for e in out.logprobs if e.row < len(ids)}
-        finishes = out.finished
-        finishing = {f.request_id for f in finishes}
+        finishing = {f.request_id for f in out.finished}
         for row, (rid, token_id) in enumerate(zip(out.request_ids, ids)):
             state = self.states.get(rid)
             if state is None:
@@ -223,10 +250,12 @@ class DetokenizerCore:
             ):
                 self._finish(rid, FINISH_STOP, out.t_step, stopped_by_string=True)
                 self._ignore(rid)
-                self.output.aborts.append(rid)  # frees its KV blocks in the engine
+                self._abort(rid, state.meta.engine_index)  # frees its KV blocks in the engine
             elif rid not in finishing and state.should_stream(self.stream_interval_tokens):
                 self._queue(state.meta.client_id, state.delta(self._prompt_strings(state)))
-        for finish in finishes:
+
+    def _apply_finishes(self, out: StepOutput) -> None:
+        for finish in out.finished:
             if finish.request_id in self.ignored:  # already ended here
                 del self.ignored[finish.request_id]
             elif finish.request_id in self.states:
@@ -239,7 +268,10 @@ class DetokenizerCore:
                 )
 
     def on_notice(self, notice: ClusterNotice, now: float) -> None:
-        """A worker died or is back: end what died with it, tell every client."""
+        """A worker died or is back: end what died with it, tell every client. A dead
+        tokenizer's requests listed alive are those already past it; a dead replica's (of
+        several) that produced nothing are dropped here unended, and the notice lists as alive
+        the client's requests on the other replicas: the client sends the rest again."""
         self.notices += 1
         logger.warning(
             "%s[%d] (pid %d) %s%s",
@@ -249,20 +281,11 @@ class DetokenizerCore:
             notice.event,
             f": {notice.detail}" if notice.detail else "",
         )
-        if notice.event == NOTICE_DIED and notice.role == "engine":
-            if notice.pid:
-                self.dead_engine_pids.add(notice.pid)
-            self.end_all(
-                FINISH_ERROR,
-                now,
-                error=f"unavailable: the engine died "
-                f"({notice.detail or 'exited'}); the request was lost with it",
-                code=ERR_UNAVAILABLE,
-            )
-            self.ignored.clear()  # their engine finishes will never come
-            # Nothing runs or waits any more; the replacement's first step reports afresh.
-            self.engine_stats = EngineStats(kv_blocks_total=self.engine_stats.kv_blocks_total)
-            self.engine_stats_t, self.engine_pid = now, 0
+        replica_died = notice.event == NOTICE_DIED and notice.role == "engine"
+        resend = replica_died and len(self.engines.replicas) > 1
+        if replica_died:
+            self.engines.on_death(notice.index, notice.pid, now)
+            self._end_replica(notice, now, keep_unstarted=resend)
         tokenizer_died = notice.event == NOTICE_DIED and notice.role == "tokenizer"
         for client_id, info in self.clients.items():
             alive = []
@@ -272,6 +295,8 @@ class DetokenizerCore:
                     for rid in info.request_ids
                     if self.states[rid].meta.tokenizer_index == notice.index
                 ]
+            elif resend:  # what runs on the other replicas (this one's are gone by now)
+                alive = list(info.request_ids)
             self.output.notices.setdefault(client_id, []).append(
                 ClusterNotice(
                     event=notice.event,
@@ -280,8 +305,29 @@ class DetokenizerCore:
                     pid=notice.pid,
                     detail=notice.detail,
                     alive_ids=alive,
+                    resend_unstarted=resend,
                 )
             )
+
+    def _end_replica(self, notice: ClusterNotice, now: float, *, keep_unstarted: bool) -> None:
+        """The requests of a dead replica (of the one engine: all of them) end with an
+        "unavailable" error, except, with ``keep_unstarted``, those that produced nothing yet:
+        they are forgotten here, and their clients send them again."""
+        several = len(self.engines.replicas) > 1
+        who = f"engine replica {notice.index}" if several else "the engine"
+        detail = notice.detail or "exited"
+        error = f"unavailable: {who} died ({detail}); the request was lost with it"
+        for rid, state in list(self.states.items()):
+            if several and state.meta.engine_index != notice.index:
+                continue
+            if keep_unstarted and not state.completion_tokens:
+                del self.states[rid]
+                if (info := self.clients.get(state.meta.client_id)) is not None:
+                    info.request_ids.discard(rid)
+            else:
+                self._finish(rid, FINISH_ERROR, now, error=error, code=ERR_UNAVAILABLE)
+        if not several:
+            self.ignored.clear()  # their engine finishes will never come
 
     def end_all(self, reason: str, now: float, *, error: str, code: str) -> None:
         """Every open request ends here, with this reason and error (shutdown, a dead engine)."""
@@ -293,15 +339,17 @@ class DetokenizerCore:
         info = self.clients.get(meta.client_id)
         if meta.request_id in self.states:
             logger.warning("ignored a second meta for request %r", meta.request_id)
-        elif info is None:  # its client is gone (or never said hello)
+            return
+        self.engines.on_admit(meta)
+        if info is None:  # its client is gone (or never said hello)
             self._ignore(meta.request_id)
-            self.output.aborts.append(meta.request_id)
+            self._abort(meta.request_id, meta.engine_index)
         else:
             self.states[meta.request_id] = RequestState(meta)
             info.request_ids.add(meta.request_id)
             if meta.request_id in info.pending_aborts:
                 del info.pending_aborts[meta.request_id]
-                self.output.aborts.append(meta.request_id)
+                self._abort(meta.request_id, meta.engine_index)
 
     def _finish(
         self,
@@ -338,6 +386,9 @@ class DetokenizerCore:
 
     def _prompt_strings(self, state: RequestState) -> TokenStrings | None:
         return self.strings if state.meta.prompt_token_ids and not state.sent_any else None
+
+    def _abort(self, rid: str, replica: int) -> None:
+        self.output.aborts.append((rid, replica))
 
     def _ignore(self, rid: str) -> None:
         self.ignored[rid] = None

@@ -143,6 +143,7 @@ class RequestState:
             token_ids=pack_ids(self.unsent_ids),
             logprobs=self.unsent_logprobs,
             tool_calls=self.unsent_calls,
+            engine_index=self.meta.engine_index,
         )
         if not self.sent_any and self.meta.prompt_token_ids and strings is not None:
             self._add_prompt(event, strings)

@@ -3,16 +3,19 @@
 Sockets:
     ROUTER  client_addr       (bound, ROUTER_MANDATORY) handshake, events and replies out,
                               aborts/bye/engine-stats queries in
-    PULL    detokenizer_addr  (bound) StepOutput from the engine, RequestError and
+    PULL    detokenizer_addr  (bound) StepOutput from the engines, RequestError and
                               TokenizeResult from tokenizers, ClusterNotice from the supervisor
-    PUSH    engine_addr       AbortRequests: client aborts, matched stop strings, gone clients
+    PUSH    engine_addr(r)    AbortRequests, one PUSH per engine replica: client aborts, matched
+                              stop strings, gone clients; to the request's replica, or to every
+                              replica while its meta (which says where it runs) has not arrived
 
 Each pass: receive and decode whatever is ready, hand it to the core, then send what the core
 produced: welcomes, one ClientEvents per client followed by its notices, one AbortRequests. A
 client whose queue is full (it stopped reading) or that is unreachable is dropped, and its
-requests are aborted in the same pass. When the supervisor reports the engine dead, the core
-ends every request it holds with an "unavailable" error (see ipc.client.core.ClientCore for
-what clients do with the notices).
+requests are aborted in the same pass. When the supervisor reports an engine dead, the core
+ends the requests it held with an "unavailable" error (with several replicas: those that had
+produced tokens; see DetokenizerCore.on_notice, and ipc.client.core.ClientCore for what clients
+do with the notices).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import zmq
 
-from detok_worker.core import DetokenizerCore
+from detok_worker.core import EVERY_REPLICA, DetokenizerCore
 from ipc import codec
 from ipc.config import ClusterConfig
 from ipc.messages import (
@@ -55,7 +58,10 @@ class Detokenizer:
         self.config = config
         self.runtime = WorkerRuntime("detokenizer", 0, config, ctx)
         self.core = DetokenizerCore(
-            load_tokenizer(config.model_path), stream_interval_tokens=config.stream_interval_tokens
+            load_tokenizer(config.model_path),
+            stream_interval_tokens=config.stream_interval_tokens,
+            engines=config.engines,
+            routing_policy=config.routing_policy if config.routes else "",
         )
         self.router = configure(ctx.socket(zmq.ROUTER), receives=True, sndhwm=100_000)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # never drop silently: raise instead
@@ -72,7 +78,7 @@ class Detokenizer:
                 curve=config.curve,
             )
         )
-        self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
+        self.to_engines = [PushQueue(ctx, a, curve=config.curve) for a in config.engine_addrs]
         self.welcome = codec.encode(
             ClientWelcome(
                 tokenizer_addrs=config.tokenizer_addrs,
@@ -125,7 +131,8 @@ class Detokenizer:
         self.flush()
         self.router.close(linger=LINGER_MS)
         self.inbox.close()
-        self.to_engine.close()
+        for queue in self.to_engines:
+            queue.close()
         self.runtime.close()
 
     # --- in -----------------------------------------------------------------------------------
@@ -180,12 +187,24 @@ class Detokenizer:
                 if self.core.has_client(client_id):
                     self._send_frame(client_id, codec.encode(message))
         # Dropping a client while sending queues nothing but the aborts of its requests.
-        aborts = out.aborts + self.core.take_output().aborts
-        if aborts:
+        self.send_aborts(out.aborts + self.core.take_output().aborts)
+
+    def send_aborts(self, aborts: list[tuple[str, int]]) -> None:
+        """One AbortRequests per replica that has any (every replica gets those of requests
+        whose replica is not known here)."""
+        by_replica: dict[int, list[str]] = {}
+        for rid, replica in aborts:
+            targets = range(len(self.to_engines)) if replica == EVERY_REPLICA else (replica,)
+            for target in targets:
+                if 0 <= target < len(self.to_engines):
+                    by_replica.setdefault(target, []).append(rid)
+        for replica, ids in by_replica.items():
             try:
-                self.to_engine.put(AbortRequests(request_ids=aborts), timeout_ms=5000)
+                self.to_engines[replica].put(AbortRequests(request_ids=ids), timeout_ms=5000)
             except zmq.Again:
-                logger.error("the engine is not reading; %d aborts not delivered", len(aborts))
+                logger.error(
+                    "engine[%d] is not reading; %d aborts not delivered", replica, len(ids)
+                )
 
     def _send_frame(self, client_id: bytes, frame: bytes) -> None:
         try:

@@ -9,14 +9,15 @@ import dataclasses
 import logging
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from engine_worker.aborts import AbortBook
 from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
+from engine_worker.cache_events import CacheEventRecorder
 from engine_worker.device import (
     available_memory_bytes,
     resolve_device,
@@ -26,7 +27,9 @@ from engine_worker.device import (
 )
 from engine_worker.grammar_requests import GrammarRequests
 from engine_worker.idle_window import IdleBatchWindow
+from engine_worker.interface import EngineLoad, EngineOverloaded
 from engine_worker.model import LlamaFamilyModel
+from engine_worker.model_config import ModelConfig
 from engine_worker.model_runner import ModelRunner, StepResult
 from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
@@ -34,11 +37,12 @@ from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import ScheduledBatch, Scheduler
 from engine_worker.thread_tuner import ThreadTuner
 from engine_worker.weight_format import WeightFormat, dense_copy_fits
+from ipc.block_hash import check_cache_salt
 from ipc.codec import pack_ids
 from ipc.engine_config import EngineConfig
+from ipc.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from ipc.messages import (
     ERR_BAD_REQUEST,
-    ERR_INTERNAL,
     FINISH_ABORT,
     FINISH_ERROR,
     EngineStats,
@@ -51,79 +55,53 @@ from ipc.structured import GrammarVocabulary
 
 logger = logging.getLogger("splitserve.engine")
 
-REMEMBERED_ABORTS = 100_000  # ids aborted before they arrived, newest kept
 # Prompt logprobs need a row of logits per prompt position: a step computes at most this many
 # logits for them (64 Mi floats, 256 MiB in float32), i.e. ~1,365 positions of a 49k vocabulary.
 PROMPT_LOGITS_PER_STEP = 1 << 26
 
 
-class EngineOverloaded(RuntimeError):
-    """``max_waiting_requests`` requests are already waiting: back-pressure, retry later."""
-
-
 class Engine:
-    def __init__(self, config: EngineConfig, weight_format: WeightFormat | None = None) -> None:
+    """Satisfies ``engine_worker.interface.EngineLike``; the constructor only assembles: each
+    decision it needs (device and dtype, context length, weight format, KV cache size) is a
+    function below it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        weight_format: WeightFormat | None = None,
+        *,
+        cache_events: bool = False,
+    ) -> None:
         """``weight_format`` overrides the one ``config.weights`` describes (tests build a
-        dequantized reference with it)."""
+        dequantized reference with it). ``cache_events``: record what the prefix cache stores
+        and evicts, for ``take_cache_events`` (the engine process publishes them)."""
         if config.engine_threads:
             torch.set_num_threads(config.engine_threads)
         self.device = resolve_device(config.device)
-        config = dataclasses.replace(
+        self.config = config = dataclasses.replace(
             config,
             prefill_max_tokens=resolve_prefill_tokens(config.prefill_max_tokens, self.device),
         )
-        self.config = config
-        dtype = resolve_dtype(config.dtype, self.device, config.weights)
-        from engine_worker.model_config import ModelConfig
-
-        model_config = ModelConfig.from_dir(config.model_path)
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        if model_config.sliding_window and self.max_model_len > model_config.sliding_window:
-            # Our attention is always full; within the window that equals sliding attention.
-            logger.warning(
-                "capping max_model_len %d to the model's sliding window %d",
-                self.max_model_len,
-                model_config.sliding_window,
-            )
-            self.max_model_len = model_config.sliding_window
-        if self.max_model_len > model_config.max_position_embeddings:
-            logger.warning(
-                "max_model_len %d exceeds the model's max_position_embeddings %d",
-                self.max_model_len,
-                model_config.max_position_embeddings,
-            )
+        self.model_config = model_config = ModelConfig.from_dir(config.model_path)
+        self.max_model_len = resolve_max_model_len(config, model_config)
         if weight_format is None:
-            weight_format = WeightFormat(
-                config.weights,
-                dtype,
-                self.device,
-                config.quantized_max_tokens,
-                dense_copy=dense_copy_fits(
-                    model_config, dtype, weight_copy_budget_bytes(self.device)
-                ),
-                deterministic=config.deterministic,
-            )
+            weight_format = default_weight_format(config, model_config, self.device)
         dtype = weight_format.dtype
         model = LlamaFamilyModel.load(
             config.model_path, self.device, dtype, self.max_model_len, weight_format
         )
-        self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.model_name = os.path.basename(os.path.normpath(config.model_path))
-        num_blocks = self._num_kv_blocks(model, dtype)
-        capacity = num_blocks * config.block_size
-        if self.max_model_len > capacity:
-            # One request must always fit: the context the server offers is what its KV cache
-            # can hold (tokenizers clamp max_tokens to it, so no request fails half-way).
-            logger.warning(
-                "capping max_model_len %d to the KV cache's capacity of %d tokens "
-                "(raise kv_cache_tokens for longer contexts)",
-                self.max_model_len,
-                capacity,
-            )
-            self.max_model_len = capacity
-        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_cache else None
+        num_blocks = kv_cache_blocks(config, model_config, dtype, self.device, self.max_model_len)
+        self.max_model_len = fit_to_kv_cache(self.max_model_len, num_blocks * config.block_size)
+        medium = MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU
+        self.cache_events = CacheEventRecorder(config.block_size, medium) if cache_events else None
+        self.prefix_cache = (
+            PrefixCache(config.block_size, self.cache_events)
+            if config.enable_prefix_cache
+            else None
+        )
         self.blocks = KVBlockManager(num_blocks, config.block_size, self.prefix_cache)
         prompt_logprob_tokens = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache, prompt_logprob_tokens)
@@ -140,9 +118,7 @@ class Engine:
             config.idle_batch_window_step_fraction,
             config.prefill_max_batch_size,
         )
-        self._pending_aborts: set[str] = set()
-        self._aborted_before_arrival: OrderedDict[str, None] = OrderedDict()
-        self._early_finishes: list[FinishRecord] = []
+        self.aborts = AbortBook()
         self._step = 0
         # Counters since start, reported with every step's stats (Prometheus counters).
         self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
@@ -172,15 +148,15 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def has_work(self) -> bool:
-        """Whether a step would do anything (a request whose grammar is being built is not
-        work yet: see ``wakeup_fd``)."""
+        """Whether a step would do anything (a request whose grammar is being built, or whose
+        late grammar mask is being computed, is not work yet: see ``wakeup_fd``)."""
         self.grammars.settle()
+        waiting = self.scheduler.waiting
         return bool(
-            self.scheduler.running
-            or self._pending_aborts
-            or self._early_finishes
-            or self.grammars.failed
-            or len(self.scheduler.waiting) > len(self.grammars.building)
+            self.aborts.pending()
+            or self.grammars.finished
+            or any(r.ready for r in self.scheduler.running)
+            or (len(waiting) > len(self.grammars.building) and any(r.ready for r in waiting))
         )
 
     @property
@@ -198,14 +174,14 @@ class Engine:
         sampling: SamplingParams,
         arrival_time: float | None = None,
         grammar: str = "",
+        cache_salt: str | None = None,
     ) -> None:
         """``grammar``: the Lark text the output must follow (see ipc.messages.TokenizedRequest);
-        its matcher is built in the background and the request waits for it."""
+        its matcher is built in the background and the request waits for it. ``cache_salt``:
+        the request shares cached blocks only with requests of the same salt."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running or waiting")
-        if request_id in self._aborted_before_arrival:
-            del self._aborted_before_arrival[request_id]
-            self._early_finishes.append(FinishRecord(request_id, FINISH_ABORT))
+        if self.aborts.arrived(request_id):  # aborted on its way here: it ends at once
             return
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or ids.size == 0:
@@ -217,6 +193,7 @@ class Engine:
                 f"token ids must be in [0, {self.vocab_size}), got range "
                 f"[{int(ids.min())}, {int(ids.max())}]"
             )
+        check_cache_salt(cache_salt)
         if ids.size >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {ids.size} tokens; max_model_len is "
@@ -238,6 +215,7 @@ class Engine:
             stop_ids,
             self.max_model_len,
             time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt,
         )
         if grammar:
             self.grammars.attach(request, grammar)
@@ -257,13 +235,22 @@ class Engine:
         return self.idle_window.remaining_s(time.monotonic(), len(self.scheduler.waiting))
 
     def abort(self, request_id: str) -> None:
-        if request_id in self.requests:
-            self._pending_aborts.add(request_id)
-            return
-        self._aborted_before_arrival[request_id] = None
-        self._aborted_before_arrival.move_to_end(request_id)
-        while len(self._aborted_before_arrival) > REMEMBERED_ABORTS:
-            self._aborted_before_arrival.popitem(last=False)
+        self.aborts.abort(request_id, live=request_id in self.requests)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=self.num_running,
+            waiting=self.num_waiting,
+            kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_available=self.blocks.num_available,
+            grammar_rows_deferred=self.grammars.deferred_rows,
+        )
+
+    def take_cache_events(self) -> list[KVCacheEvent]:
+        """What the prefix cache stored and evicted since the last call (AllBlocksCleared
+        first, after start); empty unless built with ``cache_events``."""
+        return self.cache_events.take() if self.cache_events is not None else []
 
     def step(self) -> StepOutput:
         """Schedule, run the batch, postprocess: one StepOutput for every request touched."""
@@ -273,8 +260,8 @@ class Engine:
         out = StepOutput(step=self._step, t_step=t_start)
         self._finish_aborted(out)
         self.grammars.settle()
-        for request, error, code in self.grammars.take_failed():
-            self._finish(out, request, FINISH_ERROR, error, code)
+        for request, reason, error, code in self.grammars.take_finished():
+            self._finish(out, request, reason, error, code)
         batch = self.scheduler.schedule()
         for request, message in batch.failed:
             self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
@@ -290,7 +277,6 @@ class Engine:
     def close(self) -> None:
         """Stops the grammar threads (the engine process calls this on its way out)."""
         self.grammars.close()
-        self.runner.close()
 
     # --- internals --------------------------------------------------------------------------
     def _run(self, batch: ScheduledBatch) -> StepResult:
@@ -314,11 +300,10 @@ class Engine:
 
     def _finish_aborted(self, out: StepOutput) -> None:
         """Ends the requests aborted since the last step (and those aborted before arrival)."""
-        out.finished.extend(self._early_finishes)
-        self._early_finishes.clear()
-        for request_id in self._pending_aborts:
+        arrived_aborted, live = self.aborts.take()
+        out.finished.extend(FinishRecord(rid, FINISH_ABORT) for rid in arrived_aborted)
+        for request_id in live:
             self._finish(out, self.requests[request_id], FINISH_ABORT)
-        self._pending_aborts.clear()
 
     def _postprocess(self, out: StepOutput, batch: ScheduledBatch, result: StepResult) -> None:
         """Advances every scheduled request, appends the sampled tokens, applies stops."""
@@ -327,16 +312,18 @@ class Engine:
             request.prompt_logprobs_from = entry.start + len(entry.logprobs) // 4
         out.prompt_logprobs = result.prompt_logprobs
         emitted_tokens = []
+        constrained: list[tuple[EngineRequest, int]] = []
+        deferred = set(result.deferred)
         for index, (request, count) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if index in deferred:  # its grammar mask was late: the last token is computed again
+                request.num_computed += count - 1
+                self.grammars.defer(request)
+                continue
             request.num_computed += count
             token = result.tokens[index]
-            grammar_end = None
             if token is not None:
                 if request.grammar is not None:
-                    grammar_end, error = self.grammars.accept(request, token)
-                    if grammar_end == FINISH_ERROR:  # the token is not one the grammar allows
-                        self._finish(out, request, FINISH_ERROR, error, ERR_INTERNAL)
-                        continue
+                    constrained.append((request, token))
                 request.append_token(token)
                 if (logprobs := result.logprobs.get(index)) is not None:
                     logprobs.row = len(out.request_ids)
@@ -355,9 +342,10 @@ class Engine:
                         request.cached_tokens,
                     )
                 )
-            reason = request.finish_reason() or grammar_end  # eos, stop ids, length first
+            reason = request.finish_reason()  # a complete grammar ends it at the next settle
             if reason is not None:
                 self._finish(out, request, reason)
+        self.grammars.advance([(r, t) for r, t in constrained if r.request_id in self.requests])
         out.token_ids = pack_ids(emitted_tokens)
 
     def _finish(
@@ -387,15 +375,70 @@ class Engine:
             preemptions_total=self._preemptions_total,
         )
 
-    def _num_kv_blocks(self, model: LlamaFamilyModel, dtype: torch.dtype) -> int:
-        cfg = self.config
-        per_token = kv_bytes_per_token(model.config, dtype)
-        if cfg.kv_cache_tokens:
-            tokens = cfg.kv_cache_tokens
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            tokens = int(free * cfg.kv_cache_memory_fraction) // per_token
-        else:
-            budget = min(cfg.cpu_kv_cache_max_bytes, available_memory_bytes() // 4)
-            tokens = min(cfg.max_batch_size * self.max_model_len, budget // per_token)
-        return max(1, tokens // cfg.block_size)
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The context the engine offers: the knob, else the model's own; capped to a sliding
+    window (attention here is always full, which equals sliding attention within the window)."""
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    window = model_config.sliding_window
+    if window and max_len > window:
+        logger.warning("capping max_model_len %d to the model's sliding window %d", max_len, window)
+        max_len = window
+    if max_len > model_config.max_position_embeddings:
+        logger.warning(
+            "max_model_len %d exceeds the model's max_position_embeddings %d",
+            max_len,
+            model_config.max_position_embeddings,
+        )
+    return max_len
+
+
+def default_weight_format(
+    config: EngineConfig, model_config: ModelConfig, device: torch.device
+) -> WeightFormat:
+    """What ``config.weights`` and ``config.dtype`` mean on this device for this model."""
+    dtype = resolve_dtype(config.dtype, device, config.weights)
+    return WeightFormat(
+        config.weights,
+        dtype,
+        device,
+        config.quantized_max_tokens,
+        dense_copy=dense_copy_fits(model_config, dtype, weight_copy_budget_bytes(device)),
+        deterministic=config.deterministic,
+    )
+
+
+def kv_cache_blocks(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
+    """KV blocks to allocate: ``kv_cache_tokens`` if set; on CUDA a fraction of free memory; on
+    CPU enough for max_batch_size full contexts, within a quarter of available memory and the
+    CPU cap."""
+    per_token = kv_bytes_per_token(model_config, dtype)
+    if config.kv_cache_tokens:
+        tokens = config.kv_cache_tokens
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = int(free * config.kv_cache_memory_fraction) // per_token
+    else:
+        budget = min(config.cpu_kv_cache_max_bytes, available_memory_bytes() // 4)
+        tokens = min(config.max_batch_size * max_model_len, budget // per_token)
+    return max(1, tokens // config.block_size)
+
+
+def fit_to_kv_cache(max_model_len: int, capacity: int) -> int:
+    """One request must always fit: the context the server offers is what its KV cache can hold
+    (tokenizer workers keep max_tokens within it, so no request fails half-way)."""
+    if max_model_len <= capacity:
+        return max_model_len
+    logger.warning(
+        "capping max_model_len %d to the KV cache's capacity of %d tokens "
+        "(raise kv_cache_tokens for longer contexts)",
+        max_model_len,
+        capacity,
+    )
+    return capacity

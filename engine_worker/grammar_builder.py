@@ -1,12 +1,18 @@
-"""Grammar matchers for the engine, built from data and off the step.
+"""Grammar matchers for the engine, built from data and advanced off the step.
 
 A tokenizer worker sends the vocabulary once (``GrammarVocabulary``) and, with each constrained
-request, its grammar as text (llguidance's Lark dialect, already checked there; see
-tokenizer_worker.grammar_compiler). Turning that text into a matcher (lexer and parser tables)
-takes about a millisecond for a typical JSON schema and ~15 ms for a 120-field one, so it runs
-on a background thread: llguidance releases the GIL while it builds, and the step loop never
-waits. Built matchers are cached by grammar text (bounded LRU), warmed by one mask computation,
-and each request gets a copy (microseconds; a cached grammar's request is ready at once).
+request, its grammar as text (llguidance's Lark dialect, already checked there under the same
+limits; see runtime.grammar). Turning that text into a template (lexer and parser tables, and the
+first mask) takes about a millisecond for a typical JSON schema and ~15 ms for a 120-field one.
+Templates are cached by grammar text (bounded LRU); each request gets a copy (microseconds) and
+the template's first mask, so a cached grammar's request is ready at once.
+
+Threads. Everything llguidance computes runs on the builder's two threads: the build thread
+makes templates, the mask thread advances each request by its sampled token and computes the
+mask of its next one. Copies of a template share its lexer, and llguidance holds the GIL while a
+call waits for that lexer, so a consume from the step loop while the mask thread works on a
+sibling would stall the whole engine process for as long as that mask takes. The step loop only
+copies templates (that does not wait) and reads what finished work left behind.
 
 Grammars are built with ``no_forcing``: llguidance would otherwise tokenize the text a grammar
 forces (``{"name": "``) canonically, which needs a real tokenizer; without it the mask allows
@@ -20,18 +26,21 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import llguidance
+import numpy as np
 
-from ipc.messages import FINISH_ERROR, FINISH_STOP
 from ipc.structured import GrammarVocabulary
+from runtime.grammar import grammar_executor, new_matcher, short_error
 
 logger = logging.getLogger("splitserve.engine")
 
-NO_FORCING = '%llguidance {"no_forcing": true}\n'
-MAX_CACHED_GRAMMARS = 128
+# Templates kept: each holds its lexer's states (at most runtime.grammar's max_lexer_states,
+# ~10-40 MB; typical grammars ~1-2 MB), so the worst case is this many times that.
+MAX_CACHED_GRAMMARS = 32
 
 
 class _VocabularyOnly(llguidance.TokenizerWrapper):
@@ -61,46 +70,103 @@ def backend_tokenizer(
     return llguidance.LLTokenizer(wrapper, eos_token=eos)
 
 
+class GrammarBuildError(ValueError):
+    """The grammar cannot be built or cannot start; the message is short, for the client."""
+
+
 class RequestGrammar:
-    """One request's matcher: not ready until the background build is done. ``matcher`` is
-    touched only by the step loop once ready; ``error`` is set when the build failed or the
-    matcher refused a token (the request then ends with an error)."""
+    """One request's matcher and the mask of its next token (int32 words, bit t = token t).
 
-    __slots__ = ("_future", "matcher", "error")
+    The step reads, never computes: ``ready()`` once built (or failed), ``mask_ready()`` while
+    ``mask`` holds the next token's mask. ``GrammarBuilder.advance`` hands a sampled token to the
+    mask thread (``pending`` until it has consumed it and computed the next mask). ``stopped``:
+    the grammar is complete (nothing but eos may follow); ``error``: a short message for the
+    client (the build, a consume or a mask failed; the request ends alone). ``late``: a step had
+    its logits before the mask, so the row's token is drawn at a later step; the scheduler
+    passes over the request until the mask is there."""
 
-    def __init__(self, future: Future) -> None:
-        self._future = future
+    __slots__ = (
+        "grammar",
+        "_build",
+        "matcher",
+        "mask",
+        "pending",
+        "late",
+        "stopped",
+        "error",
+        "tokens",
+        "cost_s",
+    )
+
+    def __init__(self, grammar: str, build: Future) -> None:
+        self.grammar = grammar  # the text: its template is dropped when this request fails
+        self._build: Future | None = build
         self.matcher: llguidance.LLMatcher | None = None
+        self.mask: np.ndarray | None = None
+        self.pending = self.late = self.stopped = False
         self.error = ""
+        self.tokens = 0  # consumed so far
+        self.cost_s = 0.0  # the mask thread's time on this request's last token
 
     def ready(self) -> bool:
-        if self.matcher is None and not self.error:
-            if not self._future.done():
+        """Built, or failed (see ``error``)."""
+        if self._build is not None:
+            if not self._build.done():
                 return False
+            build, self._build = self._build, None
             try:
-                self.matcher = self._future.result()
+                self.matcher, self.mask = build.result()
             except Exception as exc:  # a build error ends the request, never the engine
-                self.error = f"the grammar could not be built: {exc}"
+                self.error = f"the grammar could not be built: {short_error(str(exc))}"
         return True
 
-    def accept(self, token: int) -> str | None:
-        """Advances the matcher; FINISH_STOP when the grammar is complete (nothing but eos may
-        follow), FINISH_ERROR when it refused the token (see ``error``), else None."""
-        if self.matcher is None:
-            raise RuntimeError("accept() before the grammar is ready")
-        if not self.matcher.consume_token(token):
-            self.error = f"the grammar refused token {token}: {self.matcher.get_error()}"
-            return FINISH_ERROR
-        return FINISH_STOP if self.matcher.is_stopped() else None
+    def mask_ready(self) -> bool:
+        """``mask`` is the next token's (nothing pending, nothing failed, not complete)."""
+        if not self.ready() or self.pending or self.error or self.stopped:
+            return False
+        self.late = False
+        return True
+
+    def schedulable(self) -> bool:
+        """False while building, and while a mask that was late is still being computed."""
+        return self.ready() and not (self.late and self.pending)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing in flight, and the request is done with its grammar (complete or failed)."""
+        return self._build is None and not self.pending and bool(self.stopped or self.error)
+
+
+def advance_matcher(grammar: RequestGrammar, token: int) -> None:
+    """Consumes ``token`` and computes the next mask into ``grammar.mask`` (or sets ``stopped``
+    or ``error``). Runs on the mask thread; tests call it directly."""
+    matcher = grammar.matcher
+    assert matcher is not None and grammar.mask is not None
+    if not matcher.consume_token(token):
+        grammar.error = _late_error(grammar, matcher.get_error())
+        return
+    grammar.tokens += 1
+    if matcher.is_stopped():
+        grammar.stopped = True
+        return
+    matcher.unsafe_compute_mask_ptr(grammar.mask.ctypes.data, grammar.mask.nbytes)
+    if matcher.is_error():
+        grammar.error = _late_error(grammar, matcher.get_error())
+
+
+def _late_error(grammar: RequestGrammar, message: str) -> str:
+    count = f"{grammar.tokens} token" + ("" if grammar.tokens == 1 else "s")
+    return f"the output could not follow the grammar after {count}: {short_error(message)}"
 
 
 class GrammarBuilder:
-    """Builds RequestGrammars on one background thread; cached ones are copied on the spot.
+    """Builds templates on one thread and advances requests on another; cached templates are
+    copied on the spot.
 
     A grammar asked for before any vocabulary arrived waits for one (a tokenizer worker sends it
     ahead of its constrained requests, but after an engine restart a request queued earlier can
-    overtake it). Each finished build writes a byte to ``wakeup_fd``, so an engine with nothing
-    else to do sleeps in poll instead of checking its waiting requests in a loop."""
+    overtake it). Finished work writes a byte to ``wakeup_fd``, so an engine with nothing else to
+    do sleeps in poll instead of checking its requests in a loop."""
 
     def __init__(
         self,
@@ -108,15 +174,17 @@ class GrammarBuilder:
         eos_ids: list[int] | None = None,
         max_cached: int = MAX_CACHED_GRAMMARS,
     ) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-build")
+        self._build_thread = grammar_executor("grammar-build")
+        self._mask_thread = grammar_executor("grammar-mask")
         self._eos_ids = eos_ids
         self._tokenizer: Future | None = None
         self.fingerprint = ""
-        self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.mask_words = 0
+        self._templates: OrderedDict[str, tuple[llguidance.LLMatcher, np.ndarray]] = OrderedDict()
         self._lock = threading.Lock()  # the step loop reads the cache, the build thread fills it
         self._awaiting_vocabulary: list[tuple[Future, str]] = []
         self.max_cached = max_cached
-        self.built = 0  # grammars built (cache misses)
+        self.built = 0  # templates built (cache misses)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -137,7 +205,8 @@ class GrammarBuilder:
                 return False
             return True
         self.fingerprint = digest
-        self._tokenizer = self._pool.submit(backend_tokenizer, vocabulary, self._eos_ids)
+        self.mask_words = (vocabulary.vocab_size + 31) // 32
+        self._tokenizer = self._build_thread.submit(backend_tokenizer, vocabulary, self._eos_ids)
         waiting, self._awaiting_vocabulary = self._awaiting_vocabulary, []
         for outer, grammar in waiting:
             self._build(grammar, outer)
@@ -148,33 +217,83 @@ class GrammarBuilder:
         return self._tokenizer is not None
 
     def request(self, grammar: str) -> RequestGrammar:
-        """A RequestGrammar for ``grammar``: ready at once when it is cached (a copy takes
-        microseconds), else built in the background."""
+        """A RequestGrammar for ``grammar``: ready at once when it is cached, else built in the
+        background."""
         if self._tokenizer is None:
             waiting: Future = Future()
             self._awaiting_vocabulary.append((waiting, grammar))
-            return RequestGrammar(waiting)
+            return RequestGrammar(grammar, waiting)
         with self._lock:
-            template = self._templates.get(grammar)
-            if template is not None:
+            cached = self._templates.get(grammar)
+            if cached is not None:
                 self._templates.move_to_end(grammar)
-                done: Future = Future()
-                done.set_result(template.deep_copy())
-                return RequestGrammar(done)
-        return RequestGrammar(self._build(grammar))
+        if cached is not None:
+            done: Future = Future()
+            done.set_result((cached[0].deep_copy(), cached[1].copy()))
+            return RequestGrammar(grammar, done)
+        return RequestGrammar(grammar, self._build(grammar))
+
+    def advance(self, tokens: list[tuple[RequestGrammar, int]]) -> None:
+        """Hands each request's sampled token to the mask thread, cheapest grammars first: a
+        costly one delays only itself, not the others behind it."""
+        if not tokens:
+            return
+        for grammar, _ in tokens:
+            grammar.pending = True
+        tokens.sort(key=lambda item: item[0].cost_s)
+        self._mask_thread.submit(self._advance, tokens)
+
+    def _advance(self, tokens: list[tuple[RequestGrammar, int]]) -> None:
+        for grammar, token in tokens:
+            t_start = time.perf_counter()
+            try:
+                advance_matcher(grammar, token)
+            except Exception as exc:  # an API misuse in llguidance: this request fails alone
+                grammar.error = _late_error(grammar, str(exc))
+            grammar.cost_s = time.perf_counter() - t_start
+            grammar.pending = False  # last: the step reads the fields above once this is False
+            if grammar.late:
+                self._wake()
+        self._wake()
+
+    def evict(self, grammar: str) -> None:
+        """Drops a template, e.g. once a request following it failed: its copies share its
+        lexer, and a lexer that hit a limit fails every copy; the next request builds anew."""
+        with self._lock:
+            self._templates.pop(grammar, None)
 
     def _build(self, grammar: str, waiting: Future | None = None) -> Future:
-        """Builds on the pool; ``waiting`` (a future handed out before the vocabulary came) gets
-        the result too, before the wake-up is written."""
-        future = self._pool.submit(self._matcher_for, grammar)
+        """Builds on the build thread; ``waiting`` (a future handed out before the vocabulary
+        came) gets the result too, before the wake-up is written."""
+        future = self._build_thread.submit(self._template_for, grammar)
         if waiting is not None:
             future.add_done_callback(functools.partial(_chain, waiting))
-        future.add_done_callback(self._wake)
+        future.add_done_callback(lambda _: self._wake())
         return future
+
+    def _template_for(self, grammar: str) -> tuple[llguidance.LLMatcher, np.ndarray]:
+        """(a copy of the template, its first mask), building the template if needed."""
+        with self._lock:  # built meanwhile by an earlier request for the same text?
+            cached = self._templates.get(grammar)
+        if cached is None:
+            template = new_matcher(self._tokenizer.result(), grammar)  # type: ignore[union-attr]
+            mask: np.ndarray = np.zeros(self.mask_words, dtype=np.int32)
+            if not template.is_error():
+                template.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            if template.is_error():
+                raise GrammarBuildError(short_error(template.get_error(), at_start=True))
+            self.built += 1
+            cached = (template, mask)
+        with self._lock:
+            self._templates[grammar] = cached
+            self._templates.move_to_end(grammar)
+            while len(self._templates) > self.max_cached:
+                self._templates.popitem(last=False)
+        return cached[0].deep_copy(), cached[1].copy()
 
     @property
     def wakeup_fd(self) -> int:
-        """Readable after a build finished (see ``clear_wakeups``)."""
+        """Readable after grammar work finished (see ``clear_wakeups``)."""
         return self._wake_read
 
     def clear_wakeups(self) -> None:
@@ -185,37 +304,18 @@ class GrammarBuilder:
         except (BlockingIOError, OSError):
             pass
 
-    def _wake(self, _: Future) -> None:
+    def _wake(self) -> None:
         try:
             os.write(self._wake_write, b"\0")
         except (BlockingIOError, OSError):
             pass  # full (the reader wakes anyway) or closed (shutting down)
 
-    def _matcher_for(self, grammar: str) -> llguidance.LLMatcher:
-        with self._lock:  # built meanwhile by an earlier request for the same text?
-            template = self._templates.get(grammar)
-        if template is None:
-            tokenizer = self._tokenizer.result()  # type: ignore[union-attr]
-            text = llguidance.LLMatcher.grammar_from_lark(NO_FORCING + grammar)
-            template = llguidance.LLMatcher(tokenizer, text, log_level=0)
-            if template.is_error():
-                raise ValueError(template.get_error())
-            # The first mask builds the lexer's start states; copies then begin warm.
-            template.compute_bitmask()
-            if template.is_error():
-                raise ValueError(template.get_error())
-            self.built += 1
-        with self._lock:
-            self._templates[grammar] = template
-            self._templates.move_to_end(grammar)
-            while len(self._templates) > self.max_cached:
-                self._templates.popitem(last=False)
-            return template.deep_copy()
-
     def close(self) -> None:
         for waiting, _ in self._awaiting_vocabulary:
             waiting.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)  # a running build takes ms
+        # A running build or mask is bounded by the parser limits (milliseconds).
+        self._build_thread.shutdown(wait=True, cancel_futures=True)
+        self._mask_thread.shutdown(wait=True, cancel_futures=True)
         os.close(self._wake_read)
         os.close(self._wake_write)
 

@@ -8,7 +8,7 @@ never a Python loop over tokens."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,11 +43,14 @@ class ModelInputs:
 @dataclass(slots=True)
 class StepResult:
     """The sampled token per scheduled request (None where its step did not reach the end of
-    its tokens), and the logprobs of the requests that asked."""
+    its tokens, or where it was deferred), and the logprobs of the requests that asked."""
 
     tokens: list[int | None]
     logprobs: dict[int, TokenLogprobs]  # by request index in the step
     prompt_logprobs: list[PromptLogprobs]
+    # Requests (indices) that reached the end of their tokens but whose grammar mask was not
+    # ready: nothing was drawn for them; their last token is computed again at a later step.
+    deferred: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -71,42 +74,58 @@ class ModelRunner:
     def run(self, requests: list[EngineRequest], counts: list[int]) -> StepResult:
         """Computes the scheduled tokens, samples, and reads the logprobs that were asked for.
         A row with a grammar samples only a token the grammar allows (its logprobs stay the
-        model's own)."""
+        model's own); one whose mask is not ready yet draws nothing (``deferred``)."""
         inputs = self._inputs(requests, counts)
-        emitting = inputs.emitting
-        masker = self._grammar_masker([requests[i].grammar for i in emitting])
-        try:
-            logits = self._forward(inputs)
-        except BaseException:
-            if masker is not None:
-                masker.cancel()
-            raise
+        logits = self._forward(inputs)
         result = StepResult([None] * len(requests), {}, [])
+        emitting = inputs.emitting
         if inputs.prompt_spans:
             result.prompt_logprobs = prompt_logprobs(
                 logits[len(emitting) :], inputs.prompt_spans, requests
             )
+        logits = logits[: len(emitting)]
+        grammars = [requests[i].grammar for i in emitting]
+        if any(g is not None for g in grammars):
+            # Decided once, here: a mask that arrives later waits for the row's next step.
+            keep = [j for j, g in enumerate(grammars) if g is None or g.mask_ready()]
+            if len(keep) < len(emitting):
+                kept = set(keep)
+                result.deferred = [i for j, i in enumerate(emitting) if j not in kept]
+                logits, emitting = logits[keep], [emitting[j] for j in keep]
+                grammars = [grammars[j] for j in keep]
         if emitting:
-            logits = logits[: len(emitting)]
-            samplers = [requests[i].sampler for i in emitting]
-            asking = [j for j, s in enumerate(samplers) if s.logprobs is not None]
-            # Taken before sampling: whatever the sampler does to the logits, these stay raw.
-            raw = (
-                SampledLogprobs(logits, asking, [samplers[j].logprobs or 0 for j in asking])
-                if asking
-                else None
-            )
-            if masker is not None:
-                masker.finish(logits)  # the rows with a grammar: only the tokens it allows
-            histories = None
-            if any(s.needs_history for s in samplers):
-                histories = [(requests[i].token_ids, requests[i].prompt_len) for i in emitting]
-            chosen = sample(logits, samplers, histories)
-            if raw is not None:
-                result.logprobs = {emitting[e.row]: e for e in raw.finish(chosen)}
-            for index, token in zip(emitting, chosen.tolist()):
-                result.tokens[index] = token
+            self._sample(logits, requests, emitting, grammars, result)
         return result
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[EngineRequest],
+        emitting: list[int],
+        grammars: list,
+        result: StepResult,
+    ) -> None:
+        """Draws a token for each of ``emitting`` (one row of ``logits`` each)."""
+        samplers = [requests[i].sampler for i in emitting]
+        asking = [j for j, s in enumerate(samplers) if s.logprobs is not None]
+        # Taken before sampling: whatever the sampler does to the logits, these stay raw.
+        raw = (
+            SampledLogprobs(logits, asking, [samplers[j].logprobs or 0 for j in asking])
+            if asking
+            else None
+        )
+        if any(g is not None for g in grammars):
+            if self.grammar_masker is None:
+                self.grammar_masker = GrammarMasker(self.model.config.vocab_size)
+            self.grammar_masker.apply(logits, grammars)  # only the tokens the grammar allows
+        histories = None
+        if any(s.needs_history for s in samplers):
+            histories = [(requests[i].token_ids, requests[i].prompt_len) for i in emitting]
+        chosen = sample(logits, samplers, histories)
+        if raw is not None:
+            result.logprobs = {emitting[e.row]: e for e in raw.finish(chosen)}
+        for index, token in zip(emitting, chosen.tolist()):
+            result.tokens[index] = token
 
     @torch.inference_mode()
     def compute_logits(
@@ -133,24 +152,9 @@ class ModelRunner:
             self.attention.reset()  # what it keeps may hold only some layers' copies
             raise
 
-    def _grammar_masker(self, grammars: list) -> GrammarMasker | None:
-        """None when no row of the step has a grammar (unconstrained steps pay nothing);
-        otherwise the masker, with the rows' masks already being filled while the forward
-        runs (they need the matchers only, not the logits)."""
-        if not any(g is not None for g in grammars):
-            return None
-        if self.grammar_masker is None:
-            self.grammar_masker = GrammarMasker(self.model.config.vocab_size)
-        self.grammar_masker.begin(grammars)
-        return self.grammar_masker
-
     def reset(self) -> None:
         """Frees what attention keeps between steps (the engine calls this when idle)."""
         self.attention.reset()
-
-    def close(self) -> None:
-        if self.grammar_masker is not None:
-            self.grammar_masker.close()
 
     def _inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
         """The step's flat batch. Its rows are laid out decoding requests first: a layer with

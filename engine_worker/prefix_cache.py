@@ -12,13 +12,25 @@ just before it (the root for the first block), so by induction every accepted bl
 the request's prefix. Two prefixes whose chain keys collide (the key is 64 bits; it starts from a
 per-process random salt, so collisions cannot be searched offline) cost a miss, never another
 prompt's KV. A node whose parent was evicted keeps a parent serial no node will ever have again,
-so it can never be matched through a re-cached parent: also a miss.
+so it can never be matched through a re-cached parent: also a miss (and a block published after
+an evicted parent is not cached at all).
+
+A request's ``cache_salt`` enters the chain key of its first block and is compared on a hit of
+a first block, so requests with different salts (or none) never share a block, whatever the
+keys do.
+
+With a ``CacheEventRecorder``, each cached block also carries its external digest
+(``ipc.block_hash``: what KV-event consumers and the routers recompute from token ids), and the
+recorder hears of every block stored and evicted.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+
+from engine_worker.cache_events import CacheEventRecorder
+from ipc.block_hash import next_block_digest
 
 ROOT_NODE = 0  # the empty prefix
 NO_NODE = -1  # a request whose published chain is not in the cache (a key collision took it)
@@ -30,14 +42,17 @@ class CachedBlock:
     tokens: tuple[int, ...]
     node: int  # this block's serial, unique for the cache's life
     parent_node: int  # the node of the prefix before it (ROOT_NODE for a first block)
+    salt: str | None = None  # a first block's cache_salt (None for every later block)
+    digest: bytes = b""  # the external digest, when events are recorded
 
 
 class PrefixCache:
     """What each cached block holds. ``KVBlockManager`` owns the blocks: it keeps the unheld
     cached ones (LRU), asks ``holds`` on release and calls ``forget`` when it evicts one."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, events: CacheEventRecorder | None = None) -> None:
         self.block_size = block_size
+        self.events = events
         self.root_key = secrets.randbits(63)
         self.block_of_key: dict[int, int] = {}
         self.entries: dict[int, CachedBlock] = {}  # block id -> what it holds
@@ -47,14 +62,21 @@ class PrefixCache:
     def chain_key(parent_key: int, tokens: tuple[int, ...]) -> int:
         return hash((parent_key, tokens))
 
-    def match(self, token_ids: list[int], max_blocks: int) -> tuple[list[int], list[int], int]:
-        """Longest cached run of full blocks at the start of ``token_ids`` (at most max_blocks).
+    def root_for(self, salt: str | None) -> int:
+        """The key a chain starts from: the cache's own, or one per salt."""
+        return self.root_key if salt is None else hash((self.root_key, salt))
+
+    def match(
+        self, token_ids: list[int], max_blocks: int, salt: str | None = None
+    ) -> tuple[list[int], list[int], int]:
+        """Longest cached run of full blocks at the start of ``token_ids`` (at most max_blocks)
+        for a request with this ``salt``.
 
         Returns (block ids, chain keys, node of the last block or ROOT_NODE); takes no
         references (the caller acquires)."""
         size = self.block_size
         found, keys = [], []
-        key, node = self.root_key, ROOT_NODE
+        key, node = self.root_for(salt), ROOT_NODE
         for i in range(min(max_blocks, len(token_ids) // size)):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
             key = self.chain_key(key, tokens)
@@ -62,37 +84,59 @@ class PrefixCache:
             if block is None:
                 break
             entry = self.entries[block]
-            if entry.tokens != tokens or entry.parent_node != node:
-                break  # a key collision: another prefix's block
+            if entry.tokens != tokens or entry.parent_node != node or entry.salt != salt:
+                break  # a key collision: another prefix's (or salt's) block
             found.append(block)
             keys.append(key)
             node = entry.node
+            salt = None  # only a first block carries it
         return found, keys, node
 
     def publish(
-        self, block: int, tokens: tuple[int, ...], parent_key: int | None, parent_node: int
+        self,
+        block: int,
+        tokens: tuple[int, ...],
+        parent_key: int | None,
+        parent_node: int,
+        salt: str | None = None,
     ) -> tuple[int, int]:
         """Publishes a full block whose KV is (or, within the current step, will be) computed
-        after the prefix named by (parent_key, parent_node); ``parent_key`` None is the root.
+        after the prefix named by (parent_key, parent_node); ``parent_key`` None is the root
+        (the first block, which carries the request's ``salt``).
 
         Returns the block's chain key and the node that now holds exactly this prefix: the
         block's own, an identical block already cached, or NO_NODE (the key is taken by another
         prefix, or the parent is not cached): the request's later blocks are then not shared."""
-        key = self.chain_key(self.root_key if parent_key is None else parent_key, tokens)
+        first = parent_key is None
+        key = self.chain_key(self.root_for(salt) if parent_key is None else parent_key, tokens)
         if parent_node == NO_NODE:
             return key, NO_NODE
+        parent = None if parent_key is None else self._entry(parent_key, parent_node)
+        if not first and parent is None:
+            return key, NO_NODE  # evicted since: a block after it could never be matched
         cached = self.block_of_key.get(key)
         if cached is not None:
             entry = self.entries[cached]
             same = entry.tokens == tokens and entry.parent_node == parent_node
-            return key, entry.node if same else NO_NODE
+            return key, entry.node if same and entry.salt == (salt if first else None) else NO_NODE
         if block in self.entries:  # already published under another key (cannot happen twice)
             return key, NO_NODE
         node = self._next_node
         self._next_node += 1
+        entry = CachedBlock(key, tokens, node, parent_node, salt if first else None)
+        if self.events is not None:
+            parent_digest = None if parent is None else parent.digest
+            entry.digest = next_block_digest(parent_digest, tokens, entry.salt)
+            self.events.stored(parent_digest, entry.digest, tokens)
         self.block_of_key[key] = block
-        self.entries[block] = CachedBlock(key, tokens, node, parent_node)
+        self.entries[block] = entry
         return key, node
+
+    def _entry(self, key: int, node: int) -> CachedBlock | None:
+        """The cached block holding the prefix (key, node), if it is still cached."""
+        block = self.block_of_key.get(key)
+        entry = None if block is None else self.entries[block]
+        return entry if entry is not None and entry.node == node else None
 
     def holds(self, block: int) -> bool:
         return block in self.entries
@@ -101,6 +145,8 @@ class PrefixCache:
         entry = self.entries.pop(block, None)
         if entry is not None:
             del self.block_of_key[entry.key]
+            if self.events is not None:
+                self.events.removed(entry.digest)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -1,4 +1,4 @@
-"""The engine process main loop: exactly one per cluster.
+"""The engine process main loop: one per engine replica (``--engines``, index r).
 
 Between engine steps it drains its PULL socket without blocking (tokenized requests from the
 tokenizers, aborts from the detokenizer); when the engine has nothing to do it blocks in poll. Each
@@ -6,6 +6,9 @@ step becomes one StepOutput for the detokenizer, carrying the RequestMeta of eve
 since the previous one, so a request's meta always travels ahead of its tokens on one ordered
 channel. The process never tokenizes: it only ever sees token ids (tests check that `tokenizers`
 is never imported here, via the `imported_tokenizers` heartbeat stat).
+
+With several replicas, each step is also followed by the replica's load on its event stream
+(``ReplicaLoad``, topic ``b"load"``), which the tokenizer workers route by.
 """
 
 from __future__ import annotations
@@ -17,16 +20,22 @@ import time
 
 import zmq
 
+from engine_worker.cache_events import event_queue_max, event_sinks
+from engine_worker.interface import EngineLike, EngineOverloaded
 from ipc.codec import DecodeError, salvage_fields, unpack_id_list
 from ipc.config import ClusterConfig
 from ipc.messages import (
     ERR_BAD_REQUEST,
+    ERR_DUPLICATE_REQUEST,
     ERR_INTERNAL,
     ERR_OVERLOADED,
     FINISH_ABORT,
     FINISH_ERROR,
+    LOAD_TOPIC,
     AbortRequests,
     FinishRecord,
+    ReplicaLoad,
+    RequestError,
     RequestMeta,
     StepOutput,
     TokenizedRequest,
@@ -34,6 +43,8 @@ from ipc.messages import (
 from ipc.sockets import PullQueue, PushQueue
 from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
+from runtime.kv_events import KVEventPublisher
+from runtime.memory import IdleTrim
 from runtime.worker import WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.engine")
@@ -44,12 +55,13 @@ SHUTDOWN_QUIET_S = 0.3
 SHUTDOWN_MAX_S = 20.0
 
 
-def make_engine(config: ClusterConfig):
+def make_engine(config: ClusterConfig) -> EngineLike:
     if config.engine_factory:  # a test seam: a stand-in engine (no model)
-        return load_factory(config.engine_factory)(config)
-    from engine_worker.engine import Engine
+        engine: EngineLike = load_factory(config.engine_factory)(config)
+        return engine
+    from engine_worker.engine import Engine  # torch loads here, not with this module
 
-    return Engine(config.engine)
+    return Engine(config.engine, cache_events=True)
 
 
 def tokenizer_modules_loaded() -> list[str]:
@@ -63,15 +75,28 @@ def tokenizer_modules_loaded() -> list[str]:
 
 
 class EngineProcess:
-    def __init__(self, config: ClusterConfig, ctx: zmq.Context, engine=None) -> None:
-        self.config = config
-        self.runtime = WorkerRuntime("engine", 0, config, ctx)
+    def __init__(
+        self,
+        config: ClusterConfig,
+        ctx: zmq.Context,
+        engine: EngineLike | None = None,
+        index: int = 0,
+    ) -> None:
+        self.config, self.index = config, index
+        self.runtime = WorkerRuntime("engine", index, config, ctx)
         self.engine = engine if engine is not None else make_engine(config)
-        # EngineOverloaded lives next to the engine class (the real one or a test stand-in).
-        self._overloaded = sys.modules[type(self.engine).__module__].EngineOverloaded
+        # The prefix cache's events: off the step, on a publisher thread; the first batch
+        # (AllBlocksCleared) tells followers that this replica starts empty.
+        self.cache_events = KVEventPublisher(
+            ctx,
+            event_sinks(config, index),
+            data_parallel_rank=index,
+            queue_max=event_queue_max(config),
+        )
+        self.publish_cache_events()
         self.inbox: PullQueue[TokenizedRequest | AbortRequests | GrammarVocabulary] = PullQueue(
             ctx,
-            config.engine_addr,
+            config.engine_addr(index),
             TokenizedRequest,
             AbortRequests,
             GrammarVocabulary,
@@ -82,19 +107,27 @@ class EngineProcess:
         # grammar builder writes to when a waiting request's grammar is ready.
         self.idle = zmq.Poller()
         self.idle.register(self.inbox.socket, zmq.POLLIN)
-        self.wakeup_fd = getattr(self.engine, "wakeup_fd", None)
-        if self.wakeup_fd is not None:
-            self.idle.register(self.wakeup_fd, zmq.POLLIN)
+        if self.engine.wakeup_fd is not None:
+            self.idle.register(self.engine.wakeup_fd, zmq.POLLIN)
         self.outbox = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
         self.live: set[str] = set()  # added to the engine and not finished yet
         self.pending = StepOutput(step=0, t_step=0.0)  # metas and errors awaiting the next send
         self.steps = 0
         self.received = 0
+        self.trim = IdleTrim()
+        # Requests received from each tokenizer worker (by meta.tokenizer_index): the load
+        # report's, from which each worker knows its requests still on their way here.
+        self.received_from = [0] * config.tokenizer_workers
+        # When the load was last published, and self.received then: an idle replica publishes
+        # it again after arrivals that ended without a step, and every heartbeat interval (a
+        # load report is never replayed: a follower that joined late gets the next one).
+        self.load_published_t = 0.0
+        self.load_reported_at = -1
 
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
         self.runtime.announce(
-            [self.inbox.address],
+            [self.inbox.address, *self.cache_events.addresses],
             model_name=str(self.engine.model_name),
             max_model_len=int(self.engine.max_model_len),
             vocab_size=int(self.engine.vocab_size),
@@ -107,10 +140,17 @@ class EngineProcess:
                     self.inbox.wait(math.ceil(delay_s * 1000))
                 else:
                     self.step()
+                    self.trim.busy()
             elif self._has_pending():
                 self.send(self.take_pending())
             else:
-                self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100))
+                if self.config.routes and (
+                    self.received != self.load_reported_at
+                    or time.monotonic() - self.load_published_t > self.config.heartbeat_interval_s
+                ):
+                    self.publish_load()
+                if not self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100)):
+                    self.trim.idle()  # nothing came: hand back what the last burst freed
             self.runtime.maybe_heartbeat(self.stats())
         self.shutdown()
 
@@ -120,16 +160,17 @@ class EngineProcess:
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
             elif isinstance(msg, GrammarVocabulary):
-                if hasattr(self.engine, "set_grammar_vocabulary"):
-                    self.engine.set_grammar_vocabulary(msg)
+                self.engine.set_grammar_vocabulary(msg)
             else:
                 self.add(msg)
 
     def add(self, req: TokenizedRequest) -> None:
+        req.meta.engine_index = self.index  # where it is, whatever its sender wrote
         self.received += 1
-        if req.request_id in self.live:
-            # Only a raw client bypassing the SDK can do this; the live request keeps its events.
-            logger.warning("ignored a duplicate of live request %r", req.request_id)
+        if 0 <= req.meta.tokenizer_index < len(self.received_from):
+            self.received_from[req.meta.tokenizer_index] += 1
+        if req.request_id in self.live or req.meta.request_id in self.live:
+            self._refuse_duplicate(req)
             return
         if req.meta.request_id != req.request_id:
             # Only a raw sender can do this; the detokenizer tracks the request by meta's id.
@@ -147,11 +188,15 @@ class EngineProcess:
             return
         try:
             ids = unpack_id_list(req.token_ids)
-            grammar = {"grammar": req.grammar} if req.grammar else {}  # stand-ins take none
             self.engine.add(
-                req.request_id, ids, req.sampling, arrival_time=time.monotonic(), **grammar
+                req.request_id,
+                ids,
+                req.sampling,
+                arrival_time=time.monotonic(),
+                grammar=req.grammar,
+                cache_salt=req.cache_salt,
             )
-        except self._overloaded as exc:
+        except EngineOverloaded as exc:
             self._finish_early(req.meta, FINISH_ERROR, f"overloaded: {exc}", ERR_OVERLOADED)
         except (ValueError, DecodeError) as exc:
             self._finish_early(req.meta, FINISH_ERROR, str(exc), ERR_BAD_REQUEST)
@@ -164,6 +209,8 @@ class EngineProcess:
 
     def step(self) -> None:
         out = self.engine.step()
+        self.publish_cache_events()
+        self.publish_load()
         self.steps += 1
         pending = self.take_pending()
         out.new_requests = pending.new_requests + list(out.new_requests)
@@ -174,6 +221,7 @@ class EngineProcess:
 
     def send(self, out: StepOutput) -> None:
         out.engine_pid = self.runtime.pid
+        out.engine_index = self.index
         try:
             self.outbox.put(out, timeout_ms=SEND_TIMEOUT_MS)
         except zmq.Again:
@@ -200,13 +248,35 @@ class EngineProcess:
         if self._has_pending():
             self.send(self.take_pending())
         self.runtime.maybe_heartbeat(self.stats())
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()
+        self.cache_events.close()
         self.inbox.close()
         self.outbox.close()
         self.runtime.close()
 
     # --- helpers ------------------------------------------------------------------------------
+    def _refuse_duplicate(self, req: TokenizedRequest) -> None:
+        """A copy of a live request (only a raw client bypassing the SDK sends one). It gets its
+        own terminal event, as every accepted message does, and the live request keeps its
+        stream: a RequestError with its own code, which the detokenizer passes to the sender
+        without touching the live request's state (a finish here would end that one)."""
+        rid = req.meta.request_id
+        logger.warning("refused a copy of live request %r", rid)
+        error = RequestError(
+            request_id=rid,
+            client_id=req.meta.client_id,
+            message=f"request_id {rid!r} is already in flight: this copy was refused and "
+            "the request with that id goes on; give each request its own id",
+            code=ERR_DUPLICATE_REQUEST,
+            t_submit=req.meta.t_submit,
+        )
+        try:
+            self.outbox.put(error, timeout_ms=SEND_TIMEOUT_MS)
+        except zmq.Again:
+            logger.error(
+                "the detokenizer has not read for %d ms; dropped an error", SEND_TIMEOUT_MS
+            )
+
     def _finish_early(self, meta: RequestMeta, reason: str, error: str, code: str) -> None:
         self.pending.new_requests.append(meta)
         self.pending.finished.append(FinishRecord(meta.request_id, reason, error, code))
@@ -219,6 +289,29 @@ class EngineProcess:
             meta = RequestMeta(request_id=rid, client_id=cid, prompt_tokens=0)
             self._finish_early(meta, FINISH_ERROR, f"malformed request: {exc}", ERR_BAD_REQUEST)
 
+    def publish_cache_events(self) -> None:
+        events = self.engine.take_cache_events()
+        if events:
+            self.cache_events.publish(events)
+
+    def publish_load(self) -> None:
+        """The replica's load for the tokenizer workers' routing (several engines only)."""
+        if not self.config.routes:
+            return
+        load = self.engine.load()
+        self.load_reported_at, self.load_published_t = self.received, time.monotonic()
+        self.cache_events.publish_side(
+            LOAD_TOPIC,
+            ReplicaLoad(
+                index=self.index,
+                pid=self.runtime.pid,
+                running=load.running,
+                waiting=load.waiting,
+                kv_usage=load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0,
+                received_from=list(self.received_from),
+            ),
+        )
+
     def _has_pending(self) -> bool:
         return bool(self.pending.new_requests or self.pending.finished)
 
@@ -229,24 +322,27 @@ class EngineProcess:
         return pending
 
     def stats(self) -> dict[str, float]:
-        stats = {
-            "running": self.engine.num_running,
-            "waiting": self.engine.num_waiting,
+        load = self.engine.load()
+        return {
+            "running": load.running,
+            "waiting": load.waiting,
             "live": len(self.live),
             "steps": self.steps,
             "received": self.received,
             "imported_tokenizers": float(bool(tokenizer_modules_loaded())),
+            "memory_trims": self.trim.trims,
+            "grammar_rows_deferred": load.grammar_rows_deferred,
+            **(
+                {
+                    "kv_blocks_total": load.kv_blocks_total,
+                    "kv_blocks_used": load.kv_blocks_used,
+                    "kv_blocks_available": load.kv_blocks_available,
+                }
+                if load.kv_blocks_total
+                else {}
+            ),
         }
-        blocks = getattr(self.engine, "blocks", None)  # the real engine's KV block manager
-        if blocks is not None:
-            # used: held by a running request; available: free or only cached (evictable).
-            stats.update(
-                kv_blocks_total=blocks.num_blocks,
-                kv_blocks_used=blocks.num_used,
-                kv_blocks_available=blocks.num_available,
-            )
-        return stats
 
 
 def main(config: ClusterConfig, index: int = 0) -> None:
-    run_on_context(lambda ctx: EngineProcess(config, ctx))
+    run_on_context(lambda ctx: EngineProcess(config, ctx, index=index))

@@ -39,6 +39,7 @@ class EngineRequest:
         "samples",
         "prompt_logprobs_from",
         "grammar",
+        "cache_salt",
     )
 
     def __init__(
@@ -50,6 +51,7 @@ class EngineRequest:
         stop_ids: frozenset[int],
         max_model_len: int,
         t_arrived: float,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = token_ids
@@ -57,7 +59,7 @@ class EngineRequest:
         self.params = params
         self.sampler = sampler
         self.stop_ids = stop_ids
-        self.max_total_len = min(max_model_len, self.prompt_len + params.max_tokens)
+        self.max_total_len = min(max_model_len, self.prompt_len + params.max_new_tokens)
         self.t_arrived = t_arrived
         self.t_scheduled = 0.0
         self.num_computed = 0
@@ -67,16 +69,20 @@ class EngineRequest:
         self.cached_tokens = 0
         self.started_sent = False
         self.num_generated = 0
-        self.samples = params.max_tokens > 0  # max_tokens 0: the prompt is scored, nothing drawn
+        self.samples = (
+            params.max_new_tokens > 0
+        )  # max_tokens 0: the prompt is scored, nothing drawn
         # The next prompt position whose logprob is still to be sent (positions from 1 have one);
         # prompt_len when none are wanted, or all were sent.
         self.prompt_logprobs_from = 1 if params.prompt_logprobs is not None else self.prompt_len
         self.grammar: RequestGrammar | None = None  # the matcher, for a constrained request
+        self.cache_salt = cache_salt  # shares cached blocks only with requests of the same salt
 
     @property
     def ready(self) -> bool:
-        """False while the request's grammar is still being built: it waits, others go on."""
-        return self.grammar is None or self.grammar.ready()
+        """False while the request's grammar is still being built, or while the mask its last
+        step lacked is still being computed: it waits, others go on."""
+        return self.grammar is None or self.grammar.schedulable()
 
     @property
     def num_tokens(self) -> int:

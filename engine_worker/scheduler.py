@@ -8,7 +8,8 @@ Order of a step, oldest first (FCFS):
 2. waiting requests are admitted while the batch has room (``max_batch_size``), the step has
    prefill budget (``prefill_max_batch_size`` requests, ``prefill_max_tokens`` tokens) and the
    pool has blocks. A request never computes more than ``prefill_chunk_tokens`` in one step.
-   One whose grammar is still being built is passed over until it is ready.
+A request that is not ``ready`` (its grammar is still being built, or the grammar mask its last
+step lacked is still being computed) is passed over, running or waiting, until it is.
 
 Requests that ask for prompt logprobs need the logits of every prompt position they compute:
 they never take blocks from the prefix cache (their own blocks are still published), and
@@ -72,6 +73,9 @@ class Scheduler:
         position = 0
         while position < len(self.running):
             request = self.running[position]
+            if not request.ready:
+                position += 1
+                continue
             if request.is_decoding:
                 count = 1
             else:
@@ -155,7 +159,7 @@ class Scheduler:
         if self.prefix_cache is not None and not request.wants_prompt_logprobs:
             # At least one token must be computed to sample from, so never match the last one.
             cached_blocks, keys, node = self.prefix_cache.match(
-                request.token_ids, (request.num_tokens - 1) // size
+                request.token_ids, (request.num_tokens - 1) // size, request.cache_salt
             )
         cached = len(cached_blocks) * size
         count = min(request.num_tokens - cached, self.config.prefill_chunk_tokens, token_budget)
@@ -184,7 +188,7 @@ class Scheduler:
             tokens = tuple(request.token_ids[index * size : (index + 1) * size])
             parent = request.block_keys[-1] if request.block_keys else None
             key, request.prefix_node = self.prefix_cache.publish(
-                request.block_ids[index], tokens, parent, request.prefix_node
+                request.block_ids[index], tokens, parent, request.prefix_node, request.cache_salt
             )
             request.block_keys.append(key)
 

@@ -54,8 +54,8 @@ logger = logging.getLogger("splitserve.engine.weights")
 WEIGHT_FORMATS = WEIGHTS
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Largest step (tokens through a linear layer) that still runs on the quantized copy: measured
-# crossovers on a 2-core AVX-512 (BF16) CPU with bf16 activations, scripts/bench_engine.py
-# kernels. Above it the dense bf16 copy is faster.
+# crossovers on a 2-core AVX-512 (BF16) CPU with bf16 activations, `python -m scripts.bench
+# engine kernels`. Above it the dense bf16 copy is faster.
 QUANTIZED_MAX_TOKENS = {"int4": 16, "int4x2": 4, "int4x4": 1, "int8": 4}
 QUANTIZED_FORMATS = ("int8", "int4", "int4-exact")
 

@@ -27,9 +27,17 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
-from http_worker.fields import check_fields
+from http_worker.body import BodyReader, validation_error
 from http_worker.frontend import Frontend, FrontendSettings
-from http_worker.generation import ClientGone, GenerationCall, submit_all, unless_disconnected
+from http_worker.generation import (
+    ClientGone,
+    GenerationCall,
+    GenerationPlan,
+    plan_generation,
+    submit_all,
+    unless_disconnected,
+)
+from http_worker.openapi import JSON_OBJECT, install_openapi, operation, reading
 from http_worker.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from http_worker.responses import (
     ChatFormat,
@@ -39,15 +47,20 @@ from http_worker.responses import (
     models_body,
     usage_body,
 )
-from http_worker.tokenize_routes import TOKENIZER_PATHS, install_tokenize_routes
+from http_worker.tokenize_routes import (
+    POLICIES,
+    TOKENIZER_BODIES,
+    TOKENIZER_PATHS,
+    install_tokenize_routes,
+    package_version,
+)
 from ipc.client import Delta, SplitserveError
+from ipc.sampling import DEFAULT_MAX_TOKENS
 from ipc.sockets import CurveKeys
 from runtime.supervisor_link import SupervisorLink
 
 logger = logging.getLogger("splitserve.http")
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SSE_DONE = b"data: [DONE]\n\n"
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKENIZER_PATHS)
 
 
@@ -67,15 +80,12 @@ def _sse(body: Any) -> bytes:
 
 
 async def _generate(
-    request: Request,
-    body: CompletionRequest | ChatCompletionRequest,
-    fmt: ResponseFormat,
-    default_max_tokens: int,
+    request: Request, plan: GenerationPlan, fmt: ResponseFormat, t_arrived: float
 ) -> Response:
-    t_arrived = time.monotonic()
+    body = plan.body
     frontend: Frontend = request.app.state.frontend
     frontend.check_model(body.model)
-    call = submit_all(frontend, body, fmt, default_max_tokens, t_arrived)
+    call = submit_all(frontend, plan, fmt, t_arrived)
     events = call.events()
     try:
         if not body.stream:
@@ -203,15 +213,65 @@ def build_app(settings: FrontendSettings) -> FastAPI:
             await frontend.close()
 
     app = FastAPI(
-        title="splitserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="splitserve",
+        description="An OpenAI-compatible API. Request fields are typed strictly (an integer "
+        "field takes an integer, never a string or a boolean) and unknown fields are refused "
+        "with a 400 naming them; docs/field-policy.md states the rules.",
+        version=package_version(),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
     )
     app.state.frontend = frontend
+    bodies = BodyReader(settings.max_body_bytes, settings.lenient_fields, POLICIES)
     _install_error_handlers(app)
     _install_middleware(app, frontend, settings.api_key)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, *TOKENIZER_BODIES])
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        check_fields(body, settings.lenient_fields)
+    _install_generation_routes(app, frontend, bodies)
+
+    @app.get("/v1/models", openapi_extra=reading(JSON_OBJECT, "401"))
+    async def models() -> Response:
+        return _json(models_body(frontend.model_name, frontend.t_start, frontend.max_model_len))
+
+    health_answers = {"503": {"description": "a process does not answer", "content": JSON_OBJECT}}
+
+    @app.get(
+        "/health",
+        openapi_extra={"responses": {**reading(JSON_OBJECT)["responses"], **health_answers}},
+    )
+    async def health() -> Response:
+        problem = await frontend.healthy()
+        who = {"pid": os.getpid(), "index": settings.index}
+        if problem is None:
+            return _json({"status": "ok", **who})
+        return _json({"status": "unavailable", "reason": problem, **who}, 503)
+
+    @app.get("/metrics", openapi_extra=reading({"text/plain": {"schema": {"type": "string"}}}))
+    async def metrics() -> Response:
+        text, content_type = frontend.metrics.render()
+        return Response(text + await frontend.engine_metrics(), media_type=content_type)
+
+    install_tokenize_routes(app, frontend, bodies, _json)
+    return app
+
+
+def _install_generation_routes(app: FastAPI, frontend: Frontend, bodies: BodyReader) -> None:
+    """POST /v1/completions and /v1/chat/completions: each body is read and planned by
+    ``bodies`` (http_worker.body: off the event loop when it is large), then submitted."""
+
+    async def plan(request: Request, model: type, default_max_tokens: int) -> GenerationPlan:
+        return await bodies.parse(
+            request, lambda data: model, lambda body: plan_generation(body, default_max_tokens)
+        )
+
+    @app.post("/v1/completions", openapi_extra=operation(CompletionRequest, stream=True))
+    async def completions(request: Request) -> Response:
+        t_arrived = time.monotonic()
+        body_plan = await plan(request, CompletionRequest, DEFAULT_MAX_TOKENS)
+        body = body_plan.body
+        assert isinstance(body, CompletionRequest)
         fmt = CompletionFormat(
             frontend.model_name,
             body.include_usage,
@@ -220,11 +280,15 @@ def build_app(settings: FrontendSettings) -> FastAPI:
             echo=body.echo,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await _generate(request, body, fmt, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await _generate(request, body_plan, fmt, t_arrived)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        check_fields(body, settings.lenient_fields)
+    @app.post("/v1/chat/completions", openapi_extra=operation(ChatCompletionRequest, stream=True))
+    async def chat_completions(request: Request) -> Response:
+        t_arrived = time.monotonic()
+        # No limit asked: as much as the context has room for (the tokenizer worker cuts it).
+        body_plan = await plan(request, ChatCompletionRequest, max(1, frontend.max_model_len))
+        body = body_plan.body
+        assert isinstance(body, ChatCompletionRequest)
         fmt = ChatFormat(
             frontend.model_name,
             body.include_usage,
@@ -232,66 +296,45 @@ def build_app(settings: FrontendSettings) -> FastAPI:
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
-        # No limit asked: as much as the context allows (the tokenizer clamps it to the room).
-        return await _generate(request, body, fmt, max(1, frontend.max_model_len))
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return _json(models_body(frontend.model_name, frontend.t_start, frontend.max_model_len))
-
-    @app.get("/health")
-    async def health() -> Response:
-        problem = await frontend.healthy()
-        who = {"pid": os.getpid(), "index": settings.index}
-        if problem is None:
-            return _json({"status": "ok", **who})
-        return _json({"status": "unavailable", "reason": problem, **who}, 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        text, content_type = frontend.metrics.render()
-        return Response(text + await frontend.engine_metrics(), media_type=content_type)
-
-    install_tokenize_routes(app, frontend, settings.lenient_fields, _json)
-    return app
+        return await _generate(request, body_plan, fmt, t_arrived)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
-        retry = {"Retry-After": "1"} if exc.status in (429, 503) else None
-        return _json(exc.body(), exc.status, retry)
+        headers = dict(exc.headers or {})
+        if exc.status in (429, 503):
+            headers["Retry-After"] = "1"
+        return _json(exc.body(), exc.status, headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
         # FastAPI answers 422; OpenAI (and its SDK's BadRequestError) expect 400.
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        # Drop "body" and the union members pydantic names in the path ("str", "list[int]").
-        loc = [
-            str(p)
-            for p in first.get("loc", ())
-            if p != "body" and not (isinstance(p, str) and (p in _TYPE_NAMES or "[" in p))
-        ]
-        param = ".".join(loc) or None
-        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        if param:
-            message = f"{param}: {message}"
-        return _json(error_body(message, "invalid_request_error", param, "invalid_value"), 400)
+        return await on_api_error(request, validation_error(exc.errors()))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        # Keeps the exception's headers: a 405 says which methods the path takes (Allow).
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _json(error_body(str(exc.detail), kind), exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        logger.exception("unexpected error answering %s", request.url.path)
-        return _json(error_body("internal server error", "server_error", None, "internal"), 500)
+        return _json(error_body(str(exc.detail), kind), exc.status_code, dict(exc.headers or {}))
 
 
 def _install_middleware(app: FastAPI, frontend: Frontend, api_key: str) -> None:
     expected = f"Bearer {api_key}"
+
+    @app.middleware("http")
+    async def answer_faults(request: Request, call_next: Any) -> Response:
+        """A fault is answered here with a whole 500, and the connection stays usable. (An
+        ``exception_handler(Exception)`` runs in Starlette's outermost middleware, which sends
+        its answer and then raises again, and uvicorn then drops the keep-alive connection
+        without a word: the client's next request on it fails.)"""
+        try:
+            response: Response = await call_next(request)
+        except Exception:
+            logger.exception("unexpected error answering %s", request.url.path)
+            body = error_body("internal server error", "server_error", None, "internal")
+            return _json(body, 500)
+        return response
 
     @app.middleware("http")
     async def auth_and_count(request: Request, call_next: Any) -> Response:

@@ -1,14 +1,22 @@
-"""The engine's series in /metrics: requests running and waiting, KV-cache usage, prefix-cache
-queried and hit tokens, preemptions (README: each one's vLLM name, for existing dashboards).
+"""The engines' series in /metrics: requests running and waiting, KV-cache usage, prefix-cache
+queried and hit tokens, preemptions; once per engine replica under vLLM's names
+(``vllm:num_requests_running{model_name, engine="r"}``, ...), so vLLM dashboards work unchanged,
+and for the cluster as a whole under ours (``splitserve_engine_*``, the replicas summed). With
+several replicas, the routing decisions of the tokenizer workers too:
+``splitserve_routing_decisions_total{policy, outcome}`` and the time spent on them,
+``splitserve_routing_seconds_total`` (its rate over the decisions' is the cost per request).
 
-Where they come from: every engine step's StepOutput carries the engine's stats to the
-detokenizer, which keeps the latest and answers an EngineStatsQuery with them. The frontend that
-answers a scrape asks once per scrape and writes what it gets, so:
+Where they come from: every engine step's StepOutput carries its replica's stats to the
+detokenizer, which keeps the latest per replica, counts the routing decisions each request's
+meta reports, and answers an EngineStatsQuery with all of it. The frontend that answers a scrape
+asks once per scrape and writes what it gets, so:
 - several frontends on one port report the same figures whichever answers (one source, nothing
   summed across processes, no multiprocess files to merge or to go stale with a dead frontend);
 - a restarted frontend reports at once what the engine reports (nothing lives in the frontend);
 - the counters count since the engine started, as the engine keeps them (a restarted engine
-  starts from 0, which Prometheus' rate() reads as a counter reset).
+  starts from 0, which Prometheus' rate() reads as a counter reset); the routing counters since
+  the detokenizer started, whatever tokenizer worker restarts in between (a decision is counted
+  when its request reaches the detokenizer, not kept in the worker that made it).
 The supervisor's heartbeats carry similar stats, but the supervisor may be any program that
 launched the cluster and has no channel to the frontends; the detokenizer is the process every
 frontend is already connected to.
@@ -21,7 +29,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ipc.messages import EngineStats
+from ipc.queries import EngineStatsReport
 
 # (our name, kind, help, the vLLM series it stands for, value from the engine's stats)
 ENGINE_SERIES = (
@@ -71,20 +79,48 @@ ENGINE_SERIES = (
 
 
 class _EngineCollector:
-    def __init__(self, stats: EngineStats, model_name: str) -> None:
-        self.stats, self.model_name = stats, model_name
+    def __init__(self, report: EngineStatsReport, model_name: str) -> None:
+        self.report, self.model_name = report, model_name
 
     def collect(self) -> Iterator[Metric]:
-        for name, kind, help_text, _, value in ENGINE_SERIES:
+        replicas = self.report.replicas
+        for name, kind, help_text, vllm_name, value in ENGINE_SERIES:
             family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            family = family_type(name, help_text, labels=["model_name"])
-            family.add_metric([self.model_name], float(value(self.stats)))
-            yield family
+            ours = family_type(name, help_text, labels=["model_name"])
+            ours.add_metric([self.model_name], float(value(self.report.stats)))
+            yield ours
+            per_replica = family_type(vllm_name, help_text, labels=["model_name", "engine"])
+            for replica in replicas:
+                labels = [self.model_name, str(replica.index)]
+                per_replica.add_metric(labels, float(value(replica.stats)))
+            yield per_replica
+        if self.report.routing_policy:
+            yield from self._routing()
+
+    def _routing(self) -> Iterator[Metric]:
+        report = self.report
+        decisions = CounterMetricFamily(
+            "splitserve_routing_decisions",
+            "Requests routed to an engine replica by the tokenizer workers, by policy and by "
+            "what decided (cache_hit, balanced, imbalanced, round_robin).",
+            labels=["policy", "outcome"],
+        )
+        for outcome, count in sorted(report.routing_decisions.items()):
+            decisions.add_metric([report.routing_policy, outcome], float(count))
+        yield decisions
+        seconds = CounterMetricFamily(
+            "splitserve_routing_seconds",
+            "Time the tokenizer workers spent choosing replicas (block hashes, prefix lookup, "
+            "the rule), over all decisions.",
+            labels=["policy"],
+        )
+        seconds.add_metric([report.routing_policy], report.routing_seconds_total)
+        yield seconds
 
 
-def render_engine_metrics(stats: EngineStats, model_name: str) -> bytes:
-    """The engine's series as exposition text, labelled with the served model's name as vLLM's
+def render_engine_metrics(report: EngineStatsReport, model_name: str) -> bytes:
+    """The engines' series as exposition text, labelled with the served model's name as vLLM's
     are, to append to the frontend's own."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineCollector(stats, model_name))
+    registry.register(_EngineCollector(report, model_name))
     return generate_latest(registry)

@@ -57,7 +57,6 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (False,),
     "documents": (),
     "mm_processor_kwargs": (),
-    "cache_salt": (),
     "kv_transfer_params": (),
     "vllm_xargs": (),
     "logits_processors": (),

@@ -12,6 +12,14 @@ from http_worker.engine_metrics import render_engine_metrics
 from http_worker.metrics import HttpMetrics
 from http_worker.protocol import APIError
 from ipc.client import AsyncClient, SplitserveError
+from ipc.config import (
+    API_KEY_HELP,
+    DEFAULT_MAX_BODY_BYTES,
+    HTTP_MAX_BODY_BYTES_HELP,
+    LENIENT_FIELDS_HELP,
+    ClusterConfig,
+)
+from ipc.knobs import check_knobs, knob
 from ipc.messages import ERR_UNAVAILABLE
 
 logger = logging.getLogger("splitserve.http")
@@ -19,20 +27,79 @@ logger = logging.getLogger("splitserve.http")
 
 @dataclass(frozen=True, slots=True)
 class FrontendSettings:
-    client_addr: str
-    model_name: str = ""  # "" = the name the cluster reports
-    api_key: str = ""  # "" = no authentication (loopback only)
-    connect_timeout_s: float = 30.0
-    request_deadline_s: float = 0.0  # 0 = none; else unfinished requests end with a 504
-    health_fresh_s: float = 5.0  # a token this recent proves the cluster alive: no probe
-    health_probe_timeout_s: float = 10.0
-    index: int = 0
-    url: str = ""  # where this frontend listens, for the start-up line and the supervisor
-    supervisor_addr: str = ""  # "" = not supervised; else WorkerReady + heartbeats go there
-    heartbeat_interval_s: float = 0.5
-    server_public_key: str = ""  # the cluster's CURVE public key ("" = no CURVE)
-    lenient_fields: bool = False  # unknown request fields: logged and ignored instead of a 400
-    engine_stats_timeout_s: float = 2.0  # a scrape waits this long for the engine's figures
+    """One frontend's knobs: a standalone frontend's flags are made from these fields
+    (http_worker.server), a supervised one's come from the cluster's config (``from_cluster``)."""
+
+    client_addr: str = knob(
+        "", "the cluster's client address (the detokenizer's ROUTER)", unit="ADDR"
+    )
+    model_name: str = knob(
+        "", "the model name clients use; empty: the name the cluster reports", unit="NAME"
+    )
+    api_key: str = knob("", API_KEY_HELP, unit="KEY")  # "" = no authentication (loopback only)
+    connect_timeout_s: float = knob(
+        30.0, "give up if the cluster does not answer the handshake", unit="SECONDS", minimum=0.1
+    )
+    request_deadline_s: float = knob(
+        0.0,
+        "end a request not finished after this long with a 504 and abort it in the cluster "
+        "(0: no deadline)",
+        unit="SECONDS",
+        minimum=0.0,
+    )
+    health_fresh_s: float = knob(
+        5.0,
+        "/health probes the cluster only if no token arrived this recently",
+        unit="SECONDS",
+        minimum=0.0,
+    )
+    health_probe_timeout_s: float = knob(
+        10.0, "how long /health waits for its probe", unit="SECONDS", minimum=0.1
+    )
+    index: int = knob(0, "this frontend's number (for logs and the supervisor)", minimum=0)
+    url: str = knob("", "where this frontend listens (set when it binds)", cli=False)
+    supervisor_addr: str = knob(
+        "", "send WorkerReady and heartbeats (role 'http') to this supervisor socket", unit="ADDR"
+    )
+    heartbeat_interval_s: float = knob(
+        0.5, "how often heartbeats go to the supervisor", unit="SECONDS", minimum=0.01
+    )
+    server_public_key: str = knob(
+        "", "the cluster's CURVE public key, when it uses CURVE (--listen)", unit="KEY"
+    )
+    lenient_fields: bool = knob(False, LENIENT_FIELDS_HELP)
+    engine_stats_timeout_s: float = knob(
+        2.0,
+        "a /metrics scrape waits this long for the engine's figures",
+        unit="SECONDS",
+        minimum=0.1,
+    )
+    max_body_bytes: int = knob(
+        DEFAULT_MAX_BODY_BYTES,
+        HTTP_MAX_BODY_BYTES_HELP,
+        unit="BYTES",
+        minimum=1024,
+        flag="--http-max-body-bytes",
+    )
+
+    def __post_init__(self) -> None:
+        check_knobs(self)
+        if not self.client_addr:
+            raise ValueError("client_addr is required (the cluster's client address)")
+
+    @classmethod
+    def from_cluster(cls, config: ClusterConfig, index: int) -> FrontendSettings:
+        """Frontend ``index`` of a supervised cluster."""
+        return cls(
+            client_addr=config.client_addr,
+            api_key=config.http_api_key,
+            index=index,
+            supervisor_addr=config.supervisor_addr,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            server_public_key=config.curve_public_key,
+            lenient_fields=config.lenient_fields,
+            max_body_bytes=config.http_max_body_bytes,
+        )
 
 
 class Frontend:
@@ -83,7 +150,7 @@ class Frontend:
         except SplitserveError as exc:
             logger.warning("no engine stats for /metrics: %s", exc)
             return b""
-        return render_engine_metrics(report.stats, self.model_name)
+        return render_engine_metrics(report, self.model_name)
 
     def check_model(self, requested: str | None) -> None:
         if requested and requested != self.model_name:

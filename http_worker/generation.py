@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -17,16 +18,24 @@ from http_worker.protocol import (
     CompletionRequest,
     bad_request,
 )
+from http_worker.request_metrics import RequestClock
 from http_worker.responses import ResponseFormat, usage_body
 from ipc.client import ERR_TIMEOUT, AsyncRequestHandle, Delta, SplitserveError
-from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE
+from ipc.field_rules import FieldError
+from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR
 
 
-def api_error_from(exc: SplitserveError) -> APIError:
-    """The HTTP answer to an SDK error: the client's mistakes are 4xx, never 500."""
+def api_error_from(
+    exc: SplitserveError, body: CompletionRequest | ChatCompletionRequest | None = None
+) -> APIError:
+    """The HTTP answer to an SDK error: the client's mistakes are 4xx, never 500. A bad request
+    names its field, as ``body`` calls it (max_tokens may be max_completion_tokens there)."""
     message = str(exc)
     if exc.code == ERR_BAD_REQUEST:
-        return bad_request(message)
+        if exc.param and body is not None:
+            named = body.named(FieldError(exc.param, message))
+            return bad_request(str(named), named.param)
+        return bad_request(message, exc.param)
     if exc.code == ERR_OVERLOADED:
         return APIError(429, message, "rate_limit_error", None, ERR_OVERLOADED)
     if exc.code == ERR_UNAVAILABLE:
@@ -42,13 +51,21 @@ class GenerationCall:
     whatever is unfinished (a client that went away, a sibling choice that failed)."""
 
     def __init__(
-        self, frontend: Frontend, handles: list[AsyncRequestHandle], n: int, t_arrived: float
+        self,
+        frontend: Frontend,
+        handles: list[AsyncRequestHandle],
+        body: CompletionRequest | ChatCompletionRequest,
+        t_arrived: float,
     ) -> None:
-        self.frontend, self.handles, self.n, self.t_arrived = frontend, handles, n, t_arrived
+        self.frontend, self.handles, self.body, self.t_arrived = frontend, handles, body, t_arrived
+        self.n = body.n
         self.finals: list[Delta | None] = [None] * len(handles)
         self.errors: list[str] = [""] * len(handles)
         self._first_t: list[float] = [0.0] * len(handles)
         self._last_t: list[float] = [0.0] * len(handles)
+        self._clocks = [
+            RequestClock(frontend.metrics.vllm, frontend.model_name, t_arrived) for _ in handles
+        ]
         self._pumps: list[asyncio.Task] = []
         self._closed = False
         frontend.metrics.in_flight.inc()
@@ -98,8 +115,17 @@ class GenerationCall:
             self._first_t[i] = self._first_t[i] or delta.t_received
             self._last_t[i] = delta.t_received
             self.frontend.last_alive = delta.t_received
+            self._clocks[i].on_tokens(delta.engine_index, len(delta.token_ids), delta.t_received)
         if delta.finished:
             self.finals[i] = delta
+            if delta.finish_reason != FINISH_ERROR and delta.usage is not None:
+                usage = delta.usage
+                self._clocks[i].on_finished(
+                    delta.engine_index,
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    delta.t_received,
+                )
             metrics.generations_in_flight.dec()
             metrics.observe_generation(
                 delta.finish_reason, delta.usage, delta.timings, self._first_t[i], self._last_t[i]
@@ -140,7 +166,7 @@ class GenerationCall:
     def fail(self, exc: SplitserveError) -> APIError:
         """A choice failed: the others are aborted, the client gets the error."""
         self.close("abort")
-        return api_error_from(exc)
+        return api_error_from(exc, self.body)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -167,35 +193,52 @@ async def unless_disconnected(request: Request, awaitable: Any) -> Any:
     raise ClientGone
 
 
-def submit_all(
-    frontend: Frontend,
-    body: CompletionRequest | ChatCompletionRequest,
-    fmt: ResponseFormat,
-    default_max_tokens: int,
-    t_arrived: float,
-) -> GenerationCall:
+@dataclass(slots=True)
+class GenerationPlan:
+    """What one HTTP request asks of the cluster, derived from its body before anything is sent
+    (http_worker.body runs this off the event loop for a large body): one submit() keyword set
+    per engine request, choice i of prompt p at p * n + i."""
+
+    body: CompletionRequest | ChatCompletionRequest
+    submits: list[dict[str, Any]]
+
+
+def plan_generation(
+    body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int
+) -> GenerationPlan:
+    """Bad values raise APIError(400) naming the field."""
     prompts = body.prompts()
     if len(prompts) * body.n > MAX_CHOICES:
         raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts x n)", "n")
-    max_tokens = body.max_tokens_or(default_max_tokens)
-    samplings = [body.sampling(max_tokens, j) for j in range(body.n)]
+    samplings = [body.sampling(default_max_tokens, j) for j in range(body.n)]
     options = body.output_options()
+    return GenerationPlan(
+        body,
+        [
+            {**prompt, "sampling": sampling, **options}
+            for prompt in prompts
+            for sampling in samplings
+        ],
+    )
+
+
+def submit_all(
+    frontend: Frontend, plan: GenerationPlan, fmt: ResponseFormat, t_arrived: float
+) -> GenerationCall:
+    body = plan.body
     client = frontend.require_client()  # after validation: bad input is a 400 even when down
     handles: list[AsyncRequestHandle] = []
     try:
-        for prompt in prompts:
-            for sampling in samplings:
-                handles.append(
-                    client.submit(
-                        **prompt,
-                        sampling=sampling,
-                        request_id=f"{fmt.id}-{len(handles)}",
-                        continuous_usage_stats=body.continuous_usage,
-                        **options,
-                    )
+        for submit in plan.submits:
+            handles.append(
+                client.submit(
+                    **submit,
+                    request_id=f"{fmt.id}-{len(handles)}",
+                    continuous_usage_stats=body.continuous_usage,
                 )
+            )
     except SplitserveError as exc:
         for h in handles:
             h.abort()
-        raise api_error_from(exc) from None
-    return GenerationCall(frontend, handles, body.n, t_arrived)
+        raise api_error_from(exc, body) from None
+    return GenerationCall(frontend, handles, body, t_arrived)

@@ -7,7 +7,8 @@ timings: time in a tokenizer, queue wait in the engine).
 
 Several frontends may serve one port (SO_REUSEPORT); a scrape reaches one of them. With
 PROMETHEUS_MULTIPROC_DIR set (prometheus_client's multiprocess mode) every frontend writes its
-values there and any of them answers for all.
+values there and any of them answers for all. vLLM's per-request series, labelled per engine
+replica, are in request_metrics.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+
+from http_worker.request_metrics import RequestSeries
 
 # Seconds; from a few ms (a tiny model on a GPU) to minutes (long generations on a CPU).
 LATENCY_BUCKETS = (
@@ -140,6 +143,7 @@ class HttpMetrics:
             "Generated tokens of finished engine requests.",
             registry=r,
         )
+        self.vllm = RequestSeries(r)
 
     def observe_generation(
         self, finish_reason: str | None, usage: Any, timings: Any, t_first: float, t_last: float

@@ -1,23 +1,48 @@
 """The OpenAI-compatible wire format of the HTTP frontend: request models (pydantic), their
 mapping to SamplingParams, and the error bodies (responses and stream chunks: responses.py).
 
-Value checks live in one place, ``SamplingParams.__post_init__``; the models here only check
-types and shapes, and turn OpenAI features we do not implement into a clear 400 instead of
-silently ignoring them (a client asking for logprobs must not get a response without them).
-Fields the models do not declare are kept as extras and judged by ``http_worker.fields``.
+Value checks live in one place, ``SamplingParams.__post_init__`` (and the rules of
+ipc.field_rules it shares with the SDK); the models here check types strictly (as OpenAI: an
+integer field takes an integer, never "10", true or 10.0) and the ranges the wire carries, which
+the OpenAPI document then states, and turn OpenAI features we do not implement into a clear 400
+instead of silently ignoring them (a client asking for logprobs must not get a response without
+them). Fields the models do not declare are kept as extras and judged by ``http_worker.fields``.
+The body itself (size, JSON) is read and parsed in http_worker.body.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ipc.block_hash import MAX_CACHE_SALT_CHARS
+from ipc.field_rules import (
+    MAX_CHAT_MESSAGES,
+    MAX_INT32,
+    MAX_SEED,
+    MAX_TOKEN_ID,
+    FieldError,
+    content_problem,
+    renamed,
+    tool_call_id_problem,
+)
 from ipc.messages import SamplingParams
+from ipc.sampling import MAX_LOGPROBS
 from ipc.structured import StructuredOutputError, spec_from_request
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 128  # prompts x n in one request: each is one engine request
+
+# Strict: no coercion (OpenAI's behaviour). Undeclared fields are kept for http_worker.fields.
+STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+# Validating a message costs ~10 us per content part: a body of many small parts (320,000 fit in
+# the body limit) would take seconds; these bound the work before it starts.
+MAX_CONTENT_PARTS = 4096  # text parts over all messages of one request
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 # --- errors -------------------------------------------------------------------------------------
 
@@ -32,6 +57,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -41,6 +67,7 @@ class APIError(Exception):
             param,
             code,
         )
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -60,7 +87,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage on every chunk (vLLM's extension)
 
@@ -68,17 +95,17 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields both endpoints share. Other fields are judged by http_worker.fields."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -90,13 +117,15 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = None  # not OpenAI's; vLLM and TGI take it too
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
     # vLLM's extensions, with vLLM's meaning.
-    min_tokens: int = 0
+    min_tokens: Count = 0
     min_p: float = 0.0
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Logprobs | None = None
     # What the output must match: OpenAI's field, or vLLM's (json, regex, choice, grammar).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: the request shares cached KV blocks only with requests of the same salt.
+    cache_salt: CacheSalt | None = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _GenerationRequest:
@@ -118,12 +147,14 @@ class _GenerationRequest(BaseModel):
     def _token_bias(self) -> dict[int, float]:
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
+            # Decimal digits only: int() would also take "1_000", " 7" and "+7".
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
                 raise bad_request(
-                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
-                ) from None
+                    f"logit_bias keys must be token ids (decimal integers in "
+                    f"[0, {MAX_TOKEN_ID}]), got {key!r:.40}",
+                    "logit_bias",
+                )
+            bias[int(key)] = value
         return bias
 
     @property
@@ -134,32 +165,42 @@ class _GenerationRequest(BaseModel):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def max_tokens_or(self, default: int) -> int:
-        for given in (self.max_completion_tokens, self.max_tokens):  # the newer name wins
-            if given is not None:
-                return given
-        return default
+    @property
+    def max_tokens_name(self) -> str:
+        """The name the request gave its limit by (the newer one wins when both are given)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def named(self, exc: FieldError) -> FieldError:
+        """``exc`` with its field called what this request called it (the SDK's and the
+        tokenizer worker's names: max_tokens, prompt_token_ids)."""
+        exc = renamed(exc, "max_tokens", self.max_tokens_name)
+        return renamed(exc, "prompt_token_ids", "prompt")
 
     def output_options(self) -> dict[str, Any]:
-        """submit() keywords for structured outputs (and tools, on the chat endpoint)."""
+        """submit() keywords beside the prompt and sampling: structured outputs (and tools, on
+        the chat endpoint), the cache salt."""
         try:
             spec = spec_from_request(self.response_format, self.structured_outputs)
         except StructuredOutputError as exc:
             raise bad_request(str(exc), exc.param) from None
-        return {} if spec is None else {"response_format": spec}
+        salt = {} if self.cache_salt is None else {"cache_salt": self.cache_salt}
+        return salt if spec is None else {"response_format": spec, **salt}
 
-    def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
-        """The SamplingParams of one choice; bad values raise APIError(400).
+    def sampling(self, default_max_tokens: int, choice: int) -> SamplingParams:
+        """The SamplingParams of one choice; bad values raise APIError(400) naming the field.
+        Without max_tokens, ``default_max_tokens`` cut to the room the prompt leaves.
 
         With a seed, choice i uses seed + i: n choices with one seed must still differ (as with
         OpenAI), and the same request with the same seed must give the same n answers."""
         seed = self.seed
-        if seed is not None and seed >= 0:  # a negative one is left for SamplingParams to refuse
-            seed = (seed + choice) % (2**63)
+        if seed is not None:  # in [0, 2**63-1] (the model's bound): the sum wraps within it
+            seed = (seed + choice) % (MAX_SEED + 1)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = self.max_completion_tokens
         try:
             return SamplingParams(
-                max_tokens=max_tokens,
+                max_tokens=self.max_tokens if given is None else given,
+                default_max_tokens=default_max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
@@ -179,8 +220,9 @@ class _GenerationRequest(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 **self._logprob_fields(),
             )
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
+        except FieldError as exc:
+            exc = self.named(exc)
+            raise bad_request(str(exc), exc.param) from None
 
 
 PromptIds = list[int]
@@ -190,9 +232,9 @@ class CompletionRequest(_GenerationRequest):
     # A string, a batch of strings, token ids, or a batch of token id lists.
     prompt: str | list[str] | PromptIds | list[PromptIds]
     echo: bool = False
-    best_of: int | None = None
+    best_of: Count | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: Logprobs | None = None  # an integer here; chat's logprobs is a boolean
 
     def _neutral_values(self) -> dict[str, Any]:
         return {**super()._neutral_values(), "suffix": "", "best_of": self.n}
@@ -219,6 +261,7 @@ class CompletionRequest(_GenerationRequest):
             isinstance(v, list)
             and (ids(v) or all(isinstance(x, str) for x in v) or all(ids(x) for x in v))
         ):
+            _check_token_ids(v)
             return v
         raise ValueError(
             "prompt must be a string, a list of strings, a list of token ids or a "
@@ -244,19 +287,55 @@ class CompletionRequest(_GenerationRequest):
         return out
 
 
+def _check_token_ids(prompt: Any) -> None:
+    """Every token id of a prompt of ids (or a batch of them) within the wire's int32. min() and
+    max() look at a list in C; the ids are walked one by one only to name a bad one."""
+    batch = bool(prompt) and isinstance(prompt[0], (list, str))
+    rows = [(f"[{i}]", row) for i, row in enumerate(prompt)] if batch else [("", prompt)]
+    rows = [(where, row) for where, row in rows if isinstance(row, list) and row]
+    if all(min(row) >= 0 and max(row) <= MAX_TOKEN_ID for _, row in rows):
+        return
+    for where, row in rows:
+        for j, token in enumerate(row):
+            if not 0 <= token <= MAX_TOKEN_ID:
+                at = f"{where}[{j}]"
+                raise ValueError(
+                    f"token ids are integers in [0, {MAX_TOKEN_ID}], got {token} at {at}"
+                )
+
+
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     type: str
     text: str | None = None
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One message; its fields' order matters to the checks below, which read the earlier
+    ones (the SDK's rules, ipc.field_rules)."""
+
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
     name: str | None = None  # passed to the chat template, which may show it
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
-    tool_call_id: str | None = None  # on a "tool" message: the call it answers
+    tool_call_id: str | None = Field(None, validate_default=True)  # a tool result's call
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value: Any, info: ValidationInfo) -> Any:
+        if problem := tool_call_id_problem(info.data.get("role", ""), value):
+            raise ValueError(problem)
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Any, info: ValidationInfo) -> Any:
+        if problem := content_problem(
+            info.data.get("role", ""), value, info.data.get("tool_calls")
+        ):
+            raise ValueError(problem)
+        return value
 
     def as_dict(self) -> dict[str, Any]:
         content = self.content
@@ -273,11 +352,29 @@ class ChatMessageIn(BaseModel):
         return out
 
 
+def bound_messages(messages: Any) -> Any:
+    """The messages list as parsed, before any message is validated: at most MAX_CHAT_MESSAGES
+    messages and MAX_CONTENT_PARTS text parts in all (a "before" validator of chat bodies)."""
+    if not isinstance(messages, list):
+        return messages  # the field's own checks say what is wrong
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise ValueError(f"at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}")
+    parts = sum(
+        len(m["content"])
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+    )
+    if parts > MAX_CONTENT_PARTS:
+        raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all, got {parts}")
+    return messages
+
+
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    _bounded = field_validator("messages", mode="before")(bound_messages)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

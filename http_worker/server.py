@@ -21,7 +21,8 @@ from typing import Any
 
 from http_worker.app import build_app
 from http_worker.frontend import FrontendSettings
-from ipc.config import LENIENT_FIELDS_HELP, LOOPBACK_HOSTS, ClusterConfig
+from ipc.config import API_KEY_HELP, LOOPBACK_HOSTS, ClusterConfig
+from ipc.knobs import add_knob_flags, knob_fields, knob_values
 from runtime.process import die_with_parent, setup_logging, under_supervisor
 
 
@@ -111,17 +112,29 @@ def wait_until_serving(base_url: str, popen: Any = None, timeout_s: float = 60.0
     raise TimeoutError(f"{base_url} not serving after {timeout_s:.0f} s ({last})")
 
 
+# Process options, not frontend settings: where to listen and how to run.
+SETTINGS_FLAGS = tuple(f.name for f in knob_fields(FrontendSettings) if f.metadata["cli"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m http_worker.server",
         description="OpenAI-compatible HTTP frontend of a splitserve "
         "cluster (one process; start several for more).",
     )
-    p.add_argument(
-        "--client-addr",
-        required=True,
-        metavar="ADDR",
-        help="the cluster's client address (the detokenizer's ROUTER)",
+    add_knob_flags(
+        p,
+        FrontendSettings,
+        SETTINGS_FLAGS,
+        defaults={
+            "api_key": os.environ.get("SPLITSERVE_API_KEY", ""),
+            "server_public_key": os.environ.get("SPLITSERVE_SERVER_PUBLIC_KEY", ""),
+        },
+        help_overrides={
+            "api_key": f"{API_KEY_HELP}; $SPLITSERVE_API_KEY gives the default",
+            "server_public_key": "the cluster's CURVE public key, when it uses CURVE "
+            "(--listen); $SPLITSERVE_SERVER_PUBLIC_KEY gives the default",
+        },
     )
     p.add_argument(
         "--host",
@@ -134,57 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="bind with SO_REUSEPORT so several frontends share --port",
     )
-    p.add_argument(
-        "--model-name",
-        default="",
-        metavar="NAME",
-        help="the model name clients use (default: the name the cluster reports)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("SPLITSERVE_API_KEY", ""),
-        help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
-        "(default: $SPLITSERVE_API_KEY, or none)",
-    )
-    p.add_argument("--index", type=int, default=0, help="this frontend's number (for logs)")
-    p.add_argument("--lenient-fields", action="store_true", help=LENIENT_FIELDS_HELP)
-    p.add_argument(
-        "--server-public-key",
-        default=os.environ.get("SPLITSERVE_SERVER_PUBLIC_KEY", ""),
-        metavar="KEY",
-        help="the cluster's CURVE public key, when it uses CURVE (--listen); "
-        "default: $SPLITSERVE_SERVER_PUBLIC_KEY",
-    )
-    p.add_argument(
-        "--supervisor-addr",
-        default="",
-        metavar="ADDR",
-        help="send WorkerReady and heartbeats (role 'http') to this supervisor socket",
-    )
-    p.add_argument("--heartbeat-interval-s", type=float, default=0.5, metavar="SECONDS")
-    p.add_argument(
-        "--connect-timeout-s",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="give up if the cluster does not answer the handshake (default 30)",
-    )
-    p.add_argument(
-        "--request-deadline-s",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="end a request not finished after this long with a 504 and abort it in "
-        "the cluster (default 0: no deadline)",
-    )
-    p.add_argument(
-        "--health-fresh-s",
-        type=float,
-        default=5.0,
-        metavar="SECONDS",
-        help="/health probes the cluster only if no token arrived this recently",
-    )
-    p.add_argument("--health-probe-timeout-s", type=float, default=10.0, metavar="SECONDS")
     p.add_argument(
         "--graceful-shutdown-s",
         type=int,
@@ -231,26 +193,17 @@ def serve(
 
 def main(argv: list[str] | None = None) -> None:
     """A frontend started by hand (or by a test) for a cluster that is already running."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
-        sys.exit(f"listening on {args.host} (not loopback) requires --api-key")
+        parser.error(f"listening on {args.host} (not loopback) requires --api-key")
+    try:
+        settings = FrontendSettings(**knob_values(args, SETTINGS_FLAGS))
+    except ValueError as exc:
+        parser.error(str(exc))
     if under_supervisor():
         die_with_parent()
     setup_logging("http", args.index, args.log_level)
-    settings = FrontendSettings(
-        client_addr=args.client_addr,
-        model_name=args.model_name,
-        api_key=args.api_key,
-        connect_timeout_s=args.connect_timeout_s,
-        request_deadline_s=args.request_deadline_s,
-        health_fresh_s=args.health_fresh_s,
-        health_probe_timeout_s=args.health_probe_timeout_s,
-        index=args.index,
-        supervisor_addr=args.supervisor_addr,
-        heartbeat_interval_s=args.heartbeat_interval_s,
-        server_public_key=args.server_public_key,
-        lenient_fields=args.lenient_fields,
-    )
     serve(
         settings,
         args.host,
@@ -264,17 +217,8 @@ def main(argv: list[str] | None = None) -> None:
 def main_from_config(config: ClusterConfig, index: int) -> None:
     """The supervisor's way in (its worker entry point, role "http"): one frontend of the
     cluster, reporting to the supervisor like every other worker."""
-    settings = FrontendSettings(
-        client_addr=config.client_addr,
-        api_key=config.http_api_key,
-        index=index,
-        supervisor_addr=config.supervisor_addr,
-        heartbeat_interval_s=config.heartbeat_interval_s,
-        server_public_key=config.curve_public_key,
-        lenient_fields=config.lenient_fields,
-    )
     serve(
-        settings,
+        FrontendSettings.from_cluster(config, index),
         config.http_host,
         config.http_port or 0,
         reuse_port=config.http_workers > 1,

@@ -9,30 +9,26 @@ gives exactly the ids a completion of the same input is computed on.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, field_validator
 from starlette.responses import Response
 
-from http_worker.fields import (
-    GENERATION_POLICIES,
-    NOT_IMPLEMENTED_FIELDS,
-    FieldPolicy,
-    check_fields,
-)
+from http_worker.body import BodyReader
+from http_worker.fields import GENERATION_POLICIES, NOT_IMPLEMENTED_FIELDS, FieldPolicy
 from http_worker.frontend import Frontend
 from http_worker.generation import api_error_from
-from http_worker.protocol import ChatMessageIn, bad_request
+from http_worker.openapi import JSON_OBJECT, operation, reading
+from http_worker.protocol import STRICT, ChatMessageIn, TokenId, bound_messages
 from ipc.client import SplitserveError
+from ipc.field_rules import MAX_CHAT_MESSAGES
 
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class TokenizePromptBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -40,21 +36,23 @@ class TokenizePromptBody(BaseModel):
 
 
 class TokenizeChatBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     model: str | None = None
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the chat template writes the special tokens
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
+    _bounded = field_validator("messages", mode="before")(bound_messages)
 
 
 class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId] = Field(min_length=1)
 
 
+TOKENIZER_BODIES: list[type[BaseModel]] = [TokenizePromptBody, TokenizeChatBody, DetokenizeBody]
 _TOKENIZE_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED_FIELDS, "tools": (), "tool_choice": ("none",)}
 POLICIES = {
     **GENERATION_POLICIES,
@@ -64,7 +62,7 @@ POLICIES = {
 }
 
 
-def _version() -> str:
+def package_version() -> str:
     try:
         return importlib.metadata.version("splitserve")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
@@ -72,35 +70,29 @@ def _version() -> str:
 
 
 def install_tokenize_routes(
-    app: FastAPI, frontend: Frontend, lenient: bool, json_response: Any
+    app: FastAPI, frontend: Frontend, bodies: BodyReader, json_response: Any
 ) -> None:
-    version = _version()
+    """``bodies`` reads and checks every body (http_worker.body), with POLICIES for its fields."""
+    version = package_version()
 
     async def parse(request: Request, choose: Any) -> Any:
-        """The body as the model ``choose(data)`` names (a 400 if it does not fit), checked
-        field by field as the generation endpoints' bodies are."""
-        try:
-            data = json.loads(await request.body())
-        except ValueError:
-            raise bad_request("the body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise bad_request("the body must be a JSON object")
-        try:
-            body = choose(data).model_validate(data)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
-        check_fields(body, lenient, POLICIES)
+        body: Any = await bodies.parse(request, choose)
         frontend.check_model(body.model)
         return body
 
-    async def ask(query: Any) -> Any:
-        """Runs ``query(client)`` (an SDK query); its SDK errors become HTTP errors."""
+    async def ask(query: Any, param: str | None = None) -> Any:
+        """Runs ``query(client)`` (an SDK query); its SDK errors become HTTP errors, a bad
+        request's under ``param`` when given (the SDK calls /detokenize's tokens token_ids)."""
         try:
             return await query(frontend.require_client())
         except SplitserveError as exc:
-            raise api_error_from(exc) from None
+            error = api_error_from(exc)
+            if param and error.status == 400:
+                error.param = param
+                error.message = error.message.replace("token_ids", param)
+            raise error from None
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=operation(TokenizePromptBody, TokenizeChatBody))
     async def tokenize(request: Request) -> Response:
         body = await parse(
             request, lambda data: TokenizeChatBody if "messages" in data else TokenizePromptBody
@@ -132,16 +124,16 @@ def install_tokenize_routes(
             }
         )
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=operation(DetokenizeBody))
     async def detokenize(request: Request) -> Response:
         body = await parse(request, lambda data: DetokenizeBody)
-        text = await ask(lambda client: client.detokenize(body.tokens))
+        text = await ask(lambda client: client.detokenize(body.tokens), param="tokens")
         return json_response({"prompt": text})
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", openapi_extra=reading(JSON_OBJECT, "401", "503", "504"))
     async def tokenizer_info() -> Response:
         return json_response(await ask(lambda client: client.tokenizer_info()))
 
-    @app.get("/version")
+    @app.get("/version", openapi_extra=reading(JSON_OBJECT))
     async def get_version() -> Response:
         return json_response({"version": version})

@@ -15,7 +15,7 @@ import sys
 import types
 import typing
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import msgpack
@@ -36,6 +36,16 @@ _DECODERS: dict[Any, Callable[[Any, str], Any]] = {}
 
 class DecodeError(ValueError):
     """A frame that is not a well-formed message of a known kind."""
+
+
+class EncodeError(ValueError):
+    """A message the wire cannot carry: a string that is not valid Unicode (a lone UTF-16
+    surrogate, which UTF-8 cannot encode) or an integer outside msgpack's 64 bits. ``path``
+    names the value in the message (``messages[0].content``, ``sampling.logit_bias``)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
 
 
 def message(cls: type[_T]) -> type[_T]:
@@ -125,7 +135,50 @@ def to_wire(msg: Any) -> dict:
 
 
 def encode(msg: Any) -> bytes:
-    return msgpack.packb(to_wire(msg), use_bin_type=True)
+    wire = to_wire(msg)
+    try:
+        return msgpack.packb(wire, use_bin_type=True)
+    except (UnicodeEncodeError, OverflowError):
+        # Only a failed message is walked: the common case costs nothing more.
+        found = _unencodable(wire)
+        raise (found or EncodeError("", "the message cannot be encoded")) from None
+
+
+def _unencodable(wire: dict) -> EncodeError | None:
+    """The first value of a message that msgpack cannot carry, as an EncodeError."""
+    for path, value in json_leaves(wire):
+        if isinstance(value, str) and (problem := lone_surrogate(value)) is not None:
+            return EncodeError(path, problem)
+        if isinstance(value, int) and not -(2**63) <= value < 2**64:
+            return EncodeError(path, f"the integer {value} does not fit in 64 bits")
+    return None
+
+
+def json_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) of every leaf of a JSON-like value and of every map key, depth first:
+    ``messages[0].content``; a key's own path ends with its ascii() form (it may not be
+    printable). For finding what is wrong in a value already refused: it walks everything."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from json_leaves(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield (f"{path}.{key!a}" if path else ascii(key)), key
+            yield from json_leaves(item, f"{path}.{key}" if path else str(key))
+    else:
+        yield path, value
+
+
+def lone_surrogate(text: str) -> str | None:
+    """What is wrong with ``text`` if it holds a UTF-16 surrogate, else None. A Python str holds
+    one only when it came from a lone ``\\ud800``-style escape (a valid pair decodes to one
+    character), and UTF-8 has no encoding for it."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        return f"a lone UTF-16 surrogate (U+{code:04X}) at character {exc.start}: not Unicode text"
 
 
 def unpack_frame(frame: bytes) -> Any:

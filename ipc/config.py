@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ipc.engine_config import EngineConfig
 from ipc.knobs import check_knobs, knob
+from ipc.routing import CACHE_AWARE, POLICIES, RoutingThresholds
 
 if TYPE_CHECKING:
     from ipc.sockets import CurveKeys
@@ -24,6 +25,17 @@ TRANSPORTS = ("ipc", "tcp")
 RESTART_POLICIES = ("restart", "shutdown")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+MAX_ENGINES = 64
+# tcp: the fixed ports after base_port (client, detokenizer, supervisor); then three per engine
+# replica (inbox, event stream, its replay), then one per tokenizer worker.
+FIXED_PORTS = 3
+PORTS_PER_ENGINE = 3
+# 8 MiB: the longest prompt a tokenizer worker takes (8M characters) fits in one body.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+HTTP_MAX_BODY_BYTES_HELP = (
+    "an HTTP request body larger than this is refused with a 413 before it is read or parsed"
+)
+API_KEY_HELP = "require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints"
 LENIENT_FIELDS_HELP = (
     "HTTP: log and ignore request fields the server does not know (for clients "
     "that send vendor extras) instead of answering 400; fields it knows and "
@@ -52,6 +64,53 @@ class ClusterConfig:
 
     tokenizer_workers: int = knob(
         1, "tokenizer processes; clients spread submits over them", unit="N", minimum=1
+    )
+    # Data-parallel engine replicas (docs/data-parallel.md): each its own process, scheduler,
+    # KV cache and prefix cache; the tokenizer workers choose the replica of each request.
+    engines: int = knob(
+        1,
+        "engine replicas, each with its own scheduler, KV cache and prefix cache; the "
+        "tokenizer workers route each request to one (the engine thread budget is split "
+        "between them)",
+        unit="N",
+        minimum=1,
+        maximum=MAX_ENGINES,
+    )
+    routing_policy: str = knob(
+        CACHE_AWARE,
+        "how tokenizer workers pick a replica: cache_aware (the longest cached prefix unless "
+        "the load is imbalanced), least_loaded or round_robin",
+        choices=POLICIES,
+    )
+    routing_balance_abs_threshold: int = knob(
+        64,
+        "cache_aware: the load is imbalanced when the busiest replica has more than this many "
+        "requests over the least busy...",
+        unit="REQUESTS",
+        minimum=0,
+    )
+    routing_balance_rel_threshold: float = knob(
+        1.5,
+        "...and more than this times its load; an imbalanced cluster routes to the least loaded",
+        unit="RATIO",
+        minimum=1.0,
+    )
+    routing_cache_threshold: float = knob(
+        0.3,
+        "cache_aware: a replica's cached prefix counts when it is more than this share of the "
+        "prompt's full blocks (else the least loaded replica)",
+        unit="FRACTION",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    devices: str = knob(
+        "",
+        "CUDA: comma-separated device ids, replica r on the r-th (e.g. 0,1); default: every "
+        "replica sees every device",
+        unit="IDS",
+    )
+    pin_engine_cores: bool = knob(
+        False, "CPU: pin each engine replica to its own share of the cores (where the OS allows)"
     )
     # CPU budget: the supervisor decides what is 0 so roles never oversubscribe the cores.
     tokenizer_threads: int = knob(
@@ -94,10 +153,11 @@ class ClusterConfig:
         cli=False,
     )
     http_workers: int = knob(1, "frontend processes sharing the port", unit="N", minimum=1)
-    http_api_key: str = knob(
-        "", "require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints", cli=False
-    )
+    http_api_key: str = knob("", API_KEY_HELP, cli=False)
     lenient_fields: bool = knob(False, LENIENT_FIELDS_HELP)
+    http_max_body_bytes: int = knob(
+        DEFAULT_MAX_BODY_BYTES, HTTP_MAX_BODY_BYTES_HELP, unit="BYTES", minimum=1024
+    )
 
     heartbeat_interval_s: float = knob(
         0.5,
@@ -146,8 +206,16 @@ class ClusterConfig:
         if not self.run_dir:
             raise ValueError("run_dir is required")
         check_knobs(self)
-        if self.transport == "tcp" and not (0 < self.base_port < 65536 - 64):
-            raise ValueError("tcp transport needs a base_port in 1..65471")
+        if self.transport == "tcp" and not (0 < self.base_port <= 65536 - self.port_span):
+            raise ValueError(
+                f"tcp transport needs a base_port in 1..{65536 - self.port_span} (the cluster "
+                f"uses {self.port_span} ports from it)"
+            )
+        if self.devices and len(self.device_list) < self.engines:
+            raise ValueError(
+                f"devices names {len(self.device_list)} device(s) for {self.engines} engine "
+                "replicas: give one per replica"
+            )
         if (
             self.transport == "tcp"
             and self.host not in LOOPBACK_HOSTS
@@ -196,6 +264,29 @@ class ClusterConfig:
     def model_path(self) -> str:
         return self.engine.model_path
 
+    # --- data-parallel engines ----------------------------------------------------------------
+    @property
+    def routes(self) -> bool:
+        """Whether tokenizer workers choose a replica (several engines); with one they send
+        every request to it and neither hash nor follow events."""
+        return self.engines > 1
+
+    @property
+    def routing_thresholds(self) -> RoutingThresholds:
+        return RoutingThresholds(
+            self.routing_balance_abs_threshold,
+            self.routing_balance_rel_threshold,
+            self.routing_cache_threshold,
+        )
+
+    @property
+    def device_list(self) -> list[str]:
+        """The ``devices`` knob as a list ("0,1" -> ["0", "1"]); ValueError on a bad entry."""
+        ids = [d.strip() for d in self.devices.split(",")] if self.devices else []
+        if any(not d.isdigit() for d in ids):
+            raise ValueError(f"devices must be comma-separated device ids, got {self.devices!r}")
+        return ids
+
     @property
     def curve(self) -> CurveKeys | None:
         """The server key pair when CURVE is on (every socket of the cluster uses it)."""
@@ -207,9 +298,11 @@ class ClusterConfig:
 
     # --- address plan -------------------------------------------------------------------------
     def _addr(self, name: str, port_offset: int, *, public: bool = False) -> str:
-        """Client-facing sockets bind on ``host``; internal ones (engine, detokenizer inbox,
+        """Client-facing sockets bind on ``host``; internal ones (engines, detokenizer inbox,
         supervisor) stay on loopback whatever ``host`` is: only this machine's processes use
-        them."""
+        them. tcp ports from base_port: client, detokenizer, supervisor; then per engine
+        replica its inbox, event stream and replay socket; then one per tokenizer worker
+        (``port_span`` in all)."""
         if self.transport == "ipc":
             return f"ipc://{Path(self.run_dir) / name}.sock"
         host = self.host if public or self.host in LOOPBACK_HOSTS else "127.0.0.1"
@@ -217,30 +310,51 @@ class ClusterConfig:
         return f"tcp://{host}:{self.base_port + port_offset}"
 
     @property
+    def port_span(self) -> int:
+        """tcp: how many consecutive ports from base_port the cluster uses (see ``_addr``)."""
+        return FIXED_PORTS + PORTS_PER_ENGINE * self.engines + self.tokenizer_workers
+
+    @property
     def client_addr(self) -> str:
         """The detokenizer's ROUTER: clients connect here first (handshake, events, aborts)."""
         return self._addr("client", 0, public=True)
 
+    @property
+    def detokenizer_addr(self) -> str:
+        """The detokenizer's PULL: step outputs from the engines, errors from tokenizers."""
+        return self._addr("detokenizer", 1)
+
+    @property
+    def supervisor_addr(self) -> str:
+        return self._addr("supervisor", 2)
+
+    def engine_addr(self, index: int) -> str:
+        """Engine replica ``index``'s PULL: tokenized requests from tokenizers, aborts from the
+        detokenizer."""
+        return self._addr(f"engine-{index}", self._engine_port(index))
+
+    @property
+    def engine_addrs(self) -> list[str]:
+        return [self.engine_addr(r) for r in range(self.engines)]
+
+    def engine_events_addr(self, index: int) -> str:
+        """Engine replica ``index``'s KV-event PUB (ipc.kv_events): tokenizer workers follow it."""
+        return self._addr(f"engine-events-{index}", self._engine_port(index) + 1)
+
+    def engine_events_replay_addr(self, index: int) -> str:
+        """...and its replay ROUTER, from which a (re)started follower rebuilds its view."""
+        return self._addr(f"engine-events-replay-{index}", self._engine_port(index) + 2)
+
     def tokenizer_addr(self, index: int) -> str:
-        return self._addr(f"tokenizer-{index}", 16 + index, public=True)
+        port = FIXED_PORTS + PORTS_PER_ENGINE * self.engines + index
+        return self._addr(f"tokenizer-{index}", port, public=True)
 
     @property
     def tokenizer_addrs(self) -> list[str]:
         return [self.tokenizer_addr(i) for i in range(self.tokenizer_workers)]
 
-    @property
-    def engine_addr(self) -> str:
-        """The engine's PULL: tokenized requests from tokenizers, aborts from the detokenizer."""
-        return self._addr("engine", 1)
-
-    @property
-    def detokenizer_addr(self) -> str:
-        """The detokenizer's PULL: step outputs from the engine, errors from tokenizers."""
-        return self._addr("detokenizer", 2)
-
-    @property
-    def supervisor_addr(self) -> str:
-        return self._addr("supervisor", 3)
+    def _engine_port(self, index: int) -> int:
+        return FIXED_PORTS + PORTS_PER_ENGINE * index
 
     @property
     def config_path(self) -> Path:

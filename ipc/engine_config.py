@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ipc.knobs import check_knobs, knob
+from ipc.kv_events import parse_kv_events_config
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -114,7 +115,8 @@ class EngineConfig:
     engine_threads: int = knob(
         0,
         "torch intra-op threads in the engine; 0 = leave torch's "
-        "setting (the supervisor decides it from the cores)",
+        "setting (the supervisor decides it from the cores). With several engine "
+        "replicas the launcher's value is what they share: each gets an equal part",
         unit="N",
         minimum=0,
     )
@@ -168,8 +170,18 @@ class EngineConfig:
         maximum=1.0,
     )
 
+    kv_events_config: str = knob(
+        "",
+        "publish KV-cache events in vLLM's format, configured with vLLM's JSON keys: "
+        'enable_kv_cache_events, publisher ("zmq"), endpoint (default tcp://*:5557; replica r '
+        "uses port + r; a wildcard stays on loopback unless CURVE is on), replay_endpoint, "
+        "topic, buffer_steps, hwm, max_queue_size",
+        unit="JSON",
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", str(self.model_path))
         if not self.model_path:
             raise ValueError("model_path is required")
         check_knobs(self)
+        parse_kv_events_config(self.kv_events_config)  # fails fast, naming the key

@@ -3,15 +3,18 @@
 Every knob of the cluster and the engine is a dataclass field made with ``knob()``: its help
 text, unit, bounds and choices live next to its default, once. The dataclasses validate
 themselves with ``check_knobs``; the command lines (``splitserve launch``, ``splitserve bench``)
-build their flags from the same fields (``procs.config_flags``), so a default or a help text is
-never written twice.
+build their flags from the same fields (``add_knob_flags``; the launcher's groups of them are in
+``procs.config_flags``, a standalone HTTP frontend's in ``http_worker.server``), so a default or
+a help text is never written twice.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -89,3 +92,44 @@ def check_knobs(obj: Any) -> None:
 def _article(kind: type) -> str:
     names = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string"}
     return names.get(kind, kind.__name__)
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def add_knob_flags(
+    group: Any,
+    cls: type,
+    names: Iterable[str],
+    *,
+    help_overrides: dict[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """One flag per named field of ``cls``; ``help_overrides`` replaces a field's help where a
+    command gives the value another meaning (say, a benchmark's own default)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names:
+        f = fields[name]
+        meta = f.metadata
+        default = (defaults or {}).get(name, f.default)
+        text = (help_overrides or {}).get(name, meta["help"])
+        kind = base_type(cls, f)
+        if kind is bool:
+            action = "store_false" if f.default else "store_true"
+            group.add_argument(flag_name(f), dest=name, action=action, default=default, help=text)
+            continue
+        shown = "%(default)s" if meta["choices"] or default != "" else "none"
+        group.add_argument(
+            flag_name(f),
+            dest=name,
+            type=kind,
+            default=default,
+            choices=meta["choices"] or None,
+            metavar=meta["unit"] or None,
+            help=f"{text} (default: {shown})",
+        )
+
+
+def knob_values(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in names}

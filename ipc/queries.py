@@ -94,14 +94,32 @@ class EngineStatsQuery:
     request_id: str
 
 
+@dataclass(slots=True)
+class ReplicaStats:
+    """One engine replica's figures as of its latest step."""
+
+    index: int
+    stats: EngineStats = field(default_factory=EngineStats)
+    t_step: float = 0.0
+    pid: int = 0  # 0: dead, or no step since it (re)started
+
+
 @message
 @dataclass(slots=True)
 class EngineStatsReport:
-    """The engine's figures as of its latest step (all zero before the first one, and after the
-    engine died until its replacement steps). ``t_step``: time.monotonic() of that step."""
+    """The engines' figures as of their latest steps (all zero before the first one, and after an
+    engine died until its replacement steps): ``stats`` sums the replicas (the latest step's
+    step_ms is the slowest replica's), ``replicas`` has each one. ``t_step``, ``engine_pid``: the
+    latest step of any replica and its sender. ``routing_decisions``: requests routed so far by
+    outcome (ipc.routing OUTCOME_*; empty with one engine) under ``routing_policy``, and the time
+    the tokenizer workers spent choosing for them."""
 
     KIND = "engine_stats"
     request_id: str
     stats: EngineStats = field(default_factory=EngineStats)
     t_step: float = 0.0
     engine_pid: int = 0
+    replicas: list[ReplicaStats] = field(default_factory=list)
+    routing_policy: str = ""
+    routing_decisions: dict[str, int] = field(default_factory=dict)
+    routing_seconds_total: float = 0.0

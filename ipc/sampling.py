@@ -1,8 +1,9 @@
 """SamplingParams: what a request asks of generation, validated once at construction.
 
 It crosses every boundary inside SubmitRequest / TokenizedRequest (ipc.messages re-exports it);
-the tokenizer worker checks what needs the vocabulary (token ids), everything else is checked
-here, so the HTTP frontend, the SDK and the engine share one set of rules and messages.
+the tokenizer worker checks what needs the vocabulary (token ids) or the prompt's length (the
+room ``max_tokens`` needs), everything else is checked here, so the HTTP frontend, the SDK and
+the engine share one set of rules and messages. Each refusal is a FieldError naming its field.
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ipc.field_rules import MAX_INT32, MAX_SEED, MAX_TOKEN_ID, FieldError, check_int, is_int
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
-MAX_SEED = 2**63 - 1
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_LOGIT_BIAS = 100.0
+DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's completions default
 
 
 @dataclass(slots=True)
@@ -28,7 +31,12 @@ class SamplingParams:
     the step that produced the token: before temperature, penalties, logit_bias, min_tokens and
     top-k/top-p/min-p (vLLM's default)."""
 
-    max_tokens: int = 16  # 0 only with echo or prompt_logprobs: score the prompt, sample nothing
+    # The most tokens to generate; more than the context has room for after the prompt is
+    # refused (by the tokenizer worker, which knows the prompt's length). 0 only with echo or
+    # prompt_logprobs: score the prompt, sample nothing. None: not given, then
+    # default_max_tokens applies, cut to the room the context has (never refused for it).
+    max_tokens: int | None = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # 1 disables nucleus sampling
     top_k: int = 0  # 0 (or -1) disables top-k
@@ -56,92 +64,120 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 0 or (self.max_tokens == 0 and not self.scores_prompt):
-            raise ValueError(
-                f"max_tokens must be at least 1 (0 only with echo or "
-                f"prompt_logprobs, to score the prompt), got {self.max_tokens}"
-            )
+        self._check_lengths()
         if (
             not _is_number(self.temperature)
             or not math.isfinite(self.temperature)
             or self.temperature < 0
         ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}"
+            raise FieldError(
+                "temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}"
             )
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2**63-1], got {self.seed!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+            raise FieldError(
+                "top_k",
+                f"top_k must be an integer in [-1, {MAX_INT32}] (0 or -1 disable it), "
+                f"got {self.top_k!r}",
+            )
+        if self.seed is not None:
+            check_int(self.seed, "seed", 0, MAX_SEED)
         self._check_stops()
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not (-2.0 <= v <= 2.0):
-                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+                raise FieldError(name, f"{name} must be a number in [-2, 2], got {v!r}")
         v = self.repetition_penalty
         if not _is_number(v) or not math.isfinite(v) or not (0.0 < v <= MAX_REPETITION_PENALTY):
-            raise ValueError(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {v!r}"
+            raise FieldError(
+                "repetition_penalty",
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {v!r}",
             )
         self._check_logprob_fields()
+        self._check_logit_bias()
+
+    def _check_lengths(self) -> None:
+        """max_tokens, default_max_tokens and min_tokens: integers the wire carries, in order."""
+        if self.max_tokens is not None:
+            check_int(self.max_tokens, "max_tokens", 0, MAX_INT32)
+            if self.max_tokens == 0 and not self.scores_prompt:
+                raise FieldError(
+                    "max_tokens",
+                    "max_tokens must be at least 1 (0 only with echo or prompt_logprobs, to "
+                    "score the prompt), got 0",
+                )
+        check_int(self.default_max_tokens, "default_max_tokens", 1, MAX_INT32)
+        check_int(self.min_tokens, "min_tokens", 0, MAX_INT32)
+        if self.min_tokens > self.max_new_tokens:
+            raise FieldError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                f"({self.max_new_tokens})",
+            )
 
     def _check_stops(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        for s in self.stop:
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS:
+            raise FieldError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise FieldError(f"stop[{i}]", f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(
-                    f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters"
+                raise FieldError(
+                    f"stop[{i}]",
+                    f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters",
                 )
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
-        for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        if not isinstance(self.stop_token_ids, list) or (
+            len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+        ):
+            raise FieldError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        for i, t in enumerate(self.stop_token_ids):
+            check_int(t, f"stop_token_ids[{i}]", 0, MAX_TOKEN_ID)
 
     def _check_logprob_fields(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise ValueError(
-                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {v!r}"
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise FieldError(
+                    name, f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {v!r}"
                 )
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise FieldError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("echo", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise FieldError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
-            raise ValueError("logit_bias must be a map of token id to bias")
+            raise FieldError("logit_bias", "logit_bias must be a map of token id to bias")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(
+            raise FieldError(
+                "logit_bias",
                 f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
-                f"got {len(self.logit_bias)}"
+                f"got {len(self.logit_bias)}",
             )
         for token, bias in self.logit_bias.items():
-            if not _is_int(token) or token < 0:
-                raise ValueError(
-                    f"logit_bias keys must be token ids (integers >= 0), got {token!r}"
+            if not is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
+                raise FieldError(
+                    "logit_bias",
+                    f"logit_bias keys must be token ids (integers in [0, {MAX_TOKEN_ID}]), "
+                    f"got {token!r}",
                 )
             if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(
+                raise FieldError(
+                    "logit_bias",
                     f"logit_bias values must be numbers in [-100, 100], got "
-                    f"{bias!r} for token {token}"
+                    f"{bias!r} for token {token}",
                 )
-        for name in ("echo", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The limit generation runs to: max_tokens, or when not given default_max_tokens (the
+        tokenizer worker resolves both against the room the prompt leaves before the engine
+        sees the request)."""
+        return self.default_max_tokens if self.max_tokens is None else self.max_tokens
 
     @property
     def greedy(self) -> bool:
@@ -163,7 +199,3 @@ class SamplingParams:
 
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)

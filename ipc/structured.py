@@ -302,6 +302,8 @@ def _schema_spec(schema: Any, where: str) -> StructuredOutputSpec:
         return StructuredOutputSpec.json_schema(schema)
     except (TypeError, ValueError) as exc:  # not JSON-serializable, or too long
         raise StructuredOutputError(f"{where}: {exc}", where) from None
+    except RecursionError:
+        raise StructuredOutputError(f"{where} nests too deeply", where) from None
 
 
 def _spec(kind: str, where: str, **fields: Any) -> StructuredOutputSpec:

@@ -41,7 +41,7 @@ class Child:
 
 def spawn(role: str, index: int, config: ClusterConfig) -> Child:
     """Starts one worker process (python -m procs.run_worker ROLE INDEX CONFIG)."""
-    env = child_env(role, config, dict(os.environ))
+    env = child_env(role, config, dict(os.environ), index)
     env[PARENT_PID_ENV] = str(os.getpid())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     popen = subprocess.Popen(

@@ -8,18 +8,22 @@ splitserve generate "Once upon a time" "The sky"    # raw prompts, one answer ea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-from ipc.config import TRANSPORTS
+from ipc.client import Client, SplitserveError
+from ipc.config import API_KEY_HELP, TRANSPORTS
 from procs.children import REPO_ROOT
 from procs.cluster_setup import make_config
 from procs.config_flags import (
+    DATA_PARALLEL_KNOBS,
     ENGINE_KNOBS,
     FAULT_KNOBS,
     TESTING_KNOBS,
@@ -80,6 +84,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="give up if the processes are not ready within this (default 180)",
     )
     add_engine_flags(p.add_argument_group("engine"))
+    add_cluster_flags(
+        p.add_argument_group("data-parallel engines (docs/data-parallel.md)"), DATA_PARALLEL_KNOBS
+    )
     h = p.add_argument_group("OpenAI-compatible HTTP frontend")
     h.add_argument(
         "--http-port",
@@ -95,13 +102,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="address the frontend listens on; anything but loopback needs "
         "--api-key (default 127.0.0.1)",
     )
-    add_cluster_flags(h, ("http_workers", "lenient_fields"))
+    add_cluster_flags(h, ("http_workers", "lenient_fields", "http_max_body_bytes"))
     h.add_argument(
         "--api-key",
         default=os.environ.get("SPLITSERVE_API_KEY", ""),
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
-        "(default: $SPLITSERVE_API_KEY, or none)",
+        help=f"{API_KEY_HELP} (default: $SPLITSERVE_API_KEY, or none)",
     )
     add_cluster_flags(p.add_argument_group("faults"), FAULT_KNOBS)
     add_cluster_flags(p.add_argument_group("testing (stand-ins for a role's core)"), TESTING_KNOBS)
@@ -111,7 +117,13 @@ def cluster_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         base_port=args.port,
         **knob_values(
-            args, ENGINE_KNOBS + TOKENIZER_KNOBS + FAULT_KNOBS + TESTING_KNOBS + ("require_curve",)
+            args,
+            ENGINE_KNOBS
+            + TOKENIZER_KNOBS
+            + DATA_PARALLEL_KNOBS
+            + FAULT_KNOBS
+            + TESTING_KNOBS
+            + ("require_curve",),
         ),
         **listen_kwargs(args),
         **http_kwargs(args),
@@ -135,6 +147,7 @@ def http_kwargs(args: argparse.Namespace) -> dict:
         http_workers=args.http_workers,
         http_api_key=args.api_key,
         lenient_fields=args.lenient_fields,
+        http_max_body_bytes=args.http_max_body_bytes,
     )
 
 
@@ -216,11 +229,9 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    from ipc.client import Client, SplitserveError
-
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": args.prompt})
+@contextlib.contextmanager
+def _cluster_client(args: argparse.Namespace) -> Iterator[Client]:
+    """A cluster for one command (chat, generate) and a client connected to it."""
     with (
         launch_cluster(
             args.model,
@@ -230,6 +241,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         ) as cluster,
         Client(cluster.client_addr, server_public_key=cluster.curve_public_key) as client,
     ):
+        yield client
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    with _cluster_client(args) as client:
         try:
             handle = client.submit(messages=messages, **_sampling_kwargs(args))
             for delta in handle.stream():
@@ -242,17 +260,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ipc.client import Client, SplitserveError
-
-    with (
-        launch_cluster(
-            args.model,
-            run_dir=args.run_dir,
-            start_timeout_s=args.start_timeout_s,
-            **cluster_kwargs(args),
-        ) as cluster,
-        Client(cluster.client_addr, server_public_key=cluster.curve_public_key) as client,
-    ):
+    with _cluster_client(args) as client:
         try:
             results = client.generate(args.prompts, check=False, **_sampling_kwargs(args))
         except SplitserveError as exc:  # bad sampling values, refused before anything is sent
@@ -265,16 +273,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def run_bench(argv: list[str], root: Path = REPO_ROOT) -> int:
-    """``splitserve bench ...`` is ``python -m scripts.bench_serving ...`` of the source checkout
+    """``splitserve bench ...`` is ``python -m scripts.bench serving ...`` of the source checkout
     this package runs from (the benchmark is not part of an installed wheel; an editable install
     keeps the checkout at hand). It runs in a child process with the checkout on PYTHONPATH and
     the caller's working directory, so relative paths among the arguments mean what they say."""
-    if not (root / "scripts" / "bench_serving.py").is_file():
+    workload = root / "scripts" / "bench" / "serving.py"
+    if not workload.is_file():
         print(
             "splitserve bench needs a source checkout of splitserve (the benchmark is not "
-            f"installed with the package; {root / 'scripts' / 'bench_serving.py'} is "
-            "missing): clone the repository, `pip install -e .` there, then run "
-            "`splitserve bench` or `python -m scripts.bench_serving` from its root",
+            f"installed with the package; {workload} is missing): clone the repository, "
+            "`pip install -e .` there, then run `splitserve bench` or "
+            "`python -m scripts.bench serving` from its root",
             file=sys.stderr,
         )
         return 2
@@ -283,7 +292,7 @@ def run_bench(argv: list[str], root: Path = REPO_ROOT) -> int:
     # -P (Python 3.11+): the working directory does not shadow the checkout's packages.
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     child = subprocess.Popen(
-        [sys.executable, *safe_path, "-m", "scripts.bench_serving", *argv], env=env
+        [sys.executable, *safe_path, "-m", "scripts.bench", "serving", *argv], env=env
     )
     # Ctrl-C reaches the child too; wait while it shuts its clusters down.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -317,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench",
         add_help=False,
-        help="the serving benchmark: inproc vs cluster, submit wall and TTFT "
-        "(splitserve bench --help for its options)",
+        help="the serving benchmark (python -m scripts.bench serving): inproc vs cluster, "
+        "submit wall and TTFT (splitserve bench --help for its options)",
     )
     return parser
 

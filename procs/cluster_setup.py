@@ -44,6 +44,7 @@ def make_config(
         engine_threads=int(overrides.pop("engine_threads", 0) or 0),
         tokenizer_threads=int(overrides.pop("tokenizer_threads", 0) or 0),
         http_workers=int(overrides.get("http_workers", 1)) if with_http else 0,
+        engines=int(overrides.get("engines", 1)),
     )
     if overrides.get("http_port") == 0:
         # One concrete port up front: several frontends share it, and a restarted one keeps it.

@@ -5,24 +5,15 @@ Library use (tests, benchmarks):
     with launch_cluster(model="default", tokenizer_workers=2) as cluster:
         client = Client(cluster.client_addr)
 
-Start-up: the engine first (it resolves the model's context length and vocabulary, which the
-tokenizers check against and the detokenizer hands to clients), then the detokenizer and the
-tokenizers; each reports WorkerReady. Shutdown is ordered so every request in flight gets its
-terminal event: tokenizers stop accepting (they answer "unavailable"), the engine aborts what it
-runs, tokenizers exit, and the detokenizer, last, forwards everything and ends what is left.
-
-Policy on a child's unexpected exit (``restart_policy``): "restart" (the default) starts it again
-under the same role, index and addresses, at most ``max_restarts`` times per slot; before that the
-supervisor sends a ClusterNotice to the detokenizer, which ends every request that died with the
-worker (all of the engine's; a tokenizer's are ended by each client, which knows what it sent
-where) and forwards the notice to every client; a second notice says the replacement is ready. A
-dead detokenizer is noticed by clients themselves (their connection drops). "shutdown", or a slot
-out of restarts, stops the whole cluster in the same order as a shutdown; ``Cluster.failure`` says
-why. With ``hang_timeout_s`` set, a ready child silent that long is killed and handled as dead.
-
-Children are started from the thread that called ``start`` and, for restarts, from the watcher
-thread: PR_SET_PDEATHSIG fires when the *thread* that forked a child exits, and both live until
-``shutdown`` has stopped every child.
+Start-up: the engines first (each replica resolves the model's context length and vocabulary,
+which the tokenizers check against and the detokenizer hands to clients; the replicas must agree
+on the model and vocabulary, and the cluster offers the shortest context any of them resolved),
+then the detokenizer and the tokenizers; each reports WorkerReady. Shutdown is ordered so every
+request in flight gets its terminal event: tokenizers stop accepting (they answer
+"unavailable"), the engines abort what they run, tokenizers exit, and the detokenizer, last,
+forwards everything and ends what is left.
+While it runs, a ``Watcher`` (supervision.py) applies the restart policy to children that die or
+hang; ``Cluster.failure`` says why a cluster stopped on its own.
 """
 
 from __future__ import annotations
@@ -40,25 +31,37 @@ from pathlib import Path
 
 import zmq
 
-from ipc import codec
 from ipc.config import ClusterConfig
-from ipc.messages import NOTICE_DIED, NOTICE_READY, ClusterNotice, Heartbeat, WorkerReady
-from ipc.sockets import PullQueue, PushQueue
-from procs.children import Child, spawn, stop_in_order
+from ipc.messages import ClusterNotice, WorkerReady
+from ipc.sockets import PushQueue
+from procs.children import Child, stop_in_order
 from procs.cluster_setup import make_config
+from procs.supervision import ClusterStartError, Roster, SupervisionPolicy, Watcher
 from procs.thread_budget import describe_budget
 
 logger = logging.getLogger("splitserve.supervisor")
 
 CURVE_PUBLIC_KEY_FILE = "curve_public.key"
+__all__ = ["CURVE_PUBLIC_KEY_FILE", "Child", "Cluster", "ClusterStartError", "launch_cluster"]
 
 
-def _log_malformed(frame: bytes, exc: codec.DecodeError) -> None:
-    logger.warning("malformed frame on the supervisor socket: %s", exc)
-
-
-class ClusterStartError(RuntimeError):
-    pass
+def with_engine_limits(config: ClusterConfig, readies: list[WorkerReady]) -> ClusterConfig:
+    """The config the processes started after the engines get: the replicas' model name and
+    vocabulary size (ClusterStartError unless they agree) and the shortest context any of them
+    resolved (each caps it to its own KV cache)."""
+    first = readies[0]
+    for ready in readies[1:]:
+        if (ready.model_name, ready.vocab_size) != (first.model_name, first.vocab_size):
+            raise ClusterStartError(
+                f"engine replicas disagree: engine[{first.index}] serves {first.model_name!r} "
+                f"with {first.vocab_size} tokens, engine[{ready.index}] {ready.model_name!r} "
+                f"with {ready.vocab_size}"
+            )
+    return dataclasses.replace(
+        config.with_engine(max_model_len=min(r.max_model_len for r in readies)),
+        vocab_size=first.vocab_size,
+        model_name=first.model_name,
+    )
 
 
 class Cluster:
@@ -66,20 +69,22 @@ class Cluster:
         self.config = config
         self.owns_run_dir = owns_run_dir
         self.ctx = zmq.Context()
-        self.inbox: PullQueue[WorkerReady | Heartbeat] = PullQueue(
-            self.ctx, config.supervisor_addr, WorkerReady, Heartbeat, curve=config.curve
-        )
-        # ClusterNotices go to the detokenizer's inbox (it forwards them to clients).
+        self.roster = Roster(self.ctx, config)
+        # ClusterNotices go to the detokenizer's inbox (it forwards them to clients); with
+        # several engines, those about engines go to the tokenizer workers too (routing).
         self.notices = PushQueue(self.ctx, config.detokenizer_addr, hwm=1000, curve=config.curve)
-        self.children: list[Child] = []
-        self.restarts: dict[str, int] = {}  # child name -> restarts so far
-        self.failure: str | None = None
+        self.router_notices = [
+            PushQueue(self.ctx, address, hwm=1000, curve=config.curve)
+            for address in (config.tokenizer_addrs if config.routes else [])
+        ]
+        self.policy = SupervisionPolicy(config)
+        self.watcher = Watcher(
+            self.roster, self.policy, self._notify, self._respawn, self._stop_children
+        )
         self._lock = threading.Lock()
         self._stopping = False
         self._stopped = threading.Event()  # the children are stopped (whoever stopped them)
         self._closed = False
-        self._stop_watch = threading.Event()
-        self._watcher: threading.Thread | None = None
 
     # --- start-up -----------------------------------------------------------------------------
     @classmethod
@@ -98,181 +103,78 @@ class Cluster:
         except BaseException:
             cluster.shutdown()
             raise
-        cluster._watcher = threading.Thread(
-            target=cluster._watch, name="splitserve-watch", daemon=True
-        )
-        cluster._watcher.start()
+        cluster.watcher.start()
         return cluster
 
     def _start_all(self, timeout_s: float) -> None:
+        """Children are started from this thread (restarts from the watcher's): see Watcher."""
         print(
             f"splitserve supervisor pid={os.getpid()}: {describe_budget(self.config)}",
             file=sys.stderr,
             flush=True,
         )
-        engine = self._spawn("engine", 0)
-        ready = self._wait_ready([engine], timeout_s)[0]
-        # Hand the engine's resolved limits to everyone started after it.
-        self.config = dataclasses.replace(
-            self.config.with_engine(max_model_len=ready.max_model_len),
-            vocab_size=ready.vocab_size,
-            model_name=ready.model_name,
-        )
+        engines = [self._spawn("engine", r) for r in range(self.config.engines)]
+        self.config = with_engine_limits(self.config, self.roster.wait_ready(engines, timeout_s))
         self.config.write()
         rest = [self._spawn("detokenizer", 0)]
         rest += [self._spawn("tokenizer", i) for i in range(self.config.tokenizer_workers)]
-        self._wait_ready(rest, timeout_s)
+        self.roster.wait_ready(rest, timeout_s)
         if self.config.http_port is not None:
             # Last: a frontend's readiness is a handshake with the detokenizer.
             frontends = [self._spawn("http", i) for i in range(self.config.http_workers)]
-            self._wait_ready(frontends, timeout_s)
+            self.roster.wait_ready(frontends, timeout_s)
         logger.info("cluster ready: %s", self.describe())
 
     def _spawn(self, role: str, index: int) -> Child:
-        child = spawn(role, index, self.config)
-        self.children.append(child)
-        return child
+        return self.roster.spawn(role, index, self.config)
 
-    def _wait_ready(self, waiting: list[Child], timeout_s: float) -> list[WorkerReady]:
-        deadline = time.monotonic() + timeout_s
-        while any(c.ready is None for c in waiting):
-            for c in waiting:
-                if c.popen.poll() is not None:
-                    raise ClusterStartError(
-                        f"{c.name} exited with code {c.popen.returncode} during start-up "
-                        "(its log above says why)"
-                    )
-            if time.monotonic() > deadline:
-                late = [c.name for c in waiting if c.ready is None]
-                raise ClusterStartError(f"not ready after {timeout_s:.0f} s: {', '.join(late)}")
-            self._receive(200)
-        return [c.ready for c in waiting]  # type: ignore[misc]
-
-    def _receive(self, timeout_ms: int) -> None:
-        if not self.inbox.wait(timeout_ms):
-            return
-        for msg in self.inbox.drain(1000, _log_malformed):
-            child = self._child(msg.role, msg.index)
-            if child is None or msg.pid != child.popen.pid:
-                continue  # unknown, or the last words of a process already replaced
-            child.last_seen = time.monotonic()
-            if isinstance(msg, WorkerReady):
-                child.ready = msg
-            else:
-                child.last_heartbeat = msg
-
-    # --- watching -----------------------------------------------------------------------------
-    def _watch(self) -> None:
-        try:
-            self._watch_loop()
-        except Exception as exc:  # noqa: BLE001 - nobody would supervise the cluster any more
-            logger.exception("the supervisor's watch loop failed; stopping the cluster")
-            self.failure = f"supervisor watch loop failed: {exc!r}"
-            self._stop_children()
-
-    def _watch_loop(self) -> None:
-        while not self._stop_watch.is_set():
-            self._receive(100)
+    def _respawn(self, dead: Child) -> Child | None:
+        """The watcher's restart: a replacement under the same role and index (None once the
+        cluster is stopping, so no child starts after the stop began)."""
+        with self._lock:
             if self._stopping:
-                continue
-            self._warn_silent_children()
-            self._kill_hung_children()
-            for c in self.children:
-                if c.restarted and c.ready is not None:
-                    c.restarted = False
-                    logger.warning("%s restarted: pid %d ready", c.name, c.popen.pid)
-                    self._notify(
-                        ClusterNotice(
-                            event=NOTICE_READY, role=c.role, index=c.index, pid=c.popen.pid
-                        )
-                    )
-            dead = [c for c in self.children if c.popen.poll() is not None]
-            if dead:
-                self._handle_dead(dead)
-
-    def _handle_dead(self, dead: list[Child]) -> None:
-        """The restart policy: tell the detokenizer (it ends the requests that died), restart."""
-        for c in dead:
-            detail = c.killed_for or f"exited with code {c.popen.returncode}"
-            if c.role != "detokenizer":  # a detokenizer's clients see their connection drop
-                self._notify(
-                    ClusterNotice(
-                        event=NOTICE_DIED,
-                        role=c.role,
-                        index=c.index,
-                        pid=c.popen.pid,
-                        detail=detail,
-                    )
-                )
-            used = self.restarts.get(c.name, 0)
-            if self.config.restart_policy != "restart" or used >= self.config.max_restarts:
-                why = (
-                    "restart_policy is shutdown"
-                    if self.config.restart_policy != "restart"
-                    else f"it was restarted {used} times already (max_restarts)"
-                )
-                self.failure = f"{c.name} {detail}"
-                logger.error(
-                    "%s (pid %d) %s; stopping the cluster: %s", c.name, c.popen.pid, detail, why
-                )
-                self._stop_children()
-                return
-            with self._lock:
-                if self._stopping:
-                    return
-                self.restarts[c.name] = used + 1
-                self.children.remove(c)
-                new = self._spawn(c.role, c.index)
-                new.restarted = True
-            logger.warning(
-                "%s (pid %d) %s; restarting it as pid %d (restart %d of %d)",
-                c.name,
-                c.popen.pid,
-                detail,
-                new.popen.pid,
-                used + 1,
-                self.config.max_restarts,
-            )
-
-    def _kill_hung_children(self) -> None:
-        limit = self.config.hang_timeout_s
-        if not limit:
-            return
-        now = time.monotonic()
-        for c in self.children:
-            # Only once ready: loading a model is slow and says nothing until it is done.
-            if c.ready is not None and not c.killed_for and now - c.last_seen > limit:
-                c.killed_for = f"sent no heartbeat for {now - c.last_seen:.1f} s (hang_timeout_s)"
-                logger.error("%s (pid %d) %s; killing it", c.name, c.popen.pid, c.killed_for)
-                with contextlib.suppress(ProcessLookupError):
-                    c.popen.kill()
+                return None
+            self.roster.children.remove(dead)
+            new = self._spawn(dead.role, dead.index)
+            new.restarted = True
+            return new
 
     def _notify(self, notice: ClusterNotice) -> None:
         try:
             self.notices.put(notice, block=False)
         except zmq.Again:
             logger.error("the detokenizer is not reading; dropped notice %s", notice)
+        if notice.role != "engine":
+            return
+        for index, queue in enumerate(self.router_notices):
+            try:
+                queue.put(notice, block=False)
+            except zmq.Again:
+                logger.error("tokenizer[%d] is not reading; dropped notice %s", index, notice)
 
-    def _warn_silent_children(self) -> None:
-        # Only a warning: the engine heartbeats between steps, and one long prefill on a slow
-        # CPU can legitimately outlast the timeout. A later policy may act on it.
-        now = time.monotonic()
-        for c in self.children:
-            last = c.last_heartbeat.t if c.last_heartbeat else now
-            if now - last > self.config.heartbeat_timeout_s and not c.silent_warned:
-                c.silent_warned = True
-                logger.warning("%s sent no heartbeat for %.1f s", c.name, now - last)
-            elif now - last <= self.config.heartbeat_timeout_s:
-                c.silent_warned = False
+    # --- what the cluster is ------------------------------------------------------------------
+    @property
+    def children(self) -> list[Child]:
+        return self.roster.children
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Child name -> restarts so far."""
+        return self.policy.restarts
+
+    @property
+    def failure(self) -> str | None:
+        """Why the cluster stopped on its own (a child out of restarts, ...), else None."""
+        return self.watcher.failure
+
+    def child(self, role: str, index: int = 0) -> Child | None:
+        return self.roster.find(role, index)
 
     def worker_stats(self, role: str, index: int = 0) -> dict[str, float]:
         """The latest heartbeat stats of one worker ({} before its first heartbeat)."""
-        child = self._child(role, index)
+        child = self.child(role, index)
         hb = child.last_heartbeat if child else None
         return dict(hb.stats) if hb else {}
-
-    def _child(self, role: str, index: int) -> Child | None:
-        return next((c for c in self.children if c.role == role and c.index == index), None)
 
     @property
     def client_addr(self) -> str:
@@ -281,7 +183,7 @@ class Cluster:
     @property
     def http_url(self) -> str | None:
         """The first HTTP frontend's base URL (all of them share it), None without one."""
-        child = self._child("http", 0)
+        child = self.child("http", 0)
         return child.ready.addresses[0] if child and child.ready else None
 
     @property
@@ -296,8 +198,13 @@ class Cluster:
 
     def describe(self) -> str:
         http = f"HTTP {self.http_url}; " if self.http_url else ""
+        engines = (
+            f"{self.config.engines} engine replicas routed {self.config.routing_policy}; "
+            if self.config.routes
+            else ""
+        )
         return (
-            f"client address {self.client_addr}; {http}"
+            f"client address {self.client_addr}; {http}{engines}"
             f"{self.config.tokenizer_workers} tokenizer worker(s); model "
             f"{self.config.model_name or self.config.model_path} (max_model_len "
             f"{self.config.engine.max_model_len}); pids {self.pids}"
@@ -308,6 +215,7 @@ class Cluster:
         with self._lock:
             stopping_elsewhere = self._stopping
             self._stopping = True  # no restart starts a child after this
+            self.watcher.stopping = True
             children = list(self.children)
         if stopping_elsewhere:
             # Another thread (the watcher, on a failure) is stopping them: shutdown() must not
@@ -322,15 +230,14 @@ class Cluster:
     def shutdown(self) -> None:
         """Stops every child in order, reaps them, removes the run directory. Idempotent."""
         self._stop_children()
-        self._stop_watch.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(timeout=5)
+        self.watcher.join(timeout_s=5)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.inbox.close()
-        self.notices.socket.close(linger=0)
+        self.roster.close()
+        for queue in (self.notices, *self.router_notices):
+            queue.socket.close(linger=0)
         self.ctx.term()
         self._remove_run_dir()
 

@@ -10,9 +10,11 @@ module sits with the supervisor, above the roles: it is the only place that impo
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from ipc.config import ROLES, ClusterConfig
+from procs.thread_budget import engine_cores
 from runtime.process import die_with_parent, setup_logging
 
 
@@ -24,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     setup_logging(role, index if role in ("tokenizer", "http") else None)
     config = ClusterConfig.read(config_path)
+    if role == "engine" and (cores := engine_cores(config, index)) is not None:
+        os.sched_setaffinity(0, cores)  # before torch starts its threads: they inherit it
     try:
         if role == "tokenizer":
             from tokenizer_worker.worker import main as run

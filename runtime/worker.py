@@ -19,6 +19,15 @@ from ipc.config import ClusterConfig
 from runtime.supervisor_link import SupervisorLink
 
 
+def write_line(text: str) -> None:
+    """``text`` and its newline to stderr in one write(). Every child runs with PYTHONUNBUFFERED=1,
+    where print() writes the text and the newline separately: two children announcing at once
+    on the supervisor's stderr could interleave them and glue one's line onto the other's (one
+    write of a line shorter than PIPE_BUF reaches a pipe whole)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 class WorkerRuntime:
     def __init__(self, role: str, index: int, config: ClusterConfig, ctx: zmq.Context) -> None:
         self.role, self.index, self.config = role, index, config
@@ -41,10 +50,8 @@ class WorkerRuntime:
 
     def announce(self, addresses: list[str], **model_info: object) -> None:
         """One start-up line (stderr: stdout belongs to the CLI's answers), then WorkerReady."""
-        print(
-            f"splitserve {self.role}[{self.index}] pid={self.pid} ready: " + " ".join(addresses),
-            file=sys.stderr,
-            flush=True,
+        write_line(
+            f"splitserve {self.role}[{self.index}] pid={self.pid} ready: " + " ".join(addresses)
         )
         self.link.ready(addresses, **model_info)
 

@@ -1,2 +1,2 @@
-"""Benchmarks and model tools. They live in a source checkout, not in the installed package: run
-them from the repository root as modules, e.g. ``python -m scripts.bench_serving --help``."""
+"""Tools run from the repository root as modules (not installed with the package): the benchmark
+tool ``python -m scripts.bench <workload>``, and the set-up / test commands beside them."""

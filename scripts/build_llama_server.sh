@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server and llama-bench, the peer of scripts/bench_peer.py, from the
-# llama.cpp source vendored in the PyPI sdist of llama-cpp-python (the same llama.cpp the
-# optional `peer` extra installs), so both peers are one version. Nothing lands in this repo.
+# Builds llama.cpp's llama-server and llama-bench, the peer of `python -m scripts.bench peer` and
+# `python -m scripts.bench engine peer`, from the llama.cpp source vendored in the PyPI sdist of
+# llama-cpp-python (a pinned version; only its source is used). Nothing lands in this repo.
 #
 #   scripts/build_llama_server.sh [BUILD_DIR]      (default: ~/.cache/splitserve/llama.cpp)
 #

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Creates ./.venv (once) with everything splitserve and its tests need.
+# Creates ./.venv (once) with what splitserve needs to run, or with an extra of pyproject.toml on
+# top (scripts/test passes `test`: pytest, the linters, lm-eval, the benchmarks' plotting...).
+#   scripts/setup_env.sh [EXTRA]
 # torch: where the invoking python already has torch (say a CUDA build), the venv sees it through
 # --system-site-packages; otherwise the CPU wheel is installed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
-STAMP="$VENV/.splitserve-installed"
+EXTRA="${1:-}"
+STAMP="$VENV/.splitserve-installed${EXTRA:+-$EXTRA}"
 
 if [[ -f "$STAMP" && "$STAMP" -nt "$ROOT/pyproject.toml" ]]; then
     exit 0
@@ -25,6 +28,6 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     "$VPY" -m pip install -q "torch==2.13.0" 2>/dev/null \
         || "$VPY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.4,<3"
 fi
-echo "[setup] installing splitserve and its test dependencies" >&2
-"$VPY" -m pip install -q -e "$ROOT[test]"
-touch "$STAMP"
+echo "[setup] installing splitserve${EXTRA:+ with its $EXTRA extra}" >&2
+"$VPY" -m pip install -q -e "$ROOT${EXTRA:+[$EXTRA]}"
+touch "$STAMP" "$VENV/.splitserve-installed"  # an extra comes with what running needs

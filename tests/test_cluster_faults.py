@@ -51,11 +51,11 @@ def cluster():
 
 
 def pid_of(cluster, role: str, index: int = 0) -> int:
-    return cluster._child(role, index).popen.pid
+    return cluster.child(role, index).popen.pid
 
 
 def restarted(cluster, role: str, index: int, old_pid: int) -> bool:
-    child = cluster._child(role, index)
+    child = cluster.child(role, index)
     return (
         child is not None
         and child.popen.pid != old_pid

@@ -4,13 +4,17 @@ process never loads a tokenizer."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
+import zmq
 
 from engine_worker.engine import Engine
+from ipc.block_hash import block_hashes
 from ipc.client import Client
 from ipc.codec import unpack_id_list
 from ipc.engine_config import EngineConfig
@@ -30,8 +34,23 @@ ENGINE_KNOBS = dict(
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    with launch_cluster(str(tiny_model_dir), tokenizer_workers=2, **ENGINE_KNOBS) as c:
+def kv_events_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kv-events")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, kv_events_dir):
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"ipc://{kv_events_dir}/kv.sock",
+        "replay_endpoint": f"ipc://{kv_events_dir}/kv-replay.sock",
+    }
+    with launch_cluster(
+        str(tiny_model_dir),
+        tokenizer_workers=2,
+        kv_events_config=json.dumps(kv_events),
+        **ENGINE_KNOBS,
+    ) as c:
         yield c
 
 
@@ -153,3 +172,39 @@ def test_a_burst_of_a_thousand_submits_from_a_default_client_is_accepted(cluster
         ]
         results = [h.result(timeout=240) for h in handles]
     assert [r.finish_reason for r in results] == ["length"] * 1000
+
+
+def _replay_from_zero(ctx: zmq.Context, address: str) -> list[tuple[int, bytes]]:
+    """A DEALER's replay from seq 0, read from the wire description alone."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(address)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    batches = []
+    while dealer.poll(10_000):
+        empty, seq, payload = dealer.recv_multipart()
+        assert empty == b""
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            break
+        batches.append((int.from_bytes(seq, "big"), payload))
+    dealer.close(linger=0)
+    return batches
+
+
+def test_engine_publishes_kv_events_internally_and_on_the_users_endpoint(cluster, kv_events_dir):
+    ids = list(range(7000, 7000 + 3 * 16 + 4))  # three full blocks, tokens no other test sends
+    with Client(cluster.client_addr, deadline_s=120) as client:
+        client.submit(prompt_token_ids=ids, max_tokens=1, temperature=0).result(timeout=60)
+    ctx = zmq.Context()
+    try:
+        internal = _replay_from_zero(ctx, cluster.config.engine_events_replay_addr(0))
+        users = _replay_from_zero(ctx, f"ipc://{kv_events_dir}/kv-replay.sock")
+    finally:
+        ctx.term()
+    assert users == internal  # one stream, two sinks
+    assert [seq for seq, _ in internal] == list(range(len(internal)))
+    batches = [msgpack.unpackb(payload) for _, payload in internal]
+    assert batches[0][1] == [{"type": "AllBlocksCleared"}] and batches[0][2] == 0
+    stored = [e for _, events, _ in batches for e in events if e["type"] == "BlockStored"]
+    mine = [e for e in stored if e["token_ids"][:16] == ids[:16]]
+    assert len(mine) == 1 and mine[0]["parent_block_hash"] is None
+    assert mine[0]["block_hashes"] == block_hashes(ids, 16) and mine[0]["token_ids"] == ids[:48]

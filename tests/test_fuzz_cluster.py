@@ -29,7 +29,14 @@ from hypothesis import strategies as st
 
 from ipc import codec
 from ipc.client import Client
-from ipc.messages import ClientEvents, ClientHello, ClientWelcome, SamplingParams
+from ipc.messages import (
+    ERR_DUPLICATE_REQUEST,
+    ClientEvents,
+    ClientHello,
+    ClientWelcome,
+    SamplingParams,
+    SubmitRequest,
+)
 from procs.launch_cluster import launch_cluster
 
 EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "150"))
@@ -74,13 +81,16 @@ class RawClient:
         self.pushes = {}
         for name, addr in (
             ("tokenizer", cluster.config.tokenizer_addr(0)),
-            ("engine", cluster.config.engine_addr),
+            ("engine", cluster.config.engine_addr(0)),
         ):
             push = self.ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.connect(addr)
             self.pushes[name] = push
         self.events: dict[str, list] = defaultdict(list)
+        # Terminal events of refused copies of a live id (they carry the live id, their code
+        # tells them apart): one per copy sent, never counted against the live request.
+        self.refused_copies: dict[str, list] = defaultdict(list)
         self.after_terminal: list[str] = []
         self._ids = itertools.count()
 
@@ -99,6 +109,9 @@ class RawClient:
             except zmq.Again:
                 return
             for event in codec.decode_as(frame, ClientEvents).events:  # strict: must decode
+                if event.error_code == ERR_DUPLICATE_REQUEST:
+                    self.refused_copies[event.request_id].append(event)
+                    continue
                 seen = self.events[event.request_id]
                 if any(e.finished for e in seen):
                     self.after_terminal.append(event.request_id)
@@ -514,6 +527,47 @@ def test_a_prompt_over_the_decoding_limit_is_still_answered(raw):
     )
     final = raw.terminal(rid)
     assert final.error_code == "bad_request" and "max_str_len" in final.error
+    raw.check_exactly_once()
+
+
+def test_copies_of_a_live_request_id_each_get_an_error_and_leave_it_alone(raw):
+    """Issue 23 item 12: five submits with one id, straight to a tokenizer worker's socket (the
+    SDK never does this; the wire is the contract). The first runs to its end with all its
+    tokens; each copy ends with one error of its own code (it used to get nothing)."""
+    rid = raw.new_id()
+    sampling = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)  # outlives copies
+    frame = codec.encode(SubmitRequest(rid, raw.client_id, sampling, prompt="hi"))
+    for _ in range(5):
+        raw.send("tokenizer", frame)
+    final = raw.terminal(rid)
+    assert final.finish_reason == "length" and final.usage.completion_tokens == 48
+    deadline = time.monotonic() + DEADLINE_S
+    while len(raw.refused_copies[rid]) < 4 and time.monotonic() < deadline:
+        raw.pump(50)
+    copies = raw.refused_copies[rid]
+    assert len(copies) == 4 and all(c.finished and "already in flight" in c.error for c in copies)
+    raw.check_exactly_once()
+
+
+def test_a_raw_submit_asking_more_than_the_context_ends_at_once(raw):
+    """Issue 23 item 7: max_tokens 2**64-1 or 2**31 on a tokenizer's own socket kept the engine
+    busy for ~95 s; past the wire's int32 it is a malformed frame, within it past the room."""
+    for max_tokens, words in (
+        (2**64 - 1, "max_tokens must be an integer in [0, 2147483647]"),
+        (2**31, "max_tokens must be an integer"),
+        (2**31 - 1, "at most"),
+    ):
+        rid = raw.new_id()
+        frame = {
+            "kind": "submit",
+            "request_id": rid,
+            "client_id": raw.client_id,
+            "sampling": {"max_tokens": max_tokens},
+            "prompt": "hi",
+        }
+        raw.send("tokenizer", msgpack.packb(frame))
+        final = raw.terminal(rid)
+        assert final.error_code == "bad_request" and words in final.error, final.error
     raw.check_exactly_once()
 
 

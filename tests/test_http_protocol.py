@@ -30,14 +30,14 @@ def _error(response, status: int) -> dict:
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"prompt": "hi", "max_tokens": -1}, None, "max_tokens"),
-        ({"prompt": "hi", "temperature": -0.5}, None, "temperature"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+        ({"prompt": "hi", "temperature": -0.5}, "temperature", "temperature"),
         ({"prompt": "hi", "temperature": "hot"}, "temperature", "number"),
-        ({"prompt": "hi", "top_p": 0}, None, "top_p"),
-        ({"prompt": "hi", "top_k": -2}, None, "top_k"),
-        ({"prompt": "hi", "seed": -1}, None, "seed"),
-        ({"prompt": "hi", "stop": ["x"] * 17}, None, "stop"),
-        ({"prompt": "hi", "stop": [""]}, None, "stop"),
+        ({"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
+        ({"prompt": "hi", "top_k": -2}, "top_k", "greater than or equal to -1"),
+        ({"prompt": "hi", "seed": -1}, "seed", "greater than or equal to 0"),
+        ({"prompt": "hi", "stop": ["x"] * 17}, "stop", "stop"),
+        ({"prompt": "hi", "stop": [""]}, "stop[0]", "stop"),
         ({"prompt": "hi", "n": 0}, "n", "greater"),
         ({"prompt": "hi", "n": 17}, "n", "less"),
         ({"prompt": ["a"] * 20, "n": 16}, "n", "choices"),
@@ -47,20 +47,24 @@ def _error(response, status: int) -> dict:
         ({"prompt": [[1, 2], []]}, "prompt", "empty"),
         ({"prompt": ["a", 1]}, "prompt", ""),
         ({}, "prompt", "required"),
-        ({"prompt": "hi", "logprobs": 21}, None, "logprobs must be an integer in [0, 20]"),
-        ({"prompt": "hi", "logprobs": -1}, None, "logprobs must be"),
-        ({"prompt": "hi", "prompt_logprobs": 30}, None, "prompt_logprobs must be"),
-        ({"prompt": "hi", "max_tokens": 0}, None, "0 only with echo or prompt_logprobs"),
-        ({"prompt": "hi", "min_tokens": -1}, None, "min_tokens"),
-        ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, None, "must not exceed"),
-        ({"prompt": "hi", "min_p": 1.5}, None, "min_p"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ({"prompt": "hi", "logprobs": -1}, "logprobs", "greater than or equal to 0"),
+        ({"prompt": "hi", "prompt_logprobs": 30}, "prompt_logprobs", "less than or equal to 20"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "0 only with echo or prompt_logprobs"),
+        ({"prompt": "hi", "min_tokens": -1}, "min_tokens", "min_tokens"),
+        ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens", "must not exceed"),
+        ({"prompt": "hi", "min_p": 1.5}, "min_p", "min_p"),
         ({"prompt": "hi", "best_of": 3}, None, "best_of is not supported"),
-        ({"prompt": "hi", "presence_penalty": 2.5}, None, "presence_penalty"),
-        ({"prompt": "hi", "frequency_penalty": -3}, None, "frequency_penalty"),
-        ({"prompt": "hi", "repetition_penalty": 0}, None, "repetition_penalty"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", "frequency_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
         ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias", "keys must be token ids"),
-        ({"prompt": "hi", "logit_bias": {"5": 101}}, None, "logit_bias values must be"),
-        ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, None, "at most 300"),
+        ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "logit_bias values must be"),
+        (
+            {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}},
+            "logit_bias",
+            "at most 300",
+        ),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
     ],
 )
@@ -84,7 +88,7 @@ def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words)
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
-            "logprobs must be an integer in [0, 20]",
+            "top_logprobs: Input should be less than or equal to 20",
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "tools": {"type": "function"}},
@@ -103,7 +107,13 @@ def test_bad_completion_params_are_400_in_openai_shape(http, body, param, words)
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
-            "max_tokens",
+            "max_completion_tokens must be at least 1",
+        ),
+        # Bounded before any message is validated (thousands of parts take seconds).
+        ({"messages": [{"role": "user", "content": "hi"}] * 4097}, "at most 4096 messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 4097}]},
+            "messages: at most 4096 content parts in all",
         ),
     ],
 )
@@ -157,8 +167,9 @@ def test_sampling_mapping():
         stop_token_ids=[3],
         ignore_eos=True,
         n=2,
+        max_tokens=5,
     )
-    a, b = req.sampling(5, 0), req.sampling(5, 1)
+    a, b = req.sampling(16, 0), req.sampling(16, 1)
     assert (
         a.max_tokens,
         a.temperature,
@@ -169,6 +180,8 @@ def test_sampling_mapping():
         a.ignore_eos,
     ) == (5, 0.0, 0.5, 4, ["END"], [3], True)
     assert (a.seed, b.seed) == (7, 8)  # n choices with one seed differ, reproducibly
+    top = CompletionRequest(prompt="x", seed=2**63 - 1, n=2)
+    assert [top.sampling(16, i).seed for i in range(2)] == [2**63 - 1, 0]  # wraps in range
     defaults = CompletionRequest(prompt="x").sampling(16, 0)
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.seed) == (
         1.0,
@@ -176,6 +189,8 @@ def test_sampling_mapping():
         0,
         None,
     )
+    # No max_tokens: the endpoint's default, which the tokenizer worker cuts to the room left.
+    assert (defaults.max_tokens, defaults.default_max_tokens) == (None, 16)
     assert not defaults.penalized
     p = CompletionRequest(
         prompt="x", presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3
@@ -189,7 +204,7 @@ def test_sampling_mapping():
 def test_logprob_fields_map_to_sampling_params():
     plain = CompletionRequest(prompt="x").sampling(16, 0)
     assert (plain.logprobs, plain.prompt_logprobs, plain.echo) == (None, None, False)
-    echoed = CompletionRequest(prompt="x", echo=True, logprobs=2, max_tokens=0).sampling(0, 0)
+    echoed = CompletionRequest(prompt="x", echo=True, logprobs=2, max_tokens=0).sampling(1, 0)
     assert (echoed.logprobs, echoed.prompt_logprobs, echoed.echo) == (2, 2, True)
     both = CompletionRequest(prompt="x", echo=True, logprobs=1, prompt_logprobs=4).sampling(1, 0)
     assert both.prompt_logprobs == 4  # the prompt's entries serve both
@@ -228,7 +243,8 @@ def test_prompt_shapes():
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "ab"},
     ]
-    assert chat.max_tokens_or(100) == 9  # the newer name wins
+    assert chat.sampling(100, 0).max_tokens == 9  # the newer name wins
+    assert chat.max_tokens_name == "max_completion_tokens"
 
 
 def test_response_shapes():
@@ -305,3 +321,48 @@ def test_tokenizer_endpoints_check_the_body_before_needing_a_cluster(http):
     )
     assert _error(http.post("/tokenize", json={"prompt": "x", "model": "gpt"}), 404)
     assert _error(http.post("/tokenize", json={"prompt": "x"}), 503)["code"] == "unavailable"
+
+
+def test_an_unexpected_error_is_a_whole_500_and_the_connection_stays_usable():
+    """Issue 23 item 3's second half: Starlette's ``exception_handler(Exception)`` answered and
+    then raised again, and uvicorn dropped the keep-alive connection without Connection: close,
+    so the client's next request on it failed. A real uvicorn on a real socket here."""
+    import http.client
+    import threading
+
+    import uvicorn
+
+    app = build_app(FrontendSettings(client_addr="ipc:///nonexistent", model_name="m"))
+
+    @app.get("/fault")
+    async def fault() -> None:
+        raise RuntimeError("a bug")
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_config=None)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.connect()
+        sock = conn.sock
+        for path, status in (
+            ("/fault", 500),
+            ("/version", 200),
+            ("/fault", 500),
+            ("/version", 200),
+        ):
+            conn.request("GET", path)
+            reply = conn.getresponse()
+            body = reply.read()
+            assert reply.status == status and conn.sock is sock, (path, reply.status, body)
+            assert reply.getheader("connection", "") != "close"
+        assert b'"code":"internal"' in body or status == 200
+        conn.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -1,5 +1,5 @@
-"""Back-pressure under a flood and a bounded soak on the tiny model (issue 7 items 2 and 6,
-DESIGN.md properties 3 and 5).
+"""Back-pressure under a flood, a bounded soak and phases of mixed traffic on the tiny model
+(issue 7 items 2 and 6, issue 23 item 11, DESIGN.md properties 3 and 5).
 
 Flood: SPLITSERVE_FLOOD_N (default 10,000) requests submitted as fast as one client can. Every
 submit either raises OverloadedError at once (every tokenizer's pipe is full) or is accepted; every
@@ -14,11 +14,13 @@ end, the engine holds no request and every KV block is back in the pool.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -34,6 +36,7 @@ MB = 1024 * 1024
 # (10,000 requests) or the soak (thousands of requests); allocator noise does not.
 FLOOD_RSS_GROWTH_MB = 120
 SOAK_RSS_GROWTH_MB = 40
+LATE_PHASE_SLACK_MB = 16  # allocator noise between phases
 
 WORDS = "the quick brown fox jumps over lazy dog paris london tokyo river mountain".split()
 
@@ -303,4 +306,80 @@ def test_soak_mixed_workload_rss_flat_and_kv_returns(cluster):
         time.sleep(0.1)
     detok = cluster.worker_stats("detokenizer")
     assert detok["open_requests"] == 0 and detok["clients"] == 0, detok
+    _assert_alive(cluster)
+
+
+# --- phases of mixed traffic ----------------------------------------------------------------------
+
+PHASES = 4
+PHASE_REQUESTS = 60
+
+
+def _mixed_request(client: Client, phase: int, i: int) -> None:
+    """Plain, structured (a schema of its own: more than the engine keeps templates of) or
+    with logprobs (and prompt logprobs); each must end well."""
+    rng = random.Random(phase * 1000 + i)
+    prompt = _prompt(rng, rng.randint(3, 60))
+    kind = i % 3
+    if kind == 0:
+        handle = client.submit(prompt, max_tokens=24, temperature=0.8, seed=i)
+    elif kind == 1:
+        fields = {f"p{phase}_{i}_{j}": {"type": ["integer", "boolean"][j % 2]} for j in range(3)}
+        schema = {
+            "type": "object",
+            "properties": fields,
+            "required": list(fields),
+            "additionalProperties": False,
+        }
+        handle = client.submit(
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=40,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        )
+    else:
+        handle = client.submit(
+            prompt, max_tokens=16, logprobs=5, prompt_logprobs=2 if i % 2 else None
+        )
+    result = handle.result(timeout=DEADLINE_S, check=False)
+    assert result.ok, (kind, result.error_code, result.error)
+
+
+def _trims(cluster, name: str) -> float:
+    role, index = name.rstrip("]").split("[")
+    return cluster.worker_stats(role, int(index)).get("memory_trims", 0)
+
+
+def test_phases_of_mixed_traffic_rss_flattens(cluster):
+    """The same mixed traffic in phases; every process's RSS once idle after each (past its
+    idle trim). A leak grows alike in every phase, a bounded cache fills once: the growth from
+    the second phase to the last must be small against the first phase's."""
+    names = list(rss_mb(cluster))
+    levels = [rss_mb(cluster)]
+    with Client(cluster.client_addr, deadline_s=DEADLINE_S) as client:
+        for phase in range(PHASES):
+            trims = {n: _trims(cluster, n) for n in names}
+            with ThreadPoolExecutor(8) as pool:
+                list(
+                    pool.map(
+                        functools.partial(_mixed_request, client, phase), range(PHASE_REQUESTS)
+                    )
+                )
+            wait_engine_idle(cluster)
+            deadline = time.monotonic() + 10  # each trims once it has been idle a moment
+            while time.monotonic() < deadline and any(
+                _trims(cluster, n) <= trims[n]
+                for n in names
+                if n.startswith(("engine", "tokenizer"))
+            ):
+                time.sleep(0.1)
+            levels.append(rss_mb(cluster))
+    print(
+        "\nRSS MB after each phase: "
+        + "; ".join(f"{n} " + " ".join(f"{level[n]:.0f}" for level in levels) for n in names)
+    )
+    for n in names:
+        first = levels[1][n] - levels[0][n]
+        late = levels[-1][n] - levels[2][n]
+        assert late <= max(first, 0.0) / 2 + LATE_PHASE_SLACK_MB, (n, [lv[n] for lv in levels])
     _assert_alive(cluster)

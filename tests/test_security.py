@@ -19,7 +19,7 @@ import zmq
 from ipc import codec
 from ipc.client import AsyncClient, Client, UnavailableError
 from ipc.client.transport import tokenizer_addrs
-from ipc.config import ClusterConfig
+from ipc.config import FIXED_PORTS, PORTS_PER_ENGINE, ClusterConfig
 from procs.cli import build_parser, cluster_kwargs
 from procs.cluster_setup import curve_overrides
 from procs.launch_cluster import CURVE_PUBLIC_KEY_FILE, launch_cluster
@@ -29,12 +29,14 @@ FAKE_ENGINE = "tests.procs.fake_engine:make"  # a stand-in engine: no model, ech
 DEADLINE_S = 30
 
 
-def free_port_block(tokenizer_workers: int = 1) -> int:
-    """A base port whose whole address plan (base+0..3, base+16..) is free on loopback now."""
+def free_port_block(tokenizer_workers: int = 1, engines: int = 1) -> int:
+    """A base port whose whole address plan (ClusterConfig.port_span ports) is free on loopback
+    now."""
     rng = random.Random()
+    span = FIXED_PORTS + PORTS_PER_ENGINE * engines + tokenizer_workers
     for _ in range(200):
         base = rng.randrange(20000, 60000)
-        offsets = [0, 1, 2, 3] + [16 + i for i in range(tokenizer_workers)]
+        offsets = range(span)
         try:
             socks = []
             for off in offsets:
@@ -70,7 +72,7 @@ def test_run_dir_is_0700_and_socket_files_are_owner_only():
         socks = sorted(run_dir.glob("*.sock"))
         assert {p.name for p in socks} >= {
             "client.sock",
-            "engine.sock",
+            "engine-0.sock",
             "detokenizer.sock",
             "supervisor.sock",
             "tokenizer-0.sock",
@@ -109,11 +111,11 @@ def test_listen_flag_switches_on_curve_and_keeps_internal_sockets_on_loopback(tm
     config = ClusterConfig.build("m", str(tmp_path), **kwargs)
     assert config.curve is not None
     assert config.client_addr == "tcp://0.0.0.0:5000"
-    assert config.tokenizer_addr(0) == "tcp://0.0.0.0:5016"
-    for internal in (config.engine_addr, config.detokenizer_addr, config.supervisor_addr):
+    assert config.tokenizer_addr(0) == "tcp://0.0.0.0:5006"
+    for internal in (config.engine_addr(0), config.detokenizer_addr, config.supervisor_addr):
         assert internal.startswith("tcp://127.0.0.1:"), internal
     # A client that reached the cluster at a real address dials the tokenizers there too.
-    assert tokenizer_addrs("tcp://10.1.2.3:5000", config.tokenizer_addrs) == ["tcp://10.1.2.3:5016"]
+    assert tokenizer_addrs("tcp://10.1.2.3:5000", config.tokenizer_addrs) == ["tcp://10.1.2.3:5006"]
     with pytest.raises(SystemExit, match="--port"):
         cluster_kwargs(build_parser().parse_args(["launch", "--listen", "0.0.0.0"]))
     assert cluster_kwargs(build_parser().parse_args(["launch"]))["transport"] == "ipc"
@@ -209,7 +211,7 @@ def test_plain_sockets_cannot_submit_or_reach_internal_sockets(curve_cluster):
         try:
             for addr, frame in (
                 (config.tokenizer_addr(0), submit),
-                (config.engine_addr, tokenized),
+                (config.engine_addr(0), tokenized),
             ):
                 push = ctx.socket(zmq.PUSH)
                 push.connect(addr)

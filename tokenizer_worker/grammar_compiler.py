@@ -2,9 +2,13 @@
 
 Runs in the tokenizer workers, so a bad schema is answered (400) before the engine ever sees
 the request, and the engine gets plain text: a grammar in llguidance's Lark dialect (JSON
-schemas inline as ``%json {...}``), which llguidance has checked here with the same vocabulary.
-The check builds the grammar fully (about a millisecond for a typical schema); results, errors
-included, are cached by spec in a bounded LRU.
+schemas inline as ``%json {...}``), which llguidance has checked here with the same vocabulary,
+options and limits as the engine's (runtime.grammar). The check builds the grammar and computes
+its first mask (about a millisecond for a typical schema): a spec that cannot be built, that
+matches nothing (a ``$ref`` cycle with no base case, an empty regex) or whose first token costs
+more than the limits allow is refused here, not in the engine. Before llguidance sees it, the
+grammar's shape is bounded (rules, ``$ref``s, nesting): its compiler recurses along them.
+Results, errors included, are cached by spec in a bounded LRU.
 
 JSON is laid out compactly by default (``", "`` and ``": "``, no other whitespace): a grammar
 that allows free whitespace lets a small model pad forever and never close the object.
@@ -28,15 +32,28 @@ from ipc.structured import (
     STRUCTURED_REGEX,
     StructuredOutputSpec,
 )
+from runtime.grammar import (
+    GRAMMAR_HEADER,
+    grammar_executor,
+    new_matcher,
+    parser_limits,
+    short_error,
+)
 
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FLEXIBLE_JSON = {"whitespace_flexible": True}
 MAX_CACHED_SPECS = 512
 MAX_CACHED_CHARS = 32 * 1024 * 1024
+# The grammar's shape, bounded before llguidance's compiler recurses along it (runtime.grammar):
+MAX_GRAMMAR_RULES = 2_000  # rule and terminal definitions (a language's grammar has hundreds)
+MAX_SCHEMA_REFS = 1_000  # "$ref"s in the schemas, inline ones of a grammar included
+MAX_SCHEMA_DEPTH = 100  # JSON nesting of a schema document (llguidance stops at 128)
 
-_LOCATION = re.compile(r"^at \d+\(\d+\): ")
-_LISTING = re.compile(r"^\s*\d+ \| |^\s*\^+\s*$")
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*)\]")
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?\d+)?[ \t]*:", re.MULTILINE)
+_REF = re.compile(r'"(?:\$|\\u0024)ref"', re.IGNORECASE)
+_OPTIONS = re.compile(r"^[ \t]*%llguidance\b(?![ \t]*\{[ \t]*\}[ \t]*$)", re.MULTILINE)  # but {}
+_CHECK_THREAD: list = []  # the process's grammar-check thread, started on first use
 
 
 class GrammarSpecError(ValueError):
@@ -105,6 +122,10 @@ class GrammarCompiler:
             schema = json.loads(text)
         except json.JSONDecodeError as exc:
             raise GrammarSpecError(f"the JSON schema is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise GrammarSpecError(
+                f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep"
+            ) from None
         if schema is False:
             raise GrammarSpecError("the JSON schema is false: no output can match it")
         if schema is True:
@@ -125,12 +146,12 @@ class GrammarCompiler:
         return {**schema, "x-guidance": options}
 
     def _check(self, lark: str, what: str) -> None:
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer
-        )
-        if is_error:
-            raise GrammarSpecError(describe_error(messages[0] if messages else "", what))
+        check_shape(lark, what)
+        if not _CHECK_THREAD:
+            _CHECK_THREAD.append(grammar_executor("grammar-check"))
+        error, at_start = _CHECK_THREAD[0].submit(first_mask_error, self.tokenizer, lark).result()
+        if error:
+            raise GrammarSpecError(describe_error(error, what, at_start))
 
     def _remember(self, key: tuple, entry: tuple[str, bool], key_chars: int) -> None:
         size = key_chars + len(entry[0])
@@ -150,6 +171,11 @@ def check_schema(schema: dict) -> None:
     (13 vs 76 ms for a 120-property schema here)."""
     from jsonschema import Draft7Validator, SchemaError, validators
 
+    depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:  # the check below recurses (and so does llguidance)
+        raise GrammarSpecError(
+            f"the JSON schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are accepted"
+        )
     try:
         validators.validator_for(schema, default=Draft7Validator).check_schema(schema)
     except SchemaError as exc:
@@ -159,14 +185,62 @@ def check_schema(schema: dict) -> None:
         ) from None
 
 
-def describe_error(message: str, what: str) -> str:
-    """llguidance's message, without its location prefix and source listing, led by what failed
+def first_mask_error(tokenizer: llguidance.LLTokenizer | None, lark: str) -> tuple[str, bool]:
+    """(llguidance's error, whether it came at the first mask) for ``lark`` built as the engine
+    builds it; ("", False) when it is usable. Without a tokenizer only the build is checked."""
+    if tokenizer is None:
+        grammar = llguidance.LLMatcher.grammar_from_lark(GRAMMAR_HEADER + lark)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, None, limits=parser_limits()
+        )
+        return (messages[0] if is_error and messages else "", False)
+    matcher = new_matcher(tokenizer, lark)
+    if matcher.is_error():
+        return matcher.get_error(), False
+    matcher.compute_bitmask()
+    return matcher.get_error(), True
+
+
+def check_shape(lark: str, what: str) -> None:
+    """Bounds what llguidance's compiler recurses along, and keeps the server's options the
+    server's (the engine cannot follow a grammar that turns forcing back on)."""
+    if _OPTIONS.search(lark):
+        raise GrammarSpecError(
+            f"the {what} cannot be used: %llguidance options are not accepted "
+            "(the server sets the grammar engine's options)"
+        )
+    rules = len(_RULE.findall(lark))
+    if rules > MAX_GRAMMAR_RULES:
+        raise GrammarSpecError(
+            f"the {what} has {rules} rules; at most {MAX_GRAMMAR_RULES} are accepted"
+        )
+    refs = len(_REF.findall(lark))
+    if refs > MAX_SCHEMA_REFS:
+        raise GrammarSpecError(
+            f"the {what} has {refs} $refs; at most {MAX_SCHEMA_REFS} are accepted"
+        )
+
+
+def json_depth(value: Any) -> int:
+    """How deep a parsed JSON document nests (a scalar: 0), without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in node)
+    return deepest
+
+
+def describe_error(message: str, what: str, at_start: bool = False) -> str:
+    """llguidance's message in a line (runtime.grammar.short_error), led by what failed
     (unimplemented keywords named as such)."""
-    lines = [_LOCATION.sub("", line) for line in message.strip().splitlines()]
-    lines = [line.strip() for line in lines if line.strip() and not _LISTING.match(line)]
-    text = " ".join(lines).replace("failed to compile JSON schema: ", "")
+    text = short_error(message, at_start).replace("failed to compile JSON schema: ", "")
     found = _UNIMPLEMENTED.search(text)
     if found:
         names = ", ".join(json.loads(f"[{found.group(1)}]"))
         return f"unsupported JSON schema keyword(s): {names}"
-    return f"the {what} cannot be used: {text or 'rejected by the grammar backend'}"
+    return f"the {what} cannot be used: {text}"

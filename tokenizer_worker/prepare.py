@@ -6,11 +6,13 @@ Everything here is pure (no sockets), so it is unit-tested directly.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ipc.codec import DecodeError, pack_ids, unpack_ids
+from ipc.field_rules import MAX_CHAT_MESSAGES
 from ipc.messages import (
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
@@ -27,13 +29,12 @@ from tokenizer_worker.structured import OutputPlan, StructuredOutputs, needs_pla
 from tokenizer_worker.tool_calls import ToolSpecError
 
 MAX_PROMPT_CHARS = 8 * 1024 * 1024
-MAX_CHAT_MESSAGES = 4096
 
 
 class RequestRejected(ValueError):
-    def __init__(self, message: str, code: str = ERR_BAD_REQUEST) -> None:
+    def __init__(self, message: str, code: str = ERR_BAD_REQUEST, param: str = "") -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.param = code, param
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ class RequestPreparer:
                 else:
                     ids[i] = self._check_ids(req.prompt_token_ids or b"")
             except RequestRejected as exc:
-                results[i] = _error(req, str(exc), exc.code)
+                results[i] = _error(req, exc)
         for group, add_special in ((plain, True), (chat, False)):
             if group:
                 encodings = self.tokenizer.encode_batch(
@@ -100,7 +101,7 @@ class RequestPreparer:
                 try:
                     results[i] = self._finish(req, ids[i] or [], t_start, t_done, plans[i])
                 except RequestRejected as exc:
-                    results[i] = _error(req, str(exc), exc.code)
+                    results[i] = _error(req, exc)
         return results  # type: ignore[return-value]
 
     def _finish(
@@ -120,11 +121,7 @@ class RequestPreparer:
                 f"the prompt has {n} tokens; with at least one generated token that exceeds the "
                 f"context length of {self.limits.max_model_len} tokens"
             )
-        sampling = req.sampling
-        if sampling.max_tokens > room:
-            # Clamp instead of refusing: the request still ends with reason "length" at the
-            # context limit, which is what a caller asking for "as much as fits" wants.
-            sampling = _with_max_tokens(sampling, room)
+        sampling = _fit_to_context(req.sampling, n, self.limits.max_model_len)
         packed = pack_ids(ids)
         meta = RequestMeta(
             request_id=req.request_id,
@@ -150,6 +147,7 @@ class RequestPreparer:
             sampling=sampling,
             meta=meta,
             grammar=plan.grammar if plan else "",
+            cache_salt=req.cache_salt,
         )
 
     def _plan(self, req: SubmitRequest) -> OutputPlan | None:
@@ -172,7 +170,8 @@ class RequestPreparer:
             bad = [t for t in ids if t >= self.limits.vocab_size]
             if bad:
                 raise RequestRejected(
-                    f"{name} {bad[:8]} are outside the vocabulary (size {self.limits.vocab_size})"
+                    f"{name} {bad[:8]} are outside the vocabulary (size {self.limits.vocab_size})",
+                    param=name,
                 )
 
     def _check_text(self, text: str) -> str:
@@ -192,7 +191,8 @@ class RequestPreparer:
         if int(arr.min()) < 0 or int(arr.max()) >= self.limits.vocab_size:
             raise RequestRejected(
                 f"prompt_token_ids must be in [0, {self.limits.vocab_size}); got values in "
-                f"[{int(arr.min())}, {int(arr.max())}]"
+                f"[{int(arr.min())}, {int(arr.max())}]",
+                param="prompt_token_ids",
             )
         return arr.tolist()
 
@@ -240,18 +240,35 @@ def render_chat(
         raise RequestRejected(str(exc)) from None
 
 
-def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
-    fields = {name: getattr(sampling, name) for name in SamplingParams.__dataclass_fields__}
-    fields["max_tokens"] = max_tokens
-    fields["min_tokens"] = min(sampling.min_tokens, max_tokens)
-    return SamplingParams(**fields)
+def _fit_to_context(
+    sampling: SamplingParams, prompt_tokens: int, max_model_len: int
+) -> SamplingParams:
+    """The sampling the engine gets: max_tokens resolved against the room the prompt leaves.
+    A max_tokens the caller gave that does not fit is refused (as OpenAI and vLLM do: a limit
+    the server would silently lower is not the one asked for); one not given is its default cut
+    to the room (chat's default is the whole context, completions' 16)."""
+    room = max_model_len - prompt_tokens
+    if sampling.max_tokens is not None:
+        if sampling.max_tokens > room:
+            raise RequestRejected(
+                f"max_tokens is {sampling.max_tokens}, but the prompt has {prompt_tokens} "
+                f"tokens and the context length is {max_model_len}: at most {room} tokens "
+                "can be generated",
+                param="max_tokens",
+            )
+        return sampling
+    resolved = min(sampling.default_max_tokens, room)
+    return dataclasses.replace(
+        sampling, max_tokens=resolved, min_tokens=min(sampling.min_tokens, resolved)
+    )
 
 
-def _error(req: SubmitRequest, message: str, code: str) -> RequestError:
+def _error(req: SubmitRequest, exc: RequestRejected) -> RequestError:
     return RequestError(
         request_id=req.request_id,
         client_id=req.client_id,
-        message=message,
-        code=code,
+        message=str(exc),
+        code=exc.code,
         t_submit=req.t_submit,
+        param=exc.param,
     )

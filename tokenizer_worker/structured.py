@@ -142,3 +142,5 @@ def _json(text: str, what: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ToolSpecError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ToolSpecError(f"{what} nests too deeply") from None

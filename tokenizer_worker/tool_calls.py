@@ -30,6 +30,7 @@ from ipc.structured import STRUCTURED_GRAMMAR, StructuredOutputSpec
 from tokenizer_worker.grammar_compiler import COMPACT_JSON, GrammarSpecError, check_schema
 
 MAX_TOOLS = 128
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -199,17 +200,26 @@ def forced_tool_call_spec(
         for t in tools
         if choice.mode == "required" or t["function"]["name"] == choice.name
     ]
+    # Where each function's parameters sit in the schema below: their own references
+    # ("#/$defs/Loc", pydantic's shape) are rebased there, so they resolve inside them.
+    where = (
+        ["#/properties/arguments"]
+        if len(allowed) == 1
+        else [f"#/anyOf/{i}/properties/arguments" for i in range(len(allowed))]
+    )
     objects = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": f["name"]},
-                "arguments": f.get("parameters", {"type": "object", "properties": {}}),
+                "arguments": rebase_refs(
+                    f.get("parameters", {"type": "object", "properties": {}}), pointer
+                ),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for f in allowed
+        for f, pointer in zip(allowed, where)
     ]
     schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
     schema = {**schema, "x-guidance": COMPACT_JSON}
@@ -219,6 +229,25 @@ def forced_tool_call_spec(
         f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"\n'
     )
     return StructuredOutputSpec(STRUCTURED_GRAMMAR, lark)
+
+
+def rebase_refs(schema: Any, pointer: str) -> Any:
+    """A copy of ``schema`` whose document-local references ("#", "#/...") point to the same
+    places once the schema sits at ``pointer`` (a "#/..." JSON pointer) of a larger one. Values
+    that are data, not schemas (enum, const, default, examples), are left as they are."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = rebase_refs(value, pointer)
+    return out
 
 
 def _checked_calls(calls: Any) -> list[dict]:

@@ -1,7 +1,11 @@
 """The tokenizer process: pull SubmitRequests, batch-encode whatever is queued at once, push
 TokenizedRequests to the engine and RequestErrors to the detokenizer. TokenizeRequests (the
 /tokenize, /detokenize and /tokenizer_info queries) arrive on the same socket and are answered
-through the detokenizer, which routes the TokenizeResult to the client."""
+through the detokenizer, which routes the TokenizeResult to the client.
+
+With several engine replicas each request goes to the one ``ReplicaRouting`` (routing.py)
+picks; the supervisor's ClusterNotices about replicas arrive on the same socket. With one engine
+nothing of that runs: no hashing, no event subscription."""
 
 from __future__ import annotations
 
@@ -14,15 +18,24 @@ import zmq
 
 from ipc.codec import DecodeError, salvage_fields
 from ipc.config import ClusterConfig
-from ipc.messages import ERR_BAD_REQUEST, ERR_UNAVAILABLE, RequestError, SubmitRequest
+from ipc.messages import (
+    ERR_BAD_REQUEST,
+    ERR_UNAVAILABLE,
+    ClusterNotice,
+    RequestError,
+    SubmitRequest,
+    TokenizedRequest,
+)
 from ipc.queries import TokenizeRequest
 from ipc.sockets import PullQueue, PushQueue
 from runtime.factories import load_factory
+from runtime.memory import IdleTrim
 from runtime.model_files import load_tokenizer
 from runtime.worker import WorkerRuntime, run_on_context
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer
 from tokenizer_worker.queries import TokenizerQueries
+from tokenizer_worker.routing import ReplicaRouting
 from tokenizer_worker.structured import StructuredOutputs
 from tokenizer_worker.vocabulary_sender import VocabularySender
 
@@ -63,30 +76,40 @@ class TokenizerWorker:
         self.queries = TokenizerQueries.from_preparer(self.preparer, config.model_path)
         # A small receive queue: when it fills, clients' round-robin skips this worker and, once
         # every worker is full, submit() raises OverloadedError instead of queueing without bound.
-        self.inbox: PullQueue[SubmitRequest | TokenizeRequest] = PullQueue(
+        self.inbox: PullQueue[SubmitRequest | TokenizeRequest | ClusterNotice] = PullQueue(
             ctx,
             config.tokenizer_addr(index),
             SubmitRequest,
             TokenizeRequest,
+            ClusterNotice,
             hwm=config.tokenizer_queue_max,
             curve=config.curve,
         )
-        self.to_engine = PushQueue(ctx, config.engine_addr, curve=config.curve)
+        self.to_engines = [PushQueue(ctx, a, curve=config.curve) for a in config.engine_addrs]
         self.to_detok = PushQueue(ctx, config.detokenizer_addr, curve=config.curve)
-        self.vocabulary = VocabularySender(self.to_engine, self.preparer.structured)
+        # Each replica gets the grammar vocabulary on its own socket (engine_worker builds
+        # grammars against it).
+        self.vocabularies = [VocabularySender(q, self.preparer.structured) for q in self.to_engines]
+        self.routing = ReplicaRouting(config, index, ctx) if config.routes else None
+        self.poller = zmq.Poller()
+        self.polled: list[zmq.Socket] = []
         self.served = 0
         self.rejected = 0
         self.answered = 0  # TokenizeRequests
         self.tokenize_s = 0.0
+        self.trim = IdleTrim()
 
     def run(self) -> None:
         self.runtime.announce([self.inbox.address])
         while not self.runtime.stopping:
             self.runtime.maybe_heartbeat(self._stats())
-            self.vocabulary.poll()
-            if not self.inbox.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):
+            for vocabulary in self.vocabularies:
+                vocabulary.poll()
+            if not self.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):
+                self.trim.idle()  # nothing came: hand back what the last batch freed
                 continue
             self.handle(self.inbox.drain(self.config.tokenizer_batch_max, self._reject_frame))
+            self.trim.busy()
         # Stopping: answer whatever is still queued, so no accepted request goes silent.
         self.runtime.draining = True
         deadline = time.monotonic() + 0.2
@@ -98,12 +121,29 @@ class TokenizerWorker:
                 time.sleep(0.01)
         self.close()
 
-    def handle(self, messages: list[SubmitRequest | TokenizeRequest]) -> None:
+    def wait(self, timeout_ms: int) -> bool:
+        """Whether the inbox has something. With routing, replicas' events that arrive
+        meanwhile are applied as they come (off the path of the next request)."""
+        if self.routing is None:
+            return self.inbox.wait(timeout_ms)
+        self.routing.receive()
+        sockets = [self.inbox.socket, *self.routing.sockets]
+        if sockets != self.polled:  # a subscriber opened a replay socket, or closed one
+            self.poller = zmq.Poller()
+            for sock in sockets:
+                self.poller.register(sock, zmq.POLLIN)
+            self.polled = sockets
+        return self.inbox.socket in dict(self.poller.poll(timeout_ms))
+
+    def handle(self, messages: list[SubmitRequest | TokenizeRequest | ClusterNotice]) -> None:
         requests: list[SubmitRequest] = []
         queries: list[TokenizeRequest] = []
         for msg in messages:
             if isinstance(msg, TokenizeRequest):
                 queries.append(msg)
+            elif isinstance(msg, ClusterNotice):
+                if self.routing is not None:
+                    self.routing.on_notice(msg)
             else:
                 requests.append(msg)
         if queries:
@@ -125,14 +165,20 @@ class TokenizerWorker:
         t0 = time.monotonic()
         results = self.preparer.prepare_batch(requests)
         self.tokenize_s += time.monotonic() - t0
+        if self.routing is not None:
+            self.routing.receive()  # the replicas' latest view, for this batch's choices
         for result in results:
             if isinstance(result, RequestError):
                 self._send_error(result)
             else:
-                if result.grammar:
-                    self.vocabulary.before_constrained_request()
-                self.to_engine.put(result)
-                self.served += 1
+                self.send(result)
+
+    def send(self, request: TokenizedRequest) -> None:
+        replica = 0 if self.routing is None else self.routing.route(request)
+        if request.grammar:
+            self.vocabularies[replica].before_constrained_request()
+        self.to_engines[replica].put(request)
+        self.served += 1
 
     def answer_queries(self, queries: list[TokenizeRequest]) -> None:
         for query in queries:
@@ -173,11 +219,17 @@ class TokenizerWorker:
             "answered": self.answered,
             "tokenize_s": self.tokenize_s,
             "draining": float(self.runtime.draining),
+            "memory_trims": self.trim.trims,
+            **(self.routing.stats() if self.routing is not None else {}),
         }
 
     def close(self) -> None:
-        self.vocabulary.close()
-        for q in (self.inbox, self.to_engine, self.to_detok):
+        for vocabulary in self.vocabularies:
+            vocabulary.close()
+        if self.routing is not None:
+            self.routing.close()
+        self.inbox.close()
+        for q in (*self.to_engines, self.to_detok):
             q.close()
         self.runtime.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -25,6 +26,7 @@ from ipc.client.queries import Builder
 from ipc.client.records import HandleBase, RequestRecord, unavailable_event
 from ipc.client.requests import build_submit
 from ipc.messages import (
+    ERR_DUPLICATE_REQUEST,
     FINISH_ABORT,
     FINISH_STOP,
     NOTICE_DIED,
@@ -40,6 +42,7 @@ from ipc.messages import (
 from ipc.queries import EngineStatsReport, TokenizeResult
 
 H = TypeVar("H", bound=HandleBase)
+logger = logging.getLogger("splitserve.client")
 
 
 @dataclass(slots=True)
@@ -48,7 +51,19 @@ class Routed:
 
     welcome: ClientWelcome | None = None
     lost: list[tuple[str, StreamEvent]] = field(default_factory=list)
-    retry: bool = False  # lost with a tokenizer worker: ClientCore.resubmit may send them again
+    retry: bool = False  # lost before an engine ran them: ClientCore.resubmit may send them again
+
+
+def encode_request(msg: Any, request_id: str | None) -> bytes:
+    """The frame of a message for a tokenizer worker; what the wire cannot carry (a lone
+    surrogate in any string, an integer past 64 bits) is the caller's BadRequestError, naming
+    the field as submit() takes it (sampling keywords are flat there)."""
+    try:
+        return codec.encode(msg)
+    except codec.EncodeError as exc:
+        param = exc.path.removeprefix("sampling.")
+        message = str(exc).removeprefix("sampling.")
+        raise BadRequestError(message, request_id, param or None) from None
 
 
 class ClientCore:
@@ -61,7 +76,10 @@ class ClientCore:
     died" ends everything open; a lost detokenizer connection ends everything open too, and
     submits are refused until the restarted detokenizer welcomed us again. The caller sends a
     ClientAbort for the old wire ids of all of them (a copy the dead worker had already passed on
-    is then freed, and its events, under a wire id no longer open, are dropped here)."""
+    is then freed, and its events, under a wire id no longer open, are dropped here).
+
+    With several engine replicas, "engine replica r died" (``resend_unstarted``) is handled like
+    a tokenizer's death for every open request not listed alive that has produced nothing."""
 
     def __init__(self, deadline_s: float | None, tokenizer_retries: int = 1) -> None:
         if tokenizer_retries < 0:
@@ -140,7 +158,7 @@ class ClientCore:
         record.t_submit = msg.t_submit
         record.query = not isinstance(msg, SubmitRequest)
         record.pending = msg
-        frame = codec.encode(msg)
+        frame = encode_request(msg, record.request_id)
         if len(frame) > codec.MAX_FRAME_BYTES:  # the tokenizer's socket would drop it unseen
             raise BadRequestError(
                 f"the request is {len(frame)} bytes encoded; the limit is {codec.MAX_FRAME_BYTES}",
@@ -255,21 +273,30 @@ class ClientCore:
         if notice.event != NOTICE_DIED:
             return []
         detail = f" ({notice.detail})" if notice.detail else ""
-        if notice.role == "engine":
+        if notice.role == "engine" and not notice.resend_unstarted:
             message = f"unavailable: the engine died{detail}; the request was lost with it"
             # list(): atomic against a submitting thread. Queries never reach the engine.
             lost = [wid for wid, h in list(self.records.items()) if not h.record.query]
-        elif notice.role == "tokenizer":
-            self.down.add(notice.index)
+        elif notice.role in ("tokenizer", "engine"):
+            # Lost: the open requests not past the dead worker, which the detokenizer does not
+            # list alive (a tokenizer: those sent to it; an engine replica: any not started).
+            tokenizer = notice.role == "tokenizer"
+            if tokenizer:
+                self.down.add(notice.index)
             message = (
-                f"unavailable: tokenizer worker {notice.index} died{detail} before the "
-                "request reached the engine, and it could not be sent again; retry it"
-            )
+                f"unavailable: tokenizer worker {notice.index} died{detail} before the request "
+                "reached the engine"
+                if tokenizer
+                else f"unavailable: engine replica {notice.index} died{detail} before the "
+                "request produced anything"
+            ) + ", and it could not be sent again; retry it"
             alive = set(notice.alive_ids)
             lost = [
                 wid
                 for wid, h in list(self.records.items())
-                if h.record.tokenizer == notice.index and not h.record.seen and wid not in alive
+                if (h.record.tokenizer == notice.index if tokenizer else not h.record.query)
+                and not h.record.seen
+                and wid not in alive
             ]
         else:
             return []
@@ -315,13 +342,21 @@ class ClientCore:
                 )
             return Routed()
         if isinstance(msg, ClusterNotice):
-            return Routed(lost=self.on_notice(msg), retry=msg.role == "tokenizer")
+            retry = msg.role == "tokenizer" or msg.resend_unstarted
+            return Routed(lost=self.on_notice(msg), retry=retry)
         if isinstance(msg, ClientWelcome):  # a restarted detokenizer answered our hello
             self.on_welcome()
             return Routed(welcome=msg)
         now = time.monotonic()
         assert isinstance(msg, ClientEvents)
         for event in msg.events:
+            if event.error_code == ERR_DUPLICATE_REQUEST:
+                # About a copy this client never sent (its wire ids are unique per submission;
+                # someone else used its client id): the open request it names goes on.
+                logger.warning(
+                    "a copy of request %r was refused: %s", event.request_id, event.error
+                )
+                continue
             if (handle := self.records.get(event.request_id)) is not None:
                 self.apply(handle, event, now)
         return Routed()

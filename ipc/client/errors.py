@@ -10,9 +10,12 @@ ERR_TIMEOUT = "timeout"
 class SplitserveError(Exception):
     code = ERR_INTERNAL
 
-    def __init__(self, message: str, request_id: str | None = None) -> None:
+    def __init__(
+        self, message: str, request_id: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.param = param  # the request field the error is about, when it is about one
 
 
 class BadRequestError(SplitserveError, ValueError):
@@ -39,5 +42,7 @@ _ERRORS = {
 }
 
 
-def error_for(code: str | None, message: str, request_id: str | None = None) -> SplitserveError:
-    return _ERRORS.get(code or "", SplitserveError)(message, request_id)
+def error_for(
+    code: str | None, message: str, request_id: str | None = None, param: str | None = None
+) -> SplitserveError:
+    return _ERRORS.get(code or "", SplitserveError)(message, request_id, param)

@@ -11,7 +11,8 @@ from typing import Any
 
 from ipc.client.errors import BadRequestError, SplitserveError
 from ipc.client.requests import chat_message
-from ipc.codec import pack_ids, unpack_id_list
+from ipc.codec import unpack_id_list
+from ipc.field_rules import pack_token_ids
 from ipc.queries import EngineStatsQuery, EngineStatsReport, TokenizeRequest, TokenizeResult
 
 # (wire id, t_submit) -> the message to send under that id.
@@ -44,10 +45,9 @@ def tokenize_builder(
     tokenizer's special tokens, a chat only what its template writes), as vLLM defaults."""
     if prompt is not None and not isinstance(prompt, str):
         raise BadRequestError(f"prompt must be a string, got {type(prompt).__name__}")
-    try:
-        chat = None if messages is None else [chat_message(m) for m in messages]
-    except ValueError as exc:
-        raise BadRequestError(str(exc)) from None
+    chat = None
+    if messages is not None:
+        chat = _checked(lambda: [chat_message(m, f"messages[{i}]") for i, m in enumerate(messages)])
     special = (messages is None) if add_special_tokens is None else add_special_tokens
 
     def build(wire_id: str, t_submit: float) -> TokenizeRequest:
@@ -70,10 +70,10 @@ def tokenize_builder(
 
 def detokenize_builder(client_id: bytes, token_ids: Any) -> Builder:
     if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
-        raise BadRequestError("token_ids must be a sequence of integers")
+        raise BadRequestError("token_ids must be a sequence of integers", param="token_ids")
     if len(token_ids) == 0:
-        raise BadRequestError("token_ids is empty")
-    packed = _checked(lambda: pack_ids(token_ids))
+        raise BadRequestError("token_ids is empty", param="token_ids")
+    packed = _checked(lambda: pack_token_ids(token_ids, "token_ids"))
 
     def build(wire_id: str, t_submit: float) -> TokenizeRequest:
         return TokenizeRequest(wire_id, client_id, detokenize_ids=packed, t_submit=t_submit)
@@ -122,7 +122,7 @@ def _checked(make: Callable[[], Any]) -> Any:
     try:
         return make()
     except (ValueError, TypeError, OverflowError) as exc:
-        raise BadRequestError(str(exc)) from None
+        raise BadRequestError(str(exc), param=getattr(exc, "param", None)) from None
 
 
 class QueryMethods:

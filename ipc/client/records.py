@@ -36,6 +36,7 @@ class RequestRecord:
         "prompt_logprobs",
         "echo_text",
         "tool_calls",
+        "engine_index",
     )
 
     def __init__(self, request_id: str, wire_id: str, deadline: float | None) -> None:
@@ -58,6 +59,7 @@ class RequestRecord:
         self.prompt_logprobs: list[LogprobEntry] = []
         self.echo_text = ""
         self.tool_calls: list[ToolCall] = []
+        self.engine_index = -1  # the replica its events came from
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
         ids = unpack_id_list(event.token_ids) if event.token_ids else []
@@ -76,6 +78,8 @@ class RequestRecord:
             event.prompt_logprobs,
             event.echo_text,
             event.tool_calls,
+            error_param=event.error_param,
+            engine_index=event.engine_index,
         )
         self.text.append(event.text)
         add_tool_call_deltas(self.tool_calls, event.tool_calls)
@@ -85,6 +89,8 @@ class RequestRecord:
         self.echo_text += event.echo_text
         self.seen = True
         self.pending = None
+        if event.engine_index >= 0:
+            self.engine_index = event.engine_index
         if ids or event.text:
             self.t_received.append(t)
         if event.finished:
@@ -109,6 +115,8 @@ class RequestRecord:
             list(self.prompt_logprobs),
             self.echo_text,
             list(self.tool_calls),
+            error_param=f.error_param,
+            engine_index=self.engine_index,
         )
 
 
@@ -156,7 +164,12 @@ class HandleBase:
         """The i-th delta, raising the request's error if that delta ends it with one."""
         delta = self._deltas[i]
         if delta.error_code:
-            raise error_for(delta.error_code, delta.error or "request failed", self.request_id)
+            raise error_for(
+                delta.error_code,
+                delta.error or "request failed",
+                self.request_id,
+                delta.error_param,
+            )
         return delta
 
 

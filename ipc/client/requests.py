@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from ipc.client.errors import BadRequestError
-from ipc.codec import pack_ids
+from ipc.field_rules import FieldError, check_message_shape, pack_token_ids, renamed
 from ipc.messages import ChatMessage, SamplingParams, SubmitRequest
 from ipc.structured import StructuredOutputSpec, ToolCall, spec_from_request
 
@@ -19,6 +19,10 @@ OUTPUT_OPTIONS = (
     "tool_choice",
     "parallel_tool_calls",
 )
+# Keywords of submit() about the request rather than its sampling, taken out the same way:
+# cache_salt (a non-empty string of at most 256 characters) shares cached KV blocks only with
+# requests of the same salt.
+REQUEST_OPTIONS = ("cache_salt",)
 
 
 def build_submit(
@@ -36,19 +40,23 @@ def build_submit(
     continuous_usage_stats: bool = False,
 ) -> SubmitRequest:
     """The SubmitRequest for one submit() call; anything invalid raises BadRequestError."""
+    alias = sampling_kwargs.get("max_completion_tokens") is not None
     try:
         sampling_kwargs = _max_tokens_alias(sampling_kwargs)
         options = {k: sampling_kwargs.pop(k) for k in OUTPUT_OPTIONS if k in sampling_kwargs}
+        request_options = {
+            k: sampling_kwargs.pop(k) for k in REQUEST_OPTIONS if k in sampling_kwargs
+        }
         if sampling is None:
             sampling = SamplingParams(**sampling_kwargs)
         elif sampling_kwargs:
             raise ValueError("give either sampling= or sampling keyword arguments, not both")
         chat = None
         if messages is not None:
-            chat = [chat_message(m) for m in messages]
+            chat = [chat_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
         packed = None
         if prompt_token_ids is not None:
-            packed = pack_ids(prompt_token_ids)
+            packed = pack_token_ids(prompt_token_ids, "prompt_token_ids")
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         return SubmitRequest(
@@ -62,8 +70,13 @@ def build_submit(
             t_submit=t_submit,
             chat_template_kwargs=dict(chat_template_kwargs or {}),
             continuous_usage_stats=continuous_usage_stats,
+            **request_options,
             **_output_fields(**options),
         )
+    except FieldError as exc:
+        if alias:
+            exc = renamed(exc, "max_tokens", "max_completion_tokens")
+        raise BadRequestError(str(exc), param=exc.param) from None
     except (ValueError, TypeError, OverflowError) as exc:
         raise BadRequestError(str(exc)) from None
 
@@ -91,7 +104,9 @@ def _output_fields(
         "structured": spec,
         "parallel_tool_calls": parallel_tool_calls,
         "tools": "" if tools is None else json.dumps(tools, ensure_ascii=False),
-        "tool_choice": "" if tool_choice is None else json.dumps(tool_choice),
+        # Kept as written (ensure_ascii off), so text that is not Unicode is refused by the codec
+        # here, not passed on as an escape for a worker to decode.
+        "tool_choice": "" if tool_choice is None else json.dumps(tool_choice, ensure_ascii=False),
     }
 
 
@@ -109,23 +124,27 @@ def _max_tokens_alias(kwargs: dict[str, Any]) -> dict[str, Any]:
 CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
-def chat_message(m: Any) -> ChatMessage:
+def chat_message(m: Any, where: str = "messages[0]") -> ChatMessage:
     """A ChatMessage, or OpenAI's message map: role, content (a string; null on an assistant
-    message that only calls tools), and optionally name, tool_calls and tool_call_id."""
+    message that only calls tools), and optionally name, tool_calls and tool_call_id (which a
+    tool message needs). ``where`` names the message in errors."""
     if isinstance(m, ChatMessage):
+        check_message_shape(m.role, m.content, m.tool_calls, m.tool_call_id, where)
         return m
     calls = m.get("tool_calls") if isinstance(m, dict) else None
     if not (
         isinstance(m, dict)
         and isinstance(m.get("role"), str)
-        and (isinstance(m.get("content"), str) or (m.get("content") is None and calls))
+        and isinstance(m.get("content"), (str, type(None)))
         and all(isinstance(m.get(k), (str, type(None))) for k in ("name", "tool_call_id"))
         and set(m) <= CHAT_MESSAGE_KEYS
     ):
-        raise ValueError(
-            "a chat message is a {'role': str, 'content': str} map (and optionally "
-            f"'name', 'tool_calls', 'tool_call_id'), got {m!r:.300}"
+        raise FieldError(
+            where,
+            f"{where}: a chat message is a {{'role': str, 'content': str}} map (and optionally "
+            f"'name', 'tool_calls', 'tool_call_id'), got {m!r:.300}",
         )
+    check_message_shape(m["role"], m.get("content"), calls, m.get("tool_call_id"), where)
     return ChatMessage(
         role=m["role"],
         content=m.get("content") or "",

@@ -29,6 +29,8 @@ class Delta:
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces of tool calls
+    error_param: str | None = None  # the request field a bad_request error is about
+    engine_index: int = -1  # the engine replica serving it; -1: none (it ended before one)
 
 
 @dataclass(slots=True)
@@ -47,6 +49,8 @@ class GenerationResult:
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""  # the prompt's text, with echo=True (not part of ``text``)
     tool_calls: list[ToolCall] = field(default_factory=list)  # read from the text, when tools
+    error_param: str | None = None  # the request field a bad_request error is about
+    engine_index: int = -1  # the engine replica that served it (-1: none)
 
     @property
     def ok(self) -> bool:
@@ -62,5 +66,7 @@ class GenerationResult:
 
     def raise_for_error(self) -> GenerationResult:
         if not self.ok:
-            raise error_for(self.error_code, self.error or "request failed", self.request_id)
+            raise error_for(
+                self.error_code, self.error or "request failed", self.request_id, self.error_param
+            )
         return self

@@ -6,20 +6,23 @@ package re-exports them all; import from ``ipc.messages``):
     engine_step   : engine <-> detokenizer
     client_stream : client <-> detokenizer
     control       : workers <-> supervisor, cluster notices
+    routing       : engine replicas -> tokenizer workers, their load (beside the KV events)
 
 Channels (who sends what to whom):
 
     client      -> tokenizer i : SubmitRequest
     client      -> detokenizer : ClientHello, ClientAbort, ClientBye
     detokenizer -> client      : ClientWelcome, ClientEvents (one message per step per client)
-    tokenizer i -> engine      : TokenizedRequest
+    tokenizer i -> engine r    : TokenizedRequest (engine r: the replica its router chose)
     tokenizer i -> detokenizer : RequestError (the request never reaches the engine)
     tokenizer i -> engine      : GrammarVocabulary (ipc.structured; ahead of any constrained
                                  request: the vocabulary as data, so the engine never tokenizes)
     detokenizer -> engine      : AbortRequests (client aborts, stop strings, gone clients)
     engine      -> detokenizer : StepOutput (one message per engine step, columnar)
+    engine r    -> tokenizers  : KV events (ipc.kv_events) and ReplicaLoad, on its event stream
     any worker  -> supervisor  : WorkerReady, Heartbeat
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
+    supervisor  -> tokenizer i : ClusterNotice about engine replicas (several engines only)
     one-answer queries (tokenize, detokenize, tokenizer info, engine stats): ipc/queries.py
 
 Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
@@ -40,6 +43,7 @@ from ipc.messages.client_stream import (
 )
 from ipc.messages.common import (
     ERR_BAD_REQUEST,
+    ERR_DUPLICATE_REQUEST,
     ERR_INTERNAL,
     ERR_OVERLOADED,
     ERR_UNAVAILABLE,
@@ -60,6 +64,7 @@ from ipc.messages.engine_step import (
     StepOutput,
     TokenLogprobs,
 )
+from ipc.messages.routing import LOAD_TOPIC, ReplicaLoad
 from ipc.messages.submit import RequestError, RequestMeta, SubmitRequest, TokenizedRequest
 from ipc.sampling import SamplingParams  # a request's sampling settings travel inside its messages
 
@@ -73,6 +78,7 @@ __all__ = [
     "ClientWelcome",
     "ClusterNotice",
     "ERR_BAD_REQUEST",
+    "ERR_DUPLICATE_REQUEST",
     "ERR_INTERNAL",
     "ERR_OVERLOADED",
     "ERR_UNAVAILABLE",
@@ -84,10 +90,12 @@ __all__ = [
     "FINISH_TOOL_CALLS",
     "FinishRecord",
     "Heartbeat",
+    "LOAD_TOPIC",
     "LogprobEntry",
     "NOTICE_DIED",
     "NOTICE_READY",
     "PromptLogprobs",
+    "ReplicaLoad",
     "RequestError",
     "RequestMeta",
     "RequestStart",

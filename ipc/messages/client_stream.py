@@ -109,6 +109,8 @@ class StreamEvent:
     logprobs: list[LogprobEntry] = field(default_factory=list)
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""
+    error_param: str | None = None  # the request field a bad_request error is about
+    engine_index: int = -1  # the engine replica serving it; -1: none (it ended before one)
 
 
 @message

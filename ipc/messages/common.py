@@ -18,6 +18,10 @@ ERR_BAD_REQUEST = "bad_request"  # the request itself is wrong; retrying it will
 ERR_OVERLOADED = "overloaded"  # a bounded queue is full; retry later
 ERR_UNAVAILABLE = "unavailable"  # a worker died or the cluster is shutting down
 ERR_INTERNAL = "internal"
+# A copy of a request whose id is live (only a raw client bypassing the SDK sends one): the copy
+# is refused with this code and the live request goes on; the event carries the live id, so this
+# code is what tells its sender which of the two ended.
+ERR_DUPLICATE_REQUEST = "duplicate_request_id"
 
 
 @dataclass(slots=True)

@@ -21,7 +21,11 @@ class ClusterNotice:
     """A worker died or came back. The supervisor sends it to the detokenizer, which ends what
     it can itself (the engine died: every request it holds) and forwards one to each client with
     ``alive_ids`` set to that client's requests it knows are in the engine, so the client can end
-    with an error exactly the requests that died with the worker."""
+    with an error exactly the requests that died with the worker. With several engine replicas
+    it goes to the tokenizer workers too (a dead replica is out of their rotation until its
+    "ready"), and one replica's death ends only its requests that had produced tokens: the
+    detokenizer sets ``resend_unstarted``, and the client sends again every open request that
+    is not in ``alive_ids`` and has produced nothing (as for a dead tokenizer worker)."""
 
     KIND = "notice"
     event: str
@@ -30,6 +34,7 @@ class ClusterNotice:
     pid: int = 0
     detail: str = ""  # e.g. "exited with code -9"
     alive_ids: list[str] = field(default_factory=list)
+    resend_unstarted: bool = False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -114,3 +114,4 @@ class StepOutput:
     # The engine process that sent it: after the supervisor reports that engine dead, the
     # detokenizer drops its late outputs (their requests already ended with an error).
     engine_pid: int = 0
+    engine_index: int = 0  # the replica that sent it (ClusterConfig.engines)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ipc.block_hash import check_cache_salt
 from ipc.codec import message
 from ipc.json_values import check_chat_template_kwargs
 from ipc.messages.common import ERR_BAD_REQUEST, ChatMessage
@@ -40,8 +41,12 @@ class SubmitRequest:
     # For messages: extra variables of the chat template, e.g. {"enable_thinking": False}.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     continuous_usage_stats: bool = False  # every event carries the usage so far, not the last only
+    # Shares cached KV blocks only with requests of the same salt (tenant isolation, vLLM's
+    # field): a non-empty string of at most 256 characters, or None.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        check_cache_salt(self.cache_salt)
         if not self.request_id or len(self.request_id) > 256:
             raise ValueError("request_id must be a non-empty string of at most 256 characters")
         given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
@@ -75,6 +80,11 @@ class RequestMeta:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     tokenizer_index: int = 0
+    # The engine replica the tokenizer worker chose, what decided it (an ipc.routing OUTCOME_*;
+    # "" with one engine: no choice was made) and how long hashing and choosing took.
+    engine_index: int = 0
+    routing_outcome: str = ""
+    routing_s: float = 0.0
     t_submit: float = 0.0
     t_tokenize_start: float = 0.0
     t_tokenized: float = 0.0
@@ -99,6 +109,10 @@ class TokenizedRequest:
     # The grammar the output must follow (llguidance's Lark text, checked by the tokenizer
     # worker with this vocabulary); "" for free text.
     grammar: str = ""
+    cache_salt: str | None = None  # see SubmitRequest
+
+    def __post_init__(self) -> None:
+        check_cache_salt(self.cache_salt)
 
 
 @message
@@ -112,3 +126,4 @@ class RequestError:
     message: str
     code: str = ERR_BAD_REQUEST
     t_submit: float = 0.0
+    param: str = ""  # the request field the error is about (max_tokens, ...), if one is

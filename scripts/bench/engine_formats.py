@@ -1,4 +1,5 @@
-"""The weight-format workloads of scripts/bench_engine.py.
+"""The weight-format workloads of the engine benchmark (scripts/bench/engine.py), and the
+bandwidth bound of batch-1 decode (every weight is read once per token) that 'peer' uses too.
 
 kernels  every weight format's linear layers on the model's own shapes (its layers of distinct
          weights, in forward order, so they stream from memory as in a real step) at each
@@ -15,18 +16,81 @@ bandwidth  the read bandwidth at --threads, the weight bytes a batch-1 decode st
 from __future__ import annotations
 
 import time
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from scripts.bench import peer_engine as pe
 from scripts.bench.engine_runs import (
     decode_prompts,
-    engine_decode_rate,
-    engine_prefill_rate,
+    decode_rate,
     make_engine,
+    prefill_rate,
     random_prompt,
 )
+from scripts.bench.interleave import best_of
+
+
+# --- memory bandwidth ---------------------------------------------------------------------------
+def read_bandwidth_gbs(threads: int, size_mib: int = 512, repeats: int = 7) -> float:
+    """Best-of-``repeats`` read bandwidth (GB/s, 1e9 bytes) of a sum over a buffer far larger
+    than any cache, with ``threads`` torch threads: what streaming weights through a matmul can
+    at best reach on this machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(size_mib * (1 << 20) // 4, dtype=torch.float32)
+        buf.sum()  # faults the pages in and wakes the thread pool
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - start)
+        return buf.numel() * buf.element_size() / best / 1e9
+    finally:
+        torch.set_num_threads(previous)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes a batch-1 decode step must read: each linear layer's decode copy (the quantized one
+    where a layer keeps a dense copy for large steps too), the norms and the lm_head (a tied
+    dense head is the embedding table); the embedding alone is only indexed, one row a token."""
+
+    def nbytes(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    total = nbytes(model.norm) + model.lm_head.nbytes
+    for layer in model.layers:
+        total += sum(
+            linear.nbytes for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        )
+        total += sum(
+            nbytes(t)
+            for t in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm)
+        )
+    return total
+
+
+def bound_line(name: str, weight_bytes: int, bandwidth_gbs: float, rate: float | None) -> str:
+    bound = bandwidth_gbs * 1e9 / weight_bytes
+    share = "" if rate is None else f"; measured {rate:.1f} tok/s = {100 * rate / bound:.0f}% of it"
+    return (
+        f"  {name}: {weight_bytes / 1e6:.1f} MB of weights per token / {bandwidth_gbs:.1f} "
+        f"GB/s = {bound:.0f} tok/s bound{share}"
+    )
+
+
+def gguf_weight_bytes_per_token(gguf: str | Path) -> int:
+    """The same count for llama.cpp on a GGUF: every tensor at its stored size, the token
+    embedding only when it is also the output matrix (no separate output.weight)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
 
 FORMAT_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # the others run the auto dtype
 
@@ -140,6 +204,11 @@ def run_kernels(args) -> None:
         print(f"{name}: faster than bf16 at rows {faster or 'none'}")
 
 
+def per_format(engines: dict, measure, repeats: int) -> dict[str, float]:
+    """``measure(engine)``'s best over interleaved repeats, per format."""
+    return best_of({f: partial(measure, engine) for f, engine in engines.items()}, repeats)
+
+
 def format_engine(args, weights: str, **knobs):
     return make_engine(args, weights=weights, dtype=FORMAT_DTYPES.get(weights, "auto"), **knobs)
 
@@ -147,7 +216,7 @@ def format_engine(args, weights: str, **knobs):
 def run_formats(args) -> dict[str, dict[str, float]]:
     """Prints the table; returns {row name: {format: tokens/s}}."""
     rng = np.random.default_rng(0)
-    formats = args.formats.split(",")
+    formats = args.formats
     # KV for the largest decode batch only: several engines share the machine's memory.
     kv_tokens = (
         max(
@@ -168,24 +237,20 @@ def run_formats(args) -> dict[str, dict[str, float]]:
         for f in formats
     }
     for engine in engines.values():  # warm-up: first-call allocations, thread pool wake-up
-        engine_decode_rate(engine, [random_prompt(rng, 16)], 2)
+        decode_rate(engine, [random_prompt(rng, 16)], 2)
     rows: dict[str, dict[str, float]] = {}
     for length in args.prefill_tokens:
         prompt = random_prompt(rng, length)
-        rates = dict.fromkeys(formats, 0.0)
-        for _ in range(args.repeats):
-            for f in formats:
-                rates[f] = max(rates[f], engine_prefill_rate(engines[f], prompt, 1))
-        rows[f"prefill {length} tokens"] = rates
+        rows[f"prefill {length} tokens"] = per_format(
+            engines, partial(prefill_rate, prompt=prompt), args.repeats
+        )
     for batch in args.decode_batch:
         prompts = decode_prompts(args, rng, batch)
-        rates = dict.fromkeys(formats, 0.0)
-        for _ in range(args.repeats):
-            for f in formats:
-                rates[f] = max(
-                    rates[f], engine_decode_rate(engines[f], prompts, args.decode_tokens)
-                )
-        rows[f"decode batch {batch}"] = rates
+        rows[f"decode batch {batch}"] = per_format(
+            engines,
+            partial(decode_rate, prompts=prompts, new_tokens=args.decode_tokens),
+            args.repeats,
+        )
     base = formats[0]
     print(
         f"\nformats (threads={torch.get_num_threads()}, tokens/s, best of {args.repeats} "
@@ -206,10 +271,9 @@ def run_formats(args) -> dict[str, dict[str, float]]:
 
 
 def run_bandwidth(args) -> None:
-    formats = args.formats.split(",")
-    bandwidth = pe.read_bandwidth_gbs(args.threads)
-    rng = np.random.default_rng(4)
-    prompt = random_prompt(rng, args.decode_prompt_tokens)
+    formats = args.formats
+    bandwidth = read_bandwidth_gbs(args.threads)
+    prompt = random_prompt(np.random.default_rng(4), args.decode_prompt_tokens)
     engines = {
         f: format_engine(
             args,
@@ -221,11 +285,10 @@ def run_bandwidth(args) -> None:
         for f in formats
     }
     for engine in engines.values():
-        engine_decode_rate(engine, [prompt], 2)  # warm-up
-    rates = dict.fromkeys(formats, 0.0)
-    for _ in range(args.repeats):  # interleaved: load on the machine hits every format alike
-        for f in formats:
-            rates[f] = max(rates[f], engine_decode_rate(engines[f], [prompt], args.decode_tokens))
+        decode_rate(engine, [prompt], 2)  # warm-up
+    rates = per_format(
+        engines, partial(decode_rate, prompts=[prompt], new_tokens=args.decode_tokens), args.repeats
+    )
     print(
         f"\nbandwidth: read {bandwidth:.1f} GB/s with {args.threads} torch thread(s); batch-1 "
         f"decode after a {args.decode_prompt_tokens}-token prompt, best of {args.repeats}"
@@ -233,9 +296,9 @@ def run_bandwidth(args) -> None:
     for f in formats:
         model = engines[f].runner.model
         print(
-            pe.bound_line(
+            bound_line(
                 f"{f} ({model.weight_format.describe()}, {model.dtype})",
-                pe.weight_bytes_per_token(model),
+                weight_bytes_per_token(model),
                 bandwidth,
                 rates[f],
             )

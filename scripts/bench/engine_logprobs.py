@@ -1,4 +1,5 @@
-"""The 'logprobs' workload of scripts/bench_engine.py: what logprobs cost, and who pays.
+"""The 'logprobs' workload of the engine benchmark (scripts/bench/engine.py): what logprobs cost,
+and who pays.
 
 decode  one batch of the largest --decode-batch decoding --decode-tokens steps, where the
         first request asks for its token's logprob and the top 20 on every other step only
@@ -24,7 +25,15 @@ import torch
 
 from engine_worker.engine import Engine
 from engine_worker.logprobs import SampledLogprobs
-from scripts.bench.engine_runs import decode_prompts, make_engine, params, random_prompt
+from scripts.bench.engine_runs import (
+    decode_prompts,
+    make_engine,
+    params,
+    prefill_all,
+    prefill_rate,
+    random_prompt,
+)
+from scripts.bench.interleave import best_of
 
 TOP = 20
 _runs = itertools.count()
@@ -66,8 +75,7 @@ def alternating_step_ms(
     ids = [f"lp{run}.{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add(request_id, prompt, params(steps + 2))
-    while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
-        engine.step()  # prefill everyone first
+    prefill_all(engine)
     samplers = [engine.requests[ids[i]].sampler for i in asking]
     times: tuple[list[float], list[float]] = ([], [])
     for step in range(steps):
@@ -105,14 +113,13 @@ def run_prompt_logprobs(args) -> None:
         "prompt_logprobs 0": {"prompt_logprobs": 0},
         f"prompt_logprobs {TOP}": {"prompt_logprobs": TOP},
     }
-    rates = dict.fromkeys(cases, 0.0)
-    for r in range(args.repeats):
-        for name, sampling in cases.items():
-            engine.add(f"prompt{r}.{name}", prompt, params(1, **sampling))
-            start = time.perf_counter()
-            while engine.has_work():
-                engine.step()
-            rates[name] = max(rates[name], length / (time.perf_counter() - start))
+    rates = best_of(
+        {
+            name: lambda extra=extra: prefill_rate(engine, prompt, **extra)
+            for name, extra in cases.items()
+        },
+        args.repeats,
+    )
     for name, rate in rates.items():
         print(
             f"  prefill {length} tokens, {name:18s}{rate:10.1f} tok/s{rate / rates['plain']:8.3f}x"

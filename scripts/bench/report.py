@@ -7,8 +7,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from scripts.bench.metrics import TTFT_PARTS, RequestRecord, ratio
 from scripts.bench.runner import RunResult
+from scripts.bench.stats import TTFT_PARTS, RequestRecord, ratio
 from scripts.bench.targets import SERVING_TARGETS, targets_apply
 
 # (label, metric key prefix, unit) for the "p50/p95/p99" lines, in the seeds' order.

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ipc.messages import RequestTimings, SamplingParams, StreamEvent
-from scripts.bench.metrics import RequestRecord
+from scripts.bench.stats import RequestRecord
 from scripts.bench.workloads import ArrivalSpec, BenchRequest
 
 

@@ -1,8 +1,11 @@
-"""The systems the benchmark compares, behind one small interface
-(scripts.bench.runner.SystemUnderTest); the HTTP frontend's is in http_system.py."""
+"""The systems the serving workload compares, behind one small interface
+(scripts.bench.runner.SystemUnderTest): the in-process baseline, the cluster through the SDK, and
+the cluster through its OpenAI frontend."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -10,42 +13,13 @@ import queue
 import threading
 import time
 
-import psutil
-
 from ipc.messages import SamplingParams
+from scripts.bench import http_client, launcher
 from scripts.bench.inproc import InprocServer
-from scripts.bench.metrics import RequestRecord
+from scripts.bench.launcher import cluster_cpu, cpu_of, cpu_of_threads
 from scripts.bench.runner import EventCollector, copy_timings
+from scripts.bench.stats import RequestRecord
 from scripts.bench.workloads import BenchRequest
-
-
-def cpu_of(pids: list[int]) -> float:
-    """User+system CPU seconds of these processes (0 for any that has exited)."""
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
-
-
-def cpu_of_threads(tids: set[int]) -> float:
-    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in tids)
-
-
-def cluster_cpu(cluster) -> dict[str, float]:
-    """CPU seconds of a cluster's processes per role, in the order requests flow through them."""
-    roles: dict[str, list[int]] = {}
-    for child in cluster.children:
-        roles.setdefault(child.role, []).append(child.popen.pid)
-    out = {}
-    for role in ("http", "tokenizer", "engine", "detokenizer"):
-        if role in roles:
-            out[role] = cpu_of(roles.pop(role))
-    out.update({role: cpu_of(pids) for role, pids in roles.items()})
-    return out
 
 
 class InprocSystem:
@@ -124,7 +98,6 @@ class ClusterSystem:
         --max-concurrency wait on it (the timestamps are the SDK's own); each wake-up takes the
         GIL from the submitting thread, so poll slowly unless a concurrency cap needs it."""
         from ipc.client import Client
-        from procs.launch_cluster import launch_cluster
 
         self.name = name
         self._collector = collector
@@ -132,7 +105,9 @@ class ClusterSystem:
         self._stack = contextlib.ExitStack()
         try:
             self.cluster = self._stack.enter_context(
-                launch_cluster(model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs)
+                launcher.splitserve(
+                    model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs
+                )
             )
             self.client = self._stack.enter_context(
                 Client(self.cluster.client_addr, submit_hwm=submit_hwm)
@@ -228,3 +203,119 @@ def _fill(rec: RequestRecord, deltas: list) -> None:
         rec.output_tokens = final.usage.completion_tokens
         rec.cached_tokens = final.usage.cached_tokens
     copy_timings(rec, final.timings)
+
+
+class HttpSystem:
+    """The OpenAI-compatible HTTP frontend, driven the way an HTTP user drives it: streamed
+    ``/v1/completions`` (or ``/v1/chat/completions`` for chat prompts) from the benchmarks' one
+    HTTP client, on an event-loop thread of its own. ``submit`` hands the request to that loop
+    and returns; a delta's receive time is stamped when its SSE chunk is parsed.
+
+    Either launches its own cluster with a frontend (mode ``http``), or drives a frontend that is
+    already serving (``--endpoint URL``; its processes are not ours, so only the client's CPU time
+    is known). The OpenAI API carries no server timestamps: TTFT and the latencies are measured,
+    TTFT's parts are not."""
+
+    def __init__(
+        self,
+        name: str,
+        collector: EventCollector,
+        *,
+        endpoint: str | None = None,
+        model_path: str | None = None,
+        tokenizer_workers: int = 1,
+        cluster_knobs: dict | None = None,
+        keepalive: bool = True,
+    ) -> None:
+        self.name = name
+        self._collector = collector
+        self._stack = contextlib.ExitStack()
+        self.cluster = None
+        if endpoint is None:
+            self.cluster = self._stack.enter_context(
+                launcher.splitserve(
+                    model_path,
+                    http=True,
+                    tokenizer_workers=tokenizer_workers,
+                    **(cluster_knobs or {}),
+                )
+            )
+            endpoint = self.cluster.http_url
+        self.url = http_client.base_url(endpoint)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"{name}-loop", daemon=True
+        )
+        self._thread.start()
+        self._tasks: dict[str, concurrent.futures.Future] = {}
+
+        async def make_client():
+            return http_client.make_http(keepalive)
+
+        self._http = self._call(make_client())
+        try:
+            self.model = self._call(http_client.model_id(self._http, self.url))
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def describe(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "endpoint": self.url,
+            "client": "httpx.AsyncClient, SSE",
+            "submit latency": "until the request body is written to the "
+            "connection (httpcore trace)",
+        }
+        if self.cluster is not None:
+            c = self.cluster.config
+            out["tokenize"] = (
+                f"{c.tokenizer_workers} tokenizer worker process(es) x "
+                f"{c.tokenizer_threads} thread(s)"
+            )
+            out["engine_threads"] = c.engine.engine_threads
+        return out
+
+    def prepare(self, requests: list[BenchRequest]) -> None:
+        pass
+
+    def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
+        path, body = http_client.request_body(
+            self.model,
+            max_tokens=sampling.max_tokens,
+            prompt=request.prompt,
+            messages=request.messages,
+            temperature=sampling.temperature,
+            ignore_eos=sampling.ignore_eos,
+            seed=sampling.seed,
+            stop=sampling.stop,
+        )
+        self._tasks[request_id] = asyncio.run_coroutine_threadsafe(
+            self._one(request_id, path, body), self._loop
+        )
+
+    async def _one(self, request_id: str, path: str, body: dict) -> None:
+        outcome = await http_client.stream(self._http, self.url, path, body)
+        self._tasks.pop(request_id, None)
+        self._collector.complete(request_id, outcome.fill)
+
+    def abort(self, request_id: str) -> None:
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()  # closes the connection: the frontend aborts it in the engine
+
+    def cpu_seconds(self) -> dict[str, float]:
+        out = {"client": cpu_of([os.getpid()])}
+        if self.cluster is not None:
+            out |= cluster_cpu(self.cluster)
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "_http", None) is not None:
+            self._call(self._http.aclose())
+            self._http = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._stack.close()

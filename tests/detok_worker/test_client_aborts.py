@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from detok_worker.core import DetokenizerCore
+from detok_worker.core import EVERY_REPLICA, DetokenizerCore
 
 
 def test_aborts_for_unseen_requests_never_stop_reaching_the_engine():
@@ -12,6 +12,6 @@ def test_aborts_for_unseen_requests_never_stop_reaching_the_engine():
     core.on_hello(b"c")
     core.on_client_abort(b"c", [f"gone-{i}" for i in range(5)])
     core.on_client_abort(b"c", ["queued-in-a-tokenizer"])
-    assert "queued-in-a-tokenizer" in core.take_output().aborts
+    assert ("queued-in-a-tokenizer", EVERY_REPLICA) in core.take_output().aborts
     pending = core.clients[b"c"].pending_aborts
     assert len(pending) == 3 and "queued-in-a-tokenizer" in pending

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from detok_worker.core import DetokenizerCore
+from detok_worker.core import EVERY_REPLICA, DetokenizerCore
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import (
     NOTICE_DIED,
@@ -124,7 +124,7 @@ def test_a_stop_string_ends_the_request_here_and_aborts_it_in_the_engine(tokeniz
     events, aborts = stream(core, "r", ids[:-1], finish_reason=None, stop=[". ST"])
     assert "".join(e.text for e in events) == "The answer is Paris"
     assert events[-1].finished and events[-1].finish_reason == "stop"
-    assert aborts == ["r"]
+    assert aborts == [("r", 0)]  # to the replica running it
     # The engine goes on until the abort lands, then reports its own finish: both are swallowed.
     core.on_step_output(step(50, tokens=[("r", ids[-1])], finished=[("r", "abort")]))
     out = core.take_output()
@@ -144,9 +144,10 @@ def test_the_token_of_the_finishing_step_rides_in_the_terminal_event(tokenizer):
 def test_an_abort_before_the_meta_is_repeated_when_the_request_shows_up(tokenizer):
     core = core_with_clients(tokenizer, CLIENT)
     core.on_client_abort(CLIENT, ["early"])
-    assert core.take_output().aborts == ["early"]  # at once: it may be queued in the engine
+    # At once, to every replica: it may be queued in one, which is not known yet.
+    assert core.take_output().aborts == [("early", EVERY_REPLICA)]
     core.on_step_output(step(1, metas=[meta("early")]))
-    assert core.take_output().aborts == ["early"]  # again: the engine may have missed it
+    assert core.take_output().aborts == [("early", 0)]  # again: the engine may have missed it
     assert not core.clients[CLIENT].pending_aborts
     core.on_step_output(step(2, finished=[("early", "abort")]))
     (event,) = core.take_output().events[CLIENT]
@@ -162,7 +163,7 @@ def test_a_gone_client_gets_nothing_more_and_its_requests_are_aborted(tokenizer)
     # The worker drops a client whose queue is full: what was queued for it goes nowhere.
     core.on_client_gone(CLIENT, reason="stopped reading")
     out = core.take_output()
-    assert set(out.events) == {OTHER} and out.aborts == ["a1"]
+    assert set(out.events) == {OTHER} and out.aborts == [("a1", 0)]
     assert not core.has_client(CLIENT)
     core.on_step_output(
         step(
@@ -173,7 +174,7 @@ def test_a_gone_client_gets_nothing_more_and_its_requests_are_aborted(tokenizer)
         )
     )
     out = core.take_output()
-    assert out.aborts == ["a2"]  # a meta of a gone client: aborted, never streamed
+    assert out.aborts == [("a2", 0)]  # a meta of a gone client: aborted, never streamed
     assert set(out.events) == {OTHER} and out.events[OTHER][-1].finished
     assert core.stats() == {"clients": 1, "open_requests": 0, "steps": 2, "notices": 0}
     assert list(core.ignored) == ["a2"]  # a1's finish came; a2's is still to come
@@ -182,7 +183,7 @@ def test_a_gone_client_gets_nothing_more_and_its_requests_are_aborted(tokenizer)
 def test_ignored_ids_are_bounded(tokenizer):
     core = core_with_clients(tokenizer, max_ignored=2)
     core.on_step_output(step(1, metas=[meta(f"r{i}") for i in range(5)]))  # no such client
-    assert core.take_output().aborts == [f"r{i}" for i in range(5)]
+    assert core.take_output().aborts == [(f"r{i}", 0) for i in range(5)]
     assert list(core.ignored) == ["r3", "r4"]
 
 
@@ -273,6 +274,25 @@ def test_a_step_with_a_token_count_mismatch_keeps_its_finishes(tokenizer):
     assert event.finished and event.usage.completion_tokens == 0
 
 
+def test_an_error_for_a_live_id_ends_only_the_copy_it_is_about(tokenizer):
+    """Issue 23 item 12: a refused copy of a live request (the engine's duplicate error, or a
+    tokenizer's error for a copy with bad input) reaches its sender as one terminal event with
+    its own code; the live request's stream, state and pending aborts are untouched."""
+    core = core_with_clients(tokenizer, CLIENT)
+    core.on_step_output(step(1, metas=[meta("a")], tokens=[("a", 5)]))
+    core.take_output()
+    core.on_request_error(
+        RequestError("a", CLIENT, "request_id 'a' is already in flight", "duplicate_request_id")
+    )
+    core.on_request_error(RequestError("a", CLIENT, "the prompt is empty", "bad_request"))
+    copies = core.take_output().events[CLIENT]
+    assert [(e.finished, e.error_code) for e in copies] == [(True, "duplicate_request_id")] * 2
+    assert "already in flight; this copy: the prompt is empty" in copies[1].error
+    core.on_step_output(step(2, tokens=[("a", 6)], finished=[("a", "length")]))
+    (last,) = core.take_output().events[CLIENT]
+    assert last.finished and last.finish_reason == "length" and last.usage.completion_tokens == 2
+
+
 def test_a_second_meta_for_a_live_request_changes_nothing(tokenizer):
     core = core_with_clients(tokenizer, CLIENT)
     core.on_step_output(step(1, metas=[meta("a")], tokens=[("a", 5)]))
@@ -357,3 +377,44 @@ def test_continuous_usage_puts_the_usage_so_far_on_every_event(tokenizer):
     }
     assert usage == {"plain": [None, None, 3], "counted": [1, 2, 3]}
     assert all(e.usage.prompt_tokens == 3 for e in events if e.request_id == "counted")
+
+
+# --- several engine replicas --------------------------------------------------------------------
+
+
+def test_a_dead_replica_ends_what_it_started_forgets_what_it_did_not_and_spares_the_other(
+    tokenizer,
+):
+    core = core_with_clients(tokenizer, CLIENT, OTHER, engines=2, routing_policy="cache_aware")
+    ids = tokenizer.encode("one two", add_special_tokens=False).ids
+    metas = {rid: meta(rid) for rid in ("on0", "started1", "waiting1")}
+    metas["other1"] = meta("other1", OTHER)
+    for rid, m in metas.items():
+        m.engine_index = 0 if rid == "on0" else 1
+        m.routing_outcome, m.routing_s = "cache_hit", 0.001
+    on0 = step(1, metas=[metas["on0"]], tokens=[("on0", ids[0])], pid=70)
+    on1 = step(1, metas=[metas[r] for r in ("started1", "waiting1", "other1")], pid=71)
+    on1.engine_index, on1.request_ids, on1.token_ids = 1, ["started1"], pack_ids([ids[0]])
+    for out in (on0, on1):
+        core.on_step_output(out)
+    core.on_client_abort(CLIENT, ["on0"])
+    out = core.take_output()
+    assert out.aborts == [("on0", 0)]  # to the replica running it
+    core.on_notice(ClusterNotice(NOTICE_DIED, "engine", 1, pid=71, detail="killed"), now=30.0)
+    out = core.take_output()
+    (ended,) = out.events[CLIENT][-1:]
+    assert ended.request_id == "started1" and ended.error_code == "unavailable"
+    assert "engine replica 1 died (killed)" in ended.error
+    assert not out.events.get(OTHER)  # other1 produced nothing: its client sends it again
+    assert set(core.states) == {"on0"}
+    (notice,) = out.notices[CLIENT]
+    assert notice.resend_unstarted and notice.alive_ids == ["on0"]
+    assert out.notices[OTHER][0].resend_unstarted and out.notices[OTHER][0].alive_ids == []
+    late = step(2, tokens=[("waiting1", ids[1])], pid=71)  # the dead replica's last words
+    late.engine_index = 1
+    core.on_step_output(late)
+    assert not core.take_output().events
+    core.on_stats_query(CLIENT, "s")
+    (report,) = core.take_output().replies[CLIENT]
+    assert [r.index for r in report.replicas] == [0, 1] and report.replicas[1].pid == 0
+    assert report.routing_decisions == {"cache_hit": 4} and report.routing_policy == "cache_aware"

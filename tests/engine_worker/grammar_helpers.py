@@ -7,9 +7,10 @@ import time
 import numpy as np
 import torch
 
-from engine_worker.grammar_builder import RequestGrammar
+from engine_worker.grammar_builder import RequestGrammar, advance_matcher
 from engine_worker.grammar_mask import GrammarMasker
 from ipc.codec import pack_ids
+from ipc.messages import FINISH_STOP
 from ipc.structured import GrammarVocabulary
 
 EOS = 0
@@ -63,8 +64,9 @@ def wait_ready(grammar: RequestGrammar, timeout_s: float = 10.0) -> RequestGramm
 def sample_constrained(
     grammars: list[RequestGrammar | None], vocab_size: int, steps: int, seed: int = 0
 ) -> tuple[list[list[int]], list[str | None]]:
-    """Greedy over random logits, every row masked by its grammar each step. Returns each
-    row's tokens and how it ended (a finish reason, or None if still going after ``steps``)."""
+    """Greedy over random logits, every row masked by its grammar each step (each sampled token
+    consumed here, as the engine's mask thread would). Returns each row's tokens and how it
+    ended (a finish reason, or None if still going after ``steps``)."""
     generator = torch.Generator().manual_seed(seed)
     masker = GrammarMasker(vocab_size)
     tokens: list[list[int]] = [[] for _ in grammars]
@@ -73,19 +75,18 @@ def sample_constrained(
         live = [i for i in range(len(grammars)) if ended[i] is None]
         if not live:
             break
-        # As the engine will: the fill starts before the logits exist and overlaps the forward.
-        masker.begin([grammars[i] for i in live])
         logits = torch.randn(len(live), vocab_size, generator=generator)
-        failed = masker.finish(logits)
-        assert not failed, [grammars[live[r]].error for r in failed]
+        masker.apply(logits, [grammars[i] for i in live])
         for row, token in zip(live, logits.argmax(dim=-1).tolist()):
             tokens[row].append(token)
             grammar = grammars[row]
             if grammar is not None:
-                ended[row] = grammar.accept(token)
-                if ended[row] is None and token == EOS:
+                advance_matcher(grammar, token)
+                assert not grammar.error, grammar.error
+                if grammar.stopped:
+                    ended[row] = FINISH_STOP
+                elif token == EOS:
                     ended[row] = "eos"
-    masker.close()
     return tokens, ended
 
 

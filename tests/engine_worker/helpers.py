@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import select
+
 from engine_worker.engine import Engine
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
@@ -14,18 +16,30 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 
 
 def collect(
-    engine: Engine, max_steps: int = 10_000, on_step=None, totals: dict | None = None
+    engine: Engine,
+    max_steps: int = 10_000,
+    on_step=None,
+    totals: dict | None = None,
+    mask_wait_s: float = 30.0,
 ) -> dict[str, dict]:
     """Steps the engine until idle; returns per-request tokens, finish reason, start info and,
     where asked, the TokenLogprobs ("logprobs") and PromptLogprobs ("prompt_logprobs").
 
+    An engine whose only work is grammar work off the step (a build, once it has a vocabulary,
+    or a mask) is waited for on its wake-up pipe, as the engine process does, up to
+    ``mask_wait_s``.
     ``totals`` (if given) accumulates the step stats: prefill_tokens, preempted, ..."""
     results: dict[str, dict] = {}
     for step in range(max_steps):
         if on_step is not None:
             on_step(step, engine)
         if not engine.has_work():
-            break
+            if (
+                not _grammar_work_pending(engine)
+                or not select.select([engine.wakeup_fd], [], [], mask_wait_s)[0]
+            ):
+                break
+            continue
         out = engine.step()
         if totals is not None:
             for name in ("prefill_tokens", "cached_tokens", "decode_tokens", "preempted"):
@@ -46,8 +60,18 @@ def collect(
         for record in out.finished:
             entry = results.setdefault(record.request_id, {"tokens": []})
             assert "reason" not in entry, "finished twice"
-            entry["reason"], entry["error"] = record.reason, record.error
+            entry["reason"], entry["error"], entry["code"] = (
+                record.reason,
+                record.error,
+                record.code,
+            )
     return results
+
+
+def _grammar_work_pending(engine: Engine) -> bool:
+    if engine.grammars.building and engine.grammars.builder.has_vocabulary:
+        return True
+    return any(r.grammar is not None and r.grammar.pending for r in engine.requests.values())
 
 
 def manual_request(engine: Engine, token_ids: list[int], name: str = "r") -> EngineRequest:

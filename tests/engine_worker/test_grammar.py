@@ -1,5 +1,6 @@
-"""The engine's grammar side: matchers built off the step from vocabulary data, one batched mask
-per step on the constrained rows only, termination, errors. Tiny vocabulary except where named."""
+"""The engine's grammar side: matchers built off the step from vocabulary data, masks computed on
+the mask thread and applied to the constrained rows only, termination, errors. Tiny vocabulary
+except where named."""
 
 from __future__ import annotations
 
@@ -15,9 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.grammar_builder import GrammarBuilder, RequestGrammar, backend_tokenizer
+from engine_worker.grammar_builder import (
+    GrammarBuilder,
+    RequestGrammar,
+    advance_matcher,
+    backend_tokenizer,
+)
 from engine_worker.grammar_mask import GrammarMasker, unpack_bitmask, unpack_bitmask_on
-from ipc.messages import FINISH_ERROR, FINISH_STOP
+from ipc.messages import FINISH_STOP
 from ipc.structured import StructuredOutputSpec
 from tests.engine_worker.grammar_helpers import (
     EOS,
@@ -110,7 +116,7 @@ def test_unconstrained_rows_are_untouched_and_constrained_rows_allow_only_gramma
     grammar = build(builder, compiler, StructuredOutputSpec("choice", choices=["true", "null"]))
     logits = torch.randn(3, vocabulary.vocab_size, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
-    assert GrammarMasker(vocabulary.vocab_size).apply(logits, [None, grammar, None]) == []
+    GrammarMasker(vocabulary.vocab_size).apply(logits, [None, grammar, None])
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     table = vocabulary.token_table()
@@ -120,7 +126,7 @@ def test_unconstrained_rows_are_untouched_and_constrained_rows_allow_only_gramma
     assert torch.equal(logits[1][allowed], before[1][allowed])
     # No row constrained: nothing is touched (and no mask is computed).
     same = before.clone()
-    assert GrammarMasker(vocabulary.vocab_size).apply(same, [None, None, None]) == []
+    GrammarMasker(vocabulary.vocab_size).apply(same, [None, None, None])
     assert torch.equal(same, before)
 
 
@@ -137,41 +143,42 @@ def test_special_padding_and_eos_tokens(builder, compiler, vocabulary):
     # After "a" the grammar may stop: eos is allowed, and so are more letters.
     grammar2 = build(builder, compiler, StructuredOutputSpec("regex", "a[a-z]*"))
     a = vocabulary.token_table().index(b"a")
-    assert grammar2.accept(a) is None
+    advance_matcher(grammar2, a)
+    assert grammar2.mask_ready() and grammar2.tokens == 1
     logits = torch.zeros(1, vocabulary.vocab_size)
     masker.apply(logits, [grammar2])
     assert torch.isfinite(logits[0, EOS]) and torch.isfinite(logits[0, a])
-    assert grammar2.accept(EOS) == FINISH_STOP
+    advance_matcher(grammar2, EOS)
+    assert grammar2.stopped and not grammar2.mask_ready()
 
 
-def test_a_refused_token_and_a_bad_grammar_end_the_request_with_an_error(
+def test_a_refused_token_and_a_bad_grammar_end_the_request_with_a_short_error(
     builder, compiler, vocabulary
 ):
     grammar = build(builder, compiler, StructuredOutputSpec("regex", "ab"))
-    z = vocabulary.token_table().index(b"z")
-    assert grammar.accept(z) == FINISH_ERROR and "refused token" in grammar.error
+    advance_matcher(grammar, vocabulary.token_table().index(b"z"))
+    assert grammar.error.startswith("the output could not follow the grammar after 0 tokens")
+    assert not grammar.mask_ready()
     broken = wait_ready(builder.request("start: undefined_rule"))
-    assert broken.matcher is None and "could not be built" in broken.error
-    # In a batch: the failed rows are reported and left as they were, the good one masked.
-    good = build(builder, compiler, StructuredOutputSpec("regex", "ab"))
-    logits = torch.randn(4, vocabulary.vocab_size, generator=torch.Generator().manual_seed(2))
-    before = logits.clone()
-    masker = GrammarMasker(vocabulary.vocab_size)
-    assert masker.apply(logits, [grammar, None, broken, good]) == [0, 2]
-    assert torch.equal(logits[:3], before[:3])
-    assert torch.isfinite(logits[3]).sum() == 2  # "a" or "ab"
-    with pytest.raises(RuntimeError, match="not built yet"):
-        GrammarMasker(vocabulary.vocab_size).apply(logits, [RequestGrammar(Future())])
+    assert broken.matcher is None and broken.error == (
+        'the grammar could not be built: unknown name: "undefined_rule"'
+    )
+    empty = wait_ready(builder.request(r"start: /[^\s\S]/"))  # builds, but cannot start
+    assert empty.error.startswith("the grammar could not be built: it matches no output at all")
+    for failed in (grammar, broken, empty):
+        assert "\n" not in failed.error and "<" not in failed.error  # no state, no listing
+        with pytest.raises(RuntimeError, match="not ready"):
+            GrammarMasker(vocabulary.vocab_size).apply(
+                torch.zeros(1, vocabulary.vocab_size), [failed]
+            )
 
 
 def test_ready_waits_for_the_build_and_the_vocabulary_is_required(vocabulary):
     future: Future = Future()
-    grammar = RequestGrammar(future)
-    assert not grammar.ready()
-    with pytest.raises(RuntimeError, match="before the grammar is ready"):
-        grammar.accept(3)
-    future.set_result("matcher")
-    assert grammar.ready() and grammar.matcher == "matcher"
+    grammar = RequestGrammar("g", future)
+    assert not grammar.ready() and not grammar.mask_ready() and not grammar.schedulable()
+    future.set_result(("matcher", np.zeros(3, dtype=np.int32)))
+    assert grammar.ready() and grammar.matcher == "matcher" and grammar.mask_ready()
 
     empty = GrammarBuilder()
     early = empty.request('start: "x"')  # before any vocabulary: it waits for one
@@ -212,23 +219,17 @@ def test_unpack_bitmask_matches_bit_order():
     assert np.array_equal(unpack_bitmask_on(words, vocab, torch.device("cpu")).numpy(), allowed)
 
 
-def test_masker_protocol_and_the_torch_path(builder, compiler, vocabulary):
+def test_masker_checks_and_the_torch_path(builder, compiler, vocabulary):
     masker = GrammarMasker(vocabulary.vocab_size)
     grammar = build(builder, compiler, StructuredOutputSpec("regex", "ab"))
-    with pytest.raises(RuntimeError, match="without begin"):
-        masker.finish(torch.zeros(1, vocabulary.vocab_size))
-    masker.begin([grammar])
-    masker.begin([grammar])  # the step that began the first failed: its fill is dropped
     wide = torch.zeros(1, vocabulary.vocab_size + 1)
     with pytest.raises(ValueError, match="wide"):
-        masker.finish(wide)
+        masker.apply(wide, [grammar])
     # float64 logits take the torch path (as a GPU's would): same result as the numpy path.
     for dtype in (torch.float64, torch.float32):
         logits = torch.zeros(2, vocabulary.vocab_size, dtype=dtype)
-        masker.begin([None, grammar])
-        assert masker.finish(logits) == []
+        masker.apply(logits, [None, grammar])
         assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[1]).sum() == 2
-    masker.close()
 
 
 def test_engine_side_needs_no_tokenizer_library(tmp_path, vocabulary):
@@ -246,7 +247,7 @@ def test_engine_side_needs_no_tokenizer_library(tmp_path, vocabulary):
         "import time\n"
         "while not g.ready(): time.sleep(0.001)\n"
         "logits = torch.zeros(1, v.vocab_size)\n"
-        "assert GrammarMasker(v.vocab_size).apply(logits, [g]) == []\n"
+        "GrammarMasker(v.vocab_size).apply(logits, [g])\n"
         "assert torch.isfinite(logits).sum() > 0\n"
         "print('LOADED', [m for m in sys.modules if m.startswith(('tokenizers', 'transformers'))])"
     )

@@ -1,12 +1,13 @@
 """Constrained requests in the engine (tiny random model, the default vocabulary): their output
 follows the grammar and the grammar's end stops them, unconstrained neighbours are untouched, a
-request whose grammar is not ready waits without holding up the batch or keeping the engine
-busy, and a grammar that fails ends only its own request."""
+request whose grammar or next mask is not ready waits without holding up the batch or keeping
+the engine busy, and a grammar that fails (built or half-way) ends only its own request."""
 
 from __future__ import annotations
 
 import json
 import select
+import threading
 import time
 
 import jsonschema
@@ -14,7 +15,7 @@ import pytest
 
 from engine_worker.engine import Engine
 from ipc.engine_config import EngineConfig
-from ipc.messages import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
+from ipc.messages import ERR_BAD_REQUEST, FINISH_ABORT, FINISH_ERROR, FINISH_STOP
 from ipc.structured import StructuredOutputSpec
 from runtime.model_files import load_tokenizer
 from tests.engine_worker.helpers import collect, greedy
@@ -42,6 +43,8 @@ def parts(tiny_model_dir):
     grammars = {
         "schema": compiler.compile(StructuredOutputSpec.json_schema(SCHEMA)),
         "choice": compiler.compile(StructuredOutputSpec("choice", choices=["yes", "no way"])),
+        # Starts fine, then nothing can follow "x" (the rule has no base case).
+        "dead_end": compiler.compile(StructuredOutputSpec("grammar", 'start: "x" a\na: a "y"')),
     }
     return tokenizer, vocabulary, grammars
 
@@ -112,6 +115,7 @@ def test_failures_end_only_their_own_request(tiny_model_dir, parts):
     assert results["no-vocabulary"]["reason"] == FINISH_ERROR
     assert "was not started (no vocabulary) within 0.3 s" in results["no-vocabulary"]["error"]
     assert results["aborted"]["reason"] == FINISH_ABORT
+    engine.grammars.wait_s = 60.0  # the build below waits for the vocabulary's reading
     engine.set_grammar_vocabulary(vocabulary)
     engine.add("broken", PROMPTS[0], greedy(8), grammar="start: undefined_rule")
     engine.add("plain", PROMPTS[1], greedy(4))
@@ -125,4 +129,54 @@ def test_failures_end_only_their_own_request(tiny_model_dir, parts):
     assert "could not be built" in results["broken"]["error"]
     assert results["plain"]["reason"] == "length" and len(results["plain"]["tokens"]) == 4
     assert not engine.grammars.building and not engine.requests
+    engine.close()
+
+
+def test_a_late_mask_holds_up_only_its_own_row(tiny_model_dir, parts):
+    tokenizer, vocabulary, grammars = parts
+    engine = engine_for(tiny_model_dir)
+    engine.add("plain", PROMPTS[1], greedy(24))
+    alone = collect(engine)["plain"]["tokens"]
+    engine.set_grammar_vocabulary(vocabulary)
+    engine.add("warm", PROMPTS[0], greedy(60), grammar=grammars["schema"])  # builds the template
+    assert collect(engine)["warm"]["reason"] == FINISH_STOP
+    deferred = engine.grammars.deferred_rows  # the warm-up's own, if the machine is busy
+    release = threading.Event()
+    engine.grammars.builder._mask_thread.submit(release.wait)  # every mask from now on is late
+    try:
+        engine.add("json", PROMPTS[2], greedy(60), grammar=grammars["schema"])
+        engine.add("plain", PROMPTS[1], greedy(24))
+        results = collect(engine, mask_wait_s=0)  # returns when only the late row is left
+        assert results["plain"]["tokens"] == alone and results["plain"]["reason"] == "length"
+        # Its first token came from the template's mask; the next one waits for its mask.
+        assert len(results["json"]["tokens"]) == 1 and "reason" not in results["json"]
+        assert engine.grammars.deferred_rows == deferred + 1  # then passed over
+        assert not engine.has_work()  # nothing to step until the mask is there
+    finally:
+        release.set()
+    assert select.select([engine.wakeup_fd], [], [], 30)[0] == [engine.wakeup_fd]
+    rest = collect(engine)["json"]
+    assert rest["reason"] == FINISH_STOP
+    text = tokenizer.decode(results["json"]["tokens"] + rest["tokens"])
+    jsonschema.validate(json.loads(text), SCHEMA)
+    engine.close()
+
+
+def test_a_grammar_that_fails_half_way_ends_its_request_alone(tiny_model_dir, parts):
+    tokenizer, vocabulary, grammars = parts
+    engine = engine_for(tiny_model_dir)
+    engine.set_grammar_vocabulary(vocabulary)
+    engine.add("dead", PROMPTS[0], greedy(8), grammar=grammars["dead_end"])
+    engine.add("plain", PROMPTS[1], greedy(6))
+    results = collect(engine)
+    dead = results["dead"]
+    assert tokenizer.decode(dead["tokens"]) == "x"
+    assert dead["reason"] == FINISH_ERROR and dead["code"] == ERR_BAD_REQUEST
+    assert dead["error"].startswith(
+        "the output could not follow the grammar after 1 token: no output can continue it here"
+    )
+    assert results["plain"]["reason"] == "length" and len(results["plain"]["tokens"]) == 6
+    # A failed grammar's template is dropped (its shared lexer may be what failed).
+    assert grammars["dead_end"] not in engine.grammars.builder._templates
+    assert not engine.requests and not engine.grammars.active
     engine.close()

@@ -1,8 +1,11 @@
-"""A request whose grammar is still being built waits in the queue without holding up others."""
+"""A request whose grammar is still being built waits in the queue, and a running one whose late
+grammar mask is still being computed sits steps out, without holding up others."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
+
+import numpy as np
 
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.grammar_builder import RequestGrammar
@@ -11,6 +14,8 @@ from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import Scheduler
 from ipc.engine_config import EngineConfig
 from tests.engine_worker.helpers import greedy
+
+BUILT = (object(), np.zeros(4, dtype=np.int32))  # (matcher, first mask): never called here
 
 
 def request(name: str, grammar: RequestGrammar | None = None) -> EngineRequest:
@@ -25,14 +30,14 @@ def test_unbuilt_grammar_is_passed_over_then_admitted():
         EngineConfig(model_path="unused", block_size=4), KVBlockManager(16, 4), None
     )
     building: Future = Future()
-    constrained, plain = request("json", RequestGrammar(building)), request("plain")
+    constrained, plain = request("json", RequestGrammar("g", building)), request("plain")
     scheduler.waiting.extend([constrained, plain])
     batch = scheduler.schedule()
     assert [r.request_id for r in batch.requests] == ["plain"]
     assert list(scheduler.waiting) == [constrained] and not constrained.block_ids
     batch = scheduler.schedule()  # still building: the running request decodes on
     assert [r.request_id for r in batch.requests] == ["plain"]
-    building.set_result(object())
+    building.set_result(BUILT)
     batch = scheduler.schedule()
     assert [r.request_id for r in batch.requests] == ["plain", "json"]
     assert not scheduler.waiting
@@ -45,8 +50,30 @@ def test_ready_requests_keep_their_order():
         None,
     )
     done: Future = Future()
-    done.set_result(object())
-    first, second, third = request("a", RequestGrammar(done)), request("b"), request("c")
+    done.set_result(BUILT)
+    first, second, third = request("a", RequestGrammar("g", done)), request("b"), request("c")
     scheduler.waiting.extend([first, second, third])
     assert [r.request_id for r in scheduler.schedule().requests] == ["a", "b"]
     assert list(scheduler.waiting) == [third]
+
+
+def test_a_running_request_with_a_late_mask_sits_out_until_the_mask_is_there():
+    scheduler = Scheduler(
+        EngineConfig(model_path="unused", block_size=4), KVBlockManager(16, 4), None
+    )
+    done: Future = Future()
+    done.set_result(BUILT)
+    grammar = RequestGrammar("g", done)
+    constrained, plain = request("json", grammar), request("plain")
+    scheduler.waiting.extend([constrained, plain])
+    assert [r.request_id for r in scheduler.schedule().requests] == ["json", "plain"]
+    for r in (constrained, plain):  # as the engine does after the prompt's step
+        r.num_computed = r.num_tokens
+        r.append_token(9)
+    grammar.pending = True  # its next mask is being computed
+    assert [r.request_id for r in scheduler.schedule().requests] == ["json", "plain"]
+    grammar.late = True  # ... and the step above had to defer it
+    assert [r.request_id for r in scheduler.schedule().requests] == ["plain"]
+    assert scheduler.running == [constrained, plain]  # still running, blocks kept
+    grammar.pending = False
+    assert [r.request_id for r in scheduler.schedule().requests] == ["json", "plain"]

@@ -10,6 +10,7 @@ import pytest
 
 from http_worker.frontend import Frontend, FrontendSettings
 from http_worker.generation import GenerationCall
+from http_worker.protocol import CompletionRequest
 from procs.launch_cluster import launch_cluster
 
 
@@ -39,7 +40,8 @@ def test_a_call_that_ends_without_a_token_observes_a_true_latency(one_slot_clust
                 break
             waiting = client.submit("never scheduled", max_tokens=4, temperature=0)
             t_arrived = time.monotonic()
-            call = GenerationCall(frontend, [waiting], 1, t_arrived)
+            body = CompletionRequest(prompt="never scheduled")
+            call = GenerationCall(frontend, [waiting], body, t_arrived)
             await asyncio.sleep(0.2)
             waiting.abort()
             deltas = [delta async for _, delta in call.events()]

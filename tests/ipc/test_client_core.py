@@ -119,6 +119,27 @@ def test_a_reused_request_id_gets_a_new_wire_id_and_duplicates_in_flight_are_ref
     assert set(core.records) == {second.record.wire_id} and core.open_ids == {"a"}
 
 
+def test_an_error_about_a_copy_it_never_sent_does_not_end_an_open_request():
+    """The cluster refuses a copy of a live id with ERR_DUPLICATE_REQUEST under the live id; the
+    SDK never sends one (its wire ids are unique), so such an event is not its request's end."""
+    from ipc import codec
+    from ipc.messages import ERR_DUPLICATE_REQUEST, ClientEvents
+
+    core = ClientCore(None)
+    live = submit(core, [Sock()], request_id="a")
+    copy = StreamEvent(
+        request_id=live.record.wire_id,
+        finished=True,
+        finish_reason="error",
+        error="already in flight",
+        error_code=ERR_DUPLICATE_REQUEST,
+    )
+    core.route(codec.encode(ClientEvents([copy])))
+    assert live.deltas == [] and live.record.wire_id in core.records
+    core.route(codec.encode(ClientEvents([StreamEvent(live.record.wire_id, "x", finished=True)])))
+    assert [d.text for d in live.deltas] == ["x"] and not core.records
+
+
 def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_id():
     """A tokenizer's death: what it held goes to a live worker under a new wire id (the old one
     is aborted by the caller), keeping its t_submit and deadline; a second death of the same
@@ -227,3 +248,32 @@ def test_a_query_in_a_dead_tokenizer_is_sent_again_or_ends_unavailable():
         else:
             core.end_lost(still_lost)
             assert handle.deltas[-1].error_code == "unavailable"
+
+
+def test_a_dead_engine_replica_sends_again_what_produced_nothing_and_is_not_alive():
+    """One replica of several died: the detokenizer lists the client's requests alive on the
+    others and ended those that had produced tokens; every other open generation is sent again
+    (queries never reach an engine and are left alone). With one engine, everything ends."""
+    from ipc import codec
+    from ipc.messages import NOTICE_DIED, ClusterNotice
+
+    core = ClientCore(deadline_s=None)
+    socks = [Sock(), Sock()]
+    alive, started, unstarted = (submit(core, socks, request_id=n) for n in ("a", "s", "u"))
+    tokenize = query(core, socks)
+    core.apply(started, StreamEvent(request_id=started.record.wire_id, text="x"), time.monotonic())
+    notice = ClusterNotice(
+        NOTICE_DIED, "engine", 1, alive_ids=[alive.record.wire_id], resend_unstarted=True
+    )
+    routed = core.route(codec.encode(notice))
+    assert routed.retry and [wid for wid, _ in routed.lost] == [unstarted.record.wire_id]
+    assert "engine replica 1 died" in routed.lost[0][1].error
+    old = unstarted.record.wire_id
+    assert core.resubmit(socks, routed.lost) == []
+    assert unstarted.record.wire_id != old and unstarted.record.resubmits == 1
+    assert tokenize.record.wire_id in core.records
+    one_engine = core.route(codec.encode(ClusterNotice(NOTICE_DIED, "engine", 0)))
+    assert not one_engine.retry
+    assert {wid for wid, _ in one_engine.lost} == {
+        h.record.wire_id for h in (alive, started, unstarted)
+    }

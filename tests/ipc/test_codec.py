@@ -23,6 +23,7 @@ from ipc.messages import (
     Heartbeat,
     LogprobEntry,
     PromptLogprobs,
+    ReplicaLoad,
     RequestError,
     RequestMeta,
     RequestStart,
@@ -37,7 +38,13 @@ from ipc.messages import (
     Usage,
     WorkerReady,
 )
-from ipc.queries import EngineStatsQuery, EngineStatsReport, TokenizeRequest, TokenizeResult
+from ipc.queries import (
+    EngineStatsQuery,
+    EngineStatsReport,
+    ReplicaStats,
+    TokenizeRequest,
+    TokenizeResult,
+)
 from ipc.structured import GrammarVocabulary
 
 META = RequestMeta(
@@ -169,6 +176,18 @@ EXAMPLES = [
         9.5,
         77,
     ),
+    EngineStatsReport(
+        "q5",
+        EngineStats(running=3),
+        9.5,
+        78,
+        [ReplicaStats(0, EngineStats(running=1), 9.0, 77), ReplicaStats(1, EngineStats(running=2))],
+        "cache_aware",
+        {"cache_hit": 5, "balanced": 2},
+        0.0004,
+    ),
+    ClusterNotice("died", "engine", 1, 126, "killed", ["r2"], resend_unstarted=True),
+    ReplicaLoad(index=1, pid=78, running=3, waiting=2, kv_usage=0.25, received_from=[4, 0]),
 ]
 
 

@@ -171,7 +171,8 @@ def test_the_sdk_takes_openai_history_messages():
         ({"response_format": {"type": "xml"}}, "got 'xml'"),
         ({"tools": [object()]}, "not JSON serializable"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls must be"),
-        ({"messages": [{"role": "assistant", "content": None}]}, "a chat message is"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "need content or tool_calls"),
+        ({"messages": [{"role": "user", "content": 3}]}, "a chat message is"),
         (
             {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}]},
             "a tool call is",

@@ -1,19 +1,22 @@
-"""A stand-in engine with the real Engine's API, for IPC tests that need no model.
+"""A stand-in engine for IPC tests that need no model: it satisfies the process loop's
+``EngineLike`` (the type checker holds it to that, see ``make``).
 
 It "generates" by echoing the prompt's ids cyclically, one token per request per step, and honours
-max_tokens, stop_token_ids, eos, abort and the waiting-queue bound.
+max_tokens, stop_token_ids, eos, abort and the waiting-queue bound. It takes no grammars.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Any
 
+from engine_worker.interface import EngineLike, EngineLoad, EngineOverloaded
 from ipc.codec import pack_ids
-from ipc.messages import EngineStats, FinishRecord, RequestStart, StepOutput
-
-
-class EngineOverloaded(RuntimeError):
-    pass
+from ipc.config import ClusterConfig
+from ipc.kv_events import KVCacheEvent
+from ipc.messages import EngineStats, FinishRecord, RequestStart, SamplingParams, StepOutput
+from ipc.structured import GrammarVocabulary
 
 
 class FakeEngine:
@@ -21,15 +24,24 @@ class FakeEngine:
     max_model_len = 256
     eos_token_ids = [2]
     model_name = "fake-echo"
+    wakeup_fd = None
 
     def __init__(self, max_waiting: int = 4096, step_s: float = 0.002) -> None:
-        self.requests: dict[str, dict] = {}
+        self.requests: dict[str, dict[str, Any]] = {}
         self.aborted: set[str] = set()
         self.max_waiting = max_waiting
         self.step_no = 0
         self.step_s = step_s
 
-    def add(self, request_id, prompt_token_ids, sampling, arrival_time=None):
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        arrival_time: float | None = None,
+        grammar: str = "",
+        cache_salt: str | None = None,
+    ) -> None:
         if len(self.requests) >= self.max_waiting:
             raise EngineOverloaded("fake queue full")
         if len(prompt_token_ids) + 1 > self.max_model_len:
@@ -38,20 +50,26 @@ class FakeEngine:
             ids=list(prompt_token_ids), sampling=sampling, n=0, t=arrival_time or time.monotonic()
         )
 
-    def abort(self, request_id):
+    def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
 
-    def has_work(self):
+    def has_work(self) -> bool:
         return bool(self.requests)
 
-    def step_delay_s(self):
+    def step_delay_s(self) -> float:
         return 0.0
 
-    @property
-    def num_running(self):
-        return len(self.requests)
+    def set_grammar_vocabulary(self, vocabulary: GrammarVocabulary) -> bool:
+        return False
 
-    num_waiting = 0
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self.requests), waiting=0)
+
+    def take_cache_events(self) -> list[KVCacheEvent]:
+        return []  # no prefix cache
+
+    def close(self) -> None:
+        pass
 
     def step(self) -> StepOutput:
         self.step_no += 1
@@ -84,11 +102,11 @@ class FakeEngine:
         return out
 
 
-def make(config) -> FakeEngine:
+def make(config: ClusterConfig) -> EngineLike:
     """The cluster's engine_factory (tests.procs.fake_engine:make)."""
     return FakeEngine(config.engine.max_waiting_requests)
 
 
-def make_slow(config) -> FakeEngine:
+def make_slow(config: ClusterConfig) -> EngineLike:
     """20 ms a step, so requests stay in flight for seconds (fault tests)."""
     return FakeEngine(config.engine.max_waiting_requests, step_s=0.02)

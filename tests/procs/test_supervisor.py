@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ipc.client import Client
 from procs.cli import build_parser
+from runtime.worker import write_line
 
 FAKE_ENGINE = "tests.procs.fake_engine:make"
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +108,29 @@ def test_sigterm_with_requests_in_flight(tmp_path):
     assert not run_dir.exists()
 
 
+def test_a_start_up_line_reaches_stderr_in_one_write(monkeypatch):
+    """Children run with PYTHONUNBUFFERED=1, where stderr writes through at every write() call:
+    a line written as text, then newline (print()) let a second child's line land in between
+    under load, and the test above read 3 ready lines of 4 (one glued onto another)."""
+    chunks: list[bytes] = []
+
+    class Raw(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            chunks.append(bytes(data))
+            return len(data)
+
+    unbuffered = io.TextIOWrapper(Raw(), write_through=True, line_buffering=True)
+    monkeypatch.setattr(sys, "stderr", unbuffered)
+    print("splitserve engine[0] pid=1 ready: ipc://e", file=sys.stderr, flush=True)
+    assert chunks == [b"splitserve engine[0] pid=1 ready: ipc://e", b"\n"]  # what it did
+    chunks.clear()
+    write_line("splitserve engine[0] pid=1 ready: ipc://e")
+    assert chunks == [b"splitserve engine[0] pid=1 ready: ipc://e\n"]
+
+
 def test_children_die_with_a_killed_supervisor(tmp_path):
     sup = Launched(tmp_path / "run", "--engine-factory", FAKE_ENGINE)
     pids = sup.child_pids(3)
@@ -165,8 +190,8 @@ def test_shutdown_waits_for_a_stop_the_watcher_began(tmp_path):
     try:
         assert slow.stdout.readline().strip() == "up"
         cluster.children.append(Child("engine", 0, slow))
-        cluster._watcher = threading.Thread(target=cluster._stop_children)  # the failure path
-        cluster._watcher.start()
+        failing = threading.Thread(target=cluster._stop_children)  # what the watcher does
+        failing.start()
         time.sleep(0.3)
         cluster.shutdown()
         assert slow.poll() is not None, "shutdown() returned with a child still running"

@@ -53,4 +53,4 @@ def test_bench_runs_from_any_directory_and_relative_paths_stay_the_callers(
 def test_bench_without_a_source_checkout_says_so(tmp_path, capsys):
     assert run_bench(["--help"], root=tmp_path) == 2
     err = capsys.readouterr().err
-    assert "splitserve bench needs a source checkout" in err and "bench_serving.py" in err
+    assert "splitserve bench needs a source checkout" in err and "scripts/bench/serving.py" in err

@@ -1,23 +1,20 @@
-"""The peer benchmark's parts that need no llama.cpp: its command line, its statistics and
-tables, its prompts, its weight-byte count, and its client against a real splitserve server on
-the tiny model. The benchmark itself (timings) is not a test."""
+"""The peer workload's parts that need no llama.cpp: its command line, its statistics and tables,
+its prompts, and the workload itself end to end with splitserve launches alone on the tiny model
+(the benchmarks' HTTP client against real servers). Timings are not a test."""
 
 from __future__ import annotations
 
+import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from scripts import bench_peer
-from scripts.bench import peer_report
-from scripts.bench.metrics import RequestRecord, summarize
+from scripts.bench import peer, peer_report
+from scripts.bench.stats import RequestRecord, summarize
 
 
 def _args(*extra: str):
-    return bench_peer.validate(
-        bench_peer.build_parser().parse_args(["--llama-server", sys.executable, *extra])
-    )
+    return peer.validate(peer.build_parser().parse_args(["--llama-server", sys.executable, *extra]))
 
 
 def test_defaults_and_lists():
@@ -36,7 +33,7 @@ def test_defaults_and_lists():
     )
     assert args.splitserve == ["", "--dtype bfloat16 --engine-threads 2"]
     assert args.llama_threads == [2] and args.concurrency == [4, 16]
-    assert bench_peer.requests_for(args, 1) == 8 and bench_peer.requests_for(args, 16) == 32
+    assert peer.requests_for(args, 1) == 8 and peer.requests_for(args, 16) == 32
 
 
 @pytest.mark.parametrize(
@@ -55,22 +52,13 @@ def test_bad_arguments_are_refused(extra, message):
 
 def test_llama_server_must_be_executable(tmp_path):
     with pytest.raises(ValueError, match="not an executable"):
-        bench_peer.validate(
-            bench_peer.build_parser().parse_args(["--llama-server", str(tmp_path / "missing")])
-        )
+        peer.validate(peer.build_parser().parse_args(["--llama-server", str(tmp_path / "missing")]))
 
 
 def test_bad_list_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
-        bench_peer.build_parser().parse_args(["--llama-server", "x", "--concurrency", "1,x"])
+        peer.build_parser().parse_args(["--llama-server", "x", "--concurrency", "1,x"])
     assert "expected integers" in capsys.readouterr().err
-
-
-def test_run_order_rotates_so_each_goes_first():
-    targets = ["a", "b", "c"]
-    orders = [bench_peer.run_order(targets, r) for r in range(3)]
-    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
-    assert {o[0] for o in orders} == set(targets)
 
 
 def _run(tokens_per_s: float, ttft_s: float, requests: int = 4, tokens: int = 5) -> dict:
@@ -153,57 +141,31 @@ def test_chats_are_distinct_real_text_of_the_asked_length(default_model_dir):
         build_chats(counter, 1, 20)
 
 
-def test_weight_bytes_count_a_tied_lm_head_once_and_quantized_layers_as_stored(tiny_model_dir):
-    import torch
-
-    from engine_worker.model import LlamaFamilyModel
-    from engine_worker.weight_format import WeightFormat
-    from scripts.bench.peer_engine import weight_bytes_per_token
-
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    model = LlamaFamilyModel.load(tiny_model_dir, cpu, bf16, 64, WeightFormat("bf16", bf16, cpu))
-    assert model.lm_head.weight is model.embed
-    expected = sum(
-        t.numel() * 2
-        for layer in model.layers
-        for t in (
-            layer.input_norm,
-            layer.qkv.weight,
-            layer.o_proj.weight,
-            layer.post_attention_norm,
-            layer.gate_up.weight,
-            layer.down.weight,
-        )
-    ) + 2 * (model.norm.numel() + model.embed.numel())
-    assert weight_bytes_per_token(model) == expected
-    # int8 layers read one byte a weight (plus scales), though each keeps a dense copy too
-    int8 = LlamaFamilyModel.load(tiny_model_dir, cpu, bf16, 64, WeightFormat("int8", bf16, cpu))
-    assert expected / 2 < weight_bytes_per_token(int8) < expected * 0.6
-
-
-def test_client_against_a_real_splitserve_server(tiny_model_dir):
-    from scripts.bench.peer_client import run_chats
-    from scripts.bench.peer_servers import SplitserveServer
-    from scripts.bench.peer_workload import PromptCounter, build_chats
-
-    chats = build_chats(PromptCounter(tiny_model_dir), 6, 60)
-    server = SplitserveServer(f"--model {tiny_model_dir} --kv-cache-tokens 4096")
-    try:
-        records = run_chats(server.url, chats, 3, 7, tag="t")
-        cpu = server.cpu_seconds()
-    finally:
-        server.close()
-    assert server.popen.returncode == 0
-    assert not Path(server.log.name).exists()  # a clean stop leaves no log behind
-    assert "splitserve launch --http-port 0 --model" in server.describe()
-    assert cpu > 0
-    for rec in records:
-        assert rec.ok, rec.error
-        assert rec.output_tokens == 7 and rec.prompt_tokens == 60  # ignore_eos; usage
-        assert rec.finish_reason == "length" and 1 <= len(rec.delta_times) <= 7
-        assert rec.t_submit < rec.delta_times[0] <= rec.t_done
-    summary = summarize(records, {"server": cpu})
-    assert summary["errors"] == 0 and summary["output_tokens_total"] == 42
+def test_the_workload_end_to_end_with_a_splitserve_launch_alone(tiny_model_dir, tmp_path, capsys):
+    """Without --llama-server only the splitserve launches run: the real workload (launcher,
+    HTTP client, closed loop, statistics, JSON) on the tiny model."""
+    json_path = tmp_path / "peer.json"
+    flags = f"--model {tiny_model_dir} --kv-cache-tokens 4096"
+    data = peer.main(
+        ["--splitserve", flags, "--concurrency", "1,3", "--repeats", "1", "--prompt-tokens", "60"]
+        + ["--output-tokens", "7", "--warmup-requests", "2", "--min-requests", "3"]
+        + ["--requests-per-stream", "1", "--json", str(json_path)]
+    )
+    name = f"splitserve {flags}"
+    assert [(r["target"], r["concurrency"]) for r in data["runs"]] == [(name, 1), (name, 3)]
+    for run in data["runs"]:
+        records = [RequestRecord.from_json(r) for r in run["records"]]
+        assert len(records) == 3 and run["heartbeat_warnings"] == 0
+        for rec in records:
+            assert rec.ok, rec.error
+            assert rec.output_tokens == 7 and rec.prompt_tokens == 60  # ignore_eos; usage
+            assert rec.finish_reason == "length" and 1 <= len(rec.delta_times) <= 7
+            assert rec.t_submit < rec.delta_times[0] <= rec.t_done
+        assert run["summary"]["errors"] == 0 and run["summary"]["cpu_s[server]"] > 0
+    assert "splitserve launch --http-port 0 --model" in data["setup"]["servers"][name]
+    assert data["stats"][name][3]["output_tokens_mean"]["median"] == 7
+    assert f"**{name}** / llama.cpp" in capsys.readouterr().out
+    assert json.loads(json_path.read_text())["setup"]["peers"] == []
 
 
 def test_best_statistic_takes_each_figures_best_repeat():
@@ -220,8 +182,6 @@ def test_best_statistic_takes_each_figures_best_repeat():
 
 
 def test_saved_json_renders_again_with_either_statistic(tmp_path):
-    import json
-
     stats = {
         "splitserve defaults": {1: peer_report.aggregate([_run(30, 0.05), _run(10, 0.05)])},
         "llama.cpp t2": {1: peer_report.aggregate([_run(20, 0.2)])},
@@ -238,8 +198,8 @@ def test_saved_json_renders_again_with_either_statistic(tmp_path):
     }
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"setup": setup, "runs": [], "stats": stats}))
-    median = bench_peer.render_saved(str(path), "median")
-    best = bench_peer.render_saved(str(path), "best")
+    median = peer.render_saved(str(path), "median")
+    best = peer.render_saved(str(path), "best")
     fig = "output_throughput_tps"
     assert (
         best["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"]
@@ -248,11 +208,10 @@ def test_saved_json_renders_again_with_either_statistic(tmp_path):
     assert "best repeat" in best["text"] and "(medians;" in median["text"]
 
 
-def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
-    from scripts.bench.peer_servers import SplitserveServer
+def test_a_launch_that_cannot_start_or_parse_is_refused(tmp_path):
+    from scripts.bench.launcher import SplitserveServer
 
-    with pytest.raises(RuntimeError, match="exited with status") as failure:
-        SplitserveServer(f"--model {tmp_path}")  # no config.json: the CLI refuses it
-    log = str(failure.value).split("its log (", 1)[1].split(")", 1)[0]
-    assert Path(log).is_file()
-    Path(log).unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        SplitserveServer(f"--model {tmp_path}")
+    with pytest.raises(ValueError, match="not a valid `splitserve launch` command line"):
+        _args("--splitserve=--no-such-flag")

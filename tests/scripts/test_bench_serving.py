@@ -9,9 +9,8 @@ import json
 
 import pytest
 
-from scripts import bench_serving
-from scripts.bench import report
-from scripts.bench.metrics import PERCENTILES, summarize
+from scripts.bench import report, serving
+from scripts.bench.stats import PERCENTILES, summarize
 
 MODES = ["inproc", "inproc-pretok", "cluster-tw1"]
 PERCENTILE_KEYS = (
@@ -92,7 +91,7 @@ def test_every_mode_reports_consistent_metrics_and_the_json_round_trips(
 ):
     json_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
     n, max_new = 6, 4
-    data = bench_serving.main(
+    data = serving.main(
         [
             "--model",
             str(tiny_model_dir),
@@ -110,7 +109,7 @@ def test_every_mode_reports_consistent_metrics_and_the_json_round_trips(
             "1",
             "--warmup-num-requests",
             "3",
-            "--repeat-runs",
+            "--repeats",
             "1",
             "--goodput",
             "ttft:60000",
@@ -174,7 +173,7 @@ def test_chat_file_paced_submits_and_the_concurrency_cap(tiny_model_dir, tmp_pat
         )
     )
     cap = 2
-    data = bench_serving.main(
+    data = serving.main(
         [
             "--model",
             str(tiny_model_dir),
@@ -215,19 +214,19 @@ def test_chat_file_paced_submits_and_the_concurrency_cap(tiny_model_dir, tmp_pat
 
 
 def test_modes_are_validated():
-    assert bench_serving.expand_modes("inproc,cluster", [1, 2]) == [
+    assert serving.expand_modes("inproc,cluster", [1, 2]) == [
         "inproc",
         "cluster-tw1",
         "cluster-tw2",
     ]
     with pytest.raises(ValueError, match="unknown mode"):
-        bench_serving.expand_modes("inproc,magic", [1])
+        serving.expand_modes("inproc,magic", [1])
     with pytest.raises(ValueError, match="once"):
-        bench_serving.expand_modes("inproc,inproc", [1])
+        serving.expand_modes("inproc,inproc", [1])
 
 
 def test_help_names_every_knob_with_its_unit():
-    text = bench_serving.build_parser().format_help()
+    text = serving.build_parser().format_help()
     for flag in (
         "--submit-interval-ms",
         "--request-rate",
@@ -240,7 +239,7 @@ def test_help_names_every_knob_with_its_unit():
         "--tokenizer-workers",
         "--engine-threads",
         "--warmup-runs",
-        "--repeat-runs",
+        "--repeats",
         "--json",
         "--plot",
         "--request-timeout-s",
@@ -270,7 +269,7 @@ def test_http_mode_matches_the_sdk_and_drives_an_endpoint(tiny_model_dir, capsys
         "0",
         "--no-progress",
     ]
-    data = bench_serving.main(common + ["--modes", "cluster,http"])
+    data = serving.main(common + ["--modes", "cluster,http"])
     medians = data["medians"]
     for key in ("requests", "prompt_tokens_total", "output_tokens_total"):
         assert medians["http"][key] == medians["cluster-tw1"][key], key
@@ -286,9 +285,7 @@ def test_http_mode_matches_the_sdk_and_drives_an_endpoint(tiny_model_dir, capsys
     assert "not visible to this client" in capsys.readouterr().out
 
     with launch_cluster(str(tiny_model_dir), http_port=0, kv_cache_tokens=4096) as cluster:
-        data = bench_serving.main(
-            common + ["--modes", "http", "--endpoint", f"{cluster.http_url}/v1"]
-        )
+        data = serving.main(common + ["--modes", "http", "--endpoint", f"{cluster.http_url}/v1"])
     (run,) = report.load_runs(data)
     assert all(r.ok and r.output_tokens == 4 and r.delta_times for r in run.records)
     assert data["medians"]["http"]["prompt_tokens_total"] == medians["http"]["prompt_tokens_total"]
@@ -297,7 +294,7 @@ def test_http_mode_matches_the_sdk_and_drives_an_endpoint(tiny_model_dir, capsys
 def test_stream_interval_and_stop_strings_apply_to_every_mode(tiny_model_dir, capsys):
     """The in-process baseline runs the cluster's DetokenizerCore: the same options, the same
     deltas. Greedy on one model, so each mode stops at the same place."""
-    data = bench_serving.main(
+    data = serving.main(
         [
             "--model",
             str(tiny_model_dir),
@@ -321,7 +318,7 @@ def test_stream_interval_and_stop_strings_apply_to_every_mode(tiny_model_dir, ca
     for run in report.load_runs(data):  # tokens 1 | 2 3 4 | 5 6 7 (with the terminal event)
         assert [len(r.delta_times) for r in run.records] == [3] * 4, run.mode
     assert "Stream interval (tokens): 3" in capsys.readouterr().out
-    data = bench_serving.main(
+    data = serving.main(
         [
             "--model",
             str(tiny_model_dir),

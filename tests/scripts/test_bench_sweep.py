@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from scripts import bench_serving
-from scripts.bench.metrics import RequestRecord, span_rate, summarize
+from scripts.bench import serving
+from scripts.bench.stats import RequestRecord, span_rate, summarize
 from scripts.bench.sweep import (
     highest_sustained,
     nearest_at_or_below,
@@ -126,7 +126,7 @@ def test_rates_are_measured_over_their_own_span():
 
 def test_the_fast_engine_sweep_runs_every_mode_at_every_rate(tmp_path, capsys):
     json_path, plot_path = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    data = bench_serving.main(
+    data = serving.main(
         [
             "--fast-engine",
             "--modes",

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from scripts.bench.metrics import RequestRecord, parse_goodput, summarize
+from scripts.bench.stats import RequestRecord, parse_goodput, summarize
 from scripts.bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requests
 
 

@@ -83,10 +83,25 @@ def test_too_long_prompt_is_rejected(preparer):
     assert isinstance(out, RequestError) and "context length of 64" in out.message
 
 
-def test_max_tokens_is_clamped_to_the_context(preparer):
+def test_a_max_tokens_past_the_context_is_refused_and_one_that_fits_is_kept(preparer):
+    """Issue 23: as OpenAI and vLLM, a limit the caller gave is not silently lowered."""
     out = _one(preparer, prompt="Hello", sampling=SamplingParams(max_tokens=1000))
+    assert isinstance(out, RequestError) and out.param == "max_tokens"
+    assert "max_tokens is 1000, but the prompt has 1 tokens" in out.message
+    assert "at most 63 tokens" in out.message
+    for too_many in (64, 2**31 - 1):
+        out = _one(preparer, prompt="Hello", sampling=SamplingParams(max_tokens=too_many))
+        assert isinstance(out, RequestError) and out.param == "max_tokens"
+    out = _one(preparer, prompt="Hello", sampling=SamplingParams(max_tokens=63))
+    assert isinstance(out, TokenizedRequest) and out.sampling.max_tokens == 63
+
+
+def test_a_default_max_tokens_is_cut_to_the_room_left(preparer):
+    out = _one(preparer, prompt="Hello", sampling=SamplingParams(default_max_tokens=1000))
     assert isinstance(out, TokenizedRequest)
     assert out.meta.prompt_tokens + out.sampling.max_tokens == 64
+    out = _one(preparer, prompt="Hello", sampling=SamplingParams())
+    assert out.sampling.max_tokens == 16  # the SDK's (and completions') default
 
 
 def test_out_of_vocab_ids_and_stop_ids_are_rejected(preparer):
@@ -135,6 +150,7 @@ def test_prompt_ids_reach_the_detokenizer_only_when_echo_or_prompt_logprobs_ask(
 
 
 def test_min_tokens_follows_a_clamped_max_tokens(preparer):
-    out = _one(preparer, prompt="Hello", sampling=SamplingParams(max_tokens=500, min_tokens=400))
+    sampling = SamplingParams(default_max_tokens=500, min_tokens=400)
+    out = _one(preparer, prompt="Hello", sampling=sampling)
     assert isinstance(out, TokenizedRequest)
     assert out.sampling.min_tokens == out.sampling.max_tokens == 64 - out.meta.prompt_tokens

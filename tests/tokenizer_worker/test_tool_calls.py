@@ -5,9 +5,12 @@ valid calls (read back by the Hermes parser, arguments valid against the functio
 from __future__ import annotations
 
 import json
+from enum import Enum
+from typing import Literal
 
 import jsonschema
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from detok_worker.tool_parsers import HermesToolParser, parse_complete
 from engine_worker.grammar_builder import GrammarBuilder, backend_tokenizer
@@ -25,6 +28,7 @@ from tokenizer_worker.tool_calls import (
     check_tools,
     conversation_for_template,
     forced_tool_call_spec,
+    rebase_refs,
     resolve_tool_choice,
     template_supports_tools,
 )
@@ -58,6 +62,41 @@ COUNT = {
     },
 }
 TOOLS = [WEATHER, COUNT]
+
+
+# A tool whose parameters pydantic writes: nested models and an enum under "$defs", referenced
+# with "$ref" (a default beside one), optional fields as anyOf [..., null]. Extra keys are
+# forbidden, as OpenAI's strict tools (and its pydantic helper) have them.
+class Unit(str, Enum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+
+class Place(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: str = Field(min_length=1, max_length=12)
+    country: Literal["FR", "JP", "PE"] | None = None
+
+
+class Forecast(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    where: Place
+    unit: Unit = Unit.celsius
+    days: int = Field(ge=1, le=7)
+    also: list[Place] = Field(default_factory=list, max_length=2)
+
+
+class Alarm(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    at: Place
+    minutes: int | None = Field(default=None, ge=0, le=59)
+
+
+PYDANTIC_TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": model.model_json_schema()}}
+    for name, model in (("forecast", Forecast), ("alarm", Alarm))
+]
+PYDANTIC_MODELS = {"forecast": Forecast, "alarm": Alarm}
 
 
 @pytest.mark.parametrize(
@@ -209,3 +248,44 @@ def test_forced_calls_parse_and_match_the_schema(grammar_parts, choice, parallel
             jsonschema.validate(json.loads(call.arguments), by_name[call.name])
     several = parallel and choice.mode == "required"  # a named function is called once
     assert counts == ({1} if not several else counts | {2})
+
+
+@pytest.mark.parametrize(
+    "choice", [ToolChoice("named", "forecast"), ToolChoice("required")], ids=["named", "required"]
+)
+def test_pydantic_parameters_with_local_defs_are_followed(grammar_parts, choice):
+    """Each function's "$ref"s resolve inside its own parameters, wherever the call format puts
+    them (one function, or one branch of several)."""
+    vocabulary, compiler, builder = grammar_parts
+    check_tools(PYDANTIC_TOOLS)
+    text = compiler.compile(
+        forced_tool_call_spec(PYDANTIC_TOOLS, choice, parallel_tool_calls=False)
+    )
+    grammars = [wait_ready(builder.request(text)) for _ in range(6)]
+    outputs, ended = sample_constrained(grammars, vocabulary.vocab_size, steps=600, seed=5)
+    for tokens, how in zip(outputs, ended):
+        assert how in ("stop", "eos")
+        content, calls = parse_complete(HermesToolParser(), text_of(vocabulary, tokens).decode())
+        assert content == "" and len(calls) == 1
+        assert choice.mode == "required" or calls[0].name == "forecast"
+        PYDANTIC_MODELS[calls[0].name].model_validate_json(calls[0].arguments)
+        schema = PYDANTIC_TOOLS[0 if calls[0].name == "forecast" else 1]["function"]["parameters"]
+        jsonschema.validate(json.loads(calls[0].arguments), schema)
+
+
+def test_rebased_refs_keep_data_and_remote_references():
+    schema = {
+        "$defs": {"A": {"type": "string"}},
+        "properties": {
+            "a": {"$ref": "#/$defs/A"},
+            "self": {"$ref": "#"},
+            "remote": {"$ref": "https://example.com/s.json"},
+            "c": {"const": {"$ref": "#/not/a/reference"}, "default": {"$ref": "#"}},
+        },
+    }
+    out = rebase_refs(schema, "#/anyOf/1/properties/arguments")
+    assert out["properties"]["a"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/A"}
+    assert out["properties"]["self"] == {"$ref": "#/anyOf/1/properties/arguments"}
+    assert out["properties"]["remote"] == schema["properties"]["remote"]
+    assert out["properties"]["c"] == schema["properties"]["c"]  # values, not schemas
+    assert schema["properties"]["a"] == {"$ref": "#/$defs/A"}  # the tool's own is untouched

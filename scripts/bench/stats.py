@@ -1,4 +1,5 @@
-"""Per-request timestamps and the numbers the report prints from them.
+"""The benchmark's statistics, in one place: per-request timestamps (``RequestRecord``) and the
+summary of a run, percentiles, medians over repeats, spreads, ratios.
 
 Every timestamp is ``time.monotonic()`` seconds: on Linux that clock is system-wide, so stamps
 taken in the tokenizer, engine and detokenizer processes compare directly with the client's.
@@ -210,6 +211,27 @@ def median_summary(summaries: list[dict[str, float | None]]) -> dict[str, float 
         values = [s[key] for s in summaries if s.get(key) is not None]
         out[key] = float(np.median(values)) if values else None
     return out
+
+
+def spread(values: list[float | None]) -> dict[str, float] | None:
+    """Median, min and max of one figure over repeats (None values, a run without the figure,
+    are left out; None when no run has it)."""
+    kept = [v for v in values if v is not None]
+    if not kept:
+        return None
+    return {
+        "median": float(np.median(kept)),
+        "min": float(min(kept)),
+        "max": float(max(kept)),
+        "n": len(kept),
+    }
+
+
+def describe_ms(seconds: list[float]) -> str:
+    """'p50 .. p90 .. p99 .. mean .. ms' of a list of durations in seconds."""
+    ms = np.asarray(seconds, dtype=float) * 1e3
+    p50, p90, p99 = np.percentile(ms, (50, 90, 99))
+    return f"p50 {p50:8.1f}  p90 {p90:8.1f}  p99 {p99:8.1f}  mean {ms.mean():8.1f} ms"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

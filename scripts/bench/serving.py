@@ -1,7 +1,7 @@
-#!/usr/bin/env python
-"""The serving benchmark: splitserve's cluster against a single-process baseline, one workload.
+"""serving: splitserve's cluster against a single-process baseline, one workload (also what
+`splitserve bench` runs).
 
-    python -m scripts.bench_serving --num-requests 256 --prompt-tokens 256 --unique-prompts \\
+    python -m scripts.bench serving --num-requests 256 --prompt-tokens 256 --unique-prompts \\
         --max-new-tokens 1 --modes inproc,inproc-pretok,cluster
 
 Modes (compared in one invocation, runs interleaved so machine drift hits all alike):
@@ -11,6 +11,10 @@ Modes (compared in one invocation, runs interleaved so machine drift hits all al
   cluster         splitserve: tokenizer worker processes, one engine process, a detokenizer
                   process, driven through the client SDK; --tokenizer-workers 1,2 sweeps
                   (modes cluster-tw1, cluster-tw2)
+  http            the cluster through its OpenAI frontend (or --endpoint URL), streamed
+A list of --request-rate values sweeps open-loop Poisson arrivals and reports the highest rate
+each mode sustains; --fast-engine swaps the model for one whose steps cost milliseconds, so
+tokenization weighs in TTFT as it does in front of a GPU (scripts/bench/fast_engine.py).
 Every mode keeps one server for all its runs; each run's prompts carry a run tag at their start
 so no run is served from the prefix cache of an earlier one (--no-run-tag turns that off).
 """
@@ -32,10 +36,10 @@ from scripts.bench.fast_engine import (
     calibrate,
     fast_engine_model,
 )
-from scripts.bench.metrics import median_summary, parse_goodput, summarize
-from scripts.bench.options import BASE_MODES
-from scripts.bench.options import build_parser as _build_parser
+from scripts.bench.interleave import rotated
+from scripts.bench.options import BASE_MODES, serving_parser
 from scripts.bench.runner import EventCollector, RunOptions, run_once
+from scripts.bench.stats import median_summary, parse_goodput, summarize
 from scripts.bench.sweep import (
     parse_rates,
     plot_sweep,
@@ -47,7 +51,7 @@ from scripts.bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, s
 
 
 def build_parser():
-    return _build_parser(__doc__)
+    return serving_parser(__doc__)
 
 
 def expand_modes(modes_text: str, tokenizer_workers: list[int]) -> list[str]:
@@ -117,8 +121,7 @@ def make_systems(
     stack: contextlib.ExitStack,
 ) -> dict:
     """One system under test per mode; the inproc modes share one in-process server."""
-    from scripts.bench.http_system import HttpSystem
-    from scripts.bench.systems import ClusterSystem, InprocServer, InprocSystem
+    from scripts.bench.systems import ClusterSystem, HttpSystem, InprocServer, InprocSystem
 
     def cluster_knobs(workers: int) -> dict:
         return engine_knobs(args) | {
@@ -198,24 +201,12 @@ def describe_setup(
         "Stop strings": args.stop or "none",
         "Arrival": arrival.describe(),
         "Max concurrency": args.max_concurrency or "unlimited",
-        "Engine": {
-            "max_batch_size": args.max_batch_size,
-            "prefill_max_batch_size": args.prefill_max_batch_size,
-            "prefill_max_tokens": args.prefill_max_tokens,
-            "prefill_chunk_tokens": args.prefill_chunk_tokens,
-            "block_size": args.block_size,
-            "kv_cache_tokens": f"{args.kv_cache_tokens}"
-            + (" (sized for this workload)" if kv_auto else ""),
-            "max_model_len": args.max_model_len or "model's own",
-            "prefix_cache": args.enable_prefix_cache,
-            "max_waiting_requests": args.max_waiting_requests,
-            "idle_batch_window": f"{args.idle_batch_window_ms:g} ms, at most "
-            f"{args.idle_batch_window_step_fraction:g} of the "
-            "expected first step",
-        },
+        # Every engine knob, as the engine got it (threads: per mode, in "Mode details").
+        "Engine": engine_knobs(args)
+        | {"kv_cache_tokens": f"{args.kv_cache_tokens}" + (" (sized for this workload)" * kv_auto)},
         "Stream interval (tokens)": args.stream_interval_tokens,
         "Runs": f"{args.warmup_runs} warmup (of {min(args.warmup_num_requests, w.num_requests)} "
-        f"requests) + {args.repeat_runs} measured per mode, interleaved; "
+        f"requests) + {args.repeats} measured per mode, interleaved; "
         f"medians reported; run tag {'off' if args.no_run_tag else 'on'}; "
         "driver GC paused while submitting",
         "Goodput SLOs (ms)": args.goodput_slos or "none",
@@ -226,6 +217,29 @@ def _auto_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def specs_of(args: argparse.Namespace, num_requests: int, rate: float):
+    """The workload and arrival schedule the flags describe."""
+    workload = WorkloadSpec(
+        num_requests=num_requests,
+        max_new_tokens=args.max_new_tokens,
+        prompt_tokens=args.prompt_tokens,
+        prompt_tokens_range_ratio=args.prompt_tokens_range_ratio,
+        prompt_text=args.prompt,
+        unique_prompts=args.unique_prompts,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+        jsonl_path=args.dataset_jsonl,
+        seed=args.seed,
+    )
+    arrival = ArrivalSpec(
+        submit_interval_ms=args.submit_interval_ms,
+        submit_schedule=args.submit_schedule,
+        request_rate=rate,
+        burstiness=args.burstiness,
+        seed=args.seed,
+    )
+    return workload, arrival
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
@@ -240,26 +254,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     args.goodput_slos = parse_goodput(args.goodput)
     rates = parse_rates(args.request_rate)
     counts = {rate: requests_at(rate, args.duration_s, args.num_requests) for rate in rates}
-    workload = WorkloadSpec(
-        num_requests=max(counts.values()),
-        max_new_tokens=args.max_new_tokens,
-        prompt_tokens=args.prompt_tokens,
-        prompt_tokens_range_ratio=args.prompt_tokens_range_ratio,
-        prompt_text=args.prompt,
-        unique_prompts=args.unique_prompts,
-        shared_prefix_tokens=args.shared_prefix_tokens,
-        jsonl_path=args.dataset_jsonl,
-        seed=args.seed,
-    )
-    arrival = ArrivalSpec(
-        submit_interval_ms=args.submit_interval_ms,
-        submit_schedule=args.submit_schedule,
-        request_rate=rates[0],
-        burstiness=args.burstiness,
-        seed=args.seed,
-    )
-    if args.warmup_runs < 0 or args.repeat_runs < 1 or args.warmup_num_requests < 1:
-        raise ValueError("--warmup-runs must be >= 0, --repeat-runs and --warmup-num-requests >= 1")
+    workload, arrival = specs_of(args, max(counts.values()), rates[0])
+    if args.warmup_runs < 0 or args.repeats < 1 or args.warmup_num_requests < 1:
+        raise ValueError("--warmup-runs must be >= 0, --repeats and --warmup-num-requests >= 1")
     collector = EventCollector()
     with contextlib.ExitStack() as stack:
         model_path = (
@@ -299,14 +296,15 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     medians = {mode: median_of(mode) for mode in modes}
     data = report.to_json(setup, runs, summaries, medians)
     data["text"] = report.render(
-        setup, runs, medians, {m: args.repeat_runs for m in modes}, arrival.kind, baseline=modes[0]
+        setup, runs, medians, {m: args.repeats for m in modes}, arrival.kind, baseline=modes[0]
     )
     return data
 
 
 def _run_rounds(args, modes, systems, collector, requests, arrival, counts):
     """Warmup rounds (the first rate), then measured rounds: each round every rate, each rate
-    every mode, interleaved so machine drift hits all alike."""
+    every mode, interleaved so machine drift hits all alike (the modes' order rotates each
+    measured round)."""
     options = RunOptions(
         max_concurrency=args.max_concurrency,
         request_timeout_s=args.request_timeout_s,
@@ -324,11 +322,12 @@ def _run_rounds(args, modes, systems, collector, requests, arrival, counts):
 
     runs, summaries = [], []
     rates = sorted(counts)
-    for round_index in range(args.warmup_runs + args.repeat_runs):
+    for round_index in range(args.warmup_runs + args.repeats):
         warmup = round_index < args.warmup_runs
+        order = modes if warmup else rotated(modes, round_index - args.warmup_runs)
         for rate in rates[:1] if warmup else rates:
             batch = requests[: args.warmup_num_requests] if warmup else requests[: counts[rate]]
-            for mode in modes:
+            for mode in order:
                 run_index = len(runs)
                 # The same tag length in every run keeps prompt lengths identical across modes.
                 tagged = batch if args.no_run_tag else salt_requests(batch, f"run {run_index:04d}")

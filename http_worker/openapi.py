@@ -1,0 +1,110 @@
+"""The OpenAPI document served at /openapi.json: the request bodies as the strict models of
+protocol.py validate them (types and bounds), every error as the 400-family body the server
+really sends (never FastAPI's 422), so that tools can generate clients from it and fuzz it
+(tests/test_http_openapi.py runs schemathesis over every route).
+
+The routes read their bodies themselves (http_worker.body), so FastAPI cannot see them: each
+route states its body and answers with ``operation(...)``, and ``install_openapi`` adds the
+models' schemas to the document's components.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+_REF = "#/components/schemas/{model}"
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_ERROR_REASONS = {
+    "400": "the body or a field is invalid (param names it)",
+    "401": "no valid API key (servers started with one)",
+    "404": "the model is not served here",
+    "413": "the body is over --http-max-body-bytes",
+    "429": "the cluster's queues are full; retry later",
+    "500": "a server fault",
+    "503": "the cluster is unavailable",
+    "504": "the request's deadline passed",
+}
+_OBJECT = {"type": "object"}
+JSON_OBJECT = {"application/json": {"schema": _OBJECT}}
+# Before OpenAPI 3.2 (itemSchema), a text/event-stream's schema describes each event.
+SSE_SCHEMA = {
+    "type": "object",
+    "description": "one server-sent event: its data is a JSON chunk, the last one's [DONE]",
+    "properties": {"data": {"type": "string"}},
+    "required": ["data"],
+}
+
+
+def _error(reason: str) -> dict[str, Any]:
+    return {"description": reason, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+
+
+def responses(success: dict[str, Any], *codes: str) -> dict[str, Any]:
+    """The 200 answer's content types and schemas, and the error answers ``codes``."""
+    out: dict[str, Any] = {"200": {"description": "success", "content": success}}
+    for code in codes or _ERROR_REASONS:
+        out[code] = _error(_ERROR_REASONS[code])
+    return out
+
+
+def reading(success: dict[str, Any], *codes: str) -> dict[str, Any]:
+    """A route without a body: its 200 content and the errors ``codes`` it may answer (a
+    /health that finds the cluster down answers 503 with its own JSON object)."""
+    return {"responses": responses(success, *codes) if codes else responses(success, "500")}
+
+
+def operation(
+    *bodies: type[BaseModel], success: dict[str, Any] | None = None, stream: bool = False
+) -> dict[str, Any]:
+    """A route's ``openapi_extra``: its JSON body (one of ``bodies``) and its answers."""
+    refs = [{"$ref": _REF.format(model=model.__name__)} for model in bodies]
+    content: dict[str, Any] = {"application/json": {"schema": success or _OBJECT}}
+    if stream:
+        content["text/event-stream"] = {"schema": SSE_SCHEMA}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}
+            },
+        },
+        "responses": responses(content),
+    }
+
+
+def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Serves the document with ``models`` (the route bodies) among its components."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template=_REF)
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

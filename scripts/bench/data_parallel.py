@@ -1,0 +1,261 @@
+"""data-parallel: engine replicas behind the tokenizer workers' routing (issue 25's benchmark).
+
+    python -m scripts.bench data-parallel                    # the comparison and the routing cost
+    python -m scripts.bench data-parallel routing-cost       # hashing + lookup per request only
+    python -m scripts.bench data-parallel event-cost         # what recording KV events costs a step
+
+A multi-turn chat workload (conversations.py: every turn resends the whole history) on
+--engines replicas under each routing policy (cache_aware, round_robin, least_loaded), and on one
+replica given all the engine cores and all the KV cache, one mode after another in one run.
+Printed per mode: the prefix-cache hit rate (hit / queried prompt tokens over the run, from the
+engines' counters), throughput, TTFT, how requests spread over the replicas, and what routing
+cost per request in the tokenizer workers; then cache_aware against round_robin beside the
+issue's targets.
+
+The default engine is the cost-model engine (cost_model_engine.py: the real scheduler, KV blocks
+and prefix cache, the model's forward replaced by a wait as long as a cost model says), because
+on this project's CPUs the real model's prefill, and several replicas sharing a few cores, would
+decide the comparison instead of the routing; --engine real runs the real engine code (on the
+fast engine's tiny model unless --model says otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+from typing import Any
+
+from procs.config_flags import add_cluster_flags
+from scripts.bench.conversations import ChatWorkload, RunRecord, run_conversations
+from scripts.bench.cost_model_engine import FACTORY, STEP_COST_ENV, StepCost
+from scripts.bench.options import add_parts, require_positive, text_list, workload_parser
+from scripts.bench.stats import percentiles, ratio
+
+MODES = ("cache_aware", "round_robin", "least_loaded", "one-replica")
+PARTS = ["serving", "routing-cost", "event-cost"]
+# The issue's targets, cache_aware against round_robin: (what, wanted ratio, more is better).
+TARGETS = (
+    ("prefix-cache hit rate", "hit_rate", 2.0, True),
+    ("throughput (requests/s)", "requests_per_s", 1.3, True),
+    ("TTFT p50", "ttft_p50_ms", 0.6, False),
+)
+ROUTING_COST_TARGET_US = 50.0
+ROUTING_KNOBS = (
+    "routing_balance_abs_threshold",
+    "routing_balance_rel_threshold",
+    "routing_cache_threshold",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = workload_parser("data-parallel", __doc__)
+    add_parts(p, PARTS, ["serving", "routing-cost"])
+    g = p.add_argument_group("what is compared")
+    g.add_argument("--modes", type=text_list, default=list(MODES), help="(default: all four)")
+    g.add_argument("--engines", type=int, default=2, help="replicas of the routed modes")
+    g.add_argument(
+        "--engine-cores",
+        type=int,
+        default=2,
+        help="engine threads all replicas share (split equally); one-replica gets them all",
+    )
+    g.add_argument("--engine", choices=("cost-model", "real"), default="cost-model")
+    g.add_argument("--model", default=None, help="--engine real: the model (default: tiny)")
+    g.add_argument(
+        "--step-cost",
+        default=StepCost().to_env(),
+        metavar="MS,US,US",
+        help="the cost model: a step's base ms, us per prompt token, us per decoding request "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=32768,
+        help="each replica's KV cache; one-replica gets the replicas' total (default: "
+        "%(default)s: half the conversations' histories fit in one replica, all of them in two)",
+    )
+    g.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=32,
+        help="each replica's decode batch; one-replica gets the replicas' total (default: "
+        "%(default)s)",
+    )
+    g.add_argument("--tokenizer-workers", type=int, default=2)
+    add_cluster_flags(
+        g,
+        ROUTING_KNOBS,
+        defaults={"routing_balance_abs_threshold": 8},
+        help_overrides={
+            "routing_balance_abs_threshold": "cache_aware: imbalanced when the busiest replica "
+            "has more than this many requests over the least busy (default: %(default)s, for "
+            "this workload's few dozen requests in flight; SGLang's 64, the cluster's default, "
+            "suits hundreds: below it every conversation would follow the shared system prompt "
+            "to the replica that cached it first)"
+        },
+    )
+    w = p.add_argument_group("workload")
+    defaults = ChatWorkload()
+    for name in ChatWorkload.__dataclass_fields__:
+        default = getattr(defaults, name)
+        w.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
+    return p
+
+
+def workload_of(args: argparse.Namespace) -> ChatWorkload:
+    return ChatWorkload(**{name: getattr(args, name) for name in ChatWorkload.__dataclass_fields__})
+
+
+def mode_knobs(mode: str, args: argparse.Namespace, workload: ChatWorkload) -> dict[str, Any]:
+    engines = 1 if mode == "one-replica" else args.engines
+    share = args.engines if engines == 1 else 1  # one replica: all the replicas' resources
+    knobs: dict[str, Any] = dict(
+        engines=engines,
+        engine_threads=args.engine_cores,
+        kv_cache_tokens=args.kv_cache_tokens * share,
+        max_batch_size=args.max_batch_size * share,
+        max_model_len=workload.longest_prompt + workload.reply_tokens + 64,
+        tokenizer_workers=args.tokenizer_workers,
+        heartbeat_interval_s=0.2,
+    )
+    if engines > 1:
+        knobs["routing_policy"] = mode
+        knobs.update({name: getattr(args, name) for name in ROUTING_KNOBS})
+    if args.engine == "cost-model":
+        # Modelled as an accelerator: whole prompts in one step (the CPU default is 512).
+        knobs.update(engine_factory=FACTORY, prefill_max_tokens=4096)
+    return knobs
+
+
+def run_mode(model: str, mode: str, args: argparse.Namespace, workload: ChatWorkload) -> dict:
+    from ipc.client import AsyncClient
+    from procs.launch_cluster import launch_cluster
+
+    with launch_cluster(model, **mode_knobs(mode, args, workload)) as cluster:
+
+        async def drive() -> tuple[Any, RunRecord, Any]:
+            async with AsyncClient(cluster.client_addr) as client:
+                before = await client.engine_stats()
+                record = await run_conversations(client, workload)
+                return before, record, await client.engine_stats()
+
+        before, record, after = asyncio.run(drive())
+    return summarize(record, before, after)
+
+
+def summarize(record: RunRecord, before: Any, after: Any) -> dict:
+    turns = [t for t in record.turns if not t.error]
+    duration = record.t_end - record.t_start
+    queried = after.stats.prefix_queried_tokens_total - before.stats.prefix_queried_tokens_total
+    hits = after.stats.prefix_hit_tokens_total - before.stats.prefix_hit_tokens_total
+    decisions = sum(after.routing_decisions.values()) - sum(before.routing_decisions.values())
+    routing_s = after.routing_seconds_total - before.routing_seconds_total
+    ttft = percentiles([t.ttft_s for t in turns if t.ttft_s is not None], scale=1e3)
+    spread: dict[int, int] = {}
+    for t in turns:
+        spread[t.engine_index] = spread.get(t.engine_index, 0) + 1
+    return {
+        "requests": len(turns),
+        "errors": len(record.turns) - len(turns),
+        "duration_s": duration,
+        "requests_per_s": len(turns) / duration,
+        "output_tokens_per_s": sum(t.output_tokens for t in turns) / duration,
+        "ttft_p50_ms": ttft["p50"],
+        "ttft_p95_ms": ttft["p95"],
+        "hit_rate": hits / queried if queried else 0.0,
+        "spread": [spread.get(r, 0) for r in range(max(spread, default=-1) + 1)],
+        "routing_us_per_request": routing_s / decisions * 1e6 if decisions else None,
+        "outcomes": {
+            k: v - before.routing_decisions.get(k, 0) for k, v in after.routing_decisions.items()
+        },
+    }
+
+
+ROWS = (
+    ("prefix-cache hit rate", "hit_rate", "{:.1%}"),
+    ("requests/s", "requests_per_s", "{:.2f}"),
+    ("output tokens/s", "output_tokens_per_s", "{:.0f}"),
+    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
+    ("TTFT p95 ms", "ttft_p95_ms", "{:.0f}"),
+    ("run s", "duration_s", "{:.1f}"),
+    ("requests per replica", "spread", "{}"),
+    ("routing us/request", "routing_us_per_request", "{:.1f}"),
+    ("errors", "errors", "{}"),
+)
+
+
+def report(results: dict[str, dict]) -> list[str]:
+    modes = list(results)
+    width = max(14, *(len(m) + 2 for m in modes))
+    lines = ["".ljust(24) + "".join(m.rjust(width) for m in modes)]
+    for label, key, fmt in ROWS:
+        cells = [results[m][key] for m in modes]
+        shown = ["-" if c is None else fmt.format(c) for c in cells]
+        lines.append(label.ljust(24) + "".join(s.rjust(width) for s in shown))
+    if {"cache_aware", "round_robin"} <= set(results):
+        ca, rr = results["cache_aware"], results["round_robin"]
+        lines.append("cache_aware / round_robin (the issue's target):")
+        for label, key, target, more in TARGETS:
+            value = ratio(ca[key], rr[key])
+            met = value is not None and (value >= target if more else value <= target)
+            wanted = f"{'>=' if more else '<='} {target:g}x: {'met' if met else 'MISSED'}"
+            lines.append(f"  {label:26s} {value or 0:.2f}x (target {wanted})")
+    return lines
+
+
+def routing_cost_lines(results: dict[str, dict]) -> list[str]:
+    from scripts.bench.kv_routing_cost import routing_cost
+
+    cost = routing_cost()
+    lines = ["routing cost per request, a 2k-token prompt (128 blocks), in one process:"]
+    lines += [f"  {name:26s} {value:8.1f}" for name, value in cost.items()]
+    measured = results.get("cache_aware", {}).get("routing_us_per_request")
+    if measured is not None:
+        lines.append(f"  {'in the workers, this run':26s} {measured:8.1f}")
+    warm = cost["hash_warm_and_lookup_us"]
+    lines.append(
+        f"  target < {ROUTING_COST_TARGET_US:g} us warm: "
+        + ("met" if warm < ROUTING_COST_TARGET_US else "MISSED")
+        + f" (cold hashing {cost['hash_cold_us']:.0f} us: a prompt seen for the first time)"
+    )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    require_positive(args, "engines", "engine_cores", "tokenizer_workers", "conversations")
+    workload = workload_of(args)
+    os.environ[STEP_COST_ENV] = StepCost(*map(float, args.step_cost.split(","))).to_env()
+    print(f"load average {os.getloadavg()[0]:.2f}; {workload.describe()}")
+    results: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        model = args.model or _fast_engine_model(stack)
+        if "serving" in args.workloads:
+            cost = f"the cost model {args.step_cost} (ms, us, us)"
+            engine = cost if args.engine == "cost-model" else f"the real engine on {model}"
+            print(f"engine: {engine}; KV cache {args.kv_cache_tokens} tokens per replica")
+            for mode in args.modes:
+                results[mode] = run_mode(model, mode, args, workload)
+                print(f"  {mode}: done in {results[mode]['duration_s']:.1f} s", flush=True)
+            print("\n".join(report(results)))
+        if "routing-cost" in args.workloads:
+            print("\n".join(routing_cost_lines(results)))
+        if "event-cost" in args.workloads:
+            from scripts.bench.kv_routing_cost import engine_step_cost
+
+            for name, value in sorted(engine_step_cost(model).items()):
+                print(f"  {name:28s} {value:10.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": workload.describe(), "modes": results}, f, indent=2)
+
+
+def _fast_engine_model(stack: contextlib.ExitStack) -> str:
+    from scripts.bench.fast_engine import fast_engine_model
+
+    return fast_engine_model(stack)

@@ -1,0 +1,275 @@
+"""The one launcher of the systems under test, and the CPU accounting of what they run.
+
+splitserve: always the supervisor as a library (``launch_cluster``), configured either by
+`splitserve launch` flags as a user types them (parsed by the CLI's own parser, so a flag means
+what it means there) or by config knobs, or both. llama.cpp: its own binaries, built from the
+pinned source by scripts/build_llama_server.sh, `llama-server` as a process serving the OpenAI API
+and `llama-bench` for its engine alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+def default_gguf() -> Path:
+    """The GGUF splitserve's default model is served from: both peers read the same file."""
+    from procs import model_store
+
+    gguf = model_store.gguf_file(model_store.ensure_default_model())
+    assert gguf is not None, "the default model directory holds its GGUF"
+    return gguf
+
+
+# --- CPU accounting ------------------------------------------------------------------------------
+def cpu_of(pids: list[int]) -> float:
+    """User+system CPU seconds of these processes (0 for any that has exited)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def cpu_of_threads(tids: set[int]) -> float:
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in tids)
+
+
+def tree_pids(pid: int) -> list[int]:
+    """A process and its live descendants."""
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def cluster_cpu(cluster: Any) -> dict[str, float]:
+    """CPU seconds of a cluster's processes per role, in the order requests flow through them."""
+    roles: dict[str, list[int]] = {}
+    for child in cluster.children:
+        roles.setdefault(child.role, []).append(child.popen.pid)
+    out = {}
+    for role in ("http", "tokenizer", "engine", "detokenizer"):
+        if role in roles:
+            out[role] = cpu_of(roles.pop(role))
+    out.update({role: cpu_of(pids) for role, pids in roles.items()})
+    return out
+
+
+# --- splitserve ----------------------------------------------------------------------------------
+def launch_args(text: str, *, http: bool = False) -> Any:
+    """`splitserve launch` flags parsed by the CLI's own parser; ValueError if they do not parse."""
+    from procs.cli import build_parser
+
+    argv = ["launch", *shlex.split(text)] + (["--http-port", "0"] if http else [])
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit:  # argparse has printed why
+        raise ValueError(f"not a valid `splitserve launch` command line: {text!r}") from None
+
+
+@contextlib.contextmanager
+def splitserve(
+    model: str | os.PathLike | None = None, *, flags: str = "", http: bool = False, **knobs: Any
+) -> Iterator[Any]:
+    """A running cluster: ``flags`` as `splitserve launch` takes them, then ``knobs`` (config
+    fields) over them; ``http`` adds the OpenAI frontend on a free port."""
+    from procs.cli import cluster_kwargs
+    from procs.launch_cluster import launch_cluster
+
+    args = launch_args(flags, http=http)
+    with launch_cluster(
+        model if model is not None else args.model,
+        run_dir=args.run_dir,
+        start_timeout_s=args.start_timeout_s,
+        **(cluster_kwargs(args) | knobs),
+    ) as cluster:
+        yield cluster
+
+
+class HeartbeatWarnings(logging.Handler):
+    """Counts, while installed, the supervisor's warnings of a worker silent past
+    heartbeat_timeout_s: a step long enough to starve the engine's heartbeat."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "sent no heartbeat" in str(record.msg)
+
+    def __enter__(self) -> HeartbeatWarnings:
+        logging.getLogger("splitserve.supervisor").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("splitserve.supervisor").removeHandler(self)
+
+
+class SplitserveServer:
+    """A cluster with its OpenAI frontend, as `splitserve launch --http-port 0 FLAGS` serves."""
+
+    def __init__(self, flags: str = "", model: str | os.PathLike | None = None) -> None:
+        self.name = f"splitserve {flags}".strip() if flags else "splitserve defaults"
+        self.flags = flags
+        self._stack = contextlib.ExitStack()
+        self.cluster = self._stack.enter_context(splitserve(model, flags=flags, http=True))
+        self.url = f"{self.cluster.http_url}/v1"
+
+    def pids(self) -> list[int]:
+        return [c.popen.pid for c in self.cluster.children]
+
+    def cpu_seconds(self) -> float:
+        return sum(cluster_cpu(self.cluster).values())
+
+    def describe(self) -> str:
+        from procs.thread_budget import describe_budget
+
+        shown = "splitserve launch --http-port 0" + (f" {self.flags}" if self.flags else "")
+        return f"{shown} ({describe_budget(self.cluster.config)})"
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+# --- llama.cpp -----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """``llama-server`` with ``threads`` threads for both decode and prompt batches, ``parallel``
+    slots of ``ctx_per_slot`` tokens each, the GGUF's own chat template (jinja). Its log outlives
+    it only where it failed."""
+
+    def __init__(
+        self,
+        binary: str,
+        gguf: str | os.PathLike,
+        threads: int,
+        parallel: int = 32,
+        ctx_per_slot: int = 512,
+        extra_args: str = "",
+        start_timeout_s: float = 180.0,
+    ) -> None:
+        self.name = f"llama.cpp t{threads}"
+        self.keep_log = False
+        self.log = tempfile.NamedTemporaryFile(
+            prefix=f"peer-{re.sub(r'[^a-z0-9]+', '-', self.name)}-",
+            suffix=".log",
+            delete=False,
+            mode="w+",
+        )
+        port = free_port()
+        self.command = [
+            binary,
+            *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
+            *("-t", str(threads), "-tb", str(threads), "-np", str(parallel)),
+            *("-c", str(parallel * ctx_per_slot), "--jinja", "--no-webui"),
+            *shlex.split(extra_args),
+        ]
+        self.popen = subprocess.Popen(
+            self.command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{port}/v1"
+        try:
+            self._wait_healthy(port, start_timeout_s)
+        except BaseException:
+            self.keep_log = True
+            self.close()
+            raise
+
+    def _wait_healthy(self, port: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.popen.returncode} while starting; "
+                    f"its log ({self.log.name}) ends:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet, or 503 while the model loads
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{self.name} not healthy after {timeout_s:.0f} s; its log: {self.log.name}"
+                )
+            time.sleep(0.2)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
+
+    def pids(self) -> list[int]:
+        return tree_pids(self.popen.pid)
+
+    def cpu_seconds(self) -> float:
+        return cpu_of(self.pids())
+
+    def describe(self) -> str:
+        return " ".join(shlex.quote(c) for c in self.command)
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            # SIGTERM, not SIGINT: a background job's children may ignore SIGINT.
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.keep_log = True
+                self.popen.kill()
+                self.popen.wait()
+        self.log.close()
+        if not self.keep_log:
+            Path(self.log.name).unlink(missing_ok=True)
+
+
+def llama_bench(
+    binary: str,
+    gguf: str | os.PathLike,
+    threads: int,
+    prompt_tokens: list[int],
+    new_tokens: int,
+    depth: int = 0,
+) -> dict[str, float]:
+    """llama.cpp's own benchmark of its engine alone, one repetition: {"pp<N>" | "tg<M>":
+    tokens/s} (pp: a prompt of N tokens; tg: M tokens one at a time after ``depth`` in the KV
+    cache; an empty list or 0 leaves that test out)."""
+    cmd = [binary, "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", "-d", str(depth)]
+    cmd += ["-p", ",".join(map(str, prompt_tokens or [0])), "-n", str(new_tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
+    return {
+        (f"pp{test['n_prompt']}" if test["n_prompt"] else f"tg{test['n_gen']}"): float(
+            test["avg_ts"]
+        )
+        for test in json.loads(out)
+    }
