@@ -30,7 +30,6 @@ from engine_worker.attention.batch import (
     DecodeWorkspace,
     PrefillSegment,
     StepBatch,
-    to_device,
 )
 from engine_worker.attention.flash_rows import (
     MIN_QUERY_ROWS,
@@ -138,26 +137,16 @@ class PagedCpuBackend(AttentionBackend):
             chunks.append(chunk)
         return chunks
 
-    def _device(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(array, self.cache.device)
-
     # --- forward (every layer) ----------------------------------------------------------------
-    def forward(
+    def _prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         layer: int,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        self.cache.write(layer, metadata.slot_mapping, k, v)
-        decode = metadata.decode
-        if decode is not None and decode.rows is None:  # decode rows only: no row gathers
-            return self._decode(q, k, v, layer, decode)
-        out = torch.empty_like(q)
-        if decode is not None:
-            rows = decode.rows
-            out[rows] = self._decode(q[rows], k[rows], v[rows], layer, decode)
+        out: torch.Tensor,
+    ) -> None:
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
         group = self.cache.query_group
         for chunk in metadata.prefills:
@@ -170,7 +159,6 @@ class PagedCpuBackend(AttentionBackend):
                 chunk.mask,
             )
             out[rows_slice] = ungrouped(o[0], chunk.num_tokens, group)
-        return out
 
     def _decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, decode: DecodeBatch

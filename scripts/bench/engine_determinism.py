@@ -294,30 +294,16 @@ def run_determinism(args) -> None:
 
 
 # --- cost: what the default launch (and --deterministic) pays -----------------------------------
-def continuation_ms(engine: Engine, prompt: list[int], repeats: int) -> float:
-    """Best wall time of a request whose prompt's full blocks are in the prefix cache (it
-    computes the rest and samples one token)."""
-    engine.add("warm-up", prompt, params(1))
+def after_cached_ms(engine: Engine, prefix: list[int], suffixes: list[list[int]], repeats: int):
+    """Best wall time of one request per suffix, ``prefix + suffix``, one token each, with
+    ``prefix`` in the prefix cache (their continuations in one step; a suffix
+    shorter than a block is never cached)."""
+    engine.add(f"prefix{time.perf_counter()}", prefix, params(1))
     step_until_done(engine)
     best = float("inf")
-    for r in range(repeats):
-        engine.add(f"again{r}", prompt, params(1))
-        start = time.perf_counter()
-        step_until_done(engine)
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
-def shared_prefix_ms(engine: Engine, rng, prefix_tokens: int, requests: int, repeats: int) -> float:
-    """Best wall time of ``requests`` prompts that share a cached ``prefix_tokens`` prefix,
-    each with 16 tokens of its own, one token each (their continuations in one step)."""
-    prefix = random_prompt(rng, prefix_tokens)
-    engine.add("prefix", prefix, params(1))
-    step_until_done(engine)
-    best = float("inf")
-    for r in range(repeats):
-        for i in range(requests):
-            engine.add(f"shared{r}.{i}", prefix + random_prompt(rng, 17)[1:], params(1))
+    for _ in range(repeats):
+        for i, suffix in enumerate(suffixes):
+            engine.add(f"after{time.perf_counter()}.{i}", prefix + suffix, params(1))
         start = time.perf_counter()
         step_until_done(engine)
         best = min(best, time.perf_counter() - start)
@@ -346,12 +332,12 @@ def run_cost(args) -> None:
             prompt = random_prompt(rng, length)
             rate = max(prefill_rate(engine, prompt) for _ in range(args.repeats))
             rows.append(f"prefill {length}: {rate:.1f} tok/s")
-        prompt = random_prompt(rng, 37)
-        rows.append(
-            f"37-token prompt, 32 cached: {continuation_ms(engine, prompt, args.repeats):.1f} ms"
-        )
-        shared = shared_prefix_ms(engine, rng, args.shared_prefix_tokens, 31, args.repeats)
-        rows.append(f"31 x 16 tokens after a cached {args.shared_prefix_tokens}: {shared:.0f} ms")
+        alone = after_cached_ms(engine, random_prompt(rng, 32), [[7] * 5], args.repeats)
+        rows.append(f"37-token prompt, 32 cached: {alone:.1f} ms")
+        prefix = random_prompt(rng, args.shared_prefix_tokens)
+        suffixes = [[100 + i] * 15 for i in range(31)]  # no full block: never cached
+        shared = after_cached_ms(engine, prefix, suffixes, args.repeats)
+        rows.append(f"31 x 15 tokens after a cached {args.shared_prefix_tokens}: {shared:.0f} ms")
         print(f"\n{name} (threads={torch.get_num_threads()}): " + "; ".join(rows), flush=True)
 
 
