@@ -322,8 +322,8 @@ def build_parser():
         "--determinism-parts",
         type=text_list,
         default=["ops", "paths", "forced"],
-        help="'determinism': any of ops,paths,forced,mc,cost (scripts/bench/engine_determinism.py "
-        "says what each measures) (default: ops,paths,forced)",
+        help="'determinism': any of ops,paths,forced,mc,attention,cost (its module "
+        "scripts/bench/engine_determinism.py says what each is) (default: ops,paths,forced)",
     )
     p.add_argument(
         "--mc-jsonl",

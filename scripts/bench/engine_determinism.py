@@ -13,6 +13,7 @@
           float32
   mc      multiple-choice loglikelihoods (--mc-jsonl, lm-eval's scoring) per weight mode:
           accuracy and distance from float32
+  attention  decode attention alone, the bf16 matmuls decode rows had against the flash rows
   cost    the default launch's decode tokens/s at each --decode-batch, prefill tokens/s at each
           --prefill-tokens, a 37-token prompt after 32 cached tokens, 31 prompts after a cached
           --shared-prefix-tokens prefix; then the same with --deterministic
@@ -23,10 +24,9 @@ here, not by the scheduler. fp32 and bf16 are dense in their dtype, the other mo
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,15 +37,6 @@ from engine_worker.sampler import RequestSampler
 from ipc.engine_config import EngineConfig
 from ipc.messages import SamplingParams
 from scripts.bench.chat_prompts import chat_prompt_ids
-from scripts.bench.engine_runs import (
-    decode_prompts,
-    decode_rate,
-    make_engine,
-    params,
-    prefill_rate,
-    random_prompt,
-    step_until_done,
-)
 
 MODES = {
     "fp32": {"dtype": "float32", "weights": "fp32"},
@@ -59,7 +50,7 @@ FORCED_TOKENS = 16
 
 
 def make(args, mode: str) -> Engine:
-    knobs = {**MODES[mode], "adaptive_threads": False, "max_batch_size": 64}
+    knobs: dict[str, Any] = {**MODES[mode], "adaptive_threads": False, "max_batch_size": 64}
     return Engine(EngineConfig(model_path=str(args.model), kv_cache_tokens=16384, **knobs))
 
 
@@ -252,7 +243,8 @@ def run_ops(args) -> None:
 
     engine = make(args, "auto")
     model = engine.runner.model
-    layer = model.layers[0]
+    layer: Any = model.layers[0]  # auto weights: BatchSizeSwitch layers, a dense and an int4 copy
+    head: Any = model.lm_head
     gen = torch.Generator().manual_seed(0)
     x576 = torch.randn(300, 576, generator=gen).bfloat16()
     x1536 = torch.randn(300, 1536, generator=gen).bfloat16()
@@ -260,15 +252,15 @@ def run_ops(args) -> None:
     ops = {
         "dense bf16, 960 x 576 (qkv)": (layer.qkv.dense.apply, x576),
         "dense bf16, 576 x 1536 (down)": (layer.down.dense.apply, x1536),
-        "dense bf16, lm_head": (model.lm_head.dense.apply, x576[:40]),
+        "dense bf16, lm_head": (head.dense.apply, x576[:40]),
         "int4 kernel (qkv, Q4_1)": (layer.qkv.quantized.apply, x576),
         "int4 kernel (down, Q4_1)": (layer.down.quantized.apply, x1536),
-        "Q8_0 planes (lm_head)": (model.lm_head.quantized.apply, x576[:40]),
+        "Q8_0 planes (lm_head)": (head.quantized.apply, x576[:40]),
         "rms_norm bf16": (lambda x: torch.nn.functional.rms_norm(x, (576,), model.norm), x576),
     }
 
     def refined(h: torch.Tensor) -> torch.Tensor:
-        logits = model.lm_head.dense.apply(h).float()
+        logits = head.dense.apply(h).float()
         refine_top_logits(logits, h, model.exact_head)
         return logits
 
@@ -287,58 +279,12 @@ def run_ops(args) -> None:
 
 
 def run_determinism(args) -> None:
+    from scripts.bench.determinism_cost import run_attention, run_cost
+
+    parts = {"ops": run_ops, "paths": run_paths, "forced": run_forced, "cost": run_cost}
+    parts |= {"mc": run_mc, "attention": run_attention}
     for part in args.determinism_parts:
-        {"ops": run_ops, "paths": run_paths, "forced": run_forced, "cost": run_cost, "mc": run_mc}[
-            part
-        ](args)
-
-
-# --- cost: what the default launch (and --deterministic) pays -----------------------------------
-def after_cached_ms(engine: Engine, prefix: list[int], suffixes: list[list[int]], repeats: int):
-    """Best wall time of one request per suffix, ``prefix + suffix``, one token each, with
-    ``prefix`` in the prefix cache (their continuations in one step; a suffix
-    shorter than a block is never cached)."""
-    engine.add(f"prefix{time.perf_counter()}", prefix, params(1))
-    step_until_done(engine)
-    best = float("inf")
-    for _ in range(repeats):
-        for i, suffix in enumerate(suffixes):
-            engine.add(f"after{time.perf_counter()}.{i}", prefix + suffix, params(1))
-        start = time.perf_counter()
-        step_until_done(engine)
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
-def run_cost(args) -> None:
-    """Decode tokens/s per --decode-batch, prefill tokens/s and continuation times of the
-    default launch (auto weights, bf16) and, where the engine has it, --deterministic."""
-    rng = np.random.default_rng(0)
-    modes = {"default": {}}
-    if "deterministic" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        modes["deterministic"] = {"deterministic": True}
-    for name, knobs in modes.items():
-        engine = make_engine(
-            args, dtype="bfloat16", weights="auto", max_batch_size=max(args.decode_batch), **knobs
-        )
-        rows = []
-        for batch in args.decode_batch:
-            prompts = decode_prompts(args, np.random.default_rng(batch), batch)
-            rate = max(
-                decode_rate(engine, prompts, args.decode_tokens) for _ in range(args.repeats)
-            )
-            rows.append(f"decode batch {batch}: {rate:.1f} tok/s")
-        for length in args.prefill_tokens:
-            prompt = random_prompt(rng, length)
-            rate = max(prefill_rate(engine, prompt) for _ in range(args.repeats))
-            rows.append(f"prefill {length}: {rate:.1f} tok/s")
-        alone = after_cached_ms(engine, random_prompt(rng, 32), [[7] * 5], args.repeats)
-        rows.append(f"37-token prompt, 32 cached: {alone:.1f} ms")
-        prefix = random_prompt(rng, args.shared_prefix_tokens)
-        suffixes = [[100 + i] * 15 for i in range(31)]  # no full block: never cached
-        shared = after_cached_ms(engine, prefix, suffixes, args.repeats)
-        rows.append(f"31 x 15 tokens after a cached {args.shared_prefix_tokens}: {shared:.0f} ms")
-        print(f"\n{name} (threads={torch.get_num_threads()}): " + "; ".join(rows), flush=True)
+        parts[part](args)
 
 
 # --- mc: multiple-choice loglikelihoods, as lm-eval scores them ---------------------------------
