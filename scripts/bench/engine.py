@@ -40,7 +40,7 @@ import torch
 
 from engine_worker.engine import Engine
 from procs.model_store import resolve_model
-from scripts.bench import engine_determinism, engine_formats, engine_logprobs
+from scripts.bench import determinism_cost, engine_determinism, engine_formats, engine_logprobs
 from scripts.bench.engine_runs import (
     decode_prompts,
     decode_rate,
@@ -260,6 +260,20 @@ def run_peer(args) -> None:
         print(engine_formats.bound_line(name, weight_bytes, bandwidth, rate))
 
 
+def run_determinism(args) -> None:
+    """Each of --determinism-parts (scripts/bench/engine_determinism.py says what each is)."""
+    parts = {
+        "ops": engine_determinism.run_ops,
+        "paths": engine_determinism.run_paths,
+        "forced": engine_determinism.run_forced,
+        "mc": engine_determinism.run_mc,
+        "attention": determinism_cost.run_attention,
+        "cost": determinism_cost.run_cost,
+    }
+    for part in args.determinism_parts:
+        parts[part](args)
+
+
 WORKLOADS = {
     "core": run_core,
     "sampling": run_sampling,
@@ -270,7 +284,7 @@ WORKLOADS = {
     "formats": engine_formats.run_formats,
     "bandwidth": engine_formats.run_bandwidth,
     "logprobs": engine_logprobs.run_logprobs,
-    "determinism": engine_determinism.run_determinism,
+    "determinism": run_determinism,
 }
 
 

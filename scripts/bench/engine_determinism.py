@@ -278,15 +278,6 @@ def run_ops(args) -> None:
         print(f"{name:36s}" + "".join(f"{'-' if c is None else str(c):>14s}" for c in checks))
 
 
-def run_determinism(args) -> None:
-    from scripts.bench.determinism_cost import run_attention, run_cost
-
-    parts = {"ops": run_ops, "paths": run_paths, "forced": run_forced, "cost": run_cost}
-    parts |= {"mc": run_mc, "attention": run_attention}
-    for part in args.determinism_parts:
-        parts[part](args)
-
-
 # --- mc: multiple-choice loglikelihoods, as lm-eval scores them ---------------------------------
 def run_mc(args) -> None:
     """Each --mc-jsonl item's choices scored by the summed logprob of their tokens after the
