@@ -1,8 +1,9 @@
-"""The OpenAI-compatible routes of one frontend process (FastAPI), its error handlers and
-middleware, and its lifespan: connect to the cluster, report to the supervisor.
+"""The routes of one frontend process (FastAPI), its error handlers and middleware, and its
+lifespan: connect to the cluster, report to the supervisor.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with ``stream``),
-GET /v1/models, GET /health, GET /metrics, and (tokenize_routes.py) POST /tokenize,
+GET /v1/models, GET /health, GET /metrics; (other_api_routes.py) POST /v1/responses,
+POST /v1/messages, POST /v1/messages/count_tokens; (tokenize_routes.py) POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET /version.
 """
 
@@ -11,42 +12,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import zmq
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
+from http_worker.answer import generate, json_response
 from http_worker.body import BodyReader, validation_error
-from http_worker.frontend import Frontend, FrontendSettings
-from http_worker.generation import (
-    ClientGone,
-    GenerationCall,
-    GenerationPlan,
-    plan_generation,
-    submit_all,
-    unless_disconnected,
-)
+from http_worker.frontend import Connect, Frontend, FrontendSettings, connect_cluster
+from http_worker.generation import GenerationPlan, plan_generation
+from http_worker.messages_api_bodies import messages_error_body
 from http_worker.openapi import JSON_OBJECT, install_openapi, operation, reading
+from http_worker.other_api_routes import BODIES as OTHER_API_BODIES
+from http_worker.other_api_routes import PATHS as OTHER_API_PATHS
+from http_worker.other_api_routes import POLICIES as OTHER_API_POLICIES
+from http_worker.other_api_routes import install_other_api_routes, speaks_messages_api
 from http_worker.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from http_worker.responses import (
-    ChatFormat,
-    ChoiceOutput,
-    CompletionFormat,
-    ResponseFormat,
-    models_body,
-    usage_body,
-)
+from http_worker.responses import ChatFormat, CompletionFormat, models_body
 from http_worker.tokenize_routes import (
     POLICIES,
     TOKENIZER_BODIES,
@@ -54,109 +45,18 @@ from http_worker.tokenize_routes import (
     install_tokenize_routes,
     package_version,
 )
-from ipc.client import Delta, SplitserveError
 from ipc.sampling import DEFAULT_MAX_TOKENS
 from ipc.sockets import CurveKeys
 from runtime.supervisor_link import SupervisorLink
 
 logger = logging.getLogger("splitserve.http")
-SSE_DONE = b"data: [DONE]\n\n"
-KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKENIZER_PATHS)
-
-
-def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        json.dumps(body, ensure_ascii=False, separators=(",", ":")),
-        status,
-        headers,
-        media_type="application/json",
-    )
-
-
-def _sse(body: Any) -> bytes:
-    return (
-        b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-    )
-
-
-async def _generate(
-    request: Request, plan: GenerationPlan, fmt: ResponseFormat, t_arrived: float
-) -> Response:
-    body = plan.body
-    frontend: Frontend = request.app.state.frontend
-    frontend.check_model(body.model)
-    call = submit_all(frontend, plan, fmt, t_arrived)
-    events = call.events()
-    try:
-        if not body.stream:
-            return _json(await unless_disconnected(request, _collect(call, events, fmt)))
-        # Wait for the first event before answering, so that errors caught before the engine
-        # (bad input, overload) still get their HTTP status instead of a 200 stream.
-        first = await unless_disconnected(request, events.__anext__())
-    except ClientGone:
-        call.close()
-        return Response(status_code=499)  # nobody reads it; the access log does
-    except SplitserveError as exc:
-        raise call.fail(exc) from None
-    except BaseException:
-        call.close("internal")
-        raise
-    return StreamingResponse(
-        _stream(call, first, events, fmt),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        background=BackgroundTask(call.aclose),
-    )
-
-
-async def _collect(
-    call: GenerationCall, events: AsyncIterator[tuple[int, Delta]], fmt: ResponseFormat
-) -> dict[str, Any]:
-    choices = [ChoiceOutput() for _ in call.handles]
-    async for i, delta in events:
-        choices[i].add(delta)
-    call.close()
-    return fmt.full(choices, call.usage())
-
-
-async def _stream(
-    call: GenerationCall,
-    first: tuple[int, Delta],
-    events: AsyncIterator[tuple[int, Delta]],
-    fmt: ResponseFormat,
-) -> AsyncIterator[bytes]:
-    """The SSE body. Ends with [DONE], or with an error object then [DONE] when a choice fails
-    mid-stream. A client disconnect cancels this generator; ``finally`` aborts what is left."""
-    try:
-        opening = _usage_so_far(first[1], completion_tokens=0)
-        for i in range(len(call.handles)):
-            if (chunk := fmt.first_chunk(i, opening)) is not None:
-                yield _sse(chunk)
-        i, delta = first
-        while True:
-            out = ChoiceOutput().add(delta)
-            if out.has_content:
-                yield _sse(fmt.chunk(i, out, _usage_so_far(delta)))
-            try:
-                i, delta = await events.__anext__()
-            except StopAsyncIteration:
-                break
-        if fmt.include_usage:
-            yield _sse(fmt.usage_chunk(call.usage()))
-    except SplitserveError as exc:
-        yield _sse(call.fail(exc).body())
-    finally:
-        call.close()
-    yield SSE_DONE
-
-
-def _usage_so_far(delta: Delta, completion_tokens: int | None = None) -> dict[str, Any] | None:
-    """A choice's usage as of this delta (continuous_usage_stats asks for one on every event)."""
-    u = delta.usage
-    if u is None:
-        return None
-    done = u.completion_tokens if completion_tokens is None else completion_tokens
-    return usage_body(u.prompt_tokens, done, u.cached_tokens)
+KNOWN_ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    *OTHER_API_PATHS,
+    "/v1/models",
+    *TOKENIZER_PATHS,
+)
 
 
 # --- the app ------------------------------------------------------------------------------------
@@ -186,8 +86,11 @@ async def _report_to_supervisor(settings: FrontendSettings, frontend: Frontend) 
         ctx.term()
 
 
-def build_app(settings: FrontendSettings) -> FastAPI:
-    frontend = Frontend(settings)
+def _lifespan(
+    settings: FrontendSettings, frontend: Frontend
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's start (the frontend's connections, the ready line, the supervisor reports)
+    and its end."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -212,28 +115,40 @@ def build_app(settings: FrontendSettings) -> FastAPI:
                     await reporting
             await frontend.close()
 
+    return lifespan
+
+
+def build_app(settings: FrontendSettings, connect: Connect = connect_cluster) -> FastAPI:
+    """``connect``: how the frontend gets its client (the default: the cluster's address)."""
+    frontend = Frontend(settings, connect)
     app = FastAPI(
         title="splitserve",
         description="An OpenAI-compatible API. Request fields are typed strictly (an integer "
         "field takes an integer, never a string or a boolean) and unknown fields are refused "
         "with a 400 naming them; docs/field-policy.md states the rules.",
         version=package_version(),
-        lifespan=lifespan,
+        lifespan=_lifespan(settings, frontend),
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
     )
     app.state.frontend = frontend
-    bodies = BodyReader(settings.max_body_bytes, settings.lenient_fields, POLICIES)
+    policies = {**POLICIES, **OTHER_API_POLICIES}
+    bodies = BodyReader(settings.max_body_bytes, settings.lenient_fields, policies)
     _install_error_handlers(app)
     _install_middleware(app, frontend, settings.api_key)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, *TOKENIZER_BODIES])
+    install_openapi(
+        app, [CompletionRequest, ChatCompletionRequest, *OTHER_API_BODIES, *TOKENIZER_BODIES]
+    )
 
     _install_generation_routes(app, frontend, bodies)
+    install_other_api_routes(app, frontend, bodies)
 
     @app.get("/v1/models", openapi_extra=reading(JSON_OBJECT, "401"))
     async def models() -> Response:
-        return _json(models_body(frontend.model_name, frontend.t_start, frontend.max_model_len))
+        return json_response(
+            models_body(frontend.model_name, frontend.t_start, frontend.max_model_len)
+        )
 
     health_answers = {"503": {"description": "a process does not answer", "content": JSON_OBJECT}}
 
@@ -245,15 +160,15 @@ def build_app(settings: FrontendSettings) -> FastAPI:
         problem = await frontend.healthy()
         who = {"pid": os.getpid(), "index": settings.index}
         if problem is None:
-            return _json({"status": "ok", **who})
-        return _json({"status": "unavailable", "reason": problem, **who}, 503)
+            return json_response({"status": "ok", **who})
+        return json_response({"status": "unavailable", "reason": problem, **who}, 503)
 
     @app.get("/metrics", openapi_extra=reading({"text/plain": {"schema": {"type": "string"}}}))
     async def metrics() -> Response:
         text, content_type = frontend.metrics.render()
         return Response(text + await frontend.engine_metrics(), media_type=content_type)
 
-    install_tokenize_routes(app, frontend, bodies, _json)
+    install_tokenize_routes(app, frontend, bodies, json_response)
     return app
 
 
@@ -280,7 +195,7 @@ def _install_generation_routes(app: FastAPI, frontend: Frontend, bodies: BodyRea
             echo=body.echo,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await _generate(request, body_plan, fmt, t_arrived)
+        return await generate(request, body_plan, fmt, t_arrived)
 
     @app.post("/v1/chat/completions", openapi_extra=operation(ChatCompletionRequest, stream=True))
     async def chat_completions(request: Request) -> Response:
@@ -296,7 +211,7 @@ def _install_generation_routes(app: FastAPI, frontend: Frontend, bodies: BodyRea
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await _generate(request, body_plan, fmt, t_arrived)
+        return await generate(request, body_plan, fmt, t_arrived)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -305,7 +220,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         headers = dict(exc.headers or {})
         if exc.status in (429, 503):
             headers["Retry-After"] = "1"
-        return _json(exc.body(), exc.status, headers or None)
+        return _error_answer(request.url.path, exc.status, exc.body(), headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -316,11 +231,27 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
         # Keeps the exception's headers: a 405 says which methods the path takes (Allow).
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _json(error_body(str(exc.detail), kind), exc.status_code, dict(exc.headers or {}))
+        body = error_body(str(exc.detail), kind)
+        return _error_answer(request.url.path, exc.status_code, body, dict(exc.headers or {}))
+
+
+def _error_answer(
+    path: str, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> Response:
+    """An error in the shape of the API ``path`` belongs to: OpenAI's ``body``, or Anthropic's
+    on /v1/messages (the same status and message)."""
+    if speaks_messages_api(path):
+        body = messages_error_body(status, body["error"]["message"], body["error"]["param"])
+    return json_response(body, status, headers)
 
 
 def _install_middleware(app: FastAPI, frontend: Frontend, api_key: str) -> None:
-    expected = f"Bearer {api_key}"
+    def authorized(request: Request) -> bool:
+        """``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY`` (Anthropic's)."""
+        bearer = request.headers.get("authorization") or ""
+        given = bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else ""
+        given = given or request.headers.get("x-api-key") or ""
+        return hmac.compare_digest(given.encode(), api_key.encode())
 
     @app.middleware("http")
     async def answer_faults(request: Request, call_next: Any) -> Response:
@@ -333,23 +264,23 @@ def _install_middleware(app: FastAPI, frontend: Frontend, api_key: str) -> None:
         except Exception:
             logger.exception("unexpected error answering %s", request.url.path)
             body = error_body("internal server error", "server_error", None, "internal")
-            return _json(body, 500)
+            return _error_answer(request.url.path, body=body, status=500)
         return response
 
     @app.middleware("http")
     async def auth_and_count(request: Request, call_next: Any) -> Response:
         path = request.url.path
-        given = request.headers.get("authorization") or ""
         protected = path.startswith("/v1/") or path in TOKENIZER_PATHS
-        if api_key and protected and not hmac.compare_digest(given.encode(), expected.encode()):
-            response: Response = _json(
+        if api_key and protected and not authorized(request):
+            response: Response = _error_answer(
+                path,
+                401,
                 error_body(
-                    "a valid API key is required (Authorization: Bearer ...)",
+                    "a valid API key is required (Authorization: Bearer ..., or x-api-key: ...)",
                     "invalid_request_error",
                     None,
                     "invalid_api_key",
                 ),
-                401,
             )
         else:
             response = await call_next(request)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from http_worker.engine_metrics import render_engine_metrics
 from http_worker.metrics import HttpMetrics
 from http_worker.protocol import APIError
-from ipc.client import AsyncClient, SplitserveError
+from ipc.client import AsyncClient, AsyncRequestHandle, SplitserveError
 from ipc.config import (
     API_KEY_HELP,
     DEFAULT_MAX_BODY_BYTES,
@@ -20,7 +22,7 @@ from ipc.config import (
     ClusterConfig,
 )
 from ipc.knobs import check_knobs, knob
-from ipc.messages import ERR_UNAVAILABLE
+from ipc.messages import ERR_UNAVAILABLE, ClientWelcome
 
 logger = logging.getLogger("splitserve.http")
 
@@ -102,13 +104,44 @@ class FrontendSettings:
         )
 
 
+class ClusterClient(Protocol):
+    """What the routes use of the SDK's AsyncClient. A launcher may hand the frontend another
+    implementation (``build_app(connect=)``): procs/serve_ray's, whose engines sit behind Ray
+    Serve, hands out AsyncRequestHandles all the same."""
+
+    @property
+    def welcome(self) -> ClientWelcome | None: ...
+
+    def submit(self, *args: Any, **kwargs: Any) -> AsyncRequestHandle: ...
+    def tokenize(self, *args: Any, **kwargs: Any) -> Any: ...
+    def detokenize(self, *args: Any, **kwargs: Any) -> Any: ...
+    def tokenizer_info(self, *args: Any, **kwargs: Any) -> Any: ...
+    def engine_stats(self, *args: Any, **kwargs: Any) -> Any: ...
+    async def close(self) -> None: ...
+
+
+# How a frontend gets its client once its event loop runs (Frontend.start).
+Connect = Callable[["FrontendSettings"], Awaitable[ClusterClient]]
+
+
+async def connect_cluster(settings: FrontendSettings) -> ClusterClient:
+    """The default: the SDK's AsyncClient on the cluster's client address."""
+    return await AsyncClient(
+        settings.client_addr,
+        connect_timeout_s=settings.connect_timeout_s,
+        deadline_s=settings.request_deadline_s or None,
+        server_public_key=settings.server_public_key or None,
+    ).start()
+
+
 class Frontend:
     """What the routes share: the SDK client, the served model's facts, metrics, liveness."""
 
-    def __init__(self, settings: FrontendSettings) -> None:
+    def __init__(self, settings: FrontendSettings, connect: Connect = connect_cluster) -> None:
         self.settings = settings
+        self._connect = connect
         self.metrics = HttpMetrics()
-        self.client: AsyncClient | None = None
+        self.client: ClusterClient | None = None
         self.model_name = settings.model_name
         self.max_model_len = 0
         self.t_start = int(time.time())
@@ -117,12 +150,7 @@ class Frontend:
         self._probes = 0
 
     async def start(self) -> None:
-        self.client = await AsyncClient(
-            self.settings.client_addr,
-            connect_timeout_s=self.settings.connect_timeout_s,
-            deadline_s=self.settings.request_deadline_s or None,
-            server_public_key=self.settings.server_public_key or None,
-        ).start()
+        self.client = await self._connect(self.settings)
         welcome = self.client.welcome
         assert welcome is not None
         self.model_name = self.model_name or welcome.model
@@ -162,7 +190,7 @@ class Frontend:
                 "model_not_found",
             )
 
-    def require_client(self) -> AsyncClient:
+    def require_client(self) -> ClusterClient:
         if self.client is None:
             raise APIError(
                 503,

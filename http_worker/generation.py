@@ -32,9 +32,9 @@ def api_error_from(
     names its field, as ``body`` calls it (max_tokens may be max_completion_tokens there)."""
     message = str(exc)
     if exc.code == ERR_BAD_REQUEST:
-        if exc.param and body is not None:
-            named = body.named(FieldError(exc.param, message))
-            return bad_request(str(named), named.param)
+        if body is not None:  # a message without a param may still name fields (tools[0]...)
+            named = body.named(FieldError(exc.param or "", message))
+            return bad_request(str(named), named.param or None)
         return bad_request(message, exc.param)
     if exc.code == ERR_OVERLOADED:
         return APIError(429, message, "rate_limit_error", None, ERR_OVERLOADED)

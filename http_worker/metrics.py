@@ -71,6 +71,8 @@ def _multiprocess_dir() -> str | None:
 
 class HttpMetrics:
     def __init__(self) -> None:
+        """Declarations only, one metric each (longer than a function should be, on purpose:
+        the list of series a scrape shows reads best in one place)."""
         # A private registry: two apps in one process (tests) must not collide on names.
         self.registry = CollectorRegistry()
         r = self.registry

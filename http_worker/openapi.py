@@ -1,7 +1,7 @@
 """The OpenAPI document served at /openapi.json: the request bodies as the strict models of
 protocol.py validate them (types and bounds), every error as the 400-family body the server
 really sends (never FastAPI's 422), so that tools can generate clients from it and fuzz it
-(tests/test_http_openapi.py runs schemathesis over every route).
+(tests/test_http_edge.py runs schemathesis over every route).
 
 The routes read their bodies themselves (http_worker.body), so FastAPI cannot see them: each
 route states its body and answers with ``operation(...)``, and ``install_openapi`` adds the
@@ -33,6 +33,19 @@ ERROR_SCHEMA: dict[str, Any] = {
         }
     },
 }
+# Anthropic's shape, which the /v1/messages routes answer with (messages_api_bodies.py).
+ANTHROPIC_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
 _ERROR_REASONS = {
     "400": "the body or a field is invalid (param names it)",
     "401": "no valid API key (servers started with one)",
@@ -52,17 +65,25 @@ SSE_SCHEMA = {
     "properties": {"data": {"type": "string"}},
     "required": ["data"],
 }
+TYPED_SSE_SCHEMA = {
+    "type": "object",
+    "description": "one server-sent event, named by its type; its data is a JSON object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["event", "data"],
+}
 
 
-def _error(reason: str) -> dict[str, Any]:
-    return {"description": reason, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+def _error(reason: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": reason, "content": {"application/json": {"schema": schema}}}
 
 
-def responses(success: dict[str, Any], *codes: str) -> dict[str, Any]:
+def responses(
+    success: dict[str, Any], *codes: str, error_schema: dict[str, Any] = ERROR_SCHEMA
+) -> dict[str, Any]:
     """The 200 answer's content types and schemas, and the error answers ``codes``."""
     out: dict[str, Any] = {"200": {"description": "success", "content": success}}
     for code in codes or _ERROR_REASONS:
-        out[code] = _error(_ERROR_REASONS[code])
+        out[code] = _error(_ERROR_REASONS[code], error_schema)
     return out
 
 
@@ -73,13 +94,16 @@ def reading(success: dict[str, Any], *codes: str) -> dict[str, Any]:
 
 
 def operation(
-    *bodies: type[BaseModel], success: dict[str, Any] | None = None, stream: bool = False
+    *bodies: type[BaseModel],
+    success: dict[str, Any] | None = None,
+    stream: bool | dict[str, Any] = False,
+    error_schema: dict[str, Any] = ERROR_SCHEMA,
 ) -> dict[str, Any]:
     """A route's ``openapi_extra``: its JSON body (one of ``bodies``) and its answers."""
     refs = [{"$ref": _REF.format(model=model.__name__)} for model in bodies]
     content: dict[str, Any] = {"application/json": {"schema": success or _OBJECT}}
     if stream:
-        content["text/event-stream"] = {"schema": SSE_SCHEMA}
+        content["text/event-stream"] = {"schema": SSE_SCHEMA if stream is True else stream}
     return {
         "requestBody": {
             "required": True,
@@ -87,7 +111,7 @@ def operation(
                 "application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}
             },
         },
-        "responses": responses(content),
+        "responses": responses(content, error_schema=error_schema),
     }
 
 

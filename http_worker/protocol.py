@@ -182,7 +182,8 @@ class _GenerationRequest(BaseModel):
         try:
             spec = spec_from_request(self.response_format, self.structured_outputs)
         except StructuredOutputError as exc:
-            raise bad_request(str(exc), exc.param) from None
+            named = self.named(FieldError(exc.param, str(exc)))
+            raise bad_request(str(named), named.param) from None
         salt = {} if self.cache_salt is None else {"cache_salt": self.cache_salt}
         return salt if spec is None else {"response_format": spec, **salt}
 

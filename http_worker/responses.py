@@ -7,8 +7,10 @@ stream chunk; a format renders it, with logprobs (http_worker.logprobs) when the
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,14 +20,23 @@ from http_worker.logprobs import (
     completion_logprobs,
     prompt_logprobs_body,
 )
+from http_worker.protocol import APIError
 from http_worker.tool_call_bodies import delta_with_calls, message_with_calls
 from ipc.client import Delta
 from ipc.messages import LogprobEntry
 from ipc.structured import ToolCallDelta
 
+SSE_DONE = b"data: [DONE]\n\n"
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(body: Any, event: str | None = None) -> bytes:
+    """One server-sent event; ``event`` names its type (the Responses and Messages APIs do)."""
+    data = b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return (b"event: " + event.encode() + b"\n" + data if event else data) + b"\n\n"
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -47,10 +58,16 @@ class ChoiceOutput:
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces, as they came
+    # Text and call pieces in the order they came (a delta's text before its calls), for the
+    # APIs whose output is a list of typed items or blocks.
+    parts: list[str | ToolCallDelta] = field(default_factory=list)
 
     def add(self, delta: Delta) -> ChoiceOutput:
         self.text += delta.text
         self.tool_calls += delta.tool_calls
+        if delta.text:
+            self.parts.append(delta.text)
+        self.parts += delta.tool_calls
         self.logprobs += delta.logprobs
         self.prompt_logprobs += delta.prompt_logprobs
         self.echo_text += delta.echo_text
@@ -135,6 +152,31 @@ class ResponseFormat:
 
     def first_chunk(self, index: int, usage: dict[str, Any] | None = None) -> dict[str, Any] | None:
         return None
+
+    # The stream (http_worker.answer): OpenAI's chunks as data-only events ending with [DONE].
+    # The Responses and Messages formats write their typed events instead.
+
+    def stream_start(self, choices: int, usage: dict[str, Any] | None) -> Iterator[bytes]:
+        """Before the first delta; ``usage``: the prompt's, when continuous usage was asked."""
+        for i in range(choices):
+            if (chunk := self.first_chunk(i, usage)) is not None:
+                yield sse(chunk)
+
+    def stream_delta(
+        self, index: int, out: ChoiceOutput, usage: dict[str, Any] | None
+    ) -> Iterator[bytes]:
+        if out.has_content:
+            yield sse(self.chunk(index, out, usage))
+
+    def stream_end(self, usage: dict[str, Any]) -> Iterator[bytes]:
+        if self.include_usage:
+            yield sse(self.usage_chunk(usage))
+        yield SSE_DONE
+
+    def stream_error(self, error: APIError) -> Iterator[bytes]:
+        """A choice failed mid-stream (the others are aborted already)."""
+        yield sse(error.body())
+        yield SSE_DONE
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [])

@@ -97,32 +97,7 @@ def install_tokenize_routes(
         body = await parse(
             request, lambda data: TokenizeChatBody if "messages" in data else TokenizePromptBody
         )
-        strs = bool(body.return_token_strs)
-        if isinstance(body, TokenizeChatBody):
-            messages = [m.as_dict() for m in body.messages]
-            result = await ask(
-                lambda client: client.tokenize(
-                    messages=messages,
-                    add_special_tokens=body.add_special_tokens,
-                    add_generation_prompt=body.add_generation_prompt,
-                    chat_template_kwargs=body.chat_template_kwargs,
-                    return_token_strs=strs,
-                )
-            )
-        else:
-            result = await ask(
-                lambda client: client.tokenize(
-                    body.prompt, add_special_tokens=body.add_special_tokens, return_token_strs=strs
-                )
-            )
-        return json_response(
-            {
-                "count": result.count,
-                "max_model_len": result.max_model_len,
-                "tokens": result.token_ids,
-                "token_strs": result.token_strs,
-            }
-        )
+        return json_response(await _tokenized(body, ask))
 
     @app.post("/detokenize", openapi_extra=operation(DetokenizeBody))
     async def detokenize(request: Request) -> Response:
@@ -137,3 +112,31 @@ def install_tokenize_routes(
     @app.get("/version", openapi_extra=reading(JSON_OBJECT))
     async def get_version() -> Response:
         return json_response({"version": version})
+
+
+async def _tokenized(body: TokenizePromptBody | TokenizeChatBody, ask: Any) -> dict[str, Any]:
+    """The /tokenize answer to one body; ``ask`` runs an SDK query (install_tokenize_routes)."""
+    strs = bool(body.return_token_strs)
+    if isinstance(body, TokenizeChatBody):
+        messages = [m.as_dict() for m in body.messages]
+        result = await ask(
+            lambda client: client.tokenize(
+                messages=messages,
+                add_special_tokens=body.add_special_tokens,
+                add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=body.chat_template_kwargs,
+                return_token_strs=strs,
+            )
+        )
+    else:
+        result = await ask(
+            lambda client: client.tokenize(
+                body.prompt, add_special_tokens=body.add_special_tokens, return_token_strs=strs
+            )
+        )
+    return {
+        "count": result.count,
+        "max_model_len": result.max_model_len,
+        "tokens": result.token_ids,
+        "token_strs": result.token_strs,
+    }

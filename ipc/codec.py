@@ -305,6 +305,11 @@ def _make_decoder(hint: Any) -> Callable[[Any, str], Any]:
         return dec_dict
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return lambda v, w: _decode_dataclass(hint, v, w)
+    return _scalar_decoder(hint)
+
+
+def _scalar_decoder(hint: Any) -> Callable[[Any, str], Any]:
+    """A number, a string, bytes or a bool, strictly: no bool for an int, no int for a str."""
     if hint is float:
 
         def dec_float(v: Any, w: str) -> float:

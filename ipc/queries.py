@@ -41,6 +41,10 @@ class TokenizeRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # for messages
     return_token_strs: bool = False  # also each token's own string (tokenize only)
     t_submit: float = 0.0
+    # For messages: OpenAI's tools and tool_choice as JSON text (as SubmitRequest carries them),
+    # which the chat template renders as a request with them would.
+    tools: str = ""
+    tool_choice: str = ""
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 256:
@@ -61,6 +65,8 @@ class TokenizeRequest:
             raise ValueError(f"prompt has more than {MAX_TOKENIZE_CHARS} characters")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
+        if (self.tools or self.tool_choice) and self.messages is None:
+            raise ValueError("tools and tool_choice apply to chat messages only")
         if self.chat_template_kwargs:
             if self.messages is None:
                 raise ValueError("chat_template_kwargs applies to chat messages only")

@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ipc.client import Client, SplitserveError
 from ipc.config import API_KEY_HELP, TRANSPORTS
@@ -38,7 +39,18 @@ logger = logging.getLogger("splitserve.cli")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cluster")
+    """Every flag of a cluster launch, in the groups --help shows."""
+    _add_cluster_group(p.add_argument_group("cluster"))
+    add_engine_flags(p.add_argument_group("engine"))
+    add_cluster_flags(
+        p.add_argument_group("data-parallel engines (docs/data-parallel.md)"), DATA_PARALLEL_KNOBS
+    )
+    _add_http_group(p.add_argument_group("OpenAI-compatible HTTP frontend"))
+    add_cluster_flags(p.add_argument_group("faults"), FAULT_KNOBS)
+    add_cluster_flags(p.add_argument_group("testing (stand-ins for a role's core)"), TESTING_KNOBS)
+
+
+def _add_cluster_group(g: Any) -> None:
     g.add_argument(
         "--model",
         default=None,
@@ -83,11 +95,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="give up if the processes are not ready within this (default 180)",
     )
-    add_engine_flags(p.add_argument_group("engine"))
-    add_cluster_flags(
-        p.add_argument_group("data-parallel engines (docs/data-parallel.md)"), DATA_PARALLEL_KNOBS
-    )
-    h = p.add_argument_group("OpenAI-compatible HTTP frontend")
+
+
+def _add_http_group(h: Any) -> None:
     h.add_argument(
         "--http-port",
         type=int,
@@ -109,8 +119,6 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help=f"{API_KEY_HELP} (default: $SPLITSERVE_API_KEY, or none)",
     )
-    add_cluster_flags(p.add_argument_group("faults"), FAULT_KNOBS)
-    add_cluster_flags(p.add_argument_group("testing (stand-ins for a role's core)"), TESTING_KNOBS)
 
 
 def cluster_kwargs(args: argparse.Namespace) -> dict:
@@ -329,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the serving benchmark (python -m scripts.bench serving): inproc vs cluster, "
         "submit wall and TTFT (splitserve bench --help for its options)",
     )
+    sub.add_parser(
+        "serve-ray",
+        add_help=False,
+        help="serve on Ray Serve, one node or many (needs the ray extra; splitserve serve-ray "
+        "--help for its options; docs/ray.md)",
+    )
     return parser
 
 
@@ -336,6 +350,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         sys.exit(run_bench(argv[1:]))
+    if argv[:1] == ["serve-ray"]:
+        # Deferred: the Ray launcher is an optional extra, and nothing else needs it.
+        from procs.serve_ray.command import main as serve_ray
+
+        logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
+        sys.exit(serve_ray(argv[1:]))
     args = build_parser().parse_args(argv)
     quiet = args.command in ("chat", "generate")
     os.environ.setdefault("SPLITSERVE_LOG_LEVEL", "WARNING" if quiet else "INFO")

@@ -19,3 +19,11 @@ def default_model_dir() -> Path:
 def tiny_model_dir(tmp_path_factory) -> Path:
     ensure_default_model()
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with end-to-end tests on the real model first, each file's tests kept together and
+    in order: scripts/test hands whole files to two workers (pytest-xdist, --dist loadfile), and
+    a long file handed out last would leave one worker idle while the other finishes it."""
+    heavy = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in heavy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anthropic
 import openai
 import pytest
 
@@ -111,3 +112,28 @@ def test_chat_logprobs_streamed_and_not_agree(oai):
     for a, b in zip(streamed, full.logprobs.content):
         assert abs(a.logprob - b.logprob) < 1e-4 and len(a.top_logprobs) == 5
         assert a.top_logprobs[0].token == a.token  # greedy: the most likely token was chosen
+
+
+def test_responses_api_answers_paris(oai):
+    """OpenAI's Responses API, end to end on the real model (tests/test_http_other_apis.py has
+    the breadth on the tiny one)."""
+    r = oai.responses.create(
+        model="smollm2", input=QUESTION[0]["content"], max_output_tokens=24, temperature=0
+    )
+    assert r.status == "completed" and "Paris" in r.output_text
+
+
+def test_messages_api_streams_paris(oai):
+    """Anthropic's Messages API through the anthropic SDK's stream helper."""
+    claude = anthropic.Anthropic(
+        base_url=str(oai.base_url).removesuffix("/").removesuffix("/v1"),
+        api_key="unused",
+        max_retries=0,
+    )
+    with claude.messages.stream(
+        model="smollm2", max_tokens=24, messages=QUESTION, extra_body={"temperature": 0}
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert "Paris" in text and final.stop_reason == "end_turn"
+    assert final.content[0].text == text

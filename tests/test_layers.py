@@ -74,3 +74,31 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module name ``path`` imports, third-party ones included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_only_the_ray_launcher_imports_ray():
+    """Ray is an optional extra: only procs.serve_ray (and the benchmark that drives it) import
+    it, and only the CLI's serve-ray command (deferred) and that benchmark import the launcher."""
+    launcher = ("procs/serve_ray/", "scripts/bench/serve_ray.py")
+    users = (*launcher, "procs/cli.py")
+    wrong = []
+    for top in LAYER:
+        for path in (ROOT / top).rglob("*.py"):
+            where = path.relative_to(ROOT).as_posix()
+            names = imported_names(path)
+            if not where.startswith(launcher) and any(n.split(".")[0] == "ray" for n in names):
+                wrong.append(f"{where} imports ray")
+            if not where.startswith(users) and any(n.startswith("procs.serve_ray") for n in names):
+                wrong.append(f"{where} imports procs.serve_ray")
+    assert wrong == []

@@ -16,6 +16,8 @@ from ipc.messages import ERR_BAD_REQUEST, RequestError
 from ipc.queries import TokenizeRequest, TokenizeResult
 from tokenizer_worker.chat_template import SPECIAL_TOKEN_KEYS, ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer, RequestRejected, render_chat
+from tokenizer_worker.structured import StructuredOutputs, offered_tools
+from tokenizer_worker.tool_calls import ToolSpecError
 
 # tokenizer_config.json entries that are about files on the server, not the tokenizer.
 _PRIVATE_CONFIG_KEYS = (
@@ -45,15 +47,26 @@ class TokenizerQueries:
         chat_template: ChatTemplate | None,
         limits: Limits,
         model_dir: str | Path | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.limits = limits
         self.info = tokenizer_info(model_dir, chat_template, limits)
+        # Renders tools and tool histories as requests get them (reads no vocabulary for that).
+        self.structured = structured or StructuredOutputs(
+            tokenizer, limits.vocab_size, chat_template
+        )
 
     @classmethod
     def from_preparer(cls, preparer: RequestPreparer, model_dir: str | Path) -> TokenizerQueries:
-        return cls(preparer.tokenizer, preparer.chat_template, preparer.limits, model_dir)
+        return cls(
+            preparer.tokenizer,
+            preparer.chat_template,
+            preparer.limits,
+            model_dir,
+            preparer.structured,
+        )
 
     def answer(self, req: TokenizeRequest) -> TokenizeResult | RequestError:
         result = TokenizeResult(
@@ -77,11 +90,20 @@ class TokenizerQueries:
 
     def _encode(self, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
+            try:
+                tools, choice = offered_tools(req.tools, req.tool_choice, True)
+                conversation, template_tools = self.structured.conversation(
+                    req.messages, tools, choice
+                )
+            except ToolSpecError as exc:
+                raise RequestRejected(str(exc)) from None
             text = render_chat(
                 self.chat_template,
                 req.messages,
                 req.add_generation_prompt,
                 req.chat_template_kwargs,
+                conversation,
+                template_tools,
             )
         else:
             text = req.prompt or ""

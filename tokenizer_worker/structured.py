@@ -97,15 +97,9 @@ class StructuredOutputs:
         return self._backend.result()[0]
 
     def plan(self, req: SubmitRequest) -> OutputPlan:
-        tools: list[dict[str, Any]] = []
-        choice = ToolChoice("none")
-        if req.tools or req.tool_choice:
-            if req.messages is None:
-                raise ToolSpecError("tools and tool_choice need chat messages")
-            tools = tool_calls.check_tools(_json(req.tools, "tools")) if req.tools else []
-            choice = tool_calls.resolve_tool_choice(
-                tools, _json(req.tool_choice, "tool_choice") if req.tool_choice else None
-            )
+        # Token ids with tools are taken as a chat already rendered with them (a Ray Serve
+        # ingress renders and encodes, then hands the engine replica the ids); raw text is not.
+        tools, choice = offered_tools(req.tools, req.tool_choice, req.prompt is None)
         spec = tool_calls.forced_tool_call_spec(tools, choice, req.parallel_tool_calls)
         if spec is not None and req.structured is not None:
             raise ToolSpecError(
@@ -118,11 +112,39 @@ class StructuredOutputs:
             grammar=self.compiler.compile(spec) if spec is not None else "",
             tool_parser=TOOL_PARSER if choice.mode != "none" else "",
         )
-        if req.messages is not None and (choice.mode != "none" or _has_tool_turns(req)):
-            plan.conversation, plan.template_tools = tool_calls.conversation_for_template(
-                [openai_message(m) for m in req.messages], tools, choice, self.supports_tools
-            )
+        if req.messages is not None:
+            plan.conversation, plan.template_tools = self.conversation(req.messages, tools, choice)
         return plan
+
+    def conversation(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]], choice: ToolChoice
+    ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
+        """(conversation, tools) for the chat template when tools or a tool history change what
+        it renders, else (None, None): what a request and a tokenize query of it both render."""
+        if choice.mode == "none" and not any(m.tool_calls or m.role == "tool" for m in messages):
+            return None, None
+        return tool_calls.conversation_for_template(
+            [openai_message(m) for m in messages], tools, choice, self.supports_tools
+        )
+
+
+def offered_tools(
+    tools_json: str, tool_choice_json: str, is_chat: bool
+) -> tuple[list[dict[str, Any]], ToolChoice]:
+    """A request's tools and tool_choice (JSON text, as they travel), checked. ``is_chat``:
+    chat messages, or the token ids of a chat rendered with the tools (not a text prompt)."""
+    if not (tools_json or tool_choice_json):
+        return [], ToolChoice("none")
+    if not is_chat:
+        raise ToolSpecError(
+            "tools and tool_choice need chat messages (or the token ids of a chat rendered "
+            "with them)"
+        )
+    tools = tool_calls.check_tools(_json(tools_json, "tools")) if tools_json else []
+    choice = tool_calls.resolve_tool_choice(
+        tools, _json(tool_choice_json, "tool_choice") if tool_choice_json else None
+    )
+    return tools, choice
 
 
 def openai_message(m: ChatMessage) -> dict[str, Any]:

@@ -53,18 +53,24 @@ def model_limits(config: ClusterConfig) -> Limits:
 def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:
     if config.preparer_factory:  # a test seam: e.g. a deliberately slow preparer
         return load_factory(config.preparer_factory)(config, index)
-    tokenizer = load_tokenizer(config.model_path)
-    template = ChatTemplate.from_model_dir(config.model_path)
-    limits = model_limits(config)
-    structured = StructuredOutputs(tokenizer, limits.vocab_size, template, model_eos_ids(config))
+    return build_preparer(config.model_path, model_limits(config), index)
+
+
+def build_preparer(model_path: str, limits: Limits, index: int = 0) -> RequestPreparer:
+    """The model's tokenizer, chat template and structured outputs, as a tokenizer worker
+    prepares requests with them (so does an ingress replica of the Ray Serve application)."""
+    tokenizer = load_tokenizer(model_path)
+    template = ChatTemplate.from_model_dir(model_path)
+    eos_ids = model_eos_ids(model_path)
+    structured = StructuredOutputs(tokenizer, limits.vocab_size, template, eos_ids)
     structured.start()  # the vocabulary is read in the background, ready for the first grammar
     return RequestPreparer(
         tokenizer, template, limits, tokenizer_index=index, structured=structured
     )
 
 
-def model_eos_ids(config: ClusterConfig) -> list[int]:
-    value = json.loads((Path(config.model_path) / "config.json").read_text()).get("eos_token_id")
+def model_eos_ids(model_path: str) -> list[int]:
+    value = json.loads((Path(model_path) / "config.json").read_text()).get("eos_token_id")
     return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
 
 

@@ -11,8 +11,10 @@
 tokenization. ``tokenize``, ``detokenize``, ``tokenizer_info`` and ``engine_stats`` ask the
 cluster one question each and wait for its answer. ``AsyncClient`` is the same API for asyncio.
 Modules, by job: ``errors`` and ``results`` (what callers see), ``requests`` (building a
-submit), ``queries`` (the one-answer queries), ``records`` and ``core`` (the I/O-free
-bookkeeping both clients share), ``transport`` (sockets), ``sync_client`` and ``async_client``.
+submit), ``queries`` (the one-answer queries); the I/O-free bookkeeping both clients share:
+``records``, ``outbox`` (sending, resending), ``core`` (events, faults, deadlines, closing: the
+frames to send), ``notices`` and ``deadlines``; ``transport`` (sockets), ``base`` (what both
+clients share), ``sync_client`` and ``async_client`` (their sockets and their way of waiting).
 """
 
 from ipc.client.async_client import AsyncClient, AsyncRequestHandle

@@ -6,8 +6,8 @@
             ...
         result = await handle.result()
 
-A receiver task owns the DEALER socket and routes events to handles; everything runs on one
-event loop thread, so handles need no locks.
+A receiver task owns the DEALER socket and hands every frame and tick to the ClientCore, sending
+what that answers; everything runs on one event loop thread, so handles need no locks.
 """
 
 from __future__ import annotations
@@ -21,20 +21,21 @@ import zmq
 import zmq.asyncio
 
 from ipc import codec
-from ipc.client.core import ClientCore
+from ipc.client.base import ClientBase
 from ipc.client.errors import RequestTimeoutError, UnavailableError
-from ipc.client.queries import Builder, QueryMethods
-from ipc.client.records import HandleBase, RequestRecord, closed_event, timeout_event
+from ipc.client.queries import Builder
+from ipc.client.records import HandleBase, RequestRecord
 from ipc.client.requests import prompt_kwargs
 from ipc.client.results import Delta, GenerationResult
 from ipc.client.transport import (
+    SubmitPipes,
     curve_keys,
     disconnect_monitor,
     make_dealer,
-    make_submit_sockets,
+    make_submit_pipes,
     monitor_events,
 )
-from ipc.messages import ClientAbort, ClientWelcome, SamplingParams, StreamEvent
+from ipc.messages import ClientWelcome, SamplingParams
 from ipc.sockets import LINGER_MS
 
 
@@ -74,13 +75,8 @@ class AsyncRequestHandle(HandleBase):
         result = self.record.result()
         return result.raise_for_error() if check else result
 
-    def abort(self) -> None:
-        if not self.done:
-            self.record.aborted = True
-            self._client._send_soon(codec.encode(ClientAbort([self.record.wire_id])))
 
-
-class AsyncClient(QueryMethods):
+class AsyncClient(ClientBase[AsyncRequestHandle]):
     def __init__(
         self,
         address: str,
@@ -92,19 +88,17 @@ class AsyncClient(QueryMethods):
         tokenizer_retries: int = 1,
     ) -> None:
         """See ipc.client.Client for the arguments (server_public_key: the cluster's CURVE key)."""
+        super().__init__(deadline_s, tokenizer_retries)
         self.address = address
         self._curve = curve_keys(server_public_key)
         self.connect_timeout_s = connect_timeout_s
         self.submit_hwm = submit_hwm
-        self._core = ClientCore(deadline_s, tokenizer_retries)
-        self.client_id = self._core.client_id
         self._ctx = zmq.asyncio.Context()
         self._dealer: zmq.asyncio.Socket | None = None
-        self._submit: list[zmq.Socket] | None = None
+        self._pipes: SubmitPipes | None = None
         self._monitor: zmq.Socket | None = None
         self._task: asyncio.Task | None = None
         self._pending_sends: set[asyncio.Task] = set()
-        self.welcome: ClientWelcome | None = None
 
     @classmethod
     async def connect(cls, address: str, **kwargs: Any) -> AsyncClient:
@@ -113,7 +107,7 @@ class AsyncClient(QueryMethods):
     async def start(self) -> AsyncClient:
         """The handshake; raises UnavailableError when nobody answers."""
         dealer: zmq.asyncio.Socket = make_dealer(
-            self._ctx.socket(zmq.DEALER), self._core.client_id, self.address, self._curve
+            self._ctx.socket(zmq.DEALER), self.client_id, self.address, self._curve
         )
         await dealer.send(self._core.hello_frame())
         if not await dealer.poll(int(self.connect_timeout_s * 1000)):
@@ -122,47 +116,19 @@ class AsyncClient(QueryMethods):
                 f"no splitserve cluster answered at {self.address} within "
                 f"{self.connect_timeout_s} s"
             )
-        self.welcome = codec.decode_as(await dealer.recv(), ClientWelcome)
+        welcome = codec.decode_as(await dealer.recv(), ClientWelcome)
         self._dealer = dealer
         self._monitor = disconnect_monitor(dealer)
         # Plain sockets: a NOBLOCK send never waits, so submit() needs no await.
-        self._submit = make_submit_sockets(
-            self._ctx, self.address, self.welcome, self.submit_hwm, self._curve
+        self._pipes = make_submit_pipes(
+            self._ctx, self.address, welcome, self.submit_hwm, self._curve
         )
+        self._core.connected(welcome, self._pipes)
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
         return self
 
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[Any] | None = None,
-        prompt_token_ids: Any = None,
-        sampling: SamplingParams | None = None,
-        request_id: str | None = None,
-        add_generation_prompt: bool = True,
-        deadline_s: float | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        continuous_usage_stats: bool = False,
-        **sampling_kwargs: Any,
-    ) -> AsyncRequestHandle:
-        """See Client.submit."""
-        if self._submit is None:
-            raise UnavailableError("the client is not started (await start()) or is closed")
-        return self._core.submit(
-            self._submit,
-            lambda record: AsyncRequestHandle(self, record),
-            request_id,
-            deadline_s,
-            prompt=prompt,
-            messages=messages,
-            prompt_token_ids=prompt_token_ids,
-            sampling=sampling,
-            sampling_kwargs=sampling_kwargs,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-            continuous_usage_stats=continuous_usage_stats,
-        )
+    def _make_handle(self, record: RequestRecord) -> AsyncRequestHandle:
+        return AsyncRequestHandle(self, record)
 
     def _ask(
         self,
@@ -173,17 +139,11 @@ class AsyncClient(QueryMethods):
         to_detokenizer: bool = False,
     ) -> Any:
         """Sends one query now (see QueryMethods); the awaitable it returns gives read(reply)."""
-        if self._submit is None:
-            raise UnavailableError("the client is not started (await start()) or is closed")
-
-        def make(record: RequestRecord) -> AsyncRequestHandle:
-            return AsyncRequestHandle(self, record)
-
         if to_detokenizer:
-            handle, frame = self._core.open_query(make, timeout, build)
-            self._send_soon(frame)
+            handle, frame = self._core.open_query(self._make_handle, timeout, build)
+            self._send_control(frame)
         else:
-            handle = self._core.send(self._submit, make, None, timeout, build)
+            handle = self._core.send(self._make_handle, None, timeout, build)
 
         async def answer() -> Any:
             await handle.result()  # raises the query's error
@@ -205,43 +165,22 @@ class AsyncClient(QueryMethods):
         return [await h.result(check=check) for h in handles]
 
     async def _receive_loop(self) -> None:
-        assert self._dealer is not None and self._monitor is not None
+        dealer, monitor = self._dealer, self._monitor
+        assert dealer is not None and monitor is not None
         while True:
-            if await self._dealer.poll(self._core.next_deadline_ms(100)):
-                self._route(await self._dealer.recv())
-            if monitor_events(self._monitor):
+            out: list[bytes] = []
+            if await dealer.poll(self._core.next_deadline_ms(100)):
+                out += self._core.on_frame(await dealer.recv())
+            if monitor_events(monitor):
                 # The detokenizer is gone: route what it sent before, then end what is open.
-                while await self._dealer.poll(0):
-                    self._route(await self._dealer.recv())
-                lost = self._core.on_disconnected()
-                await self._dealer.send(self._core.hello_frame())
-                await self._end_lost(lost)
-            expired = self._core.expired(time.monotonic())
-            if expired:
-                await self._dealer.send(codec.encode(ClientAbort(expired)))
-                for wire_id in expired:
-                    self._core.apply(
-                        self._core.records[wire_id],
-                        timeout_event(wire_id, self._core.deadline_s),
-                        time.monotonic(),
-                    )
+                while await dealer.poll(0):
+                    out += self._core.on_frame(await dealer.recv())
+                out += self._core.on_disconnect()
+            out += self._core.on_tick(time.monotonic())
+            for frame in out:
+                await dealer.send(frame)
 
-    def _route(self, frame: bytes) -> None:
-        routed = self._core.route(frame)
-        if routed.welcome is not None:
-            self.welcome = routed.welcome
-        if lost := routed.lost:
-            self._send_soon(codec.encode(ClientAbort([wid for wid, _ in lost])))
-            if routed.retry and self._submit is not None:
-                lost = self._core.resubmit(self._submit, lost)
-            self._core.end_lost(lost)
-
-    async def _end_lost(self, lost: list[tuple[str, StreamEvent]]) -> None:
-        if lost and self._dealer is not None:
-            await self._dealer.send(codec.encode(ClientAbort([wid for wid, _ in lost])))
-            self._core.end_lost(lost)
-
-    def _send_soon(self, frame: bytes) -> None:
+    def _send_control(self, frame: bytes) -> None:
         if self._dealer is None:
             return
         # zmq.asyncio's send() returns a Future, not a coroutine: ensure_future takes both.
@@ -250,6 +189,9 @@ class AsyncClient(QueryMethods):
         task.add_done_callback(self._pending_sends.discard)
 
     async def close(self) -> None:
+        """Aborts what is still in flight (ClientBye) and ends its handles with an error."""
+        if not self._core.shut():
+            return
         if self._task is not None:
             self._task.cancel()
             try:
@@ -264,16 +206,13 @@ class AsyncClient(QueryMethods):
             self._dealer.disable_monitor()
             self._dealer.close(linger=LINGER_MS)
             self._dealer = None
-        now = time.monotonic()
-        for wire_id, handle in list(self._core.records.items()):
-            self._core.apply(handle, closed_event(wire_id), now)
+        self._core.end_open()
         if self._monitor is not None:
             self._monitor.close(linger=0)
             self._monitor = None
-        if self._submit is not None:
-            for sock in self._submit:
-                sock.close(linger=0)
-            self._submit = None
+        if self._pipes is not None:
+            self._pipes.close()
+            self._pipes = None
         self._ctx.term()
 
     async def __aenter__(self) -> AsyncClient:

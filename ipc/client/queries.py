@@ -5,6 +5,7 @@ worker, a lost connection: see ClientCore), and read back here from its reply.""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ def tokenize_builder(
     add_generation_prompt: bool,
     chat_template_kwargs: dict[str, Any] | None,
     return_token_strs: bool,
+    tools: Any = None,
+    tool_choice: Any = None,
 ) -> Builder:
     """``add_special_tokens`` None: as a submit of the same input gets them (a prompt gets the
     tokenizer's special tokens, a chat only what its template writes), as vLLM defaults."""
@@ -49,6 +52,10 @@ def tokenize_builder(
     if messages is not None:
         chat = _checked(lambda: [chat_message(m, f"messages[{i}]") for i, m in enumerate(messages)])
     special = (messages is None) if add_special_tokens is None else add_special_tokens
+    # JSON text as a submit sends them (ensure_ascii off: text that is not Unicode is refused
+    # by the codec here); the tokenizer worker checks them.
+    tools_json = "" if tools is None else json.dumps(tools, ensure_ascii=False)
+    choice_json = "" if tool_choice is None else json.dumps(tool_choice, ensure_ascii=False)
 
     def build(wire_id: str, t_submit: float) -> TokenizeRequest:
         return _checked(
@@ -62,6 +69,8 @@ def tokenize_builder(
                 chat_template_kwargs=dict(chat_template_kwargs or {}),
                 return_token_strs=return_token_strs,
                 t_submit=t_submit,
+                tools=tools_json,
+                tool_choice=choice_json,
             )
         )
 
@@ -154,8 +163,11 @@ class QueryMethods:
         chat_template_kwargs: dict[str, Any] | None = None,
         return_token_strs: bool = False,
         timeout: float | None = None,
+        tools: list[Any] | None = None,
+        tool_choice: Any = None,
     ) -> Any:
-        """-> Tokenized: the ids the engine would see for this prompt or chat.
+        """-> Tokenized: the ids the engine would see for this prompt or chat (with ``tools``
+        and ``tool_choice``, OpenAI's, as a chat submit with them renders).
         ``add_special_tokens`` None: as a submit of the same input (see tokenize_builder)."""
         build = tokenize_builder(
             self.client_id,
@@ -165,6 +177,8 @@ class QueryMethods:
             add_generation_prompt,
             chat_template_kwargs,
             return_token_strs,
+            tools,
+            tool_choice,
         )
         return self._ask(build, timeout, lambda reply: tokenized(reply, return_token_strs))
 

@@ -160,6 +160,11 @@ class HandleBase:
     def done(self) -> bool:
         return self.record.final is not None
 
+    def abort(self) -> None:
+        """Asks the cluster to stop this request; its terminal event (reason "abort") follows."""
+        if not self.done:
+            self._client._abort(self.record)
+
     def _next_delta(self, i: int) -> Delta:
         """The i-th delta, raising the request's error if that delta ends it with one."""
         delta = self._deltas[i]

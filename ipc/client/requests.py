@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ipc import codec
 from ipc.client.errors import BadRequestError
 from ipc.field_rules import FieldError, check_message_shape, pack_token_ids, renamed
 from ipc.messages import ChatMessage, SamplingParams, SubmitRequest
@@ -180,3 +181,15 @@ def prompt_kwargs(p: Any) -> dict[str, Any]:
     if isinstance(p, (list, tuple)) and p and all(isinstance(x, int) for x in p):
         return {"prompt_token_ids": p}
     return {"messages": p}
+
+
+def encode_request(msg: Any, request_id: str | None) -> bytes:
+    """The frame of a message for a tokenizer worker; what the wire cannot carry (a lone
+    surrogate in any string, an integer past 64 bits) is the caller's BadRequestError, naming
+    the field as submit() takes it (sampling keywords are flat there)."""
+    try:
+        return codec.encode(msg)
+    except codec.EncodeError as exc:
+        param = exc.path.removeprefix("sampling.")
+        message = str(exc).removeprefix("sampling.")
+        raise BadRequestError(message, request_id, param or None) from None

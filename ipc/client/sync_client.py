@@ -4,7 +4,7 @@ package's docstring).
 ``submit`` encodes the request and hands it to ZeroMQ without waiting: no round trip, no
 tokenization. When every tokenizer's pipe is full it raises OverloadedError at once. One
 DEALER socket per client carries the handshake, aborts and all the client's events; a background
-thread owns it and routes events to handles.
+thread owns it and hands every frame and tick to the ClientCore, sending what that answers.
 """
 
 from __future__ import annotations
@@ -18,20 +18,20 @@ from typing import Any
 import zmq
 
 from ipc import codec
-from ipc.client.core import ClientCore
+from ipc.client.base import ClientBase
 from ipc.client.errors import RequestTimeoutError, UnavailableError
-from ipc.client.queries import Builder, QueryMethods
-from ipc.client.records import HandleBase, RequestRecord, closed_event, timeout_event
+from ipc.client.queries import Builder
+from ipc.client.records import HandleBase, RequestRecord
 from ipc.client.requests import prompt_kwargs
 from ipc.client.results import Delta, GenerationResult
 from ipc.client.transport import (
     curve_keys,
     disconnect_monitor,
     make_dealer,
-    make_submit_sockets,
+    make_submit_pipes,
     monitor_events,
 )
-from ipc.messages import ClientAbort, ClientWelcome, SamplingParams, StreamEvent
+from ipc.messages import ClientWelcome, SamplingParams
 from ipc.sockets import LINGER_MS
 
 
@@ -71,13 +71,8 @@ class RequestHandle(HandleBase):
         result = self.record.result()
         return result.raise_for_error() if check else result
 
-    def abort(self) -> None:
-        """Asks the cluster to stop this request; its terminal event (reason "abort") follows."""
-        if not self.done:
-            self._client._abort(self.record)
 
-
-class Client(QueryMethods):
+class Client(ClientBase[RequestHandle]):
     def __init__(
         self,
         address: str,
@@ -100,15 +95,9 @@ class Client(QueryMethods):
         default: the cluster's admission bound (max_waiting_requests) over its tokenizers.
         """
         curve = curve_keys(server_public_key)
-        self._core = ClientCore(deadline_s, tokenizer_retries)
-        self.client_id = self._core.client_id
+        super().__init__(deadline_s, tokenizer_retries)
         self._ctx = zmq.Context()
-        # _lock: the submit sockets, wire ids (a resend changes one) and _closing; the receiver
-        # thread takes it too, so nobody blocks while holding it. _control_lock: the control
-        # socket, whose blocking send waits for the receiver thread to drain the pipe.
-        self._lock = threading.Lock()
-        self._control_lock = threading.Lock()
-        dealer = make_dealer(self._ctx.socket(zmq.DEALER), self._core.client_id, address, curve)
+        dealer = make_dealer(self._ctx.socket(zmq.DEALER), self.client_id, address, curve)
         dealer.send(self._core.hello_frame())
         if not dealer.poll(int(connect_timeout_s * 1000)):
             dealer.close(linger=0)
@@ -117,67 +106,28 @@ class Client(QueryMethods):
                 f"no splitserve cluster answered at {address} within "
                 f"{connect_timeout_s} s" + _curve_hint(curve)
             )
-        self.welcome: ClientWelcome = codec.decode_as(dealer.recv(), ClientWelcome)
-        self._submit = make_submit_sockets(self._ctx, address, self.welcome, submit_hwm, curve)
-        self._control_addr = f"inproc://control-{self._core.client_id.decode()}"
+        welcome = codec.decode_as(dealer.recv(), ClientWelcome)
+        self._pipes = make_submit_pipes(self._ctx, address, welcome, submit_hwm, curve)
+        self._core.connected(welcome, self._pipes)
+        # User threads hand frames for the DEALER (aborts, queries) to the receiver thread
+        # through an inproc pipe; _control_lock guards its PUSH end, whose send may wait for the
+        # receiver to drain it (never taken together with the core's lock).
+        control_addr = f"inproc://control-{self.client_id.decode()}"
         control_in = self._ctx.socket(zmq.PULL)
-        control_in.bind(self._control_addr)
+        control_in.bind(control_addr)
         self._control = self._ctx.socket(zmq.PUSH)
-        self._control.connect(self._control_addr)
-        self._closing = threading.Event()
-        monitor = disconnect_monitor(dealer)
+        self._control.connect(control_addr)
+        self._control_lock = threading.Lock()
         self._thread = threading.Thread(
             target=self._receive_loop,
-            args=(dealer, control_in, monitor),
+            args=(dealer, control_in, disconnect_monitor(dealer)),
             name="splitserve-client",
             daemon=True,
         )
         self._thread.start()
 
-    @property
-    def model(self) -> str:
-        return self.welcome.model
-
-    @property
-    def max_model_len(self) -> int:
-        return self.welcome.max_model_len
-
-    # --- submitting ---------------------------------------------------------------------------
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[Any] | None = None,
-        prompt_token_ids: Any = None,
-        sampling: SamplingParams | None = None,
-        request_id: str | None = None,
-        add_generation_prompt: bool = True,
-        deadline_s: float | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        continuous_usage_stats: bool = False,
-        **sampling_kwargs: Any,
-    ) -> RequestHandle:
-        """Sampling keywords are SamplingParams' fields (max_completion_tokens is accepted as
-        max_tokens' other name). chat_template_kwargs: extra chat template variables (with
-        messages), e.g. {"enable_thinking": False}. continuous_usage_stats: every delta carries
-        the usage so far, not only the last."""
-        with self._lock:
-            if self._closing.is_set():
-                raise UnavailableError("the client is closed")
-            return self._core.submit(
-                self._submit,
-                lambda record: RequestHandle(self, record),
-                request_id,
-                deadline_s,
-                prompt=prompt,
-                messages=messages,
-                prompt_token_ids=prompt_token_ids,
-                sampling=sampling,
-                sampling_kwargs=sampling_kwargs,
-                add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=chat_template_kwargs,
-                continuous_usage_stats=continuous_usage_stats,
-            )
+    def _make_handle(self, record: RequestRecord) -> RequestHandle:
+        return RequestHandle(self, record)
 
     def generate(
         self,
@@ -203,50 +153,44 @@ class Client(QueryMethods):
         to_detokenizer: bool = False,
     ) -> Any:
         """Sends one query (see QueryMethods) and returns read(its reply)."""
-
-        def make(record: RequestRecord) -> RequestHandle:
-            return RequestHandle(self, record)
-
-        with self._lock:
-            if self._closing.is_set():
-                raise UnavailableError("the client is closed")
-            if not to_detokenizer:
-                handle = self._core.send(self._submit, make, None, timeout, build)
-            else:
-                handle, frame = self._core.open_query(make, timeout, build)
         if to_detokenizer:
-            with self._control_lock:
-                if not self._closing.is_set():
-                    self._control.send(frame)
+            handle, frame = self._core.open_query(self._make_handle, timeout, build)
+            self._send_control(frame)
+        else:
+            handle = self._core.send(self._make_handle, None, timeout, build)
         handle.result()  # raises the query's error
         return read(handle.record.reply)
+
+    def _send_control(self, frame: bytes) -> None:
+        with self._control_lock:
+            if not self._core.closed:  # closing aborts everything; the pipe is going away
+                self._control.send(frame)
 
     # --- the receiver thread ------------------------------------------------------------------
     def _receive_loop(
         self, dealer: zmq.Socket, control_in: zmq.Socket, monitor: zmq.Socket
     ) -> None:
         poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(control_in, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        for sock in (dealer, control_in, monitor):
+            poller.register(sock, zmq.POLLIN)
         try:
-            while not self._closing.is_set():
+            while not self._core.closed:
                 ready = dict(poller.poll(self._core.next_deadline_ms(100)))
+                out: list[bytes] = []
                 if control_in in ready:
-                    while (frame := _recv_nowait(control_in)) is not None:
-                        dealer.send(frame)
+                    out += _drain(control_in)
                 if dealer in ready or monitor in ready:
-                    while (frame := _recv_nowait(dealer)) is not None:
-                        self._route(frame, dealer)
+                    for frame in _drain(dealer):
+                        out += self._core.on_frame(frame)
                 if monitor in ready and monitor_events(monitor):
                     # The detokenizer is gone (whatever it sent before is routed above). Its
                     # replacement binds the same address: the DEALER reconnects by itself and
-                    # these wait in its pipe until then.
-                    lost = self._core.on_disconnected()
-                    dealer.send(self._core.hello_frame())
-                    self._end_lost(lost, dealer)
-                self._expire(dealer)
-            while (frame := _recv_nowait(control_in)) is not None:
+                    # what we send waits in its pipe until then.
+                    out += self._core.on_disconnect()
+                out += self._core.on_tick(time.monotonic())
+                for frame in out:
+                    dealer.send(frame)
+            for frame in _drain(control_in):
                 dealer.send(frame)
             dealer.send(self._core.bye_frame())
         finally:
@@ -255,58 +199,16 @@ class Client(QueryMethods):
             dealer.close(linger=LINGER_MS)
             control_in.close(linger=0)
 
-    def _route(self, frame: bytes, dealer: zmq.Socket) -> None:
-        routed = self._core.route(frame)
-        if routed.welcome is not None:
-            self.welcome = routed.welcome
-        self._end_lost(routed.lost, dealer, routed.retry)
-
-    def _end_lost(
-        self, lost: list[tuple[str, StreamEvent]], dealer: zmq.Socket, retry: bool = False
-    ) -> None:
-        """Aborts any copy still in the cluster of requests lost with a worker, sends those
-        lost with a tokenizer again where it can, and ends the rest."""
-        if lost:
-            dealer.send(codec.encode(ClientAbort([wire_id for wire_id, _ in lost])))
-            if retry:
-                with self._lock:  # the submit sockets, and wire ids against _abort
-                    if not self._closing.is_set():
-                        lost = self._core.resubmit(self._submit, lost)
-            self._core.end_lost(lost)
-
-    def _expire(self, dealer: zmq.Socket) -> None:
-        expired = self._core.expired(time.monotonic())
-        if expired:
-            dealer.send(codec.encode(ClientAbort(expired)))
-        for wire_id in expired:
-            handle = self._core.records[wire_id]
-            self._core.apply(
-                handle, timeout_event(wire_id, self._core.deadline_s), time.monotonic()
-            )
-
-    def _abort(self, record: RequestRecord) -> None:
-        with self._lock:  # a resend either happened (new wire id) or will see the flag
-            record.aborted = True
-            frame = codec.encode(ClientAbort([record.wire_id]))
-        with self._control_lock:
-            if not self._closing.is_set():
-                self._control.send(frame)
-
     # --- closing ------------------------------------------------------------------------------
     def close(self) -> None:
         """Aborts what is still in flight (ClientBye) and ends its handles with an error."""
-        with self._lock:
-            if self._closing.is_set():
-                return
-            self._closing.set()
-        with self._control_lock:  # (not under _lock: the receiver may need it to drain for us)
-            pass  # an abort in the middle of its send has finished; later ones see _closing
+        if not self._core.shut():
+            return
+        with self._control_lock:
+            pass  # an abort in the middle of its send has finished; later ones see closed
         self._thread.join(timeout=5)
-        now = time.monotonic()
-        for wire_id, handle in list(self._core.records.items()):
-            self._core.apply(handle, closed_event(wire_id), now)
-        for sock in self._submit:
-            sock.close(linger=0)
+        self._core.end_open()
+        self._pipes.close()
         self._control.close(linger=0)
         self._ctx.term()
 
@@ -325,8 +227,11 @@ def _curve_hint(curve: object) -> str:
     )
 
 
-def _recv_nowait(sock: zmq.Socket) -> bytes | None:
-    try:
-        return sock.recv(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
+def _drain(sock: zmq.Socket) -> list[bytes]:
+    """Every frame ``sock`` holds now, without waiting."""
+    frames = []
+    while True:
+        try:
+            frames.append(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return frames

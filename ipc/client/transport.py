@@ -37,17 +37,38 @@ def submit_hwm_for(welcome: ClientWelcome, asked: int | None) -> int:
     return max(MIN_SUBMIT_HWM, -(-welcome.max_waiting_requests // workers))
 
 
-def make_submit_sockets(
+class SubmitPipes:
+    """ClientCore's Pipes: one plain (sync, also under asyncio) PUSH per tokenizer worker, whose
+    NOBLOCK sends never wait (a full pipe says so instead)."""
+
+    def __init__(self, socks: list[zmq.Socket]) -> None:
+        self.socks = socks
+
+    def __len__(self) -> int:
+        return len(self.socks)
+
+    def offer(self, index: int, frame: bytes) -> bool:
+        try:
+            self.socks[index].send(frame, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close(linger=0)
+
+
+def make_submit_pipes(
     ctx: zmq.Context,
     address: str,
     welcome: ClientWelcome,
     hwm: int | None = None,
     curve: CurveKeys | None = None,
-) -> list[zmq.Socket]:
-    """One plain (sync) PUSH per tokenizer worker the welcome names, dialled as this client
-    must (``tokenizer_addrs``), each holding ``submit_hwm_for`` frames (NOBLOCK sends never wait):
-    the client knows which worker holds each request, so a worker's death ends exactly its
-    requests."""
+) -> SubmitPipes:
+    """A PUSH per tokenizer worker the welcome names, dialled as this client must
+    (``tokenizer_addrs``), each holding ``submit_hwm_for`` frames: the client knows which worker
+    holds each request, so a worker's death ends exactly its requests."""
     addrs = tokenizer_addrs(address, welcome.tokenizer_addrs)
     hwm = submit_hwm_for(welcome, hwm)
     socks = []
@@ -58,7 +79,7 @@ def make_submit_sockets(
             curve.make_client(sock)
         sock.connect(addr)
         socks.append(sock)
-    return socks
+    return SubmitPipes(socks)
 
 
 def disconnect_monitor(dealer: zmq.Socket) -> zmq.Socket:

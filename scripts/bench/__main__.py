@@ -34,6 +34,11 @@ WORKLOADS = {
         "engine replicas routed by the tokenizer workers: cache_aware, round_robin, "
         "least_loaded and one replica on multi-turn chats; the routing's own cost",
     ),
+    "serve-ray": (
+        "scripts.bench.serve_ray",
+        "the multi-turn chats through the Ray Serve ingress: our router against Ray's "
+        "PrefixCacheAffinityRouter and power of two; the Serve path's TTFT overhead",
+    ),
     "http-body": (
         "scripts.bench.http_body",
         "how long a frontend's event loop stalls while it reads and validates a large body",

@@ -10,6 +10,7 @@ a reply can move a block boundary.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import time
@@ -42,6 +43,18 @@ class ChatWorkload:
             f"prompt, {self.user_tokens}-token user turns, {self.reply_tokens}-token replies "
             f"(histories up to {self.longest_prompt} tokens)"
         )
+
+
+def add_workload_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per ChatWorkload field (``--conversation-rate``...), its default the field's."""
+    defaults = ChatWorkload()
+    for name in ChatWorkload.__dataclass_fields__:
+        default = getattr(defaults, name)
+        group.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+
+
+def workload_of(args: argparse.Namespace) -> ChatWorkload:
+    return ChatWorkload(**{name: getattr(args, name) for name in ChatWorkload.__dataclass_fields__})
 
 
 @dataclass(slots=True)

@@ -72,7 +72,7 @@ class CostModelRunner:
         self.steps += 1
         self.modelled_s += seconds
         tokens: list[int | None] = [
-            1000 + r.num_tokens % 997 if r.num_computed + c == r.num_tokens and r.samples else None
+            token_at(r.num_tokens) if r.num_computed + c == r.num_tokens and r.samples else None
             for r, c in zip(requests, counts)
         ]
         return StepResult(tokens, {}, [])
@@ -82,6 +82,17 @@ class CostModelRunner:
 
     def close(self) -> None:
         pass
+
+
+def token_at(position: int) -> int:
+    """The token the model samples after ``position`` tokens."""
+    return 1000 + position % 997
+
+
+def output_ids(prompt_tokens: int, count: int) -> list[int]:
+    """What a request of ``prompt_tokens`` generates, ``count`` tokens of it: a client that gets
+    only text back (over HTTP) resends a reply's exact ids with these."""
+    return [token_at(prompt_tokens + i) for i in range(count)]
 
 
 def make(config: ClusterConfig):

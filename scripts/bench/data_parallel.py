@@ -29,7 +29,13 @@ import os
 from typing import Any
 
 from procs.config_flags import add_cluster_flags
-from scripts.bench.conversations import ChatWorkload, RunRecord, run_conversations
+from scripts.bench.conversations import (
+    ChatWorkload,
+    RunRecord,
+    add_workload_flags,
+    run_conversations,
+    workload_of,
+)
 from scripts.bench.cost_model_engine import FACTORY, STEP_COST_ENV, StepCost
 from scripts.bench.options import add_parts, require_positive, text_list, workload_parser
 from scripts.bench.stats import percentiles, ratio
@@ -98,17 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
             "to the replica that cached it first)"
         },
     )
-    w = p.add_argument_group("workload")
-    defaults = ChatWorkload()
-    for name in ChatWorkload.__dataclass_fields__:
-        default = getattr(defaults, name)
-        w.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    add_workload_flags(p.add_argument_group("workload"))
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
     return p
-
-
-def workload_of(args: argparse.Namespace) -> ChatWorkload:
-    return ChatWorkload(**{name: getattr(args, name) for name in ChatWorkload.__dataclass_fields__})
 
 
 def mode_knobs(mode: str, args: argparse.Namespace, workload: ChatWorkload) -> dict[str, Any]:

@@ -7,16 +7,14 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from ipc.client.core import ClientCore
 from ipc.client.errors import BadRequestError
 from ipc.codec import DecodeError, decode, encode, pack_ids, to_wire
 from ipc.messages import RequestMeta, SamplingParams, SubmitRequest, TokenizedRequest
-from tests.ipc.test_client_core import Handle, Sock
+from tests.ipc.test_client_core import Handle, connected
 
 
-def submit(core, socks, **sampling_kwargs):
+def submit(core, **sampling_kwargs):
     return core.submit(
-        socks,
         Handle,
         None,
         None,
@@ -31,20 +29,19 @@ def submit(core, socks, **sampling_kwargs):
 
 @pytest.mark.parametrize("bad", [3, b"tenant", "", "x" * 257, "\ud800", ["a"]])
 def test_submit_refuses_a_bad_cache_salt_and_sends_nothing(bad):
-    core, sock = ClientCore(None), Sock()
+    core, pipes = connected(deadline_s=None)
     with pytest.raises(BadRequestError, match="cache_salt"):
-        submit(core, [sock], cache_salt=bad, max_tokens=3)
-    assert sock.sent == [] and core.records == {}
+        submit(core, cache_salt=bad, max_tokens=3)
+    assert pipes.sent == [[]] and core.records == {}
 
 
 def test_submit_carries_the_salt():
-    sock = Sock()
-    submit(ClientCore(None), [sock], cache_salt="tenant-a" * 32, max_tokens=3)
-    sent = decode(bytes(sock.sent[0]))
-    assert isinstance(sent, SubmitRequest) and sent.cache_salt == "tenant-a" * 32
-    sock = Sock()
-    submit(ClientCore(None), [sock], max_tokens=3)
-    assert decode(bytes(sock.sent[0])).cache_salt is None
+    core, pipes = connected(deadline_s=None)
+    submit(core, cache_salt="tenant-a" * 32, max_tokens=3)
+    submit(core, max_tokens=3)
+    salted, plain = (decode(bytes(frame)) for frame in pipes.sent[0])
+    assert isinstance(salted, SubmitRequest) and salted.cache_salt == "tenant-a" * 32
+    assert plain.cache_salt is None
 
 
 def test_a_hostile_frame_with_a_bad_salt_does_not_decode():

@@ -9,7 +9,7 @@ import pytest
 from ipc.client.core import ClientCore
 from ipc.client.errors import UnavailableError
 from ipc.client.records import HandleBase, RequestRecord
-from ipc.messages import StreamEvent
+from ipc.messages import ClientWelcome, StreamEvent
 
 
 class Handle(HandleBase):
@@ -21,22 +21,32 @@ class Handle(HandleBase):
         self.deltas.append(delta)
 
 
-class Sock:
-    """A submit socket that accepts every frame; ``on_send`` runs first (a racing thread)."""
+class Pipes:
+    """Tokenizer pipes that take every frame (``sent[i]``: what worker i got)."""
 
-    def __init__(self, on_send=None) -> None:
-        self.sent = []
-        self.on_send = on_send
+    def __init__(self, n: int = 1) -> None:
+        self.sent: list[list[bytes]] = [[] for _ in range(n)]
 
-    def send(self, frame, flags=0, copy=True) -> None:
-        if self.on_send is not None:
-            self.on_send()
-        self.sent.append(frame)
+    def __len__(self) -> int:
+        return len(self.sent)
+
+    def offer(self, index: int, frame: bytes) -> bool:
+        self.sent[index].append(frame)
+        return True
 
 
-def submit(core: ClientCore, socks, request_id=None, deadline_s=None):
+WELCOME = ClientWelcome(["inproc://t0"], "m", 1024, 100)
+
+
+def connected(n: int = 1, **kwargs) -> tuple[ClientCore, Pipes]:
+    core = ClientCore(**kwargs)
+    pipes = Pipes(n)
+    core.connected(WELCOME, pipes)
+    return core, pipes
+
+
+def submit(core: ClientCore, request_id=None, deadline_s=None):
     return core.submit(
-        socks,
         Handle,
         request_id,
         deadline_s,
@@ -59,11 +69,10 @@ def finish(core: ClientCore, handle: Handle) -> None:
 
 def test_a_reused_request_id_keeps_its_own_deadline():
     """The first request's heap entry must not time out a later request with the same id."""
-    core = ClientCore(deadline_s=None)
-    socks = [Sock()]
-    first = submit(core, socks, request_id="a", deadline_s=10.0)
+    core, _ = connected(deadline_s=None)
+    first = submit(core, request_id="a", deadline_s=10.0)
     finish(core, first)
-    second = submit(core, socks, request_id="a", deadline_s=100.0)
+    second = submit(core, request_id="a", deadline_s=100.0)
     t_first_deadline = first.record.deadline
     assert core.expired(t_first_deadline + 0.001) == []  # only the finished first one was due
     assert core.expired(second.record.deadline + 0.001) == [second.record.wire_id]
@@ -72,14 +81,13 @@ def test_a_reused_request_id_keeps_its_own_deadline():
 def test_a_submit_racing_the_disconnect_is_refused_not_orphaned():
     """The receiver thread sees the detokenizer connection drop while submit() runs: the request
     is either in the list of lost ones (and ends) or refused, never open and unlisted."""
-    core = ClientCore(deadline_s=None)
+    core, pipes = connected(deadline_s=None)
     lost = []
 
     def disconnect_now():  # stands for the receiver thread, between the check and the send
         if not core.reconnecting:
             lost.extend(core.on_disconnected())
 
-    socks = [Sock()]
     # The receiver thread's snapshot happens after the check but before registration: emulate
     # it by flipping the flag when the handle is made.
     orig = ClientCore.new_record
@@ -92,11 +100,11 @@ def test_a_submit_racing_the_disconnect_is_refused_not_orphaned():
     ClientCore.new_record = new_record
     try:
         with pytest.raises(UnavailableError):
-            submit(core, socks)
+            submit(core)
     finally:
         ClientCore.new_record = orig
     assert core.records == {}  # nothing open that no terminal event will ever reach
-    assert socks[0].sent == []
+    assert pipes.sent == [[]]
 
 
 def test_a_reused_request_id_gets_a_new_wire_id_and_duplicates_in_flight_are_refused():
@@ -104,16 +112,16 @@ def test_a_reused_request_id_gets_a_new_wire_id_and_duplicates_in_flight_are_ref
     must not meet that one's leftovers (an abort that crossed its finish would end it at once)."""
     from ipc.client.errors import BadRequestError
 
-    core = ClientCore(None)
-    first = submit(core, [Sock()], request_id="a")
+    core, _ = connected(deadline_s=None)
+    first = submit(core, request_id="a")
     with pytest.raises(BadRequestError, match="already in flight"):
-        submit(core, [Sock()], request_id="a")
+        submit(core, request_id="a")
     core.apply(
         first,
         StreamEvent(request_id=first.record.wire_id, finished=True, finish_reason="stop"),
         time.monotonic(),
     )
-    second = submit(core, [Sock()], request_id="a")
+    second = submit(core, request_id="a")
     assert second.record.request_id == "a"
     assert second.record.wire_id != first.record.wire_id
     assert set(core.records) == {second.record.wire_id} and core.open_ids == {"a"}
@@ -125,8 +133,8 @@ def test_an_error_about_a_copy_it_never_sent_does_not_end_an_open_request():
     from ipc import codec
     from ipc.messages import ERR_DUPLICATE_REQUEST, ClientEvents
 
-    core = ClientCore(None)
-    live = submit(core, [Sock()], request_id="a")
+    core, _ = connected(deadline_s=None)
+    live = submit(core, request_id="a")
     copy = StreamEvent(
         request_id=live.record.wire_id,
         finished=True,
@@ -148,9 +156,8 @@ def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_i
     from ipc import codec
     from ipc.messages import ClusterNotice, SubmitRequest
 
-    core = ClientCore(deadline_s=50.0, tokenizer_retries=1)
-    socks = [Sock(), Sock()]
-    handles = [submit(core, socks, request_id=f"q{i}") for i in range(4)]
+    core, pipes = connected(2, deadline_s=50.0, tokenizer_retries=1)
+    handles = [submit(core, request_id=f"q{i}") for i in range(4)]
     on_1 = [h for h in handles if h.record.tokenizer == 1]
     assert len(on_1) == 2
     started, aborted = on_1
@@ -158,7 +165,7 @@ def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_i
         started, StreamEvent(request_id=started.record.wire_id, text="x"), time.monotonic()
     )  # past its tokenizer: not lost with it
     aborted.record.aborted = True
-    waiting = submit(core, socks, request_id="w")
+    waiting = submit(core, request_id="w")
     assert waiting.record.tokenizer == 0
     waiting_wire, t_submit, deadline = (
         waiting.record.wire_id,
@@ -175,12 +182,12 @@ def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_i
 
     lost = died(1)
     assert {wid for wid, _ in lost} == {aborted.record.wire_id, waiting_wire}
-    sent_before = len(socks[0].sent)
-    ended = core.resubmit(socks, lost)
+    sent_before = len(pipes.sent[0])
+    ended = core.resubmit(lost)
     assert [(wid, ev.finish_reason) for wid, ev in ended] == [(aborted.record.wire_id, "abort")]
     # The waiting one went to worker 0 (worker 1 is down) under a new wire id.
-    assert len(socks[0].sent) == sent_before + 1
-    resent = codec.decode_as(socks[0].sent[-1], SubmitRequest)
+    assert len(pipes.sent[0]) == sent_before + 1
+    resent = codec.decode_as(pipes.sent[0][-1], SubmitRequest)
     record = waiting.record
     assert resent.request_id == record.wire_id != waiting_wire
     assert resent.prompt == "hi" and resent.t_submit == t_submit == record.t_submit
@@ -194,18 +201,18 @@ def test_requests_lost_with_a_tokenizer_are_sent_again_once_under_a_fresh_wire_i
     # Its new worker dies too: out of retries, it ends with the tokenizer's error.
     lost = died(0)
     assert waiting.record.wire_id in {wid for wid, _ in lost}
-    ended = core.resubmit(socks, lost)
+    ended = core.resubmit(lost)
     core.end_lost(ended)
     assert waiting.deltas[-1].error_code == "unavailable"
     assert "tokenizer worker 0 died" in waiting.deltas[-1].error
     assert "w" not in core.open_ids
 
 
-def query(core: ClientCore, socks, **kwargs):
+def query(core: ClientCore, **kwargs):
     from ipc.client.queries import tokenize_builder
 
     build = tokenize_builder(core.client_id, "hello", None, None, True, None, False)
-    return core.send(socks, Handle, None, kwargs.get("deadline_s"), build)
+    return core.send(Handle, None, kwargs.get("deadline_s"), build)
 
 
 def test_a_query_ends_with_its_reply_and_survives_an_engine_death():
@@ -213,14 +220,15 @@ def test_a_query_ends_with_its_reply_and_survives_an_engine_death():
     from ipc.messages import NOTICE_DIED, ClusterNotice
     from ipc.queries import TokenizeRequest, TokenizeResult
 
-    core = ClientCore(deadline_s=None)
-    socks = [Sock()]
-    generation, tokenize = submit(core, socks), query(core, socks)
-    sent = codec.decode(socks[0].sent[1])
+    core, pipes = connected(deadline_s=None)
+    generation, tokenize = submit(core), query(core)
+    sent = codec.decode(pipes.sent[0][1])
     assert isinstance(sent, TokenizeRequest) and sent.prompt == "hello"
     assert sent.request_id == tokenize.record.wire_id and sent.add_special_tokens
-    lost = core.on_notice(ClusterNotice(NOTICE_DIED, "engine", 0))
-    assert [wid for wid, _ in lost] == [generation.record.wire_id]  # queries never reach it
+    lost, retry = core.on_notice(ClusterNotice(NOTICE_DIED, "engine", 0))
+    assert [wid for wid, _ in lost] == [
+        generation.record.wire_id
+    ] and not retry  # queries never reach it
     reply = TokenizeResult(tokenize.record.wire_id, core.client_id, codec.pack_ids([7]))
     core.route(codec.encode(reply))
     assert tokenize.record.reply == reply and [d.finished for d in tokenize.deltas] == [True]
@@ -234,16 +242,15 @@ def test_a_query_in_a_dead_tokenizer_is_sent_again_or_ends_unavailable():
     from ipc.messages import NOTICE_DIED, ClusterNotice
 
     for retries, expect_resent in ((1, True), (0, False)):
-        core = ClientCore(deadline_s=None, tokenizer_retries=retries)
-        socks = [Sock(), Sock()]
-        handle = query(core, socks)
+        core, pipes = connected(2, deadline_s=None, tokenizer_retries=retries)
+        handle = query(core)
         dead = handle.record.tokenizer
-        lost = core.on_notice(ClusterNotice(NOTICE_DIED, "tokenizer", dead))
-        assert [wid for wid, _ in lost] == [handle.record.wire_id]
-        still_lost = core.resubmit(socks, lost)
+        lost, retry = core.on_notice(ClusterNotice(NOTICE_DIED, "tokenizer", dead))
+        assert [wid for wid, _ in lost] == [handle.record.wire_id] and retry
+        still_lost = core.resubmit(lost)
         if expect_resent:
             assert still_lost == [] and handle.record.tokenizer != dead
-            resent = codec.decode(socks[handle.record.tokenizer].sent[-1])
+            resent = codec.decode(pipes.sent[handle.record.tokenizer][-1])
             assert resent.request_id == handle.record.wire_id and resent.prompt == "hello"
         else:
             core.end_lost(still_lost)
@@ -257,10 +264,9 @@ def test_a_dead_engine_replica_sends_again_what_produced_nothing_and_is_not_aliv
     from ipc import codec
     from ipc.messages import NOTICE_DIED, ClusterNotice
 
-    core = ClientCore(deadline_s=None)
-    socks = [Sock(), Sock()]
-    alive, started, unstarted = (submit(core, socks, request_id=n) for n in ("a", "s", "u"))
-    tokenize = query(core, socks)
+    core, _ = connected(2, deadline_s=None)
+    alive, started, unstarted = (submit(core, request_id=n) for n in ("a", "s", "u"))
+    tokenize = query(core)
     core.apply(started, StreamEvent(request_id=started.record.wire_id, text="x"), time.monotonic())
     notice = ClusterNotice(
         NOTICE_DIED, "engine", 1, alive_ids=[alive.record.wire_id], resend_unstarted=True
@@ -269,7 +275,7 @@ def test_a_dead_engine_replica_sends_again_what_produced_nothing_and_is_not_aliv
     assert routed.retry and [wid for wid, _ in routed.lost] == [unstarted.record.wire_id]
     assert "engine replica 1 died" in routed.lost[0][1].error
     old = unstarted.record.wire_id
-    assert core.resubmit(socks, routed.lost) == []
+    assert core.resubmit(routed.lost) == []
     assert unstarted.record.wire_id != old and unstarted.record.resubmits == 1
     assert tokenize.record.wire_id in core.records
     one_engine = core.route(codec.encode(ClusterNotice(NOTICE_DIED, "engine", 0)))
@@ -277,3 +283,42 @@ def test_a_dead_engine_replica_sends_again_what_produced_nothing_and_is_not_aliv
     assert {wid for wid, _ in one_engine.lost} == {
         h.record.wire_id for h in (alive, started, unstarted)
     }
+
+
+def test_the_ways_in_answer_with_the_frames_to_send():
+    """What the transports send comes from the core alone: a notice's lost requests are aborted
+    under their old wire ids and sent again; a deadline ends and aborts; a dropped connection
+    says hello again and aborts what was open; after shut, nothing more is accepted or sent."""
+    from ipc import codec
+    from ipc.messages import NOTICE_DIED, ClientAbort, ClientHello, ClusterNotice
+
+    core, pipes = connected(2, deadline_s=None)
+    resent, timed, dropped = (submit(core, request_id=n) for n in ("r", "t", "d"))
+    timed.record.deadline = 0.0
+    core.deadlines.watch(0.0, timed.record.wire_id)
+    old = resent.record.wire_id
+    dead = resent.record.tokenizer
+    frames = core.on_frame(codec.encode(ClusterNotice(NOTICE_DIED, "tokenizer", dead)))
+    aborted = codec.decode_as(frames[0], ClientAbort)
+    assert old in aborted.request_ids and resent.record.wire_id != old
+    assert resent.record.tokenizer != dead and not resent.done
+    [frame] = core.on_tick(time.monotonic())
+    assert codec.decode_as(frame, ClientAbort).request_ids == [timed.record.wire_id]
+    assert timed.deltas[-1].error_code == "timeout"
+    hello, abort = core.on_disconnect()
+    assert codec.decode_as(hello, ClientHello).client_id == core.client_id
+    assert set(codec.decode_as(abort, ClientAbort).request_ids) == {
+        resent.record.wire_id,
+        dropped.record.wire_id,
+    }
+    assert resent.done and dropped.done and core.records == {}
+    with pytest.raises(UnavailableError, match="reconnecting"):
+        submit(core)
+    core.route(codec.encode(WELCOME))  # the restarted detokenizer answered
+    late = submit(core, request_id="late")
+    assert core.shut() and not core.shut()
+    assert core.abort_frame(late.record) is None  # closing aborts everything (ClientBye)
+    with pytest.raises(UnavailableError, match="closed"):
+        submit(core)
+    core.end_open()
+    assert late.deltas[-1].error_code == "unavailable" and core.records == {}

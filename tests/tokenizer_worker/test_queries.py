@@ -3,16 +3,19 @@ the tokenizer's own encode/decode and transformers' chat template."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
 from ipc.codec import pack_ids, unpack_id_list
-from ipc.messages import ChatMessage, RequestError
+from ipc.messages import ChatMessage, RequestError, SamplingParams, SubmitRequest
 from ipc.queries import TokenizeRequest, TokenizeResult
+from ipc.structured import ToolCall
 from runtime.model_files import load_tokenizer
 from tests.chat_templates import THINKING_TEMPLATE, with_thinking_template
 from tokenizer_worker.chat_template import ChatTemplate
-from tokenizer_worker.prepare import Limits
+from tokenizer_worker.prepare import Limits, RequestPreparer
 from tokenizer_worker.queries import TokenizerQueries
 
 LIMITS = Limits(max_model_len=512, vocab_size=49152)
@@ -104,3 +107,41 @@ def test_bad_input_gets_an_error_naming_it(queries, kwargs, fragment):
     answer = queries.answer(TokenizeRequest("q", b"c", t_submit=3.0, **kwargs))
     assert isinstance(answer, RequestError) and fragment in answer.message
     assert (answer.request_id, answer.client_id, answer.code) == ("q", b"c", "bad_request")
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "required", "none"])
+def test_chat_with_tools_counts_what_a_request_with_them_is_computed_on(queries, tool_choice):
+    """What count_tokens (POST /v1/messages/count_tokens) reads: the same rendering a chat
+    request with these tools and this tool history gets, tools in the prompt or not."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = ToolCall("call_1", "f", '{"a": 1}')
+    messages = [
+        ChatMessage("user", "Use f."),
+        ChatMessage("assistant", "", tool_calls=[call]),
+        ChatMessage("tool", "42", tool_call_id="call_1"),
+    ]
+    choice = "" if tool_choice is None else json.dumps(tool_choice)
+    counted = ask(queries, messages=messages, tools=json.dumps(tools), tool_choice=choice)
+    preparer = RequestPreparer(queries.tokenizer, queries.chat_template, LIMITS)
+    submit = SubmitRequest(
+        "r", b"c", SamplingParams(), messages=messages, tools=json.dumps(tools), tool_choice=choice
+    )
+    (prepared,) = preparer.prepare_batch([submit])
+    assert counted.token_ids == prepared.token_ids
+    # The tools' prompt is there unless tool_choice is "none"; the history's call either way.
+    without = unpack_id_list(ask(queries, messages=messages).token_ids)
+    grown = len(unpack_id_list(counted.token_ids)) - len(without)
+    assert grown > 50 if tool_choice != "none" else grown == 0
+    # A tool history is written as requests get it (it was left out of /tokenize before).
+    history = queries.tokenizer.decode(without)
+    assert '<tool_call>\n{"name": "f", "arguments": {"a": 1}}' in history
+    assert "<tool_response>\n42\n</tool_response>" in history
+
+
+def test_tools_without_messages_or_malformed_are_refused(queries):
+    with pytest.raises(ValueError, match="chat messages only"):
+        TokenizeRequest("q", b"c", prompt="x", tools="[]")
+    answer = queries.answer(
+        TokenizeRequest("q", b"c", messages=[ChatMessage("user", "x")], tools='[{"type": "x"}]')
+    )
+    assert isinstance(answer, RequestError) and "tools[0]" in answer.message

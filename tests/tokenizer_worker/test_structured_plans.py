@@ -84,6 +84,27 @@ def test_forced_calls_carry_a_grammar(preparer):
     assert schema.grammar and schema.meta.tool_parser == ""
 
 
+def test_token_ids_of_a_chat_rendered_with_tools_keep_the_parser_and_the_forced_grammar(preparer):
+    """What an engine replica under Ray Serve receives: the ingress rendered the chat with the
+    tools and sends their token ids, the tools beside them."""
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    rendered, _ = prepare(preparer, ASK, tools=[WEATHER], tool_choice=forced)
+    request = build_submit(
+        b"c",
+        "r",
+        prompt=None,
+        messages=None,
+        prompt_token_ids=unpack_id_list(rendered.token_ids),
+        sampling=SamplingParams(max_tokens=8),
+        sampling_kwargs={"tools": [WEATHER], "tool_choice": forced},
+        add_generation_prompt=True,
+        t_submit=0.0,
+    )
+    from_ids = preparer.prepare_batch([request])[0]
+    assert isinstance(from_ids, TokenizedRequest) and from_ids.token_ids == rendered.token_ids
+    assert from_ids.meta.tool_parser == "hermes" and from_ids.grammar == rendered.grammar
+
+
 def test_a_history_with_calls_and_results_is_written_in_the_call_format(preparer):
     history = ASK + [
         {

@@ -1,0 +1,113 @@
+"""Answering one generation request, whichever API it came in: submit its plan, then either
+collect the whole answer or stream it. The endpoint's format (a ResponseFormat of responses.py,
+responses_api_bodies.py or messages_api_bodies.py) writes the bodies and the stream's events;
+this module owns what every API shares: the first event awaited before answering, the client's
+disconnect aborting what is left in the engine, and exactly one ending per stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from http_worker.frontend import Frontend
+from http_worker.generation import (
+    ClientGone,
+    GenerationCall,
+    GenerationPlan,
+    submit_all,
+    unless_disconnected,
+)
+from http_worker.responses import ChoiceOutput, ResponseFormat, usage_body
+from ipc.client import Delta, SplitserveError
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        json.dumps(body, ensure_ascii=False, separators=(",", ":")),
+        status,
+        headers,
+        media_type="application/json",
+    )
+
+
+async def generate(
+    request: Request, plan: GenerationPlan, fmt: ResponseFormat, t_arrived: float
+) -> Response:
+    body = plan.body
+    frontend: Frontend = request.app.state.frontend
+    frontend.check_model(body.model)
+    call = submit_all(frontend, plan, fmt, t_arrived)
+    events = call.events()
+    try:
+        if not body.stream:
+            return json_response(await unless_disconnected(request, _collect(call, events, fmt)))
+        # Wait for the first event before answering, so that errors caught before the engine
+        # (bad input, overload) still get their HTTP status instead of a 200 stream.
+        first = await unless_disconnected(request, events.__anext__())
+    except ClientGone:
+        call.close()
+        return Response(status_code=499)  # nobody reads it; the access log does
+    except SplitserveError as exc:
+        raise call.fail(exc) from None
+    except BaseException:
+        call.close("internal")
+        raise
+    return StreamingResponse(
+        _stream(call, first, events, fmt),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(call.aclose),
+    )
+
+
+async def _collect(
+    call: GenerationCall, events: AsyncIterator[tuple[int, Delta]], fmt: ResponseFormat
+) -> dict[str, Any]:
+    choices = [ChoiceOutput() for _ in call.handles]
+    async for i, delta in events:
+        choices[i].add(delta)
+    call.close()
+    return fmt.full(choices, call.usage())
+
+
+async def _stream(
+    call: GenerationCall,
+    first: tuple[int, Delta],
+    events: AsyncIterator[tuple[int, Delta]],
+    fmt: ResponseFormat,
+) -> AsyncIterator[bytes]:
+    """The SSE body: the format's opening, one piece per delta, then its ending, or its error
+    ending when a choice fails mid-stream. A client disconnect cancels this generator;
+    ``finally`` aborts what is left."""
+    try:
+        for piece in fmt.stream_start(len(call.handles), _usage_so_far(first[1], 0)):
+            yield piece
+        i, delta = first
+        while True:
+            for piece in fmt.stream_delta(i, ChoiceOutput().add(delta), _usage_so_far(delta)):
+                yield piece
+            try:
+                i, delta = await events.__anext__()
+            except StopAsyncIteration:
+                break
+        ending = fmt.stream_end(call.usage())
+    except SplitserveError as exc:
+        ending = fmt.stream_error(call.fail(exc))
+    finally:
+        call.close()
+    for piece in ending:
+        yield piece
+
+
+def _usage_so_far(delta: Delta, completion_tokens: int | None = None) -> dict[str, Any] | None:
+    """A choice's usage as of this delta (continuous_usage_stats asks for one on every event)."""
+    u = delta.usage
+    if u is None:
+        return None
+    done = u.completion_tokens if completion_tokens is None else completion_tokens
+    return usage_body(u.prompt_tokens, done, u.cached_tokens)
