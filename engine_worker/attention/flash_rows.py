@@ -12,8 +12,10 @@ bf16 inputs on AVX-512 (docs/determinism.md):
   ``KEY_COLUMN_MULTIPLE``: the kernel walks keys in blocks of 512 from column 0 and sums a row
   in 16-wide lanes, so columns past a row's position (masked, exact zeros) change nothing, but a
   count with a tail rounds that tail differently;
-* at least ``MIN_QUERY_ROWS`` query rows per (sequence, kv head): with fewer, its products
-  round differently once there are more than 512 keys;
+* at least ``MIN_QUERY_ROWS`` query rows per (sequence, kv head), and as many in the last of
+  the kernel's blocks of rows (``padded_rows``): with fewer, their products round differently
+  (measured: prompts prefilled in chunks of 11 positions, 33 rows a kv head, 5 of 32 chat
+  prompts decoded other tokens);
 * the query heads that share a kv head are that kv head's rows (``grouped``), so no kv head is
   repeated and a row's keys are the same tensor in every layout.
 
@@ -31,6 +33,7 @@ import torch
 
 KEY_COLUMN_MULTIPLE = 16
 MIN_QUERY_ROWS = 4
+QUERY_BLOCK_ROWS = 32
 # Prefill queries are attended in chunks of this many positions, each over the keys up to its
 # own last position only: a causal mask would otherwise have a long prompt's first queries
 # compute all of its keys (the flash kernel skips masked blocks only under is_causal, whose
@@ -55,11 +58,18 @@ def causal_mask(
     padded to MIN_QUERY_ROWS with copies of the last one): 0 up to the row's position, -inf
     after."""
     rows: np.ndarray = np.repeat(positions, group)
-    if len(rows) < MIN_QUERY_ROWS:
-        rows = np.pad(rows, (0, MIN_QUERY_ROWS - len(rows)), mode="edge")
+    if padded_rows(len(rows)) > len(rows):
+        rows = np.pad(rows, (0, padded_rows(len(rows)) - len(rows)), mode="edge")
     hidden = np.arange(columns)[None, :] > rows[:, None]
     mask = torch.zeros(hidden.shape, dtype=dtype)
     return mask.masked_fill_(torch.from_numpy(hidden), float("-inf"))
+
+
+def padded_rows(rows: int) -> int:
+    """Query rows a call gets for ``rows`` real ones: the kernel takes rows in blocks of
+    ``QUERY_BLOCK_ROWS``; no block, the last included, may have fewer than MIN_QUERY_ROWS."""
+    tail = rows % QUERY_BLOCK_ROWS
+    return rows if tail == 0 or tail >= MIN_QUERY_ROWS else rows + MIN_QUERY_ROWS - tail
 
 
 def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -68,7 +78,7 @@ def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     count, heads, head_dim = q.shape
     group = heads // kv_heads
     rows = q.view(count, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads, -1, head_dim)
-    short = MIN_QUERY_ROWS - rows.shape[1]
+    short = padded_rows(rows.shape[1]) - rows.shape[1]
     if short > 0:
         rows = torch.cat([rows, rows[:, -1:].expand(kv_heads, short, head_dim)], dim=1)
     return rows

@@ -74,7 +74,8 @@ def test_default_launch_same_tokens_from_the_prefix_cache_and_on_one_thread(
 def test_deterministic_mode_same_tokens_whatever_the_decode_batch_and_chunks(
     default_model_dir, prompts, cold
 ):
-    # 32 decode rows a step (above the default's line), prompts in chunks of 5 tokens beside
+    # 32 decode rows a step (above the default's line), prompts in chunks of 11 tokens (33
+    # query rows a kv head: a block of 32 and a padded tail) beside
     # others' prefill and decode rows; then 12 prompts arriving one per step (decode batches of
     # 1 to 12, their prompts from the prefix cache). Decode rows stay on the int4 kernels, so the
     # tokens are also the default launch's at up to 16 decode rows.
@@ -82,8 +83,8 @@ def test_deterministic_mode_same_tokens_whatever_the_decode_batch_and_chunks(
         default_model_dir,
         deterministic=True,
         max_batch_size=32,
-        prefill_chunk_tokens=5,
-        prefill_max_tokens=40,
+        prefill_chunk_tokens=11,
+        prefill_max_tokens=88,
     )
     assert greedy_tokens(engine, prompts, "together") == cold
     assert greedy_tokens(engine, prompts[:12], "staggered", one_per_step=True) == cold[:12]
