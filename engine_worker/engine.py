@@ -404,6 +404,7 @@ def default_weight_format(
         device,
         config.quantized_max_tokens,
         dense_copy=dense_copy_fits(model_config, dtype, weight_copy_budget_bytes(device)),
+        deterministic=config.deterministic,
     )
 
 

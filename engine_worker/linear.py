@@ -8,9 +8,15 @@
   ``w = (q - 8) * scale + zero`` with one fp32 rounding (an FMA), q in [0, 15], scale and zero
   stored as [K / group, N, 2] in the activation dtype; N must be a multiple of 16 and K of the
   group. Only bf16 activations take its vectorized path; fp32 and fp16 run a scalar loop.
-* ``BatchSizeSwitch``: a quantized copy for steps of at most ``max_tokens`` rows (decode: the
-  weight bytes read decide the speed) and a dense copy for larger ones (prefill: the integer
-  kernels re-read and re-dequantize the weights for every 4 rows, dense GEMM does not).
+* ``BatchSizeSwitch``: a quantized copy for the decode rows of a step with at most
+  ``max_tokens`` of them (decode: the weight bytes read decide the speed) and a dense copy for
+  the others and for prompt rows (prefill: the integer kernels re-read and re-dequantize the
+  weights for every 4 rows, dense GEMM does not).
+
+Every kernel here computes a row the same way whatever else its call holds (measured: dense bf16
+above one row, the int4 kernel, scripts/bench/engine_determinism.py), so a row's result depends
+on which kernel a layer picks for it, never on its neighbours: the pick depends only on the
+row's kind (a decoded token's or a prompt's) and, for decode rows, on how many there are.
 
 Quantized weights arrive as ``Int4Groups`` (q, scale, zero per group) or ``Int8Blocks`` (a GGUF
 Q8_0 tensor: int8 with one scale per 32 columns), from a checkpoint's own blocks or from
@@ -32,8 +38,9 @@ MAX_INT4_PARTS = 2  # more would read the 4-bit weights as often as a dense bf16
 class LinearWeight(Protocol):
     out_features: int
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in_features] in the activation dtype -> [T, out_features]."""
+    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        """x [T, in_features] in the activation dtype -> [T, out_features]; the first
+        ``decode_rows`` rows are decode rows (a format with two copies picks one by it)."""
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +166,9 @@ def refine_top_logits(
         return
     top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
     rows = source_rows(head, top.flatten()).view(*top.shape, -1)
-    exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)
+    # A product and a sum over the last dimension: a row's sums do not depend on how many rows
+    # the step has (a batched matmul's do, by a few ulps).
+    exact = (rows * hidden.float().unsqueeze(1)).sum(-1)
     logits.scatter_(1, top, exact)
 
 
@@ -199,7 +208,11 @@ class DenseLinear:
         self.weight, self.bias = weight.contiguous(), bias
         self.out_features = weight.shape[0]
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        if x.shape[0] == 1:
+            # One row takes another kernel, whose sums round differently from the same row's
+            # among others (bf16, 1,536 inputs); two rows cost the same (memory-bound).
+            return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
         return F.linear(x, self.weight, self.bias)
 
     @property
@@ -225,7 +238,7 @@ class Int8Linear:
     ) -> Int8Linear:
         return cls(*quantize_int8(weight, dtype), dtype, bias)
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
         return y if self.bias is None else y + self.bias
 
@@ -265,7 +278,7 @@ class Int4Linear:
             .contiguous()
         )  # [parts * K / group, N, 2]
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         x = x.contiguous() if self.parts == 1 else x.repeat(1, self.parts)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
         return y if self.bias is None else y + self.bias
@@ -276,14 +289,24 @@ class Int4Linear:
 
 
 class BatchSizeSwitch:
-    """``quantized`` for inputs of at most ``max_tokens`` rows, ``dense`` above."""
+    """``quantized`` for the decode rows of a step that has at most ``max_tokens`` of them,
+    ``dense`` for the others and for every prompt row. A prompt token is thus computed alike
+    whether its prompt came in one step, in chunks or after a prefix-cache hit; a decoded one
+    alike while the decode batch stays on one side of ``max_tokens`` (a deterministic launch
+    sets it to ``UNBOUNDED``)."""
+
+    UNBOUNDED = 1 << 62
 
     def __init__(self, quantized: LinearWeight, dense: LinearWeight, max_tokens: int) -> None:
         self.quantized, self.dense, self.max_tokens = quantized, dense, max_tokens
         self.out_features = quantized.out_features
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.quantized if x.shape[0] <= self.max_tokens else self.dense).apply(x)
+    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        if not 0 < decode_rows <= self.max_tokens:
+            return self.dense.apply(x)
+        if decode_rows == x.shape[0]:
+            return self.quantized.apply(x)
+        return torch.cat([self.quantized.apply(x[:decode_rows]), self.dense.apply(x[decode_rows:])])
 
     @property
     def nbytes(self) -> int:

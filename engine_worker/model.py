@@ -132,9 +132,13 @@ class LlamaFamilyModel:
         attention: AttentionBackend,
         metadata: AttentionMetadata,
         logit_rows: torch.Tensor | None,
+        decode_rows: int = 0,
+        sampling_rows: int = 0,
     ) -> torch.Tensor:
-        """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step.
-        Returns logits [len(logit_rows), vocab] (float32)."""
+        """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step; the
+        first ``decode_rows`` rows are decoded tokens', the first ``sampling_rows`` logit rows
+        sample a token (the others are prompt logprobs). Returns logits [len(logit_rows),
+        vocab] (float32)."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -145,7 +149,7 @@ class LlamaFamilyModel:
         hidden = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, eps)
-            qkv = layer.qkv.apply(x)
+            qkv = layer.qkv.apply(x, decode_rows)
             v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
             if layer.q_norm is not None:
                 q = F.rms_norm(
@@ -169,14 +173,14 @@ class LlamaFamilyModel:
                 )
                 q, k = qk[:, :heads], qk[:, heads:]
             attn = attention.forward(q, k, v, i, metadata)
-            hidden += layer.o_proj.apply(attn.reshape(num_tokens, q_size))
+            hidden += layer.o_proj.apply(attn.reshape(num_tokens, q_size), decode_rows)
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_attention_norm, eps)
-            gate, up = layer.gate_up.apply(x).chunk(2, dim=-1)
-            hidden += layer.down.apply(F.silu(gate) * up)
+            gate, up = layer.gate_up.apply(x, decode_rows).chunk(2, dim=-1)
+            hidden += layer.down.apply(F.silu(gate) * up, decode_rows)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         hidden = F.rms_norm(hidden, (cfg.hidden_size,), self.norm, eps)
-        logits = self.lm_head.apply(hidden).float()
+        logits = self.lm_head.apply(hidden, sampling_rows).float()
         if self.exact_head is not None:
             refine_top_logits(logits, hidden, self.exact_head)
         return logits

@@ -37,6 +37,7 @@ class ModelInputs:
     emitting: list[int]  # the requests (indices) that sample a token in this step
     step: StepBatch
     prompt_spans: list[PromptSpan]  # prompt logprobs: their rows follow the emitting ones
+    decode_rows: int  # the first rows are the decoding requests' (one decoded token each)
 
 
 @dataclass(slots=True)
@@ -139,7 +140,13 @@ class ModelRunner:
         metadata = self.attention.prepare(inputs.step)
         try:
             return self.model.forward(
-                inputs.input_ids, inputs.positions, self.attention, metadata, inputs.logit_rows
+                inputs.input_ids,
+                inputs.positions,
+                self.attention,
+                metadata,
+                inputs.logit_rows,
+                inputs.decode_rows,
+                len(inputs.emitting),
             )
         except BaseException:
             self.attention.reset()  # what it keeps may hold only some layers' copies
@@ -150,12 +157,20 @@ class ModelRunner:
         self.attention.reset()
 
     def _inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
+        """The step's flat batch. Its rows are laid out decoding requests first: a layer with
+        a quantized and a dense copy gives the decode rows one and the prompt rows the other,
+        so a prompt token is computed alike whatever else the step holds."""
         num_seqs = len(requests)
         starts = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=num_seqs)
         lengths = np.asarray(counts, dtype=np.int64)
-        row_ends = np.cumsum(lengths)
+        decoding = np.fromiter(
+            (r.num_computed >= r.prompt_len for r in requests), dtype=bool, count=num_seqs
+        )
+        order = np.argsort(~decoding, kind="stable")  # row order of the sequences
+        row_ends: np.ndarray = np.empty(num_seqs, dtype=np.int64)
+        row_ends[order] = np.cumsum(lengths[order])
         row_starts = row_ends - lengths
-        total = int(row_ends[-1])
+        total = int(lengths.sum())
         emitting = [
             i
             for i, r in enumerate(requests)
@@ -163,7 +178,7 @@ class ModelRunner:
         ]
         input_ids = np.fromiter(
             itertools.chain.from_iterable(
-                r.token_ids[r.num_computed : r.num_computed + n] for r, n in zip(requests, counts)
+                requests[i].token_ids[starts[i] : starts[i] + counts[i]] for i in order
             ),
             dtype=np.int64,
             count=total,
@@ -173,7 +188,7 @@ class ModelRunner:
         for i, r in enumerate(requests):
             tables[i, : len(r.block_ids)] = r.block_ids
         size = self.block_size
-        seq_of_row: np.ndarray = np.repeat(np.arange(num_seqs), lengths)
+        seq_of_row: np.ndarray = np.repeat(order, lengths[order])
         positions = np.arange(total) - row_starts[seq_of_row] + starts[seq_of_row]
         slots = tables[seq_of_row, positions // size] * size + positions % size
         step = StepBatch(
@@ -192,7 +207,7 @@ class ModelRunner:
         if spans:
             rows = np.concatenate([row_ends[emitting] - 1, span_rows(spans)])
             logit_rows = to_device(rows, self.device)
-        elif len(emitting) != total:
+        elif len(emitting) != total or not np.array_equal(order, np.arange(num_seqs)):
             logit_rows = to_device(row_ends[emitting] - 1, self.device)
         return ModelInputs(
             to_device(input_ids, self.device),
@@ -201,4 +216,5 @@ class ModelRunner:
             emitting,
             step,
             spans,
+            int(lengths[decoding].sum()),
         )

@@ -16,9 +16,11 @@
   int4-exact  as int4, with every scale and zero split into bf16 parts that sum to the file's
         fp16 value (two per plane): the file's own weights, each plane read twice
 
-A quantized layer also keeps a dense copy, used by steps of more than ``max_tokens`` tokens
-(prefill and large decode batches, where dense GEMM beats the integer kernels), when that copy
-fits the memory budget. Quantized kernels are CPU-only: on CUDA, auto serves dense weights.
+A quantized layer also keeps a dense copy, when that copy fits the memory budget: prompt rows
+run on it (prefill, where dense GEMM beats the integer kernels), and so do the decode rows of a
+step that has more than ``max_tokens`` of them (``linear.BatchSizeSwitch``), unless the format
+is ``deterministic``: then decode rows always run on the quantized kernels. Quantized kernels
+are CPU-only: on CUDA, auto serves dense weights.
 Whatever the head's format, below float32 each row's top logits are recomputed in float32 from
 the checkpoint's head rows (``linear.refine_top_logits``, in the model's forward).
 """
@@ -115,10 +117,11 @@ class WeightFormat:
         max_tokens: int = 0,
         dense_copy: bool = True,
         reference_for: torch.dtype | None = None,
+        deterministic: bool = False,
     ) -> None:
         check_weights_and_dtype(weights, reference_for or dtype, device)
         self.weights, self.dtype, self.device = weights, dtype, device
-        self.max_tokens = max_tokens
+        self.max_tokens = BatchSizeSwitch.UNBOUNDED if deterministic else max_tokens
         self.dense_copy = dense_copy and reference_for is None
         self.reference_for = reference_for
         self.counts: dict[str, int] = {}  # layers built per kind, for the start-up log line
@@ -230,7 +233,9 @@ class WeightFormat:
         for kind, count in sorted(self.counts.items()):
             text = f"{count} {kind}"
             if kind != "dense" and self.dense_copy:
-                text += f" (dense above {self.max_tokens or QUANTIZED_MAX_TOKENS[kind]} tokens)"
+                limit = self.max_tokens or QUANTIZED_MAX_TOKENS[kind]
+                above = "" if limit == BatchSizeSwitch.UNBOUNDED else f", above {limit} decode rows"
+                text += f" (dense for prompt rows{above})"
             parts.append(text)
         return f"weights={self.weights}: {', '.join(parts)} linear layers"
 

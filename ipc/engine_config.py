@@ -49,11 +49,20 @@ class EngineConfig:
     weights: str = knob("auto", WEIGHTS_HELP, choices=WEIGHTS)
     quantized_max_tokens: int = knob(
         0,
-        "steps of more tokens than this run on the dense copy "
-        "of quantized weights; 0 = the format's measured "
-        "crossover",
+        "a step's decode rows run on quantized weights while "
+        "there are at most this many, on their dense copy above "
+        "(prompt rows always run on the dense copy); 0 = the "
+        "format's measured crossover",
         unit="TOKENS",
         minimum=0,
+    )
+    deterministic: bool = knob(
+        False,
+        "an identical request gets identical tokens at temperature 0 "
+        "or with a seed whatever the load: decode rows always run on "
+        "quantized weights and the lm_head on one kernel whatever the "
+        "batch size (costs decode speed above the crossover; "
+        "docs/determinism.md)",
     )
     max_batch_size: int = knob(
         32, "most requests decoded together in one engine step", unit="REQUESTS", minimum=1

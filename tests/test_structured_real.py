@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -215,3 +216,33 @@ def test_unconstrained_requests_are_untouched_by_constrained_ones_in_their_batch
     assert [r.token_ids for r in results[:2]] == alone
     for r in results[2:]:
         jsonschema.validate(json.loads(r.text), PERSON)
+
+
+def test_the_paris_question_answers_alike_five_times_under_load(oai):
+    # Issue 23: the second ask took its first 32 prompt tokens from the prefix cache and
+    # answered "L'Étoile, la Marseillaise,". Two other streams keep the engine busy meanwhile
+    # (their prompts and tokens share the question's steps).
+    stop = threading.Event()
+
+    def other_load(i: int) -> int:
+        count = 0
+        while not stop.is_set():
+            ask = [
+                {"role": "user", "content": f"Tell me about {NAMES[i]}, who lives in {CITIES[i]}."}
+            ]
+            chat(oai, ask, max_tokens=32)
+            count += 1
+        return count
+
+    with ThreadPoolExecutor(2) as pool:
+        others = [pool.submit(other_load, i) for i in range(2)]
+        try:
+            answers = [
+                chat(oai, [{"role": "user", "content": "What is the capital of France?"}],
+                     max_tokens=16).choices[0].message.content
+                for _ in range(5)
+            ]  # fmt: skip
+        finally:
+            stop.set()
+        assert all(f.result() >= 1 for f in others)
+    assert answers == ["The capital of France is Paris."] * 5

@@ -3,8 +3,8 @@
 Per step the model runner hands the chosen backend a ``StepBatch`` (the flat token layout) and
 gets back the metadata the forward passes to ``backend.forward`` once per layer. Backends:
 
-* ``PagedCpuBackend`` (``paged_cpu``): CPU with PyTorch's fused CPU flash kernel; keeps the decode
-  batch's keys between steps and attends prefill continuations together;
+* ``PagedCpuBackend`` (``paged_cpu``): CPU with PyTorch's fused CPU flash kernel, one arithmetic
+  for every row whatever the path (``flash_rows``); keeps the decode batch's keys between steps;
 * ``SdpaBackend`` (``sdpa``): any device or torch build; gathers the decode batch every step and
   attends prefill segments one at a time with SDPA.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from engine_worker.attention.backend import AttentionBackend
 from engine_worker.attention.batch import AttentionMetadata, StepBatch
-from engine_worker.attention.continuations import fused_cpu_kernel_available
+from engine_worker.attention.flash_rows import fused_cpu_kernel_available
 from engine_worker.attention.kv_cache import PagedKVCache, kv_bytes_per_token
 from engine_worker.attention.paged_cpu import PagedCpuBackend
 from engine_worker.attention.sdpa import SdpaBackend

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
-from engine_worker.attention.batch import AttentionMetadata, StepBatch
+from engine_worker.attention.batch import AttentionMetadata, DecodeBatch, StepBatch, to_device
 from engine_worker.attention.kv_cache import PagedKVCache
 
 
@@ -24,7 +25,6 @@ class AttentionBackend(ABC):
     def prepare(self, step: StepBatch) -> AttentionMetadata:
         """Called once per step, before the forward."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -33,7 +33,39 @@ class AttentionBackend(ABC):
         layer: int,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """q [T, H, D], this step's k/v [T, KV, D] -> attention output [T, H, D]."""
+        """q [T, H, D], this step's k/v [T, KV, D] -> attention output [T, H, D]: the new keys
+        and values go into the cache, then the decode rows and the prefill rows are attended."""
+        self.cache.write(layer, metadata.slot_mapping, k, v)
+        decode = metadata.decode
+        if decode is not None and decode.rows is None:  # decode rows only: no row gathers
+            return self._decode(q, k, v, layer, decode)
+        out = torch.empty_like(q)
+        if decode is not None:
+            rows = decode.rows
+            out[rows] = self._decode(q[rows], k[rows], v[rows], layer, decode)
+        self._prefill(q, k, v, layer, metadata, out)
+        return out
+
+    @abstractmethod
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, decode: DecodeBatch
+    ) -> torch.Tensor:
+        """q [B, H, D] of the decode rows; their new k/v [B, KV, D] are in the cache already."""
+
+    @abstractmethod
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Writes each prefill segment's rows of ``out``."""
+
+    def _device(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(array, self.cache.device)
 
     @abstractmethod
     def reset(self) -> None:

@@ -63,39 +63,24 @@ class DecodeBatch:
     from the cache (``block_tables``) or kept from the last step (``workspace``)."""
 
     rows: torch.Tensor | None  # [B] their flat rows; None: they are the whole step
-    mask: torch.Tensor  # [KV * B, 1, columns] additive 0/-inf: hides columns past each context
+    # Additive 0/-inf, hides columns past each context: [KV * B, 1, columns] (SDPA backend),
+    # [B, 1, query rows, columns] (CPU backend)
+    mask: torch.Tensor
     block_tables: torch.Tensor | None = None  # [B, columns / block_size] blocks to gather
     workspace: DecodeWorkspace | None = None  # set by a backend that keeps decode keys
 
 
 @dataclass(slots=True)
 class PrefillSegment:
-    """One sequence's prefill rows, attended on their own with SDPA."""
+    """Prefill rows of one sequence (all of them, or a chunk of them), attended on their own."""
 
     row_start: int  # first row of this segment in the flat token batch
     num_tokens: int
     start_position: int  # tokens already in the cache before this segment
-    block_table: torch.Tensor | None = None  # only for continuations
-    mask: torch.Tensor | None = None  # [num_tokens, start_position + num_tokens], True = attend
-
-
-@dataclass(slots=True)
-class ContinuationBatch:
-    """Every prefill continuation of a step (a segment after cached tokens), attended together.
-
-    Queries are padded to [segments, max_tokens]. Segments that share leading cache blocks (a
-    common system prompt) form a prefix group: the group's shared keys are gathered once and
-    attended once by all its queries in one matmul ("cascade" attention); the rest of each
-    segment's context (its ``rest`` blocks) is gathered into one padded batch. The two partial
-    softmaxes are merged with their log-sum-exp. A segment in no group has an empty prefix."""
-
-    max_tokens: int  # padded query rows per segment
-    gather_rows: torch.Tensor  # [S * max_tokens] flat row of each padded query (pads repeat one)
-    padded_index: torch.Tensor  # [real tokens] position in the padded layout of each ...
-    out_rows: torch.Tensor  # ... real token's flat row
-    rest_table: torch.Tensor  # [S * rest_blocks] blocks after each segment's shared prefix
-    rest_mask: torch.Tensor  # [S, max_tokens, 1, rest_blocks * block_size] additive 0/-inf
-    groups: list = field(default_factory=list)  # (first segment, end segment, prefix blocks)
+    block_table: torch.Tensor | None = None  # the cache blocks the segment reads
+    # SDPA backend, continuations only: [num_tokens, start_position + num_tokens], True = attend;
+    # CPU backend: [query rows, key columns] additive (flash_rows.causal_mask)
+    mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -104,6 +89,4 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     decode: DecodeBatch | None = None
-    prefills: list[PrefillSegment] = field(default_factory=list)  # one SDPA call each
-    # Set by a backend that batches continuations; ``prefills`` then holds only fresh prompts.
-    continuations: ContinuationBatch | None = None
+    prefills: list[PrefillSegment] = field(default_factory=list)  # one attention call each

@@ -24,6 +24,7 @@ class PagedKVCache:
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
         self.block_size = block_size
         self.num_kv_heads = config.num_kv_heads
+        self.query_group = config.num_heads // config.num_kv_heads  # query heads per kv head
         self.dtype, self.device = dtype, device
         self.bytes_per_token = kv_bytes_per_token(config, dtype)
         # Zeroed, not empty: padded attention reads unused slots with weight 0, and 0 * NaN

@@ -1,14 +1,21 @@
-"""The CPU backend: SDPA's, plus a decode workspace kept between steps and batched continuations.
+"""The CPU backend: every row through one arithmetic (``flash_rows``), and a decode workspace
+kept between steps.
 
-While the set of decoding sequences stays the same from one step to the next, the gather is
-skipped: a ``DecodeWorkspace`` keeps every layer's padded [kv_heads * batch, capacity, head_dim]
-copy of the decode batch's keys and values from the step that built it, and each later step only
-writes its one new token per sequence into it (re-gathering ~all the KV every layer every step
-was 13 ms of a 105 ms batch-32 step in fp32, 12 ms of 51 ms in bf16, on 2 CPU cores). A batch
-whose copy would exceed ``workspace_max_bytes`` gathers every step instead.
+* decode rows (one new token each) are attended together, one flash call for the batch, over
+  their keys padded to the widest row;
+* a prefill segment (a fresh prompt, or a continuation after cached tokens) is attended in
+  chunks of ``QUERY_CHUNK_POSITIONS`` positions, each over its sequence's cached keys from
+  position 0 to the chunk's last one (its own new keys are in the cache by then).
 
-Prefill continuations are attended together (``continuations``: shared prefixes once, with the
-fused CPU flash kernel); fresh prompts go through SDPA one at a time.
+Both read keys from position 0 with the same masks and padding rules, so a token gets the same
+attention output whichever of the two computes it (``flash_rows`` says why).
+
+While the set of decoding sequences stays the same from one step to the next, the decode
+gather is skipped: a ``DecodeWorkspace`` keeps every layer's padded [kv_heads * batch, capacity,
+head_dim] copy of the decode batch's keys and values from the step that built it, and each
+later step only writes its one new token per sequence into it (re-gathering ~all the KV every
+layer every step was 13 ms of a 105 ms batch-32 step in fp32, 12 ms of 51 ms in bf16, on 2 CPU
+cores). A batch whose copy would exceed ``workspace_max_bytes`` gathers every step instead.
 """
 
 from __future__ import annotations
@@ -16,14 +23,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_worker.attention.batch import AttentionMetadata, DecodeBatch, DecodeWorkspace, StepBatch
-from engine_worker.attention.continuations import attend_continuations, build_continuations
-from engine_worker.attention.kernels import decode_attention
-from engine_worker.attention.kv_cache import PagedKVCache
-from engine_worker.attention.sdpa import SdpaBackend
+from engine_worker.attention.backend import AttentionBackend
+from engine_worker.attention.batch import (
+    AttentionMetadata,
+    DecodeBatch,
+    DecodeWorkspace,
+    PrefillSegment,
+    StepBatch,
+)
+from engine_worker.attention.flash_rows import (
+    MIN_QUERY_ROWS,
+    QUERY_CHUNK_POSITIONS,
+    causal_mask,
+    flash,
+    grouped,
+    key_columns,
+    ungrouped,
+)
+from engine_worker.attention.kernels import gather_decode
+from engine_worker.attention.kv_cache import PagedKVCache, gather
 
 
-class PagedCpuBackend(SdpaBackend):
+class PagedCpuBackend(AttentionBackend):
     name = "paged_cpu"
     # Spare columns a new decode workspace gets, so it serves this many steps before a rebuild.
     WORKSPACE_HEADROOM = 32
@@ -37,20 +58,39 @@ class PagedCpuBackend(SdpaBackend):
         """Frees the decode workspace."""
         self._workspace = None
 
-    # --- prepare ------------------------------------------------------------------------------
+    # --- prepare (host side, once per step) ---------------------------------------------------
+    def prepare(self, step: StepBatch) -> AttentionMetadata:
+        metadata = AttentionMetadata(slot_mapping=self._device(step.slots))
+        decoding = step.lengths == 1
+        metadata.decode = self._prepare_decode(step, np.nonzero(decoding)[0])
+        for i in np.nonzero(~decoding)[0]:
+            metadata.prefills += self._query_chunks(step, int(i))
+        return metadata
+
     def _prepare_decode(self, step: StepBatch, seqs: np.ndarray) -> DecodeBatch | None:
         if not len(seqs):
             self.reset()
             return None
         context = step.ends[seqs]
+        rows = None if len(seqs) == len(step.sequences) else self._device(step.row_starts[seqs])
         ws = self._decode_workspace([step.sequences[i] for i in seqs], context)
-        if ws is None:
-            return super()._prepare_decode(step, seqs)
-        # Where each layer writes this step's keys/values (one index_copy_ each), computed once.
-        rows: np.ndarray = np.arange(self.cache.num_kv_heads * len(seqs)) * ws.capacity
-        ws.new_slots = self._device(rows + np.tile(context - 1, self.cache.num_kv_heads))
-        decode = self._decode_batch(step, seqs, ws.capacity, with_tables=ws.fresh)
-        decode.workspace = ws
+        columns = key_columns(int(context.max()), step.block_size) if ws is None else ws.capacity
+        hidden = np.arange(columns)[None, :] >= context[:, None]
+        mask = torch.zeros(hidden.shape, dtype=self.cache.dtype)
+        mask.masked_fill_(torch.from_numpy(hidden), float("-inf"))
+        rows_per_head = max(MIN_QUERY_ROWS, self.cache.query_group)
+        # [B, 1, rows, columns]: every query row of a sequence sees the same columns.
+        mask = mask.to(self.cache.device)[:, None, None, :].expand(-1, 1, rows_per_head, -1)
+        decode = DecodeBatch(rows=rows, mask=mask)
+        if ws is not None:
+            # Where each layer writes this step's keys/values (one index_copy_ each).
+            flat: np.ndarray = np.arange(self.cache.num_kv_heads * len(seqs)) * ws.capacity
+            ws.new_slots = self._device(flat + np.tile(context - 1, self.cache.num_kv_heads))
+            decode.workspace = ws
+        if ws is None or ws.fresh:
+            decode.block_tables = self._device(
+                _padded_tables(step, seqs, columns // step.block_size)
+            )
         return decode
 
     def _decode_workspace(self, decoding: list, context: np.ndarray) -> DecodeWorkspace | None:
@@ -69,46 +109,35 @@ class PagedCpuBackend(SdpaBackend):
             ws.context = context
             return ws
         self.reset()
-        size = self.cache.block_size
-        capacity = -(-(longest + self.WORKSPACE_HEADROOM) // size) * size
+        capacity = key_columns(longest + self.WORKSPACE_HEADROOM, self.cache.block_size)
         if capacity * len(decoding) * self.cache.bytes_per_token > self.workspace_max_bytes:
             return None
         self._workspace = DecodeWorkspace(capacity=capacity, sequences=decoding, context=context)
         return self._workspace
 
-    def _prepare_prefills(
-        self, step: StepBatch, seqs: np.ndarray, metadata: AttentionMetadata
-    ) -> None:
-        continuing = seqs[step.starts[seqs] > 0]
-        if len(continuing):
-            metadata.continuations = build_continuations(
-                step, continuing, self.cache.dtype, self.cache.device
+    def _query_chunks(self, step: StepBatch, seq: int) -> list[PrefillSegment]:
+        """One prefill sequence as query chunks, each over the keys up to its last position."""
+        start, count = int(step.starts[seq]), int(step.lengths[seq])
+        chunks = []
+        for first in range(0, count, QUERY_CHUNK_POSITIONS):
+            n = min(QUERY_CHUNK_POSITIONS, count - first)
+            columns = key_columns(start + first + n, step.block_size)
+            positions = np.arange(start + first, start + first + n)
+            chunk = PrefillSegment(
+                row_start=int(step.row_starts[seq]) + first,
+                num_tokens=n,
+                start_position=start + first,
+                block_table=self._device(
+                    _padded_tables(step, np.array([seq]), columns // step.block_size)[0]
+                ),
+                mask=causal_mask(positions, columns, self.cache.query_group, self.cache.dtype).to(
+                    self.cache.device
+                ),
             )
-            seqs = seqs[step.starts[seqs] == 0]
-        super()._prepare_prefills(step, seqs, metadata)
+            chunks.append(chunk)
+        return chunks
 
-    # --- forward ------------------------------------------------------------------------------
-    def _decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, decode: DecodeBatch
-    ) -> torch.Tensor:
-        ws = decode.workspace
-        if ws is None:
-            return super()._decode(q, k, v, layer, decode)
-        if ws.fresh:
-            keys, values = self._gather_decode(layer, decode)
-            ws.keys.append(keys)
-            ws.values.append(values)
-        else:
-            keys, values = ws.keys[layer], ws.values[layer]
-            head_dim = k.shape[2]
-            keys.view(-1, head_dim).index_copy_(
-                0, ws.new_slots, k.transpose(0, 1).reshape(-1, head_dim)
-            )
-            values.view(-1, head_dim).index_copy_(
-                0, ws.new_slots, v.transpose(0, 1).reshape(-1, head_dim)
-            )
-        return decode_attention(q, keys, values, decode.mask)
-
+    # --- forward (every layer) ----------------------------------------------------------------
     def _prefill(
         self,
         q: torch.Tensor,
@@ -118,9 +147,62 @@ class PagedCpuBackend(SdpaBackend):
         metadata: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:
-        cont = metadata.continuations
-        if cont is not None:
-            out[cont.out_rows] = attend_continuations(
-                q, self.cache.layer_keys[layer], self.cache.layer_values[layer], cont
+        keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
+        group = self.cache.query_group
+        for chunk in metadata.prefills:
+            assert chunk.block_table is not None and chunk.mask is not None
+            rows_slice = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
+            o = flash(
+                grouped(q[rows_slice], self.cache.num_kv_heads)[None],
+                gather(keys, chunk.block_table)[None],
+                gather(values, chunk.block_table)[None],
+                chunk.mask,
             )
-        super()._prefill(q, k, v, layer, metadata, out)
+            out[rows_slice] = ungrouped(o[0], chunk.num_tokens, group)
+
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, decode: DecodeBatch
+    ) -> torch.Tensor:
+        """q [B, H, D] of the decode rows; their new k/v [B, KV, D] are in the cache already."""
+        ws = decode.workspace
+        if ws is not None and not ws.fresh:
+            keys, values = ws.keys[layer], ws.values[layer]
+            head_dim = k.shape[2]
+            keys.view(-1, head_dim).index_copy_(
+                0, ws.new_slots, k.transpose(0, 1).reshape(-1, head_dim)
+            )
+            values.view(-1, head_dim).index_copy_(
+                0, ws.new_slots, v.transpose(0, 1).reshape(-1, head_dim)
+            )
+        else:
+            tables = decode.block_tables
+            assert tables is not None, "a decode batch without a kept workspace has block tables"
+            keys = gather_decode(self.cache.layer_keys[layer], tables)
+            values = gather_decode(self.cache.layer_values[layer], tables)
+            if ws is not None:
+                ws.keys.append(keys)
+                ws.values.append(values)
+        batch_size, num_heads, head_dim = q.shape
+        kv_heads = self.cache.num_kv_heads
+        group = num_heads // kv_heads
+        rows = q.view(batch_size, kv_heads, group, head_dim)
+        short = decode.mask.shape[2] - group
+        if short > 0:
+            rows = torch.cat([rows, rows[:, :, -1:].expand(-1, -1, short, -1)], dim=2)
+        # The workspace is [KV * B, columns, D]: viewed [B, KV, columns, D], strided.
+        columns = keys.shape[1]
+        o = flash(
+            rows,
+            keys.view(kv_heads, batch_size, columns, head_dim).transpose(0, 1),
+            values.view(kv_heads, batch_size, columns, head_dim).transpose(0, 1),
+            decode.mask,
+        )
+        return o[:, :, :group].reshape(batch_size, num_heads, head_dim)
+
+
+def _padded_tables(step: StepBatch, seqs: np.ndarray, blocks: int) -> np.ndarray:
+    """[len(seqs), blocks] block tables; columns past a sequence's table read block 0 (masked)."""
+    table: np.ndarray = np.zeros((len(seqs), blocks), dtype=np.int64)
+    width = min(blocks, step.block_tables.shape[1])
+    table[:, :width] = step.block_tables[seqs, :width]
+    return table

@@ -13,13 +13,7 @@ import numpy as np
 import torch
 
 from engine_worker.attention.backend import AttentionBackend
-from engine_worker.attention.batch import (
-    AttentionMetadata,
-    DecodeBatch,
-    PrefillSegment,
-    StepBatch,
-    to_device,
-)
+from engine_worker.attention.batch import AttentionMetadata, DecodeBatch, PrefillSegment, StepBatch
 from engine_worker.attention.kernels import decode_attention, gather_decode, segment_attention
 from engine_worker.attention.kv_cache import gather
 
@@ -80,29 +74,7 @@ class SdpaBackend(AttentionBackend):
                 seg.mask = self._device(np.arange(start + n)[None, :] <= query_pos)
             metadata.prefills.append(seg)
 
-    def _device(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(array, self.cache.device)
-
     # --- forward (every layer) ----------------------------------------------------------------
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        self.cache.write(layer, metadata.slot_mapping, k, v)
-        decode = metadata.decode
-        if decode is not None and decode.rows is None:  # decode rows only: no row gathers
-            return self._decode(q, k, v, layer, decode)
-        out = torch.empty_like(q)
-        if decode is not None:
-            rows = decode.rows
-            out[rows] = self._decode(q[rows], k[rows], v[rows], layer, decode)
-        self._prefill(q, k, v, layer, metadata, out)
-        return out
-
     def _decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, decode: DecodeBatch
     ) -> torch.Tensor:

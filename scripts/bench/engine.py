@@ -20,6 +20,9 @@
   logprobs  decode steps at the largest --decode-batch with one request's (then every
             request's) top-20 logprobs switched on every other step; the logprob work of a step
             alone; prefill with prompt logprobs (scripts/bench/engine_logprobs.py).
+  determinism  whether a row's numbers depend on the rest of its step, op by op and path by
+            path; each --formats mode's distance from float32; what the default launch and
+            --deterministic cost (--determinism-parts; scripts/bench/engine_determinism.py).
 
 Engines run --dtype/--weights; unset, every workload but 'peer' runs dense float32 (as
 transformers does) and 'peer' runs the default launch (auto/auto). Every figure is printed with
@@ -37,7 +40,7 @@ import torch
 
 from engine_worker.engine import Engine
 from procs.model_store import resolve_model
-from scripts.bench import engine_formats, engine_logprobs
+from scripts.bench import determinism_cost, engine_determinism, engine_formats, engine_logprobs
 from scripts.bench.engine_runs import (
     decode_prompts,
     decode_rate,
@@ -257,6 +260,20 @@ def run_peer(args) -> None:
         print(engine_formats.bound_line(name, weight_bytes, bandwidth, rate))
 
 
+def run_determinism(args) -> None:
+    """Each of --determinism-parts (scripts/bench/engine_determinism.py says what each is)."""
+    parts = {
+        "ops": engine_determinism.run_ops,
+        "paths": engine_determinism.run_paths,
+        "forced": engine_determinism.run_forced,
+        "mc": engine_determinism.run_mc,
+        "attention": determinism_cost.run_attention,
+        "cost": determinism_cost.run_cost,
+    }
+    for part in args.determinism_parts:
+        parts[part](args)
+
+
 WORKLOADS = {
     "core": run_core,
     "sampling": run_sampling,
@@ -267,6 +284,7 @@ WORKLOADS = {
     "formats": engine_formats.run_formats,
     "bandwidth": engine_formats.run_bandwidth,
     "logprobs": engine_logprobs.run_logprobs,
+    "determinism": run_determinism,
 }
 
 
@@ -313,6 +331,18 @@ def build_parser():
         type=int,
         default=5,
         help="'kernels': interleaved runs of each format; each call's best counts (default: 5)",
+    )
+    p.add_argument(
+        "--determinism-parts",
+        type=text_list,
+        default=["ops", "paths", "forced"],
+        help="'determinism': any of ops,paths,forced,mc,attention,cost (its module "
+        "scripts/bench/engine_determinism.py says what each is) (default: ops,paths,forced)",
+    )
+    p.add_argument(
+        "--mc-jsonl",
+        default="tests/evals/facts_mc.jsonl",
+        help="'determinism' mc: the multiple-choice items (default: %(default)s)",
     )
     g = p.add_argument_group("prefix and mixed")
     g.add_argument("--num-requests", type=int, default=32, help="'prefix' (default: 32)")

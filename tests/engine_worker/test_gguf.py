@@ -166,9 +166,8 @@ def test_gguf_checkpoint_matches_its_dequantized_weights(tiny_gguf):
     # weights (float32 holds their scales), the file's dense layers are quantized to int4, and
     # Q8_0 (the tied head) runs as two planes of nibbles on the same kernel, exact too.
     quantized = Engine(
-        EngineConfig(
-            model_path=str(gguf_dir), weights="int4", quantized_max_tokens=1 << 20, **config
-        )
+        EngineConfig(model_path=str(gguf_dir), weights="int4", **config),
+        weight_format=WeightFormat("int4", torch.float32, torch.device("cpu"), dense_copy=False),
     )
     kinds = quantized.runner.model.weight_format.counts
     assert kinds == {"int4": 8, "int4x2": 1}, kinds  # 2 layers x (qkv, o, gate_up, down), head

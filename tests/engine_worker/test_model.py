@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_worker.attention import PagedCpuBackend, PagedKVCache, SdpaBackend, select_backend
-from engine_worker.attention.continuations import fused_cpu_kernel_available
+from engine_worker.attention.flash_rows import fused_cpu_kernel_available
 from engine_worker.engine import Engine
 from engine_worker.model_config import ModelConfig
 from ipc.engine_config import EngineConfig
@@ -113,9 +113,10 @@ def test_default_model_matches_transformers(default_model_dir):
     check_against_transformers(default_model_dir, decode_steps=3, chunk=6)
 
 
-def test_batched_continuations_match_per_segment_attention(tiny_model_dir):
-    """Continuations attended together (shared prefix blocks once, LSE-merged) give the same
-    logits as attending each segment on its own."""
+def test_cpu_backend_matches_per_segment_attention(tiny_model_dir):
+    """The CPU backend (every row through the flash kernel over keys from position 0) gives
+    the same logits as SDPA attending each segment on its own: continuations that share
+    prefix blocks, a chunked prompt, a fresh one."""
     engine = Engine(
         EngineConfig(
             model_path=str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, block_size=4

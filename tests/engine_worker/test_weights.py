@@ -147,15 +147,20 @@ def test_int8_per_channel(dtype):
     assert (layer.apply(x).float() - expected).abs().max() < tolerance * expected.abs().max()
 
 
-def test_batch_size_switch_picks_by_rows():
+def test_batch_size_switch_picks_by_decode_rows():
+    # Decode rows (the first ones) run quantized while there are at most max_tokens of them;
+    # prompt rows always run dense, so a prompt row's result never depends on the step.
     w = torch.randn(32, 64)
     quantized = Int4Linear(quantize_int4(w, torch.float32), torch.float32)
     dense = DenseLinear(w)
     switch = BatchSizeSwitch(quantized, dense, max_tokens=4)
-    for rows in (1, 4, 5, 9):
+    for rows, decode_rows in ((1, 1), (4, 4), (5, 5), (9, 0), (3, 0), (7, 3), (9, 5)):
         x = torch.randn(rows, 64)
-        chosen = quantized if rows <= 4 else dense
-        assert torch.equal(switch.apply(x), chosen.apply(x))
+        head = x[:decode_rows]
+        expected = torch.cat(
+            [(quantized if decode_rows <= 4 else dense).apply(head), dense.apply(x[decode_rows:])]
+        )
+        assert torch.equal(switch.apply(x, decode_rows), expected), (rows, decode_rows)
     assert switch.nbytes == quantized.nbytes < dense.nbytes / 5  # 4 bits + fp32 scale, zero per 32
 
 
