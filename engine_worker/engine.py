@@ -15,16 +15,9 @@ import numpy as np
 import torch
 
 from engine_worker.aborts import AbortBook
-from engine_worker.attention import kv_bytes_per_token
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.cache_events import CacheEventRecorder
-from engine_worker.device import (
-    available_memory_bytes,
-    resolve_device,
-    resolve_dtype,
-    resolve_prefill_tokens,
-    weight_copy_budget_bytes,
-)
+from engine_worker.device import resolve_device, resolve_prefill_tokens
 from engine_worker.grammar_requests import GrammarRequests
 from engine_worker.idle_window import IdleBatchWindow
 from engine_worker.interface import EngineLoad, EngineOverloaded
@@ -35,8 +28,14 @@ from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import ScheduledBatch, Scheduler
+from engine_worker.sizing import (
+    default_weight_format,
+    fit_to_kv_cache,
+    kv_cache_blocks,
+    resolve_max_model_len,
+)
 from engine_worker.thread_tuner import ThreadTuner
-from engine_worker.weight_format import WeightFormat, dense_copy_fits
+from engine_worker.weight_format import WeightFormat
 from ipc.block_hash import check_cache_salt
 from ipc.codec import pack_ids
 from ipc.engine_config import EngineConfig
@@ -122,12 +121,16 @@ class Engine:
         self._step = 0
         # Counters since start, reported with every step's stats (Prometheus counters).
         self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
+        self._log_ready(weight_format, num_blocks)
+
+    def _log_ready(self, weight_format: WeightFormat, num_blocks: int) -> None:
+        config = self.config
         logger.info(
             "engine ready: model=%s device=%s dtype=%s %s threads=%d kv_blocks=%d x %d "
             "tokens max_model_len=%d prefill_max_tokens=%d prefix_cache=%s attention=%s",
             self.model_name,
             self.device,
-            dtype,
+            weight_format.dtype,
             weight_format.describe(),
             torch.get_num_threads(),
             num_blocks,
@@ -374,71 +377,3 @@ class Engine:
             prefix_hit_tokens_total=self._prefix_hit_total,
             preemptions_total=self._preemptions_total,
         )
-
-
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The context the engine offers: the knob, else the model's own; capped to a sliding
-    window (attention here is always full, which equals sliding attention within the window)."""
-    max_len = config.max_model_len or model_config.max_position_embeddings
-    window = model_config.sliding_window
-    if window and max_len > window:
-        logger.warning("capping max_model_len %d to the model's sliding window %d", max_len, window)
-        max_len = window
-    if max_len > model_config.max_position_embeddings:
-        logger.warning(
-            "max_model_len %d exceeds the model's max_position_embeddings %d",
-            max_len,
-            model_config.max_position_embeddings,
-        )
-    return max_len
-
-
-def default_weight_format(
-    config: EngineConfig, model_config: ModelConfig, device: torch.device
-) -> WeightFormat:
-    """What ``config.weights`` and ``config.dtype`` mean on this device for this model."""
-    dtype = resolve_dtype(config.dtype, device, config.weights)
-    return WeightFormat(
-        config.weights,
-        dtype,
-        device,
-        config.quantized_max_tokens,
-        dense_copy=dense_copy_fits(model_config, dtype, weight_copy_budget_bytes(device)),
-        deterministic=config.deterministic,
-    )
-
-
-def kv_cache_blocks(
-    config: EngineConfig,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_model_len: int,
-) -> int:
-    """KV blocks to allocate: ``kv_cache_tokens`` if set; on CUDA a fraction of free memory; on
-    CPU enough for max_batch_size full contexts, within a quarter of available memory and the
-    CPU cap."""
-    per_token = kv_bytes_per_token(model_config, dtype)
-    if config.kv_cache_tokens:
-        tokens = config.kv_cache_tokens
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        tokens = int(free * config.kv_cache_memory_fraction) // per_token
-    else:
-        budget = min(config.cpu_kv_cache_max_bytes, available_memory_bytes() // 4)
-        tokens = min(config.max_batch_size * max_model_len, budget // per_token)
-    return max(1, tokens // config.block_size)
-
-
-def fit_to_kv_cache(max_model_len: int, capacity: int) -> int:
-    """One request must always fit: the context the server offers is what its KV cache can hold
-    (tokenizer workers keep max_tokens within it, so no request fails half-way)."""
-    if max_model_len <= capacity:
-        return max_model_len
-    logger.warning(
-        "capping max_model_len %d to the KV cache's capacity of %d tokens "
-        "(raise kv_cache_tokens for longer contexts)",
-        max_model_len,
-        capacity,
-    )
-    return capacity

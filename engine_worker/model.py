@@ -96,15 +96,7 @@ class LlamaFamilyModel:
         self.exact_head: WeightSource | None = None
         if dtype != torch.float32:
             self.exact_head = _exact_head_rows(head_source, self.lm_head, device)
-        inv_freq, attention_scaling = rope_inverse_frequencies(config.rope, config.head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        angles = torch.cat([freqs, freqs], dim=-1)
-        self.cos = (angles.cos() * attention_scaling).to(device=device, dtype=dtype)
-        # The sine with the rotation's sign folded in (negative on the first half): rotating is
-        # then x * cos + roll(x, half) * signed_sin, four ops instead of five plus two slices.
-        sign = torch.ones(config.head_dim)
-        sign[: config.head_dim // 2] = -1
-        self.signed_sin = (angles.sin() * attention_scaling * sign).to(device=device, dtype=dtype)
+        self.cos, self.signed_sin = _rope_tables(config, max_positions, device, dtype)
 
     @classmethod
     def load(
@@ -217,3 +209,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     """Rotary embedding, half-split layout: x * cos + (-x2, x1) * sin, rounded as written (an
     addcmul rounds once less, which in bf16 moved 4 of 32 greedy continuations off float32's)."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def _rope_tables(
+    config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables for every position: the cosine, and the sine with the rotation's sign
+    folded in (negative on the first half): rotating is then x * cos + roll(x, half) *
+    signed_sin, four ops instead of five plus two slices."""
+    inv_freq, attention_scaling = rope_inverse_frequencies(config.rope, config.head_dim)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    angles = torch.cat([freqs, freqs], dim=-1)
+    cos = (angles.cos() * attention_scaling).to(device=device, dtype=dtype)
+    sign = torch.ones(config.head_dim)
+    sign[: config.head_dim // 2] = -1
+    signed_sin = (angles.sin() * attention_scaling * sign).to(device=device, dtype=dtype)
+    return cos, signed_sin
