@@ -88,3 +88,28 @@ def test_deterministic_mode_same_tokens_whatever_the_decode_batch_and_chunks(
     )
     assert greedy_tokens(engine, prompts, "together") == cold
     assert greedy_tokens(engine, prompts[:12], "staggered", one_per_step=True) == cold[:12]
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp32", "int8", "int4", "int4-exact"])
+def test_every_weight_mode_same_tokens_from_the_prefix_cache_and_on_one_thread(
+    default_model_dir, prompts, weights
+):
+    """The default launch's promise in the other weight modes (8 of the prompts: a float32 step
+    is several times a bf16 one on this CPU). The one-thread run decodes as many rows a step as
+    the first: int8's and int4-exact's crossovers to the dense copy are at 4 and 1 rows, and the
+    promise holds on one side of them (--deterministic covers both)."""
+    dtype = "float32" if weights == "fp32" else "bfloat16"
+    engine = make_engine(default_model_dir, weights=weights, dtype=dtype, max_batch_size=8)
+    some = prompts[:8]
+    cold = greedy_tokens(engine, some, "cold")
+    totals: dict = {}
+    for i, prompt in enumerate(some):
+        engine.add(f"warm{i}", prompt, greedy(TOKENS, ignore_eos=True))
+    results = collect(engine, totals=totals)
+    assert totals["cached_tokens"] >= 32 * len(some)
+    assert [results[f"warm{i}"]["tokens"] for i in range(len(some))] == cold
+    torch.set_num_threads(1)
+    try:
+        assert greedy_tokens(engine, some, "one-thread") == cold
+    finally:
+        torch.set_num_threads(2)
