@@ -22,7 +22,7 @@ import zmq
 
 from engine_worker.cache_events import event_queue_max, event_sinks
 from engine_worker.interface import EngineLike, EngineOverloaded
-from ipc.codec import DecodeError, salvage_fields, unpack_id_list
+from ipc.codec import DecodeError, unpack_id_list
 from ipc.config import ClusterConfig
 from ipc.messages import (
     ERR_BAD_REQUEST,
@@ -40,6 +40,7 @@ from ipc.messages import (
     StepOutput,
     TokenizedRequest,
 )
+from ipc.salvage import salvage_fields
 from ipc.sockets import PullQueue, PushQueue
 from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory

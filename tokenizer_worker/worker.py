@@ -16,7 +16,7 @@ from pathlib import Path
 
 import zmq
 
-from ipc.codec import DecodeError, salvage_fields
+from ipc.codec import DecodeError
 from ipc.config import ClusterConfig
 from ipc.messages import (
     ERR_BAD_REQUEST,
@@ -27,6 +27,7 @@ from ipc.messages import (
     TokenizedRequest,
 )
 from ipc.queries import TokenizeRequest
+from ipc.salvage import salvage_fields
 from ipc.sockets import PullQueue, PushQueue
 from runtime.factories import load_factory
 from runtime.memory import IdleTrim

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipc import codec
-from ipc.codec import DecodeError, decode, encode, pack_ids, salvage_fields, unpack_id_list
+from ipc.codec import DecodeError, decode, encode, pack_ids, unpack_id_list
 from ipc.messages import (
     AbortRequests,
     ChatMessage,
@@ -45,6 +45,7 @@ from ipc.queries import (
     TokenizeRequest,
     TokenizeResult,
 )
+from ipc.salvage import salvage_fields
 from ipc.structured import GrammarVocabulary
 
 META = RequestMeta(
