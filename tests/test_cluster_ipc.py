@@ -119,7 +119,7 @@ def test_malformed_frames_sent_raw_to_a_tokenizer(cluster, client):
         from ipc.client import RequestHandle
 
         h = RequestHandle(client, rec)
-        client._core.records[rec.wire_id] = h
+        client._core.register(rec, h)
         handles.append(h)
         body = {
             "kind": "submit",

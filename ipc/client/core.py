@@ -40,7 +40,6 @@ logger = logging.getLogger("splitserve.client")
 class Routed:
     """What ClientCore.route found in one frame beyond events (see there)."""
 
-    welcome: ClientWelcome | None = None
     lost: list[tuple[str, StreamEvent]] = field(default_factory=list)
     retry: bool = False  # lost before an engine ran them: ClientCore.resubmit may send them again
 
@@ -90,10 +89,10 @@ class ClientCore(Outbox):
         return codec.encode(ClientBye())
 
     def route(self, frame: bytes) -> Routed:
-        """One frame from the detokenizer: its events go to their handles. Returns the welcome of
-        a restarted detokenizer and the open requests a notice says were lost, which the caller
-        aborts in the cluster, sends again with ``resubmit`` where ``retry`` says so, and ends
-        with ``end_lost``."""
+        """One frame from the detokenizer: its events go to their handles, a restarted
+        detokenizer's welcome ends the reconnect. Returns the open requests a notice says were
+        lost, which ``on_frame`` aborts in the cluster, sends again with ``resubmit`` where
+        ``retry`` says so, and ends with ``end_lost``."""
         try:
             msg = codec.decode_as(
                 frame, ClientEvents, ClusterNotice, ClientWelcome, TokenizeResult, EngineStatsReport
@@ -115,7 +114,7 @@ class ClientCore(Outbox):
             return Routed(lost=lost, retry=retry)
         if isinstance(msg, ClientWelcome):  # a restarted detokenizer answered our hello
             self.reconnecting, self.welcome = False, msg
-            return Routed(welcome=msg)
+            return Routed()
         now = time.monotonic()
         assert isinstance(msg, ClientEvents)
         for event in msg.events:

@@ -65,7 +65,7 @@ class Outbox:
         self.welcome, self.pipes = welcome, pipes
 
     def new_record(self, request_id: str | None, deadline_s: float | None) -> RequestRecord:
-        """A record with a fresh wire id (not yet registered: see _send_new)."""
+        """A record with a fresh wire id (not yet registered: see ``register``)."""
         seq = next(self._counter)
         if request_id is None:
             request_id = f"r{seq}"
@@ -137,8 +137,7 @@ class Outbox:
                 record.request_id,
             )
         handle = make_handle(record)
-        self.records[record.wire_id] = handle
-        self.open_ids.add(record.request_id)
+        self.register(record, handle)
         if self.reconnecting:
             # The receiver thread saw the detokenizer connection drop after the check above: it
             # may have listed the open requests before this one was registered, and the restarted
@@ -183,9 +182,13 @@ class Outbox:
             record.query = True
             frame = codec.encode(build(record.wire_id, time.monotonic()))
             handle = make_handle(record)
-            self.records[record.wire_id] = handle
-            self.open_ids.add(record.request_id)
+            self.register(record, handle)
         return handle, frame
+
+    def register(self, record: RequestRecord, handle: HandleBase) -> None:
+        """Opens a request: its events reach ``handle`` from now on (``forget`` closes it)."""
+        self.records[record.wire_id] = handle
+        self.open_ids.add(record.request_id)
 
     def forget(self, record: RequestRecord) -> None:
         """Unregisters a request that ended or was never sent."""

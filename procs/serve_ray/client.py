@@ -166,8 +166,7 @@ class ServeClient(QueryMethods):
         encode_request(msg, record.request_id)  # what the wire cannot carry is refused here
         record.t_submit = msg.t_submit
         handle = ServeRequestHandle(self, record)
-        self._core.records[record.wire_id] = handle
-        self._core.open_ids.add(record.request_id)
+        self._core.register(record, handle)
         handle.task = asyncio.get_running_loop().create_task(self._run(handle, msg))
         return handle
 
