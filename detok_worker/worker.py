@@ -101,7 +101,7 @@ class Detokenizer:
             [self.router.getsockopt_string(zmq.LAST_ENDPOINT), self.inbox.address]
         )
         while not self.runtime.stopping:
-            self.runtime.maybe_heartbeat(self.stats())
+            self.runtime.maybe_heartbeat(self.stats)
             ready = dict(poller.poll(min(self.runtime.heartbeat_due_in_ms(), 100)))
             self.serve_once(ready)
         self.shutdown(poller)

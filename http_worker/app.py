@@ -79,7 +79,7 @@ async def _report_to_supervisor(settings: FrontendSettings, frontend: Frontend) 
             vocab_size=welcome.vocab_size if welcome else 0,
         )
         while True:
-            link.maybe_heartbeat(frontend.stats())
+            link.maybe_heartbeat(frontend.stats)
             await asyncio.sleep(link.heartbeat_due_in_ms() / 1000)
     finally:
         link.close()
