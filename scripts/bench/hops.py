@@ -184,7 +184,9 @@ def summarize(runs: list[dict]) -> dict[str, Any]:
     pooled = {k: [v for r in runs for v in r[k]] for k in ("itl", "ttft", "ttft_cached")}
     hops = [h for r in runs for h in r["hops"]]
     first = [h for r in runs for h in r["first"]]
+    cpu = [r.get("cpu_ms_per_token", {}) for r in runs]
     return {
+        "cpu_ms_per_token": {k: _median([c[k] for c in cpu if k in c]) for k in cpu[0]},
         "itl_p50_ms": _median(pooled["itl"]),
         "ttft_p50_ms": _median(pooled["ttft"]),
         "ttft_cached_p50_ms": _median(pooled["ttft_cached"]),
@@ -211,6 +213,9 @@ def render(stats: dict[str, dict], loads: list[str]) -> str:
     row("ITL (client)", lambda s: s["itl_p50_ms"])
     row("TTFT, fresh prompt", lambda s: s["ttft_p50_ms"])
     row("TTFT, cached prompt", lambda s: s["ttft_cached_p50_ms"])
+    lines.append("| *CPU ms per output token (median run)* |" + " |" * len(names))
+    for role in ("engine", "detokenizer", "http", "tokenizer", "client"):
+        row(role, lambda s, k=role: s.get("cpu_ms_per_token", {}).get(k))
     lines.append("| *per token after the first* |" + " |" * len(names))
     for label, _, _ in TOKEN_HOPS:
         row(label, lambda s, k=label: s["token_hops_p50_ms"][k])
@@ -220,8 +225,11 @@ def render(stats: dict[str, dict], loads: list[str]) -> str:
     return "\n".join(lines)
 
 
-def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, str]:
-    """Each compared server's name and URL; the ones started here run at --nice."""
+def start_servers(
+    args: argparse.Namespace, stack: contextlib.ExitStack
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Each compared server's name and URL, and the splitserve clusters started here by name
+    (their CPU is counted per role); the servers started here run at --nice."""
     from scripts.bench.launcher import LlamaServer, SplitserveServer, default_gguf
     from scripts.bench.peer import renice
 
@@ -237,7 +245,18 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict
     urls |= {server.name: server.url for server in started.values()}
     if args.nice is not None:
         renice(started, args.nice)
-    return urls
+    clusters = {s.name: s.cluster for s in started.values() if isinstance(s, SplitserveServer)}
+    return urls, clusters
+
+
+def _cpu(cluster: Any) -> dict[str, float]:
+    """CPU seconds of this client and, for a cluster started here, of each of its roles."""
+    import psutil
+
+    from scripts.bench.launcher import cluster_cpu
+
+    times = psutil.Process().cpu_times()
+    return {"client": times.user + times.system} | (cluster_cpu(cluster) if cluster else {})
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
@@ -253,7 +272,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     runs: dict[str, list] = {}
     loads: list[str] = []
     with contextlib.ExitStack() as stack:
-        urls = start_servers(args, stack)
+        urls, clusters = start_servers(args, stack)
         models = {n: asyncio.run(model_of(u)) for n, u in urls.items()}
         start = 0
         for repeat in range(args.repeats):
@@ -261,7 +280,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             start += len(chats)
             for name in rotated(urls, repeat):
                 load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+                cpu0 = _cpu(clusters.get(name))
                 run = measure_run(urls[name], models[name], chats, args)
+                tokens = args.output_tokens * len(chats) * 2
+                used = {k: v - cpu0[k] for k, v in _cpu(clusters.get(name)).items()}
+                run["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in used.items()}
                 runs.setdefault(name, []).append(run)
                 loads.append(f"{name} r{repeat}: {load}")
                 print(f"repeat {repeat} {name}: load {load}", file=sys.stderr, flush=True)
