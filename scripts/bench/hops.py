@@ -31,15 +31,20 @@ from typing import Any
 from scripts.bench.interleave import rotated
 from scripts.bench.options import add_shared, require_positive, workload_parser
 
-# Per token after the first: (label, from, to) over the path comment's and the client's times.
-TOKEN_HOPS = (
-    ("engine loop between steps", "t_prev_step", "t_step_began"),
-    ("engine step", "t_step_began", "t_step"),
+# A token's way from the end of its engine step to this client: (label, from, to) over the path
+# comment's and the client's times.
+PATH_HOPS = (
     ("step end -> detok wakes", "t_step", "t_detok_woke"),
     ("detok decode + send", "t_detok_woke", "t_detok_sent"),
     ("-> HTTP worker receives", "t_detok_sent", "t_http_in"),
     ("HTTP worker -> SSE write", "t_http_in", "t_sse"),
     ("SSE write -> client reads", "t_sse", "t_client"),
+)
+# Per token after the first: the engine's loop and step, then the path.
+TOKEN_HOPS = (
+    ("engine loop between steps", "t_prev_step", "t_step_began"),
+    ("engine step", "t_step_began", "t_step"),
+    *PATH_HOPS,
     ("step end -> client (path)", "t_step", "t_client"),
 )
 # A cached prompt's first token: the request's stages, then the first token's path.
@@ -51,11 +56,7 @@ FIRST_TOKEN_HOPS = (
     ("tokenizer -> engine", "t_tokenized", "t_arrived"),
     ("engine queue", "t_arrived", "t_scheduled"),
     ("scheduled -> first step end", "t_scheduled", "t_step"),
-    ("step end -> detok wakes", "t_step", "t_detok_woke"),
-    ("detok decode + send", "t_detok_woke", "t_detok_sent"),
-    ("-> HTTP worker receives", "t_detok_sent", "t_http_in"),
-    ("HTTP worker -> SSE write", "t_http_in", "t_sse"),
-    ("SSE write -> client reads", "t_sse", "t_client"),
+    *PATH_HOPS,
 )
 
 
@@ -82,17 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared(g, "gguf")
     w = p.add_argument_group("workload")
     w.add_argument("--requests", type=int, default=8, help="fresh and cached requests per run")
-    w.add_argument("--prompt-tokens", type=int, default=158, help="templated prompt length")
-    w.add_argument("--output-tokens", type=int, default=32, help="max_tokens, with ignore_eos")
-    add_shared(w, "repeats")
-    w.add_argument(
-        "--nice",
-        type=int,
-        default=None,
-        metavar="N",
-        help="run the servers it starts and this client at this niceness, as the peer "
-        "workload does (negative needs root) (default: unchanged)",
-    )
+    add_shared(w, "prompt_tokens", "output_tokens", "repeats", "nice")
     add_shared(p.add_argument_group("output"), "json")
     return p
 
