@@ -280,7 +280,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 loads.append(f"{name} r{repeat}: {load}")
                 print(f"repeat {repeat} {name}: load {load}", file=sys.stderr, flush=True)
     stats = {name: summarize(r) for name, r in runs.items()}
-    return {"stats": stats, "loads": loads, "text": render(stats, loads)}
+    return {"stats": stats, "loads": loads, "runs": runs, "text": render(stats, loads)}
 
 
 def main(argv: list[str] | None = None) -> dict:
