@@ -11,8 +11,9 @@ system-wide monotonic clock: engine step end -> detokenizer wake-up -> detokeniz
 worker receive -> SSE handed to the server -> this client; and a cached prompt's first token
 from this client's send through the HTTP worker, the tokenizer and the engine. Servers
 alternate, the order rotating each repeat; every figure is a median over all runs, printed with
-the load average. --url adds a server that is already running (e.g. another checkout's launch)
-as a compared case.
+the load average. (This client's send time is when httpx reports the body written, which can be
+after the server began reading it: the first hop can come out small or negative.) --url adds
+a server that is already running (e.g. another checkout's launch) as a compared case.
 """
 
 from __future__ import annotations
