@@ -236,12 +236,14 @@ class DetokenizerCore:
             )
             ids = []
         logprobs = {e.row: e for e in out.logprobs if e.row < len(ids)}
+        step_ms = out.stats.step_ms if out.stats is not None else 0.0
         finishing = {f.request_id for f in out.finished}
         for row, (rid, token_id) in enumerate(zip(out.request_ids, ids)):
             state = self.states.get(rid)
             if state is None:
                 continue  # stopped here already, or its client is gone
             values = logprobs.get(row) if logprobs else None
+            state.step_ms = step_ms
             if state.on_token(
                 self.tokenizer,
                 token_id,

@@ -46,6 +46,7 @@ class RequestState:
         "prompt_logprobs",
         "tool_parser",
         "unsent_calls",
+        "step_ms",
     )
 
     def __init__(self, meta: RequestMeta) -> None:
@@ -70,6 +71,7 @@ class RequestState:
         if meta.tool_parser:
             self.tool_parser = TOOL_PARSERS[meta.tool_parser]()
         self.unsent_calls: list[ToolCallDelta] = []
+        self.step_ms = 0.0  # how long the engine step of its newest token took
 
     def on_start(self, start: RequestStart) -> None:
         self.timings.t_arrived = start.t_arrived
@@ -144,6 +146,8 @@ class RequestState:
             logprobs=self.unsent_logprobs,
             tool_calls=self.unsent_calls,
             engine_index=self.meta.engine_index,
+            t_step=self.timings.t_last_token,
+            step_ms=self.step_ms,
         )
         if not self.sent_any and self.meta.prompt_token_ids and strings is not None:
             self._add_prompt(event, strings)

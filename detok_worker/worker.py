@@ -90,6 +90,7 @@ class Detokenizer:
         )
         self.busy_s = 0.0
         self.events_sent = 0
+        self.woke = 0.0  # when the current pass began (its events carry it: t_detok_woke)
 
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -100,13 +101,13 @@ class Detokenizer:
             [self.router.getsockopt_string(zmq.LAST_ENDPOINT), self.inbox.address]
         )
         while not self.runtime.stopping:
-            self.runtime.maybe_heartbeat(self.stats())
+            self.runtime.maybe_heartbeat(self.stats)
             ready = dict(poller.poll(min(self.runtime.heartbeat_due_in_ms(), 100)))
             self.serve_once(ready)
         self.shutdown(poller)
 
     def serve_once(self, ready: dict) -> None:
-        t0 = time.monotonic()
+        t0 = self.woke = time.monotonic()
         if self.router in ready:
             self.receive_from_clients()
         if self.inbox.socket in ready:
@@ -182,6 +183,9 @@ class Detokenizer:
             events = out.events.get(client_id)
             if events and self.core.has_client(client_id):
                 self.events_sent += len(events)
+                sent = time.monotonic()
+                for event in events:
+                    event.t_detok_woke, event.t_detok_sent = self.woke, sent
                 self._send_frame(client_id, codec.encode(ClientEvents(events=events)))
             for message in [*out.notices.get(client_id, ()), *out.replies.get(client_id, ())]:
                 if self.core.has_client(client_id):

@@ -152,7 +152,7 @@ class EngineProcess:
                     self.publish_load()
                 if not self.idle.poll(min(self.runtime.heartbeat_due_in_ms(), 100)):
                     self.trim.idle()  # nothing came: hand back what the last burst freed
-            self.runtime.maybe_heartbeat(self.stats())
+            self.runtime.maybe_heartbeat(self.stats)
         self.shutdown()
 
     def drain_inbox(self) -> None:
@@ -209,9 +209,9 @@ class EngineProcess:
             self.pending.new_requests.append(req.meta)
 
     def step(self) -> None:
+        """One engine step; its tokens go to the detokenizer first, the bookkeeping (cache
+        events, the load report) after, so none of it sits between a token and its client."""
         out = self.engine.step()
-        self.publish_cache_events()
-        self.publish_load()
         self.steps += 1
         pending = self.take_pending()
         out.new_requests = pending.new_requests + list(out.new_requests)
@@ -219,6 +219,8 @@ class EngineProcess:
             self.live.discard(record.request_id)
         out.finished += pending.finished
         self.send(out)
+        self.publish_cache_events()
+        self.publish_load()
 
     def send(self, out: StepOutput) -> None:
         out.engine_pid = self.runtime.pid
@@ -248,7 +250,7 @@ class EngineProcess:
                 quiet_until = time.monotonic() + SHUTDOWN_QUIET_S
         if self._has_pending():
             self.send(self.take_pending())
-        self.runtime.maybe_heartbeat(self.stats())
+        self.runtime.maybe_heartbeat(self.stats)
         self.engine.close()
         self.cache_events.close()
         self.inbox.close()

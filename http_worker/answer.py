@@ -14,6 +14,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from http_worker import path_times
 from http_worker.frontend import Frontend
 from http_worker.generation import (
     ClientGone,
@@ -58,7 +59,7 @@ async def generate(
         call.close("internal")
         raise
     return StreamingResponse(
-        _stream(call, first, events, fmt),
+        _stream(call, first, events, fmt, path_times.wanted(request)),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         background=BackgroundTask(call.aclose),
@@ -80,17 +81,23 @@ async def _stream(
     first: tuple[int, Delta],
     events: AsyncIterator[tuple[int, Delta]],
     fmt: ResponseFormat,
+    trace: bool = False,
 ) -> AsyncIterator[bytes]:
-    """The SSE body: the format's opening, one piece per delta, then its ending, or its error
-    ending when a choice fails mid-stream. A client disconnect cancels this generator;
-    ``finally`` aborts what is left."""
+    """The SSE body: the format's opening, one write per delta, then its ending, or its error
+    ending when a choice fails mid-stream. A delta's pieces (and the opening, with the first)
+    go out as one write: one send and one wake-up of the client per token, not two. A client
+    disconnect cancels this generator; ``finally`` aborts what is left. ``trace``: each write
+    with tokens starts with its path times (http_worker.path_times)."""
     try:
-        for piece in fmt.stream_start(len(call.handles), _usage_so_far(first[1], 0)):
-            yield piece
+        opening = b"".join(fmt.stream_start(len(call.handles), _usage_so_far(first[1], 0)))
         i, delta = first
         while True:
-            for piece in fmt.stream_delta(i, ChoiceOutput().add(delta), _usage_so_far(delta)):
-                yield piece
+            out = opening + b"".join(
+                fmt.stream_delta(i, ChoiceOutput().add(delta), _usage_so_far(delta))
+            )
+            opening = b""
+            if out:
+                yield (path_times.delta_comment(delta) + out) if trace else out
             try:
                 i, delta = await events.__anext__()
             except StopAsyncIteration:
@@ -100,8 +107,9 @@ async def _stream(
         ending = fmt.stream_error(call.fail(exc))
     finally:
         call.close()
-    for piece in ending:
-        yield piece
+    stages = path_times.request_comment(call.t_arrived, call.finals) if trace else b""
+    if tail := stages + b"".join(ending):
+        yield tail
 
 
 def _usage_so_far(delta: Delta, completion_tokens: int | None = None) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -42,8 +43,9 @@ class SupervisorLink:
     def heartbeat_due_in_ms(self) -> int:
         return max(0, int((self._next_heartbeat - time.monotonic()) * 1000))
 
-    def maybe_heartbeat(self, stats: dict[str, float]) -> None:
-        """Sends one if ``interval_s`` has passed since the last."""
+    def maybe_heartbeat(self, stats: Callable[[], dict[str, float]]) -> None:
+        """Sends one if ``interval_s`` has passed since the last; ``stats`` is called only then
+        (a role calls this every pass of its loop: the engine's between two steps)."""
         now = time.monotonic()
         if now < self._next_heartbeat:
             return
@@ -54,7 +56,7 @@ class SupervisorLink:
                 index=self.index,
                 pid=self.pid,
                 t=now,
-                stats={k: float(v) for k, v in stats.items()},
+                stats={k: float(v) for k, v in stats().items()},
             )
         )
 

@@ -58,7 +58,7 @@ class WorkerRuntime:
     def heartbeat_due_in_ms(self) -> int:
         return self.link.heartbeat_due_in_ms()
 
-    def maybe_heartbeat(self, stats: dict[str, float]) -> None:
+    def maybe_heartbeat(self, stats: Callable[[], dict[str, float]]) -> None:
         self.link.maybe_heartbeat(stats)
 
     def close(self) -> None:

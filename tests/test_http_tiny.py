@@ -244,6 +244,43 @@ def test_chat_completion_and_its_stream_agree(cluster, oai):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_path_times_on_request_follow_each_token_in_order(base_url, oai):
+    """X-Splitserve-Path-Times: 1 puts each token's hops, and the request's stages, in SSE
+    comments, in the order the text travelled; a plain stream has none, and the openai client
+    reads the traced stream unchanged."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    url = f"{base_url}/v1/chat/completions"
+    lines = httpx.post(url, json=body, headers={"X-Splitserve-Path-Times": "1"}, timeout=60)
+    lines = lines.text.splitlines()
+    hops = [json.loads(x[len(": path ") :]) for x in lines if x.startswith(": path ")]
+    [stages] = [json.loads(x[len(": path-request ") :]) for x in lines if x.startswith(": path-")]
+    order = ["t_step", "t_detok_woke", "t_detok_sent", "t_http_in", "t_sse"]
+    assert len(hops) == 5  # one per token: the stream interval is 1
+    for times in hops:
+        assert 0 < times["step_ms"] and all(times[a] <= times[b] for a, b in zip(order, order[1:]))
+    assert [h["t_step"] for h in hops] == sorted(h["t_step"] for h in hops)
+    request_order = ["t_http_arrived", "t_submit", "t_tokenized", "t_arrived", "t_scheduled"]
+    assert all(stages[a] <= stages[b] for a, b in zip(request_order, request_order[1:]))
+    assert stages["t_first_token"] == hops[0]["t_step"] <= stages["t_finished"]
+    plain = httpx.post(url, json=body, timeout=60).text
+    plain_lines = plain.splitlines()
+    assert not any(x.startswith(":") for x in plain_lines)
+    assert sum(x.startswith("data: ") for x in plain_lines) == len(hops) + 2  # role, [DONE]
+    traced = oai.chat.completions.create(
+        **{k: v for k, v in body.items() if k != "ignore_eos"},
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Splitserve-Path-Times": "1"},
+    )
+    assert len([c for c in traced if c.choices and c.choices[0].delta.content]) == 5
+
+
 def test_stop_strings_end_the_text_before_the_stop(oai):
     kw = dict(
         model="tiny", prompt="count", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}

@@ -109,7 +109,7 @@ class TokenizerWorker:
     def run(self) -> None:
         self.runtime.announce([self.inbox.address])
         while not self.runtime.stopping:
-            self.runtime.maybe_heartbeat(self._stats())
+            self.runtime.maybe_heartbeat(self._stats)
             for vocabulary in self.vocabularies:
                 vocabulary.poll()
             if not self.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):

@@ -80,6 +80,10 @@ class RequestRecord:
             event.tool_calls,
             error_param=event.error_param,
             engine_index=event.engine_index,
+            t_step=event.t_step,
+            step_ms=event.step_ms,
+            t_detok_woke=event.t_detok_woke,
+            t_detok_sent=event.t_detok_sent,
         )
         self.text.append(event.text)
         add_tool_call_deltas(self.tool_calls, event.tool_calls)

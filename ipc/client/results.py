@@ -31,6 +31,11 @@ class Delta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces of tool calls
     error_param: str | None = None  # the request field a bad_request error is about
     engine_index: int = -1  # the engine replica serving it; -1: none (it ended before one)
+    # The event's path from the engine (StreamEvent's fields of the same names; 0: not known).
+    t_step: float = 0.0
+    step_ms: float = 0.0
+    t_detok_woke: float = 0.0
+    t_detok_sent: float = 0.0
 
 
 @dataclass(slots=True)

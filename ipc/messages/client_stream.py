@@ -111,6 +111,14 @@ class StreamEvent:
     echo_text: str = ""
     error_param: str | None = None  # the request field a bad_request error is about
     engine_index: int = -1  # the engine replica serving it; -1: none (it ended before one)
+    # Where the time between the engine and the client goes (time.monotonic(), system-wide on
+    # Linux; 0: not known): the end of the engine step of the newest token this event carries,
+    # when the detokenizer woke up for the pass that made it, and when it sent the pass's frame;
+    # step_ms: how long that engine step took (its start is t_step - step_ms).
+    t_step: float = 0.0
+    step_ms: float = 0.0
+    t_detok_woke: float = 0.0
+    t_detok_sent: float = 0.0
 
 
 @message

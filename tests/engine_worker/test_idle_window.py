@@ -90,6 +90,31 @@ def test_an_idle_engine_waits_and_a_busy_one_does_not(windowed_engine):
     engine.step()
 
 
+def test_a_cached_prompt_waits_only_for_the_part_the_cache_does_not_hold(tiny_model_dir):
+    """The window is a fraction of the first step's expected time, and a prompt the prefix
+    cache holds computes only its last block in that step: it waits accordingly little."""
+    engine = Engine(
+        EngineConfig(
+            model_path=str(tiny_model_dir),
+            kv_cache_tokens=1024,
+            idle_batch_window_ms=10_000.0,
+            idle_batch_window_step_fraction=0.5,
+        )
+    )
+    engine.idle_window.seconds_per_token = 0.01  # as if timed: 10 ms a prompt token
+    prompt = [(7 * i) % 500 + 3 for i in range(100)]
+    engine.add("fresh", prompt, greedy(1, ignore_eos=True))
+    fresh = engine.step_delay_s()
+    assert 0.4 < fresh <= 0.5  # half of 100 tokens x 10 ms
+    while engine.requests:
+        engine.step()
+    engine.add("cached", prompt, greedy(1, ignore_eos=True))
+    block = engine.config.block_size
+    assert engine.step_delay_s() <= 0.5 * 0.01 * (100 - (99 // block) * block)
+    while engine.requests:
+        engine.step()
+
+
 def test_the_engine_process_lets_a_burst_share_its_first_step(tiny_model_dir):
     window_ms = 1000.0  # far longer than the gap below, however loaded the machine
     with (

@@ -1,0 +1,299 @@
+"""hops: where one stream's time goes between the engine and the client, per hop.
+
+    python -m scripts.bench hops --splitserve "" --splitserve "--engine-threads 1" \\
+        --llama-server BIN/llama-server --requests 8 --repeats 3
+
+Each server answers streamed chat requests one at a time (one stream): fresh prompts (each
+--prompt-tokens long, distinct), and fully cached ones (a prompt sent once, then again: the
+second is measured). splitserve is asked for its path times (the X-Splitserve-Path-Times header,
+http_worker.path_times), so every token's journey is split into hops on this machine's
+system-wide monotonic clock: engine step end -> detokenizer wake-up -> detokenizer send -> HTTP
+worker receive -> SSE handed to the server -> this client; and a cached prompt's first token
+from this client's send through the HTTP worker, the tokenizer and the engine. Servers
+alternate, the order rotating each repeat; every figure is a median over all runs, printed with
+the load average. (This client's send time is when httpx reports the body written, which can be
+after the server began reading it: the first hop can come out small or negative.) --url adds
+a server that is already running (e.g. another checkout's launch) as a compared case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from scripts.bench.interleave import rotated
+from scripts.bench.options import add_shared, require_positive, workload_parser
+
+# A token's way from the end of its engine step to this client: (label, from, to) over the path
+# comment's and the client's times.
+PATH_HOPS = (
+    ("step end -> detok wakes", "t_step", "t_detok_woke"),
+    ("detok decode + send", "t_detok_woke", "t_detok_sent"),
+    ("-> HTTP worker receives", "t_detok_sent", "t_http_in"),
+    ("HTTP worker -> SSE write", "t_http_in", "t_sse"),
+    ("SSE write -> client reads", "t_sse", "t_client"),
+)
+# Per token after the first: the engine's loop and step, then the path.
+TOKEN_HOPS = (
+    ("engine loop between steps", "t_prev_step", "t_step_began"),
+    ("engine step", "t_step_began", "t_step"),
+    *PATH_HOPS,
+    ("step end -> client (path)", "t_step", "t_client"),
+)
+# A cached prompt's first token: the request's stages, then the first token's path.
+FIRST_TOKEN_HOPS = (
+    ("client send -> HTTP worker", "t_sent", "t_http_arrived"),
+    ("HTTP worker -> submit", "t_http_arrived", "t_submit"),
+    ("submit -> tokenizer starts", "t_submit", "t_tokenize_start"),
+    ("tokenize", "t_tokenize_start", "t_tokenized"),
+    ("tokenizer -> engine", "t_tokenized", "t_arrived"),
+    ("engine queue", "t_arrived", "t_scheduled"),
+    ("scheduled -> first step end", "t_scheduled", "t_step"),
+    *PATH_HOPS,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = workload_parser("hops", __doc__)
+    g = p.add_argument_group("servers")
+    g.add_argument(
+        "--splitserve",
+        action="append",
+        default=None,
+        metavar="ARGS",
+        help='`splitserve launch` arguments of one cluster (repeatable; "" is the default '
+        "launch; default: one default launch unless --url is given)",
+    )
+    g.add_argument(
+        "--url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a server already running (its /v1 base URL), compared as it is (repeatable)",
+    )
+    g.add_argument("--llama-server", default=None, metavar="PATH", help="a llama-server binary")
+    g.add_argument("--llama-threads", type=int, default=2, help="its -t/-tb (default 2)")
+    add_shared(g, "gguf")
+    w = p.add_argument_group("workload")
+    w.add_argument("--requests", type=int, default=8, help="fresh and cached requests per run")
+    add_shared(w, "prompt_tokens", "output_tokens", "repeats", "nice")
+    add_shared(p.add_argument_group("output"), "json")
+    return p
+
+
+async def stream_one(http: Any, url: str, model: str, messages: list, max_tokens: int) -> dict:
+    """One streamed chat request: the client's send and per-token read times, with the path
+    times of each token (splitserve only) and the request's stages."""
+    from scripts.bench.http_client import base_url, request_body
+
+    path, body = request_body(model, max_tokens=max_tokens, messages=messages, ignore_eos=True)
+    out: dict[str, Any] = {"t_sent": 0.0, "tokens": [], "request": {}, "error": None}
+
+    async def trace(event: str, info: dict) -> None:
+        if event == "http11.send_request_body.complete":
+            out["t_sent"] = time.monotonic()
+
+    pending: dict[str, float] = {}
+    async with http.stream(
+        "POST",
+        base_url(url) + path,
+        json=body,
+        headers={"X-Splitserve-Path-Times": "1"},
+        extensions={"trace": trace},
+    ) as reply:
+        async for line in reply.aiter_lines():
+            now = time.monotonic()
+            if line.startswith(": path "):
+                pending = json.loads(line[len(": path ") :])
+            elif line.startswith(": path-request "):
+                out["request"] = json.loads(line[len(": path-request ") :])
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: ") :])
+                if chunk.get("error"):
+                    out["error"] = str(chunk["error"])
+                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                    out["tokens"].append({**pending, "t_client": now})
+                    pending = {}
+    return out
+
+
+def hop_values(times: dict[str, float], hops: tuple) -> dict[str, float]:
+    """Each hop's milliseconds where both its ends are known."""
+    t = dict(times)
+    if "t_step" in t and "step_ms" in t:
+        t["t_step_began"] = t["t_step"] - t["step_ms"] / 1e3
+    return {
+        label: (t[b] - t[a]) * 1e3 for label, a, b in hops if t.get(a, 0) > 0 and t.get(b, 0) > 0
+    }
+
+
+def measure_run(url: str, model: str, chats: list, args: argparse.Namespace) -> dict:
+    """One run at one stream: every chat fresh, then every chat again (cached)."""
+    from scripts.bench.http_client import make_http
+
+    run: dict[str, list] = {"itl": [], "ttft": [], "ttft_cached": [], "hops": [], "first": []}
+
+    async def go() -> None:
+        async with make_http(keepalive=False) as http:
+            await phases(http)
+
+    async def phases(http: Any) -> None:
+        for phase in ("fresh", "cached"):
+            for chat in chats:
+                r = await stream_one(http, url, model, chat, args.output_tokens)
+                if r["error"] or not r["tokens"]:
+                    raise RuntimeError(f"{url}: {r['error'] or 'no tokens'}")
+                times = [tok["t_client"] for tok in r["tokens"]]
+                key = "ttft" if phase == "fresh" else "ttft_cached"
+                run[key].append((times[0] - r["t_sent"]) * 1e3)
+                if phase == "fresh":
+                    run["itl"] += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+                    run["hops"] += [
+                        hop_values({**tok, "t_prev_step": prev.get("t_step", 0.0)}, TOKEN_HOPS)
+                        for prev, tok in zip(r["tokens"], r["tokens"][1:])
+                    ]
+                else:
+                    first = {**r["request"], **r["tokens"][0], "t_sent": r["t_sent"]}
+                    run["first"].append(hop_values(first, FIRST_TOKEN_HOPS))
+
+    asyncio.run(go())
+    return run
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict]) -> dict[str, Any]:
+    pooled = {k: [v for r in runs for v in r[k]] for k in ("itl", "ttft", "ttft_cached")}
+    hops = [h for r in runs for h in r["hops"]]
+    first = [h for r in runs for h in r["first"]]
+    cpu = [r.get("cpu_ms_per_token", {}) for r in runs]
+    return {
+        "cpu_ms_per_token": {k: _median([c[k] for c in cpu if k in c]) for k in cpu[0]},
+        "itl_p50_ms": _median(pooled["itl"]),
+        "ttft_p50_ms": _median(pooled["ttft"]),
+        "ttft_cached_p50_ms": _median(pooled["ttft_cached"]),
+        "token_hops_p50_ms": {
+            label: _median([h[label] for h in hops if label in h]) for label, _, _ in TOKEN_HOPS
+        },
+        "first_token_hops_p50_ms": {
+            label: _median([h[label] for h in first if label in h])
+            for label, _, _ in FIRST_TOKEN_HOPS
+        },
+    }
+
+
+def render(stats: dict[str, dict], loads: list[str]) -> str:
+    names = list(stats)
+    lines = ["## Per-hop latency at one stream", "", f"- load (uptime) per run: {'; '.join(loads)}"]
+    lines += ["", "| figure (p50, ms) | " + " | ".join(names) + " |"]
+    lines.append("| --- |" + " ---: |" * len(names))
+
+    def row(label: str, get) -> None:
+        cells = [get(stats[n]) for n in names]
+        lines.append(f"| {label} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells))
+
+    row("ITL (client)", lambda s: s["itl_p50_ms"])
+    row("TTFT, fresh prompt", lambda s: s["ttft_p50_ms"])
+    row("TTFT, cached prompt", lambda s: s["ttft_cached_p50_ms"])
+    lines.append("| *CPU ms per output token (median run)* |" + " |" * len(names))
+    for role in ("engine", "detokenizer", "http", "tokenizer", "client"):
+        row(role, lambda s, k=role: s.get("cpu_ms_per_token", {}).get(k))
+    lines.append("| *per token after the first* |" + " |" * len(names))
+    for label, _, _ in TOKEN_HOPS:
+        row(label, lambda s, k=label: s["token_hops_p50_ms"][k])
+    lines.append("| *a cached prompt's first token* |" + " |" * len(names))
+    for label, _, _ in FIRST_TOKEN_HOPS:
+        row(label, lambda s, k=label: s["first_token_hops_p50_ms"][k])
+    return "\n".join(lines)
+
+
+def start_servers(
+    args: argparse.Namespace, stack: contextlib.ExitStack
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Each compared server's name and URL, and the splitserve clusters started here by name
+    (their CPU is counted per role); the servers started here run at --nice."""
+    from scripts.bench.launcher import LlamaServer, SplitserveServer, default_gguf
+    from scripts.bench.peer import renice
+
+    urls = {f"url {u}": u for u in args.url}
+    started: dict[str, Any] = {}
+    if args.llama_server:
+        gguf = Path(args.gguf) if args.gguf else default_gguf()
+        started["llama"] = LlamaServer(args.llama_server, gguf, args.llama_threads)
+        stack.callback(started["llama"].close)
+    for flags in args.splitserve or ([] if args.url else [""]):
+        started[flags] = SplitserveServer(flags)
+        stack.callback(started[flags].close)
+    urls |= {server.name: server.url for server in started.values()}
+    if args.nice is not None:
+        renice(started, args.nice)
+    clusters = {s.name: s.cluster for s in started.values() if isinstance(s, SplitserveServer)}
+    return urls, clusters
+
+
+def _cpu(cluster: Any) -> dict[str, float]:
+    """CPU seconds of this client and, for a cluster started here, of each of its roles."""
+    import psutil
+
+    from scripts.bench.launcher import cluster_cpu
+
+    times = psutil.Process().cpu_times()
+    return {"client": times.user + times.system} | (cluster_cpu(cluster) if cluster else {})
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    from procs.model_store import resolve_model
+    from scripts.bench.http_client import make_http, model_id
+    from scripts.bench.peer_workload import PromptCounter, build_chats
+
+    async def model_of(url: str) -> str:
+        async with make_http(keepalive=False) as http:
+            return await model_id(http, url)
+
+    counter = PromptCounter(resolve_model(None))
+    runs: dict[str, list] = {}
+    loads: list[str] = []
+    with contextlib.ExitStack() as stack:
+        urls, clusters = start_servers(args, stack)
+        models = {n: asyncio.run(model_of(u)) for n, u in urls.items()}
+        start = 0
+        for repeat in range(args.repeats):
+            chats = build_chats(counter, args.requests, args.prompt_tokens, 10**6 + start)
+            start += len(chats)
+            for name in rotated(urls, repeat):
+                load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+                cpu0 = _cpu(clusters.get(name))
+                run = measure_run(urls[name], models[name], chats, args)
+                tokens = args.output_tokens * len(chats) * 2
+                used = {k: v - cpu0[k] for k, v in _cpu(clusters.get(name)).items()}
+                run["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in used.items()}
+                runs.setdefault(name, []).append(run)
+                loads.append(f"{name} r{repeat}: {load}")
+                print(f"repeat {repeat} {name}: load {load}", file=sys.stderr, flush=True)
+    stats = {name: summarize(r) for name, r in runs.items()}
+    return {"stats": stats, "loads": loads, "runs": runs, "text": render(stats, loads)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        require_positive(args, "requests", "prompt_tokens", "output_tokens", "repeats")
+    except ValueError as exc:
+        parser.error(str(exc))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    data = run_benchmark(args)
+    print(data["text"], flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(data, indent=1))
+    return data
