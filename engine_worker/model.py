@@ -164,6 +164,7 @@ class LlamaFamilyModel:
             x = layer.post_attention_norm(hidden)
             gate, up = layer.gate_up.apply(x, decode_rows).chunk(2, dim=-1)
             hidden += layer.down.apply(F.silu(gate) * up, decode_rows)
+        attention.finish(metadata)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         hidden = self.norm(hidden)
