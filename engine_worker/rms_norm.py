@@ -32,7 +32,8 @@ class RmsNorm:
         if not self._fused:
             return F.rms_norm(x, (n,), self.weight, self.eps)
         both = torch.cat([x, x.neg()], dim=-1)
-        return F.layer_norm(both, (2 * n,), self._doubled, None, self.eps)[..., :n]
+        # the op itself: F.layer_norm's Python wrapper costs ~2 µs a call, 61 calls a step
+        return torch.layer_norm(both, (2 * n,), self._doubled, None, self.eps)[..., :n]
 
     @property
     def nbytes(self) -> int:
