@@ -15,10 +15,10 @@ from ipc.engine_config import EngineConfig
 from scripts.bench.engine_determinism import first_token_paths, run_plan
 
 
-def test_every_path_gives_a_prompts_next_token_the_same_logits(tiny_model_dir):
-    engine = Engine(
+def bf16_engine(model_dir) -> Engine:
+    return Engine(
         EngineConfig(
-            model_path=str(tiny_model_dir),
+            model_path=str(model_dir),
             dtype="bfloat16",
             weights="bf16",
             kv_cache_tokens=4096,
@@ -26,6 +26,10 @@ def test_every_path_gives_a_prompts_next_token_the_same_logits(tiny_model_dir):
             adaptive_threads=False,
         )
     )
+
+
+def test_every_path_gives_a_prompts_next_token_the_same_logits(tiny_model_dir):
+    engine = bf16_engine(tiny_model_dir)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 40000, size=n).tolist() for n in rng.integers(20, 50, size=8)]
     paths = first_token_paths(engine, prompts)
@@ -38,15 +42,7 @@ def test_decode_steps_on_a_kept_workspace_leave_their_keys_in_the_paged_cache(ti
     """Decode steps on a kept workspace write every layer's keys and values into the paged
     cache after the forward (one copy per tensor, attention.backend.finish); a chunk that
     continues those sequences reads them back from the cache: its logits are a cold prefill's."""
-    engine = Engine(
-        EngineConfig(
-            model_path=str(tiny_model_dir),
-            dtype="bfloat16",
-            weights="bf16",
-            kv_cache_tokens=4096,
-            adaptive_threads=False,
-        )
-    )
+    engine = bf16_engine(tiny_model_dir)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 40000, size=n).tolist() for n in (30, 41)]
     # A prefill, a decode step that builds the workspace, three that keep it, then a chunk.
