@@ -19,6 +19,7 @@ from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.gguf_tensors import read_gguf
 from engine_worker.linear import LinearWeight, WeightSource, refine_top_logits
 from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
+from engine_worker.rms_norm import RmsNorm
 from engine_worker.weight_format import WeightFormat
 
 logger = logging.getLogger("splitserve.engine.model")
@@ -26,12 +27,12 @@ logger = logging.getLogger("splitserve.engine.model")
 
 @dataclass(slots=True)
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: RmsNorm
     qkv: LinearWeight  # q, k and v projections stacked: one matmul instead of three
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    q_norm: RmsNorm | None
+    k_norm: RmsNorm | None
     o_proj: LinearWeight
-    post_attention_norm: torch.Tensor
+    post_attention_norm: RmsNorm
     gate_up: LinearWeight  # gate and up projections stacked
     down: LinearWeight
 
@@ -54,8 +55,11 @@ class LlamaFamilyModel:
         def take(name: str) -> torch.Tensor:
             return fmt.dense(tensors.pop(name))
 
-        def take_optional(name: str) -> torch.Tensor | None:
-            return take(name) if name in tensors else None
+        def norm(name: str) -> RmsNorm:
+            return RmsNorm(take(name), config.rms_norm_eps)
+
+        def norm_optional(name: str) -> RmsNorm | None:
+            return norm(name) if name in tensors else None
 
         def linear(*names: str, bias: bool = False):
             biases = None
@@ -70,17 +74,17 @@ class LlamaFamilyModel:
             p = f"model.layers.{i}."
             self.layers.append(
                 LayerWeights(
-                    input_norm=take(p + "input_layernorm.weight"),
+                    input_norm=norm(p + "input_layernorm.weight"),
                     qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"), bias=True),
-                    q_norm=take_optional(p + "self_attn.q_norm.weight"),
-                    k_norm=take_optional(p + "self_attn.k_norm.weight"),
+                    q_norm=norm_optional(p + "self_attn.q_norm.weight"),
+                    k_norm=norm_optional(p + "self_attn.k_norm.weight"),
                     o_proj=linear(p + "self_attn.o_proj.weight"),
-                    post_attention_norm=take(p + "post_attention_layernorm.weight"),
+                    post_attention_norm=norm(p + "post_attention_layernorm.weight"),
                     gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                     down=linear(p + "mlp.down_proj.weight"),
                 )
             )
-        self.norm = take("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         if "lm_head.weight" in tensors and not config.tie_word_embeddings:
             head_source = tensors.pop("lm_head.weight")
             self.lm_head = fmt.linear([head_source], None, head=True)
@@ -135,26 +139,17 @@ class LlamaFamilyModel:
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        eps = cfg.rms_norm_eps
         cos = self.cos[positions].unsqueeze(1)
         sin = self.signed_sin[positions].unsqueeze(1)
         hidden = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, eps)
+            x = layer.input_norm(hidden)
             qkv = layer.qkv.apply(x, decode_rows)
             v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-            if layer.q_norm is not None:
-                q = F.rms_norm(
-                    qkv[:, :q_size].view(num_tokens, heads, head_dim),
-                    (head_dim,),
-                    layer.q_norm,
-                    eps,
-                )
-                k = F.rms_norm(
-                    qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim),
-                    (head_dim,),
-                    layer.k_norm,
-                    eps,
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = layer.q_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim))
+                k = layer.k_norm(
+                    qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim)
                 )
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             else:  # q and k heads side by side: one rotation for both
@@ -166,12 +161,13 @@ class LlamaFamilyModel:
                 q, k = qk[:, :heads], qk[:, heads:]
             attn = attention.forward(q, k, v, i, metadata)
             hidden += layer.o_proj.apply(attn.reshape(num_tokens, q_size), decode_rows)
-            x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_attention_norm, eps)
+            x = layer.post_attention_norm(hidden)
             gate, up = layer.gate_up.apply(x, decode_rows).chunk(2, dim=-1)
             hidden += layer.down.apply(F.silu(gate) * up, decode_rows)
+        attention.finish(metadata)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
-        hidden = F.rms_norm(hidden, (cfg.hidden_size,), self.norm, eps)
+        hidden = self.norm(hidden)
         logits = self.lm_head.apply(hidden, sampling_rows).float()
         if self.exact_head is not None:
             refine_top_logits(logits, hidden, self.exact_head)

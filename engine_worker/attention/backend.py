@@ -34,8 +34,12 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """q [T, H, D], this step's k/v [T, KV, D] -> attention output [T, H, D]: the new keys
-        and values go into the cache, then the decode rows and the prefill rows are attended."""
-        self.cache.write(layer, metadata.slot_mapping, k, v)
+        and values go into the cache (or wait for ``finish``), then the decode rows and the
+        prefill rows are attended."""
+        if metadata.deferred_kv is None:
+            self.cache.write(layer, metadata.slot_mapping, k, v)
+        else:
+            metadata.deferred_kv.append((k, v))
         decode = metadata.decode
         if decode is not None and decode.rows is None:  # decode rows only: no row gathers
             return self._decode(q, k, v, layer, decode)
@@ -45,6 +49,13 @@ class AttentionBackend(ABC):
             out[rows] = self._decode(q[rows], k[rows], v[rows], layer, decode)
         self._prefill(q, k, v, layer, metadata, out)
         return out
+
+    def finish(self, metadata: AttentionMetadata) -> None:
+        """Called once per step, after the last layer: writes the keys and values whose write
+        was deferred."""
+        if metadata.deferred_kv:
+            keys, values = zip(*metadata.deferred_kv)
+            self.cache.write_layers(metadata.slot_mapping, keys, values)
 
     @abstractmethod
     def _decode(

@@ -90,3 +90,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     decode: DecodeBatch | None = None
     prefills: list[PrefillSegment] = field(default_factory=list)  # one attention call each
+    # Set where no layer's attention reads the paged cache in this step (decode rows only, on
+    # a kept workspace): each layer's new (k, v) wait here and go into the cache in one copy
+    # per tensor when the forward ends (``AttentionBackend.finish``), not two copies a layer.
+    deferred_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None

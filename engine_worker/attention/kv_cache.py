@@ -7,6 +7,8 @@ block_size * head_dim runs per kv head (8x faster on CPU than advanced indexing)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine_worker.model_config import ModelConfig
@@ -44,6 +46,17 @@ class PagedKVCache:
         kv_heads, head_dim = k.shape[1], k.shape[2]
         keys.view(kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
         values.view(kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+
+    def write_layers(
+        self, slots: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+    ) -> None:
+        """``write`` for every layer at once: ``keys``/``values`` hold each layer's [T, KV, D],
+        in layer order."""
+        layers, kv_heads, head_dim = self.keys.shape[0], self.num_kv_heads, self.keys.shape[-1]
+        for cache, new in ((self.keys, keys), (self.values, values)):
+            # [L, T, KV, D] -> [L, KV, T, D] along the cache's slot axis
+            stacked = torch.stack(list(new)).transpose(1, 2)
+            cache.view(layers, kv_heads, -1, head_dim).index_copy_(2, slots, stacked)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

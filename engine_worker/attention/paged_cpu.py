@@ -65,6 +65,9 @@ class PagedCpuBackend(AttentionBackend):
         metadata.decode = self._prepare_decode(step, np.nonzero(decoding)[0])
         for i in np.nonzero(~decoding)[0]:
             metadata.prefills += self._query_chunks(step, int(i))
+        workspace = metadata.decode.workspace if metadata.decode is not None else None
+        if workspace is not None and not workspace.fresh and not metadata.prefills:
+            metadata.deferred_kv = []  # attention reads the workspace alone
         return metadata
 
     def _prepare_decode(self, step: StepBatch, seqs: np.ndarray) -> DecodeBatch | None:

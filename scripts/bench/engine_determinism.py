@@ -256,7 +256,7 @@ def run_ops(args) -> None:
         "int4 kernel (qkv, Q4_1)": (layer.qkv.quantized.apply, x576),
         "int4 kernel (down, Q4_1)": (layer.down.quantized.apply, x1536),
         "Q8_0 planes (lm_head)": (head.quantized.apply, x576[:40]),
-        "rms_norm bf16": (lambda x: torch.nn.functional.rms_norm(x, (576,), model.norm), x576),
+        "rms_norm bf16": (model.norm, x576),
     }
 
     def refined(h: torch.Tensor) -> torch.Tensor:

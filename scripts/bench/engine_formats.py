@@ -57,17 +57,14 @@ def weight_bytes_per_token(model) -> int:
     where a layer keeps a dense copy for large steps too), the norms and the lm_head (a tied
     dense head is the embedding table); the embedding alone is only indexed, one row a token."""
 
-    def nbytes(t: torch.Tensor | None) -> int:
-        return 0 if t is None else t.numel() * t.element_size()
-
-    total = nbytes(model.norm) + model.lm_head.nbytes
+    total = model.norm.nbytes + model.lm_head.nbytes
     for layer in model.layers:
         total += sum(
             linear.nbytes for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
         )
         total += sum(
-            nbytes(t)
-            for t in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm)
+            0 if norm is None else norm.nbytes
+            for norm in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm)
         )
     return total
 
