@@ -66,7 +66,8 @@ class NgramProposer:
 
     def propose(self, context: np.ndarray, limit: int) -> list[int]:
         """At most ``min(limit, num_tokens)`` tokens that followed the most recent earlier
-        occurrence of the longest n-gram ending ``context``; [] when none has ``min_n``."""
+        occurrence of the longest n-gram ending ``context`` (that has that many after it);
+        [] when none has ``min_n``."""
         limit = min(limit, self.num_tokens)
         end = context.size - 1  # the last token's position
         if limit <= 0 or end < self.min_n:
@@ -85,7 +86,11 @@ class NgramProposer:
         best = int(length.max())
         if best < self.min_n:
             return []
-        place = int(places[length == best][-1])  # the most recent of the longest
+        longest = places[length == best]
+        # The most recent of the longest that is followed by ``limit`` tokens (in a run of one
+        # repeated token the most recent is followed by one), else the earliest.
+        full = longest[longest + limit < end + 1]
+        place = int(full[-1] if full.size else longest[0])
         return context[place + 1 : place + 1 + limit].tolist()
 
 
