@@ -9,9 +9,10 @@ end). Three rules make a row's result the same bits whatever else the call holds
 bf16 inputs on AVX-512 (docs/determinism.md):
 
 * key columns start at the sequence's position 0 and their count is a multiple of
-  ``KEY_COLUMN_MULTIPLE`` (of ``KEY_BLOCK_COLUMNS`` past that many): the kernel walks keys in blocks of 512 from column 0 and sums a row
-  in 16-wide lanes, so columns past a row's position (masked, exact zeros) change nothing, but a
-  count with a tail rounds that tail differently;
+  ``KEY_COLUMN_MULTIPLE`` (of ``KEY_BLOCK_COLUMNS`` past that many): the kernel walks keys in
+  blocks of 512 from column 0 and sums a row in 16-wide lanes, so columns past a row's position
+  (masked, exact zeros) change nothing, but a count with a tail rounds that tail differently
+  (and past 512 keys a partial last block did too);
 * at least ``MIN_QUERY_ROWS`` query rows per (sequence, kv head), and as many in the last of
   the kernel's blocks of rows (``padded_rows``): with fewer, their products round differently
   (measured: prompts prefilled in chunks of 11 positions, 33 rows a kv head, 5 of 32 chat
