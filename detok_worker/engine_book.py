@@ -72,7 +72,9 @@ def total_stats(parts: list[EngineStats]) -> EngineStats:
             if f.name == "step_ms":
                 value = max(current, value)
             elif isinstance(value, list):  # counts by position: summed position by position
-                longer, shorter = (value, current) if len(value) >= len(current) else (current, value)
+                longer, shorter = (
+                    (value, current) if len(value) >= len(current) else (current, value)
+                )
                 value = [a + (shorter[i] if i < len(shorter) else 0) for i, a in enumerate(longer)]
             else:
                 value = current + value

@@ -39,13 +39,13 @@ class LookupContext:
     __slots__ = ("tokens", "length")
 
     def __init__(self, capacity: int) -> None:
-        self.tokens = np.empty(max(capacity, 1), dtype=np.int32)
+        self.tokens: np.ndarray = np.empty(max(capacity, 1), dtype=np.int32)
         self.length = 0
 
     def sync(self, token_ids: list[int]) -> np.ndarray:
         n = len(token_ids)
         if n > self.tokens.size:
-            grown = np.empty(max(n, 2 * self.tokens.size), dtype=np.int32)
+            grown: np.ndarray = np.empty(max(n, 2 * self.tokens.size), dtype=np.int32)
             grown[: self.length] = self.tokens[: self.length]
             self.tokens = grown
         if n > self.length:
@@ -75,8 +75,8 @@ class NgramProposer:
         places = np.flatnonzero(context[:end] == context[end])  # candidate n-gram ends
         if places.size == 0:
             return []
-        length = np.ones(places.size, dtype=np.int64)
-        alive = np.ones(places.size, dtype=bool)
+        length: np.ndarray = np.ones(places.size, dtype=np.int64)
+        alive: np.ndarray = np.ones(places.size, dtype=bool)
         for back in range(1, min(self.max_n, end + 1)):
             alive &= places >= back
             alive[alive] = context[places[alive] - back] == context[end - back]

@@ -1,6 +1,7 @@
 """The engines' series in /metrics: requests running and waiting, KV-cache usage, prefix-cache
-queried and hit tokens, preemptions, speculative decoding's drafts and accepted tokens; once per engine replica under vLLM's names
-(``vllm:num_requests_running{model_name, engine="r"}``, ...), so vLLM dashboards work unchanged,
+queried and hit tokens, preemptions, speculative decoding's drafts and accepted tokens; once
+per engine replica under vLLM's names (``vllm:num_requests_running{model_name, engine="r"}``,
+...), so vLLM dashboards work unchanged,
 and for the cluster as a whole under ours (``splitserve_engine_*``, the replicas summed). With
 several replicas, the routing decisions of the tokenizer workers too:
 ``splitserve_routing_decisions_total{policy, outcome}`` and the time spent on them,
