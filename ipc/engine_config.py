@@ -160,9 +160,9 @@ class EngineConfig:
         4, "longest n-gram the ngram proposer matches", unit="TOKENS", minimum=1, maximum=64
     )
     speculative_max_batch: int = knob(
-        8,
-        "a step proposes drafts only while at most this many requests decode in it (above, "
-        "verifying drafts costs more than it saves)",
+        2,
+        "a step proposes drafts only while at most this many requests decode in it (measured: "
+        "above 2, verifying drafts cost more than they saved; docs/speculative.md)",
         unit="REQUESTS",
         minimum=1,
     )

@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
-    p.add_argument("--speculative-max-batch", type=int, default=8)
+    p.add_argument(
+        "--speculative-max-batch", type=int, default=8, help="8: speculate at every --streams"
+    )
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     model_dir = ensure_default_model()
