@@ -237,7 +237,6 @@ class ModelRunner:
             block_tables=tables,
             slots=slots,
             block_size=size,
-            verifying=drafts > 0 if drafts.any() else None,
         )
         spans = []
         if any(r.wants_prompt_logprobs for r in requests):

@@ -31,9 +31,6 @@ class StepBatch:
     block_tables: np.ndarray  # [S, widest table] cache blocks, padded with block 0
     slots: np.ndarray  # [T] the cache slot each new token's key and value go to
     block_size: int
-    # Per sequence: it verifies drafts (engine_worker/speculative.py), so each of its rows is
-    # attended as a decode row of its own (None: no sequence does).
-    verifying: np.ndarray | None = None
 
     @property
     def ends(self) -> np.ndarray:

@@ -62,31 +62,18 @@ class PagedCpuBackend(AttentionBackend):
     def prepare(self, step: StepBatch) -> AttentionMetadata:
         metadata = AttentionMetadata(slot_mapping=self._device(step.slots))
         decoding = step.lengths == 1
-        if step.verifying is not None:
-            decoding |= step.verifying
         metadata.decode = self._prepare_decode(step, np.nonzero(decoding)[0])
         for i in np.nonzero(~decoding)[0]:
             metadata.prefills += self._query_chunks(step, int(i))
         return metadata
 
     def _prepare_decode(self, step: StepBatch, seqs: np.ndarray) -> DecodeBatch | None:
-        """The decode rows: one per decoding sequence, and one per row of a sequence verifying
-        drafts (each over its own context, as the same position decoded alone would be: the
-        same kernel call layout, so the same bits). Verifying steps gather every step."""
         if not len(seqs):
             self.reset()
             return None
-        lengths = step.lengths[seqs]
-        row_seqs: np.ndarray = np.repeat(seqs, lengths)
-        offsets = np.arange(len(row_seqs)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        context = step.starts[row_seqs] + offsets + 1
-        flat_rows = step.row_starts[row_seqs] + offsets
-        rows = None if len(flat_rows) == len(step.slots) else self._device(flat_rows)
-        if len(row_seqs) == len(seqs):
-            ws = self._decode_workspace([step.sequences[i] for i in seqs], context)
-        else:
-            self.reset()
-            ws = None
+        context = step.ends[seqs]
+        rows = None if len(seqs) == len(step.sequences) else self._device(step.row_starts[seqs])
+        ws = self._decode_workspace([step.sequences[i] for i in seqs], context)
         columns = key_columns(int(context.max()), step.block_size) if ws is None else ws.capacity
         hidden = np.arange(columns)[None, :] >= context[:, None]
         mask = torch.zeros(hidden.shape, dtype=self.cache.dtype)
@@ -102,7 +89,7 @@ class PagedCpuBackend(AttentionBackend):
             decode.workspace = ws
         if ws is None or ws.fresh:
             decode.block_tables = self._device(
-                _padded_tables(step, row_seqs, columns // step.block_size)
+                _padded_tables(step, seqs, columns // step.block_size)
             )
         return decode
 
