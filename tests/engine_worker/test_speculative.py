@@ -167,3 +167,27 @@ def test_logprobs_of_accepted_tokens_are_those_without_speculation(engines):
                 (result["tokens"], [(e.logprob, e.top_ids) for e in result["logprobs"]])
             )
     assert got["ngram"] == got["off"]
+
+
+def test_preemption_and_aborts_while_speculating_keep_outputs_and_blocks(tiny_model_dir, engines):
+    """A KV cache too small for the batch preempts requests that hold drafts' blocks; an abort
+    lands mid-run. Outputs are those of a roomy engine without speculation."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 40000, size=40).tolist() for _ in range(4)]
+    params = [biased(s, tokens=60) for s in range(4)]
+    plain = [
+        run(engines["off"], [p], prompt, tag=f"roomy{i}")[0]
+        for i, (p, prompt) in enumerate(zip(params, prompts))
+    ]
+    small = make(tiny_model_dir, speculative="ngram", kv_cache_tokens=192)
+    for i, (p, prompt) in enumerate(zip(params, prompts)):
+        small.add(f"p{i}", prompt, p)
+    small.add("gone", prompts[0], biased(9, tokens=60))
+    totals: dict = {}
+    results = collect(
+        small, totals=totals, on_step=lambda step, e: e.abort("gone") if step == 6 else None
+    )
+    assert totals["preempted"] > 0 and small.speculation.accepted_tokens > 0
+    assert [results[f"p{i}"]["tokens"] for i in range(4)] == plain
+    assert results["gone"]["reason"] == "abort"
+    assert small.blocks.num_available == small.blocks.num_blocks
