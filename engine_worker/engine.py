@@ -34,7 +34,7 @@ from engine_worker.sizing import (
     kv_cache_blocks,
     resolve_max_model_len,
 )
-from engine_worker.speculative import SpeculationCounters
+from engine_worker.speculative import SpeculationCounters, may_speculate
 from engine_worker.thread_tuner import ThreadTuner
 from engine_worker.weight_format import WeightFormat
 from ipc.block_hash import check_cache_salt
@@ -224,14 +224,8 @@ class Engine:
         )
         if grammar:
             self.grammars.attach(request, grammar)
-        # Drafts are verified against what the sampler would draw from each row alone; a
-        # grammar's masks and penalties or min_tokens (which read the tokens before the row)
-        # would need the drafts before it, so those requests decode one token a step.
-        request.speculates = (
-            self.scheduler.proposer is not None
-            and sampling.speculative
-            and not grammar
-            and not request.sampler.needs_history
+        request.speculates = self.scheduler.proposer is not None and may_speculate(
+            sampling, request.sampler, grammar
         )
         was_idle = not (self.scheduler.running or self.scheduler.waiting)
         self.requests[request_id] = request

@@ -192,6 +192,17 @@ class ModelRunner:
         """Frees what attention keeps between steps (the engine calls this when idle)."""
         self.attention.reset()
 
+    def _logit_rows(
+        self, sampling: np.ndarray, spans: list[PromptSpan], total: int, order: np.ndarray
+    ) -> torch.Tensor | None:
+        """The rows whose logits the step needs: the sampling rows, then the prompt-logprob
+        spans' (None: every row, in order)."""
+        if spans:
+            return to_device(np.concatenate([sampling, span_rows(spans)]), self.device)
+        if len(sampling) != total or not np.array_equal(order, np.arange(len(order))):
+            return to_device(sampling, self.device)
+        return None
+
     def _inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
         """The step's flat batch. Its rows are laid out decoding requests first: a layer with
         a quantized and a dense copy gives the decode rows one and the prompt rows the other,
@@ -243,12 +254,7 @@ class ModelRunner:
             spans = prompt_spans(requests, counts, starts, row_starts)
         widths = drafts[emitting] + 1
         sampling = np.repeat(row_ends[emitting] - widths, widths) + row_offsets(widths)
-        logit_rows = None
-        if spans:
-            rows = np.concatenate([sampling, span_rows(spans)])
-            logit_rows = to_device(rows, self.device)
-        elif len(sampling) != total or not np.array_equal(order, np.arange(num_seqs)):
-            logit_rows = to_device(sampling, self.device)
+        logit_rows = self._logit_rows(sampling, spans, total, order)
         decode_rows = int(lengths[decoding].sum())
         batches = None
         if drafts.any():

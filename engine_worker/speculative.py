@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from engine_worker.sampler import RequestSampler
+from ipc.messages import SamplingParams
 
 
 class LookupContext:
@@ -92,6 +93,13 @@ class NgramProposer:
         full = longest[longest + limit < end + 1]
         place = int(full[-1] if full.size else longest[0])
         return context[place + 1 : place + 1 + limit].tolist()
+
+
+def may_speculate(params: SamplingParams, sampler: RequestSampler, grammar: str) -> bool:
+    """Whether a request may verify drafts. Each row's token is what the sampler draws from that
+    row alone; a grammar's masks and penalties or min_tokens (which read the tokens before the
+    row) would need the drafts before it, so those requests decode one token a step."""
+    return params.speculative and not grammar and not sampler.needs_history
 
 
 def accepted_tokens(sampled: list[int], drafts: list[int]) -> list[int]:
