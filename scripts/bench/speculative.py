@@ -11,17 +11,25 @@ output token of a stream (TPOT) and ITL p50 (gaps between a stream's tokens, poo
 step emits together are 0 apart, as a streaming client sees them), acceptance; and the ratios.
 Greedy output is the same either way (tests/engine_worker/test_speculative_real.py): the
 script checks it too.
+
+``--llama-server PATH``: then llama.cpp's server on the same model's GGUF, one stream, one slot,
+``--threads`` threads, without and with ``--spec-type ngram-simple``, on the same prompts (its own
+decode timings: predicted tokens over predicted ms).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import re
+import socket
+import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from engine_worker.engine import Engine
@@ -126,6 +134,49 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
+@contextlib.contextmanager
+def llama_server(path: str, gguf: Path, threads: int, extra: list[str]):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [path, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    args += ["-t", str(threads), "-tb", str(threads), "-np", "1", "-c", "4096", "--no-webui"]
+    proc = subprocess.Popen(args + extra, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def llama_rates(args, model_dir: Path, workloads: list[str]) -> None:
+    """Decode tokens/s of one llama-server stream, without and with ngram-simple drafts."""
+    gguf = next(model_dir.glob("*.gguf"))  # the default model keeps its GGUF beside
+    prompts = {w: workload_prompts(model_dir, w, args.rounds) for w in workloads}
+    rates: dict[tuple[str, str], float] = {}
+    for name, extra in (("plain", []), ("ngram-simple", ["--spec-type", "ngram-simple"])):
+        with llama_server(args.llama_server, gguf, args.threads, extra) as url:
+            for workload, batch in prompts.items():
+                tokens = seconds = 0.0
+                for prompt in batch:
+                    body = {"prompt": prompt, "n_predict": args.max_tokens, "temperature": 0}
+                    body |= {"ignore_eos": True, "cache_prompt": False}
+                    timings = httpx.post(f"{url}/completion", json=body, timeout=600).json()
+                    tokens += timings["timings"]["predicted_n"]
+                    seconds += timings["timings"]["predicted_ms"] / 1e3
+                rates[name, workload] = tokens / seconds
+    print(f"\nllama-server, 1 stream, {args.threads} thread(s): decode tok/s plain / ngram-simple")
+    for workload in workloads:
+        plain, spec = rates["plain", workload], rates["ngram-simple", workload]
+        print(f"{workload:9s}{plain:10.1f}{spec:10.1f}{spec / plain:7.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.bench speculative", description=__doc__)
     p.add_argument("--workloads", default="summary,code,chat")
@@ -139,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         "--speculative-max-batch", type=int, default=8, help="8: speculate at every --streams"
     )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama-server", default="", help="llama-server binary: measure it too")
     args = p.parse_args(argv)
     model_dir = ensure_default_model()
+    if args.llama_server:
+        llama_rates(args, Path(model_dir), args.workloads.split(","))
     knobs = dict(
         model_path=str(model_dir),
         kv_cache_tokens=32768,
