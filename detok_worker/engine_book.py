@@ -69,5 +69,14 @@ def total_stats(parts: list[EngineStats]) -> EngineStats:
         for f in dataclasses.fields(EngineStats):
             value = getattr(stats, f.name)
             current = getattr(total, f.name)
-            setattr(total, f.name, max(current, value) if f.name == "step_ms" else current + value)
+            if f.name == "step_ms":
+                value = max(current, value)
+            elif isinstance(value, list):  # counts by position: summed position by position
+                longer, shorter = (
+                    (value, current) if len(value) >= len(current) else (current, value)
+                )
+                value = [a + (shorter[i] if i < len(shorter) else 0) for i, a in enumerate(longer)]
+            else:
+                value = current + value
+            setattr(total, f.name, value)
     return total

@@ -34,6 +34,7 @@ from engine_worker.sizing import (
     kv_cache_blocks,
     resolve_max_model_len,
 )
+from engine_worker.speculative import SpeculationCounters, may_speculate
 from engine_worker.thread_tuner import ThreadTuner
 from engine_worker.weight_format import WeightFormat
 from ipc.block_hash import check_cache_salt
@@ -121,6 +122,7 @@ class Engine:
         self._step = 0
         # Counters since start, reported with every step's stats (Prometheus counters).
         self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
+        self.speculation = SpeculationCounters(config.num_speculative_tokens)
         self._log_ready(weight_format, num_blocks)
 
     def _log_ready(self, weight_format: WeightFormat, num_blocks: int) -> None:
@@ -222,6 +224,9 @@ class Engine:
         )
         if grammar:
             self.grammars.attach(request, grammar)
+        request.speculates = self.scheduler.proposer is not None and may_speculate(
+            sampling, request.sampler, grammar
+        )
         was_idle = not (self.scheduler.running or self.scheduler.waiting)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
@@ -337,17 +342,28 @@ class Engine:
                 request.num_computed += count - 1
                 self.grammars.defer(request)
                 continue
-            request.num_computed += count
+            drafts, request.draft_ids = len(request.draft_ids), []
+            request.num_computed += count - drafts
             token = result.tokens[index]
             if token is not None:
                 if request.grammar is not None:
                     constrained.append((request, token))
-                request.append_token(token)
-                if (logprobs := result.logprobs.get(index)) is not None:
-                    logprobs.row = len(out.request_ids)
-                    out.logprobs.append(logprobs)
-                out.request_ids.append(request.request_id)
-                emitted_tokens.append(token)
+                run = [token, *result.accepted.get(index, ())]
+                logprobs = [result.logprobs.get(index), *result.accepted_logprobs.get(index, ())]
+                for position, (token, entry) in enumerate(zip(run, logprobs + [None] * len(run))):
+                    if position:  # an accepted draft (or the token after it): its KV is there
+                        request.num_computed += 1
+                    request.append_token(token)
+                    if entry is not None:
+                        entry.row = len(out.request_ids)
+                        out.logprobs.append(entry)
+                    out.request_ids.append(request.request_id)
+                    emitted_tokens.append(token)
+                    if request.finish_reason() is not None:
+                        break  # the run is cut at its first stop
+                if drafts:
+                    self.speculation.record(drafts, len(run) - 1)
+                    self.scheduler.trim_blocks(request)
             elif request.samples or request.remaining:
                 continue  # a prefill chunk that did not reach the end of the prompt
             if not request.started_sent:
@@ -391,4 +407,8 @@ class Engine:
             prefix_queried_tokens_total=self._prefix_queried_total,
             prefix_hit_tokens_total=self._prefix_hit_total,
             preemptions_total=self._preemptions_total,
+            spec_drafts_total=self.speculation.drafts,
+            spec_draft_tokens_total=self.speculation.draft_tokens,
+            spec_accepted_tokens_total=self.speculation.accepted_tokens,
+            spec_accepted_per_position_total=list(self.speculation.accepted_per_position),
         )

@@ -38,9 +38,13 @@ MAX_INT4_PARTS = 2  # more would read the 4-bit weights as often as a dense bf16
 class LinearWeight(Protocol):
     out_features: int
 
-    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
+    ) -> torch.Tensor:
         """x [T, in_features] in the activation dtype -> [T, out_features]; the first
-        ``decode_rows`` rows are decode rows (a format with two copies picks one by it)."""
+        ``decode_rows`` rows are decode rows, of ``decode_batch`` decoding requests (default:
+        one row each; a request verifying drafts has several). A format with two copies picks
+        one by ``decode_batch``."""
 
     @property
     def nbytes(self) -> int:
@@ -208,7 +212,9 @@ class DenseLinear:
         self.weight, self.bias = weight.contiguous(), bias
         self.out_features = weight.shape[0]
 
-    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
+    ) -> torch.Tensor:
         if x.shape[0] == 1:
             # One row takes another kernel, whose sums round differently from the same row's
             # among others (bf16, 1,536 inputs); two rows cost the same (memory-bound).
@@ -238,7 +244,9 @@ class Int8Linear:
     ) -> Int8Linear:
         return cls(*quantize_int8(weight, dtype), dtype, bias)
 
-    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
+    ) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
         return y if self.bias is None else y + self.bias
 
@@ -278,7 +286,9 @@ class Int4Linear:
             .contiguous()
         )  # [parts * K / group, N, 2]
 
-    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
+    ) -> torch.Tensor:
         x = x.contiguous() if self.parts == 1 else x.repeat(1, self.parts)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
         return y if self.bias is None else y + self.bias
@@ -289,8 +299,10 @@ class Int4Linear:
 
 
 class BatchSizeSwitch:
-    """``quantized`` for the decode rows of a step that has at most ``max_tokens`` of them,
-    ``dense`` for the others and for every prompt row. A prompt token is thus computed alike
+    """``quantized`` for the decode rows of a step in which at most ``max_tokens`` requests
+    decode (a request verifying drafts has several decode rows; the choice is by requests, so
+    they run on the kernel its plain decode row would), ``dense`` for the others and for every
+    prompt row. A prompt token is thus computed alike
     whether its prompt came in one step, in chunks or after a prefix-cache hit; a decoded one
     alike while the decode batch stays on one side of ``max_tokens`` (a deterministic launch
     sets it to ``UNBOUNDED``)."""
@@ -301,8 +313,11 @@ class BatchSizeSwitch:
         self.quantized, self.dense, self.max_tokens = quantized, dense, max_tokens
         self.out_features = quantized.out_features
 
-    def apply(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
-        if not 0 < decode_rows <= self.max_tokens:
+    def apply(
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
+    ) -> torch.Tensor:
+        batch = decode_rows if decode_batch is None else decode_batch
+        if decode_rows <= 0 or not 0 < batch <= self.max_tokens:
             return self.dense.apply(x)
         if decode_rows == x.shape[0]:
             return self.quantized.apply(x)

@@ -130,10 +130,13 @@ class LlamaFamilyModel:
         logit_rows: torch.Tensor | None,
         decode_rows: int = 0,
         sampling_rows: int = 0,
+        batches: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step; the
         first ``decode_rows`` rows are decoded tokens', the first ``sampling_rows`` logit rows
-        sample a token (the others are prompt logprobs). Returns logits [len(logit_rows),
+        sample a token (the others are prompt logprobs). ``batches``: the decoding and the
+        sampling requests those rows belong to, when a request verifying drafts has several
+        (the kernel choice is by requests: ``LinearWeight.apply``). Returns logits [len(logit_rows),
         vocab] (float32)."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
@@ -141,10 +144,11 @@ class LlamaFamilyModel:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         cos = self.cos[positions].unsqueeze(1)
         sin = self.signed_sin[positions].unsqueeze(1)
+        decode_batch, sampling_batch = batches or (None, None)
         hidden = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
-            qkv = layer.qkv.apply(x, decode_rows)
+            qkv = layer.qkv.apply(x, decode_rows, decode_batch)
             v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = layer.q_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim))
@@ -160,15 +164,17 @@ class LlamaFamilyModel:
                 )
                 q, k = qk[:, :heads], qk[:, heads:]
             attn = attention.forward(q, k, v, i, metadata)
-            hidden += layer.o_proj.apply(attn.reshape(num_tokens, q_size), decode_rows)
+            hidden += layer.o_proj.apply(
+                attn.reshape(num_tokens, q_size), decode_rows, decode_batch
+            )
             x = layer.post_attention_norm(hidden)
-            gate, up = layer.gate_up.apply(x, decode_rows).chunk(2, dim=-1)
-            hidden += layer.down.apply(F.silu(gate) * up, decode_rows)
+            gate, up = layer.gate_up.apply(x, decode_rows, decode_batch).chunk(2, dim=-1)
+            hidden += layer.down.apply(F.silu(gate) * up, decode_rows, decode_batch)
         attention.finish(metadata)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         hidden = self.norm(hidden)
-        logits = self.lm_head.apply(hidden, sampling_rows).float()
+        logits = self.lm_head.apply(hidden, sampling_rows, sampling_batch).float()
         if self.exact_head is not None:
             refine_top_logits(logits, hidden, self.exact_head)
         return logits

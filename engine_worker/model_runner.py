@@ -26,6 +26,7 @@ from engine_worker.logprobs import (
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import sample
+from engine_worker.speculative import VerifierDraws, accepted_tokens, row_offsets, rows_of
 from ipc.messages import PromptLogprobs, TokenLogprobs
 
 
@@ -35,9 +36,12 @@ class ModelInputs:
     positions: torch.Tensor  # [T]
     logit_rows: torch.Tensor | None  # rows whose logits are wanted (None: every row)
     emitting: list[int]  # the requests (indices) that sample a token in this step
+    widths: list[int]  # logit rows each of them samples from (1 + its drafts)
     step: StepBatch
     prompt_spans: list[PromptSpan]  # prompt logprobs: their rows follow the emitting ones
     decode_rows: int  # the first rows are the decoding requests' (one decoded token each)
+    # (decoding requests, sampling requests) when some verify drafts (several rows each)
+    batches: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +52,11 @@ class StepResult:
     tokens: list[int | None]
     logprobs: dict[int, TokenLogprobs]  # by request index in the step
     prompt_logprobs: list[PromptLogprobs]
+    # Requests that verified drafts: the tokens they emit after ``tokens[index]`` (accepted
+    # drafts, then the correction or bonus token but the last of them; engine_worker/
+    # speculative.py), and those tokens' logprobs where asked.
+    accepted: dict[int, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     # Requests (indices) that reached the end of their tokens but whose grammar mask was not
     # ready: nothing was drawn for them; their last token is computed again at a later step.
     deferred: list[int] = field(default_factory=list)
@@ -78,12 +87,13 @@ class ModelRunner:
         inputs = self._inputs(requests, counts)
         logits = self._forward(inputs)
         result = StepResult([None] * len(requests), {}, [])
-        emitting = inputs.emitting
+        emitting, widths = inputs.emitting, inputs.widths
+        sampling_rows = sum(widths)
         if inputs.prompt_spans:
             result.prompt_logprobs = prompt_logprobs(
-                logits[len(emitting) :], inputs.prompt_spans, requests
+                logits[sampling_rows:], inputs.prompt_spans, requests
             )
-        logits = logits[: len(emitting)]
+        logits = logits[:sampling_rows]
         grammars = [requests[i].grammar for i in emitting]
         if any(g is not None for g in grammars):
             # Decided once, here: a mask that arrives later waits for the row's next step.
@@ -91,10 +101,11 @@ class ModelRunner:
             if len(keep) < len(emitting):
                 kept = set(keep)
                 result.deferred = [i for j, i in enumerate(emitting) if j not in kept]
-                logits, emitting = logits[keep], [emitting[j] for j in keep]
+                logits = logits[rows_of(widths, keep)]
+                emitting, widths = [emitting[j] for j in keep], [widths[j] for j in keep]
                 grammars = [grammars[j] for j in keep]
         if emitting:
-            self._sample(logits, requests, emitting, grammars, result)
+            self._sample(logits, requests, emitting, widths, grammars, result)
         return result
 
     def _sample(
@@ -102,11 +113,17 @@ class ModelRunner:
         logits: torch.Tensor,
         requests: list[EngineRequest],
         emitting: list[int],
+        widths: list[int],
         grammars: list,
         result: StepResult,
     ) -> None:
-        """Draws a token for each of ``emitting`` (one row of ``logits`` each)."""
-        samplers = [requests[i].sampler for i in emitting]
+        """Draws a token for each row of ``logits``: ``widths[j]`` rows for ``emitting[j]``
+        (more than one when it verifies drafts)."""
+        verifying = any(w > 1 for w in widths)
+        owners = [i for i, w in zip(emitting, widths) for _ in range(w)] if verifying else emitting
+        if verifying:
+            grammars = [g for g, w in zip(grammars, widths) for _ in range(w)]
+        samplers = [requests[i].sampler for i in owners]
         asking = [j for j, s in enumerate(samplers) if s.logprobs is not None]
         # Taken before sampling: whatever the sampler does to the logits, these stay raw.
         raw = (
@@ -120,12 +137,30 @@ class ModelRunner:
             self.grammar_masker.apply(logits, grammars)  # only the tokens the grammar allows
         histories = None
         if any(s.needs_history for s in samplers):
-            histories = [(requests[i].token_ids, requests[i].prompt_len) for i in emitting]
-        chosen = sample(logits, samplers, histories)
-        if raw is not None:
-            result.logprobs = {emitting[e.row]: e for e in raw.finish(chosen)}
-        for index, token in zip(emitting, chosen.tolist()):
-            result.tokens[index] = token
+            histories = [(requests[i].token_ids, requests[i].prompt_len) for i in owners]
+        if not verifying:
+            chosen = sample(logits, samplers, histories)
+            if raw is not None:
+                result.logprobs = {emitting[e.row]: e for e in raw.finish(chosen)}
+            for index, token in zip(emitting, chosen.tolist()):
+                result.tokens[index] = token
+            return
+        draws = VerifierDraws([requests[i].sampler for i in emitting], widths, logits.device)
+        chosen = sample(logits, samplers, histories, draws.uniforms)
+        by_row = {e.row: e for e in raw.finish(chosen)} if raw is not None else {}
+        tokens, first = chosen.tolist(), 0
+        for j, (index, width) in enumerate(zip(emitting, widths)):
+            run = tokens[first : first + width]
+            if width > 1:
+                run = accepted_tokens(run, requests[index].draft_ids)
+                draws.advance(j, len(run))
+                result.accepted[index] = run[1:]
+            result.tokens[index] = run[0]
+            entries = [by_row[r] for r in range(first, first + len(run)) if r in by_row]
+            if entries:
+                result.logprobs[index] = entries[0]
+                result.accepted_logprobs[index] = entries[1:]
+            first += width
 
     @torch.inference_mode()
     def compute_logits(
@@ -134,7 +169,7 @@ class ModelRunner:
         """Writes the scheduled tokens' KV; returns logits of the requests that sample in this
         step, and those requests' indices."""
         inputs = self._inputs(requests, counts)
-        return self._forward(inputs)[: len(inputs.emitting)], inputs.emitting
+        return self._forward(inputs)[: sum(inputs.widths)], inputs.emitting
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         metadata = self.attention.prepare(inputs.step)
@@ -146,7 +181,8 @@ class ModelRunner:
                 metadata,
                 inputs.logit_rows,
                 inputs.decode_rows,
-                len(inputs.emitting),
+                sum(inputs.widths),
+                inputs.batches,
             )
         except BaseException:
             self.attention.reset()  # what it keeps may hold only some layers' copies
@@ -156,10 +192,22 @@ class ModelRunner:
         """Frees what attention keeps between steps (the engine calls this when idle)."""
         self.attention.reset()
 
+    def _logit_rows(
+        self, sampling: np.ndarray, spans: list[PromptSpan], total: int, order: np.ndarray
+    ) -> torch.Tensor | None:
+        """The rows whose logits the step needs: the sampling rows, then the prompt-logprob
+        spans' (None: every row, in order)."""
+        if spans:
+            return to_device(np.concatenate([sampling, span_rows(spans)]), self.device)
+        if len(sampling) != total or not np.array_equal(order, np.arange(len(order))):
+            return to_device(sampling, self.device)
+        return None
+
     def _inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
         """The step's flat batch. Its rows are laid out decoding requests first: a layer with
         a quantized and a dense copy gives the decode rows one and the prompt rows the other,
-        so a prompt token is computed alike whatever else the step holds."""
+        so a prompt token is computed alike whatever else the step holds. A request verifying
+        drafts is a decoding request with 1 + drafts rows, all of them sampling rows."""
         num_seqs = len(requests)
         starts = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=num_seqs)
         lengths = np.asarray(counts, dtype=np.int64)
@@ -171,14 +219,15 @@ class ModelRunner:
         row_ends[order] = np.cumsum(lengths[order])
         row_starts = row_ends - lengths
         total = int(lengths.sum())
+        drafts = np.fromiter((len(r.draft_ids) for r in requests), dtype=np.int64, count=num_seqs)
         emitting = [
             i
             for i, r in enumerate(requests)
-            if r.num_computed + counts[i] == r.num_tokens and r.samples
+            if r.num_computed + counts[i] == r.num_tokens + drafts[i] and r.samples
         ]
         input_ids = np.fromiter(
             itertools.chain.from_iterable(
-                requests[i].token_ids[starts[i] : starts[i] + counts[i]] for i in order
+                requests[i].step_tokens(starts[i], counts[i]) for i in order
             ),
             dtype=np.int64,
             count=total,
@@ -203,18 +252,21 @@ class ModelRunner:
         spans = []
         if any(r.wants_prompt_logprobs for r in requests):
             spans = prompt_spans(requests, counts, starts, row_starts)
-        logit_rows = None
-        if spans:
-            rows = np.concatenate([row_ends[emitting] - 1, span_rows(spans)])
-            logit_rows = to_device(rows, self.device)
-        elif len(emitting) != total or not np.array_equal(order, np.arange(num_seqs)):
-            logit_rows = to_device(row_ends[emitting] - 1, self.device)
+        widths = drafts[emitting] + 1
+        sampling = np.repeat(row_ends[emitting] - widths, widths) + row_offsets(widths)
+        logit_rows = self._logit_rows(sampling, spans, total, order)
+        decode_rows = int(lengths[decoding].sum())
+        batches = None
+        if drafts.any():
+            batches = (decode_rows - int(drafts.sum()), len(emitting))
         return ModelInputs(
             to_device(input_ids, self.device),
             to_device(positions, self.device),
             logit_rows,
             emitting,
+            widths.tolist(),
             step,
             spans,
-            int(lengths[decoding].sum()),
+            decode_rows,
+            batches,
         )

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
+from engine_worker.speculative import LookupContext
 from ipc.messages import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class EngineRequest:
         "prompt_logprobs_from",
         "grammar",
         "cache_salt",
+        "speculates",
+        "draft_ids",
+        "lookup",
     )
 
     def __init__(
@@ -77,6 +81,12 @@ class EngineRequest:
         self.prompt_logprobs_from = 1 if params.prompt_logprobs is not None else self.prompt_len
         self.grammar: RequestGrammar | None = None  # the matcher, for a constrained request
         self.cache_salt = cache_salt  # shares cached blocks only with requests of the same salt
+        # Speculative decoding (engine_worker/speculative.py): whether this request may get
+        # drafts, the drafts its scheduled step verifies after its last token, and its tokens as
+        # the proposer reads them.
+        self.speculates = False
+        self.draft_ids: list[int] = []
+        self.lookup: LookupContext | None = None
 
     @property
     def ready(self) -> bool:
@@ -102,6 +112,14 @@ class EngineRequest:
         """Prompt logprobs are still to be computed: the request computes every prompt position
         itself (a block taken from the prefix cache has no logits)."""
         return self.prompt_logprobs_from < self.prompt_len
+
+    def step_tokens(self, start: int, count: int) -> list[int]:
+        """The ``count`` tokens a step computes from position ``start``: the request's own, then
+        its drafts."""
+        tokens = self.token_ids[start : start + count]
+        if len(tokens) < count:
+            tokens += self.draft_ids[: count - len(tokens)]
+        return tokens
 
     def append_token(self, token: int) -> None:
         """Adds a sampled token; its KV is computed by the next step that schedules it."""

@@ -167,10 +167,12 @@ def sample(
     logits: torch.Tensor,
     samplers: list[RequestSampler],
     histories: list[tuple[list[int], int]] | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] (int64, on logits' device); ``logits`` is not
     modified. ``histories`` (see apply_penalties) is needed when a sampler has penalties or
-    min_tokens."""
+    min_tokens. ``uniforms`` [B]: each row's uniform, drawn by the caller (rows verifying
+    drafts, engine_worker/speculative.py); by default each sampling row draws its own."""
     if any(s.adjusts for s in samplers):
         logits = adjust_logits(logits, samplers, histories)
     if all(s.greedy for s in samplers):
@@ -190,7 +192,10 @@ def sample(
         probs = _apply_min_p(probs, [s.min_p for s in subset])
     # One uniform per row and step, from the row's own generator: its draws never depend on
     # what else shares the batch.
-    uniforms = torch.cat([torch.rand(1, generator=s.generator, device=device) for s in subset])
+    if uniforms is None:
+        uniforms = torch.cat([torch.rand(1, generator=s.generator, device=device) for s in subset])
+    else:
+        uniforms = uniforms[rows]
     picked = torch.empty(len(subset), dtype=torch.long, device=device)
     plain = [j for j, s in enumerate(subset) if not s.filtered]
     if plain:

@@ -8,6 +8,12 @@ Order of a step, oldest first (FCFS):
 2. waiting requests are admitted while the batch has room (``max_batch_size``), the step has
    prefill budget (``prefill_max_batch_size`` requests, ``prefill_max_tokens`` tokens) and the
    pool has blocks. A request never computes more than ``prefill_chunk_tokens`` in one step.
+With ``--speculative ngram``, a decoding request may also verify drafts (engine_worker/
+speculative.py): it computes its last token and up to ``num_speculative_tokens`` drafts, while
+at most ``speculative_max_batch`` requests decode in the step. Drafts get KV blocks only when
+blocks are free (they never preempt anyone); blocks past the accepted tokens are given back
+after the step (``trim_blocks``), and only blocks of real tokens are ever published.
+
 A request that is not ``ready`` (its grammar is still being built, or the grammar mask its last
 step lacked is still being computed) is passed over, running or waiting, until it is.
 
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
 from engine_worker.request import EngineRequest
+from engine_worker.speculative import LookupContext, NgramProposer
 from ipc.engine_config import PREFILL_TOKENS_CPU, EngineConfig
 
 
@@ -38,11 +45,16 @@ class ScheduledBatch:
     cached_tokens: int = 0
     queried_tokens: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     preempted: int = 0
+    drafts: int = 0  # requests that verify drafts in this step
+    draft_tokens: int = 0
     failed: list[tuple[EngineRequest, str]] = field(default_factory=list)
 
     def add(self, request: EngineRequest, num_tokens: int) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_tokens)
+        if request.draft_ids:
+            self.drafts += 1
+            self.draft_tokens += len(request.draft_ids)
         if request.is_decoding:
             self.decode_tokens += num_tokens
         else:
@@ -63,6 +75,14 @@ class Scheduler:
         self.prompt_logprob_tokens = prompt_logprob_tokens
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []  # admission order: the last one is the newest
+        self.proposer = (
+            NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+            if config.speculative == "ngram"
+            else None
+        )
+        self.propose_s = 0.0  # time spent proposing drafts, since start
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -71,13 +91,16 @@ class Scheduler:
         prefill_slots = self.config.prefill_max_batch_size
         logprob_budget = self.prompt_logprob_tokens
         position = 0
+        propose = self.proposer is not None and (
+            sum(1 for r in self.running if r.is_decoding) <= self.config.speculative_max_batch
+        )
         while position < len(self.running):
             request = self.running[position]
             if not request.ready:
                 position += 1
                 continue
             if request.is_decoding:
-                count = 1
+                count = 1 + (self._draft(request) if propose else 0)
             else:
                 count = min(request.remaining, self.config.prefill_chunk_tokens, token_budget)
                 if request.wants_prompt_logprobs:
@@ -126,6 +149,32 @@ class Scheduler:
             self._publish_full_blocks(request, request.num_computed + count)
             batch.add(request, count)
         return batch
+
+    def _draft(self, request: EngineRequest) -> int:
+        """Sets the request's drafts for this step and returns how many: none when it does not
+        speculate, when the lookup finds nothing, or when they would need KV blocks that are not
+        free. Never past ``max_total_len``: the step emits at most one token more than drafts."""
+        request.draft_ids = []
+        if self.proposer is None or not request.speculates:
+            return 0
+        t_start = time.perf_counter()
+        if request.lookup is None:
+            request.lookup = LookupContext(request.max_total_len)
+        context = request.lookup.sync(request.token_ids)
+        drafts = self.proposer.propose(context, request.max_total_len - request.num_tokens - 1)
+        self.propose_s += time.perf_counter() - t_start
+        tokens = request.num_computed + 1 + len(drafts)
+        if self.blocks.blocks_for(tokens) - len(request.block_ids) > self.blocks.num_available:
+            return 0
+        request.draft_ids = drafts
+        return len(drafts)
+
+    def trim_blocks(self, request: EngineRequest) -> None:
+        """Gives back the blocks past the request's tokens (they held rejected drafts' KV)."""
+        keep = self.blocks.blocks_for(request.num_tokens)
+        if len(request.block_ids) > keep:
+            self.blocks.release(request.block_ids[keep:])
+            del request.block_ids[keep:]
 
     def _grow(self, request: EngineRequest, count: int, batch: ScheduledBatch) -> bool:
         """Gives ``request`` blocks for ``count`` more tokens, preempting newer requests."""
@@ -203,6 +252,7 @@ class Scheduler:
         request.block_keys = []
         request.prefix_node = ROOT_NODE
         request.num_computed = 0
+        request.draft_ids = []
 
     def remove(self, request: EngineRequest) -> None:
         """Drops a finished or aborted request wherever it is and frees its blocks."""

@@ -1,6 +1,7 @@
 """The engines' series in /metrics: requests running and waiting, KV-cache usage, prefix-cache
-queried and hit tokens, preemptions; once per engine replica under vLLM's names
-(``vllm:num_requests_running{model_name, engine="r"}``, ...), so vLLM dashboards work unchanged,
+queried and hit tokens, preemptions, speculative decoding's drafts and accepted tokens; once
+per engine replica under vLLM's names (``vllm:num_requests_running{model_name, engine="r"}``,
+...), so vLLM dashboards work unchanged,
 and for the cluster as a whole under ours (``splitserve_engine_*``, the replicas summed). With
 several replicas, the routing decisions of the tokenizer workers too:
 ``splitserve_routing_decisions_total{policy, outcome}`` and the time spent on them,
@@ -75,6 +76,32 @@ ENGINE_SERIES = (
         "vllm:num_preemptions",
         lambda s: s.preemptions_total,
     ),
+    (
+        "splitserve_engine_spec_decode_drafts",
+        "counter",
+        "Speculative decoding: times a request verified drafts in a step.",
+        "vllm:spec_decode_num_drafts",
+        lambda s: s.spec_drafts_total,
+    ),
+    (
+        "splitserve_engine_spec_decode_draft_tokens",
+        "counter",
+        "Speculative decoding: draft tokens verified.",
+        "vllm:spec_decode_num_draft_tokens",
+        lambda s: s.spec_draft_tokens_total,
+    ),
+    (
+        "splitserve_engine_spec_decode_accepted_tokens",
+        "counter",
+        "Speculative decoding: draft tokens accepted (acceptance rate = accepted / draft tokens; "
+        "mean accepted length = 1 + accepted / drafts).",
+        "vllm:spec_decode_num_accepted_tokens",
+        lambda s: s.spec_accepted_tokens_total,
+    ),
+)
+ACCEPTED_PER_POSITION = (
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "Speculative decoding: draft tokens accepted, by their position in the draft (from 0).",
 )
 
 
@@ -94,8 +121,18 @@ class _EngineCollector:
                 labels = [self.model_name, str(replica.index)]
                 per_replica.add_metric(labels, float(value(replica.stats)))
             yield per_replica
+        yield self._accepted_per_position()
         if self.report.routing_policy:
             yield from self._routing()
+
+    def _accepted_per_position(self) -> Metric:
+        name, help_text = ACCEPTED_PER_POSITION
+        family = CounterMetricFamily(name, help_text, labels=["model_name", "engine", "position"])
+        for replica in self.report.replicas:
+            for position, count in enumerate(replica.stats.spec_accepted_per_position_total):
+                labels = [self.model_name, str(replica.index), str(position)]
+                family.add_metric(labels, float(count))
+        return family
 
     def _routing(self) -> Iterator[Metric]:
         report = self.report

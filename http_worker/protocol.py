@@ -126,6 +126,8 @@ class _GenerationRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     # vLLM's: the request shares cached KV blocks only with requests of the same salt.
     cache_salt: CacheSalt | None = None
+    # Ours: false keeps this request off speculative decoding (docs/speculative.md).
+    speculative: bool = True
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _GenerationRequest:
@@ -219,6 +221,7 @@ class _GenerationRequest(BaseModel):
                 min_p=self.min_p,
                 logit_bias=self._token_bias(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                speculative=self.speculative,
                 **self._logprob_fields(),
             )
         except FieldError as exc:

@@ -11,6 +11,7 @@ from ipc.kv_events import parse_kv_events_config
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("off", "ngram")
 WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4", "int4-exact")  # engine_worker/weight_format.py
 WEIGHTS_HELP = (
     "the linear layers' weights. auto: on a CPU with bf16 activations, a GGUF's Q4_0/Q4_1 "
@@ -137,6 +138,35 @@ class EngineConfig:
     cpu_kv_cache_max_bytes: int = knob(
         2 << 30, "CPU only: cap on the derived KV cache", unit="BYTES", minimum=1
     )
+    # Speculative decoding (docs/speculative.md): drafts looked up in the request's own context,
+    # verified in the ordinary step; greedy output is the same tokens as without it.
+    speculative: str = knob(
+        "off",
+        "speculative decoding: ngram = drafts from the request's own prompt and output (prompt "
+        "lookup), verified in one step; off = none",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = knob(
+        3,
+        "most draft tokens a request verifies in one step (--speculative ngram)",
+        unit="TOKENS",
+        minimum=1,
+        maximum=64,
+    )
+    prompt_lookup_min: int = knob(
+        2, "shortest n-gram the ngram proposer matches", unit="TOKENS", minimum=1, maximum=64
+    )
+    prompt_lookup_max: int = knob(
+        4, "longest n-gram the ngram proposer matches", unit="TOKENS", minimum=1, maximum=64
+    )
+    speculative_max_batch: int = knob(
+        2,
+        "a step proposes drafts only while at most this many requests decode in it (measured: "
+        "above 2, verifying drafts cost more than they saved; docs/speculative.md)",
+        unit="REQUESTS",
+        minimum=1,
+    )
+
     # Decode keeps a contiguous copy of the decode batch's KV (all layers) while the batch is
     # unchanged, instead of gathering it from the paged cache every layer of every step.
     decode_workspace_max_bytes: int = knob(
@@ -185,3 +215,8 @@ class EngineConfig:
             raise ValueError("model_path is required")
         check_knobs(self)
         parse_kv_events_config(self.kv_events_config)  # fails fast, naming the key
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )

@@ -62,6 +62,9 @@ class SamplingParams:
     # OpenAI's logit_bias: added to the raw logits of these token ids before sampling.
     logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    # False: this request never verifies drafts, even on an engine launched with --speculative
+    # (its output is the same either way; the opt-out is for latency or cost experiments).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -145,7 +148,13 @@ class SamplingParams:
                 )
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise FieldError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        for name in ("echo", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in (
+            "echo",
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "speculative",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
 

@@ -97,6 +97,8 @@ LAX = [
     (CHAT_COMPLETIONS, {"messages": CHAT, "logprobs": 1}, "logprobs"),
     (CHAT_COMPLETIONS, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     (COMPLETIONS, {"cache_salt": 7}, "cache_salt"),
+    (COMPLETIONS, {"speculative": "no"}, "speculative"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "speculative": 0}, "speculative"),
     (CHAT_COMPLETIONS, {"messages": CHAT, "cache_salt": ["a"]}, "cache_salt"),
     ("/detokenize", {"tokens": [False]}, "tokens[0]"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "true"}, "add_special_tokens"),

@@ -99,10 +99,11 @@ def test_bad_requests_get_a_clear_error_and_the_cluster_keeps_serving(client, kw
         dict(prompt="x", temperature=-1),
         dict(prompt="x", top_p=0),
         dict(prompt="x", messages=[]),
+        dict(prompt="x", speculative="no"),
     ],
 )
 def test_invalid_arguments_fail_at_submit(client, kwargs):
-    with pytest.raises(BadRequestError):
+    with pytest.raises(BadRequestError, match=next(iter(set(kwargs) - {"prompt"}), None)):
         client.submit(**kwargs)
 
 

@@ -9,9 +9,10 @@ end). Three rules make a row's result the same bits whatever else the call holds
 bf16 inputs on AVX-512 (docs/determinism.md):
 
 * key columns start at the sequence's position 0 and their count is a multiple of
-  ``KEY_COLUMN_MULTIPLE``: the kernel walks keys in blocks of 512 from column 0 and sums a row
-  in 16-wide lanes, so columns past a row's position (masked, exact zeros) change nothing, but a
-  count with a tail rounds that tail differently;
+  ``KEY_COLUMN_MULTIPLE`` (of ``KEY_BLOCK_COLUMNS`` past that many): the kernel walks keys in
+  blocks of 512 from column 0 and sums a row in 16-wide lanes, so columns past a row's position
+  (masked, exact zeros) change nothing, but a count with a tail rounds that tail differently
+  (and past 512 keys a partial last block did too);
 * at least ``MIN_QUERY_ROWS`` query rows per (sequence, kv head), and as many in the last of
   the kernel's blocks of rows (``padded_rows``): with fewer, their products round differently
   (measured: prompts prefilled in chunks of 11 positions, 33 rows a kv head, 5 of 32 chat
@@ -32,6 +33,11 @@ import numpy as np
 import torch
 
 KEY_COLUMN_MULTIPLE = 16
+# Past one of the kernel's key blocks, whole blocks: with a partial last block, the default
+# model's decode rows near position 700 got other bits over 704 key columns than over 736
+# (measured in the engine; random inputs did not show it), so a decode row's result depended on
+# the decode workspace's headroom and on the longest row of its batch.
+KEY_BLOCK_COLUMNS = 512
 MIN_QUERY_ROWS = 4
 QUERY_BLOCK_ROWS = 32
 # Prefill queries are attended in chunks of this many positions, each over the keys up to its
@@ -46,8 +52,11 @@ def fused_cpu_kernel_available() -> bool:
 
 
 def key_columns(tokens: int, block_size: int) -> int:
-    """Key columns a row at ``tokens`` context attends: whole blocks, a multiple of 16."""
+    """Key columns a row at ``tokens`` context attends: whole blocks, a multiple of 16 up to
+    ``KEY_BLOCK_COLUMNS``, of it above."""
     step = math.lcm(KEY_COLUMN_MULTIPLE, block_size)
+    if tokens > KEY_BLOCK_COLUMNS:
+        step = math.lcm(KEY_BLOCK_COLUMNS, block_size)
     return -(-tokens // step) * step
 
 

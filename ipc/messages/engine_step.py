@@ -53,6 +53,13 @@ class EngineStats:
     prefix_queried_tokens_total: int = 0
     prefix_hit_tokens_total: int = 0
     preemptions_total: int = 0
+    # Speculative decoding, since the engine started (vLLM's spec_decode counters): steps in
+    # which a request verified drafts, its draft tokens, those accepted, and accepted by
+    # position in the draft.
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_accepted_per_position_total: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

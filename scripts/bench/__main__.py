@@ -17,6 +17,11 @@ WORKLOADS = {
         "the engine alone: against transformers, prefix cache, chunked prefill, sampling, "
         "weight formats and kernels, the bandwidth bound, logprobs, llama.cpp's engine",
     ),
+    "speculative": (
+        "scripts.bench.speculative",
+        "n-gram speculative decoding against plain decoding: summaries, code rewrites, chat; "
+        "1 and 8 streams",
+    ),
     "peer": (
         "scripts.bench.peer",
         "served against llama.cpp's llama-server: same GGUF, same HTTP client, same run",

@@ -418,3 +418,54 @@ def test_a_dead_replica_ends_what_it_started_forgets_what_it_did_not_and_spares_
     (report,) = core.take_output().replies[CLIENT]
     assert [r.index for r in report.replicas] == [0, 1] and report.replicas[1].pid == 0
     assert report.routing_decisions == {"cache_hit": 4} and report.routing_policy == "cache_aware"
+
+
+def runs_of(rid: str, ids: list[int], sizes: list[int], stop=(), finish_last: bool = True):
+    """Steps that each carry several tokens of one request (a step that accepted drafts)."""
+    steps, first = [], 0
+    for n, size in enumerate(sizes, 1):
+        chunk = ids[first : first + size]
+        first += size
+        last = first >= len(ids)
+        steps.append(
+            step(
+                n,
+                metas=[meta(rid, stop=stop)] if n == 1 else (),
+                tokens=[(rid, t) for t in chunk],
+                finished=[(rid, "length")] if last and finish_last else (),
+            )
+        )
+    return steps
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_several_tokens_of_a_request_in_one_step_stream_as_one_token_steps_do(tokenizer, interval):
+    ids = tokenizer.encode(
+        "one two three four five six seven eight nine", add_special_tokens=False
+    ).ids
+    sizes = [1, 4, 2, 4, len(ids)]
+    got = {}
+    for name, plan in (("one a step", [1] * len(ids)), ("runs", sizes)):
+        core = core_with_clients(tokenizer, CLIENT, stream_interval_tokens=interval)
+        for out in runs_of("r", ids, plan):
+            core.on_step_output(out)
+        events = core.take_output().events[CLIENT]
+        got[name] = [unpack_id_list(e.token_ids) for e in events], "".join(e.text for e in events)
+    (plain, plain_text), (runs, runs_text) = got["one a step"], got["runs"]
+    assert runs_text == plain_text and sum(runs, []) == sum(plain, []) == ids
+    # The first token at once, then a delta every `interval` tokens, whatever the steps carry
+    # (only the terminal event, which takes the finishing step's tokens, may differ).
+    assert runs[:-2] == plain[: len(runs) - 2]
+    assert [len(r) for r in runs[1:-1]] == [interval] * (len(runs) - 2)
+
+
+def test_a_stop_string_inside_a_run_of_tokens_cuts_the_run_there(tokenizer):
+    ids = tokenizer.encode("The answer is Paris. STOP here and more", add_special_tokens=False).ids
+    core = core_with_clients(tokenizer, CLIENT)
+    for out in runs_of("r", ids, [2, len(ids)], stop=[". ST"], finish_last=False):
+        core.on_step_output(out)
+    out = core.take_output()
+    events = out.events[CLIENT]
+    assert "".join(e.text for e in events) == "The answer is Paris"
+    assert [e.finished for e in events].count(True) == 1 and events[-1].finish_reason == "stop"
+    assert out.aborts == [("r", 0)]

@@ -12,8 +12,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from ipc.client import Client
-from procs.cli import build_parser
+from procs.cli import build_parser, cluster_kwargs
+from procs.cluster_setup import make_config
 from runtime.worker import write_line
 
 FAKE_ENGINE = "tests.procs.fake_engine:make"
@@ -199,3 +202,21 @@ def test_shutdown_waits_for_a_stop_the_watcher_began(tmp_path):
         if slow.poll() is None:
             slow.kill()
             slow.wait()
+
+
+def test_speculative_flags_parse_into_the_engine_config(tiny_model_dir):
+    model = str(tiny_model_dir)
+    launch = ["launch", "--model", model]
+    argv = [*launch, "--speculative", "ngram", "--num-speculative-tokens", "5"]
+    argv += ["--prompt-lookup-min", "1", "--prompt-lookup-max", "3", "--speculative-max-batch", "4"]
+    config, _ = make_config(model, None, **cluster_kwargs(build_parser().parse_args(argv)))
+    engine = config.engine
+    assert (engine.speculative, engine.num_speculative_tokens) == ("ngram", 5)
+    assert (engine.prompt_lookup_min, engine.prompt_lookup_max) == (1, 3)
+    assert engine.speculative_max_batch == 4
+    default, _ = make_config(model, None, **cluster_kwargs(build_parser().parse_args(launch)))
+    assert default.engine.speculative == "off"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*launch, "--speculative", "eagle"])
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        make_config(model, None, prompt_lookup_min=4, prompt_lookup_max=2)
