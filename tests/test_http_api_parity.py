@@ -463,6 +463,9 @@ def test_engine_gauges_move_with_traffic_and_every_frontend_reports_them(
         "prefix_cache_queried_tokens_total",
         "prefix_cache_hit_tokens_total",
         "preemptions_total",
+        "spec_decode_drafts_total",  # zero without --speculative: every launch reports them
+        "spec_decode_draft_tokens_total",
+        "spec_decode_accepted_tokens_total",
     }
     shared = "a prompt long enough to fill two whole KV blocks of sixteen tokens " * 3
     with Client(cluster.client_addr) as client:

@@ -177,7 +177,7 @@ def llama_rates(args, model_dir: Path, workloads: list[str]) -> None:
         print(f"{workload:9s}{plain:10.1f}{spec:10.1f}{spec / plain:7.2f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m scripts.bench speculative", description=__doc__)
     p.add_argument("--workloads", default="summary,code,chat")
     p.add_argument("--streams", default="1,8", help="requests decoding together, per run")
@@ -191,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", default="", help="llama-server binary: measure it too")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     model_dir = ensure_default_model()
     if args.llama_server:
         llama_rates(args, Path(model_dir), args.workloads.split(","))
