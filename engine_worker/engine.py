@@ -106,7 +106,11 @@ class Engine:
         prompt_logprob_tokens = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
         self.scheduler = Scheduler(config, self.blocks, self.prefix_cache, prompt_logprob_tokens)
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, config.decode_workspace_max_bytes
+            model,
+            num_blocks,
+            config.block_size,
+            config.decode_workspace_max_bytes,
+            whole_key_blocks=config.deterministic,  # a row's key columns by itself alone
         )
         self.threads = ThreadTuner(
             torch.get_num_threads(), config.adaptive_threads and self.device.type == "cpu"

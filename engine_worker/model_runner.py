@@ -69,6 +69,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         decode_workspace_max_bytes: int = 1 << 30,
+        whole_key_blocks: bool = False,
     ) -> None:
         self.model = model
         self.device = model.device
@@ -76,7 +77,7 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(
             model.config, num_blocks, block_size, model.dtype, model.device
         )
-        self.attention = select_backend(self.kv_cache, decode_workspace_max_bytes)
+        self.attention = select_backend(self.kv_cache, decode_workspace_max_bytes, whole_key_blocks)
         self.grammar_masker: GrammarMasker | None = None  # made for the first constrained row
 
     @torch.inference_mode()

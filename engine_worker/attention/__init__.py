@@ -33,8 +33,12 @@ __all__ = [
 ]
 
 
-def select_backend(cache: PagedKVCache, decode_workspace_max_bytes: int) -> AttentionBackend:
-    """The fastest backend the cache's device and this torch build can run."""
+def select_backend(
+    cache: PagedKVCache, decode_workspace_max_bytes: int, whole_key_blocks: bool = False
+) -> AttentionBackend:
+    """The fastest backend the cache's device and this torch build can run. ``whole_key_blocks``:
+    every row attends whole blocks of the flash kernel's key columns (``flash_rows.key_columns``;
+    a deterministic launch)."""
     if cache.device.type == "cpu" and fused_cpu_kernel_available():
-        return PagedCpuBackend(cache, decode_workspace_max_bytes)
+        return PagedCpuBackend(cache, decode_workspace_max_bytes, whole_key_blocks)
     return SdpaBackend(cache)

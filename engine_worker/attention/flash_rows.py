@@ -51,11 +51,13 @@ def fused_cpu_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def key_columns(tokens: int, block_size: int) -> int:
+def key_columns(tokens: int, block_size: int, whole_key_blocks: bool = False) -> int:
     """Key columns a row at ``tokens`` context attends: whole blocks, a multiple of 16 up to
-    ``KEY_BLOCK_COLUMNS``, of it above."""
+    ``KEY_BLOCK_COLUMNS``, of it above; of it always with ``whole_key_blocks`` (a deterministic
+    launch: below 512 keys a row's bits can still depend on the count, measured in
+    docs/determinism.md, and 512 columns for every short row cost 7-13% of a decode step)."""
     step = math.lcm(KEY_COLUMN_MULTIPLE, block_size)
-    if tokens > KEY_BLOCK_COLUMNS:
+    if whole_key_blocks or tokens > KEY_BLOCK_COLUMNS:
         step = math.lcm(KEY_BLOCK_COLUMNS, block_size)
     return -(-tokens // step) * step
 

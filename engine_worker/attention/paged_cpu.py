@@ -49,9 +49,12 @@ class PagedCpuBackend(AttentionBackend):
     # Spare columns a new decode workspace gets, so it serves this many steps before a rebuild.
     WORKSPACE_HEADROOM = 32
 
-    def __init__(self, cache: PagedKVCache, workspace_max_bytes: int) -> None:
+    def __init__(
+        self, cache: PagedKVCache, workspace_max_bytes: int, whole_key_blocks: bool = False
+    ) -> None:
         super().__init__(cache)
         self.workspace_max_bytes = workspace_max_bytes
+        self.whole_key_blocks = whole_key_blocks  # flash_rows.key_columns
         self._workspace: DecodeWorkspace | None = None  # the last step's
 
     def reset(self) -> None:
@@ -77,7 +80,7 @@ class PagedCpuBackend(AttentionBackend):
         context = step.ends[seqs]
         rows = None if len(seqs) == len(step.sequences) else self._device(step.row_starts[seqs])
         ws = self._decode_workspace([step.sequences[i] for i in seqs], context)
-        columns = key_columns(int(context.max()), step.block_size) if ws is None else ws.capacity
+        columns = self._columns(int(context.max())) if ws is None else ws.capacity
         hidden = np.arange(columns)[None, :] >= context[:, None]
         mask = torch.zeros(hidden.shape, dtype=self.cache.dtype)
         mask.masked_fill_(torch.from_numpy(hidden), float("-inf"))
@@ -112,11 +115,16 @@ class PagedCpuBackend(AttentionBackend):
             ws.context = context
             return ws
         self.reset()
-        capacity = key_columns(longest + self.WORKSPACE_HEADROOM, self.cache.block_size)
+        # With whole key blocks the capacity is already rounded to 512: it needs no headroom.
+        headroom = 0 if self.whole_key_blocks else self.WORKSPACE_HEADROOM
+        capacity = self._columns(longest + headroom)
         if capacity * len(decoding) * self.cache.bytes_per_token > self.workspace_max_bytes:
             return None
         self._workspace = DecodeWorkspace(capacity=capacity, sequences=decoding, context=context)
         return self._workspace
+
+    def _columns(self, tokens: int) -> int:
+        return key_columns(tokens, self.cache.block_size, self.whole_key_blocks)
 
     def _query_chunks(self, step: StepBatch, seq: int) -> list[PrefillSegment]:
         """One prefill sequence as query chunks, each over the keys up to its last position."""
@@ -124,7 +132,7 @@ class PagedCpuBackend(AttentionBackend):
         chunks = []
         for first in range(0, count, QUERY_CHUNK_POSITIONS):
             n = min(QUERY_CHUNK_POSITIONS, count - first)
-            columns = key_columns(start + first + n, step.block_size)
+            columns = self._columns(start + first + n)
             positions = np.arange(start + first, start + first + n)
             chunk = PrefillSegment(
                 row_start=int(step.row_starts[seq]) + first,

@@ -36,7 +36,7 @@ def make_data(seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor, torc
     }
 
 
-def make_backend() -> PagedCpuBackend:
+def make_backend(whole_key_blocks: bool = False) -> PagedCpuBackend:
     config = ModelConfig(
         model_type="llama", vocab_size=8, hidden_size=KV_HEADS * GROUP * HEAD_DIM,
         intermediate_size=8, num_layers=1, num_heads=KV_HEADS * GROUP, num_kv_heads=KV_HEADS,
@@ -44,7 +44,9 @@ def make_backend() -> PagedCpuBackend:
         tie_word_embeddings=True, attention_bias=False, qk_norm=False,
     )  # fmt: skip
     return PagedCpuBackend(
-        PagedKVCache(config, 600, BLOCK, torch.bfloat16, torch.device("cpu")), 1 << 30
+        PagedKVCache(config, 600, BLOCK, torch.bfloat16, torch.device("cpu")),
+        1 << 30,
+        whole_key_blocks,
     )
 
 
@@ -112,6 +114,26 @@ def test_a_kept_decode_workspace_gives_the_gathered_bits():
     gathered, _ = run_step(make_backend(), data, [("A", 591, 1), ("B", 551, 1)])
     for key, row in kept.items():
         assert torch.equal(row, gathered[key]), key
+
+
+def test_with_whole_key_blocks_a_short_decode_row_gets_the_same_bits_beside_any_longer_row():
+    # Below 512 keys a row over a partial key block can get other bits with the block's width
+    # (here, on AVX-512: B's row at 218, seed 0, alone over 256 columns with the workspace's
+    # headroom against beside A's at 234, 298 or 490); a deterministic launch attends whole
+    # blocks of 512 for every row, and its workspace is as wide as its longest row's blocks.
+    data = make_data(0)
+    alone, _ = run_step(make_backend(whole_key_blocks=True), data, [("B", 218, 1)])
+    for partner in (234, 298, 490):
+        beside, _ = run_step(
+            make_backend(whole_key_blocks=True), data, [("B", 218, 1), ("A", partner, 1)]
+        )
+        assert torch.equal(beside[("B", 218)], alone[("B", 218)]), partner
+    backend = make_backend(whole_key_blocks=True)
+    _, sequences = run_step(backend, data, [("B", 217, 1), ("A", 297, 1)])
+    kept, _ = run_step(backend, data, [("B", 218, 1), ("A", 298, 1)], keep=sequences)
+    assert backend._workspace is not None and not backend._workspace.fresh
+    assert backend._workspace.capacity == 512
+    assert torch.equal(kept[("B", 218)], alone[("B", 218)])
 
 
 def reference(data, name: str, position: int) -> torch.Tensor:
