@@ -228,12 +228,8 @@ class DetokenizerCore:
     def _apply_tokens(self, out: StepOutput) -> None:
         ids = codec.unpack_id_list(out.token_ids)
         if len(ids) != len(out.request_ids):
-            logger.error(
-                "step %d has %d tokens for %d requests; dropped its tokens",
-                out.step,
-                len(ids),
-                len(out.request_ids),
-            )
+            n, m = len(ids), len(out.request_ids)
+            logger.error("step %d has %d tokens for %d requests; dropped them", out.step, n, m)
             ids = []
         logprobs = {e.row: e for e in out.logprobs if e.row < len(ids)}
         step_ms = out.stats.step_ms if out.stats is not None else 0.0

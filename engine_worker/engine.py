@@ -25,7 +25,7 @@ from engine_worker.model import LlamaFamilyModel
 from engine_worker.model_config import ModelConfig
 from engine_worker.model_runner import ModelRunner, StepResult
 from engine_worker.prefix_cache import PrefixCache
-from engine_worker.request import EngineRequest
+from engine_worker.request import EngineRequest, checked_prompt
 from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import ScheduledBatch, Scheduler
 from engine_worker.sizing import (
@@ -192,22 +192,8 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already running or waiting")
         if self.aborts.arrived(request_id):  # aborted on its way here: it ends at once
             return
-        ids = np.asarray(prompt_token_ids)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError("the prompt must be a non-empty 1-D sequence of token ids")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise ValueError(
-                f"token ids must be in [0, {self.vocab_size}), got range "
-                f"[{int(ids.min())}, {int(ids.max())}]"
-            )
+        ids = checked_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         check_cache_salt(cache_salt)
-        if ids.size >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {ids.size} tokens; max_model_len is "
-                f"{self.max_model_len}, which leaves no room for a generated token"
-            )
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise EngineOverloaded(
                 f"{len(self.scheduler.waiting)} requests are already waiting "
@@ -235,24 +221,7 @@ class Engine:
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
         self.idle_window.on_arrival(
-            time.monotonic(), was_idle, self._first_step_tokens(request) if was_idle else 0
-        )
-
-    def _first_step_tokens(self, request: EngineRequest) -> int:
-        """What a first step would compute of ``request``'s prompt: the part the prefix cache
-        does not hold (a fully cached prompt computes only its last block, and the idle window,
-        sized by this, waits accordingly little), up to one chunk."""
-        cached = 0
-        if self.prefix_cache is not None and not request.wants_prompt_logprobs:
-            size = self.config.block_size
-            blocks, _, _ = self.prefix_cache.match(
-                request.token_ids, (request.num_tokens - 1) // size, request.cache_salt
-            )
-            cached = len(blocks) * size
-        return min(
-            request.num_tokens - cached,
-            self.config.prefill_chunk_tokens,
-            self.config.prefill_max_tokens,
+            time.monotonic(), was_idle, self.scheduler.first_step_tokens(request) if was_idle else 0
         )
 
     def step_delay_s(self) -> float:

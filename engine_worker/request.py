@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
@@ -136,3 +139,25 @@ class EngineRequest:
         if len(self.token_ids) >= self.max_total_len:
             return FINISH_LENGTH
         return None
+
+
+def checked_prompt(
+    prompt_token_ids: Sequence[int] | np.ndarray, vocab_size: int, max_model_len: int
+) -> np.ndarray:
+    """The prompt as a 1-D integer array, or ValueError saying what is wrong with it."""
+    ids = np.asarray(prompt_token_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError("the prompt must be a non-empty 1-D sequence of token ids")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(
+            f"token ids must be in [0, {vocab_size}), got range "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )
+    if ids.size >= max_model_len:
+        raise ValueError(
+            f"the prompt has {ids.size} tokens; max_model_len is "
+            f"{max_model_len}, which leaves no room for a generated token"
+        )
+    return ids

@@ -84,6 +84,23 @@ class Scheduler:
         )
         self.propose_s = 0.0  # time spent proposing drafts, since start
 
+    def first_step_tokens(self, request: EngineRequest) -> int:
+        """What a first step would compute of ``request``'s prompt: the part the prefix cache
+        does not hold (a fully cached prompt computes only its last block, and the idle window,
+        sized by this, waits accordingly little), up to one chunk."""
+        cached = 0
+        if self.prefix_cache is not None and not request.wants_prompt_logprobs:
+            size = self.config.block_size
+            blocks, _, _ = self.prefix_cache.match(
+                request.token_ids, (request.num_tokens - 1) // size, request.cache_salt
+            )
+            cached = len(blocks) * size
+        return min(
+            request.num_tokens - cached,
+            self.config.prefill_chunk_tokens,
+            self.config.prefill_max_tokens,
+        )
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         # The engine resolves 0 for its device; a scheduler built alone takes the CPU's.
