@@ -45,16 +45,11 @@ class ScheduledBatch:
     cached_tokens: int = 0
     queried_tokens: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     preempted: int = 0
-    drafts: int = 0  # requests that verify drafts in this step
-    draft_tokens: int = 0
     failed: list[tuple[EngineRequest, str]] = field(default_factory=list)
 
     def add(self, request: EngineRequest, num_tokens: int) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_tokens)
-        if request.draft_ids:
-            self.drafts += 1
-            self.draft_tokens += len(request.draft_ids)
         if request.is_decoding:
             self.decode_tokens += num_tokens
         else:
