@@ -24,8 +24,6 @@ import contextlib
 import itertools
 import os
 import re
-import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from ipc.messages import SamplingParams
 from procs.model_store import ensure_default_model
 from runtime.model_files import load_tokenizer
 from scripts.bench.chat_prompts import QUESTIONS, chat_prompt_ids
+from scripts.bench.launcher import LlamaServer, default_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 _ids = itertools.count()
@@ -134,34 +133,16 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-@contextlib.contextmanager
-def llama_server(path: str, gguf: Path, threads: int, extra: list[str]):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [path, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
-    args += ["-t", str(threads), "-tb", str(threads), "-np", "1", "-c", "4096", "--no-webui"]
-    proc = subprocess.Popen(args + extra, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait()
-
-
 def llama_rates(args, model_dir: Path, workloads: list[str]) -> None:
     """Decode tokens/s of one llama-server stream, without and with ngram-simple drafts."""
-    gguf = next(model_dir.glob("*.gguf"))  # the default model keeps its GGUF beside
     prompts = {w: workload_prompts(model_dir, w, args.rounds) for w in workloads}
     rates: dict[tuple[str, str], float] = {}
-    for name, extra in (("plain", []), ("ngram-simple", ["--spec-type", "ngram-simple"])):
-        with llama_server(args.llama_server, gguf, args.threads, extra) as url:
+    for name, extra in (("plain", ""), ("ngram-simple", "--spec-type ngram-simple")):
+        server = LlamaServer(
+            args.llama_server, default_gguf(), args.threads, 1, 4096, extra_args=extra
+        )
+        with contextlib.closing(server):
+            url = server.url.removesuffix("/v1")  # its native /completion endpoint
             for workload, batch in prompts.items():
                 tokens = seconds = 0.0
                 for prompt in batch:
@@ -248,4 +229,6 @@ def main(argv: list[str] | None = None) -> int:
             print(rows[-1], flush=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
     print("\n".join(rows))
+    spent = engines["ngram"].scheduler.propose_s
+    print(f"proposer: {spent * 1e3:.1f} ms in all, {engines['ngram'].speculation.drafts} drafts")
     return 0
