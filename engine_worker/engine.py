@@ -110,13 +110,9 @@ class Engine:
             config.decode_workspace_max_bytes,
             whole_key_blocks=config.deterministic,  # a row's key columns by itself alone
         )
-        prompt_logprob_tokens = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
+        logprob_rows = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
         self.scheduler = Scheduler(
-            config,
-            self.blocks,
-            self.prefix_cache,
-            prompt_logprob_tokens,
-            self.runner.kv_cache.copy_slots,
+            config, self.blocks, self.prefix_cache, logprob_rows, self.runner.kv_cache.copy_slots
         )
         self.threads = ThreadTuner(
             torch.get_num_threads(), config.adaptive_threads and self.device.type == "cpu"
