@@ -100,7 +100,7 @@ class Scheduler:
 
     def first_step_tokens(self, request: EngineRequest) -> int:
         """What a first step would compute of ``request``'s prompt: the part the prefix cache
-        does not hold (a fully cached prompt computes only its last block, and the idle window,
+        does not hold (a fully cached prompt computes only its last token, and the idle window,
         sized by this, waits accordingly little), up to one chunk."""
         cached = self._cached_prefix(request).tokens
         return min(
