@@ -131,9 +131,11 @@ class LlamaFamilyModel:
         decode_rows: int = 0,
         sampling_rows: int = 0,
         batches: tuple[int, int] | None = None,
+        prompt_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step; the
-        first ``decode_rows`` rows are decoded tokens', the first ``sampling_rows`` logit rows
+        first ``decode_rows`` rows are decoded tokens', ``prompt_ends`` the rows of prompts' last
+        tokens (``LinearWeight.apply``), the first ``sampling_rows`` logit rows
         sample a token (the others are prompt logprobs). ``batches``: the decoding and the
         sampling requests those rows belong to, when a request verifying drafts has several
         (the kernel choice is by requests: ``LinearWeight.apply``). Returns logits [len(logit_rows),
@@ -148,7 +150,7 @@ class LlamaFamilyModel:
         hidden = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
-            qkv = layer.qkv.apply(x, decode_rows, decode_batch)
+            qkv = layer.qkv.apply(x, decode_rows, decode_batch, prompt_ends)
             v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = layer.q_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim))
@@ -165,11 +167,13 @@ class LlamaFamilyModel:
                 q, k = qk[:, :heads], qk[:, heads:]
             attn = attention.forward(q, k, v, i, metadata)
             hidden += layer.o_proj.apply(
-                attn.reshape(num_tokens, q_size), decode_rows, decode_batch
+                attn.reshape(num_tokens, q_size), decode_rows, decode_batch, prompt_ends
             )
             x = layer.post_attention_norm(hidden)
-            gate, up = layer.gate_up.apply(x, decode_rows, decode_batch).chunk(2, dim=-1)
-            hidden += layer.down.apply(F.silu(gate) * up, decode_rows, decode_batch)
+            gate, up = layer.gate_up.apply(x, decode_rows, decode_batch, prompt_ends).chunk(
+                2, dim=-1
+            )
+            hidden += layer.down.apply(F.silu(gate) * up, decode_rows, decode_batch, prompt_ends)
         attention.finish(metadata)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
