@@ -13,7 +13,7 @@ request can lose is then a small share of its own time to first token on any eng
 engine whose long-prompt step takes seconds waits long enough for a tokenizer to deliver the rest
 of a burst, a GPU engine whose step takes milliseconds hardly waits. Before any prefill step has
 been timed there is no expectation, and no wait (``step_fraction`` 0 turns the bound off, leaving
-the fixed ``max_s``).
+the fixed ``max_s``); nor is there below ``MIN_WAIT_S``, the loop's resolution.
 
 The window closes at its deadline, as soon as a first step could take no more requests
 (``max_requests`` waiting), or when the engine steps. Times are ``time.monotonic()`` seconds.
@@ -25,6 +25,10 @@ from __future__ import annotations
 # far more per token and would inflate it).
 MIN_TIMED_PREFILL_TOKENS = 64
 SMOOTHING = 0.5  # weight of the newest step in the running per-token cost
+# The engine loop waits in whole milliseconds (its poll's unit): a shorter window would wait a
+# whole one, more than the fraction allows, for a first step expected to take a few ms (a fully
+# cached prompt computes one token). Below this the window does not open.
+MIN_WAIT_S = 0.001
 
 
 class IdleBatchWindow:
@@ -51,7 +55,7 @@ class IdleBatchWindow:
         just before it; ``first_step_tokens``: what a step would compute of its prompt."""
         if engine_was_idle:
             wait = self.window_s(first_step_tokens)
-            self.deadline = now + wait if wait > 0 else None
+            self.deadline = now + wait if wait >= MIN_WAIT_S else None
 
     def remaining_s(self, now: float, waiting_requests: int) -> float:
         """How much longer to wait before stepping (0: step now)."""

@@ -31,6 +31,10 @@ WORKLOADS = {
         "one stream's time per hop: engine step -> detokenizer -> HTTP worker -> client, and a "
         "cached prompt's first token through every stage",
     ),
+    "startup": (
+        "scripts.bench.startup",
+        "a launch from nothing to ready and to its first token, against llama-server's",
+    ),
     "structured": (
         "scripts.bench.structured",
         "what constraining the output costs: batch decode, TTFT, other streams' ITL",

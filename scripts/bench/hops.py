@@ -222,8 +222,7 @@ def start_servers(
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Each compared server's name and URL, and the splitserve clusters started here by name
     (their CPU is counted per role); the servers started here run at --nice."""
-    from scripts.bench.launcher import LlamaServer, SplitserveServer, default_gguf
-    from scripts.bench.peer import renice
+    from scripts.bench.launcher import LlamaServer, SplitserveServer, default_gguf, renice
 
     urls = {f"url {u}": u for u in args.url}
     started: dict[str, Any] = {}

@@ -273,3 +273,26 @@ def llama_bench(
         )
         for test in json.loads(out)
     }
+
+
+def renice(servers: dict, niceness: int) -> None:
+    """Every thread of every server process and of this client at ``niceness``. Linux keeps a
+    niceness per thread (a thread started later inherits its starter's), so each running thread
+    is set, not only each process's first one; and where the kernel groups each session for
+    scheduling (autogroup: llama-server runs in its own session), a niceness only weighs inside
+    its group, so the group's own is set too."""
+    pids = [os.getpid()] + [pid for s in servers.values() for pid in s.pids()]
+    for pid in pids:
+        proc = psutil.Process(pid)
+        for thread in proc.threads():
+            os.setpriority(os.PRIO_PROCESS, thread.id, niceness)
+        autogroup = Path(f"/proc/{pid}/autogroup")
+        if autogroup.exists():
+            autogroup.write_text(str(niceness))
+
+
+def idle_cpu_percent(servers: dict, seconds: float = 2.0) -> dict[str, float]:
+    """Each server's CPU use while idle: a server that spins would slow the one measured."""
+    before = {name: s.cpu_seconds() for name, s in servers.items()}
+    time.sleep(seconds)
+    return {name: 100 * (s.cpu_seconds() - before[name]) / seconds for name, s in servers.items()}

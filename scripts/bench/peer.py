@@ -26,7 +26,6 @@ import os
 import platform
 import signal
 import sys
-import time
 from pathlib import Path
 
 from scripts.bench import peer_report
@@ -112,6 +111,12 @@ def _workload_flags(w) -> None:
         default=8,
         help="requests (8 at a time) sent to each server before measuring",
     )
+    w.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="send each run's requests once, unmeasured, just before it: every server's prefix "
+        "cache then holds the prompts it is measured on (a chat server's repeated prompts)",
+    )
     add_shared(w, "nice")
 
 
@@ -151,31 +156,6 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
 
 def requests_for(args: argparse.Namespace, level: int) -> int:
     return max(args.min_requests, args.requests_per_stream * level)
-
-
-def renice(servers: dict, niceness: int) -> None:
-    """Every thread of every server process and of this client at ``niceness``. Linux keeps a
-    niceness per thread (a thread started later inherits its starter's), so each running thread
-    is set, not only each process's first one; and where the kernel groups each session for
-    scheduling (autogroup: llama-server runs in its own session), a niceness only weighs inside
-    its group, so the group's own is set too."""
-    import psutil
-
-    pids = [os.getpid()] + [pid for s in servers.values() for pid in s.pids()]
-    for pid in pids:
-        proc = psutil.Process(pid)
-        for thread in proc.threads():
-            os.setpriority(os.PRIO_PROCESS, thread.id, niceness)
-        autogroup = Path(f"/proc/{pid}/autogroup")
-        if autogroup.exists():
-            autogroup.write_text(str(niceness))
-
-
-def idle_cpu_percent(servers: dict, seconds: float = 2.0) -> dict[str, float]:
-    """Each server's CPU use while idle: a server that spins would slow the one measured."""
-    before = {name: s.cpu_seconds() for name, s in servers.items()}
-    time.sleep(seconds)
-    return {name: 100 * (s.cpu_seconds() - before[name]) / seconds for name, s in servers.items()}
 
 
 def start_servers(args: argparse.Namespace, gguf: Path, stack: contextlib.ExitStack) -> dict:
@@ -240,6 +220,8 @@ def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.
             chats = build_chats(counter, requests_for(args, level), args.prompt_tokens, start)
             start += len(chats)
             for name in rotated(servers, repeat):
+                if args.warm_cache:
+                    send(name, chats, level, warmup=True)
                 cpu0 = servers[name].cpu_seconds()
                 with HeartbeatWarnings() as silent:
                     records = send(name, chats, level)
@@ -263,7 +245,7 @@ def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.
 
 def run_benchmark(args: argparse.Namespace) -> dict:
     from procs.model_store import resolve_model
-    from scripts.bench.launcher import LlamaServer, default_gguf
+    from scripts.bench.launcher import LlamaServer, default_gguf, idle_cpu_percent, renice
     from scripts.bench.peer_workload import PromptCounter
 
     gguf = Path(args.gguf) if args.gguf else default_gguf()
@@ -297,7 +279,10 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "workload": f"streamed chat, {args.prompt_tokens}-token prompts (distinct real "
         f"text), {args.output_tokens} output tokens (ignore_eos, greedy), closed loop; "
         f"requests per run max({args.min_requests}, {args.requests_per_stream} x streams); "
-        f"{args.repeats} repeats, interleaved",
+        f"{args.repeats} repeats, interleaved"
+        + (
+            "; each run's prompts sent once just before it (warm caches)" if args.warm_cache else ""
+        ),
         "client": "httpx.AsyncClient, a connection per request, SSE, stream_options.include_usage; "
         "closed loop",
     }

@@ -58,6 +58,11 @@ def test_the_wait_is_a_fraction_of_the_expected_first_step():
     assert window.seconds_per_token == pytest.approx(0.0015)
     window.on_arrival(10.0, engine_was_idle=True, first_step_tokens=1000)
     assert window.remaining_s(10.0, 1) == pytest.approx(0.05 * 1.5)
+    # A first step of a few tokens: 5% of it is below the loop's 1 ms resolution, so no wait
+    # (the loop would round it up to a whole millisecond).
+    window.on_arrival(20.0, engine_was_idle=True, first_step_tokens=10)
+    assert window.window_s(10) == pytest.approx(0.05 * 0.015)
+    assert window.remaining_s(20.0, 1) == 0.0
 
 
 @pytest.fixture(scope="module")

@@ -215,3 +215,19 @@ def test_a_launch_that_cannot_start_or_parse_is_refused(tmp_path):
         SplitserveServer(f"--model {tmp_path}")
     with pytest.raises(ValueError, match="not a valid `splitserve launch` command line"):
         _args("--splitserve=--no-such-flag")
+
+
+def test_warm_cache_measures_prompts_the_server_has_cached(tiny_model_dir):
+    """--warm-cache sends each run's requests once, unmeasured, before the run: every measured
+    request then finds its prompt's whole blocks in the prefix cache."""
+    flags = f"--model {tiny_model_dir} --kv-cache-tokens 4096"
+    data = peer.main(
+        ["--splitserve", flags, "--concurrency", "2", "--repeats", "1", "--prompt-tokens", "60"]
+        + ["--output-tokens", "3", "--warmup-requests", "0", "--min-requests", "3"]
+        + ["--requests-per-stream", "1", "--warm-cache"]
+    )
+    (run,) = data["runs"]  # the warming pass is not a measured run
+    records = [RequestRecord.from_json(r) for r in run["records"]]
+    assert len(records) == 3 and all(r.ok for r in records)
+    assert all(r.cached_tokens >= 48 for r in records)  # 60 tokens: 3 whole 16-token blocks
+    assert "warm caches" in data["setup"]["workload"]

@@ -1,0 +1,143 @@
+"""startup: how long a launch takes to serve its first token.
+
+    python -m scripts.bench startup --splitserve "" --llama-server BIN/llama-server --repeats 3
+
+Each compared server is started from nothing --repeats times (the cases alternate, the order
+rotating each repeat), and for every start this prints the seconds from the launch to the
+server answering its health check (ready), and to the first token of one streamed chat request
+sent then (a fresh 158-token prompt, greedy). A splitserve launch is `splitserve launch
+--http-port 0 ARGS` in this process (the supervisor starts the workers and waits for each to
+report ready); llama-server is its binary on the default model's GGUF. The first start of a
+case is shown apart from the rest: it is the one that pays for whatever a start leaves behind
+(the OS page cache of the model files, anything a launch compiles and keeps on disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from scripts.bench.interleave import rotated
+from scripts.bench.options import add_shared, require_positive, workload_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = workload_parser("startup", __doc__)
+    g = p.add_argument_group("servers")
+    g.add_argument(
+        "--splitserve",
+        action="append",
+        default=None,
+        metavar="ARGS",
+        help='`splitserve launch` arguments of one case (repeatable; "" is the default launch)',
+    )
+    g.add_argument("--llama-server", metavar="PATH", help="also start this llama-server binary")
+    g.add_argument("--llama-threads", type=int, default=2, metavar="N")
+    add_shared(p.add_argument_group("workload"), "repeats", "prompt_tokens", repeats=3)
+    add_shared(p.add_argument_group("output"), "json")
+    return p
+
+
+def start(case: str, args: argparse.Namespace) -> tuple[Any, float]:
+    """One server of ``case`` started now: (the server, seconds until it answered /health)."""
+    from scripts.bench.launcher import LlamaServer, SplitserveServer, default_gguf
+
+    began = time.monotonic()
+    if case.startswith("llama.cpp"):
+        server: Any = LlamaServer(args.llama_server, default_gguf(), args.llama_threads, 1)
+    else:
+        server = SplitserveServer(case)
+    return server, time.monotonic() - began
+
+
+async def first_token_s(url: str, messages: list) -> float:
+    """Seconds from sending one streamed chat request to its first token's chunk."""
+    from scripts.bench.http_client import make_http, model_id, request_body, stream
+
+    async with make_http(keepalive=False) as http:
+        path, body = request_body(await model_id(http, url), max_tokens=4, messages=messages)
+        sent = time.monotonic()
+        out = await stream(http, url, path, body)
+    if out.error or not out.delta_times:
+        raise RuntimeError(f"the first request failed: {out.error or 'no token'}")
+    return out.delta_times[0] - sent
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    from procs.model_store import resolve_model
+    from scripts.bench.peer_workload import PromptCounter, build_chats
+
+    cases = list(args.splitserve or [""])
+    cases = [c or "" for c in cases] + (["llama.cpp"] if args.llama_server else [])
+    counter = PromptCounter(resolve_model(None))
+    chats = build_chats(counter, len(cases) * args.repeats, args.prompt_tokens, 0)
+    runs = []
+    for repeat in range(args.repeats):
+        for case in rotated({c: None for c in cases}, repeat):
+            began = time.monotonic()
+            server, ready_s = start(case, args)
+            try:
+                ttft = asyncio.run(first_token_s(server.url, chats[len(runs)]))
+            finally:
+                server.close()
+            runs.append(
+                {
+                    "case": server.name,
+                    "repeat": repeat,
+                    "ready_s": ready_s,
+                    "first_token_s": ready_s + ttft,
+                    "ttft_s": ttft,
+                    "load": os.getloadavg()[0],
+                    "wall_s": time.monotonic() - began,
+                }
+            )
+            _log(f"repeat {repeat} {server.name}: ready {ready_s:.1f} s, first token +{ttft:.2f} s")
+    return runs
+
+
+def render(runs: list[dict]) -> str:
+    lines = [
+        "| case | first start: ready / first token (s) | later starts, median: ready / first "
+        "token (s) | load |",
+        "|---|---|---|---|",
+    ]
+    for case in dict.fromkeys(r["case"] for r in runs):
+        mine = [r for r in runs if r["case"] == case]
+        later = mine[1:] or mine
+        ready = statistics.median(r["ready_s"] for r in later)
+        first = statistics.median(r["first_token_s"] for r in later)
+        loads = ", ".join(f"{r['load']:.1f}" for r in mine)
+        lines.append(
+            f"| {case} | {mine[0]['ready_s']:.1f} / {mine[0]['first_token_s']:.1f} | "
+            f"{ready:.1f} / {first:.1f} | {loads} |"
+        )
+    return "\n".join(lines)
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        require_positive(args, "repeats", "prompt_tokens")
+        if args.llama_server and not os.access(args.llama_server, os.X_OK):
+            raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
+    except ValueError as exc:
+        parser.error(str(exc))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    runs = measure(args)
+    data = {"runs": runs, "text": render(runs)}
+    print(data["text"], flush=True)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(data, f, indent=1)
+    return data
