@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata, PagedCpuBackend
+from engine_worker.attention.batch import DecodeWorkspace
 from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear
 
 logger = logging.getLogger("splitserve.engine.scripted_decode")
@@ -44,7 +45,10 @@ class ScriptedDecode:
     group: int
     eps: float
     shape: tuple[int, int, int]  # heads, kv_heads, head_dim
+    device: torch.device
     steps: int = 0  # steps run scripted (tests read it)
+    # the query rows index by the kernel's row count (_query_rows)
+    query_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     # decode_layers' weights and parts by which linears take their int4 copy (_weights)
     by_copies: dict[tuple[bool, ...], tuple[list[torch.Tensor], list[int]]] = field(
         default_factory=dict
@@ -82,6 +86,7 @@ class ScriptedDecode:
             group=model.layers[0].qkv.quantized.group,
             eps=model.layers[0].input_norm.eps,
             shape=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+            device=model.device,
         )
         logger.info("scripted decode on (%.0f ms to script)", (time.perf_counter() - start) * 1e3)
         return scripted
@@ -120,18 +125,17 @@ class ScriptedDecode:
         assert (
             decode is not None and decode.workspace is not None and metadata.deferred_kv is not None
         )
-        ws = decode.workspace
         weights, parts = self._weights(hidden.shape[0])
-        heads, kv_heads, head_dim = self.shape
+        heads, kv_heads, _ = self.shape
         with torch.jit.optimized_execution(False):
             hidden, keys, values = self.function(
                 hidden,
                 cos,
                 signed_sin,
                 decode.mask,
-                ws.new_slots,
-                ws.keys,
-                ws.values,
+                self._query_rows(decode.mask.shape[2]),
+                decode.workspace.new_slots,
+                self._workspace_views(decode.workspace),
                 self.norms,
                 weights,
                 parts,
@@ -139,11 +143,38 @@ class ScriptedDecode:
                 self.eps,
                 heads,
                 kv_heads,
-                head_dim,
             )
         metadata.deferred_kv.extend(zip(keys, values))
         self.steps += 1
         return hidden
+
+    def _workspace_views(self, ws: DecodeWorkspace) -> list[torch.Tensor]:
+        """Per layer: keys and values as [KV * B * columns, D] (where a new token is written)
+        and as [B, KV, columns, D] (what attention reads), the views ``PagedCpuBackend._decode``
+        takes each step, taken once per workspace."""
+        if ws.scripted_views:
+            return ws.scripted_views
+        kv_heads, head_dim = self.shape[1], self.shape[2]
+        batch = len(ws.sequences)
+        views = []
+        for keys, values in zip(ws.keys, ws.values):
+            views += [keys.view(-1, head_dim), values.view(-1, head_dim)]
+            views += [
+                t.view(kv_heads, batch, ws.capacity, head_dim).transpose(0, 1)
+                for t in (keys, values)
+            ]
+        ws.scripted_views = views
+        return views
+
+    def _query_rows(self, rows: int) -> torch.Tensor:
+        """Which of a kv head's query heads each of the kernel's ``rows`` query rows is: the
+        group, then its last head repeated (``PagedCpuBackend._decode``'s padding)."""
+        index = self.query_rows.get(rows)
+        if index is None:
+            group = self.shape[0] // self.shape[1]
+            index = torch.tensor([min(r, group - 1) for r in range(rows)], device=self.device)
+            self.query_rows[rows] = index
+        return index
 
     def _weights(self, batch: int) -> tuple[list[torch.Tensor], list[int]]:
         """Each linear's copy for ``batch`` decode rows (``BatchSizeSwitch.apply``'s pick), as
@@ -185,5 +216,7 @@ def _unsupported(model) -> str:
                 return f"a {type(linear).__name__} linear"
             if linear.quantized.bias is not None or linear.dense.bias is not None:
                 return "a linear with bias"
+            if linear.max_tokens < 1:  # one decode row on the dense copy: another kernel
+                return "a linear without int4 decode rows"
     groups = {lin.quantized.group for layer in model.layers for lin in _linears(layer)}
     return "" if len(groups) == 1 else "int4 groups differ between layers"
