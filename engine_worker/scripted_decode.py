@@ -49,10 +49,8 @@ class ScriptedDecode:
     steps: int = 0  # steps run scripted (tests read it)
     # the query rows index by the kernel's row count (_query_rows)
     query_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    # decode_layers' weights and parts by which linears take their int4 copy (_weights)
-    by_copies: dict[tuple[bool, ...], tuple[list[torch.Tensor], list[int]]] = field(
-        default_factory=dict
-    )
+    # decode_layers' weights and parts by decode batch size (_weights)
+    by_batch: dict[int, tuple[list[torch.Tensor], list[int]]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, model) -> ScriptedDecode | None:
@@ -77,7 +75,11 @@ class ScriptedDecode:
         cfg = model.config
         scripted = cls(
             function=function,
-            norms=[n._doubled for x in model.layers for n in (x.input_norm, x.post_attention_norm)],
+            norms=[
+                n.doubled_weight
+                for x in model.layers
+                for n in (x.input_norm, x.post_attention_norm)
+            ],
             copies=[
                 (lin.quantized, lin.dense, lin.max_tokens)
                 for layer in model.layers
@@ -179,16 +181,16 @@ class ScriptedDecode:
     def _weights(self, batch: int) -> tuple[list[torch.Tensor], list[int]]:
         """Each linear's copy for ``batch`` decode rows (``BatchSizeSwitch.apply``'s pick), as
         ``decode_layers`` takes them: two tensors and a part count (0: dense) per linear."""
-        key = tuple(batch <= most for _, _, most in self.copies)
-        cached = self.by_copies.get(key)
+        cached = self.by_batch.get(batch)
         if cached is None:
             weights, parts = [], []
-            for (int4, dense, _), quantized in zip(self.copies, key):
+            for int4, dense, most in self.copies:
+                quantized = batch <= most
                 weights += (
                     [int4.packed, int4.scale_zero] if quantized else [dense.weight, dense.weight]
                 )
                 parts.append(int4.parts if quantized else 0)
-            cached = self.by_copies[key] = (weights, parts)
+            cached = self.by_batch[batch] = (weights, parts)
         return cached
 
 
@@ -205,7 +207,7 @@ def _unsupported(model) -> str:
     for layer in model.layers:
         if layer.q_norm is not None or layer.k_norm is not None:
             return "q/k norm"
-        if not (layer.input_norm._fused and layer.post_attention_norm._fused):
+        if not (layer.input_norm.fused and layer.post_attention_norm.fused):
             return "unfused RmsNorm"
         for linear in _linears(layer):
             if not (
