@@ -104,14 +104,16 @@ class Engine:
             else None
         )
         self.blocks = KVBlockManager(num_blocks, config.block_size, self.prefix_cache)
-        prompt_logprob_tokens = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
-        self.scheduler = Scheduler(config, self.blocks, self.prefix_cache, prompt_logprob_tokens)
         self.runner = ModelRunner(
             model,
             num_blocks,
             config.block_size,
             config.decode_workspace_max_bytes,
             whole_key_blocks=config.deterministic,  # a row's key columns by itself alone
+        )
+        logprob_rows = max(config.block_size, PROMPT_LOGITS_PER_STEP // self.vocab_size)
+        self.scheduler = Scheduler(
+            config, self.blocks, self.prefix_cache, logprob_rows, self.runner.kv_cache.copy_slots
         )
         self.threads = ThreadTuner(
             torch.get_num_threads(), config.adaptive_threads and self.device.type == "cpu"

@@ -249,6 +249,7 @@ class ModelRunner:
             block_tables=tables,
             slots=slots,
             block_size=size,
+            decoded=decoding,
         )
         spans = []
         if any(r.wants_prompt_logprobs for r in requests):

@@ -22,6 +22,12 @@ keys do.
 With a ``CacheEventRecorder``, each cached block also carries its external digest
 (``ipc.block_hash``: what KV-event consumers and the routers recompute from token ids), and the
 recorder hears of every block stored and evicted.
+
+Besides full blocks, the cache holds prompt tails (``engine_worker.prefix_tails``): the prompt
+tokens of a request's last, partial block, which a later identical prompt copies so that it
+computes its last token alone. ``step`` counts scheduling steps: a block is read by a copy only
+from the step after the one that computes it (sharing a block needs no such wait: every layer
+writes its keys and values before any attention reads them).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import secrets
 from dataclasses import dataclass
 
 from engine_worker.cache_events import CacheEventRecorder
+from engine_worker.prefix_tails import TailIndex
 from ipc.block_hash import next_block_digest
 
 ROOT_NODE = 0  # the empty prefix
@@ -44,6 +51,7 @@ class CachedBlock:
     parent_node: int  # the node of the prefix before it (ROOT_NODE for a first block)
     salt: str | None = None  # a first block's cache_salt (None for every later block)
     digest: bytes = b""  # the external digest, when events are recorded
+    step: int = 0  # the scheduling step that computes it
 
 
 class PrefixCache:
@@ -56,6 +64,8 @@ class PrefixCache:
         self.root_key = secrets.randbits(63)
         self.block_of_key: dict[int, int] = {}
         self.entries: dict[int, CachedBlock] = {}  # block id -> what it holds
+        self.tails = TailIndex()
+        self.step = 0  # the scheduler's current step (Scheduler.schedule advances it)
         self._next_node = ROOT_NODE + 1
 
     @staticmethod
@@ -80,17 +90,51 @@ class PrefixCache:
         for i in range(min(max_blocks, len(token_ids) // size)):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
             key = self.chain_key(key, tokens)
-            block = self.block_of_key.get(key)
+            block = self._child(key, tokens, node, salt)
             if block is None:
                 break
-            entry = self.entries[block]
-            if entry.tokens != tokens or entry.parent_node != node or entry.salt != salt:
-                break  # a key collision: another prefix's (or salt's) block
             found.append(block)
             keys.append(key)
-            node = entry.node
+            node = self.entries[block].node
             salt = None  # only a first block carries it
         return found, keys, node
+
+    def _child(self, key: int, tokens: tuple[int, ...], node: int, salt: str | None) -> int | None:
+        """The cached block with chain key ``key`` if it holds ``tokens`` right after ``node``
+        (and, for a first block, carries ``salt``); None on a miss or a key collision."""
+        block = self.block_of_key.get(key)
+        if block is None:
+            return None
+        entry = self.entries[block]
+        if entry.tokens != tokens or entry.parent_node != node or entry.salt != salt:
+            return None  # a key collision: another prefix's (or salt's) block
+        return block
+
+    def tail_source(
+        self, token_ids: list[int], keys: list[int], node: int, salt: str | None
+    ) -> int | None:
+        """After a match of full blocks (``keys``, ending at ``node``), a computed block whose
+        first slots hold every remaining token of ``token_ids`` but the last: a prompt tail
+        with exactly these tokens, or (when a whole block remains) the cached full block of
+        them. None: the remainder is computed."""
+        size = self.block_size
+        rest = tuple(token_ids[len(keys) * size :])
+        if not 1 < len(rest) <= size or node == NO_NODE:
+            return None
+        salt = salt if not keys else None  # only a first block carries it
+        if len(rest) < size:
+            return self.tails.find(node, salt, rest, self.step)
+        parent_key = keys[-1] if keys else self.root_for(salt)
+        block = self._child(self.chain_key(parent_key, rest), rest, node, salt)
+        return block if block is not None and self.entries[block].step < self.step else None
+
+    def register_tail(
+        self, block: int, tokens: tuple[int, ...], node: int, salt: str | None
+    ) -> None:
+        """Records that ``block`` holds the prompt tail ``tokens`` after ``node``'s full blocks
+        (computed in this step); ``salt`` matters for a tail with no full block before it."""
+        if node != NO_NODE:
+            self.tails.register(node, salt if node == ROOT_NODE else None, tokens, block, self.step)
 
     def publish(
         self,
@@ -123,7 +167,7 @@ class PrefixCache:
             return key, NO_NODE
         node = self._next_node
         self._next_node += 1
-        entry = CachedBlock(key, tokens, node, parent_node, salt if first else None)
+        entry = CachedBlock(key, tokens, node, parent_node, salt if first else None, step=self.step)
         if self.events is not None:
             parent_digest = None if parent is None else parent.digest
             entry.digest = next_block_digest(parent_digest, tokens, entry.salt)
@@ -139,9 +183,10 @@ class PrefixCache:
         return entry if entry is not None and entry.node == node else None
 
     def holds(self, block: int) -> bool:
-        return block in self.entries
+        return block in self.entries or self.tails.holds(block)
 
     def forget(self, block: int) -> None:
+        self.tails.forget(block)
         entry = self.entries.pop(block, None)
         if entry is not None:
             del self.block_of_key[entry.key]

@@ -17,6 +17,11 @@ after the step (``trim_blocks``), and only blocks of real tokens are ever publis
 A request that is not ``ready`` (its grammar is still being built, or the grammar mask its last
 step lacked is still being computed) is passed over, running or waiting, until it is.
 
+A fresh request whose prompt the prefix cache holds whole (its full blocks, then a prompt tail
+or a full block with its remaining tokens: ``PrefixCache.tail_source``) gets its last block's
+slots copied from the cache and computes only its last token. The step that computes a
+prompt's end registers its tail (``_publish_full_blocks``).
+
 Requests that ask for prompt logprobs need the logits of every prompt position they compute:
 they never take blocks from the prefix cache (their own blocks are still published), and
 together they compute at most ``prompt_logprob_tokens`` prompt positions per step, which bounds
@@ -27,7 +32,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
@@ -56,6 +63,14 @@ class ScheduledBatch:
             self.prefill_tokens += num_tokens
 
 
+class CachedPrefix(NamedTuple):
+    blocks: list[int]  # cached full blocks to share
+    keys: list[int]  # their chain keys
+    node: int  # the prefix-cache node after them
+    tokens: int  # tokens held in all (the full blocks', and a prompt tail's)
+    tail: int | None = None  # the block whose first slots hold the rest but the last token
+
+
 class Scheduler:
     def __init__(
         self,
@@ -63,8 +78,12 @@ class Scheduler:
         blocks: KVBlockManager,
         prefix_cache: PrefixCache | None,
         prompt_logprob_tokens: int = 1024,
+        copy_slots: Callable[[int, int, int], None] | None = None,
     ) -> None:
+        """``copy_slots(source, destination, count)`` copies a block's first slots (every
+        layer's keys and values); without it, prompt tails are never taken from the cache."""
         self.config = config
+        self.copy_slots = copy_slots
         self.blocks = blocks
         self.prefix_cache = prefix_cache
         self.prompt_logprob_tokens = prompt_logprob_tokens
@@ -81,23 +100,32 @@ class Scheduler:
 
     def first_step_tokens(self, request: EngineRequest) -> int:
         """What a first step would compute of ``request``'s prompt: the part the prefix cache
-        does not hold (a fully cached prompt computes only its last block, and the idle window,
+        does not hold (a fully cached prompt computes only its last token, and the idle window,
         sized by this, waits accordingly little), up to one chunk."""
-        cached = 0
-        if self.prefix_cache is not None and not request.wants_prompt_logprobs:
-            size = self.config.block_size
-            blocks, _, _ = self.prefix_cache.match(
-                request.token_ids, (request.num_tokens - 1) // size, request.cache_salt
-            )
-            cached = len(blocks) * size
+        cached = self._cached_prefix(request).tokens
         return min(
             request.num_tokens - cached,
             self.config.prefill_chunk_tokens,
             self.config.prefill_max_tokens,
         )
 
+    def _cached_prefix(self, request: EngineRequest) -> CachedPrefix:
+        """What the prefix cache holds of ``request``'s tokens. At least one token is always
+        left to compute, to sample from."""
+        if self.prefix_cache is None or request.wants_prompt_logprobs:
+            return CachedPrefix([], [], ROOT_NODE, 0)
+        size, ids, salt = self.blocks.block_size, request.token_ids, request.cache_salt
+        blocks, keys, node = self.prefix_cache.match(ids, (request.num_tokens - 1) // size, salt)
+        if self.copy_slots is not None and request.num_generated == 0:
+            tail = self.prefix_cache.tail_source(ids, keys, node, salt)
+            if tail is not None:
+                return CachedPrefix(blocks, keys, node, request.num_tokens - 1, tail)
+        return CachedPrefix(blocks, keys, node, len(blocks) * size)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        if self.prefix_cache is not None:
+            self.prefix_cache.step += 1
         # The engine resolves 0 for its device; a scheduler built alone takes the CPU's.
         token_budget = self.config.prefill_max_tokens or PREFILL_TOKENS_CPU
         prefill_slots = self.config.prefill_max_batch_size
@@ -212,17 +240,9 @@ class Scheduler:
         return True
 
     def _admit(self, request: EngineRequest, token_budget: int) -> int:
-        """Takes cached prefix blocks and fresh blocks for the first chunk; 0 = cannot yet."""
-        size = self.blocks.block_size
-        cached_blocks: list[int] = []
-        keys: list[int] = []
-        node = ROOT_NODE
-        if self.prefix_cache is not None and not request.wants_prompt_logprobs:
-            # At least one token must be computed to sample from, so never match the last one.
-            cached_blocks, keys, node = self.prefix_cache.match(
-                request.token_ids, (request.num_tokens - 1) // size, request.cache_salt
-            )
-        cached = len(cached_blocks) * size
+        """Takes cached prefix blocks and fresh blocks for the first chunk (and copies a cached
+        prompt tail into the first fresh one); 0 = cannot yet."""
+        cached_blocks, keys, node, cached, tail = self._cached_prefix(request)
         count = min(request.num_tokens - cached, self.config.prefill_chunk_tokens, token_budget)
         fresh = self.blocks.blocks_for(cached + count) - len(cached_blocks)
         # Cached blocks nobody holds are counted as available; taking them uses that up.
@@ -232,6 +252,14 @@ class Scheduler:
         for block in cached_blocks:
             self.blocks.acquire(block)
         request.block_ids = cached_blocks + self.blocks.allocate(fresh)
+        if tail is not None:
+            # Right after the allocation, before any forward writes: the only block it can have
+            # evicted is the one it handed out, so a tail it evicted is the destination itself.
+            assert self.copy_slots is not None
+            destination = request.block_ids[len(cached_blocks)]
+            if destination != tail:
+                written = cached - len(cached_blocks) * self.blocks.block_size
+                self.copy_slots(tail, destination, written)
         request.block_keys = keys
         request.prefix_node = node
         request.num_computed = cached
@@ -252,6 +280,13 @@ class Scheduler:
                 request.block_ids[index], tokens, parent, request.prefix_node, request.cache_salt
             )
             request.block_keys.append(key)
+        if request.num_computed < request.prompt_len <= computed_after_step:
+            full, rest = divmod(request.prompt_len, size)
+            if rest and len(request.block_keys) == full:
+                tokens = tuple(request.token_ids[full * size : request.prompt_len])
+                self.prefix_cache.register_tail(
+                    request.block_ids[full], tokens, request.prefix_node, request.cache_salt
+                )
 
     def preempt(self, request: EngineRequest) -> None:
         self.running.remove(request)

@@ -3,9 +3,9 @@ device-side metadata the backends build from it.
 
 A step's tokens are packed into one flat batch of T rows (no padding in the linear layers): the
 rows of sequence s are ``row_starts[s] .. row_starts[s] + lengths[s]``, at positions
-``starts[s] ..``. A sequence that computes one token is a decode row; any other is a prefill
-segment, fresh (nothing cached before it) or a continuation (chunked prefill, a prefix-cache
-hit, a recompute after preemption).
+``starts[s] ..``. A sequence that computes one decoded token is a decode row; any other is a
+prefill segment, fresh (nothing cached before it) or a continuation (chunked prefill, a
+prefix-cache hit, a recompute after preemption).
 """
 
 from __future__ import annotations
@@ -31,11 +31,21 @@ class StepBatch:
     block_tables: np.ndarray  # [S, widest table] cache blocks, padded with block 0
     slots: np.ndarray  # [T] the cache slot each new token's key and value go to
     block_size: int
+    # Whether the sequence's rows follow its prompt (None: unknown, any one-row sequence is a
+    # decode row)
+    decoded: np.ndarray | None = None
 
     @property
     def ends(self) -> np.ndarray:
         """Tokens in the cache after this step."""
         return self.starts + self.lengths
+
+    def decode_rows(self) -> np.ndarray:
+        """[S] which sequences are decode rows: one decoded token each. A prompt's last token
+        computed alone (after a cached prompt tail) is a prefill segment of one row, attended
+        over the key columns a cold prefill gives it, not the decode batch's."""
+        one = self.lengths == 1
+        return one if self.decoded is None else one & self.decoded
 
 
 @dataclass(slots=True)

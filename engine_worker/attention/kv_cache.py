@@ -58,6 +58,12 @@ class PagedKVCache:
             stacked = torch.stack(list(new)).transpose(1, 2)
             cache.view(layers, kv_heads, -1, head_dim).index_copy_(2, slots, stacked)
 
+    def copy_slots(self, source: int, destination: int, count: int) -> None:
+        """Copies the first ``count`` slots of block ``source`` into block ``destination``, keys
+        and values of every layer (one copy per tensor)."""
+        for cache in (self.keys, self.values):
+            cache[:, :, destination, :count].copy_(cache[:, :, source, :count])
+
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Cache bytes one token takes (keys and values of every layer)."""

@@ -64,7 +64,7 @@ class PagedCpuBackend(AttentionBackend):
     # --- prepare (host side, once per step) ---------------------------------------------------
     def prepare(self, step: StepBatch) -> AttentionMetadata:
         metadata = AttentionMetadata(slot_mapping=self._device(step.slots))
-        decoding = step.lengths == 1
+        decoding = step.decode_rows()
         metadata.decode = self._prepare_decode(step, np.nonzero(decoding)[0])
         for i in np.nonzero(~decoding)[0]:
             metadata.prefills += self._query_chunks(step, int(i))

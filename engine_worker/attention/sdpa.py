@@ -27,7 +27,7 @@ class SdpaBackend(AttentionBackend):
     # --- prepare (host side, once per step) ---------------------------------------------------
     def prepare(self, step: StepBatch) -> AttentionMetadata:
         metadata = AttentionMetadata(slot_mapping=self._device(step.slots))
-        decoding = step.lengths == 1
+        decoding = step.decode_rows()
         metadata.decode = self._prepare_decode(step, np.nonzero(decoding)[0])
         self._prepare_prefills(step, np.nonzero(~decoding)[0], metadata)
         return metadata

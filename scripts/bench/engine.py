@@ -8,6 +8,8 @@
             temperature, top-p, top-k, repetition penalty), ours and transformers' alike.
   prefix    --num-requests requests sharing a --shared-prefix-tokens system prompt plus a short
             unique question: prompt tokens computed and TTFT p50 with and without the prefix cache.
+  cached    a fully cached prompt's first step, its tail from the prefix cache or its last
+            block computed again, interleaved (scripts/bench/engine_cached.py).
   mixed     8 requests decoding while --long-prompts prompts of --long-prompt-tokens arrive:
             their inter-token latency (ITL) p50/p99 with and without chunked prefill.
   peer      llama.cpp's engine alone (its llama-bench, --llama-bench PATH, built with llama-server
@@ -40,7 +42,13 @@ import torch
 
 from engine_worker.engine import Engine
 from procs.model_store import resolve_model
-from scripts.bench import determinism_cost, engine_determinism, engine_formats, engine_logprobs
+from scripts.bench import (
+    determinism_cost,
+    engine_cached,
+    engine_determinism,
+    engine_formats,
+    engine_logprobs,
+)
 from scripts.bench.engine_runs import (
     decode_prompts,
     decode_rate,
@@ -278,6 +286,7 @@ WORKLOADS = {
     "core": run_core,
     "sampling": run_sampling,
     "prefix": run_prefix,
+    "cached": engine_cached.run_cached,
     "mixed": run_mixed,
     "peer": run_peer,
     "kernels": engine_formats.run_kernels,

@@ -4,7 +4,8 @@
           call (M), of padding and of the thread count: the dense bf16 linear layers, the int4
           kernel, Q8_0 planes, rms_norm, the top-logit refinement, attention
   paths   per weight mode (--formats), the first-token logits of 32 chat prompts computed along
-          each path (cold prefill alone and 32 in a step, after cached blocks, in chunks of 7,
+          each path (cold prefill alone and 32 in a step, after cached blocks, after a cached
+          prompt tail (the last token alone, a prompt row), in chunks of 7,
           as a decode row alone and in a batch of 32): distance from float32's cold prefill (KL,
           |logprob| of float32's top token), rows bitwise equal to the mode's cold prefill, and
           rows bitwise equal on 1 and 2 threads
@@ -106,6 +107,7 @@ def first_token_paths(engine: Engine, prompts: list[list[int]]) -> dict[str, tor
         "cold prefill": one_by_one(lambda p: [len(p)]),
         "cold, all in one step": torch.stack([o[-1] for o in together]),
         "after cached blocks": one_by_one(cached),
+        "after a cached tail": one_by_one(lambda p: [len(p) - 1, 1]),
         "in chunks of 7": one_by_one(sevens),
         "decode row alone": torch.cat(
             [run_plan(engine, [(p, [len(p) - 1, 1], len(p) - 1)])[0][-1:] for p in prompts]

@@ -54,10 +54,11 @@ def slots(name: str, positions: np.ndarray) -> np.ndarray:
     return (BASE_BLOCK[name] + positions // BLOCK) * BLOCK + positions % BLOCK
 
 
-def run_step(backend, data, step: list[tuple[str, int, int]], keep=()) -> dict:
+def run_step(backend, data, step: list[tuple[str, int, int]], keep=(), decoded=None) -> dict:
     """One step computing ``count`` tokens from ``start`` of each (name, start, count), with the
     positions before ``start`` already in the cache; -> {(name, position): output row}.
-    ``keep``: the sequence objects of the last step (a decode workspace is kept for them)."""
+    ``keep``: the sequence objects of the last step (a decode workspace is kept for them);
+    ``decoded``: StepBatch.decoded (None: every one-row sequence is a decode row)."""
     cache = backend.cache
     for name, start, _ in step:
         if start:
@@ -75,6 +76,7 @@ def run_step(backend, data, step: list[tuple[str, int, int]], keep=()) -> dict:
         block_tables=tables,
         slots=np.concatenate([slots(n, np.arange(s, s + c)) for n, s, c in step]),
         block_size=BLOCK,
+        decoded=None if decoded is None else np.array(decoded),
     )
     rows = [(n, p) for n, s, c in step for p in range(s, s + c)]
     q, k, v = (torch.cat([data[n][j][s : s + c] for n, s, c in step]) for j in range(3))
@@ -134,6 +136,19 @@ def test_with_whole_key_blocks_a_short_decode_row_gets_the_same_bits_beside_any_
     assert backend._workspace is not None and not backend._workspace.fresh
     assert backend._workspace.capacity == 512
     assert torch.equal(kept[("B", 218)], alone[("B", 218)])
+
+
+def test_a_prompts_last_row_alone_is_attended_as_in_its_cold_prefill():
+    """A prompt whose other tokens came from the prefix cache computes its last one alone: a
+    prefill segment over the key columns its cold prefill gives it (224 at position 218), not
+    a decode row over a fresh decode workspace's (256 with its headroom), which gave other bits
+    at 4 of the positions 200 to 259 on AVX-512, this one among them."""
+    data = make_data(0)
+    cold, _ = run_step(make_backend(), data, [("B", 0, 219)])
+    backend = make_backend()
+    last, _ = run_step(backend, data, [("B", 218, 1)], decoded=[False])
+    assert backend._workspace is None  # no decode row
+    assert torch.equal(last[("B", 218)], cold[("B", 218)])
 
 
 def reference(data, name: str, position: int) -> torch.Tensor:

@@ -42,7 +42,11 @@ def greedy_tokens(engine: Engine, prompts, tag: str, one_per_step: bool = False)
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir) -> list[list[int]]:
-    return chat_prompt_ids(default_model_dir)[1]
+    """The 32 chat prompts, every fourth cut to whole blocks: a prompt asked again then takes
+    its last full block's slots from the cache and computes its last token (a prompt tail
+    otherwise)."""
+    ids = chat_prompt_ids(default_model_dir)[1]
+    return [p[: len(p) // 16 * 16] if i % 4 == 3 else p for i, p in enumerate(ids)]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,29 @@ def test_default_launch_same_tokens_from_the_prefix_cache_and_on_one_thread(
         assert greedy_tokens(default_launch, prompts[:4], "one-thread") == cold[:4]
     finally:
         torch.set_num_threads(2)
+
+
+def test_a_whole_prompt_from_the_cache_gets_its_cold_first_token_logprobs(default_launch, prompts):
+    """A prompt asked again computes its last token alone (the rest is its full blocks and its
+    tail from the prefix cache): that token's logprobs are the cold prefill's, bit for bit. Each
+    request runs alone, so the head computes one sampling row both times (docs/determinism.md:
+    the head's logits below the top ones depend on the sampling rows' count)."""
+
+    def first_tokens(tag: str) -> list[tuple]:
+        rows = []
+        for i, prompt in enumerate(prompts[:16]):
+            totals: dict = {}
+            salt = f"tail{i}"  # nothing shared with the other prompts: the first run is cold
+            default_launch.add(f"{tag}{i}", prompt, greedy(1, logprobs=5), cache_salt=salt)
+            result = collect(default_launch, totals=totals)[f"{tag}{i}"]
+            logprobs = result["logprobs"][0]
+            rows.append((totals["prefill_tokens"], result["tokens"], logprobs.top_logprobs))
+        return rows
+
+    cold, warm = first_tokens("first-cold"), first_tokens("first-warm")
+    assert [row[0] for row in cold] == [len(p) for p in prompts[:16]]
+    assert [row[0] for row in warm] == [1] * 16
+    assert [row[1:] for row in warm] == [row[1:] for row in cold]
 
 
 def test_deterministic_mode_same_tokens_whatever_the_decode_batch_and_chunks(

@@ -1,0 +1,167 @@
+"""Prompt tails from the prefix cache (engine_worker/prefix_tails.py): a prompt the cache holds
+whole computes only its last token, with the logits a cold prefill gives; tails never cross
+salts, never outlive their block, and never stand in for prompt logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_worker.block_manager import KVBlockManager
+from engine_worker.engine import Engine
+from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
+from ipc.engine_config import EngineConfig
+from ipc.messages import SamplingParams
+from tests.engine_worker.helpers import collect, greedy
+from tests.engine_worker.test_block_manager import publish_chain
+
+BLOCK = 16
+
+
+def test_tails_are_read_after_their_step_per_salt_and_die_with_their_block():
+    cache = PrefixCache(block_size=4)
+    blocks = KVBlockManager(num_blocks=6, block_size=4, prefix_cache=cache)
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    owned, keys, node = publish_chain(cache, blocks, ids[:4])
+    [tail] = blocks.allocate(1)
+    cache.register_tail(tail, (5, 6, 7), node, None)
+    assert cache.tail_source(ids, keys, node, None) is None  # its step has not run yet
+    cache.step += 1
+    assert cache.tail_source(ids, keys, node, None) == tail
+    assert cache.tail_source(ids[:6] + [9], keys, node, None) is None  # another last token
+    assert cache.tail_source(ids[:6], keys, node, None) is None  # only exact tails
+    # A whole block left: the cached full block of those tokens, once computed.
+    longer = ids + [8]
+    second, _, _ = publish_chain(cache, blocks, longer)
+    assert cache.tail_source(longer, keys, node, None) is None  # published in this step
+    cache.step += 1
+    assert cache.tail_source(longer, keys, node, None) == second[1]
+    # A tail with no full block before it carries its salt.
+    [first] = blocks.allocate(1)
+    cache.register_tail(first, (5, 6), ROOT_NODE, "a")
+    cache.step += 1
+    assert cache.tail_source([5, 6], [], ROOT_NODE, "a") == first
+    assert cache.tail_source([5, 6], [], ROOT_NODE, None) is None
+    assert cache.tail_source([5, 6], [], ROOT_NODE, "b") is None
+    # Released, a tail waits among the evictable blocks; evicted, its entry goes with it.
+    blocks.release([*owned, tail, first, *second])
+    assert blocks.num_available == 6 and cache.tail_source(ids, keys, node, None) == tail
+    taken = blocks.allocate(6)
+    assert len(cache.tails) == 0 and len(cache) == 0
+    blocks.release(taken)
+    assert blocks.num_available == 6 and sum(blocks.ref_counts) == 0
+
+
+def make_engine(model_dir, **knobs) -> Engine:
+    knobs = {"dtype": "bfloat16", "weights": "bf16", "kv_cache_tokens": 1024, **knobs}
+    return Engine(EngineConfig(model_path=str(model_dir), adaptive_threads=False, **knobs))
+
+
+def ask(engine: Engine, prompts: dict[str, list[int]], salt=None, **sampling) -> tuple:
+    """Runs ``prompts`` (added together) to the end; -> (results, totals of the step stats)."""
+    for name, prompt in prompts.items():
+        params = greedy(3, ignore_eos=True, logprobs=5, **sampling)
+        engine.add(name, prompt, params, cache_salt=salt)
+    totals: dict = {}
+    results = collect(engine, totals=totals)
+    assert engine.blocks.num_available == engine.blocks.num_blocks  # every block back at idle
+    assert sum(engine.blocks.ref_counts) == 0
+    return results, totals
+
+
+def answer(result: dict) -> tuple:
+    """Tokens and their top logprobs, bit for bit."""
+    return tuple(result["tokens"]), tuple(e.top_logprobs for e in result["logprobs"])
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> Engine:
+    return make_engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[int]]:
+    rng = np.random.default_rng(7)
+    # A tail after full blocks, a whole block after full blocks, a tail alone, 3 whole blocks.
+    return {f"p{n}": rng.integers(3, 40000, size=n).tolist() for n in (37, 32, 9, 48)}
+
+
+def test_a_cached_prompt_computes_its_last_token_with_cold_logits(engine, prompts):
+    cold, _ = ask(engine, prompts, salt="s")
+    for name, prompt in prompts.items():
+        warm, totals = ask(engine, {name: prompt}, salt="s")
+        assert answer(warm[name]) == answer(cold[name])
+        assert totals["prefill_tokens"] == 1 and totals["cached_tokens"] == len(prompt) - 1
+        assert warm[name]["start"].cached_tokens == len(prompt) - 1
+    # Another salt shares nothing, not even a tail; prompt logprobs take no shortcut.
+    other, totals = ask(engine, prompts, salt="t")
+    assert totals["prefill_tokens"] == sum(map(len, prompts.values()))
+    assert [answer(r) for r in other.values()] == [answer(r) for r in cold.values()]
+    name, prompt = "p37", prompts["p37"]
+    scored, totals = ask(engine, {name: prompt}, salt="s", prompt_logprobs=1)
+    assert totals["prefill_tokens"] == len(prompt) and totals["cached_tokens"] == 0
+    assert sum(len(c.logprobs) for c in scored[name]["prompt_logprobs"]) == 4 * (len(prompt) - 1)
+    assert answer(scored[name]) == answer(cold[name])
+
+
+def test_same_prompt_twice_in_one_step_computes_its_tail_twice(engine):
+    prompt = np.random.default_rng(8).integers(3, 40000, size=45).tolist()
+    results, totals = ask(engine, {"a": prompt, "b": prompt})
+    # b shares a's two full blocks in the step that computes them, not a's tail (not computed
+    # before the step): 45 + 13 rows.
+    assert totals["cached_tokens"] == 32 and totals["prefill_tokens"] == 45 + 13
+    assert answer(results["a"]) == answer(results["b"])
+    again, totals = ask(engine, {"c": prompt})
+    assert totals["prefill_tokens"] == 1 and answer(again["c"]) == answer(results["a"])
+
+
+def test_a_tail_never_outlives_its_block_nor_an_aborted_prefill(tiny_model_dir):
+    """A pool of 6 blocks, prompts in chunks of 16: a prompt's tail block is taken by another
+    prompt while its full blocks stay cached, and the prompt asked again computes its tail,
+    with cold logits; a prefill aborted after its first chunk leaves no tail; chunked prefill
+    registers the tail at the prompt's end."""
+    engine = make_engine(tiny_model_dir, kv_cache_tokens=6 * BLOCK, prefill_chunk_tokens=16)
+    assert engine.blocks.num_blocks == 6
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(3, 40000, size=40).tolist()
+    cold, _ = ask(engine, {"cold": prompt})
+    assert len(engine.prefix_cache.tails) == 1
+    # 50 + 3 tokens: the 3 free blocks, then the least recently released one, the tail's.
+    ask(engine, {"filler": rng.integers(3, 40000, size=50).tolist()})
+    again, totals = ask(engine, {"again": prompt})
+    assert totals["cached_tokens"] == 32 and totals["prefill_tokens"] == 8
+    assert answer(again["again"]) == answer(cold["cold"])
+
+    fresh = rng.integers(3, 40000, size=40).tolist()
+    engine.add("aborted", fresh, greedy(4))
+    engine.step()  # its first chunk of 16
+    engine.abort("aborted")
+    collect(engine)
+    done, totals = ask(engine, {"done": fresh})
+    assert totals["prefill_tokens"] == 40 - 16  # its first block was cached, no tail
+    hit, totals = ask(engine, {"hit": fresh})
+    assert totals["prefill_tokens"] == 1 and answer(hit["hit"]) == answer(done["done"])
+
+
+def test_preempted_requests_and_seeded_sampling_keep_their_tokens(tiny_model_dir):
+    """A pool too small for all requests at once: preemptions, recomputes and tail hits beside
+    each other give every request the tokens it gets alone on a cold engine."""
+    rng = np.random.default_rng(10)
+    prompts = {f"q{i}": rng.integers(3, 40000, size=int(n)).tolist() for i, n in enumerate(
+        rng.integers(18, 40, size=4))}  # fmt: skip
+    sampling = {"temperature": 0.8, "seed": 3, "max_tokens": 12}
+    engine = make_engine(tiny_model_dir, enable_prefix_cache=False)
+    alone = {}
+    for name, prompt in prompts.items():
+        engine.add(name, prompt, SamplingParams(**sampling))
+        alone[name] = collect(engine)[name]["tokens"]
+    engine = make_engine(tiny_model_dir, kv_cache_tokens=6 * BLOCK)
+    for repeat in range(2):
+        for name, prompt in prompts.items():
+            engine.add(f"{name}-{repeat}", prompt, SamplingParams(**sampling))
+    totals: dict = {}
+    results = collect(engine, totals=totals)
+    assert totals["preempted"] > 0
+    for name in prompts:
+        assert results[f"{name}-0"]["tokens"] == results[f"{name}-1"]["tokens"] == alone[name]
+    assert engine.blocks.num_available == engine.blocks.num_blocks
