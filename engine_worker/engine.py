@@ -90,6 +90,7 @@ class Engine:
         model = LlamaFamilyModel.load(
             config.model_path, self.device, dtype, self.max_model_len, weight_format
         )
+        model.use_scripted_decode(config.scripted_decode)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.model_name = os.path.basename(os.path.normpath(config.model_path))

@@ -20,6 +20,7 @@ from engine_worker.gguf_tensors import read_gguf
 from engine_worker.linear import LinearWeight, WeightSource, refine_top_logits
 from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
 from engine_worker.rms_norm import RmsNorm
+from engine_worker.scripted_decode import ScriptedDecode
 from engine_worker.weight_format import WeightFormat
 
 logger = logging.getLogger("splitserve.engine.model")
@@ -101,6 +102,14 @@ class LlamaFamilyModel:
         if dtype != torch.float32:
             self.exact_head = _exact_head_rows(head_source, self.lm_head, device)
         self.cos, self.signed_sin = _rope_tables(config, max_positions, device, dtype)
+        # The hot decode step's layers in one TorchScript call (``use_scripted_decode``).
+        self.scripted_decode: ScriptedDecode | None = None
+
+    def use_scripted_decode(self, enabled: bool = True) -> bool:
+        """Runs decode-only steps on a kept workspace through ``ScriptedDecode`` where it applies
+        to these layers (scripted once, here); returns whether it does."""
+        self.scripted_decode = ScriptedDecode.build(self) if enabled else None
+        return self.scripted_decode is not None
 
     @classmethod
     def load(
@@ -140,14 +149,47 @@ class LlamaFamilyModel:
         sampling requests those rows belong to, when a request verifying drafts has several
         (the kernel choice is by requests: ``LinearWeight.apply``). Returns logits [len(logit_rows),
         vocab] (float32)."""
-        cfg = self.config
         num_tokens = input_ids.shape[0]
-        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = heads * head_dim, kv_heads * head_dim
         cos = self.cos[positions].unsqueeze(1)
         sin = self.signed_sin[positions].unsqueeze(1)
         decode_batch, sampling_batch = batches or (None, None)
         hidden = self.embed[input_ids]
+        scripted = self.scripted_decode
+        if (
+            prompt_ends is None
+            and scripted is not None
+            and scripted.applies(attention, metadata, num_tokens, decode_rows, batches)
+        ):
+            hidden = scripted.run(hidden, cos, sin, metadata)
+        else:
+            self._layers(
+                hidden, cos, sin, attention, metadata, decode_rows, decode_batch, prompt_ends
+            )
+        attention.finish(metadata)
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]
+        hidden = self.norm(hidden)
+        logits = self.lm_head.apply(hidden, sampling_rows, sampling_batch).float()
+        if self.exact_head is not None:
+            refine_top_logits(logits, hidden, self.exact_head)
+        return logits
+
+    def _layers(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+        metadata: AttentionMetadata,
+        decode_rows: int,
+        decode_batch: int | None,
+        prompt_ends: torch.Tensor | None,
+    ) -> None:
+        """Every decoder layer, eagerly: ``hidden`` [T, hidden] is updated in place."""
+        cfg = self.config
+        num_tokens = hidden.shape[0]
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
             qkv = layer.qkv.apply(x, decode_rows, decode_batch, prompt_ends)
@@ -174,14 +216,6 @@ class LlamaFamilyModel:
                 2, dim=-1
             )
             hidden += layer.down.apply(F.silu(gate) * up, decode_rows, decode_batch, prompt_ends)
-        attention.finish(metadata)
-        if logit_rows is not None:
-            hidden = hidden[logit_rows]
-        hidden = self.norm(hidden)
-        logits = self.lm_head.apply(hidden, sampling_rows, sampling_batch).float()
-        if self.exact_head is not None:
-            refine_top_logits(logits, hidden, self.exact_head)
-        return logits
 
 
 def _exact_head_rows(

@@ -23,20 +23,20 @@ import torch.nn.functional as F
 class RmsNorm:
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         self.weight, self.eps = weight, eps  # ``weight`` as the checkpoint holds it
-        self._doubled = torch.cat([weight, weight])
-        self._fused = weight.dtype != torch.float32
+        self.doubled_weight = torch.cat([weight, weight])  # the fused kernel's
+        self.fused = weight.dtype != torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n] -> the normalized x (below float32: a view of a [..., 2n] tensor)."""
         n = x.shape[-1]
-        if not self._fused:
+        if not self.fused:
             return F.rms_norm(x, (n,), self.weight, self.eps)
         both = torch.cat([x, x.neg()], dim=-1)
         # the op itself: F.layer_norm's Python wrapper costs ~2 µs a call, 61 calls a step
-        return torch.layer_norm(both, (2 * n,), self._doubled, None, self.eps)[..., :n]
+        return torch.layer_norm(both, (2 * n,), self.doubled_weight, None, self.eps)[..., :n]
 
     @property
     def nbytes(self) -> int:
         """Bytes one call reads (the doubled weight below float32)."""
-        weight = self._doubled if self._fused else self.weight
+        weight = self.doubled_weight if self.fused else self.weight
         return weight.numel() * weight.element_size()

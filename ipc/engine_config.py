@@ -177,6 +177,13 @@ class EngineConfig:
         unit="BYTES",
         minimum=0,
     )
+    scripted_decode: bool = knob(
+        True,
+        "CPU, bf16/fp16: a step that only decodes, on the kept decode "
+        "copy, runs its layers as one TorchScript call (the same ops, "
+        "the same bits, less Python); models it does not cover run eagerly",
+        flag="--no-scripted-decode",
+    )
 
     # An idle engine that gets a request waits a little for more before its first step, so the
     # rest of a burst (still being tokenized elsewhere) joins that step instead of queueing

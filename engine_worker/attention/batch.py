@@ -65,6 +65,8 @@ class DecodeWorkspace:
     # [KV * B] this step's token's row in a layer's keys/values viewed as [KV * B * capacity, D]
     new_slots: torch.Tensor | None = None
     fresh: bool = True
+    # what engine_worker.scripted_decode reads of keys/values, views taken once per workspace
+    scripted_views: list = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,224 @@
+"""The hot decode step through TorchScript: every decoder layer of a step that only decodes, on a
+kept decode workspace, in one scripted call (``scripted_layers.decode_layers``).
+
+Why: at batch 1 the default model's step is ~1,900 small ops; the kernels that do the work
+(int4 matmul, flash attention) are about 60% of it and the rest is Python calling ops one by
+one. TorchScript runs the same ops from its interpreter at ~60% of eager's cost each.
+
+When it runs (``ScriptedDecode.applies``), else the eager forward does, unchanged:
+* the CPU backend on a kept workspace with decode rows only (``metadata.deferred_kv`` set: no
+  prefill rows, the workspace was built by an earlier step), no request verifying drafts;
+* a model with no q/k norm and no qkv bias, bf16/fp16 activations (fused ``RmsNorm``), every
+  linear a ``BatchSizeSwitch`` of an ``Int4Linear`` and a ``DenseLinear`` without bias;
+  the step's batch picks the copy just as ``BatchSizeSwitch.apply`` does.
+
+Bit-identical by construction: the same aten ops in the same order on the same tensors, run
+with the graph executor's optimizations off (no fusion, no reordering, no profiling passes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_worker.attention import AttentionBackend, AttentionMetadata, PagedCpuBackend
+from engine_worker.attention.batch import DecodeWorkspace
+from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear
+
+logger = logging.getLogger("splitserve.engine.scripted_decode")
+
+
+@dataclass(slots=True)
+class ScriptedDecode:
+    """The scripted layers and the flat argument lists they take, prepared once at load."""
+
+    function: Callable
+    norms: list[torch.Tensor]  # per layer: input norm, post-attention norm (doubled weights)
+    # every layer's linears (qkv, o_proj, gate_up, down): the int4 copy, the dense copy and the
+    # most decoding requests the int4 copy takes (BatchSizeSwitch)
+    copies: list[tuple[Int4Linear, DenseLinear, int]]
+    group: int
+    eps: float
+    shape: tuple[int, int, int]  # heads, kv_heads, head_dim
+    device: torch.device
+    steps: int = 0  # steps run scripted (tests read it)
+    # the query rows index by the kernel's row count (_query_rows)
+    query_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # decode_layers' weights and parts by decode batch size (_weights)
+    by_batch: dict[int, tuple[list[torch.Tensor], list[int]]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, model) -> ScriptedDecode | None:
+        """For ``model`` (a ``LlamaFamilyModel``), or None where its layers are not the hot case
+        or TorchScript cannot compile them (logged)."""
+        reason = _unsupported(model)
+        if reason:
+            logger.info("scripted decode off: %s", reason)
+            return None
+        start = time.perf_counter()
+        try:
+            from engine_worker.scripted_layers import decode_layers
+
+            with warnings.catch_warnings():
+                # torch 2.13 says TorchScript is deprecated: torch.compile fuses and reorders
+                # ops (other bits) and compiles for minutes, so it is no substitute here
+                warnings.simplefilter("ignore", DeprecationWarning)
+                function = torch.jit.script(decode_layers)
+        except Exception as error:  # a torch build without TorchScript, or one it cannot compile
+            logger.warning("scripted decode off: TorchScript failed (%s)", error)
+            return None
+        cfg = model.config
+        scripted = cls(
+            function=function,
+            norms=[
+                n.doubled_weight
+                for x in model.layers
+                for n in (x.input_norm, x.post_attention_norm)
+            ],
+            copies=[
+                (lin.quantized, lin.dense, lin.max_tokens)
+                for layer in model.layers
+                for lin in _linears(layer)
+            ],
+            group=model.layers[0].qkv.quantized.group,
+            eps=model.layers[0].input_norm.eps,
+            shape=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+            device=model.device,
+        )
+        logger.info("scripted decode on (%.0f ms to script)", (time.perf_counter() - start) * 1e3)
+        return scripted
+
+    @staticmethod
+    def applies(
+        attention: AttentionBackend,
+        metadata: AttentionMetadata,
+        num_tokens: int,
+        decode_rows: int,
+        batches: tuple[int, int] | None,
+    ) -> bool:
+        """Whether this step is the hot case (decode rows only, on a kept workspace)."""
+        decode = metadata.decode
+        return (
+            metadata.deferred_kv is not None
+            and isinstance(attention, PagedCpuBackend)
+            and decode is not None
+            and decode.rows is None
+            and decode.workspace is not None
+            and not decode.workspace.fresh
+            and decode_rows == num_tokens
+            and batches is None
+        )
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Every layer of the step (``applies`` held); the new keys/values go to
+        ``metadata.deferred_kv`` for ``AttentionBackend.finish``."""
+        decode = metadata.decode
+        assert (
+            decode is not None and decode.workspace is not None and metadata.deferred_kv is not None
+        )
+        weights, parts = self._weights(hidden.shape[0])
+        heads, kv_heads, _ = self.shape
+        with torch.jit.optimized_execution(False):
+            hidden, keys, values = self.function(
+                hidden,
+                cos,
+                signed_sin,
+                decode.mask,
+                self._query_rows(decode.mask.shape[2]),
+                decode.workspace.new_slots,
+                self._workspace_views(decode.workspace),
+                self.norms,
+                weights,
+                parts,
+                self.group,
+                self.eps,
+                heads,
+                kv_heads,
+            )
+        metadata.deferred_kv.extend(zip(keys, values))
+        self.steps += 1
+        return hidden
+
+    def _workspace_views(self, ws: DecodeWorkspace) -> list[torch.Tensor]:
+        """Per layer: keys and values as [KV * B * columns, D] (where a new token is written)
+        and as [B, KV, columns, D] (what attention reads), the views ``PagedCpuBackend._decode``
+        takes each step, taken once per workspace."""
+        if ws.scripted_views:
+            return ws.scripted_views
+        kv_heads, head_dim = self.shape[1], self.shape[2]
+        batch = len(ws.sequences)
+        views = []
+        for keys, values in zip(ws.keys, ws.values):
+            views += [keys.view(-1, head_dim), values.view(-1, head_dim)]
+            views += [
+                t.view(kv_heads, batch, ws.capacity, head_dim).transpose(0, 1)
+                for t in (keys, values)
+            ]
+        ws.scripted_views = views
+        return views
+
+    def _query_rows(self, rows: int) -> torch.Tensor:
+        """Which of a kv head's query heads each of the kernel's ``rows`` query rows is: the
+        group, then its last head repeated (``PagedCpuBackend._decode``'s padding)."""
+        index = self.query_rows.get(rows)
+        if index is None:
+            group = self.shape[0] // self.shape[1]
+            index = torch.tensor([min(r, group - 1) for r in range(rows)], device=self.device)
+            self.query_rows[rows] = index
+        return index
+
+    def _weights(self, batch: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Each linear's copy for ``batch`` decode rows (``BatchSizeSwitch.apply``'s pick), as
+        ``decode_layers`` takes them: two tensors and a part count (0: dense) per linear."""
+        cached = self.by_batch.get(batch)
+        if cached is None:
+            weights, parts = [], []
+            for int4, dense, most in self.copies:
+                quantized = batch <= most
+                weights += (
+                    [int4.packed, int4.scale_zero] if quantized else [dense.weight, dense.weight]
+                )
+                parts.append(int4.parts if quantized else 0)
+            cached = self.by_batch[batch] = (weights, parts)
+        return cached
+
+
+def _linears(layer) -> tuple:
+    return (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+
+
+def _unsupported(model) -> str:
+    """Why ``model``'s layers are not the scripted case ('' where they are)."""
+    if model.device.type != "cpu":
+        return f"device {model.device.type}"
+    if model.dtype == torch.float32:
+        return "float32 activations (RmsNorm is not fused)"
+    for layer in model.layers:
+        if layer.q_norm is not None or layer.k_norm is not None:
+            return "q/k norm"
+        if not (layer.input_norm.fused and layer.post_attention_norm.fused):
+            return "unfused RmsNorm"
+        for linear in _linears(layer):
+            if not (
+                isinstance(linear, BatchSizeSwitch)
+                and isinstance(linear.quantized, Int4Linear)
+                and isinstance(linear.dense, DenseLinear)
+            ):
+                return f"a {type(linear).__name__} linear"
+            if linear.quantized.bias is not None or linear.dense.bias is not None:
+                return "a linear with bias"
+            if linear.max_tokens < 1:  # one decode row on the dense copy: another kernel
+                return "a linear without int4 decode rows"
+    groups = {lin.quantized.group for layer in model.layers for lin in _linears(layer)}
+    return "" if len(groups) == 1 else "int4 groups differ between layers"
