@@ -39,17 +39,12 @@ class LinearWeight(Protocol):
     out_features: int
 
     def apply(
-        self,
-        x: torch.Tensor,
-        decode_rows: int = 0,
-        decode_batch: int | None = None,
-        prompt_ends: torch.Tensor | None = None,
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
     ) -> torch.Tensor:
         """x [T, in_features] in the activation dtype -> [T, out_features]; the first
         ``decode_rows`` rows are decode rows, of ``decode_batch`` decoding requests (default:
         one row each; a request verifying drafts has several). A format with two copies picks
-        one by ``decode_batch`` for those, and its quantized one for ``prompt_ends`` (rows after
-        the decode rows that hold a prompt's last token, ascending)."""
+        one by ``decode_batch``."""
 
     @property
     def nbytes(self) -> int:
@@ -218,11 +213,7 @@ class DenseLinear:
         self.out_features = weight.shape[0]
 
     def apply(
-        self,
-        x: torch.Tensor,
-        decode_rows: int = 0,
-        decode_batch: int | None = None,
-        prompt_ends: torch.Tensor | None = None,
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
     ) -> torch.Tensor:
         if x.shape[0] == 1:
             # One row takes another kernel, whose sums round differently from the same row's
@@ -254,11 +245,7 @@ class Int8Linear:
         return cls(*quantize_int8(weight, dtype), dtype, bias)
 
     def apply(
-        self,
-        x: torch.Tensor,
-        decode_rows: int = 0,
-        decode_batch: int | None = None,
-        prompt_ends: torch.Tensor | None = None,
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
     ) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
         return y if self.bias is None else y + self.bias
@@ -300,11 +287,7 @@ class Int4Linear:
         )  # [parts * K / group, N, 2]
 
     def apply(
-        self,
-        x: torch.Tensor,
-        decode_rows: int = 0,
-        decode_batch: int | None = None,
-        prompt_ends: torch.Tensor | None = None,
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
     ) -> torch.Tensor:
         x = x.contiguous() if self.parts == 1 else x.repeat(1, self.parts)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
@@ -319,9 +302,7 @@ class BatchSizeSwitch:
     """``quantized`` for the decode rows of a step in which at most ``max_tokens`` requests
     decode (a request verifying drafts has several decode rows; the choice is by requests, so
     they run on the kernel its plain decode row would), ``dense`` for the others and for every
-    prompt row but a prompt's last, which is always ``quantized``: that row alone is what a
-    prompt the prefix cache holds whole computes (``PrefixTails``), so it reads the decode
-    step's bytes, not the ~2.7x of the dense copy. A prompt token is thus computed alike
+    prompt row. A prompt token is thus computed alike
     whether its prompt came in one step, in chunks or after a prefix-cache hit; a decoded one
     alike while the decode batch stays on one side of ``max_tokens`` (a deterministic launch
     sets it to ``UNBOUNDED``)."""
@@ -333,26 +314,14 @@ class BatchSizeSwitch:
         self.out_features = quantized.out_features
 
     def apply(
-        self,
-        x: torch.Tensor,
-        decode_rows: int = 0,
-        decode_batch: int | None = None,
-        prompt_ends: torch.Tensor | None = None,
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
     ) -> torch.Tensor:
         batch = decode_rows if decode_batch is None else decode_batch
-        quantized = decode_rows if decode_rows > 0 and 0 < batch <= self.max_tokens else 0
-        ends = 0 if prompt_ends is None else prompt_ends.numel()
-        if quantized + ends == x.shape[0]:  # every row on the quantized copy
+        if decode_rows <= 0 or not 0 < batch <= self.max_tokens:
+            return self.dense.apply(x)
+        if decode_rows == x.shape[0]:
             return self.quantized.apply(x)
-        rest = x[quantized:]
-        out = self.dense.apply(rest)
-        if ends:
-            assert prompt_ends is not None
-            local = prompt_ends - quantized
-            out.index_copy_(0, local, self.quantized.apply(rest.index_select(0, local)))
-        if not quantized:
-            return out
-        return torch.cat([self.quantized.apply(x[:quantized]), out])
+        return torch.cat([self.quantized.apply(x[:decode_rows]), self.dense.apply(x[decode_rows:])])
 
     @property
     def nbytes(self) -> int:

@@ -140,11 +140,9 @@ class LlamaFamilyModel:
         decode_rows: int = 0,
         sampling_rows: int = 0,
         batches: tuple[int, int] | None = None,
-        prompt_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step; the
-        first ``decode_rows`` rows are decoded tokens', ``prompt_ends`` the rows of prompts' last
-        tokens (``LinearWeight.apply``), the first ``sampling_rows`` logit rows
+        first ``decode_rows`` rows are decoded tokens', the first ``sampling_rows`` logit rows
         sample a token (the others are prompt logprobs). ``batches``: the decoding and the
         sampling requests those rows belong to, when a request verifying drafts has several
         (the kernel choice is by requests: ``LinearWeight.apply``). Returns logits [len(logit_rows),
@@ -155,16 +153,12 @@ class LlamaFamilyModel:
         decode_batch, sampling_batch = batches or (None, None)
         hidden = self.embed[input_ids]
         scripted = self.scripted_decode
-        if (
-            prompt_ends is None
-            and scripted is not None
-            and scripted.applies(attention, metadata, num_tokens, decode_rows, batches)
+        if scripted is not None and scripted.applies(
+            attention, metadata, num_tokens, decode_rows, batches
         ):
             hidden = scripted.run(hidden, cos, sin, metadata)
         else:
-            self._layers(
-                hidden, cos, sin, attention, metadata, decode_rows, decode_batch, prompt_ends
-            )
+            self._layers(hidden, cos, sin, attention, metadata, decode_rows, decode_batch)
         attention.finish(metadata)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
@@ -183,7 +177,6 @@ class LlamaFamilyModel:
         metadata: AttentionMetadata,
         decode_rows: int,
         decode_batch: int | None,
-        prompt_ends: torch.Tensor | None,
     ) -> None:
         """Every decoder layer, eagerly: ``hidden`` [T, hidden] is updated in place."""
         cfg = self.config
@@ -192,7 +185,7 @@ class LlamaFamilyModel:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(hidden)
-            qkv = layer.qkv.apply(x, decode_rows, decode_batch, prompt_ends)
+            qkv = layer.qkv.apply(x, decode_rows, decode_batch)
             v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = layer.q_norm(qkv[:, :q_size].view(num_tokens, heads, head_dim))
@@ -209,13 +202,11 @@ class LlamaFamilyModel:
                 q, k = qk[:, :heads], qk[:, heads:]
             attn = attention.forward(q, k, v, i, metadata)
             hidden += layer.o_proj.apply(
-                attn.reshape(num_tokens, q_size), decode_rows, decode_batch, prompt_ends
+                attn.reshape(num_tokens, q_size), decode_rows, decode_batch
             )
             x = layer.post_attention_norm(hidden)
-            gate, up = layer.gate_up.apply(x, decode_rows, decode_batch, prompt_ends).chunk(
-                2, dim=-1
-            )
-            hidden += layer.down.apply(F.silu(gate) * up, decode_rows, decode_batch, prompt_ends)
+            gate, up = layer.gate_up.apply(x, decode_rows, decode_batch).chunk(2, dim=-1)
+            hidden += layer.down.apply(F.silu(gate) * up, decode_rows, decode_batch)
 
 
 def _exact_head_rows(

@@ -42,7 +42,6 @@ class ModelInputs:
     decode_rows: int  # the first rows are the decoding requests' (one decoded token each)
     # (decoding requests, sampling requests) when some verify drafts (several rows each)
     batches: tuple[int, int] | None = None
-    prompt_ends: torch.Tensor | None = None  # [E] rows of prompts' last tokens, ascending
 
 
 @dataclass(slots=True)
@@ -185,7 +184,6 @@ class ModelRunner:
                 inputs.decode_rows,
                 sum(inputs.widths),
                 inputs.batches,
-                inputs.prompt_ends,
             )
         except BaseException:
             self.attention.reset()  # what it keeps may hold only some layers' copies
@@ -263,7 +261,6 @@ class ModelRunner:
         batches = None
         if drafts.any():
             batches = (decode_rows - int(drafts.sum()), len(emitting))
-        ends = prompt_end_rows(requests, starts, lengths, row_starts, decoding)
         return ModelInputs(
             to_device(input_ids, self.device),
             to_device(positions, self.device),
@@ -274,21 +271,4 @@ class ModelRunner:
             spans,
             decode_rows,
             batches,
-            to_device(ends, self.device) if len(ends) else None,
         )
-
-
-def prompt_end_rows(
-    requests: list[EngineRequest],
-    starts: np.ndarray,
-    lengths: np.ndarray,
-    row_starts: np.ndarray,
-    decoding: np.ndarray,
-) -> np.ndarray:
-    """The rows, ascending, of the prompt tokens that end their prompts in this step (position
-    ``prompt_len - 1``): the linear layers compute them on the quantized copy, whether the rest
-    of the prompt is in the step (a cold prefill, the last chunk) or in the cache (a prompt the
-    cache holds whole computes that row alone)."""
-    last = np.fromiter((r.prompt_len - 1 for r in requests), dtype=np.int64, count=len(requests))
-    ending = ~decoding & (starts <= last) & (last < starts + lengths)
-    return np.sort(row_starts[ending] + (last - starts)[ending])

@@ -166,28 +166,6 @@ def test_batch_size_switch_picks_by_decode_rows():
     assert switch.nbytes == quantized.nbytes < dense.nbytes / 5  # 4 bits + fp32 scale, zero per 32
 
 
-def test_a_prompts_last_row_runs_quantized_whatever_else_the_call_holds():
-    # prompt_ends: rows after the decode rows that end a prompt run on the quantized copy (in
-    # a cold prefill among its prompt's dense rows, or alone after a prefix-cache hit), and
-    # their bits are the quantized kernel's for that row alone; the other rows are unchanged.
-    w = torch.randn(32, 64)
-    quantized = Int4Linear(quantize_int4(w, torch.bfloat16), torch.bfloat16)
-    dense = DenseLinear(w.bfloat16())
-    switch = BatchSizeSwitch(quantized, dense, max_tokens=4)
-    x = torch.randn(12, 64).bfloat16()
-    for decode_rows, ends in ((0, [11]), (0, [4, 11]), (2, [2, 7]), (6, [9]), (0, [])):
-        got = switch.apply(x, decode_rows, None, torch.tensor(ends, dtype=torch.long))
-        plain = switch.apply(x, decode_rows)
-        for row in range(12):
-            if row in ends:
-                assert torch.equal(got[row], quantized.apply(x[row : row + 1])[0]), row
-            else:
-                assert torch.equal(got[row], plain[row]), row
-    # The one row of a fully cached prompt's step: the quantized copy alone, no dense call.
-    alone = switch.apply(x[:1], 0, None, torch.tensor([0]))
-    assert torch.equal(alone, quantized.apply(x[:1]))
-
-
 def test_weight_format_builds_each_kind_and_keeps_checkpoint_weights_dense():
     w = torch.randn(64, 64) * 0.1
     fmt = WeightFormat("int4", torch.float32, CPU, max_tokens=2)
