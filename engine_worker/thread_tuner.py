@@ -30,6 +30,12 @@ PROBE_MAX_STEPS = 4 * PROBE_PAIRS
 FIRST_PROBE_AFTER = 4  # steps of a kind before its first probe: settled in the first requests
 MAX_PROBE_INTERVAL = 4096  # steps between probes once a choice has kept winning
 MARGIN = 0.05  # the other setting must be this much faster (median ratio) to take over
+# ... but one thread must be this much faster to take over from all of them. At one stream the
+# detokenizer, the frontend and the client run beside every step, so pairs are noisy, and a
+# 5% margin flipped decode to one thread and back (10 times in 35 s): with two fixed threads
+# one stream's ITL p50 was 10.77 ms against the adaptive default's 12.44 (idle machine). A busy
+# machine's all-threads steps take 2-6x, far past this.
+MARGIN_TO_ONE = 0.25
 # A ratio beyond this either way is decisive: two such pairs end the probe, and the next probe
 # waits four times longer instead of twice (the loser's steps are then expensive: on a busy
 # machine the all-threads steps took 2-6x the one-thread ones).
@@ -109,7 +115,7 @@ class ThreadTuner:
         growth = 4 if not state.ratios or not 1 / DECISIVE <= ratio <= DECISIVE else 2
         if ratio < 1 - MARGIN:
             best = self.max_threads
-        elif ratio > 1 + MARGIN:
+        elif ratio > 1 + (MARGIN_TO_ONE if state.threads == self.max_threads else MARGIN):
             best = 1
         else:
             best = state.threads

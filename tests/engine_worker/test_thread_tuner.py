@@ -37,6 +37,20 @@ def test_a_busy_machine_moves_decode_to_one_thread_and_back_when_it_clears():
         torch.set_num_threads(before)
 
 
+def test_one_thread_takes_over_only_when_clearly_faster():
+    before = torch.get_num_threads()
+    try:
+        # All threads 15% slower: noise beside one stream's step, not a busy machine; it stays.
+        tuner = ThreadTuner(2)
+        drive(tuner, 500, lambda t: 0.0115 if t == 2 else 0.01)
+        assert tuner.describe() == {"decode": 2} and tuner.switches == 0
+        # 40% slower is past the margin: one thread takes over.
+        drive(tuner, 500, lambda t: 0.014 if t == 2 else 0.01)
+        assert tuner.describe() == {"decode": 1} and tuner.switches == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_choice_that_keeps_winning_is_probed_less_often():
     before = torch.get_num_threads()
     try:
