@@ -73,8 +73,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     from procs.model_store import resolve_model
     from scripts.bench.peer_workload import PromptCounter, build_chats
 
-    cases = list(args.splitserve or [""])
-    cases = [c or "" for c in cases] + (["llama.cpp"] if args.llama_server else [])
+    cases = (args.splitserve or [""]) + (["llama.cpp"] if args.llama_server else [])
     counter = PromptCounter(resolve_model(None))
     chats = build_chats(counter, len(cases) * args.repeats, args.prompt_tokens, 0)
     runs = []
