@@ -38,6 +38,7 @@ from ipc.messages import (
     FINISH_STOP,
     NOTICE_DIED,
     ClusterNotice,
+    EngineStats,
     RequestError,
     RequestMeta,
     StepOutput,
@@ -232,14 +233,14 @@ class DetokenizerCore:
             logger.error("step %d has %d tokens for %d requests; dropped them", out.step, n, m)
             ids = []
         logprobs = {e.row: e for e in out.logprobs if e.row < len(ids)}
-        step_ms = out.stats.step_ms if out.stats is not None else 0.0
+        stats = out.stats or EngineStats()
         finishing = {f.request_id for f in out.finished}
         for row, (rid, token_id) in enumerate(zip(out.request_ids, ids)):
             state = self.states.get(rid)
             if state is None:
                 continue  # stopped here already, or its client is gone
             values = logprobs.get(row) if logprobs else None
-            state.step_ms = step_ms
+            state.step_ms, state.step_threads = stats.step_ms, stats.threads
             if state.on_token(
                 self.tokenizer,
                 token_id,

@@ -63,13 +63,14 @@ class EngineBook:
 
 
 def total_stats(parts: list[EngineStats]) -> EngineStats:
-    """The cluster's figures: the replicas' summed (a step's duration: the slowest)."""
+    """The cluster's figures: the replicas' summed (a step's duration and threads: the
+    slowest's, the most)."""
     total = EngineStats()
     for stats in parts:
         for f in dataclasses.fields(EngineStats):
             value = getattr(stats, f.name)
             current = getattr(total, f.name)
-            if f.name == "step_ms":
+            if f.name in ("step_ms", "threads"):
                 value = max(current, value)
             elif isinstance(value, list):  # counts by position: summed position by position
                 longer, shorter = (

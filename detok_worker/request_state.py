@@ -47,6 +47,7 @@ class RequestState:
         "tool_parser",
         "unsent_calls",
         "step_ms",
+        "step_threads",
     )
 
     def __init__(self, meta: RequestMeta) -> None:
@@ -72,6 +73,7 @@ class RequestState:
             self.tool_parser = TOOL_PARSERS[meta.tool_parser]()
         self.unsent_calls: list[ToolCallDelta] = []
         self.step_ms = 0.0  # how long the engine step of its newest token took
+        self.step_threads = 0  # and the torch threads it ran on
 
     def on_start(self, start: RequestStart) -> None:
         self.timings.t_arrived = start.t_arrived
@@ -148,6 +150,7 @@ class RequestState:
             engine_index=self.meta.engine_index,
             t_step=self.timings.t_last_token,
             step_ms=self.step_ms,
+            step_threads=self.step_threads,
         )
         if not self.sent_any and self.meta.prompt_token_ids and strings is not None:
             self._add_prompt(event, strings)

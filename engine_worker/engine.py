@@ -380,6 +380,7 @@ class Engine:
             decode_tokens=batch.decode_tokens,
             preempted=batch.preempted,
             step_ms=step_ms,
+            threads=torch.get_num_threads() if batch.requests else 0,  # the tuner set them
             prefix_queried_tokens_total=self._prefix_queried_total,
             prefix_hit_tokens_total=self._prefix_hit_total,
             preemptions_total=self._preemptions_total,

@@ -48,6 +48,7 @@ def delta_comment(delta: Delta) -> bytes:
         {
             "t_step": delta.t_step,
             "step_ms": delta.step_ms,
+            "threads": delta.step_threads,
             "t_detok_woke": delta.t_detok_woke,
             "t_detok_sent": delta.t_detok_sent,
             "t_http_in": delta.t_received,

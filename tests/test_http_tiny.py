@@ -264,6 +264,7 @@ def test_path_times_on_request_follow_each_token_in_order(base_url, oai):
     order = ["t_step", "t_detok_woke", "t_detok_sent", "t_http_in", "t_sse"]
     assert len(hops) == 5  # one per token: the stream interval is 1
     for times in hops:
+        assert times["threads"] >= 1  # the torch threads the step ran on
         assert 0 < times["step_ms"] and all(times[a] <= times[b] for a, b in zip(order, order[1:]))
     assert [h["t_step"] for h in hops] == sorted(h["t_step"] for h in hops)
     request_order = ["t_http_arrived", "t_submit", "t_tokenized", "t_arrived", "t_scheduled"]

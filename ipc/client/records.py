@@ -82,6 +82,7 @@ class RequestRecord:
             engine_index=event.engine_index,
             t_step=event.t_step,
             step_ms=event.step_ms,
+            step_threads=event.step_threads,
             t_detok_woke=event.t_detok_woke,
             t_detok_sent=event.t_detok_sent,
         )

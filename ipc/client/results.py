@@ -34,6 +34,7 @@ class Delta:
     # The event's path from the engine (StreamEvent's fields of the same names; 0: not known).
     t_step: float = 0.0
     step_ms: float = 0.0
+    step_threads: int = 0
     t_detok_woke: float = 0.0
     t_detok_sent: float = 0.0
 

@@ -114,9 +114,11 @@ class StreamEvent:
     # Where the time between the engine and the client goes (time.monotonic(), system-wide on
     # Linux; 0: not known): the end of the engine step of the newest token this event carries,
     # when the detokenizer woke up for the pass that made it, and when it sent the pass's frame;
-    # step_ms: how long that engine step took (its start is t_step - step_ms).
+    # step_ms: how long that engine step took (its start is t_step - step_ms), step_threads: the
+    # torch threads its forward ran on.
     t_step: float = 0.0
     step_ms: float = 0.0
+    step_threads: int = 0
     t_detok_woke: float = 0.0
     t_detok_sent: float = 0.0
 

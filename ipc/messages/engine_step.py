@@ -48,6 +48,7 @@ class EngineStats:
     decode_tokens: int = 0
     preempted: int = 0
     step_ms: float = 0.0
+    threads: int = 0  # torch threads the step's forward ran on (0: not known)
     # Since the engine started (a restarted engine counts from 0 again): prompt tokens looked up
     # in the prefix cache when a request was admitted, those found there, and preemptions.
     prefix_queried_tokens_total: int = 0

@@ -139,7 +139,14 @@ def measure_run(url: str, model: str, chats: list, args: argparse.Namespace) -> 
     """One run at one stream: every chat fresh, then every chat again (cached)."""
     from scripts.bench.http_client import make_http
 
-    run: dict[str, list] = {"itl": [], "ttft": [], "ttft_cached": [], "hops": [], "first": []}
+    run: dict[str, list] = {
+        "itl": [],
+        "ttft": [],
+        "ttft_cached": [],
+        "hops": [],
+        "first": [],
+        "threads": [],
+    }
 
     async def go() -> None:
         async with make_http(keepalive=False) as http:
@@ -160,6 +167,7 @@ def measure_run(url: str, model: str, chats: list, args: argparse.Namespace) -> 
                         hop_values({**tok, "t_prev_step": prev.get("t_step", 0.0)}, TOKEN_HOPS)
                         for prev, tok in zip(r["tokens"], r["tokens"][1:])
                     ]
+                    run["threads"] += [t["threads"] for t in r["tokens"][1:] if t.get("threads")]
                 else:
                     first = {**r["request"], **r["tokens"][0], "t_sent": r["t_sent"]}
                     run["first"].append(hop_values(first, FIRST_TOKEN_HOPS))
@@ -177,11 +185,14 @@ def summarize(runs: list[dict]) -> dict[str, Any]:
     hops = [h for r in runs for h in r["hops"]]
     first = [h for r in runs for h in r["first"]]
     cpu = [r.get("cpu_ms_per_token", {}) for r in runs]
+    threads = [t for r in runs for t in r.get("threads", ())]
     return {
         "cpu_ms_per_token": {k: _median([c[k] for c in cpu if k in c]) for k in cpu[0]},
         "itl_p50_ms": _median(pooled["itl"]),
         "ttft_p50_ms": _median(pooled["ttft"]),
         "ttft_cached_p50_ms": _median(pooled["ttft_cached"]),
+        # The thread tuner's choice per decode step (a server without path times: none).
+        "one_thread_steps_pct": 100 * threads.count(1) / len(threads) if threads else None,
         "token_hops_p50_ms": {
             label: _median([h[label] for h in hops if label in h]) for label, _, _ in TOKEN_HOPS
         },
@@ -205,6 +216,7 @@ def render(stats: dict[str, dict], loads: list[str]) -> str:
     row("ITL (client)", lambda s: s["itl_p50_ms"])
     row("TTFT, fresh prompt", lambda s: s["ttft_p50_ms"])
     row("TTFT, cached prompt", lambda s: s["ttft_cached_p50_ms"])
+    row("decode steps on one thread (%)", lambda s: s["one_thread_steps_pct"])
     lines.append("| *CPU ms per output token (median run)* |" + " |" * len(names))
     for role in ("engine", "detokenizer", "http", "tokenizer", "client"):
         row(role, lambda s, k=role: s.get("cpu_ms_per_token", {}).get(k))
