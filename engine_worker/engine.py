@@ -118,6 +118,7 @@ class Engine:
         self.threads = ThreadTuner(
             torch.get_num_threads(), config.adaptive_threads and self.device.type == "cpu"
         )
+        self._decode_kind: str | None = None  # the kind of the newest decode-only step
         self.requests: dict[str, EngineRequest] = {}
         self.grammars = GrammarRequests(sorted(self.eos_token_ids))  # constrained requests
         self.idle_window = IdleBatchWindow(
@@ -282,14 +283,17 @@ class Engine:
         """The forward and sampling, on the thread count the tuner picks for this kind of step
         (decode steps by their power-of-two batch-size bucket, compared at equal batch sizes:
         the other processes on the cores weigh differently on a batch-1 step than on a batch-32
-        one; prefill steps by their power-of-two token bucket)."""
+        one; prefill steps by their power-of-two token bucket, all threads while the newest
+        decode steps keep them: ThreadTuner's leader)."""
+        leader = None
         if batch.prefill_tokens:
             kind, size = "prefill", (batch.prefill_tokens + batch.decode_tokens).bit_length()
+            leader = self._decode_kind
         else:
-            kind = f"decode{1 << (batch.decode_tokens.bit_length() - 1)}+"
+            kind = self._decode_kind = f"decode{1 << (batch.decode_tokens.bit_length() - 1)}+"
             size = batch.decode_tokens
         switches = self.threads.switches
-        self.threads.threads_for(kind, size)
+        self.threads.threads_for(kind, size, leader)
         t_start = time.perf_counter()
         result = self.runner.run(batch.requests, batch.num_new_tokens)
         self.threads.record(time.perf_counter() - t_start)

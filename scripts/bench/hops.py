@@ -145,7 +145,8 @@ def measure_run(url: str, model: str, chats: list, args: argparse.Namespace) -> 
         "ttft_cached": [],
         "hops": [],
         "first": [],
-        "threads": [],
+        "threads": [],  # the torch threads of each decode step, and of each cached prompt's first
+        "first_threads": [],
     }
 
     async def go() -> None:
@@ -171,6 +172,7 @@ def measure_run(url: str, model: str, chats: list, args: argparse.Namespace) -> 
                 else:
                     first = {**r["request"], **r["tokens"][0], "t_sent": r["t_sent"]}
                     run["first"].append(hop_values(first, FIRST_TOKEN_HOPS))
+                    run["first_threads"] += [first["threads"]] if first.get("threads") else []
 
     asyncio.run(go())
     return run
@@ -185,14 +187,18 @@ def summarize(runs: list[dict]) -> dict[str, Any]:
     hops = [h for r in runs for h in r["hops"]]
     first = [h for r in runs for h in r["first"]]
     cpu = [r.get("cpu_ms_per_token", {}) for r in runs]
-    threads = [t for r in runs for t in r.get("threads", ())]
+
+    def one_thread_pct(key: str) -> float | None:  # a server without path times: None
+        threads = [t for r in runs for t in r.get(key, ())]
+        return 100 * threads.count(1) / len(threads) if threads else None
+
     return {
         "cpu_ms_per_token": {k: _median([c[k] for c in cpu if k in c]) for k in cpu[0]},
         "itl_p50_ms": _median(pooled["itl"]),
         "ttft_p50_ms": _median(pooled["ttft"]),
         "ttft_cached_p50_ms": _median(pooled["ttft_cached"]),
-        # The thread tuner's choice per decode step (a server without path times: none).
-        "one_thread_steps_pct": 100 * threads.count(1) / len(threads) if threads else None,
+        "one_thread_steps_pct": one_thread_pct("threads"),
+        "one_thread_first_steps_pct": one_thread_pct("first_threads"),
         "token_hops_p50_ms": {
             label: _median([h[label] for h in hops if label in h]) for label, _, _ in TOKEN_HOPS
         },
@@ -217,6 +223,7 @@ def render(stats: dict[str, dict], loads: list[str]) -> str:
     row("TTFT, fresh prompt", lambda s: s["ttft_p50_ms"])
     row("TTFT, cached prompt", lambda s: s["ttft_cached_p50_ms"])
     row("decode steps on one thread (%)", lambda s: s["one_thread_steps_pct"])
+    row("cached prompts' steps on one thread (%)", lambda s: s["one_thread_first_steps_pct"])
     lines.append("| *CPU ms per output token (median run)* |" + " |" * len(names))
     for role in ("engine", "detokenizer", "http", "tokenizer", "client"):
         row(role, lambda s, k=role: s.get("cpu_ms_per_token", {}).get(k))

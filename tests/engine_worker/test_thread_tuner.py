@@ -8,10 +8,17 @@ import torch
 from engine_worker.thread_tuner import FIRST_PROBE_AFTER, PROBE_MAX_STEPS, PROBE_PAIRS, ThreadTuner
 
 
-def drive(tuner: ThreadTuner, steps: int, seconds_for, kind: str = "decode", size=lambda i: 4):
+def drive(
+    tuner: ThreadTuner,
+    steps: int,
+    seconds_for,
+    kind: str = "decode",
+    size=lambda i: 4,
+    leader: str | None = None,
+):
     used = []
     for i in range(steps):
-        threads = tuner.threads_for(kind, size(i))
+        threads = tuner.threads_for(kind, size(i), leader)
         used.append(threads)
         tuner.record(seconds_for(threads))
     return used
@@ -105,3 +112,28 @@ def test_one_core_or_disabled_never_changes_the_thread_count():
     for tuner in (ThreadTuner(1), ThreadTuner(2, enabled=False)):
         used = drive(tuner, 100, lambda t: 0.05 if t == 2 else 0.01)
         assert set(used) == {tuner.max_threads}
+
+
+def test_prefill_follows_decode_while_decode_keeps_all_threads():
+    before = torch.get_num_threads()
+    try:
+        tuner = ThreadTuner(2)
+        drive(tuner, 200, lambda t: 0.006 if t == 2 else 0.01)  # decode keeps both threads
+        # Prefill steps that one thread would win: never probed while decode keeps all threads
+        # (at one stream a probe's steps are requests' first tokens).
+        one_wins = lambda t: 0.5 if t == 2 else 0.1  # noqa: E731
+        prefill = drive(tuner, 50, one_wins, "prefill", lambda i: i % 3, leader="decode")
+        assert prefill == [2] * 50 and "prefill" not in tuner.describe()
+        # Between decode steps (as when requests arrive), likewise; decode's choice holds.
+        mixed = []
+        for _ in range(100):
+            drive(tuner, 1, lambda t: 0.006 if t == 2 else 0.01)
+            mixed += drive(tuner, 1, one_wins, "prefill", leader="decode")
+        assert mixed == [2] * 100 and tuner.describe() == {"decode": 2}
+        # The machine gets busy: decode moves to one thread, and prefill is measured again.
+        drive(tuner, 3000, lambda t: 0.05 if t == 2 else 0.01)
+        assert tuner.describe() == {"decode": 1}
+        drive(tuner, FIRST_PROBE_AFTER + PROBE_MAX_STEPS, one_wins, "prefill", leader="decode")
+        assert tuner.describe() == {"decode": 1, "prefill": 1}
+    finally:
+        torch.set_num_threads(before)

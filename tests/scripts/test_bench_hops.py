@@ -36,12 +36,14 @@ def test_summary_pools_runs_and_the_table_names_every_server():
         "hops": [{"engine step": 9.0}, {"engine step": 11.0}],
         "first": [{"tokenize": 0.5}],
         "threads": [1, 2, 2, 2],
+        "first_threads": [2, 2],
     }
     stats = {"ours": hops.summarize([run, run]), "theirs": hops.summarize([run])}
     assert stats["ours"]["itl_p50_ms"] == 12.0 and stats["ours"]["ttft_cached_p50_ms"] == 85.0
     assert stats["ours"]["token_hops_p50_ms"]["engine step"] == 10.0
     assert stats["ours"]["token_hops_p50_ms"]["detok decode + send"] is None
     assert stats["ours"]["one_thread_steps_pct"] == 25.0
+    assert stats["ours"]["one_thread_first_steps_pct"] == 0.0
     text = hops.render(stats, ["ours r0: 1.00 1.00 1.00"])
     assert "| figure (p50, ms) | ours | theirs |" in text and "| tokenize | 0.50 | 0.50" in text
 
