@@ -122,7 +122,7 @@ class ScriptedDecode:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Every layer of the step (``applies`` held); the new keys/values go to
-        ``metadata.deferred_kv`` for ``AttentionBackend.finish``."""
+        ``metadata.stacked_kv`` for ``AttentionBackend.finish``."""
         decode = metadata.decode
         assert (
             decode is not None and decode.workspace is not None and metadata.deferred_kv is not None
@@ -146,7 +146,7 @@ class ScriptedDecode:
                 heads,
                 kv_heads,
             )
-        metadata.deferred_kv.extend(zip(keys, values))
+        metadata.stacked_kv = keys, values
         self.steps += 1
         return hidden
 

@@ -67,16 +67,16 @@ def decode_layers(
     eps: float,
     heads: int,
     kv_heads: int,
-) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Every layer of a decode step on a kept workspace: ``hidden`` [B, hidden] (updated in
     place, as the eager forward does), ``cos``/``signed_sin`` [B, 1, D] the rows' rotary
     rows; per layer ``workspace`` its keys and values as [KV * B * columns, D] (where the new
     token goes) and as [B, KV, columns, D] (what attention reads), ``norms`` its two doubled
     norm weights, ``weights`` its four linears' two tensors each (qkv, o_proj, gate_up, down;
     ``_linear``), ``parts`` their int4 parts (0: dense). Returns hidden and every layer's new
-    keys and values [B, KV, D] (the cache write after the forward). One function for all
-    layers, longer than our usual: every call out of TorchScript costs what the ops it saves
-    do."""
+    keys and values stacked [L, B, KV, D] (the cache write after the forward). One function
+    for all layers, longer than our usual: every call out of TorchScript costs what the ops it
+    saves do."""
     num_tokens = hidden.shape[0]
     head_dim = cos.shape[-1]
     new_keys: list[Tensor] = []
@@ -101,4 +101,4 @@ def decode_layers(
         gate, up = _linear(x, weights[w + 4], weights[w + 5], parts[n + 2], group).chunk(2, dim=-1)
         mixed = torch.ops.aten.silu(gate) * up
         hidden += _linear(mixed, weights[w + 6], weights[w + 7], parts[n + 3], group)
-    return hidden, new_keys, new_values
+    return hidden, torch.stack(new_keys), torch.stack(new_values)
