@@ -63,7 +63,13 @@ class DecodeLayers(torch.nn.Module):
         kv_heads: int,
     ) -> None:
         super().__init__()
-        self.norms, self.weights, self.parts = norms, weights, parts
+        # Per layer, one tuple: unpacked in one interpreter step, where indexing the flat lists
+        # took a dozen (an index and its arithmetic each)
+        self.layers = [
+            (norms[2 * i], norms[2 * i + 1], *weights[8 * i : 8 * i + 8])
+            for i in range(len(norms) // 2)
+        ]
+        self.parts = [tuple(parts[4 * i : 4 * i + 4]) for i in range(len(norms) // 2)]
         self.group, self.eps, self.heads, self.kv_heads = group, eps, heads, kv_heads
 
     def forward(
@@ -83,10 +89,10 @@ class DecodeLayers(torch.nn.Module):
         and values stacked [L, B, KV, D] (the cache write after the forward). One loop for all
         layers, longer than our usual: every call out of TorchScript costs what the ops it
         saves do."""
-        norms, weights, parts, group = self.norms, self.weights, self.parts, self.group
-        heads, kv_heads, eps = self.heads, self.kv_heads, self.eps
+        group, heads, kv_heads, eps = self.group, self.heads, self.kv_heads, self.eps
         num_tokens, width = hidden.shape[0], hidden.shape[1]
         head_dim = cos.shape[-1]
+        qk_width, v_width = (heads + kv_heads) * head_dim, kv_heads * head_dim
         # The residual stream beside its negation, [B, 2 * hidden]: what ``_rms_norm`` takes
         # apart from a cat and a neg a call, kept so by one more subtraction per update
         # (-h - y is -(h + y) exactly: rounding to nearest is symmetric).
@@ -94,14 +100,24 @@ class DecodeLayers(torch.nn.Module):
         residual, negated = both.narrow(1, 0, width), both.narrow(1, width, width)
         new_keys: list[Tensor] = []
         new_values: list[Tensor] = []
-        for i in range(len(norms) // 2):
-            w, n = 8 * i, 4 * i
-            x = torch.layer_norm(both, [2 * width], norms[2 * i], None, eps).narrow(1, 0, width)
-            qkv = _linear(x, weights[w], weights[w + 1], parts[n], group)
-            v = qkv.narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim)
-            v = v.view(num_tokens, kv_heads, head_dim)
-            qk = qkv.narrow(1, 0, (heads + kv_heads) * head_dim)
-            qk = qk.view(num_tokens, heads + kv_heads, head_dim)
+        for i in range(len(self.layers)):
+            (
+                input_norm,
+                post_attention_norm,
+                qkv_weight,
+                qkv_scales,
+                o_weight,
+                o_scales,
+                gate_up_weight,
+                gate_up_scales,
+                down_weight,
+                down_scales,
+            ) = self.layers[i]
+            qkv_parts, o_parts, gate_up_parts, down_parts = self.parts[i]
+            x = torch.layer_norm(both, [2 * width], input_norm, None, eps).narrow(1, 0, width)
+            qkv = _linear(x, qkv_weight, qkv_scales, qkv_parts, group)
+            v = qkv.narrow(1, qk_width, v_width).view(num_tokens, kv_heads, head_dim)
+            qk = qkv.narrow(1, 0, qk_width).view(num_tokens, heads + kv_heads, head_dim)
             qk = qk * cos + qk.roll(head_dim // 2, -1) * signed_sin
             q, k = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads)
             new_keys.append(k)
@@ -111,15 +127,15 @@ class DecodeLayers(torch.nn.Module):
             attn = _attend(
                 q, workspace[4 * i + 2], workspace[4 * i + 3], mask, query_rows, kv_heads
             )
-            y = _linear(attn, weights[w + 2], weights[w + 3], parts[n + 1], group)
+            y = _linear(attn, o_weight, o_scales, o_parts, group)
             residual += y
             negated -= y
-            x = torch.layer_norm(both, [2 * width], norms[2 * i + 1], None, eps)
+            x = torch.layer_norm(both, [2 * width], post_attention_norm, None, eps)
             x = x.narrow(1, 0, width)
-            gate_up = _linear(x, weights[w + 4], weights[w + 5], parts[n + 2], group)
+            gate_up = _linear(x, gate_up_weight, gate_up_scales, gate_up_parts, group)
             half = gate_up.shape[1] // 2
             mixed = torch.ops.aten.silu(gate_up.narrow(1, 0, half)) * gate_up.narrow(1, half, half)
-            y = _linear(mixed, weights[w + 6], weights[w + 7], parts[n + 3], group)
+            y = _linear(mixed, down_weight, down_scales, down_parts, group)
             residual += y
             negated -= y
         return hidden.copy_(residual), torch.stack(new_keys), torch.stack(new_values)
