@@ -93,9 +93,10 @@ class DecodeLayers(torch.nn.Module):
         num_tokens, width = hidden.shape[0], hidden.shape[1]
         head_dim = cos.shape[-1]
         qk_width, v_width = (heads + kv_heads) * head_dim, kv_heads * head_dim
-        # The residual stream beside its negation, [B, 2 * hidden]: what ``_rms_norm`` takes
-        # apart from a cat and a neg a call, kept so by one more subtraction per update
-        # (-h - y is -(h + y) exactly: rounding to nearest is symmetric).
+        # The residual stream beside its negation, [B, 2 * hidden]: the fused RmsNorm's input
+        # (``rms_norm.RmsNorm``: layer norm of [x, -x]) without a cat and a neg per norm, kept
+        # so by one more subtraction per update (-h - y is -(h + y) exactly: rounding to
+        # nearest is symmetric).
         both = torch.cat([hidden, hidden.neg()], dim=-1)
         residual, negated = both.narrow(1, 0, width), both.narrow(1, width, width)
         new_keys: list[Tensor] = []
