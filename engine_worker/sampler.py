@@ -176,13 +176,13 @@ def sample(
     if any(s.adjusts for s in samplers):
         logits = adjust_logits(logits, samplers, histories)
     if all(s.greedy for s in samplers):
-        return greedy_tokens(logits)
+        return logits.argmax(dim=-1)
     device = logits.device
     chosen = torch.empty(len(samplers), dtype=torch.long, device=device)
     greedy_rows = [i for i, s in enumerate(samplers) if s.greedy]
     if greedy_rows:
         rows = torch.tensor(greedy_rows, device=device)
-        chosen[rows] = greedy_tokens(logits[rows])
+        chosen[rows] = logits[rows].argmax(dim=-1)
     drawn = [i for i, s in enumerate(samplers) if not s.greedy]
     rows = torch.tensor(drawn, device=device)
     subset = [samplers[i] for i in drawn]
@@ -207,15 +207,6 @@ def sample(
         picked[index] = _filtered_draw(probs[index], uniforms[index], [subset[j] for j in filtered])
     chosen[rows] = picked
     return chosen
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first largest column (NaN counting as largest), as ``argmax`` picks it; on
-    the CPU through numpy, whose argmax is vectorized: ~3 µs over a 49,152-token row against
-    torch's ~43."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.from_numpy(logits.numpy().argmax(axis=-1))
-    return logits.argmax(dim=-1)
 
 
 def _apply_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
