@@ -148,10 +148,11 @@ def dequantize(source: WeightSource) -> torch.Tensor:
 def source_rows(source: WeightSource, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` of the source's weights as float32 [len(rows), K], as ``dequantize``."""
     if isinstance(source, torch.Tensor):
-        return source[rows].float()
+        return source.index_select(0, rows).float()
+    q, scale = source.q.index_select(0, rows), source.scale.index_select(0, rows)
     if isinstance(source, Int8Blocks):
-        return dequantize(Int8Blocks(source.q[rows], source.scale[rows]))
-    return dequantize(Int4Groups(source.q[rows], source.scale[rows], source.zero[rows]))
+        return dequantize(Int8Blocks(q, scale))
+    return dequantize(Int4Groups(q, scale, source.zero.index_select(0, rows)))
 
 
 # Logits a low-precision head recomputes in float32 per row (refine_top_logits): bf16 logits are

@@ -148,10 +148,11 @@ class LlamaFamilyModel:
         (the kernel choice is by requests: ``LinearWeight.apply``). Returns logits [len(logit_rows),
         vocab] (float32)."""
         num_tokens = input_ids.shape[0]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.signed_sin[positions].unsqueeze(1)
+        # index_select: the same rows as indexing, without its general path (~4 µs a call)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.signed_sin.index_select(0, positions).unsqueeze(1)
         decode_batch, sampling_batch = batches or (None, None)
-        hidden = self.embed[input_ids]
+        hidden = self.embed.index_select(0, input_ids)
         scripted = self.scripted_decode
         if scripted is not None and scripted.applies(
             attention, metadata, num_tokens, decode_rows, batches

@@ -209,6 +209,18 @@ class ModelRunner:
         a quantized and a dense copy gives the decode rows one and the prompt rows the other,
         so a prompt token is computed alike whatever else the step holds. A request verifying
         drafts is a decoding request with 1 + drafts rows, all of them sampling rows."""
+        if all(
+            count == 1
+            and r.num_computed >= r.prompt_len
+            and not r.draft_ids
+            and not r.wants_prompt_logprobs
+            for r, count in zip(requests, counts)
+        ):
+            return self._decode_inputs(requests)
+        return self._layout_inputs(requests, counts)
+
+    def _layout_inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
+        """``_inputs`` of any step."""
         num_seqs = len(requests)
         starts = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=num_seqs)
         lengths = np.asarray(counts, dtype=np.int64)
@@ -233,10 +245,7 @@ class ModelRunner:
             dtype=np.int64,
             count=total,
         )
-        width = max(len(r.block_ids) for r in requests)
-        tables: np.ndarray = np.zeros((num_seqs, width), dtype=np.int64)
-        for i, r in enumerate(requests):
-            tables[i, : len(r.block_ids)] = r.block_ids
+        tables = _block_tables(requests)
         size = self.block_size
         seq_of_row: np.ndarray = np.repeat(order, lengths[order])
         positions = np.arange(total) - row_starts[seq_of_row] + starts[seq_of_row]
@@ -272,3 +281,51 @@ class ModelRunner:
             decode_rows,
             batches,
         )
+
+    def _decode_inputs(self, requests: list[EngineRequest]) -> ModelInputs:
+        """``_inputs`` of a step in which every request decodes one token of its own (no drafts,
+        no prompt rows): one row each, in request order, without the general layout's sort
+        and cumulative sums (the hot step; a few numpy calls cost µs each there)."""
+        num_seqs = len(requests)
+        positions = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=num_seqs)
+        input_ids = np.fromiter(
+            (r.token_ids[r.num_computed] for r in requests), dtype=np.int64, count=num_seqs
+        )
+        tables = _block_tables(requests)
+        rows, size = np.arange(num_seqs), self.block_size
+        emitting = [
+            i for i, r in enumerate(requests) if r.num_computed + 1 == r.num_tokens and r.samples
+        ]
+        step = StepBatch(
+            sequences=requests,
+            starts=positions,
+            lengths=np.ones(num_seqs, dtype=np.int64),
+            row_starts=rows,
+            block_tables=tables,
+            slots=tables[rows, positions // size] * size + positions % size,
+            block_size=size,
+            decoded=np.ones(num_seqs, dtype=bool),
+        )
+        logit_rows = None
+        if len(emitting) < num_seqs:
+            logit_rows = to_device(np.asarray(emitting, dtype=np.int64), self.device)
+        return ModelInputs(
+            to_device(input_ids, self.device),
+            to_device(positions, self.device),
+            logit_rows,
+            emitting,
+            [1] * len(emitting),
+            step,
+            [],
+            num_seqs,
+        )
+
+
+def _block_tables(requests: list[EngineRequest]) -> np.ndarray:
+    """[S, widest table] each request's cache blocks, padded with block 0."""
+    tables: np.ndarray = np.zeros(
+        (len(requests), max(len(r.block_ids) for r in requests)), dtype=np.int64
+    )
+    for i, r in enumerate(requests):
+        tables[i, : len(r.block_ids)] = r.block_ids
+    return tables

@@ -1,5 +1,5 @@
 """The hot decode step through TorchScript: every decoder layer of a step that only decodes, on a
-kept decode workspace, in one scripted call (``scripted_layers.decode_layers``).
+kept decode workspace, in one scripted call (``scripted_layers.DecodeLayers``).
 
 Why: at batch 1 the default model's step is ~1,900 small ops; the kernels that do the work
 (int4 matmul, flash attention) are about 60% of it and the rest is Python calling ops one by
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,9 +34,8 @@ logger = logging.getLogger("splitserve.engine.scripted_decode")
 
 @dataclass(slots=True)
 class ScriptedDecode:
-    """The scripted layers and the flat argument lists they take, prepared once at load."""
+    """The scripted layers, one module per choice of copies, prepared once at load."""
 
-    function: Callable
     norms: list[torch.Tensor]  # per layer: input norm, post-attention norm (doubled weights)
     # every layer's linears (qkv, o_proj, gate_up, down): the int4 copy, the dense copy and the
     # most decoding requests the int4 copy takes (BatchSizeSwitch)
@@ -49,8 +47,10 @@ class ScriptedDecode:
     steps: int = 0  # steps run scripted (tests read it)
     # the query rows index by the kernel's row count (_query_rows)
     query_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    # decode_layers' weights and parts by decode batch size (_weights)
-    by_batch: dict[int, tuple[list[torch.Tensor], list[int]]] = field(default_factory=dict)
+    # the scripted layers by which linears take the int4 copy (_layers_for)
+    by_copies: dict[tuple[bool, ...], torch.jit.ScriptModule] = field(default_factory=dict)
+    # ... and by decode batch size
+    by_batch: dict[int, torch.jit.ScriptModule] = field(default_factory=dict)
 
     @classmethod
     def build(cls, model) -> ScriptedDecode | None:
@@ -61,20 +61,8 @@ class ScriptedDecode:
             logger.info("scripted decode off: %s", reason)
             return None
         start = time.perf_counter()
-        try:
-            from engine_worker.scripted_layers import decode_layers
-
-            with warnings.catch_warnings():
-                # torch 2.13 says TorchScript is deprecated: torch.compile fuses and reorders
-                # ops (other bits) and compiles for minutes, so it is no substitute here
-                warnings.simplefilter("ignore", DeprecationWarning)
-                function = torch.jit.script(decode_layers)
-        except Exception as error:  # a torch build without TorchScript, or one it cannot compile
-            logger.warning("scripted decode off: TorchScript failed (%s)", error)
-            return None
         cfg = model.config
         scripted = cls(
-            function=function,
             norms=[
                 n.doubled_weight
                 for x in model.layers
@@ -90,6 +78,17 @@ class ScriptedDecode:
             shape=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             device=model.device,
         )
+        # Every choice of copies a batch size makes: one decode row, and one past each
+        # linear's int4 limit.
+        batches = {1} | {
+            most + 1 for _, _, most in scripted.copies if most < BatchSizeSwitch.UNBOUNDED
+        }
+        try:
+            for batch in sorted(batches):
+                scripted._layers_for(batch)
+        except Exception as error:  # a torch build without TorchScript, or one it cannot compile
+            logger.warning("scripted decode off: TorchScript failed (%s)", error)
+            return None
         logger.info("scripted decode on (%.0f ms to script)", (time.perf_counter() - start) * 1e3)
         return scripted
 
@@ -122,15 +121,14 @@ class ScriptedDecode:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Every layer of the step (``applies`` held); the new keys/values go to
-        ``metadata.deferred_kv`` for ``AttentionBackend.finish``."""
+        ``metadata.stacked_kv`` for ``AttentionBackend.finish``."""
         decode = metadata.decode
         assert (
             decode is not None and decode.workspace is not None and metadata.deferred_kv is not None
         )
-        weights, parts = self._weights(hidden.shape[0])
-        heads, kv_heads, _ = self.shape
+        layers = self._layers_for(hidden.shape[0])
         with torch.jit.optimized_execution(False):
-            hidden, keys, values = self.function(
+            hidden, keys, values = layers.forward(
                 hidden,
                 cos,
                 signed_sin,
@@ -138,15 +136,8 @@ class ScriptedDecode:
                 self._query_rows(decode.mask.shape[2]),
                 decode.workspace.new_slots,
                 self._workspace_views(decode.workspace),
-                self.norms,
-                weights,
-                parts,
-                self.group,
-                self.eps,
-                heads,
-                kv_heads,
             )
-        metadata.deferred_kv.extend(zip(keys, values))
+        metadata.stacked_kv = keys, values
         self.steps += 1
         return hidden
 
@@ -178,20 +169,33 @@ class ScriptedDecode:
             self.query_rows[rows] = index
         return index
 
-    def _weights(self, batch: int) -> tuple[list[torch.Tensor], list[int]]:
-        """Each linear's copy for ``batch`` decode rows (``BatchSizeSwitch.apply``'s pick), as
-        ``decode_layers`` takes them: two tensors and a part count (0: dense) per linear."""
-        cached = self.by_batch.get(batch)
-        if cached is None:
+    def _layers_for(self, batch: int) -> torch.jit.ScriptModule:
+        """The scripted layers with each linear's copy for ``batch`` decode rows
+        (``BatchSizeSwitch.apply``'s pick)."""
+        layers = self.by_batch.get(batch)
+        if layers is not None:
+            return layers
+        quantized = tuple(batch <= most for _, _, most in self.copies)
+        layers = self.by_copies.get(quantized)
+        if layers is None:
+            from engine_worker.scripted_layers import DecodeLayers
+
             weights, parts = [], []
-            for int4, dense, most in self.copies:
-                quantized = batch <= most
-                weights += (
-                    [int4.packed, int4.scale_zero] if quantized else [dense.weight, dense.weight]
-                )
-                parts.append(int4.parts if quantized else 0)
-            cached = self.by_batch[batch] = (weights, parts)
-        return cached
+            for (int4, dense, _), int4_copy in zip(self.copies, quantized):
+                weights += [int4.packed, int4.scale_zero] if int4_copy else [dense.weight] * 2
+                parts.append(int4.parts if int4_copy else 0)
+            heads, kv_heads, _ = self.shape
+            module = DecodeLayers(self.norms, weights, parts, self.group, self.eps, heads, kv_heads)
+            with warnings.catch_warnings():
+                # torch 2.13 says TorchScript is deprecated: torch.compile fuses and reorders
+                # ops (other bits) and compiles for minutes, so it is no substitute here
+                warnings.simplefilter("ignore", DeprecationWarning)
+                layers = self.by_copies[quantized] = torch.jit.script(module)
+            # The helper functions' calls inlined: run unoptimized, each call is an interpreter
+            # frame (their records took ~0.35 ms of a profiled batch-1 step)
+            torch._C._jit_pass_inline(layers.graph)
+        self.by_batch[batch] = layers
+        return layers
 
 
 def _linears(layer) -> tuple:

@@ -1,4 +1,4 @@
-"""The decoder layers of a decode step as one TorchScript function (``scripted_decode`` decides
+"""The decoder layers of a decode step as one TorchScript module (``scripted_decode`` decides
 when it runs and prepares its arguments).
 
 The same aten ops as the eager forward, in the same order, on the same tensors: the eager layer
@@ -16,13 +16,6 @@ the types TorchScript knows.
 
 import torch
 from torch import Tensor
-
-
-def _rms_norm(x: Tensor, doubled_weight: Tensor, eps: float) -> Tensor:
-    """``rms_norm.RmsNorm`` below float32: layer norm of [x, -x], its first half."""
-    n = x.shape[-1]
-    both = torch.cat([x, x.neg()], dim=-1)
-    return torch.layer_norm(both, [2 * n], doubled_weight, None, eps).narrow(-1, 0, n)
 
 
 def _linear(x: Tensor, packed: Tensor, scale_zero: Tensor, parts: int, group: int) -> Tensor:
@@ -52,53 +45,98 @@ def _attend(
     return o.narrow(2, 0, group).reshape(batch_size, num_heads * head_dim)
 
 
-def decode_layers(
-    hidden: Tensor,
-    cos: Tensor,
-    signed_sin: Tensor,
-    mask: Tensor,
-    query_rows: Tensor,
-    new_slots: Tensor,
-    workspace: list[Tensor],
-    norms: list[Tensor],
-    weights: list[Tensor],
-    parts: list[int],
-    group: int,
-    eps: float,
-    heads: int,
-    kv_heads: int,
-) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """Every layer of a decode step on a kept workspace: ``hidden`` [B, hidden] (updated in
-    place, as the eager forward does), ``cos``/``signed_sin`` [B, 1, D] the rows' rotary
-    rows; per layer ``workspace`` its keys and values as [KV * B * columns, D] (where the new
-    token goes) and as [B, KV, columns, D] (what attention reads), ``norms`` its two doubled
-    norm weights, ``weights`` its four linears' two tensors each (qkv, o_proj, gate_up, down;
-    ``_linear``), ``parts`` their int4 parts (0: dense). Returns hidden and every layer's new
-    keys and values [B, KV, D] (the cache write after the forward). One function for all
-    layers, longer than our usual: every call out of TorchScript costs what the ops it saves
-    do."""
-    num_tokens = hidden.shape[0]
-    head_dim = cos.shape[-1]
-    new_keys: list[Tensor] = []
-    new_values: list[Tensor] = []
-    for i in range(len(norms) // 2):
-        w, n = 8 * i, 4 * i
-        x = _rms_norm(hidden, norms[2 * i], eps)
-        qkv = _linear(x, weights[w], weights[w + 1], parts[n], group)
-        v = qkv.narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim)
-        v = v.view(num_tokens, kv_heads, head_dim)
-        qk = qkv.narrow(1, 0, (heads + kv_heads) * head_dim)
-        qk = qk.view(num_tokens, heads + kv_heads, head_dim)
-        qk = qk * cos + qk.roll(head_dim // 2, -1) * signed_sin
-        q, k = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads)
-        new_keys.append(k)
-        new_values.append(v)
-        workspace[4 * i].index_copy_(0, new_slots, k.transpose(0, 1).reshape(-1, head_dim))
-        workspace[4 * i + 1].index_copy_(0, new_slots, v.transpose(0, 1).reshape(-1, head_dim))
-        attn = _attend(q, workspace[4 * i + 2], workspace[4 * i + 3], mask, query_rows, kv_heads)
-        hidden += _linear(attn, weights[w + 2], weights[w + 3], parts[n + 1], group)
-        x = _rms_norm(hidden, norms[2 * i + 1], eps)
-        gate, up = _linear(x, weights[w + 4], weights[w + 5], parts[n + 2], group).chunk(2, dim=-1)
-        mixed = torch.ops.aten.silu(gate) * up
-        hidden += _linear(mixed, weights[w + 6], weights[w + 7], parts[n + 3], group)
-    return hidden, new_keys, new_values
+class DecodeLayers(torch.nn.Module):
+    """Every layer of a decode step on a kept workspace, with one choice of copy per linear:
+    the weights are the module's, converted for TorchScript once (passed as arguments, the
+    ~420 tensors of a step's lists cost ~35 µs a call to convert); ``norms`` each layer's two
+    doubled norm weights, ``weights`` its four linears' two tensors each (qkv, o_proj,
+    gate_up, down; ``_linear``), ``parts`` their int4 parts (0: dense)."""
+
+    def __init__(
+        self,
+        norms: list[Tensor],
+        weights: list[Tensor],
+        parts: list[int],
+        group: int,
+        eps: float,
+        heads: int,
+        kv_heads: int,
+    ) -> None:
+        super().__init__()
+        # Per layer, one tuple: unpacked in one interpreter step, where indexing the flat lists
+        # took a dozen (an index and its arithmetic each)
+        self.layers = [
+            (norms[2 * i], norms[2 * i + 1], *weights[8 * i : 8 * i + 8])
+            for i in range(len(norms) // 2)
+        ]
+        self.parts = [tuple(parts[4 * i : 4 * i + 4]) for i in range(len(norms) // 2)]
+        self.group, self.eps, self.heads, self.kv_heads = group, eps, heads, kv_heads
+
+    def forward(
+        self,
+        hidden: Tensor,
+        cos: Tensor,
+        signed_sin: Tensor,
+        mask: Tensor,
+        query_rows: Tensor,
+        new_slots: Tensor,
+        workspace: list[Tensor],
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``hidden`` [B, hidden] (updated in place, as the eager forward does),
+        ``cos``/``signed_sin`` [B, 1, D] the rows' rotary rows; per layer ``workspace`` its
+        keys and values as [KV * B * columns, D] (where the new token goes) and as
+        [B, KV, columns, D] (what attention reads). Returns hidden and every layer's new keys
+        and values stacked [L, B, KV, D] (the cache write after the forward). One loop for all
+        layers, longer than our usual: every call out of TorchScript costs what the ops it
+        saves do."""
+        group, heads, kv_heads, eps = self.group, self.heads, self.kv_heads, self.eps
+        num_tokens, width = hidden.shape[0], hidden.shape[1]
+        head_dim = cos.shape[-1]
+        qk_width, v_width = (heads + kv_heads) * head_dim, kv_heads * head_dim
+        # The residual stream beside its negation, [B, 2 * hidden]: the fused RmsNorm's input
+        # (``rms_norm.RmsNorm``: layer norm of [x, -x]) without a cat and a neg per norm, kept
+        # so by one more subtraction per update (-h - y is -(h + y) exactly: rounding to
+        # nearest is symmetric).
+        both = torch.cat([hidden, hidden.neg()], dim=-1)
+        residual, negated = both.narrow(1, 0, width), both.narrow(1, width, width)
+        new_keys: list[Tensor] = []
+        new_values: list[Tensor] = []
+        for i in range(len(self.layers)):
+            (
+                input_norm,
+                post_attention_norm,
+                qkv_weight,
+                qkv_scales,
+                o_weight,
+                o_scales,
+                gate_up_weight,
+                gate_up_scales,
+                down_weight,
+                down_scales,
+            ) = self.layers[i]
+            qkv_parts, o_parts, gate_up_parts, down_parts = self.parts[i]
+            x = torch.layer_norm(both, [2 * width], input_norm, None, eps).narrow(1, 0, width)
+            qkv = _linear(x, qkv_weight, qkv_scales, qkv_parts, group)
+            v = qkv.narrow(1, qk_width, v_width).view(num_tokens, kv_heads, head_dim)
+            qk = qkv.narrow(1, 0, qk_width).view(num_tokens, heads + kv_heads, head_dim)
+            qk = qk * cos + qk.roll(head_dim // 2, -1) * signed_sin
+            q, k = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads)
+            new_keys.append(k)
+            new_values.append(v)
+            workspace[4 * i].index_copy_(0, new_slots, k.transpose(0, 1).reshape(-1, head_dim))
+            workspace[4 * i + 1].index_copy_(0, new_slots, v.transpose(0, 1).reshape(-1, head_dim))
+            attn = _attend(
+                q, workspace[4 * i + 2], workspace[4 * i + 3], mask, query_rows, kv_heads
+            )
+            y = _linear(attn, o_weight, o_scales, o_parts, group)
+            residual += y
+            negated -= y
+            x = torch.layer_norm(both, [2 * width], post_attention_norm, None, eps)
+            x = x.narrow(1, 0, width)
+            gate_up = _linear(x, gate_up_weight, gate_up_scales, gate_up_parts, group)
+            half = gate_up.shape[1] // 2
+            mixed = torch.ops.aten.silu(gate_up.narrow(1, 0, half)) * gate_up.narrow(1, half, half)
+            y = _linear(mixed, down_weight, down_scales, down_parts, group)
+            residual += y
+            negated -= y
+        return hidden.copy_(residual), torch.stack(new_keys), torch.stack(new_values)

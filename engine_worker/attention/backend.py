@@ -53,9 +53,12 @@ class AttentionBackend(ABC):
     def finish(self, metadata: AttentionMetadata) -> None:
         """Called once per step, after the last layer: writes the keys and values whose write
         was deferred."""
-        if metadata.deferred_kv:
+        stacked = metadata.stacked_kv
+        if stacked is None and metadata.deferred_kv:
             keys, values = zip(*metadata.deferred_kv)
-            self.cache.write_layers(metadata.slot_mapping, keys, values)
+            stacked = torch.stack(keys), torch.stack(values)
+        if stacked is not None:
+            self.cache.write_layers(metadata.slot_mapping, *stacked)
 
     @abstractmethod
     def _decode(

@@ -64,6 +64,12 @@ class DecodeWorkspace:
     values: list = field(default_factory=list)  # the forward of the step that builds it
     # [KV * B] this step's token's row in a layer's keys/values viewed as [KV * B * capacity, D]
     new_slots: torch.Tensor | None = None
+    # The decode mask, kept and advanced by one column a step: [B, columns] additive (its
+    # rows), [B, 1, query rows, columns] (the view attention reads), and [B, 1] each row's
+    # last visible column
+    mask_rows: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    last_columns: torch.Tensor | None = None
     fresh: bool = True
     # what engine_worker.scripted_decode reads of keys/values, views taken once per workspace
     scripted_views: list = field(default_factory=list)
@@ -106,3 +112,5 @@ class AttentionMetadata:
     # a kept workspace): each layer's new (k, v) wait here and go into the cache in one copy
     # per tensor when the forward ends (``AttentionBackend.finish``), not two copies a layer.
     deferred_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # The same for a forward that returns them stacked, [L, T, KV, D] each (scripted_decode)
+    stacked_kv: tuple[torch.Tensor, torch.Tensor] | None = None

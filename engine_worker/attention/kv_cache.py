@@ -7,8 +7,6 @@ block_size * head_dim runs per kv head (8x faster on CPU than advanced indexing)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from engine_worker.model_config import ModelConfig
@@ -35,6 +33,8 @@ class PagedKVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.layer_keys = list(self.keys.unbind(0))
         self.layer_values = list(self.values.unbind(0))
+        # keys and values as [L, KV, slots, D] (write_layers)
+        self.by_slot = [t.view(*shape[:2], -1, config.head_dim) for t in (self.keys, self.values)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores a layer's new k/v [T, KV, D] at ``slots`` [T].
@@ -47,16 +47,11 @@ class PagedKVCache:
         keys.view(kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
         values.view(kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
 
-    def write_layers(
-        self, slots: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
-    ) -> None:
-        """``write`` for every layer at once: ``keys``/``values`` hold each layer's [T, KV, D],
-        in layer order."""
-        layers, kv_heads, head_dim = self.keys.shape[0], self.num_kv_heads, self.keys.shape[-1]
-        for cache, new in ((self.keys, keys), (self.values, values)):
-            # [L, T, KV, D] -> [L, KV, T, D] along the cache's slot axis
-            stacked = torch.stack(list(new)).transpose(1, 2)
-            cache.view(layers, kv_heads, -1, head_dim).index_copy_(2, slots, stacked)
+    def write_layers(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``write`` for every layer at once: ``keys``/``values`` [L, T, KV, D], every layer's
+        new keys and values in layer order."""
+        for by_slot, new in zip(self.by_slot, (keys, values)):
+            by_slot.index_copy_(2, slots, new.transpose(1, 2))  # [L, KV, T, D] at the slots
 
     def copy_slots(self, source: int, destination: int, count: int) -> None:
         """Copies the first ``count`` slots of block ``source`` into block ``destination``, keys

@@ -80,23 +80,27 @@ class PagedCpuBackend(AttentionBackend):
         context = step.ends[seqs]
         rows = None if len(seqs) == len(step.sequences) else self._device(step.row_starts[seqs])
         ws = self._decode_workspace([step.sequences[i] for i in seqs], context)
+        if ws is not None and not ws.fresh:
+            return DecodeBatch(rows=rows, mask=_advance(ws), workspace=ws)
         columns = self._columns(int(context.max())) if ws is None else ws.capacity
         hidden = np.arange(columns)[None, :] >= context[:, None]
         mask = torch.zeros(hidden.shape, dtype=self.cache.dtype)
         mask.masked_fill_(torch.from_numpy(hidden), float("-inf"))
         rows_per_head = max(MIN_QUERY_ROWS, self.cache.query_group)
+        mask = mask.to(self.cache.device)
         # [B, 1, rows, columns]: every query row of a sequence sees the same columns.
-        mask = mask.to(self.cache.device)[:, None, None, :].expand(-1, 1, rows_per_head, -1)
-        decode = DecodeBatch(rows=rows, mask=mask)
+        decode = DecodeBatch(
+            rows=rows, mask=mask[:, None, None, :].expand(-1, 1, rows_per_head, -1)
+        )
         if ws is not None:
-            # Where each layer writes this step's keys/values (one index_copy_ each).
+            # Where each layer writes the next step's keys/values (one index_copy_ each), and
+            # the column each row's next token unmasks: the kept steps advance them (_advance).
             flat: np.ndarray = np.arange(self.cache.num_kv_heads * len(seqs)) * ws.capacity
             ws.new_slots = self._device(flat + np.tile(context - 1, self.cache.num_kv_heads))
+            ws.last_columns = self._device(context[:, None] - 1)
+            ws.mask_rows, ws.mask = mask, decode.mask
             decode.workspace = ws
-        if ws is None or ws.fresh:
-            decode.block_tables = self._device(
-                _padded_tables(step, seqs, columns // step.block_size)
-            )
+        decode.block_tables = self._device(_padded_tables(step, seqs, columns // step.block_size))
         return decode
 
     def _decode_workspace(self, decoding: list, context: np.ndarray) -> DecodeWorkspace | None:
@@ -209,6 +213,17 @@ class PagedCpuBackend(AttentionBackend):
             decode.mask,
         )
         return o[:, :, :group].reshape(batch_size, num_heads, head_dim)
+
+
+def _advance(ws: DecodeWorkspace) -> torch.Tensor:
+    """The kept step's mask and new-token slots, in place: every row grew by one token
+    (``_decode_workspace`` checked it), so each shows one more column and writes one further."""
+    assert ws.new_slots is not None and ws.last_columns is not None
+    assert ws.mask_rows is not None and ws.mask is not None, "set by the step that built it"
+    ws.new_slots += 1
+    ws.last_columns += 1
+    ws.mask_rows.scatter_(1, ws.last_columns, 0.0)
+    return ws.mask
 
 
 def _padded_tables(step: StepBatch, seqs: np.ndarray, blocks: int) -> np.ndarray:

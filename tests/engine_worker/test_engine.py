@@ -284,3 +284,26 @@ def test_cpu_steps_take_a_bounded_number_of_prompt_tokens(tiny_model_dir):
         EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=1024, prefill_max_tokens=4096)
     )
     assert explicit.config.prefill_max_tokens == 4096
+
+
+def test_a_decode_only_step_lays_out_its_rows_as_the_general_layout_does(tiny_engine):
+    """``ModelRunner._decode_inputs`` (every request decodes one token) against the general
+    ``_layout_inputs`` of the same step: same rows, slots, tables and sampling rows."""
+    collect(tiny_engine)
+    for i, n in enumerate((3, 20, 9)):
+        tiny_engine.add(f"layout{i}", PROMPT[:n] * 2, greedy(8))
+    requests = tiny_engine.scheduler.running
+    while len(requests) < 3 or any(r.num_computed < r.prompt_len for r in requests):
+        tiny_engine.step()
+    requests = list(requests)
+    runner = tiny_engine.runner
+    fast, general = runner._decode_inputs(requests), runner._layout_inputs(requests, [1] * 3)
+    for name in ("input_ids", "positions"):
+        assert torch.equal(getattr(fast, name), getattr(general, name))
+    assert fast.logit_rows is None and general.logit_rows is None
+    for name in ("emitting", "widths", "prompt_spans", "decode_rows", "batches"):
+        assert getattr(fast, name) == getattr(general, name)
+    for name in ("starts", "lengths", "row_starts", "block_tables", "slots", "decoded"):
+        assert np.array_equal(getattr(fast.step, name), getattr(general.step, name)), name
+    collect(tiny_engine)
+    assert_idle_and_leak_free(tiny_engine)
