@@ -266,7 +266,10 @@ class Engine:
         for request, message in batch.failed:
             self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
         if batch.requests:
-            self._postprocess(out, batch, self._run(batch))
+            result = self._run(batch)
+            for index, hidden in result.prompt_ends.items():
+                self.scheduler.keep_prompt_end(batch.requests[index], hidden)
+            self._postprocess(out, batch, result)
         if not self.scheduler.running:
             self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
         out.t_step = time.monotonic()
@@ -286,7 +289,7 @@ class Engine:
         one; prefill steps by their power-of-two token bucket, all threads while the newest
         decode steps keep them: ThreadTuner's leader)."""
         leader = None
-        if batch.prefill_tokens:
+        if batch.prefill_tokens or not batch.decode_tokens:  # (none: kept prompt ends only)
             kind, size = "prefill", (batch.prefill_tokens + batch.decode_tokens).bit_length()
             leader = self._decode_kind
         else:

@@ -104,6 +104,7 @@ class LlamaFamilyModel:
         self.cos, self.signed_sin = _rope_tables(config, max_positions, device, dtype)
         # The hot decode step's layers in one TorchScript call (``use_scripted_decode``).
         self.scripted_decode: ScriptedDecode | None = None
+        self.head_inputs: torch.Tensor | None = None  # the last head call's (``head``)
 
     def use_scripted_decode(self, enabled: bool = True) -> bool:
         """Runs decode-only steps on a kept workspace through ``ScriptedDecode`` where it applies
@@ -140,13 +141,17 @@ class LlamaFamilyModel:
         decode_rows: int = 0,
         sampling_rows: int = 0,
         batches: tuple[int, int] | None = None,
+        kept: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step; the
         first ``decode_rows`` rows are decoded tokens', the first ``sampling_rows`` logit rows
         sample a token (the others are prompt logprobs). ``batches``: the decoding and the
         sampling requests those rows belong to, when a request verifying drafts has several
-        (the kernel choice is by requests: ``LinearWeight.apply``). Returns logits [len(logit_rows),
-        vocab] (float32)."""
+        (the kernel choice is by requests: ``LinearWeight.apply``). ``kept`` [K, hidden]: final
+        hidden states of rows computed in earlier steps (prompt ends: prefix_tails.py), sampled
+        after this step's sampling rows, in the same head call. Returns logits
+        [len(logit_rows) + K, vocab] (float32): the sampling rows, the kept ones, the others;
+        ``head_inputs`` holds the head's input rows in that order."""
         num_tokens = input_ids.shape[0]
         # index_select: the same rows as indexing, without its general path (~4 µs a call)
         cos = self.cos.index_select(0, positions).unsqueeze(1)
@@ -164,6 +169,18 @@ class LlamaFamilyModel:
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         hidden = self.norm(hidden)
+        if kept is not None:
+            hidden = torch.cat([hidden[:sampling_rows], kept, hidden[sampling_rows:]])
+            sampling_rows += kept.shape[0]
+            sampling_batch = None if sampling_batch is None else sampling_batch + kept.shape[0]
+        return self.head(hidden, sampling_rows, sampling_batch)
+
+    def head(
+        self, hidden: torch.Tensor, sampling_rows: int, sampling_batch: int | None = None
+    ) -> torch.Tensor:
+        """Logits (float32) of final hidden states; the first ``sampling_rows`` sample a token
+        (of ``sampling_batch`` requests), which picks the head's copy as for decode rows."""
+        self.head_inputs = hidden
         logits = self.lm_head.apply(hidden, sampling_rows, sampling_batch).float()
         if self.exact_head is not None:
             refine_top_logits(logits, hidden, self.exact_head)

@@ -45,6 +45,19 @@ class ModelInputs:
 
 
 @dataclass(slots=True)
+class StepLogits:
+    """A step's logits: each emitting request's ``widths`` sampling rows, in request order, then
+    the prompt-logprob rows of ``spans`` (indices into ``span_requests``)."""
+
+    logits: torch.Tensor
+    emitting: list[int]
+    widths: list[int]
+    spans: list[PromptSpan]
+    span_requests: list[EngineRequest]
+    prompt_ends: dict[int, torch.Tensor]  # StepResult's
+
+
+@dataclass(slots=True)
 class StepResult:
     """The sampled token per scheduled request (None where its step did not reach the end of
     its tokens, or where it was deferred), and the logprobs of the requests that asked."""
@@ -57,6 +70,9 @@ class StepResult:
     # speculative.py), and those tokens' logprobs where asked.
     accepted: dict[int, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests whose prompt ended in this step: the final hidden state of that row (what a
+    # prompt tail keeps, engine_worker/prefix_tails.py).
+    prompt_ends: dict[int, torch.Tensor] = field(default_factory=dict)
     # Requests (indices) that reached the end of their tokens but whose grammar mask was not
     # ready: nothing was drawn for them; their last token is computed again at a later step.
     deferred: list[int] = field(default_factory=list)
@@ -85,14 +101,13 @@ class ModelRunner:
         """Computes the scheduled tokens, samples, and reads the logprobs that were asked for.
         A row with a grammar samples only a token the grammar allows (its logprobs stay the
         model's own); one whose mask is not ready yet draws nothing (``deferred``)."""
-        inputs = self._inputs(requests, counts)
-        logits = self._forward(inputs)
-        result = StepResult([None] * len(requests), {}, [])
-        emitting, widths = inputs.emitting, inputs.widths
+        step = self._step_logits(requests, counts)
+        logits, emitting, widths = step.logits, step.emitting, step.widths
+        result = StepResult([None] * len(requests), {}, [], prompt_ends=step.prompt_ends)
         sampling_rows = sum(widths)
-        if inputs.prompt_spans:
+        if step.spans:
             result.prompt_logprobs = prompt_logprobs(
-                logits[sampling_rows:], inputs.prompt_spans, requests
+                logits[sampling_rows:], step.spans, step.span_requests
             )
         logits = logits[:sampling_rows]
         grammars = [requests[i].grammar for i in emitting]
@@ -169,10 +184,63 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int]]:
         """Writes the scheduled tokens' KV; returns logits of the requests that sample in this
         step, and those requests' indices."""
-        inputs = self._inputs(requests, counts)
-        return self._forward(inputs)[: sum(inputs.widths)], inputs.emitting
+        step = self._step_logits(requests, counts)
+        return step.logits[: sum(step.widths)], step.emitting
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def _step_logits(self, requests: list[EngineRequest], counts: list[int]) -> StepLogits:
+        """The forward of the scheduled tokens. A request scheduled with none (its prompt's end
+        was kept with a prompt tail: ``EngineRequest.prompt_end``) computes nothing and samples
+        from the kept row, in the same head call as the computed ones: the head's copy is picked
+        by the step's sampling rows, as if it had computed that row here."""
+        kept = [i for i, count in enumerate(counts) if count == 0]
+        if not kept:
+            inputs = self._inputs(requests, counts)
+            logits = self._forward(inputs)
+            ends = self._prompt_ends(requests, inputs, list(range(len(requests))))
+            return StepLogits(
+                logits, inputs.emitting, inputs.widths, inputs.prompt_spans, requests, ends
+            )
+        ends_in = torch.stack([requests[i].prompt_end for i in kept])
+        for i in kept:
+            requests[i].prompt_end = None
+        computed = [i for i, count in enumerate(counts) if count > 0]
+        if not computed:
+            logits = self.model.head(ends_in, len(kept))
+            return StepLogits(logits, kept, [1] * len(kept), [], [], {})
+        subset = [requests[i] for i in computed]
+        inputs = self._inputs(subset, [counts[i] for i in computed])
+        logits = self._forward(inputs, ends_in)
+        ends = self._prompt_ends(subset, inputs, computed)
+        # Back to the step's request order (the sampling rows were the computed requests', then
+        # the kept ones).
+        owners = [computed[j] for j in inputs.emitting] + kept
+        widths = inputs.widths + [1] * len(kept)
+        starts = np.cumsum([0, *widths[:-1]])
+        order = sorted(range(len(owners)), key=owners.__getitem__)
+        rows = [r for k in order for r in range(starts[k], starts[k] + widths[k])]
+        sampling = sum(widths)
+        index = torch.tensor(rows, device=logits.device)
+        logits = torch.cat([logits[:sampling].index_select(0, index), logits[sampling:]])
+        emitting, widths = [owners[k] for k in order], [widths[k] for k in order]
+        return StepLogits(logits, emitting, widths, inputs.prompt_spans, subset, ends)
+
+    def _prompt_ends(
+        self, requests: list[EngineRequest], inputs: ModelInputs, indices: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """The head's input row of each request whose prompt ended in this step (by
+        ``indices[i]`` for ``requests[i]``), copied out of the step's buffers."""
+        head_inputs = self.model.head_inputs
+        ends: dict[int, torch.Tensor] = {}
+        if head_inputs is None:
+            return ends
+        row = 0
+        for j, width in zip(inputs.emitting, inputs.widths):
+            if requests[j].num_generated == 0:
+                ends[indices[j]] = head_inputs[row].clone()
+            row += width
+        return ends
+
+    def _forward(self, inputs: ModelInputs, kept: torch.Tensor | None = None) -> torch.Tensor:
         metadata = self.attention.prepare(inputs.step)
         try:
             return self.model.forward(
@@ -184,6 +252,7 @@ class ModelRunner:
                 inputs.decode_rows,
                 sum(inputs.widths),
                 inputs.batches,
+                kept,
             )
         except BaseException:
             self.attention.reset()  # what it keeps may hold only some layers' copies

@@ -35,6 +35,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+import torch
+
 from engine_worker.cache_events import CacheEventRecorder
 from engine_worker.prefix_tails import TailIndex
 from ipc.block_hash import next_block_digest
@@ -127,6 +129,13 @@ class PrefixCache:
         parent_key = keys[-1] if keys else self.root_for(salt)
         block = self._child(self.chain_key(parent_key, rest), rest, node, salt)
         return block if block is not None and self.entries[block].step < self.step else None
+
+    def tail_end(self, block: int) -> torch.Tensor | None:
+        """The final hidden state kept for the last token of ``block``'s prompt tail, if any."""
+        return self.tails.end(block)
+
+    def keep_tail_end(self, block: int, hidden: torch.Tensor) -> None:
+        self.tails.keep_end(block, hidden)
 
     def register_tail(
         self, block: int, tokens: tuple[int, ...], node: int, salt: str | None

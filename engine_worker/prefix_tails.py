@@ -20,11 +20,20 @@ when its owner releases it, it waits among the evictable blocks (LRU) instead of
 and its entry is dropped when the block is evicted (``forget``): an entry never names a block
 that was reused. An entry is registered in the scheduling step that computes the prompt's end
 and read only from the next one (``step``), when its slots are written.
+
+The prompt's end: the step that computes a tail's last token also samples from it, and the final
+hidden state of that row (the head's input, one vector) is kept with the entry (``end``). A
+later prompt of exactly these tokens then computes nothing: all the tail's slots are copied,
+last token's included, and it samples from the kept row, through the same head as a row computed
+in its step (bit for bit the cold prefill's first token). An entry whose end was not kept (its
+prompt end was recomputed after preemption, or sampled nothing) is taken as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 TailKey = tuple[int, "str | None", tuple[int, ...]]  # (node before it, first block's salt, tokens)
 
@@ -34,6 +43,7 @@ class Tail:
     key: TailKey
     block: int
     step: int  # the scheduling step that computes it: readable from the next one
+    end: torch.Tensor | None = None  # the final hidden state of its last token's row, once known
 
 
 class TailIndex:
@@ -58,6 +68,16 @@ class TailIndex:
         ``step``."""
         tail = self.by_key.get((node, salt, tokens))
         return tail.block if tail is not None and tail.step < step else None
+
+    def keep_end(self, block: int, hidden: torch.Tensor) -> None:
+        """Keeps the final hidden state of the row of ``block``'s tail's last token."""
+        tail = self.by_block.get(block)
+        if tail is not None and tail.end is None:
+            tail.end = hidden
+
+    def end(self, block: int) -> torch.Tensor | None:
+        tail = self.by_block.get(block)
+        return tail.end if tail is not None else None
 
     def holds(self, block: int) -> bool:
         return block in self.by_block

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
@@ -47,6 +48,7 @@ class EngineRequest:
         "speculates",
         "draft_ids",
         "lookup",
+        "prompt_end",
     )
 
     def __init__(
@@ -90,6 +92,9 @@ class EngineRequest:
         self.speculates = False
         self.draft_ids: list[int] = []
         self.lookup: LookupContext | None = None
+        # A fully cached prompt whose prompt tail kept its end's final hidden state: the row its
+        # first token is sampled from, in the step that admits it (which computes nothing of it).
+        self.prompt_end: torch.Tensor | None = None
 
     @property
     def ready(self) -> bool:

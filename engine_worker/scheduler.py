@@ -19,8 +19,10 @@ step lacked is still being computed) is passed over, running or waiting, until i
 
 A fresh request whose prompt the prefix cache holds whole (its full blocks, then a prompt tail
 or a full block with its remaining tokens: ``PrefixCache.tail_source``) gets its last block's
-slots copied from the cache and computes only its last token. The step that computes a
-prompt's end registers its tail (``_publish_full_blocks``).
+slots copied from the cache and computes only its last token; after a tail that kept its
+prompt's end (prefix_tails.py), none: it is scheduled with 0 tokens and samples from the kept
+row. The step that computes a prompt's end registers its tail (``_publish_full_blocks``), and
+the engine hands the row's final hidden state to ``keep_prompt_end`` after the forward.
 
 Requests that ask for prompt logprobs need the logits of every prompt position they compute:
 they never take blocks from the prefix cache (their own blocks are still published), and
@@ -35,6 +37,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import torch
 
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
@@ -69,6 +73,7 @@ class CachedPrefix(NamedTuple):
     node: int  # the prefix-cache node after them
     tokens: int  # tokens held in all (the full blocks', and a prompt tail's)
     tail: int | None = None  # the block whose first slots hold the rest but the last token
+    end: torch.Tensor | None = None  # the tail's kept prompt end: its last token too is held
 
 
 class Scheduler:
@@ -100,8 +105,8 @@ class Scheduler:
 
     def first_step_tokens(self, request: EngineRequest) -> int:
         """What a first step would compute of ``request``'s prompt: the part the prefix cache
-        does not hold (a fully cached prompt computes only its last token, and the idle window,
-        sized by this, waits accordingly little), up to one chunk."""
+        does not hold (a fully cached prompt computes its last token or nothing, and the idle
+        window, sized by this, waits accordingly little), up to one chunk."""
         cached = self._cached_prefix(request).tokens
         return min(
             request.num_tokens - cached,
@@ -119,7 +124,13 @@ class Scheduler:
         if self.copy_slots is not None and request.num_generated == 0:
             tail = self.prefix_cache.tail_source(ids, keys, node, salt)
             if tail is not None:
-                return CachedPrefix(blocks, keys, node, request.num_tokens - 1, tail)
+                # A constrained request samples through its grammar's mask, whose step may
+                # defer it: it computes its last token as before.
+                end = None
+                if request.grammar is None and request.samples:
+                    end = self.prefix_cache.tail_end(tail)
+                held = request.num_tokens if end is not None else request.num_tokens - 1
+                return CachedPrefix(blocks, keys, node, held, tail, end)
         return CachedPrefix(blocks, keys, node, len(blocks) * size)
 
     def schedule(self) -> ScheduledBatch:
@@ -172,11 +183,11 @@ class Scheduler:
             request = first_ready
             wants_logprobs = request.wants_prompt_logprobs
             budget = min(token_budget, logprob_budget) if wants_logprobs else token_budget
-            count = self._admit(request, budget) if budget > 0 else 0
-            if count == 0:
+            admitted = self._admit(request, budget) if budget > 0 else None
+            if admitted is None:
                 break  # FCFS: the first ready request waits for blocks, nobody overtakes it
             if wants_logprobs:
-                logprob_budget -= count
+                logprob_budget -= admitted
             self.waiting.remove(request)
             self.running.append(request)
             if not request.t_scheduled:
@@ -184,10 +195,10 @@ class Scheduler:
             batch.cached_tokens += request.num_computed if request.num_generated == 0 else 0
             if request.num_generated == 0 and self.prefix_cache is not None:
                 batch.queried_tokens += request.num_tokens
-            token_budget -= count
+            token_budget -= admitted
             prefill_slots -= 1
-            self._publish_full_blocks(request, request.num_computed + count)
-            batch.add(request, count)
+            self._publish_full_blocks(request, request.num_computed + admitted)
+            batch.add(request, admitted)
         return batch
 
     def _draft(self, request: EngineRequest) -> int:
@@ -239,16 +250,17 @@ class Scheduler:
             request.block_ids.extend(self.blocks.allocate(needed))
         return True
 
-    def _admit(self, request: EngineRequest, token_budget: int) -> int:
+    def _admit(self, request: EngineRequest, token_budget: int) -> int | None:
         """Takes cached prefix blocks and fresh blocks for the first chunk (and copies a cached
-        prompt tail into the first fresh one); 0 = cannot yet."""
-        cached_blocks, keys, node, cached, tail = self._cached_prefix(request)
+        prompt tail into the first fresh one); the tokens to compute (0: a kept prompt end, it
+        only samples), None = cannot yet."""
+        cached_blocks, keys, node, cached, tail, end = self._cached_prefix(request)
         count = min(request.num_tokens - cached, self.config.prefill_chunk_tokens, token_budget)
         fresh = self.blocks.blocks_for(cached + count) - len(cached_blocks)
         # Cached blocks nobody holds are counted as available; taking them uses that up.
         reclaimed = sum(1 for b in cached_blocks if self.blocks.ref_counts[b] == 0)
         if fresh + reclaimed > self.blocks.num_available:
-            return 0
+            return None
         for block in cached_blocks:
             self.blocks.acquire(block)
         request.block_ids = cached_blocks + self.blocks.allocate(fresh)
@@ -263,6 +275,7 @@ class Scheduler:
         request.block_keys = keys
         request.prefix_node = node
         request.num_computed = cached
+        request.prompt_end = end  # a count of 0: it samples from the kept end
         if request.num_generated == 0:
             request.cached_tokens = cached
         return count
@@ -292,6 +305,13 @@ class Scheduler:
         self.running.remove(request)
         self.free_blocks(request)
         self.waiting.appendleft(request)
+
+    def keep_prompt_end(self, request: EngineRequest, hidden: torch.Tensor) -> None:
+        """Keeps the final hidden state of ``request``'s prompt's last row with the prompt tail
+        this step registered for it (if it did: a prompt of whole blocks has none)."""
+        full, rest = divmod(request.prompt_len, self.blocks.block_size)
+        if self.prefix_cache is not None and rest and len(request.block_ids) > full:
+            self.prefix_cache.keep_tail_end(request.block_ids[full], hidden)
 
     def free_blocks(self, request: EngineRequest) -> None:
         self.blocks.release(request.block_ids)

@@ -205,8 +205,8 @@ def test_prompt_logprobs_with_a_warm_prefix_cache_equal_the_uncached_ones(oai, h
     expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
     np.testing.assert_allclose(cold[1:], expected, atol=TOLERANCE)
     warm = oai.completions.create(**kwargs)  # the cache now holds the prompt's blocks
-    # and its tail: all of it but the last token
-    assert oai.completions.create(**kwargs).usage.prompt_tokens_details.cached_tokens == 69
+    # and its tail, with its prompt end's final hidden state: all of it
+    assert oai.completions.create(**kwargs).usage.prompt_tokens_details.cached_tokens == 70
     again = prompt_logprobs()
     assert again[0] is None and "prompt_logprobs" not in warm.choices[0].model_extra
     np.testing.assert_allclose(again[1:], cold[1:], atol=1e-5)

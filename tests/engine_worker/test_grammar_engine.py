@@ -180,3 +180,23 @@ def test_a_grammar_that_fails_half_way_ends_its_request_alone(tiny_model_dir, pa
     assert grammars["dead_end"] not in engine.grammars.builder._templates
     assert not engine.requests and not engine.grammars.active
     engine.close()
+
+
+def test_a_constrained_request_computes_its_cached_prompts_last_token(tiny_model_dir, parts):
+    """A prompt the prefix cache holds whole samples from its tail's kept end, but a constrained
+    one computes its last token (a late mask defers its sample to a step that computes it)."""
+    tokenizer, vocabulary, grammars = parts
+    engine = Engine(
+        EngineConfig(model_path=str(tiny_model_dir), dtype="float32", kv_cache_tokens=4096)
+    )
+    engine.set_grammar_vocabulary(vocabulary)
+    prompt = list(range(100, 121))  # a full block and a tail of 5
+    runs = {}
+    for name, grammar in (("cold", ""), ("choice", grammars["choice"]), ("warm", "")):
+        engine.add(name, prompt, greedy(8, ignore_eos=True), grammar=grammar)
+        totals: dict = {}
+        runs[name] = (collect(engine, totals=totals)[name], totals["prefill_tokens"])
+    assert [rows for _, rows in runs.values()] == [21, 1, 0]
+    assert tokenizer.decode(runs["choice"][0]["tokens"]) in ("yes", "no way")
+    assert runs["warm"][0]["tokens"] == runs["cold"][0]["tokens"]
+    engine.close()

@@ -128,7 +128,8 @@ def test_prompt_logprobs_never_read_the_prefix_cache(tiny_model_dir, hf):
     assert scored["start"].cached_tokens == 0
     check_prompt(hf, prompt, scored["prompt_logprobs"], 2)
     engine.add("again", prompt, greedy(1))  # the scored request's blocks are still shared
-    assert collect(engine)["again"]["start"].cached_tokens == 69  # 4 blocks and the tail
+    # 4 blocks and the tail, with its prompt end: the scored request kept it too
+    assert collect(engine)["again"]["start"].cached_tokens == 70
 
 
 def test_prompt_logprobs_are_sent_once_across_preemption(tiny_model_dir, hf):

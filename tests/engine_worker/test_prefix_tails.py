@@ -1,6 +1,7 @@
 """Prompt tails from the prefix cache (engine_worker/prefix_tails.py): a prompt the cache holds
-whole computes only its last token, with the logits a cold prefill gives; tails never cross
-salts, never outlive their block, and never stand in for prompt logprobs."""
+whole computes nothing when its tail kept the prompt's end (only its last token when it ends a
+whole block), with the logits a cold prefill gives; tails never cross salts, never outlive their
+block, and never stand in for prompt logprobs."""
 
 from __future__ import annotations
 
@@ -86,13 +87,20 @@ def prompts() -> dict[str, list[int]]:
     return {f"p{n}": rng.integers(3, 40000, size=n).tolist() for n in (37, 32, 9, 48)}
 
 
-def test_a_cached_prompt_computes_its_last_token_with_cold_logits(engine, prompts):
+def computed_rows(prompt: list[int]) -> int:
+    """What a fully cached prompt computes: nothing after a tail (its end is kept), its last
+    token when it ends a whole block (a full block keeps no end)."""
+    return 0 if len(prompt) % BLOCK else 1
+
+
+def test_a_cached_prompt_computes_nothing_or_its_last_token_with_cold_logits(engine, prompts):
     cold, _ = ask(engine, prompts, salt="s")
     for name, prompt in prompts.items():
         warm, totals = ask(engine, {name: prompt}, salt="s")
         assert answer(warm[name]) == answer(cold[name])
-        assert totals["prefill_tokens"] == 1 and totals["cached_tokens"] == len(prompt) - 1
-        assert warm[name]["start"].cached_tokens == len(prompt) - 1
+        rows = computed_rows(prompt)
+        assert totals["prefill_tokens"] == rows
+        assert totals["cached_tokens"] == warm[name]["start"].cached_tokens == len(prompt) - rows
     # Another salt shares nothing, not even a tail; prompt logprobs take no shortcut.
     other, totals = ask(engine, prompts, salt="t")
     assert totals["prefill_tokens"] == sum(map(len, prompts.values()))
@@ -112,7 +120,7 @@ def test_same_prompt_twice_in_one_step_computes_its_tail_twice(engine):
     assert totals["cached_tokens"] == 32 and totals["prefill_tokens"] == 45 + 13
     assert answer(results["a"]) == answer(results["b"])
     again, totals = ask(engine, {"c": prompt})
-    assert totals["prefill_tokens"] == 1 and answer(again["c"]) == answer(results["a"])
+    assert totals["prefill_tokens"] == 0 and answer(again["c"]) == answer(results["a"])
 
 
 def test_a_tail_never_outlives_its_block_nor_an_aborted_prefill(tiny_model_dir):
@@ -140,7 +148,7 @@ def test_a_tail_never_outlives_its_block_nor_an_aborted_prefill(tiny_model_dir):
     done, totals = ask(engine, {"done": fresh})
     assert totals["prefill_tokens"] == 40 - 16  # its first block was cached, no tail
     hit, totals = ask(engine, {"hit": fresh})
-    assert totals["prefill_tokens"] == 1 and answer(hit["hit"]) == answer(done["done"])
+    assert totals["prefill_tokens"] == 0 and answer(hit["hit"]) == answer(done["done"])
 
 
 def test_preempted_requests_and_seeded_sampling_keep_their_tokens(tiny_model_dir):
@@ -165,3 +173,25 @@ def test_preempted_requests_and_seeded_sampling_keep_their_tokens(tiny_model_dir
     for name in prompts:
         assert results[f"{name}-0"]["tokens"] == results[f"{name}-1"]["tokens"] == alone[name]
     assert engine.blocks.num_available == engine.blocks.num_blocks
+
+
+def test_kept_prompt_ends_sample_beside_computed_rows(engine, prompts):
+    """Fully cached prompts admitted in one step with a fresh prompt, while another request
+    decodes: each samples from its kept end in that step, with cold logits, and so do the
+    others."""
+    cold, _ = ask(engine, prompts, salt="k")
+    rng = np.random.default_rng(11)
+    fresh, long = (rng.integers(3, 40000, size=n).tolist() for n in (21, 26))
+    alone, _ = ask(engine, {"fresh": fresh, "long": long}, salt="alone")
+    engine.add("long", long, greedy(3, ignore_eos=True, logprobs=5), cache_salt="z")
+    engine.step()  # its prefill and first token: it decodes from the next step on
+    for name in ("p37", "p9"):
+        engine.add(name, prompts[name], greedy(3, ignore_eos=True, logprobs=5), cache_salt="k")
+    engine.add("fresh", fresh, greedy(3, ignore_eos=True, logprobs=5), cache_salt="k")
+    totals: dict = {}
+    results = collect(engine, totals=totals)
+    assert totals["cached_tokens"] == 37 + 9 and totals["prefill_tokens"] == len(fresh)
+    assert answer(results["p37"]) == answer(cold["p37"])
+    assert answer(results["p9"]) == answer(cold["p9"])
+    assert answer(results["fresh"]) == answer(alone["fresh"])
+    assert results["long"]["tokens"] == alone["long"]["tokens"][1:]
