@@ -24,13 +24,18 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.interleave import rotated
-from scripts.bench.options import add_shared, require_positive, workload_parser
+from scripts.bench.interleave import progress, rotated
+from scripts.bench.options import (
+    add_shared,
+    add_splitserve_cases,
+    parse_checked,
+    require_positive,
+    workload_parser,
+)
 
 # A token's way from the end of its engine step to this client: (label, from, to) over the path
 # comment's and the client's times.
@@ -64,14 +69,7 @@ FIRST_TOKEN_HOPS = (
 def build_parser() -> argparse.ArgumentParser:
     p = workload_parser("hops", __doc__)
     g = p.add_argument_group("servers")
-    g.add_argument(
-        "--splitserve",
-        action="append",
-        default=None,
-        metavar="ARGS",
-        help='`splitserve launch` arguments of one cluster (repeatable; "" is the default '
-        "launch; default: one default launch unless --url is given)",
-    )
+    add_splitserve_cases(g, "one default launch unless --url is given")
     g.add_argument(
         "--url",
         action="append",
@@ -297,18 +295,14 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 run["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in used.items()}
                 runs.setdefault(name, []).append(run)
                 loads.append(f"{name} r{repeat}: {load}")
-                print(f"repeat {repeat} {name}: load {load}", file=sys.stderr, flush=True)
+                progress(f"repeat {repeat} {name}: load {load}")
     stats = {name: summarize(r) for name, r in runs.items()}
     return {"stats": stats, "loads": loads, "runs": runs, "text": render(stats, loads)}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        require_positive(args, "requests", "prompt_tokens", "output_tokens", "repeats")
-    except ValueError as exc:
-        parser.error(str(exc))
+    counts = ("requests", "prompt_tokens", "output_tokens", "repeats")
+    args = parse_checked(build_parser(), argv, lambda args: require_positive(args, *counts))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     data = run_benchmark(args)
     print(data["text"], flush=True)

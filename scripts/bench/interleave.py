@@ -5,12 +5,18 @@ each case goes first as often as the others (the first run after a switch often 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 K = TypeVar("K")
 T = TypeVar("T")
+
+
+def progress(text: str) -> None:
+    """A line on stderr between runs (the report goes to stdout)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 def rotated(cases: Iterable[K], repeat: int) -> list[K]:

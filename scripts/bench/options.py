@@ -10,6 +10,7 @@ are, so the two can never disagree on a default or a meaning.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from ipc.engine_config import WEIGHTS
@@ -132,6 +133,31 @@ def add_shared(group: Any, *names: str, **defaults: Any) -> None:
         flag, default, text, more = SHARED[name]
         kwargs = dict(dest=name, default=defaults.get(name, default), help=text) | more
         group.add_argument(flag, **kwargs)
+
+
+def add_splitserve_cases(group: Any, default: str) -> None:
+    """``--splitserve``: one compared launch's arguments, repeatable (``default``: what runs
+    without any)."""
+    group.add_argument(
+        "--splitserve",
+        action="append",
+        default=None,
+        metavar="ARGS",
+        help=f'`splitserve launch` arguments of one cluster (repeatable, one cluster each; "" is '
+        f"the default launch; default: {default})",
+    )
+
+
+def parse_checked(
+    parser: argparse.ArgumentParser, argv: list[str] | None, check: Callable[[Any], None]
+) -> argparse.Namespace:
+    """``argv`` parsed; a ValueError from ``check(args)`` is a usage error (its message, exit 2)."""
+    args = parser.parse_args(argv)
+    try:
+        check(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def workload_parser(workload: str, description: str | None) -> argparse.ArgumentParser:

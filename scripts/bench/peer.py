@@ -25,12 +25,18 @@ import json
 import os
 import platform
 import signal
-import sys
 from pathlib import Path
 
 from scripts.bench import peer_report
-from scripts.bench.interleave import rotated
-from scripts.bench.options import add_shared, int_list, require_positive, workload_parser
+from scripts.bench.interleave import progress, rotated
+from scripts.bench.options import (
+    add_shared,
+    add_splitserve_cases,
+    int_list,
+    parse_checked,
+    require_positive,
+    workload_parser,
+)
 from scripts.bench.stats import summarize
 
 
@@ -61,14 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama-server context per slot in tokens; -c is this x --parallel",
     )
     g.add_argument("--llama-args", default="", help="more llama-server arguments, one string")
-    g.add_argument(
-        "--splitserve",
-        action="append",
-        default=None,
-        metavar="ARGS",
-        help="`splitserve launch` arguments of one cluster (repeatable, one cluster each; "
-        '"" is the default launch; default: one default launch)',
-    )
+    add_splitserve_cases(g, "one default launch")
     _workload_flags(p.add_argument_group("workload"))
     o = p.add_argument_group("output")
     o.add_argument(
@@ -236,7 +235,7 @@ def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.
                         "records": [r.to_json() for r in records],
                     }
                 )
-                _log(
+                progress(
                     f"repeat {repeat} streams {level:3d} {name:45s} "
                     f"{summary['output_throughput_tps']:7.1f} tok/s, errors {summary['errors']}"
                 )
@@ -258,7 +257,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             renice(servers, args.nice)
         load_before = os.getloadavg()
         idle = idle_cpu_percent(servers)
-        _log(f"servers up; idle CPU %: {json.dumps({k: round(v, 1) for k, v in idle.items()})}")
+        progress(f"servers up; idle CPU %: {json.dumps({k: round(v, 1) for k, v in idle.items()})}")
         runs = measure(args, servers, counter, stack)
         described = {name: s.describe() for name, s in servers.items()}
         load_after = os.getloadavg()
@@ -360,17 +359,8 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> dict:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        validate(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    args = parse_checked(build_parser(), argv, validate)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGTERM, _interrupt)  # stop the servers on a plain kill, too
     data = render_saved(args.from_json, args.statistic) if args.from_json else run_benchmark(args)

@@ -19,24 +19,23 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
-from scripts.bench.interleave import rotated
-from scripts.bench.options import add_shared, require_positive, workload_parser
+from scripts.bench.interleave import progress, rotated
+from scripts.bench.options import (
+    add_shared,
+    add_splitserve_cases,
+    parse_checked,
+    require_positive,
+    workload_parser,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = workload_parser("startup", __doc__)
     g = p.add_argument_group("servers")
-    g.add_argument(
-        "--splitserve",
-        action="append",
-        default=None,
-        metavar="ARGS",
-        help='`splitserve launch` arguments of one case (repeatable; "" is the default launch)',
-    )
+    add_splitserve_cases(g, "one default launch")
     g.add_argument("--llama-server", metavar="PATH", help="also start this llama-server binary")
     g.add_argument("--llama-threads", type=int, default=2, metavar="N")
     add_shared(p.add_argument_group("workload"), "repeats", "prompt_tokens", repeats=3)
@@ -96,7 +95,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     "wall_s": time.monotonic() - began,
                 }
             )
-            _log(f"repeat {repeat} {server.name}: ready {ready_s:.1f} s, first token +{ttft:.2f} s")
+            progress(
+                f"repeat {repeat} {server.name}: ready {ready_s:.1f} s, first token +{ttft:.2f} s"
+            )
     return runs
 
 
@@ -119,19 +120,14 @@ def render(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+def _validate(args: argparse.Namespace) -> None:
+    require_positive(args, "repeats", "prompt_tokens")
+    if args.llama_server and not os.access(args.llama_server, os.X_OK):
+        raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        require_positive(args, "repeats", "prompt_tokens")
-        if args.llama_server and not os.access(args.llama_server, os.X_OK):
-            raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
-    except ValueError as exc:
-        parser.error(str(exc))
+    args = parse_checked(build_parser(), argv, _validate)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     runs = measure(args)
     data = {"runs": runs, "text": render(runs)}
