@@ -231,7 +231,7 @@ class ModelRunner:
         ``indices[i]`` for ``requests[i]``), copied out of the step's buffers."""
         head_inputs = self.model.head_inputs
         ends: dict[int, torch.Tensor] = {}
-        if head_inputs is None:
+        if head_inputs is None or inputs.decode_rows == len(inputs.input_ids):  # no prompt rows
             return ends
         row = 0
         for j, width in zip(inputs.emitting, inputs.widths):
