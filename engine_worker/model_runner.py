@@ -206,6 +206,7 @@ class ModelRunner:
         computed = [i for i, count in enumerate(counts) if count > 0]
         if not computed:
             logits = self.model.head(ends_in, len(kept))
+            self.model.head_inputs = None
             return StepLogits(logits, kept, [1] * len(kept), [], [], {})
         subset = [requests[i] for i in computed]
         inputs = self._inputs(subset, [counts[i] for i in computed])
@@ -229,7 +230,7 @@ class ModelRunner:
     ) -> dict[int, torch.Tensor]:
         """The head's input row of each request whose prompt ended in this step (by
         ``indices[i]`` for ``requests[i]``), copied out of the step's buffers."""
-        head_inputs = self.model.head_inputs
+        head_inputs, self.model.head_inputs = self.model.head_inputs, None  # hold no step's rows
         ends: dict[int, torch.Tensor] = {}
         if head_inputs is None or inputs.decode_rows == len(inputs.input_ids):  # no prompt rows
             return ends

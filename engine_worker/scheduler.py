@@ -115,8 +115,8 @@ class Scheduler:
         )
 
     def _cached_prefix(self, request: EngineRequest) -> CachedPrefix:
-        """What the prefix cache holds of ``request``'s tokens. At least one token is always
-        left to compute, to sample from."""
+        """What the prefix cache holds of ``request``'s tokens: all of them only with a kept
+        prompt end to sample from; otherwise at least one is left to compute, to sample from."""
         if self.prefix_cache is None or request.wants_prompt_logprobs:
             return CachedPrefix([], [], ROOT_NODE, 0)
         size, ids, salt = self.blocks.block_size, request.token_ids, request.cache_salt
@@ -125,9 +125,11 @@ class Scheduler:
             tail = self.prefix_cache.tail_source(ids, keys, node, salt)
             if tail is not None:
                 # A constrained request samples through its grammar's mask, whose step may
-                # defer it: it computes its last token as before.
+                # defer it: it computes its last token as before. A prompt of whole blocks
+                # gets a cached full block here, whose block may also have been a shorter
+                # prompt's tail block (its end is that prompt's position, not this one's).
                 end = None
-                if request.grammar is None and request.samples:
+                if request.grammar is None and request.samples and request.num_tokens % size:
                     end = self.prefix_cache.tail_end(tail)
                 held = request.num_tokens if end is not None else request.num_tokens - 1
                 return CachedPrefix(blocks, keys, node, held, tail, end)
@@ -267,11 +269,16 @@ class Scheduler:
         if tail is not None:
             # Right after the allocation, before any forward writes: the only block it can have
             # evicted is the one it handed out, so a tail it evicted is the destination itself.
-            assert self.copy_slots is not None
+            assert self.copy_slots is not None and self.prefix_cache is not None
             destination = request.block_ids[len(cached_blocks)]
             if destination != tail:
                 written = cached - len(cached_blocks) * self.blocks.block_size
                 self.copy_slots(tail, destination, written)
+            elif end is not None:  # the allocation dropped the tail's entry: it lives on here
+                full = len(cached_blocks) * self.blocks.block_size
+                tokens = tuple(request.token_ids[full : request.num_tokens])
+                self.prefix_cache.register_tail(destination, tokens, node, request.cache_salt)
+                self.prefix_cache.keep_tail_end(destination, end)
         request.block_keys = keys
         request.prefix_node = node
         request.num_computed = cached

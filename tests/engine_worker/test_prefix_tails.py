@@ -195,3 +195,33 @@ def test_kept_prompt_ends_sample_beside_computed_rows(engine, prompts):
     assert answer(results["p9"]) == answer(cold["p9"])
     assert answer(results["fresh"]) == answer(alone["fresh"])
     assert results["long"]["tokens"] == alone["long"]["tokens"][1:]
+
+
+def test_a_whole_block_prompt_never_takes_a_shorter_prompts_end(tiny_model_dir):
+    """A prompt's tail block, once its request's generated tokens fill it, is a cached full
+    block too: a longer prompt that ends there computes its own last token, not the end kept
+    for the shorter prompt's position."""
+    engine = make_engine(tiny_model_dir)
+    prompt = np.random.default_rng(5).integers(3, 40000, size=37).tolist()  # 2 blocks + 5
+    engine.add("short", prompt, greedy(20, ignore_eos=True))
+    generated = collect(engine)["short"]["tokens"]
+    longer = prompt + generated[:11]  # 48: its third block is the short prompt's tail block
+    reference, _ = ask(engine, {"ref": longer}, salt="other")
+    again, totals = ask(engine, {"again": longer})
+    assert totals["prefill_tokens"] == 1 and answer(again["again"]) == answer(reference["ref"])
+
+
+def test_a_tail_whose_block_is_handed_back_to_its_next_prompt_lives_on(tiny_model_dir):
+    """The one free block an admission takes can be the evicted tail's own (its slots are then
+    already in place): the tail and its kept end are registered again on it, so the prompt asked
+    a third time still computes nothing."""
+    engine = make_engine(tiny_model_dir, kv_cache_tokens=6 * BLOCK)
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(3, 40000, size=40).tolist()
+    cold, _ = ask(engine, {"cold": prompt})
+    engine.add("filler", rng.integers(3, 40000, size=33).tolist(), greedy(3))
+    engine.step()  # 3 blocks: none is free but the cached ones, the tail's released last
+    second, totals = ask(engine, {"second": prompt})  # its one fresh block: the tail's
+    assert totals["prefill_tokens"] == 0 and answer(second["second"]) == answer(cold["cold"])
+    third, totals = ask(engine, {"third": prompt})
+    assert totals["prefill_tokens"] == 0 and answer(third["third"]) == answer(cold["cold"])
