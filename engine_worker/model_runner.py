@@ -1,47 +1,25 @@
-"""Turns a scheduled batch into the flat tensors the forward reads, runs it and samples.
+"""Runs a scheduled batch and samples.
 
-A step: inputs (token ids, positions, the flat layout) -> ``attention.prepare`` -> the model's
-forward -> logprobs of the rows that asked (``engine_worker.logprobs``) -> sample. All per-token
-index work (positions, cache slots, block tables) is done with a handful of numpy ops per step,
-never a Python loop over tokens."""
+A step: inputs (token ids, positions, the flat layout: ``engine_worker.step_inputs``) ->
+``attention.prepare`` -> the model's forward -> logprobs of the rows that asked
+(``engine_worker.logprobs``) -> sample."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from engine_worker.attention import PagedKVCache, StepBatch, select_backend
-from engine_worker.attention.batch import to_device
+from engine_worker.attention import PagedKVCache, select_backend
 from engine_worker.grammar_mask import GrammarMasker
-from engine_worker.logprobs import (
-    PromptSpan,
-    SampledLogprobs,
-    prompt_logprobs,
-    prompt_spans,
-    span_rows,
-)
+from engine_worker.logprobs import PromptSpan, SampledLogprobs, prompt_logprobs
 from engine_worker.model import LlamaFamilyModel
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import sample
-from engine_worker.speculative import VerifierDraws, accepted_tokens, row_offsets, rows_of
+from engine_worker.speculative import VerifierDraws, accepted_tokens, rows_of
+from engine_worker.step_inputs import ModelInputs, StepLayout
 from ipc.messages import PromptLogprobs, TokenLogprobs
-
-
-@dataclass(slots=True)
-class ModelInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    logit_rows: torch.Tensor | None  # rows whose logits are wanted (None: every row)
-    emitting: list[int]  # the requests (indices) that sample a token in this step
-    widths: list[int]  # logit rows each of them samples from (1 + its drafts)
-    step: StepBatch
-    prompt_spans: list[PromptSpan]  # prompt logprobs: their rows follow the emitting ones
-    decode_rows: int  # the first rows are the decoding requests' (one decoded token each)
-    # (decoding requests, sampling requests) when some verify drafts (several rows each)
-    batches: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -90,6 +68,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
+        self.layout = StepLayout(block_size, model.device)
         self.kv_cache = PagedKVCache(
             model.config, num_blocks, block_size, model.dtype, model.device
         )
@@ -194,7 +173,7 @@ class ModelRunner:
         by the step's sampling rows, as if it had computed that row here."""
         kept = [i for i, count in enumerate(counts) if count == 0]
         if not kept:
-            inputs = self._inputs(requests, counts)
+            inputs = self.layout.inputs(requests, counts)
             logits = self._forward(inputs)
             ends = self._prompt_ends(requests, inputs, list(range(len(requests))))
             return StepLogits(
@@ -209,7 +188,7 @@ class ModelRunner:
             self.model.head_inputs = None
             return StepLogits(logits, kept, [1] * len(kept), [], [], {})
         subset = [requests[i] for i in computed]
-        inputs = self._inputs(subset, [counts[i] for i in computed])
+        inputs = self.layout.inputs(subset, [counts[i] for i in computed])
         logits = self._forward(inputs, ends_in)
         ends = self._prompt_ends(subset, inputs, computed)
         # Back to the step's request order (the sampling rows were the computed requests', then
@@ -262,140 +241,3 @@ class ModelRunner:
     def reset(self) -> None:
         """Frees what attention keeps between steps (the engine calls this when idle)."""
         self.attention.reset()
-
-    def _logit_rows(
-        self, sampling: np.ndarray, spans: list[PromptSpan], total: int, order: np.ndarray
-    ) -> torch.Tensor | None:
-        """The rows whose logits the step needs: the sampling rows, then the prompt-logprob
-        spans' (None: every row, in order)."""
-        if spans:
-            return to_device(np.concatenate([sampling, span_rows(spans)]), self.device)
-        if len(sampling) != total or not np.array_equal(order, np.arange(len(order))):
-            return to_device(sampling, self.device)
-        return None
-
-    def _inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
-        """The step's flat batch. Its rows are laid out decoding requests first: a layer with
-        a quantized and a dense copy gives the decode rows one and the prompt rows the other,
-        so a prompt token is computed alike whatever else the step holds. A request verifying
-        drafts is a decoding request with 1 + drafts rows, all of them sampling rows."""
-        if all(
-            count == 1
-            and r.num_computed >= r.prompt_len
-            and not r.draft_ids
-            and not r.wants_prompt_logprobs
-            for r, count in zip(requests, counts)
-        ):
-            return self._decode_inputs(requests)
-        return self._layout_inputs(requests, counts)
-
-    def _layout_inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
-        """``_inputs`` of any step."""
-        num_seqs = len(requests)
-        starts = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=num_seqs)
-        lengths = np.asarray(counts, dtype=np.int64)
-        decoding = np.fromiter(
-            (r.num_computed >= r.prompt_len for r in requests), dtype=bool, count=num_seqs
-        )
-        order = np.argsort(~decoding, kind="stable")  # row order of the sequences
-        row_ends: np.ndarray = np.empty(num_seqs, dtype=np.int64)
-        row_ends[order] = np.cumsum(lengths[order])
-        row_starts = row_ends - lengths
-        total = int(lengths.sum())
-        drafts = np.fromiter((len(r.draft_ids) for r in requests), dtype=np.int64, count=num_seqs)
-        emitting = [
-            i
-            for i, r in enumerate(requests)
-            if r.num_computed + counts[i] == r.num_tokens + drafts[i] and r.samples
-        ]
-        input_ids = np.fromiter(
-            itertools.chain.from_iterable(
-                requests[i].step_tokens(starts[i], counts[i]) for i in order
-            ),
-            dtype=np.int64,
-            count=total,
-        )
-        tables = _block_tables(requests)
-        size = self.block_size
-        seq_of_row: np.ndarray = np.repeat(order, lengths[order])
-        positions = np.arange(total) - row_starts[seq_of_row] + starts[seq_of_row]
-        slots = tables[seq_of_row, positions // size] * size + positions % size
-        step = StepBatch(
-            sequences=requests,
-            starts=starts,
-            lengths=lengths,
-            row_starts=row_starts,
-            block_tables=tables,
-            slots=slots,
-            block_size=size,
-            decoded=decoding,
-        )
-        spans = []
-        if any(r.wants_prompt_logprobs for r in requests):
-            spans = prompt_spans(requests, counts, starts, row_starts)
-        widths = drafts[emitting] + 1
-        sampling = np.repeat(row_ends[emitting] - widths, widths) + row_offsets(widths)
-        logit_rows = self._logit_rows(sampling, spans, total, order)
-        decode_rows = int(lengths[decoding].sum())
-        batches = None
-        if drafts.any():
-            batches = (decode_rows - int(drafts.sum()), len(emitting))
-        return ModelInputs(
-            to_device(input_ids, self.device),
-            to_device(positions, self.device),
-            logit_rows,
-            emitting,
-            widths.tolist(),
-            step,
-            spans,
-            decode_rows,
-            batches,
-        )
-
-    def _decode_inputs(self, requests: list[EngineRequest]) -> ModelInputs:
-        """``_inputs`` of a step in which every request decodes one token of its own (no drafts,
-        no prompt rows): one row each, in request order, without the general layout's sort
-        and cumulative sums (the hot step; a few numpy calls cost µs each there)."""
-        num_seqs = len(requests)
-        positions = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=num_seqs)
-        input_ids = np.fromiter(
-            (r.token_ids[r.num_computed] for r in requests), dtype=np.int64, count=num_seqs
-        )
-        tables = _block_tables(requests)
-        rows, size = np.arange(num_seqs), self.block_size
-        emitting = [
-            i for i, r in enumerate(requests) if r.num_computed + 1 == r.num_tokens and r.samples
-        ]
-        step = StepBatch(
-            sequences=requests,
-            starts=positions,
-            lengths=np.ones(num_seqs, dtype=np.int64),
-            row_starts=rows,
-            block_tables=tables,
-            slots=tables[rows, positions // size] * size + positions % size,
-            block_size=size,
-            decoded=np.ones(num_seqs, dtype=bool),
-        )
-        logit_rows = None
-        if len(emitting) < num_seqs:
-            logit_rows = to_device(np.asarray(emitting, dtype=np.int64), self.device)
-        return ModelInputs(
-            to_device(input_ids, self.device),
-            to_device(positions, self.device),
-            logit_rows,
-            emitting,
-            [1] * len(emitting),
-            step,
-            [],
-            num_seqs,
-        )
-
-
-def _block_tables(requests: list[EngineRequest]) -> np.ndarray:
-    """[S, widest table] each request's cache blocks, padded with block 0."""
-    tables: np.ndarray = np.zeros(
-        (len(requests), max(len(r.block_ids) for r in requests)), dtype=np.int64
-    )
-    for i, r in enumerate(requests):
-        tables[i, : len(r.block_ids)] = r.block_ids
-    return tables

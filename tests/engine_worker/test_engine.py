@@ -287,8 +287,8 @@ def test_cpu_steps_take_a_bounded_number_of_prompt_tokens(tiny_model_dir):
 
 
 def test_a_decode_only_step_lays_out_its_rows_as_the_general_layout_does(tiny_engine):
-    """``ModelRunner._decode_inputs`` (every request decodes one token) against the general
-    ``_layout_inputs`` of the same step: same rows, slots, tables and sampling rows."""
+    """``StepLayout.decode_inputs`` (every request decodes one token) against the general
+    ``layout_inputs`` of the same step: same rows, slots, tables and sampling rows."""
     collect(tiny_engine)
     for i, n in enumerate((3, 20, 9)):
         tiny_engine.add(f"layout{i}", PROMPT[:n] * 2, greedy(8))
@@ -297,7 +297,10 @@ def test_a_decode_only_step_lays_out_its_rows_as_the_general_layout_does(tiny_en
         tiny_engine.step()
     requests = list(requests)
     runner = tiny_engine.runner
-    fast, general = runner._decode_inputs(requests), runner._layout_inputs(requests, [1] * 3)
+    fast, general = (
+        runner.layout.decode_inputs(requests),
+        runner.layout.layout_inputs(requests, [1] * 3),
+    )
     for name in ("input_ids", "positions"):
         assert torch.equal(getattr(fast, name), getattr(general, name))
     assert fast.logit_rows is None and general.logit_rows is None
