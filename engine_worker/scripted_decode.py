@@ -182,8 +182,13 @@ class ScriptedDecode:
 
             weights, parts = [], []
             for (int4, dense, _), int4_copy in zip(self.copies, quantized):
-                weights += [int4.packed, int4.scale_zero] if int4_copy else [dense.weight] * 2
-                parts.append(int4.parts if int4_copy else 0)
+                if int4_copy:
+                    weights += [int4.packed, int4.scale_zero]
+                    parts.append(int4.parts)
+                else:  # the dense copy, packed for oneDNN where it is (DenseLinear)
+                    matrix = dense.weight if dense.packed is None else dense.packed
+                    weights += [matrix] * 2
+                    parts.append(0 if dense.packed is None else -1)
             heads, kv_heads, _ = self.shape
             module = DecodeLayers(self.norms, weights, parts, self.group, self.eps, heads, kv_heads)
             with warnings.catch_warnings():

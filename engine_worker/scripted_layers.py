@@ -20,7 +20,10 @@ from torch import Tensor
 
 def _linear(x: Tensor, packed: Tensor, scale_zero: Tensor, parts: int, group: int) -> Tensor:
     """``Int4Linear.apply`` (``parts`` > 0) or ``DenseLinear.apply`` of more than one row
-    (``parts`` == 0: ``packed`` is the matrix)."""
+    (``parts`` == 0: ``packed`` is the plain matrix; -1: oneDNN's packed one)."""
+    if parts == -1:
+        no_scalars: list[int | float | complex | None] = []  # the op's Scalar?[]
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", no_scalars, "")
     if parts == 0:
         return torch.nn.functional.linear(x, packed)
     x = x.contiguous() if parts == 1 else x.repeat(1, parts)
@@ -50,7 +53,8 @@ class DecodeLayers(torch.nn.Module):
     the weights are the module's, converted for TorchScript once (passed as arguments, the
     ~420 tensors of a step's lists cost ~35 µs a call to convert); ``norms`` each layer's two
     doubled norm weights, ``weights`` its four linears' two tensors each (qkv, o_proj,
-    gate_up, down; ``_linear``), ``parts`` their int4 parts (0: dense)."""
+    gate_up, down; ``_linear``), ``parts`` their int4 parts (0: dense, -1: dense packed for
+    oneDNN)."""
 
     def __init__(
         self,

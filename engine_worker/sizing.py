@@ -43,7 +43,7 @@ def default_weight_format(
         dtype,
         device,
         config.quantized_max_tokens,
-        dense_copy=dense_copy_fits(model_config, dtype, weight_copy_budget_bytes(device)),
+        dense_copy=dense_copy_fits(model_config, dtype, weight_copy_budget_bytes(device), device),
         deterministic=config.deterministic,
     )
 

@@ -44,6 +44,7 @@ from engine_worker.linear import (
     WeightSource,
     dequantize,
     int4_supported,
+    packs_for_onednn,
     quantize_int4,
     quantize_int8,
 )
@@ -54,9 +55,13 @@ logger = logging.getLogger("splitserve.engine.weights")
 WEIGHT_FORMATS = WEIGHTS
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Largest step (tokens through a linear layer) that still runs on the quantized copy: measured
-# crossovers on a 2-core AVX-512 (BF16) CPU with bf16 activations, `python -m scripts.bench
-# engine kernels`. Above it the dense bf16 copy is faster.
-QUANTIZED_MAX_TOKENS = {"int4": 16, "int4x2": 4, "int4x4": 1, "int8": 4}
+# crossovers on a 2-core AVX-512 (BF16) CPU with bf16 activations. Above it the dense bf16 copy
+# (oneDNN-packed, ``linear.DenseLinear``) is faster. int4 and int4x2 from the default model's
+# whole decode step, both choices interleaved in one engine at each batch: layers 10 (8 rows
+# 27.1 ms int4 against 29.8 dense; 12 rows 38.6 against 36.4), head 2 (3 rows 15.65 int4x2
+# against 15.19). int4x4 and int8 are from `python -m scripts.bench engine kernels` against the
+# unpacked dense copy.
+QUANTIZED_MAX_TOKENS = {"int4": 10, "int4x2": 2, "int4x4": 1, "int8": 4}
 QUANTIZED_FORMATS = ("int8", "int4", "int4-exact")
 
 
@@ -76,14 +81,15 @@ def check_weights_and_dtype(weights: str, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"weights={weights} needs dtype float32 or bfloat16, got {dtype}")
 
 
-def dense_copy_fits(config, dtype: torch.dtype, budget_bytes: int) -> bool:
+def dense_copy_fits(config, dtype: torch.dtype, budget_bytes: int, device: torch.device) -> bool:
     """Whether dense copies of every linear layer (what a quantized format adds for large steps)
-    fit ``budget_bytes``. A tied lm_head's dense copy is the embedding table: free."""
+    fit ``budget_bytes``. A tied lm_head's dense copy is the embedding table, free unless it is
+    packed for oneDNN (``linear.packs_for_onednn``: then the packed copy is its own)."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inner = config.hidden_size, config.intermediate_size
     per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inner
     params = config.num_layers * per_layer
-    if not config.tie_word_embeddings:
+    if not config.tie_word_embeddings or packs_for_onednn(device, dtype):
         params += config.vocab_size * hidden
     needed = params * torch.empty((), dtype=dtype).element_size()
     if needed > budget_bytes:
@@ -162,7 +168,11 @@ class WeightFormat:
                 return DenseLinear(q.float() * scale[:, None], bias)
             layer = Int8Linear(q, scale, self.dtype, bias)
         if self.dense_copy:
-            copy = DenseLinear(dense if dense is not None else self.dense(source), bias)
+            copy = (
+                DenseLinear(dense, bias)
+                if dense is not None
+                else DenseLinear(self.dense(source), bias, keep_weight=False)
+            )
             layer = BatchSizeSwitch(layer, copy, self.max_tokens or QUANTIZED_MAX_TOKENS[kind])
         return layer
 

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from engine_worker.engine import Engine
+from engine_worker.weight_format import QUANTIZED_MAX_TOKENS
 from ipc.engine_config import EngineConfig
 from scripts.bench.chat_prompts import chat_prompt_ids
 from tests.engine_worker.helpers import collect, greedy
 
 pytestmark = pytest.mark.slow
 TOKENS = 16
-# The default launch runs decode rows on the int4 kernels while a step has at most 16 of them
-# (dense above): its promise holds for decode batches on one side of that line.
-DEFAULT_DECODE_BATCH = 16
+# The default launch runs decode rows on the int4 kernels while a step has at most this many of
+# them (dense above): its promise holds for decode batches on one side of that line.
+DEFAULT_DECODE_BATCH = QUANTIZED_MAX_TOKENS["int4"]
 
 
 def make_engine(model_dir, **knobs) -> Engine:
@@ -106,7 +107,7 @@ def test_deterministic_mode_same_tokens_whatever_the_decode_batch_and_chunks(
     # query rows a kv head: a block of 32 and a padded tail) beside
     # others' prefill and decode rows; then 12 prompts arriving one per step (decode batches of
     # 1 to 12, their prompts from the prefix cache). Decode rows stay on the int4 kernels, so the
-    # tokens are also the default launch's at up to 16 decode rows.
+    # tokens are also the default launch's at up to DEFAULT_DECODE_BATCH decode rows.
     engine = make_engine(
         default_model_dir,
         deterministic=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine_worker.device import cpu_has_native_bf16, resolve_dtype
 from engine_worker.linear import (
@@ -16,6 +17,7 @@ from engine_worker.linear import (
     Int8Blocks,
     Int8Linear,
     dequantize,
+    onednn_packed,
     quantize_int4,
     quantize_int8,
     refine_top_logits,
@@ -145,6 +147,37 @@ def test_int8_per_channel(dtype):
     expected = x.float() @ (q.float() * scale[:, None]).t()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (layer.apply(x).float() - expected).abs().max() < tolerance * expected.abs().max()
+
+
+@pytest.mark.skipif(
+    onednn_packed(torch.ones(16, 32, dtype=torch.bfloat16)) is None,
+    reason="this torch or CPU sends bf16 products elsewhere than oneDNN",
+)
+@pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (49152, 576), (40, 24)])
+def test_dense_bf16_packed_for_onednn_computes_the_plain_products_bits(shape):
+    # Packing only moves the matrix into oneDNN's layout once: every row gets the bits the plain
+    # F.linear gives it among others, alone (one row: F.linear alone takes another kernel),
+    # whatever the call's row count or the thread count.
+    n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(300, k, generator=g).bfloat16()
+    expected = F.linear(x, w, bias)
+    layer = DenseLinear(w, bias, keep_weight=False)
+    assert layer.packed is not None and layer.weight is None
+    assert layer.nbytes == n * k * 2
+    for rows in (2, 3, 7, 16, 33, 300):
+        assert torch.equal(layer.apply(x[-rows:]), expected[-rows:]), rows
+    alone = torch.cat([layer.apply(x[i : i + 1]) for i in range(64)])
+    assert torch.equal(alone, expected[:64])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(layer.apply(x[:5]), expected[:5])
+    finally:
+        torch.set_num_threads(threads)
+    assert DenseLinear(w.float()).packed is None  # float32: another BLAS, left as it was
 
 
 def test_batch_size_switch_picks_by_decode_rows():
