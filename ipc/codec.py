@@ -15,11 +15,13 @@ import sys
 import types
 import typing
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
+
+from ipc.json_values import json_leaves, lone_surrogate
 
 # Hard limits on anything decoded from a socket. Sockets also cap whole frames (MAXMSGSIZE).
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -154,33 +156,6 @@ def _unencodable(wire: dict) -> EncodeError | None:
     return None
 
 
-def json_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, value) of every leaf of a JSON-like value and of every map key, depth first:
-    ``messages[0].content``; a key's own path ends with its ascii() form (it may not be
-    printable). For finding what is wrong in a value already refused: it walks everything."""
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from json_leaves(item, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield (f"{path}.{key!a}" if path else ascii(key)), key
-            yield from json_leaves(item, f"{path}.{key}" if path else str(key))
-    else:
-        yield path, value
-
-
-def lone_surrogate(text: str) -> str | None:
-    """What is wrong with ``text`` if it holds a UTF-16 surrogate, else None. A Python str holds
-    one only when it came from a lone ``\\ud800``-style escape (a valid pair decodes to one
-    character), and UTF-8 has no encoding for it."""
-    try:
-        text.encode("utf-8")
-        return None
-    except UnicodeEncodeError as exc:
-        code = ord(text[exc.start])
-        return f"a lone UTF-16 surrogate (U+{code:04X}) at character {exc.start}: not Unicode text"
-
-
 def unpack_frame(frame: bytes) -> Any:
     """msgpack with size limits; raises DecodeError on anything malformed."""
     if len(frame) > MAX_FRAME_BYTES:
@@ -230,13 +205,64 @@ def from_wire(obj: Any) -> Any:
     cls = _REGISTRY.get(kind)
     if cls is None:
         raise DecodeError(f"unknown message kind {kind!r}")
-    body = {k: v for k, v in obj.items() if k != "kind"}
-    return _decode_dataclass(cls, body, kind)
+    return _decode_dataclass(cls, obj, kind, skip="kind")
 
 
-def _decode_dataclass(cls: type, obj: Any, where: str) -> Any:
+# Per dataclass, its fields by name: (the value types taken as they are, or None for any value;
+# the field's decoder), and its required fields. A value whose type is exactly one of the first
+# needs no decoder call (it would return it unchanged): most fields of the per-token messages.
+_PLANS: dict[type, tuple[dict[str, tuple[frozenset | None, Any]], frozenset[str]]] = {}
+_NONE = type(None)
+
+
+def _taken_as_is(hint: Any) -> frozenset | None:
+    if hint is Any:
+        return None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [_taken_as_is(a) for a in typing.get_args(hint) if a is not _NONE]
+        if len(inner) != 1:
+            return frozenset()  # not a type the codec decodes: _make_decoder says so
+        return None if inner[0] is None else inner[0] | {_NONE}
+    return frozenset({hint}) if hint in (str, bytes, bool, int, float) else frozenset()
+
+
+def _plan(cls: type) -> tuple[dict[str, tuple[frozenset | None, Any]], frozenset[str]]:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        specs = _field_specs(cls)
+        fields = {name: (_taken_as_is(hint), hint) for name, hint, _ in specs}
+        plan = _PLANS[cls] = (fields, frozenset(name for name, _, required in specs if required))
+    return plan
+
+
+def _decode_dataclass(cls: type, obj: Any, where: str, skip: str = "") -> Any:
+    """The fast way: a value of a type taken as it is is not walked; a message with anything
+    wrong (an unknown or missing field, a bad value) is decoded again the strict way, which
+    names the first fault in field order."""
     if not isinstance(obj, dict):
         raise DecodeError(f"{where}: expected a map, got {_type_name(obj)}")
+    fields, required = _plan(cls)
+    kwargs = {}
+    try:
+        for name, value in obj.items():
+            if skip and name == skip:
+                continue
+            as_is, hint = fields[name]
+            if as_is is None or type(value) in as_is:
+                kwargs[name] = value
+            else:
+                kwargs[name] = _decode_value(hint, value, where)
+    except (KeyError, DecodeError):
+        kwargs = {}
+    if not kwargs.keys() >= required or len(kwargs) + bool(skip) < len(obj):
+        return _decode_strictly(cls, {k: v for k, v in obj.items() if k != skip}, where)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise DecodeError(f"{where}: {exc}") from None
+
+
+def _decode_strictly(cls: type, obj: dict, where: str) -> Any:
     specs = _field_specs(cls)
     known = {name for name, _, _ in specs}
     unknown = [k for k in obj if k not in known]
@@ -284,10 +310,13 @@ def _make_decoder(hint: Any) -> Callable[[Any, str], Any]:
         return dec_optional
     if origin is list:
         (item,) = args
+        item_as_is = _taken_as_is(item)
 
         def dec_list(v: Any, w: str) -> Any:
             if not isinstance(v, list):
                 raise DecodeError(f"{w}: expected a list, got {_type_name(v)}")
+            if item_as_is is None or all(type(x) in item_as_is for x in v):
+                return list(v)
             return [_decode_value(item, x, f"{w}[{i}]") for i, x in enumerate(v)]
 
         return dec_list
