@@ -6,8 +6,9 @@ watches the socket's descriptor once (``add_reader``) and a wake-up reads with n
 
 ZeroMQ's descriptor is edge-triggered and is also consumed by sends on the same socket, so the
 socket's EVENTS, not the descriptor, says whether a frame is waiting: ``wait`` checks them before
-it sleeps. Sends never block: a frame the socket will not take now (its queue to the detokenizer
-is full) waits in a backlog, in order, and goes out on a later pass.
+it sleeps, unless ``frames`` just found none and nothing was sent since. Sends never block: a
+frame the socket will not take now (its queue to the detokenizer is full) waits in a backlog, in
+order, and goes out on a later pass.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class DealerWatch:
         self._monitor_signalled = False
         self._waiter: asyncio.Future | None = None
         self._backlog: deque[bytes] = deque()
+        self._unsure = True  # whether a frame may wait that the descriptor will not signal
         loop.add_reader(sock.FD, self._wake)
 
     def watch_disconnect(self, monitor: zmq.Socket) -> None:
@@ -65,7 +67,7 @@ class DealerWatch:
         monitor is read as well: its descriptor may have fired before it was watched)."""
         if self._backlog:
             timeout_ms = min(timeout_ms, BACKLOG_RETRY_MS)
-        if self._monitor_signalled or self.has_frame():
+        if self._monitor_signalled or (self._unsure and self.has_frame()):
             return
         self._waiter = waiter = self._loop.create_future()
         timer = self._loop.call_later(timeout_ms / 1e3, _settle, waiter, False)
@@ -90,6 +92,7 @@ class DealerWatch:
         """The frames waiting now, without blocking."""
         while self.has_frame():
             yield self.sock.recv(zmq.NOBLOCK)
+        self._unsure = False
 
     def disconnected(self) -> bool:
         """Whether the monitor reported the connection dropping since the last look (read only
@@ -100,8 +103,12 @@ class DealerWatch:
         return monitor_events(self._monitor) > 0
 
     def send(self, frames: list[bytes]) -> None:
-        """In order, now where the socket takes them; the rest on a later ``send``/``wait``."""
+        """In order, now where the socket takes them; the rest on a later ``send``/``wait``. A
+        send may consume the descriptor's signal of a frame: a pending ``wait`` looks again."""
         self._backlog.extend(frames)
+        if self._backlog:
+            self._unsure = True
+            self._wake()
         while self._backlog:
             try:
                 self.sock.send(self._backlog[0], zmq.NOBLOCK)
