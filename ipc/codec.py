@@ -108,7 +108,9 @@ def _encoder(cls: type) -> Callable[[Any], dict]:
             else:
                 wire = {name: getattr(value, name) for name in plain}
             for name in deep:
-                wire[name] = _to_wire(getattr(value, name))
+                # An empty or absent value (most of them, per token) is written as it is.
+                item = getattr(value, name)
+                wire[name] = _to_wire(item) if item else item
             return wire
 
         _ENCODERS[cls] = encoder
