@@ -14,14 +14,16 @@ import operator
 import sys
 import types
 import typing
-from array import array
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgpack
-import numpy as np
 
 from ipc.json_values import json_leaves, lone_surrogate
+from ipc.token_ids import pack_ids as pack_ids
+from ipc.token_ids import unpack_id_list as unpack_id_list
+from ipc.token_ids import unpack_ids as unpack_ids
+from ipc.wire_errors import DecodeError, EncodeError
 
 # Hard limits on anything decoded from a socket. Sockets also cap whole frames (MAXMSGSIZE).
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -34,20 +36,6 @@ _T = TypeVar("_T")
 _REGISTRY: dict[str, type] = {}
 _FIELDS: dict[type, tuple[tuple[str, Any, bool], ...]] = {}
 _DECODERS: dict[Any, Callable[[Any, str], Any]] = {}
-
-
-class DecodeError(ValueError):
-    """A frame that is not a well-formed message of a known kind."""
-
-
-class EncodeError(ValueError):
-    """A message the wire cannot carry: a string that is not valid Unicode (a lone UTF-16
-    surrogate, which UTF-8 cannot encode) or an integer outside msgpack's 64 bits. ``path``
-    names the value in the message (``messages[0].content``, ``sampling.logit_bias``)."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}" if path else message)
-        self.path = path
 
 
 def message(cls: type[_T]) -> type[_T]:
@@ -94,13 +82,19 @@ def _may_hold_dataclass(hint: Any) -> bool:
 
 def _encoder(cls: type) -> Callable[[Any], dict]:
     """The field map of a ``cls`` instance: fields that cannot hold a dataclass are taken as
-    they are, in one ``attrgetter`` call; the others are walked."""
+    they are, in one ``attrgetter`` call; the others are walked. A field at its default (of
+    the default's own type; an empty list or map where the default is one) is left out: the
+    decoder gives it that default again, and a per-token message is mostly defaults, which
+    cost every process on its way to pack, unpack and decode."""
     encoder = _ENCODERS.get(cls)
     if encoder is None:
         specs = _field_specs(cls)
         plain = [name for name, hint, _ in specs if not _may_hold_dataclass(hint)]
         deep = [name for name, hint, _ in specs if _may_hold_dataclass(hint)]
         get_plain = operator.attrgetter(*plain) if len(plain) > 1 else None
+        fields = dataclasses.fields(cls)
+        defaults = [(f.name, f.default) for f in fields if f.default is not dataclasses.MISSING]
+        empties = [f.name for f in fields if f.default_factory in (list, dict)]
 
         def encoder(value: Any) -> dict:
             if get_plain is not None:
@@ -111,6 +105,13 @@ def _encoder(cls: type) -> Callable[[Any], dict]:
                 # An empty or absent value (most of them, per token) is written as it is.
                 item = getattr(value, name)
                 wire[name] = _to_wire(item) if item else item
+            for name, default in defaults:
+                item = wire[name]
+                if item is default or (type(item) is type(default) and item == default):
+                    del wire[name]
+            for name in empties:
+                if not wire[name] and type(wire[name]) in (list, dict):
+                    del wire[name]
             return wire
 
         _ENCODERS[cls] = encoder
@@ -370,29 +371,3 @@ def _scalar_decoder(hint: Any) -> Callable[[Any, str], Any]:
 
 def _type_name(v: Any) -> str:
     return "null" if v is None else type(v).__name__
-
-
-# Token ids travel as packed little-endian int32, not a msgpack list of ints: one memcpy each way.
-_ID_DTYPE = np.dtype("<i4")
-
-
-def pack_ids(ids: Any) -> bytes:
-    if isinstance(ids, np.ndarray):
-        return ids.astype(_ID_DTYPE, copy=False).tobytes()
-    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple, array)):
-        ids = ids.tolist()  # torch tensors
-    return (
-        array("i", ids).tobytes()
-        if sys.byteorder == "little"
-        else np.asarray(ids, dtype=_ID_DTYPE).tobytes()
-    )
-
-
-def unpack_ids(data: bytes) -> np.ndarray:
-    if len(data) % 4:
-        raise DecodeError(f"packed token ids have {len(data)} bytes, not a multiple of 4")
-    return np.frombuffer(data, dtype=_ID_DTYPE)
-
-
-def unpack_id_list(data: bytes) -> list[int]:
-    return unpack_ids(data).tolist()

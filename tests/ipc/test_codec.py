@@ -510,3 +510,16 @@ def test_the_fast_decode_reads_altered_examples_as_the_strict_one(msg, data):
         target.pop(key, None)
     frame = msgpack.packb(wire, use_bin_type=True)
     assert _decoded(frame) == _decoded_strictly(frame)
+
+
+def test_fields_at_their_defaults_stay_off_the_wire_and_come_back():
+    event = StreamEvent("r", text="a", usage=Usage(3, 0), finished=False, step_ms=0.0)
+    wire = codec.to_wire(ClientEvents(events=[event]))
+    assert wire["events"] == [
+        {"request_id": "r", "text": "a", "usage": {"prompt_tokens": 3, "completion_tokens": 0}}
+    ]
+    assert decode(encode(ClientEvents(events=[event]))) == ClientEvents(events=[event])
+    # Of another type than the default, a value is written (and refused as it always was).
+    odd = StreamEvent("r", finished=0)  # type: ignore[arg-type]
+    with pytest.raises(DecodeError, match="finished"):
+        decode(encode(ClientEvents(events=[odd])))
