@@ -258,7 +258,8 @@ def _decode_dataclass(cls: type, obj: Any, where: str, skip: str = "") -> Any:
     except (KeyError, DecodeError):
         kwargs = {}
     if not kwargs.keys() >= required or len(kwargs) + bool(skip) < len(obj):
-        return _decode_strictly(cls, {k: v for k, v in obj.items() if k != skip}, where)
+        body = {k: v for k, v in obj.items() if not (skip and k == skip)}
+        return _decode_strictly(cls, body, where)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:

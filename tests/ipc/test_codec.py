@@ -523,3 +523,12 @@ def test_fields_at_their_defaults_stay_off_the_wire_and_come_back():
     odd = StreamEvent("r", finished=0)  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="finished"):
         decode(encode(ClientEvents(events=[odd])))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"events": [{"": None}]}, {"events": [{"request_id": "r", "": 1}]}, {"events": [], "": 0}],
+)
+def test_an_empty_field_name_is_unknown_at_every_depth(body):
+    frame = msgpack.packb({"kind": "events", **body}, use_bin_type=True)
+    assert "unknown field(s) ''" in _decoded(frame) == _decoded_strictly(frame)
