@@ -33,7 +33,7 @@ from starlette.requests import Request
 
 from http_worker.fields import FieldPolicy, check_fields
 from http_worker.protocol import APIError, bad_request
-from ipc.codec import json_leaves, lone_surrogate
+from ipc.json_values import json_leaves, lone_surrogate
 
 INLINE_BODY_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 200  # pydantic-core's parser refuses deeper nesting ("recursion limit")

@@ -12,6 +12,8 @@ Several frontends share the series through prometheus_client's multiprocess mode
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 LABELS = ("model_name", "engine")
@@ -91,19 +93,23 @@ class RequestSeries:
 class RequestClock:
     """One engine request's times as its deltas arrive, feeding a RequestSeries."""
 
-    __slots__ = ("series", "model_name", "t_arrived", "t_first", "t_last")
+    __slots__ = ("series", "model_name", "t_arrived", "t_first", "t_last", "_gap")
 
     def __init__(self, series: RequestSeries, model_name: str, t_arrived: float) -> None:
         self.series, self.model_name, self.t_arrived = series, model_name, t_arrived
         self.t_first = self.t_last = 0.0
+        self._gap: tuple[int, Any] = (-1, None)  # (engine index, its ITL series)
 
     def on_tokens(self, engine_index: int, tokens: int, t: float) -> None:
-        labels = (self.model_name, str(engine_index))
         if not self.t_first:
             self.t_first = t
+            labels = (self.model_name, str(engine_index))
             self.series.ttft.labels(*labels).observe(t - self.t_arrived)
         elif tokens:
-            gap = self.series.itl.labels(*labels)
+            if self._gap[0] != engine_index:  # labels() per token cost more than observe()
+                series = self.series.itl.labels(self.model_name, str(engine_index))
+                self._gap = (engine_index, series)
+            gap = self._gap[1]
             for _ in range(tokens):
                 gap.observe((t - self.t_last) / tokens)
         self.t_last = t

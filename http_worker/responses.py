@@ -27,6 +27,10 @@ from ipc.messages import LogprobEntry
 from ipc.structured import ToolCallDelta
 
 SSE_DONE = b"data: [DONE]\n\n"
+# Stands for a chunk's text in a template of it (ResponseFormat._text_template); a chunk whose
+# other fields hold it too gets no template.
+_TEXT_MARK = "\x00splitserve text\x00"
+_TEXT_MARK_JSON = json.dumps(_TEXT_MARK).encode()
 
 
 def new_id(prefix: str) -> str:
@@ -99,6 +103,7 @@ class ResponseFormat:
     id_prefix = ""
     object_full = ""
     object_chunk = ""
+    text_template = False  # chunk() puts a text-only delta's text in one JSON string
 
     def __init__(
         self,
@@ -117,6 +122,7 @@ class ResponseFormat:
         self.continuous_usage = continuous_usage  # each chunk: its choice's usage so far
         self.logprobs, self.echo, self.prompt_logprobs = logprobs, echo, prompt_logprobs
         self._offsets: dict[int, TextOffsets] = {}  # per choice, across a stream's chunks
+        self._templates: dict[int, tuple[bytes, bytes] | tuple[()]] = {}  # per choice
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -165,8 +171,34 @@ class ResponseFormat:
     def stream_delta(
         self, index: int, out: ChoiceOutput, usage: dict[str, Any] | None
     ) -> Iterator[bytes]:
-        if out.has_content:
+        if not out.has_content:
+            return
+        if self._text_only(out, usage) and (around := self._text_template(index)) is not None:
+            head, tail = around  # the chunk as chunk() writes it, the text put in its place
+            yield head + json.dumps(out.text, ensure_ascii=False).encode() + tail
+        else:
             yield sse(self.chunk(index, out, usage))
+
+    def _text_only(self, out: ChoiceOutput, usage: dict[str, Any] | None) -> bool:
+        """Whether this chunk differs from any other of its choice by its text alone (the
+        common one: no logprobs, calls, finish or usage of its own)."""
+        return (
+            self.text_template
+            and self.logprobs is None
+            and not (self.continuous_usage and usage is not None)
+            and bool(out.text)
+            and not (out.finish_reason or out.tool_calls or out.echo_text or out.prompt_logprobs)
+        )
+
+    def _text_template(self, index: int) -> tuple[bytes, bytes] | None:
+        """The SSE event of a text-only chunk of choice ``index``, split where its text goes:
+        built once per choice by chunk() itself, so the bytes are the same."""
+        around = self._templates.get(index)
+        if around is None:
+            event = sse(self.chunk(index, ChoiceOutput(text=_TEXT_MARK), None))
+            parts = event.split(_TEXT_MARK_JSON)
+            around = self._templates[index] = (parts[0], parts[1]) if len(parts) == 2 else ()
+        return around or None
 
     def stream_end(self, usage: dict[str, Any]) -> Iterator[bytes]:
         if self.include_usage:
@@ -195,6 +227,7 @@ class ResponseFormat:
 
 class CompletionFormat(ResponseFormat):
     id_prefix, object_full, object_chunk = "cmpl", "text_completion", "text_completion"
+    text_template = True
 
     def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
         body = {
@@ -228,6 +261,7 @@ class CompletionFormat(ResponseFormat):
 
 class ChatFormat(ResponseFormat):
     id_prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
+    text_template = True
 
     def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
         message = message_with_calls({"role": "assistant", "content": out.text}, out.tool_calls)

@@ -14,12 +14,16 @@ import operator
 import sys
 import types
 import typing
-from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgpack
-import numpy as np
+
+from ipc.json_values import json_leaves, lone_surrogate
+from ipc.token_ids import pack_ids as pack_ids
+from ipc.token_ids import unpack_id_list as unpack_id_list
+from ipc.token_ids import unpack_ids as unpack_ids
+from ipc.wire_errors import DecodeError, EncodeError
 
 # Hard limits on anything decoded from a socket. Sockets also cap whole frames (MAXMSGSIZE).
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -32,20 +36,6 @@ _T = TypeVar("_T")
 _REGISTRY: dict[str, type] = {}
 _FIELDS: dict[type, tuple[tuple[str, Any, bool], ...]] = {}
 _DECODERS: dict[Any, Callable[[Any, str], Any]] = {}
-
-
-class DecodeError(ValueError):
-    """A frame that is not a well-formed message of a known kind."""
-
-
-class EncodeError(ValueError):
-    """A message the wire cannot carry: a string that is not valid Unicode (a lone UTF-16
-    surrogate, which UTF-8 cannot encode) or an integer outside msgpack's 64 bits. ``path``
-    names the value in the message (``messages[0].content``, ``sampling.logit_bias``)."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}" if path else message)
-        self.path = path
 
 
 def message(cls: type[_T]) -> type[_T]:
@@ -92,13 +82,19 @@ def _may_hold_dataclass(hint: Any) -> bool:
 
 def _encoder(cls: type) -> Callable[[Any], dict]:
     """The field map of a ``cls`` instance: fields that cannot hold a dataclass are taken as
-    they are, in one ``attrgetter`` call; the others are walked."""
+    they are, in one ``attrgetter`` call; the others are walked. A field at its default (of
+    the default's own type; an empty list or map where the default is one) is left out: the
+    decoder gives it that default again, and a per-token message is mostly defaults, which
+    cost every process on its way to pack, unpack and decode."""
     encoder = _ENCODERS.get(cls)
     if encoder is None:
         specs = _field_specs(cls)
         plain = [name for name, hint, _ in specs if not _may_hold_dataclass(hint)]
         deep = [name for name, hint, _ in specs if _may_hold_dataclass(hint)]
         get_plain = operator.attrgetter(*plain) if len(plain) > 1 else None
+        fields = dataclasses.fields(cls)
+        defaults = [(f.name, f.default) for f in fields if f.default is not dataclasses.MISSING]
+        empties = [f.name for f in fields if f.default_factory in (list, dict)]
 
         def encoder(value: Any) -> dict:
             if get_plain is not None:
@@ -106,7 +102,16 @@ def _encoder(cls: type) -> Callable[[Any], dict]:
             else:
                 wire = {name: getattr(value, name) for name in plain}
             for name in deep:
-                wire[name] = _to_wire(getattr(value, name))
+                # An empty or absent value (most of them, per token) is written as it is.
+                item = getattr(value, name)
+                wire[name] = _to_wire(item) if item else item
+            for name, default in defaults:
+                item = wire[name]
+                if item is default or (type(item) is type(default) and item == default):
+                    del wire[name]
+            for name in empties:
+                if not wire[name] and type(wire[name]) in (list, dict):
+                    del wire[name]
             return wire
 
         _ENCODERS[cls] = encoder
@@ -152,33 +157,6 @@ def _unencodable(wire: dict) -> EncodeError | None:
         if isinstance(value, int) and not -(2**63) <= value < 2**64:
             return EncodeError(path, f"the integer {value} does not fit in 64 bits")
     return None
-
-
-def json_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, value) of every leaf of a JSON-like value and of every map key, depth first:
-    ``messages[0].content``; a key's own path ends with its ascii() form (it may not be
-    printable). For finding what is wrong in a value already refused: it walks everything."""
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from json_leaves(item, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield (f"{path}.{key!a}" if path else ascii(key)), key
-            yield from json_leaves(item, f"{path}.{key}" if path else str(key))
-    else:
-        yield path, value
-
-
-def lone_surrogate(text: str) -> str | None:
-    """What is wrong with ``text`` if it holds a UTF-16 surrogate, else None. A Python str holds
-    one only when it came from a lone ``\\ud800``-style escape (a valid pair decodes to one
-    character), and UTF-8 has no encoding for it."""
-    try:
-        text.encode("utf-8")
-        return None
-    except UnicodeEncodeError as exc:
-        code = ord(text[exc.start])
-        return f"a lone UTF-16 surrogate (U+{code:04X}) at character {exc.start}: not Unicode text"
 
 
 def unpack_frame(frame: bytes) -> Any:
@@ -230,13 +208,65 @@ def from_wire(obj: Any) -> Any:
     cls = _REGISTRY.get(kind)
     if cls is None:
         raise DecodeError(f"unknown message kind {kind!r}")
-    body = {k: v for k, v in obj.items() if k != "kind"}
-    return _decode_dataclass(cls, body, kind)
+    return _decode_dataclass(cls, obj, kind, skip="kind")
 
 
-def _decode_dataclass(cls: type, obj: Any, where: str) -> Any:
+# Per dataclass, its fields by name: (the value types taken as they are, or None for any value;
+# the field's decoder), and its required fields. A value whose type is exactly one of the first
+# needs no decoder call (it would return it unchanged): most fields of the per-token messages.
+_PLANS: dict[type, tuple[dict[str, tuple[frozenset | None, Any]], frozenset[str]]] = {}
+_NONE = type(None)
+
+
+def _taken_as_is(hint: Any) -> frozenset | None:
+    if hint is Any:
+        return None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [_taken_as_is(a) for a in typing.get_args(hint) if a is not _NONE]
+        if len(inner) != 1:
+            return frozenset()  # not a type the codec decodes: _make_decoder says so
+        return None if inner[0] is None else inner[0] | {_NONE}
+    return frozenset({hint}) if hint in (str, bytes, bool, int, float) else frozenset()
+
+
+def _plan(cls: type) -> tuple[dict[str, tuple[frozenset | None, Any]], frozenset[str]]:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        specs = _field_specs(cls)
+        fields = {name: (_taken_as_is(hint), hint) for name, hint, _ in specs}
+        plan = _PLANS[cls] = (fields, frozenset(name for name, _, required in specs if required))
+    return plan
+
+
+def _decode_dataclass(cls: type, obj: Any, where: str, skip: str = "") -> Any:
+    """The fast way: a value of a type taken as it is is not walked; a message with anything
+    wrong (an unknown or missing field, a bad value) is decoded again the strict way, which
+    names the first fault in field order."""
     if not isinstance(obj, dict):
         raise DecodeError(f"{where}: expected a map, got {_type_name(obj)}")
+    fields, required = _plan(cls)
+    kwargs = {}
+    try:
+        for name, value in obj.items():
+            if skip and name == skip:
+                continue
+            as_is, hint = fields[name]
+            if as_is is None or type(value) in as_is:
+                kwargs[name] = value
+            else:
+                kwargs[name] = _decode_value(hint, value, where)
+    except (KeyError, DecodeError):
+        kwargs = {}
+    if not kwargs.keys() >= required or len(kwargs) + bool(skip) < len(obj):
+        body = {k: v for k, v in obj.items() if not (skip and k == skip)}
+        return _decode_strictly(cls, body, where)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise DecodeError(f"{where}: {exc}") from None
+
+
+def _decode_strictly(cls: type, obj: dict, where: str) -> Any:
     specs = _field_specs(cls)
     known = {name for name, _, _ in specs}
     unknown = [k for k in obj if k not in known]
@@ -284,10 +314,13 @@ def _make_decoder(hint: Any) -> Callable[[Any, str], Any]:
         return dec_optional
     if origin is list:
         (item,) = args
+        item_as_is = _taken_as_is(item)
 
         def dec_list(v: Any, w: str) -> Any:
             if not isinstance(v, list):
                 raise DecodeError(f"{w}: expected a list, got {_type_name(v)}")
+            if item_as_is is None or all(type(x) in item_as_is for x in v):
+                return list(v)
             return [_decode_value(item, x, f"{w}[{i}]") for i, x in enumerate(v)]
 
         return dec_list
@@ -339,29 +372,3 @@ def _scalar_decoder(hint: Any) -> Callable[[Any, str], Any]:
 
 def _type_name(v: Any) -> str:
     return "null" if v is None else type(v).__name__
-
-
-# Token ids travel as packed little-endian int32, not a msgpack list of ints: one memcpy each way.
-_ID_DTYPE = np.dtype("<i4")
-
-
-def pack_ids(ids: Any) -> bytes:
-    if isinstance(ids, np.ndarray):
-        return ids.astype(_ID_DTYPE, copy=False).tobytes()
-    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple, array)):
-        ids = ids.tolist()  # torch tensors
-    return (
-        array("i", ids).tobytes()
-        if sys.byteorder == "little"
-        else np.asarray(ids, dtype=_ID_DTYPE).tobytes()
-    )
-
-
-def unpack_ids(data: bytes) -> np.ndarray:
-    if len(data) % 4:
-        raise DecodeError(f"packed token ids have {len(data)} bytes, not a multiple of 4")
-    return np.frombuffer(data, dtype=_ID_DTYPE)
-
-
-def unpack_id_list(data: bytes) -> list[int]:
-    return unpack_ids(data).tolist()

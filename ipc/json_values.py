@@ -5,6 +5,7 @@ can neither smuggle other types through msgpack nor make a worker walk an unboun
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 MAX_JSON_OBJECT_KEYS = 64
@@ -81,3 +82,30 @@ def check_chat_template_kwargs(value: Any) -> dict[str, Any]:
                 f"{RESERVED_TEMPLATE_VARIABLES[key]}"
             )
     return value
+
+
+def json_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) of every leaf of a JSON-like value and of every map key, depth first:
+    ``messages[0].content``; a key's own path ends with its ascii() form (it may not be
+    printable). For finding what is wrong in a value already refused: it walks everything."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from json_leaves(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield (f"{path}.{key!a}" if path else ascii(key)), key
+            yield from json_leaves(item, f"{path}.{key}" if path else str(key))
+    else:
+        yield path, value
+
+
+def lone_surrogate(text: str) -> str | None:
+    """What is wrong with ``text`` if it holds a UTF-16 surrogate, else None. A Python str holds
+    one only when it came from a lone ``\\ud800``-style escape (a valid pair decodes to one
+    character), and UTF-8 has no encoding for it."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        return f"a lone UTF-16 surrogate (U+{code:04X}) at character {exc.start}: not Unicode text"

@@ -6,8 +6,10 @@
             ...
         result = await handle.result()
 
-A receiver task owns the DEALER socket and hands every frame and tick to the ClientCore, sending
-what that answers; everything runs on one event loop thread, so handles need no locks.
+A receiver task hands every frame and tick to the ClientCore, sending what that answers;
+everything runs on one event loop thread, so handles need no locks. The DEALER is a plain socket
+whose descriptor the loop watches (DealerWatch): a frame costs a wake-up and two non-blocking
+calls, not zmq.asyncio's poller and future per await (the HTTP worker's main cost per token).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from ipc import codec
 from ipc.client.base import ClientBase
+from ipc.client.dealer_watch import DealerWatch
 from ipc.client.errors import RequestTimeoutError, UnavailableError
 from ipc.client.queries import Builder
 from ipc.client.records import HandleBase, RequestRecord
@@ -33,7 +35,6 @@ from ipc.client.transport import (
     disconnect_monitor,
     make_dealer,
     make_submit_pipes,
-    monitor_events,
 )
 from ipc.messages import ClientWelcome, SamplingParams
 from ipc.sockets import LINGER_MS
@@ -93,12 +94,10 @@ class AsyncClient(ClientBase[AsyncRequestHandle]):
         self._curve = curve_keys(server_public_key)
         self.connect_timeout_s = connect_timeout_s
         self.submit_hwm = submit_hwm
-        self._ctx = zmq.asyncio.Context()
-        self._dealer: zmq.asyncio.Socket | None = None
+        self._ctx = zmq.Context()
+        self._dealer: DealerWatch | None = None
         self._pipes: SubmitPipes | None = None
-        self._monitor: zmq.Socket | None = None
         self._task: asyncio.Task | None = None
-        self._pending_sends: set[asyncio.Task] = set()
 
     @classmethod
     async def connect(cls, address: str, **kwargs: Any) -> AsyncClient:
@@ -106,19 +105,20 @@ class AsyncClient(ClientBase[AsyncRequestHandle]):
 
     async def start(self) -> AsyncClient:
         """The handshake; raises UnavailableError when nobody answers."""
-        dealer: zmq.asyncio.Socket = make_dealer(
-            self._ctx.socket(zmq.DEALER), self.client_id, self.address, self._curve
+        sock = make_dealer(
+            zmq.Socket(self._ctx, zmq.DEALER), self.client_id, self.address, self._curve
         )
-        await dealer.send(self._core.hello_frame())
-        if not await dealer.poll(int(self.connect_timeout_s * 1000)):
+        dealer = DealerWatch(sock, asyncio.get_running_loop())
+        dealer.send([self._core.hello_frame()])
+        if not await dealer.readable(self.connect_timeout_s):
             dealer.close(linger=0)
             raise UnavailableError(
                 f"no splitserve cluster answered at {self.address} within "
                 f"{self.connect_timeout_s} s"
             )
-        welcome = codec.decode_as(await dealer.recv(), ClientWelcome)
+        welcome = codec.decode_as(sock.recv(), ClientWelcome)
         self._dealer = dealer
-        self._monitor = disconnect_monitor(dealer)
+        dealer.watch_disconnect(disconnect_monitor(sock))
         # Plain sockets: a NOBLOCK send never waits, so submit() needs no await.
         self._pipes = make_submit_pipes(
             self._ctx, self.address, welcome, self.submit_hwm, self._curve
@@ -165,28 +165,24 @@ class AsyncClient(ClientBase[AsyncRequestHandle]):
         return [await h.result(check=check) for h in handles]
 
     async def _receive_loop(self) -> None:
-        dealer, monitor = self._dealer, self._monitor
-        assert dealer is not None and monitor is not None
+        dealer = self._dealer
+        assert dealer is not None
         while True:
             out: list[bytes] = []
-            if await dealer.poll(self._core.next_deadline_ms(100)):
-                out += self._core.on_frame(await dealer.recv())
-            if monitor_events(monitor):
+            for frame in dealer.frames():
+                out += self._core.on_frame(frame)
+            if dealer.disconnected():
                 # The detokenizer is gone: route what it sent before, then end what is open.
-                while await dealer.poll(0):
-                    out += self._core.on_frame(await dealer.recv())
+                for frame in dealer.frames():
+                    out += self._core.on_frame(frame)
                 out += self._core.on_disconnect()
             out += self._core.on_tick(time.monotonic())
-            for frame in out:
-                await dealer.send(frame)
+            dealer.send(out)
+            await dealer.wait(self._core.next_deadline_ms(100))
 
     def _send_control(self, frame: bytes) -> None:
-        if self._dealer is None:
-            return
-        # zmq.asyncio's send() returns a Future, not a coroutine: ensure_future takes both.
-        task = asyncio.ensure_future(self._dealer.send(frame))
-        self._pending_sends.add(task)
-        task.add_done_callback(self._pending_sends.discard)
+        if self._dealer is not None:
+            self._dealer.send([frame])
 
     async def close(self) -> None:
         """Aborts what is still in flight (ClientBye) and ends its handles with an error."""
@@ -199,17 +195,12 @@ class AsyncClient(ClientBase[AsyncRequestHandle]):
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
-        if self._pending_sends:
-            await asyncio.gather(*self._pending_sends, return_exceptions=True)
         if self._dealer is not None:
-            await self._dealer.send(self._core.bye_frame())
-            self._dealer.disable_monitor()
+            self._dealer.send([self._core.bye_frame()])
+            await self._dealer.flush(LINGER_MS / 1e3)
             self._dealer.close(linger=LINGER_MS)
             self._dealer = None
         self._core.end_open()
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
         if self._pipes is not None:
             self._pipes.close()
             self._pipes = None
