@@ -61,18 +61,24 @@ void tile_rows(const uint8_t* blocks, int64_t groups, const uint16_t* x, int64_t
                const float* sums, void* y, int64_t ldy, int64_t n0, int f32_out) {
     const __m512i table = nibble_table();
     __m512 acc[M];
+#pragma GCC unroll 4
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* block = blocks + g * kBlockBytes;
         __m512 dot[M][4];
+#pragma GCC unroll 4
         for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
             for (int s = 0; s < 4; ++s) dot[m][s] = _mm512_setzero_ps();
+#pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
             const __m512i words = _mm512_loadu_si512(block + 64 * c);
+#pragma GCC unroll 4
             for (int s = 0; s < 4; ++s) {
                 const __m512i shifted = _mm512_srli_epi16(words, 4 * s);
                 const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(shifted, table);
                 const int64_t k = g * kGroup + 2 * (4 * c + s);
+#pragma GCC unroll 4
                 for (int m = 0; m < M; ++m)
                     dot[m][s] = _mm512_dpbf16_ps(dot[m][s], w, (__m512bh)pair_of(x + m * ldx + k));
             }
@@ -81,6 +87,7 @@ void tile_rows(const uint8_t* blocks, int64_t groups, const uint16_t* x, int64_t
         const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(scale_zero, 16));
         const __m512 zero = _mm512_castsi512_ps(
             _mm512_and_si512(scale_zero, _mm512_set1_epi32((int32_t)0xFFFF0000u)));
+#pragma GCC unroll 4
         for (int m = 0; m < M; ++m) {
             const __m512 d = _mm512_add_ps(_mm512_add_ps(dot[m][0], dot[m][1]),
                                            _mm512_add_ps(dot[m][2], dot[m][3]));

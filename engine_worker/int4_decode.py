@@ -27,7 +27,7 @@ from engine_worker.device import cpu_has_native_bf16
 from engine_worker.linear import Int4Groups, Int4Linear
 
 SOURCE = Path(__file__).with_name("int4_decode.cpp")
-FLAGS = ["-O2", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
+FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
 FLAGS += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 TILE, GROUP, BLOCK_BYTES = 16, 32, 320
 CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))

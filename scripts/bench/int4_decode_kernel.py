@@ -1,0 +1,227 @@
+"""Our int4 decode kernel (engine_worker/int4_decode.py) against aten's int4 kernel on the
+default model's own weights and decode inputs.
+
+    python -m scripts.bench.int4_decode_kernel [--repeats 15] [--passes 4]
+
+Loads the engine (2 threads), records every int4 layer's decode-row inputs over a few steps of
+4 greedy requests, then: accuracy of both kernels against float32 of the same weights; whether
+our rows depend on the other rows or the thread count; and times, interleaved, of a pass over
+all 120 layer linears (cycled, so their 66 MB come from memory) and of the head, at 1, 2, 4 and
+8 rows, on 2 and 1 threads (medians; `uptime` beside each table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from engine_worker.engine import Engine
+from engine_worker.int4_decode import Int4DecodeLinear, groups_of
+from engine_worker.linear import Int4Linear, dequantize
+from ipc.engine_config import EngineConfig
+from procs.model_store import resolve_model
+from scripts.bench.engine_runs import decode_run
+
+ROWS = (1, 2, 4, 8)
+THREADS = (2, 1)
+
+
+def load_engine() -> Engine:
+    config = EngineConfig(
+        model_path=str(resolve_model(None)),
+        engine_threads=2,
+        dtype="auto",
+        weights="auto",
+        adaptive_threads=False,
+    )
+    return Engine(config)
+
+
+def int4_layers(engine: Engine) -> tuple[list[Int4Linear], Int4Linear]:
+    """The 120 layer linears in forward order, and the head (two int4 planes)."""
+    model = engine.runner.model
+    names = ("qkv", "o_proj", "gate_up", "down")
+    layers = [getattr(layer, name).quantized for layer in model.layers for name in names]
+    return layers, model.lm_head.quantized
+
+
+class Recorder:
+    """Stands in for a layer's int4 weights and keeps the rows it is applied to."""
+
+    def __init__(self, layer: Int4Linear) -> None:
+        self.layer, self.rows = layer, []
+        self.out_features = layer.out_features
+
+    def apply(self, x, decode_rows=0, decode_batch=None):
+        self.rows.append(x.clone())
+        return self.layer.apply(x)
+
+
+def record_inputs(engine: Engine, owners: list[tuple[object, str]], steps: int) -> list:
+    """Decode-row inputs [R, K] of each int4 layer over ``steps`` steps of 4 requests
+    (the head takes its int4 planes for at most 4)."""
+    model = engine.runner.model
+    scripted = model.scripted_decode
+    model.scripted_decode = None  # the Python forward, so that every apply goes through here
+    recorders = [Recorder(getattr(owner, "quantized")) for owner in owners]
+    for owner, recorder in zip(owners, recorders):
+        owner.quantized = recorder
+    prompts = [[1 + 37 * i + j for j in range(24 + 5 * i)] for i in range(4)]
+    decode_run(engine, prompts, steps)
+    for owner, recorder in zip(owners, recorders):
+        owner.quantized = recorder.layer
+    model.scripted_decode = scripted
+    # the head sees the prompts' last rows too; keep the decode steps' rows alone (the last ones)
+    return [torch.cat(r.rows[-steps:]) for r in recorders]
+
+
+def error_of(y: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    diff = y.float() - reference
+    return diff.abs().max().item(), (diff.norm() / reference.norm()).item()
+
+
+def accuracy(layers: list[Int4Linear], ours: list[Int4DecodeLinear], inputs: list) -> None:
+    """Worst max-abs and relative (Frobenius) error over all layers, each kernel's output
+    against float32 of the same weights and the same bf16 inputs."""
+    worst: dict[str, list[float]] = {}
+    for layer, mine, x in zip(layers, ours, inputs):
+        weight = dequantize(groups_of(layer))
+        xs = x if layer.parts == 1 else x.repeat(1, layer.parts)
+        reference = xs.float() @ weight.t()
+        outputs = {
+            "aten (bf16 out)": layer.apply(x),
+            "ours (bf16 out)": mine.apply(x),
+            "ours (fp32 out)": mine.apply(x, torch.float32),
+            "fp32 ref rounded to bf16": reference.bfloat16(),
+        }
+        for name, y in outputs.items():
+            err = error_of(y, reference)
+            prev = worst.setdefault(name, [0.0, 0.0])
+            worst[name] = [max(prev[0], err[0]), max(prev[1], err[1])]
+    for name, (max_abs, rel) in worst.items():
+        print(f"  {name:26s} max abs {max_abs:.3g}  worst relative {rel:.3g}")
+
+
+def check_rows_alone(ours: list[Int4DecodeLinear], inputs: list) -> None:
+    """A row's output is bitwise the same alone, among 8 rows, and on 1 or 2 threads."""
+    same = True
+    for mine, x in zip(ours, inputs):
+        x = x[:8]
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            together = mine.apply(x, torch.float32)
+            alone = torch.cat([mine.apply(x[i : i + 1], torch.float32) for i in range(len(x))])
+            three = torch.cat([mine.apply(x[:3], torch.float32), mine.apply(x[3:], torch.float32)])
+            same &= torch.equal(together, alone) and torch.equal(together, three)
+            if threads == THREADS[0]:
+                first = together
+            same &= torch.equal(first, together)
+    torch.set_num_threads(THREADS[0])
+    print(f"  rows independent of the call's other rows and of 1/2 threads: {same}")
+
+
+def pass_seconds(apply_fns: list, inputs: list, rows: int, passes: int) -> float:
+    xs = [x[:rows].contiguous() for x in inputs]
+    start = time.perf_counter()
+    for _ in range(passes):
+        for apply, x in zip(apply_fns, xs):
+            apply(x)
+    return (time.perf_counter() - start) / passes
+
+
+def uptime() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
+
+
+def token_pass(kernels: list, inputs: list, rows: int, passes: int) -> tuple[float, float]:
+    """Seconds per pass of the 120 layer linears and of the head after them (the head's
+    weights thus come from memory too)."""
+    xs = [x[:rows].contiguous() for x in inputs]
+    layers, head = 0.0, 0.0
+    for _ in range(passes):
+        start = time.perf_counter()
+        for kernel, x in zip(kernels[:-1], xs):
+            kernel(x)
+        middle = time.perf_counter()
+        kernels[-1](xs[-1])
+        head += time.perf_counter() - middle
+        layers += middle - start
+    return layers / passes, head / passes
+
+
+def timings(kernels: dict[str, list], inputs: list, repeats: int, passes: int) -> dict:
+    """Medians over ``repeats`` of (threads, rows, kernel, part), the kernels interleaved."""
+    samples: dict[tuple, list[float]] = {}
+    for repeat in range(repeats):
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            for rows in ROWS:
+                names = list(kernels) if repeat % 2 else list(kernels)[::-1]
+                for name in names:
+                    layers, head = token_pass(kernels[name], inputs, rows, passes)
+                    samples.setdefault((threads, rows, name, "layers"), []).append(layers)
+                    samples.setdefault((threads, rows, name, "head"), []).append(head)
+    torch.set_num_threads(THREADS[0])
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def print_timings(medians: dict, names: list[str]) -> None:
+    print(f"  {'threads':>7} {'rows':>4} {'part':>6} " + " ".join(f"{n:>10}" for n in names))
+    for threads in THREADS:
+        for rows in ROWS:
+            for part in ("layers", "head"):
+                ms = [medians[(threads, rows, name, part)] * 1e3 for name in names]
+                ratio = ms[0] / ms[1]
+                cells = " ".join(f"{v:8.3f}ms" for v in ms)
+                print(f"  {threads:>7} {rows:>4} {part:>6} {cells}  aten/ours {ratio:.2f}x")
+
+
+def call_overhead(calls: int = 20000) -> None:
+    """Microseconds per call of a 16 x 32 layer (one tile, one group), weights in L1."""
+    from engine_worker.linear import quantize_int4
+
+    layer = Int4Linear(quantize_int4(torch.randn(16, 32), torch.bfloat16), torch.bfloat16)
+    mine, x = Int4DecodeLinear(layer), torch.randn(1, 32).bfloat16()
+    for name, apply in (("aten", layer.apply), ("ours", mine.apply)):
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            start = time.perf_counter()
+            for _ in range(calls):
+                apply(x)
+            us = (time.perf_counter() - start) / calls * 1e6
+            print(f"  call overhead {name} {threads} thread(s): {us:.2f} us")
+    torch.set_num_threads(THREADS[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--passes", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="decode steps recorded")
+    args = parser.parse_args()
+    engine = load_engine()
+    layers, head = int4_layers(engine)
+    model = engine.runner.model
+    names = ("qkv", "o_proj", "gate_up", "down")
+    owners = [getattr(layer, n) for layer in model.layers for n in names]
+    inputs = record_inputs(engine, [*owners, model.lm_head], args.steps)
+    start = time.perf_counter()
+    ours = [Int4DecodeLinear(layer) for layer in [*layers, head]]
+    print(f"repacking {len(ours)} layers: {time.perf_counter() - start:.2f} s")
+    print("accuracy against float32 of the same weights, real decode inputs:")
+    accuracy([*layers, head], ours, inputs)
+    check_rows_alone(ours, inputs)
+    call_overhead()
+    kernels = {"aten": [layer.apply for layer in [*layers, head]], "ours": [m.apply for m in ours]}
+    print(f"timings, {uptime()} before")
+    medians = timings(kernels, inputs, args.repeats, args.passes)
+    print_timings(medians, list(kernels))
+    print(f"  {uptime()} after")
+
+
+if __name__ == "__main__":
+    main()
