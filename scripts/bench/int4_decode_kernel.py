@@ -20,7 +20,7 @@ import time
 import torch
 
 from engine_worker.engine import Engine
-from engine_worker.int4_decode import Int4DecodeLinear, groups_of
+from engine_worker.int4_decode import VARIANTS, Int4DecodeLinear, groups_of
 from engine_worker.linear import Int4Linear, dequantize
 from ipc.engine_config import EngineConfig
 from procs.model_store import resolve_model
@@ -84,20 +84,18 @@ def error_of(y: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
     return diff.abs().max().item(), (diff.norm() / reference.norm()).item()
 
 
-def accuracy(layers: list[Int4Linear], ours: list[Int4DecodeLinear], inputs: list) -> None:
+def accuracy(layers: list[Int4Linear], ours: dict[str, list], inputs: list) -> None:
     """Worst max-abs and relative (Frobenius) error over all layers, each kernel's output
     against float32 of the same weights and the same bf16 inputs."""
     worst: dict[str, list[float]] = {}
-    for layer, mine, x in zip(layers, ours, inputs):
+    for i, (layer, x) in enumerate(zip(layers, inputs)):
         weight = dequantize(groups_of(layer))
         xs = x if layer.parts == 1 else x.repeat(1, layer.parts)
         reference = xs.float() @ weight.t()
-        outputs = {
-            "aten (bf16 out)": layer.apply(x),
-            "ours (bf16 out)": mine.apply(x),
-            "ours (fp32 out)": mine.apply(x, torch.float32),
-            "fp32 ref rounded to bf16": reference.bfloat16(),
-        }
+        outputs = {"aten (bf16 out)": layer.apply(x), "float32 rounded to bf16": reference.bfloat16()}
+        for variant, kernels in ours.items():
+            outputs[f"{variant} (bf16 out)"] = kernels[i].apply(x)
+            outputs[f"{variant} (fp32 out)"] = kernels[i].apply(x, torch.float32)
         for name, y in outputs.items():
             err = error_of(y, reference)
             prev = worst.setdefault(name, [0.0, 0.0])
@@ -106,7 +104,7 @@ def accuracy(layers: list[Int4Linear], ours: list[Int4DecodeLinear], inputs: lis
         print(f"  {name:26s} max abs {max_abs:.3g}  worst relative {rel:.3g}")
 
 
-def check_rows_alone(ours: list[Int4DecodeLinear], inputs: list) -> None:
+def check_rows_alone(ours: list[Int4DecodeLinear], inputs: list) -> bool:
     """A row's output is bitwise the same alone, among 8 rows, and on 1 or 2 threads."""
     same = True
     for mine, x in zip(ours, inputs):
@@ -121,7 +119,7 @@ def check_rows_alone(ours: list[Int4DecodeLinear], inputs: list) -> None:
                 first = together
             same &= torch.equal(first, together)
     torch.set_num_threads(THREADS[0])
-    print(f"  rows independent of the call's other rows and of 1/2 threads: {same}")
+    return same
 
 
 def pass_seconds(apply_fns: list, inputs: list, rows: int, passes: int) -> float:
@@ -175,9 +173,9 @@ def print_timings(medians: dict, names: list[str]) -> None:
         for rows in ROWS:
             for part in ("layers", "head"):
                 ms = [medians[(threads, rows, name, part)] * 1e3 for name in names]
-                ratio = ms[0] / ms[1]
                 cells = " ".join(f"{v:8.3f}ms" for v in ms)
-                print(f"  {threads:>7} {rows:>4} {part:>6} {cells}  aten/ours {ratio:.2f}x")
+                ratios = " ".join(f"{ms[0] / v:.2f}x" for v in ms[1:])
+                print(f"  {threads:>7} {rows:>4} {part:>6} {cells}  aten/each {ratios}")
 
 
 def call_overhead(calls: int = 20000) -> None:
@@ -185,8 +183,9 @@ def call_overhead(calls: int = 20000) -> None:
     from engine_worker.linear import quantize_int4
 
     layer = Int4Linear(quantize_int4(torch.randn(16, 32), torch.bfloat16), torch.bfloat16)
-    mine, x = Int4DecodeLinear(layer), torch.randn(1, 32).bfloat16()
-    for name, apply in (("aten", layer.apply), ("ours", mine.apply)):
+    x = torch.randn(1, 32).bfloat16()
+    applies = {"aten": layer.apply} | {v: Int4DecodeLinear(layer, v).apply for v in VARIANTS}
+    for name, apply in applies.items():
         for threads in THREADS:
             torch.set_num_threads(threads)
             start = time.perf_counter()
@@ -209,14 +208,19 @@ def main() -> None:
     names = ("qkv", "o_proj", "gate_up", "down")
     owners = [getattr(layer, n) for layer in model.layers for n in names]
     inputs = record_inputs(engine, [*owners, model.lm_head], args.steps)
+    torch.set_num_threads(1)  # repacking is not what is measured; it fights no one on 1
     start = time.perf_counter()
-    ours = [Int4DecodeLinear(layer) for layer in [*layers, head]]
-    print(f"repacking {len(ours)} layers: {time.perf_counter() - start:.2f} s")
+    ours = {v: [Int4DecodeLinear(layer, v) for layer in [*layers, head]] for v in VARIANTS}
+    print(f"repacking {len(layers) + 1} layers x {len(VARIANTS)}: {time.perf_counter() - start:.2f} s")
+    torch.set_num_threads(THREADS[0])
     print("accuracy against float32 of the same weights, real decode inputs:")
     accuracy([*layers, head], ours, inputs)
-    check_rows_alone(ours, inputs)
+    for variant, kernels in ours.items():
+        same = check_rows_alone(kernels, inputs)
+        print(f"  {variant}: rows independent of the call's other rows and of 1/2 threads: {same}")
     call_overhead()
-    kernels = {"aten": [layer.apply for layer in [*layers, head]], "ours": [m.apply for m in ours]}
+    kernels = {"aten": [layer.apply for layer in [*layers, head]]}
+    kernels |= {v: [m.apply for m in mine] for v, mine in ours.items()}
     print(f"timings, {uptime()} before")
     medians = timings(kernels, inputs, args.repeats, args.passes)
     print_timings(medians, list(kernels))
