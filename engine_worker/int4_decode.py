@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 from engine_worker.linear import Int4Groups, Int4Linear
+
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int4_decode.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
@@ -66,9 +69,13 @@ def library() -> ctypes.CDLL | None:
     if not cpu_supported() or shutil.which("g++") is None and not library_path().exists():
         return None
     path = library_path()
-    if not path.exists():
-        build(path)
-    lib = ctypes.CDLL(str(path))
+    try:
+        if not path.exists():
+            build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        logger.warning("int4 decode kernel unavailable (%s): aten's kernel stays", exc)
+        return None
     lib.int4_decode.restype = ctypes.c_int
     lib.int4_decode.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p]
     lib.int4_decode.argtypes += [*[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64]
@@ -102,7 +109,7 @@ def groups_of(layer: Int4Linear) -> Int4Groups:
     """The q, scale and zero an ``Int4Linear`` computes with (its planes side by side along K):
     q read back through the aten kernel itself, with scale 1 and zero 8 on identity rows."""
     scale_zero = layer.scale_zero  # [K / group, N, 2]
-    k, n = scale_zero.shape[0] * layer.group, scale_zero.shape[1]
+    k = scale_zero.shape[0] * layer.group
     unit = torch.empty_like(scale_zero)
     unit[..., 0], unit[..., 1] = 1, 8
     eye = torch.eye(k, dtype=scale_zero.dtype)

@@ -16,12 +16,13 @@ import argparse
 import os
 import statistics
 import time
+from typing import cast
 
 import torch
 
 from engine_worker.engine import Engine
 from engine_worker.int4_decode import VARIANTS, Int4DecodeLinear, groups_of
-from engine_worker.linear import Int4Linear, dequantize
+from engine_worker.linear import BatchSizeSwitch, Int4Linear, dequantize
 from ipc.engine_config import EngineConfig
 from procs.model_store import resolve_model
 from scripts.bench.engine_runs import decode_run
@@ -41,19 +42,24 @@ def load_engine() -> Engine:
     return Engine(config)
 
 
-def int4_layers(engine: Engine) -> tuple[list[Int4Linear], Int4Linear]:
-    """The 120 layer linears in forward order, and the head (two int4 planes)."""
+def int4_switches(engine: Engine) -> list[BatchSizeSwitch]:
+    """The 120 layer linears in forward order, then the head (two int4 planes): each an int4
+    copy for decode rows beside a dense one."""
     model = engine.runner.model
     names = ("qkv", "o_proj", "gate_up", "down")
-    layers = [getattr(layer, name).quantized for layer in model.layers for name in names]
-    return layers, model.lm_head.quantized
+    switches = [getattr(layer, name) for layer in model.layers for name in names]
+    switches.append(model.lm_head)
+    for switch in switches:
+        if not isinstance(switch, BatchSizeSwitch) or not isinstance(switch.quantized, Int4Linear):
+            raise TypeError(f"expected an int4 BatchSizeSwitch, got {switch!r}")
+    return switches
 
 
 class Recorder:
     """Stands in for a layer's int4 weights and keeps the rows it is applied to."""
 
     def __init__(self, layer: Int4Linear) -> None:
-        self.layer, self.rows = layer, []
+        self.layer, self.rows = layer, list[torch.Tensor]()
         self.out_features = layer.out_features
 
     def apply(self, x, decode_rows=0, decode_batch=None):
@@ -61,13 +67,13 @@ class Recorder:
         return self.layer.apply(x)
 
 
-def record_inputs(engine: Engine, owners: list[tuple[object, str]], steps: int) -> list:
+def record_inputs(engine: Engine, owners: list, steps: int) -> list:
     """Decode-row inputs [R, K] of each int4 layer over ``steps`` steps of 4 requests
     (the head takes its int4 planes for at most 4)."""
     model = engine.runner.model
     scripted = model.scripted_decode
     model.scripted_decode = None  # the Python forward, so that every apply goes through here
-    recorders = [Recorder(getattr(owner, "quantized")) for owner in owners]
+    recorders = [Recorder(owner.quantized) for owner in owners]
     for owner, recorder in zip(owners, recorders):
         owner.quantized = recorder
     prompts = [[1 + 37 * i + j for j in range(24 + 5 * i)] for i in range(4)]
@@ -92,7 +98,10 @@ def accuracy(layers: list[Int4Linear], ours: dict[str, list], inputs: list) -> N
         weight = dequantize(groups_of(layer))
         xs = x if layer.parts == 1 else x.repeat(1, layer.parts)
         reference = xs.float() @ weight.t()
-        outputs = {"aten (bf16 out)": layer.apply(x), "float32 rounded to bf16": reference.bfloat16()}
+        outputs = {
+            "aten (bf16 out)": layer.apply(x),
+            "float32 rounded to bf16": reference.bfloat16(),
+        }
         for variant, kernels in ours.items():
             outputs[f"{variant} (bf16 out)"] = kernels[i].apply(x)
             outputs[f"{variant} (fp32 out)"] = kernels[i].apply(x, torch.float32)
@@ -132,7 +141,8 @@ def pass_seconds(apply_fns: list, inputs: list, rows: int, passes: int) -> float
 
 
 def uptime() -> str:
-    return "load %.2f %.2f %.2f" % os.getloadavg()
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.2f} {five:.2f} {fifteen:.2f}"
 
 
 def token_pass(kernels: list, inputs: list, rows: int, passes: int) -> tuple[float, float]:
@@ -152,7 +162,7 @@ def token_pass(kernels: list, inputs: list, rows: int, passes: int) -> tuple[flo
 
 
 def timings(kernels: dict[str, list], inputs: list, repeats: int, passes: int) -> dict:
-    """Medians over ``repeats`` of (threads, rows, kernel, part), the kernels interleaved."""
+    """Seconds of ``repeats`` runs of each (threads, rows, kernel, part), kernels interleaved."""
     samples: dict[tuple, list[float]] = {}
     for repeat in range(repeats):
         for threads in THREADS:
@@ -164,7 +174,7 @@ def timings(kernels: dict[str, list], inputs: list, repeats: int, passes: int) -
                     samples.setdefault((threads, rows, name, "layers"), []).append(layers)
                     samples.setdefault((threads, rows, name, "head"), []).append(head)
     torch.set_num_threads(THREADS[0])
-    return {key: statistics.median(values) for key, values in samples.items()}
+    return samples
 
 
 def print_timings(medians: dict, names: list[str]) -> None:
@@ -203,27 +213,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="decode steps recorded")
     args = parser.parse_args()
     engine = load_engine()
-    layers, head = int4_layers(engine)
-    model = engine.runner.model
-    names = ("qkv", "o_proj", "gate_up", "down")
-    owners = [getattr(layer, n) for layer in model.layers for n in names]
-    inputs = record_inputs(engine, [*owners, model.lm_head], args.steps)
+    switches = int4_switches(engine)
+    inputs = record_inputs(engine, switches, args.steps)
+    layers = [cast(Int4Linear, switch.quantized) for switch in switches]
     torch.set_num_threads(1)  # repacking is not what is measured; it fights no one on 1
     start = time.perf_counter()
-    ours = {v: [Int4DecodeLinear(layer, v) for layer in [*layers, head]] for v in VARIANTS}
-    print(f"repacking {len(layers) + 1} layers x {len(VARIANTS)}: {time.perf_counter() - start:.2f} s")
+    ours = {v: [Int4DecodeLinear(layer, v) for layer in layers] for v in VARIANTS}
+    print(f"repacking {len(layers)} layers x {len(VARIANTS)}: {time.perf_counter() - start:.2f} s")
     torch.set_num_threads(THREADS[0])
     print("accuracy against float32 of the same weights, real decode inputs:")
-    accuracy([*layers, head], ours, inputs)
-    for variant, kernels in ours.items():
-        same = check_rows_alone(kernels, inputs)
+    accuracy(layers, ours, inputs)
+    for variant, mine in ours.items():
+        same = check_rows_alone(mine, inputs)
         print(f"  {variant}: rows independent of the call's other rows and of 1/2 threads: {same}")
     call_overhead()
-    kernels = {"aten": [layer.apply for layer in [*layers, head]]}
+    kernels: dict[str, list] = {"aten": [layer.apply for layer in layers]}
     kernels |= {v: [m.apply for m in mine] for v, mine in ours.items()}
     print(f"timings, {uptime()} before")
-    medians = timings(kernels, inputs, args.repeats, args.passes)
-    print_timings(medians, list(kernels))
+    samples = timings(kernels, inputs, args.repeats, args.passes)
+    print("medians:")
+    print_timings({key: statistics.median(v) for key, v in samples.items()}, list(kernels))
+    print("minimums (the runs another process left alone):")
+    print_timings({key: min(v) for key, v in samples.items()}, list(kernels))
     print(f"  {uptime()} after")
 
 
