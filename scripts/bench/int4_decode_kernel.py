@@ -206,11 +206,51 @@ def call_overhead(calls: int = 20000) -> None:
     torch.set_num_threads(THREADS[0])
 
 
+class KernelCopy:
+    """Our kernel in an ``Int4Linear``'s place inside a ``BatchSizeSwitch``."""
+
+    def __init__(self, kernel: Int4DecodeLinear, nbytes: int) -> None:
+        self.kernel, self.nbytes, self.out_features = kernel, nbytes, kernel.out_features
+
+    def apply(self, x, decode_rows=0, decode_batch=None):
+        return self.kernel.apply(x)
+
+
+def engine_rates(engine: Engine, switches: list, ours: list, tokens: int, repeats: int) -> None:
+    """Batch-1 greedy decode tokens/s of the engine with aten's kernel (scripted step, as served,
+    and eager) and with ours (eager: a ctypes call cannot run inside TorchScript), interleaved."""
+    model = engine.runner.model
+    scripted, atens = model.scripted_decode, [switch.quantized for switch in switches]
+    copies = [KernelCopy(mine, aten.nbytes) for mine, aten in zip(ours, atens)]
+    setups = {"aten scripted": (scripted, atens), "aten eager": (None, atens)}
+    setups["ours eager"] = (None, copies)
+    prompt = [[1 + 7 * j for j in range(40)]]
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        rates: dict[str, list[float]] = {name: [] for name in setups}
+        for _ in range(repeats):
+            for name, (script, layers) in setups.items():
+                model.scripted_decode = script
+                for switch, layer in zip(switches, layers):
+                    switch.quantized = layer
+                rates[name].append(decode_run(engine, prompt, tokens).rate)
+        cells = "  ".join(
+            f"{n} {statistics.median(r):.1f} (max {max(r):.1f})" for n, r in rates.items()
+        )
+        print(f"  {threads} thread(s), tok/s median: {cells}  [{uptime()}]")
+    model.scripted_decode = scripted
+    for switch, layer in zip(switches, atens):
+        switch.quantized = layer
+    torch.set_num_threads(THREADS[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="decode steps recorded")
+    parser.add_argument("--engine-tokens", type=int, default=64, help="0: no engine rates")
+    parser.add_argument("--only-engine", action="store_true", help="engine rates alone (bf16)")
     args = parser.parse_args()
     engine = load_engine()
     switches = int4_switches(engine)
@@ -218,9 +258,15 @@ def main() -> None:
     layers = [cast(Int4Linear, switch.quantized) for switch in switches]
     torch.set_num_threads(1)  # repacking is not what is measured; it fights no one on 1
     start = time.perf_counter()
-    ours = {v: [Int4DecodeLinear(layer, v) for layer in layers] for v in VARIANTS}
-    print(f"repacking {len(layers)} layers x {len(VARIANTS)}: {time.perf_counter() - start:.2f} s")
+    variants = ("bf16",) if args.only_engine else VARIANTS
+    ours = {v: [Int4DecodeLinear(layer, v) for layer in layers] for v in variants}
+    print(f"repacking {len(layers)} layers x {len(variants)}: {time.perf_counter() - start:.2f} s")
     torch.set_num_threads(THREADS[0])
+    if args.engine_tokens:
+        print(f"engine decode, batch 1, {args.engine_tokens} tokens:")
+        engine_rates(engine, switches, ours["bf16"], args.engine_tokens, max(3, args.repeats // 3))
+    if args.only_engine:
+        return
     print("accuracy against float32 of the same weights, real decode inputs:")
     accuracy(layers, ours, inputs)
     for variant, mine in ours.items():
