@@ -58,6 +58,22 @@ inline void store_row(__m512 acc, void* y, int64_t offset, int f32_out) {
     }
 }
 
+// A block's 16 (scale, zero) bf16 pairs as float32: the pair's 32 bits shifted up 16 give the
+// scale, their top 16 the zero.
+struct GroupScales {
+    __m512 scale, zero;
+    explicit GroupScales(const uint8_t* block) {
+        const __m512i pairs = _mm512_loadu_si512(block + kWeightBytes);
+        scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int32_t)0xFFFF0000u)));
+    }
+    // acc + scale * sum_k (q - 8) x + zero * sum_k x, for one group of one row
+    __m512 add(__m512 acc, __m512 centered_dot, float row_sum) const {
+        acc = _mm512_fmadd_ps(scale, centered_dot, acc);
+        return _mm512_fmadd_ps(zero, _mm512_set1_ps(row_sum), acc);
+    }
+};
+
 // One tile of 16 outputs for M rows: rows m of x at x + m * ldx, their group sums at
 // sums + m * groups, outputs at column n0 of row m of y (row stride ldy).
 template <int M>
@@ -87,16 +103,12 @@ void tile_rows(const uint8_t* blocks, int64_t groups, const uint16_t* x, int64_t
                     dot[m][s] = _mm512_dpbf16_ps(dot[m][s], w, (__m512bh)pair_of(x + m * ldx + k));
             }
         }
-        const __m512i scale_zero = _mm512_loadu_si512(block + kWeightBytes);
-        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(scale_zero, 16));
-        const __m512 zero = _mm512_castsi512_ps(
-            _mm512_and_si512(scale_zero, _mm512_set1_epi32((int32_t)0xFFFF0000u)));
+        const GroupScales scales(block);
 #pragma GCC unroll 4
         for (int m = 0; m < M; ++m) {
             const __m512 d = _mm512_add_ps(_mm512_add_ps(dot[m][0], dot[m][1]),
                                            _mm512_add_ps(dot[m][2], dot[m][3]));
-            acc[m] = _mm512_fmadd_ps(scale, d, acc[m]);
-            acc[m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(sums[m * groups + g]), acc[m]);
+            acc[m] = scales.add(acc[m], d, sums[m * groups + g]);
         }
     }
     for (int m = 0; m < M; ++m) store_row(acc[m], y, m * ldy + n0, f32_out);
@@ -155,10 +167,7 @@ void tile_rows_int8(const uint8_t* blocks, const QuantizedRows& rows, void* y, i
                     dot[m][p][1] = _mm512_dpbusd_epi32(dot[m][p][1], hi, _mm512_set1_epi32(x_hi));
                 }
         }
-        const __m512i scale_zero = _mm512_loadu_si512(block + kWeightBytes);
-        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(scale_zero, 16));
-        const __m512 zero = _mm512_castsi512_ps(
-            _mm512_and_si512(scale_zero, _mm512_set1_epi32((int32_t)0xFFFF0000u)));
+        const GroupScales scales(block);
 #pragma GCC unroll 4
         for (int m = 0; m < M; ++m) {
             const int64_t mg = m * rows.groups + g;
@@ -168,8 +177,7 @@ void tile_rows_int8(const uint8_t* blocks, const QuantizedRows& rows, void* y, i
                                       _mm512_add_epi32(dot[m][P - 1][0], dot[m][P - 1][1]));
             qx = _mm512_sub_epi32(qx, _mm512_set1_epi32(8 * rows.total[mg]));
             const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(qx), _mm512_set1_ps(rows.step[mg]));
-            acc[m] = _mm512_fmadd_ps(scale, d, acc[m]);
-            acc[m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(rows.sums[mg]), acc[m]);
+            acc[m] = scales.add(acc[m], d, rows.sums[mg]);
         }
     }
 #pragma GCC unroll 4

@@ -43,7 +43,7 @@ def library_path() -> Path:
 
 def build(path: Path) -> None:
     """Compiles the source into ``path`` (a temporary name first, then renamed: a concurrent
-    process never loads half a file)."""
+    process never loads half a file) and removes the builds of other sources."""
     compiler = shutil.which("g++")
     if compiler is None:
         raise FileNotFoundError("g++")
@@ -52,6 +52,9 @@ def build(path: Path) -> None:
         out = Path(tmp) / path.name
         subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True)
         out.replace(path)
+    for stale in path.parent.glob("int4_decode-*.so"):  # builds of other sources
+        if stale != path:
+            stale.unlink(missing_ok=True)  # a process still holding one keeps its mapping
 
 
 def cpu_supported() -> bool:
