@@ -15,13 +15,9 @@
 // A row's arithmetic is the same whatever the other rows of the call and whichever thread runs
 // its tile: the result of a row depends on that row alone.
 #include <immintrin.h>
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
-
-#include <cmath>
-#include <vector>
 
 namespace {
 
@@ -120,80 +116,6 @@ typedef void (*TileFn)(const uint8_t*, int64_t, const uint16_t*, int64_t, const 
 const TileFn kTileFns[kMaxRows + 1] = {nullptr, tile_rows<1>, tile_rows<2>, tile_rows<3>,
                                        tile_rows<4>};
 
-// The integer variant (int4_decode_int8): each row's group of 32 quantized to integers with one
-// float step d, as P signed-byte planes (P = 1: x8 = round(x / d), |x8| <= 127; P = 2: x16 =
-// round(x / d), |x16| <= 32639, split as 256 h + l with h, l signed bytes), multiplied with the
-// unsigned nibbles by vpdpbusd (64 products per instruction, exact int32 sums). The group adds
-// scale * d * (sum q x - 8 sum x) + zero * sum x (the last from the bf16 row, in float32).
-// Block layout: 4 x 64 bytes, byte 4 j + b of chunk c holding q[n = j, k = 8 c + b] (low nibble)
-// and q[n = j, k = 8 c + 4 + b] (high nibble), then the 16 (scale, zero) pairs.
-struct QuantizedRows {
-    const int8_t* planes;  // [M][P][K]
-    const float* step;     // [M][groups]: d
-    const int32_t* total;  // [M][groups]: sum of the integers (x8 or x16)
-    const float* sums;     // [M][groups]: float32 sum of the bf16 row
-    int64_t k, groups;
-};
-
-template <int M, int P>
-void tile_rows_int8(const uint8_t* blocks, const QuantizedRows& rows, void* y, int64_t ldy,
-                    int64_t n0, int f32_out) {
-    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-    __m512 acc[M];
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < rows.groups; ++g) {
-        const uint8_t* block = blocks + g * kBlockBytes;
-        __m512i dot[M][P][2];
-#pragma GCC unroll 4
-        for (int m = 0; m < M; ++m)
-#pragma GCC unroll 2
-            for (int p = 0; p < P; ++p) dot[m][p][0] = dot[m][p][1] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-            const __m512i bytes = _mm512_loadu_si512(block + 64 * c);
-            const __m512i lo = _mm512_and_si512(bytes, low_nibbles);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
-            const int64_t k = g * kGroup + 8 * c;
-#pragma GCC unroll 4
-            for (int m = 0; m < M; ++m)
-#pragma GCC unroll 2
-                for (int p = 0; p < P; ++p) {
-                    const int8_t* x = rows.planes + (m * P + p) * rows.k + k;
-                    int32_t x_lo, x_hi;
-                    memcpy(&x_lo, x, 4);
-                    memcpy(&x_hi, x + 4, 4);
-                    dot[m][p][0] = _mm512_dpbusd_epi32(dot[m][p][0], lo, _mm512_set1_epi32(x_lo));
-                    dot[m][p][1] = _mm512_dpbusd_epi32(dot[m][p][1], hi, _mm512_set1_epi32(x_hi));
-                }
-        }
-        const GroupScales scales(block);
-#pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-            const int64_t mg = m * rows.groups + g;
-            __m512i qx = _mm512_add_epi32(dot[m][0][0], dot[m][0][1]);
-            if (P == 2)
-                qx = _mm512_add_epi32(_mm512_slli_epi32(qx, 8),
-                                      _mm512_add_epi32(dot[m][P - 1][0], dot[m][P - 1][1]));
-            qx = _mm512_sub_epi32(qx, _mm512_set1_epi32(8 * rows.total[mg]));
-            const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(qx), _mm512_set1_ps(rows.step[mg]));
-            acc[m] = scales.add(acc[m], d, rows.sums[mg]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) store_row(acc[m], y, m * ldy + n0, f32_out);
-}
-
-typedef void (*IntTileFn)(const uint8_t*, const QuantizedRows&, void*, int64_t, int64_t, int);
-
-const IntTileFn kIntTileFns[3][kMaxRows + 1] = {
-    {nullptr, nullptr, nullptr, nullptr, nullptr},
-    {nullptr, tile_rows_int8<1, 1>, tile_rows_int8<2, 1>, tile_rows_int8<3, 1>,
-     tile_rows_int8<4, 1>},
-    {nullptr, tile_rows_int8<1, 2>, tile_rows_int8<2, 2>, tile_rows_int8<3, 2>,
-     tile_rows_int8<4, 2>},
-};
-
 inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float v;
@@ -207,32 +129,6 @@ void group_sums(const uint16_t* x, int64_t groups, float* sums) {
         float total = 0.0f;
         for (int j = 0; j < kGroup; ++j) total += bf16_to_float(x[g * kGroup + j]);
         sums[g] = total;
-    }
-}
-
-// One row's groups as P byte planes (see tile_rows_int8), their steps and integer sums.
-void quantize_row(const uint16_t* x, int64_t k, int planes, int8_t* out, float* step,
-                  int32_t* total) {
-    const float top = planes == 1 ? 127.0f : 32639.0f;
-    for (int64_t g = 0; g < k / kGroup; ++g) {
-        float amax = 0.0f;
-        for (int j = 0; j < kGroup; ++j) amax = fmaxf(amax, fabsf(bf16_to_float(x[g * kGroup + j])));
-        const float d = amax / top, inverse = amax > 0.0f ? top / amax : 0.0f;
-        int32_t sum = 0;
-        for (int j = 0; j < kGroup; ++j) {
-            const int64_t i = g * kGroup + j;
-            const int32_t v = (int32_t)lrintf(bf16_to_float(x[i]) * inverse);
-            sum += v;
-            if (planes == 1) {
-                out[i] = (int8_t)v;
-            } else {
-                const int32_t h = (v + 128) >> 8;
-                out[i] = (int8_t)h;
-                out[k + i] = (int8_t)(v - 256 * h);
-            }
-        }
-        step[g] = d;
-        total[g] = sum;
     }
 }
 
@@ -266,34 +162,6 @@ int int4_decode(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, 
         over_tiles(tiles, groups, rows, [&](int64_t t) {
             fn(blocks + t * groups * kBlockBytes, groups, x + r0 * ldx, ldx, sums, y_rows, ldy,
                t * kTile, f32_out);
-        });
-    }
-    return 0;
-}
-
-// As int4_decode, with each row quantized to ``planes`` (1 or 2) byte planes per group of 32 and
-// the integer block layout (tile_rows_int8).
-int int4_decode_int8(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, int64_t m,
-                     int64_t ldx, void* y, int64_t ldy, int f32_out, int planes) {
-    const int64_t groups = k / kGroup, tiles = n / kTile;
-    if (n % kTile || k % kGroup || groups > kMaxGroups || planes < 1 || planes > 2) return -1;
-    std::vector<int8_t> quantized(kMaxRows * planes * k);
-    std::vector<float> steps(kMaxRows * groups), sums(kMaxRows * groups);
-    std::vector<int32_t> totals(kMaxRows * groups);
-    const QuantizedRows rows_of{quantized.data(), steps.data(), totals.data(), sums.data(), k,
-                                groups};
-    for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-        const int rows = (int)(m - r0 < kMaxRows ? m - r0 : kMaxRows);
-        for (int r = 0; r < rows; ++r) {
-            const uint16_t* row = x + (r0 + r) * ldx;
-            group_sums(row, groups, sums.data() + r * groups);
-            quantize_row(row, k, planes, quantized.data() + r * planes * k,
-                         steps.data() + r * groups, totals.data() + r * groups);
-        }
-        const IntTileFn fn = kIntTileFns[planes][rows];
-        void* y_rows = f32_out ? (void*)((float*)y + r0 * ldy) : (void*)((uint16_t*)y + r0 * ldy);
-        over_tiles(tiles, groups, rows, [&](int64_t t) {
-            fn(blocks + t * groups * kBlockBytes, rows_of, y_rows, ldy, t * kTile, f32_out);
         });
     }
     return 0;
