@@ -1,13 +1,17 @@
 """Our int4 decode kernel (engine_worker/int4_decode.py) against aten's int4 kernel on the
 default model's own weights and decode inputs.
 
-    python -m scripts.bench.int4_decode_kernel [--repeats 15] [--passes 4]
+    python -m scripts.bench.int4_decode_kernel [--repeats 15] [--passes 4] [--only-engine]
+
+Needs the op built (``python -m engine_worker.int4_decode``; scripts/setup_env.sh does it).
 
 Loads the engine (2 threads), records every int4 layer's decode-row inputs over a few steps of
 4 greedy requests, then: accuracy of both kernels against float32 of the same weights; whether
 our rows depend on the other rows or the thread count; and times, interleaved, of a pass over
 all 120 layer linears (cycled, so their 66 MB come from memory) and of the head, at 1, 2, 4 and
-8 rows, on 2 and 1 threads (medians; `uptime` beside each table).
+8 rows, on 2 and 1 threads (medians; `uptime` beside each table). First the engine's batch-1
+decode rate with each kernel (``int4_kernel`` aten / own: scripted step, as served, and eager),
+interleaved on one engine.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from typing import cast
 
 import torch
 
+from engine_worker import int4_decode
 from engine_worker.engine import Engine
-from engine_worker.int4_decode import VARIANTS, Int4DecodeLinear, groups_of
-from engine_worker.linear import BatchSizeSwitch, Int4Linear, dequantize
+from engine_worker.linear import BatchSizeSwitch, Int4Groups, Int4Linear, dequantize
+from engine_worker.scripted_decode import ScriptedDecode
 from ipc.engine_config import EngineConfig
 from procs.model_store import resolve_model
 from scripts.bench.engine_runs import decode_run
@@ -85,12 +90,41 @@ def record_inputs(engine: Engine, owners: list, steps: int) -> list:
     return [torch.cat(r.rows[-steps:]) for r in recorders]
 
 
+def groups_of(layer: Int4Linear) -> Int4Groups:
+    """The q, scale and zero an aten ``Int4Linear`` computes with (its planes side by side along
+    K): q read back through the aten kernel itself, with scale 1 and zero 8 on identity rows."""
+    scale_zero = layer.scale_zero  # [K / group, N, 2]
+    k = scale_zero.shape[0] * layer.group
+    unit = torch.empty_like(scale_zero)
+    unit[..., 0], unit[..., 1] = 1, 8
+    eye = torch.eye(k, dtype=scale_zero.dtype)
+    q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, layer.group, unit)
+    scale, zero = scale_zero.float().permute(2, 1, 0)
+    return Int4Groups(q.t().to(torch.uint8).contiguous(), scale.contiguous(), zero.contiguous())
+
+
+def ours_of(layer: Int4Linear) -> Int4Linear:
+    """The layer on our kernel (``int4_kernel="own"`` builds it from the checkpoint; here from
+    the loaded aten layer, so that one engine holds both)."""
+    whole, parts = groups_of(layer), layer.parts
+    k, groups = whole.q.shape[1] // parts, whole.scale.shape[1] // parts
+    planes = [
+        Int4Groups(
+            whole.q[:, i * k : (i + 1) * k],
+            whole.scale[:, i * groups : (i + 1) * groups],
+            whole.zero[:, i * groups : (i + 1) * groups],
+        )
+        for i in range(parts)
+    ]
+    return Int4Linear(planes, torch.bfloat16, layer.bias, int4_decode.pack(planes))
+
+
 def error_of(y: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
     diff = y.float() - reference
     return diff.abs().max().item(), (diff.norm() / reference.norm()).item()
 
 
-def accuracy(layers: list[Int4Linear], ours: dict[str, list], inputs: list) -> None:
+def accuracy(layers: list[Int4Linear], ours: list[Int4Linear], inputs: list) -> None:
     """Worst max-abs and relative (Frobenius) error over all layers, each kernel's output
     against float32 of the same weights and the same bf16 inputs."""
     worst: dict[str, list[float]] = {}
@@ -102,9 +136,8 @@ def accuracy(layers: list[Int4Linear], ours: dict[str, list], inputs: list) -> N
             "aten (bf16 out)": layer.apply(x),
             "float32 rounded to bf16": reference.bfloat16(),
         }
-        for variant, kernels in ours.items():
-            outputs[f"{variant} (bf16 out)"] = kernels[i].apply(x)
-            outputs[f"{variant} (fp32 out)"] = kernels[i].apply(x, torch.float32)
+        outputs["ours (bf16 out)"] = ours[i].apply(x)
+        outputs["ours (fp32 sums)"] = int4_decode.apply_ctypes(ours[i].packed, x, layer.parts, True)
         for name, y in outputs.items():
             err = error_of(y, reference)
             prev = worst.setdefault(name, [0.0, 0.0])
@@ -113,16 +146,16 @@ def accuracy(layers: list[Int4Linear], ours: dict[str, list], inputs: list) -> N
         print(f"  {name:26s} max abs {max_abs:.3g}  worst relative {rel:.3g}")
 
 
-def check_rows_alone(ours: list[Int4DecodeLinear], inputs: list) -> bool:
+def check_rows_alone(ours: list[Int4Linear], inputs: list) -> bool:
     """A row's output is bitwise the same alone, among 8 rows, and on 1 or 2 threads."""
     same = True
     for mine, x in zip(ours, inputs):
         x = x[:8]
         for threads in THREADS:
             torch.set_num_threads(threads)
-            together = mine.apply(x, torch.float32)
-            alone = torch.cat([mine.apply(x[i : i + 1], torch.float32) for i in range(len(x))])
-            three = torch.cat([mine.apply(x[:3], torch.float32), mine.apply(x[3:], torch.float32)])
+            together = mine.apply(x)
+            alone = torch.cat([mine.apply(x[i : i + 1]) for i in range(len(x))])
+            three = torch.cat([mine.apply(x[:3]), mine.apply(x[3:])])
             same &= torch.equal(together, alone) and torch.equal(together, three)
             if threads == THREADS[0]:
                 first = together
@@ -194,7 +227,7 @@ def call_overhead(calls: int = 20000) -> None:
 
     layer = Int4Linear(quantize_int4(torch.randn(16, 32), torch.bfloat16), torch.bfloat16)
     x = torch.randn(1, 32).bfloat16()
-    applies = {"aten": layer.apply} | {v: Int4DecodeLinear(layer, v).apply for v in VARIANTS}
+    applies = {"aten": layer.apply, "ours": ours_of(layer).apply}
     for name, apply in applies.items():
         for threads in THREADS:
             torch.set_num_threads(threads)
@@ -206,24 +239,16 @@ def call_overhead(calls: int = 20000) -> None:
     torch.set_num_threads(THREADS[0])
 
 
-class KernelCopy:
-    """Our kernel in an ``Int4Linear``'s place inside a ``BatchSizeSwitch``."""
-
-    def __init__(self, kernel: Int4DecodeLinear, nbytes: int) -> None:
-        self.kernel, self.nbytes, self.out_features = kernel, nbytes, kernel.out_features
-
-    def apply(self, x, decode_rows=0, decode_batch=None):
-        return self.kernel.apply(x)
-
-
 def engine_rates(engine: Engine, switches: list, ours: list, tokens: int, repeats: int) -> None:
-    """Batch-1 greedy decode tokens/s of the engine with aten's kernel (scripted step, as served,
-    and eager) and with ours (eager: a ctypes call cannot run inside TorchScript), interleaved."""
+    """Batch-1 greedy decode tokens/s of the engine with aten's kernel and with ours, each on
+    the scripted step (as served) and eager, interleaved."""
     model = engine.runner.model
     scripted, atens = model.scripted_decode, [switch.quantized for switch in switches]
-    copies = [KernelCopy(mine, aten.nbytes) for mine, aten in zip(ours, atens)]
-    setups = {"aten scripted": (scripted, atens), "aten eager": (None, atens)}
-    setups["ours eager"] = (None, copies)
+    for switch, mine in zip(switches, ours):
+        switch.quantized = mine
+    scripted_ours = ScriptedDecode.build(model)
+    setups = {"aten scripted": (scripted, atens), "ours scripted": (scripted_ours, ours)}
+    setups |= {"aten eager": (None, atens), "ours eager": (None, ours)}
     prompt = [[1 + 7 * j for j in range(40)]]
     for threads in THREADS:
         torch.set_num_threads(threads)
@@ -250,31 +275,31 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="decode steps recorded")
     parser.add_argument("--engine-tokens", type=int, default=64, help="0: no engine rates")
-    parser.add_argument("--only-engine", action="store_true", help="engine rates alone (bf16)")
+    parser.add_argument("--only-engine", action="store_true", help="engine rates alone")
     args = parser.parse_args()
+    if not int4_decode.load_op():
+        raise SystemExit("the int4 decode op is not built: python -m engine_worker.int4_decode")
     engine = load_engine()
     switches = int4_switches(engine)
     inputs = record_inputs(engine, switches, args.steps)
     layers = [cast(Int4Linear, switch.quantized) for switch in switches]
     torch.set_num_threads(1)  # repacking is not what is measured; it fights no one on 1
     start = time.perf_counter()
-    variants = ("bf16",) if args.only_engine else VARIANTS
-    ours = {v: [Int4DecodeLinear(layer, v) for layer in layers] for v in variants}
-    print(f"repacking {len(layers)} layers x {len(variants)}: {time.perf_counter() - start:.2f} s")
+    ours = [ours_of(layer) for layer in layers]
+    print(f"repacking {len(layers)} layers: {time.perf_counter() - start:.2f} s")
     torch.set_num_threads(THREADS[0])
     if args.engine_tokens:
         print(f"engine decode, batch 1, {args.engine_tokens} tokens:")
-        engine_rates(engine, switches, ours["bf16"], args.engine_tokens, max(3, args.repeats // 3))
+        engine_rates(engine, switches, ours, args.engine_tokens, max(3, args.repeats // 3))
     if args.only_engine:
         return
     print("accuracy against float32 of the same weights, real decode inputs:")
     accuracy(layers, ours, inputs)
-    for variant, mine in ours.items():
-        same = check_rows_alone(mine, inputs)
-        print(f"  {variant}: rows independent of the call's other rows and of 1/2 threads: {same}")
+    same = check_rows_alone(ours, inputs)
+    print(f"  ours: rows independent of the call's other rows and of 1/2 threads: {same}")
     call_overhead()
     kernels: dict[str, list] = {"aten": [layer.apply for layer in layers]}
-    kernels |= {v: [m.apply for m in mine] for v, mine in ours.items()}
+    kernels["ours"] = [mine.apply for mine in ours]
     print(f"timings, {uptime()} before")
     samples = timings(kernels, inputs, args.repeats, args.passes)
     print("medians:")

@@ -1,30 +1,34 @@
-"""Our int4 decode kernel (engine_worker/int4_decode.py): what each variant computes against
-float32 of the same weights, and that a row's result depends on that row alone (not on the
-call's other rows, nor on the thread count). Skipped where the kernel cannot be built or run
-(no g++, no AVX-512 BF16/VNNI)."""
+"""Our int4 decode kernel (engine_worker/int4_decode.py): the torch op against the ctypes build of
+the same source and against float32 of the same weights, a row's bits alone (not the call's other
+rows, nor the thread count), the engine on it (``int4_kernel="own"``: scripted == eager), and
+aten's kernel where the op is not built. Skipped where the op is not built or cannot run (no g++,
+no AVX-512 BF16/VNNI; scripts/setup_env.sh builds it)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from engine_worker import int4_decode
-from engine_worker.int4_decode import VARIANTS, Int4DecodeLinear, groups_of
-from engine_worker.linear import Int4Linear, Int8Blocks, dequantize, quantize_int4
+from engine_worker.linear import BatchSizeSwitch, Int4Linear, Int8Blocks, dequantize, quantize_int4
+from engine_worker.weight_format import WeightFormat
+from scripts.bench.tiny_model import make_tiny_model
+from tests.engine_worker.helpers import greedy
+from tests.engine_worker.test_scripted_decode import assert_same, make_engine
 
-pytestmark = pytest.mark.skipif(
-    int4_decode.library() is None, reason="int4 decode kernel needs g++ and AVX-512 BF16/VNNI"
+needs_op = pytest.mark.skipif(
+    not int4_decode.load_op() or int4_decode.library() is None,
+    reason="int4 decode op not built, or no g++ / AVX-512 BF16",
 )
-
-# Worst relative (Frobenius) error against float32 of the same weights, Gaussian rows: bf16
-# forms every product exactly (float32 sums); int16 / int8 round the row per group of 32.
-TOLERANCE = {"bf16": 1e-6, "int16": 1e-4, "int8": 2e-2}
+CPU = torch.device("cpu")
 
 
-def int4_layer(n: int, k: int, seed: int = 0) -> Int4Linear:
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, k, generator=generator) * 0.05
-    return Int4Linear(quantize_int4(weight, torch.bfloat16), torch.bfloat16)
+def groups(n: int, k: int, seed: int = 0):
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return quantize_int4(weight, torch.bfloat16)
 
 
 def rows(m: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -35,58 +39,93 @@ def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
     return ((y.float() - reference).norm() / reference.norm()).item()
 
 
-def test_groups_of_reads_back_the_layers_weights():
-    source = quantize_int4(torch.randn(48, 96) * 0.05, torch.bfloat16)
-    groups = groups_of(Int4Linear(source, torch.bfloat16))
-    assert torch.equal(groups.q, source.q)
-    assert torch.equal(groups.scale, source.scale) and torch.equal(groups.zero, source.zero)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_each_variant_against_float32_of_the_same_weights(variant):
-    layer = int4_layer(48, 96)
-    kernel = Int4DecodeLinear(layer, variant)
-    weight = dequantize(groups_of(layer))
-    for m in (1, 3, 4, 6):  # rows go 4 at a time: a partial and a second chunk too
+@needs_op
+@pytest.mark.parametrize("planes", [1, 2])
+def test_op_equals_the_ctypes_kernel_and_float32_of_the_weights(planes):
+    sources = [groups(48, 96, seed=p) for p in range(planes)]
+    blocks = int4_decode.pack(sources)
+    weight = sum(dequantize(s) for s in sources)
+    for m in range(1, 9):  # rows go 4 at a time: partial and second chunks too
         x = rows(m, 96, seed=m)
-        reference = x.float() @ weight.t()
-        assert relative_error(kernel.apply(x, torch.float32), reference) < TOLERANCE[variant]
-        out = kernel.apply(x)
-        assert out.dtype == torch.bfloat16
-        assert torch.equal(out, kernel.apply(x, torch.float32).bfloat16())
+        y = torch.ops.splitserve.int4_decode_mm(x, blocks, planes)
+        assert torch.equal(y, int4_decode.apply_ctypes(blocks, x, planes))
+        sums = int4_decode.apply_ctypes(blocks, x, planes, f32=True)
+        assert relative_error(sums, x.float() @ weight.t()) < 1e-6  # exact products
+        assert torch.equal(y, sums.bfloat16())
 
 
+@needs_op
 def test_a_q8_0_head_as_two_planes_matches_its_weights():
     generator = torch.Generator().manual_seed(2)
     q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=generator)
     scale = (torch.rand(32, 2, generator=generator) * 0.01).bfloat16().float()  # bf16 holds it
     blocks = Int8Blocks(q, scale)
-    layer = Int4Linear(blocks.as_int4_planes(), torch.bfloat16)
     x = rows(2, 64)
-    reference = x.float() @ dequantize(blocks).t()
-    assert relative_error(Int4DecodeLinear(layer).apply(x, torch.float32), reference) < 1e-6
+    sums = int4_decode.apply_ctypes(int4_decode.pack(blocks.as_int4_planes()), x, 2, f32=True)
+    assert relative_error(sums, x.float() @ dequantize(blocks).t()) < 1e-6
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_a_rows_result_depends_on_that_row_alone(variant):
+@needs_op
+def test_a_rows_bits_depend_on_that_row_alone():
     """Large enough that more than one row runs on two threads and one row on the caller's."""
-    kernel = Int4DecodeLinear(int4_layer(256, 576), variant)
+    blocks = int4_decode.pack([groups(256, 576)])
     x = rows(7, 576)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        together = kernel.apply(x, torch.float32)
-        alone = torch.cat([kernel.apply(x[i : i + 1], torch.float32) for i in range(7)])
+        together = torch.ops.splitserve.int4_decode_mm(x, blocks, 1)
+        alone = [torch.ops.splitserve.int4_decode_mm(x[i : i + 1], blocks, 1) for i in range(7)]
         torch.set_num_threads(1)
-        one_thread = kernel.apply(x, torch.float32)
+        one_thread = torch.ops.splitserve.int4_decode_mm(x, blocks, 1)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(together, alone) and torch.equal(together, one_thread)
+    assert torch.equal(together, torch.cat(alone)) and torch.equal(together, one_thread)
 
 
-def test_shapes_it_does_not_take_are_refused():
-    kernel = Int4DecodeLinear(int4_layer(48, 96))
-    with pytest.raises(ValueError, match="bf16 rows of 96"):
-        kernel.apply(rows(1, 64))
-    with pytest.raises(ValueError, match="variant"):
-        Int4DecodeLinear(int4_layer(48, 96), "fp8")
+@needs_op
+def test_int4_layers_take_the_op_and_refuse_other_rows():
+    fmt = WeightFormat("int4", torch.bfloat16, CPU, int4_kernel="own")
+    layer = fmt.linear([torch.randn(48, 96)])
+    assert isinstance(layer, BatchSizeSwitch) and layer.quantized.own_kernel
+    with pytest.raises(RuntimeError, match="rows of 96"):
+        layer.quantized.apply(rows(1, 64))
+    with pytest.raises(ValueError, match="int4_kernel"):
+        WeightFormat("int4", torch.bfloat16, CPU, int4_kernel="mine")
+
+
+@needs_op
+def test_engine_on_our_kernel_scripted_matches_eager(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "llama", architecture="llama")
+    engine = make_engine(model_dir, weights="int4", int4_kernel="own", enable_prefix_cache=False)
+    model = engine.runner.model
+    assert model.scripted_decode is not None and model.scripted_decode.own_kernel
+    assert all(isinstance(x.down.quantized, Int4Linear) for x in model.layers)
+    assert all(x.down.quantized.own_kernel for x in model.layers)
+    prompts = [[1, 5, 9, 300], [1, 17, 4000, 5, 6, 7, 8], [1, 2000]]
+    assert_same(engine, prompts, greedy(8, ignore_eos=True), "own")
+
+
+FALLBACK = """
+import logging, torch
+logging.basicConfig(level=logging.WARNING)
+from engine_worker.weight_format import WeightFormat
+cpu = torch.device("cpu")
+formats = [WeightFormat("int4", torch.bfloat16, cpu, int4_kernel="own") for _ in range(2)]
+layers = [fmt.linear([torch.randn(48, 96)]) for fmt in formats]
+own = any(f.own_int4 for f in formats) or any(x.quantized.own_kernel for x in layers)
+print("own" if own else "aten")
+"""
+
+
+def test_without_a_built_op_aten_serves_logged_once(tmp_path):
+    """A cache without the op (a fresh machine before set-up): aten's kernel, one warning."""
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK],
+        env={"SPLITSERVE_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "aten"
+    assert done.stderr.count("our int4 kernel is unavailable") == 1
