@@ -17,6 +17,7 @@ builds anew):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -44,11 +45,14 @@ MAX_GROUPS = 2048  # groups of 32 along K (all planes) the kernel takes: kMaxGro
 CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
 
 
-def _op_flags() -> list[str]:
+def _op_flags(paths: bool = True) -> list[str]:
+    """g++'s flags for the op; without ``paths`` what names the build (not where this torch is
+    installed: every checkout with the same torch shares one build)."""
     from torch.utils import cpp_extension
 
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *FLAGS]
+    flags = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *FLAGS]
+    if not paths:
+        return flags
     flags += [f"-I{p}" for p in cpp_extension.include_paths()]
     return flags + [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
 
@@ -64,7 +68,7 @@ def library_path() -> Path:
 
 
 def op_path() -> Path:
-    return _path("int4_decode_op", [SOURCE, OP_SOURCE], _op_flags())
+    return _path("int4_decode_op", [SOURCE, OP_SOURCE], _op_flags(paths=False))
 
 
 def build(path: Path, source: Path, flags: list[str]) -> None:
@@ -81,6 +85,8 @@ def build(path: Path, source: Path, flags: list[str]) -> None:
     for stale in path.parent.parent.glob(f"*/{path.name}"):  # builds of other sources
         if stale != path:
             stale.unlink(missing_ok=True)  # a process still holding one keeps its mapping
+            with contextlib.suppress(OSError):  # another file there: not ours to remove
+                stale.parent.rmdir()
 
 
 def cpu_supported() -> bool:

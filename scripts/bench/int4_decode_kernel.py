@@ -247,6 +247,8 @@ def engine_rates(engine: Engine, switches: list, ours: list, tokens: int, repeat
     for switch, mine in zip(switches, ours):
         switch.quantized = mine
     scripted_ours = ScriptedDecode.build(model)
+    if scripted is None or scripted_ours is None:
+        raise RuntimeError("the scripted decode step is off for this model (logged)")
     setups = {"aten scripted": (scripted, atens), "ours scripted": (scripted_ours, ours)}
     setups |= {"aten eager": (None, atens), "ours eager": (None, ours)}
     prompt = [[1 + 7 * j for j in range(40)]]
