@@ -15,7 +15,6 @@ import torch
 from engine_worker import int4_decode
 from engine_worker.linear import BatchSizeSwitch, Int4Linear, Int8Blocks, dequantize, quantize_int4
 from engine_worker.weight_format import WeightFormat
-from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import greedy
 from tests.engine_worker.test_scripted_decode import assert_same, make_engine
 
@@ -94,9 +93,10 @@ def test_int4_layers_take_the_op_and_refuse_other_rows():
 
 
 @needs_op
-def test_engine_on_our_kernel_scripted_matches_eager(tmp_path):
-    model_dir = make_tiny_model(tmp_path / "llama", architecture="llama")
-    engine = make_engine(model_dir, weights="int4", int4_kernel="own", enable_prefix_cache=False)
+def test_engine_on_our_kernel_scripted_matches_eager(tiny_model_dir):
+    engine = make_engine(
+        tiny_model_dir, weights="int4", int4_kernel="own", enable_prefix_cache=False
+    )
     model = engine.runner.model
     assert model.scripted_decode is not None and model.scripted_decode.own_kernel
     assert all(isinstance(x.down.quantized, Int4Linear) for x in model.layers)
