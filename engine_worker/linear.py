@@ -8,6 +8,8 @@
   ``w = (q - 8) * scale + zero`` with one fp32 rounding (an FMA), q in [0, 15], scale and zero
   stored as [K / group, N, 2] in the activation dtype; N must be a multiple of 16 and K of the
   group. Only bf16 activations take its vectorized path; fp32 and fp16 run a scalar loop.
+  With ``int4_kernel="own"`` (bf16 activations) it runs our kernel instead
+  (``splitserve::int4_decode_mm``, engine_worker/int4_decode.py).
 * ``BatchSizeSwitch``: a quantized copy for the decode rows of a step with at most
   ``max_tokens`` of them (decode: the weight bytes read decide the speed) and a dense copy for
   the others and for prompt rows (prefill: the integer kernels re-read and re-dequantize the
@@ -310,13 +312,19 @@ class Int4Linear:
     so the sum accumulates in float32 inside the kernel. One plane (or plain ``Int4Groups``) is
     the plain int4 layer; ``Int4Groups.split`` gives planes whose scales and zeros the activation
     dtype holds where it alone cannot (a GGUF's fp16 scales in bf16); a Q8_0 tensor is two
-    planes of nibbles (``Int8Blocks.as_int4_planes``). Each plane is read once."""
+    planes of nibbles (``Int8Blocks.as_int4_planes``). Each plane is read once.
+
+    ``blocks``: the same planes packed for our kernel (``int4_decode.pack``, bf16 activations):
+    the layer then calls ``splitserve::int4_decode_mm`` instead of aten's kernel and holds no
+    copy in aten's layout (``packed`` is the blocks, ``scale_zero`` empty: they hold the
+    scales)."""
 
     def __init__(
         self,
         planes: Int4Groups | list[Int4Groups],
         dtype: torch.dtype,
         bias: torch.Tensor | None = None,
+        blocks: torch.Tensor | None = None,
     ) -> None:
         if isinstance(planes, Int4Groups):
             planes = [planes]
@@ -327,6 +335,10 @@ class Int4Linear:
                 f"int4 needs out_features % 16 == 0 and in_features % {group} == 0, got {n} x {k}"
             )
         self.group, self.bias, self.out_features, self.parts = group, bias, n, len(planes)
+        self.own_kernel = blocks is not None
+        if blocks is not None:
+            self.packed, self.scale_zero = blocks, torch.empty(0, dtype=dtype)
+            return
         q = torch.cat([p.q for p in planes], dim=1).int()
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.scale_zero = (
@@ -338,8 +350,13 @@ class Int4Linear:
     def apply(
         self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
     ) -> torch.Tensor:
-        x = x.contiguous() if self.parts == 1 else x.repeat(1, self.parts)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
+        if self.own_kernel:
+            y = torch.ops.splitserve.int4_decode_mm(x, self.packed, self.parts)
+        else:
+            x = x.contiguous() if self.parts == 1 else x.repeat(1, self.parts)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, self.group, self.scale_zero
+            )
         return y if self.bias is None else y + self.bias
 
     @property

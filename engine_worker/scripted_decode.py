@@ -9,7 +9,8 @@ When it runs (``ScriptedDecode.applies``), else the eager forward does, unchange
 * the CPU backend on a kept workspace with decode rows only (``metadata.deferred_kv`` set: no
   prefill rows, the workspace was built by an earlier step), no request verifying drafts;
 * a model with no q/k norm and no qkv bias, bf16/fp16 activations (fused ``RmsNorm``), every
-  linear a ``BatchSizeSwitch`` of an ``Int4Linear`` and a ``DenseLinear`` without bias;
+  linear a ``BatchSizeSwitch`` of an ``Int4Linear`` and a ``DenseLinear`` without bias, every
+  ``Int4Linear`` on one kernel (aten's or ours: ``OwnKernelDecodeLayers``);
   the step's batch picks the copy just as ``BatchSizeSwitch.apply`` does.
 
 Bit-identical by construction: the same aten ops in the same order on the same tensors, run
@@ -44,6 +45,7 @@ class ScriptedDecode:
     eps: float
     shape: tuple[int, int, int]  # heads, kv_heads, head_dim
     device: torch.device
+    own_kernel: bool = False  # the int4 copies on our kernel (Int4Linear.own_kernel)
     steps: int = 0  # steps run scripted (tests read it)
     # the query rows index by the kernel's row count (_query_rows)
     query_rows: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -77,6 +79,7 @@ class ScriptedDecode:
             eps=model.layers[0].input_norm.eps,
             shape=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             device=model.device,
+            own_kernel=model.layers[0].qkv.quantized.own_kernel,
         )
         # Every choice of copies a batch size makes: one decode row, and one past each
         # linear's int4 limit.
@@ -178,7 +181,7 @@ class ScriptedDecode:
         quantized = tuple(batch <= most for _, _, most in self.copies)
         layers = self.by_copies.get(quantized)
         if layers is None:
-            from engine_worker.scripted_layers import DecodeLayers
+            from engine_worker.scripted_layers import DecodeLayers, OwnKernelDecodeLayers
 
             weights, parts = [], []
             for (int4, dense, _), int4_copy in zip(self.copies, quantized):
@@ -190,7 +193,8 @@ class ScriptedDecode:
                     weights += [matrix] * 2
                     parts.append(0 if dense.packed is None else -1)
             heads, kv_heads, _ = self.shape
-            module = DecodeLayers(self.norms, weights, parts, self.group, self.eps, heads, kv_heads)
+            kind = OwnKernelDecodeLayers if self.own_kernel else DecodeLayers
+            module = kind(self.norms, weights, parts, self.group, self.eps, heads, kv_heads)
             with warnings.catch_warnings():
                 # torch 2.13 says TorchScript is deprecated: torch.compile fuses and reorders
                 # ops (other bits) and compiles for minutes, so it is no substitute here
@@ -230,4 +234,7 @@ def _unsupported(model) -> str:
             if linear.max_tokens < 1:  # one decode row on the dense copy: another kernel
                 return "a linear without int4 decode rows"
     groups = {lin.quantized.group for layer in model.layers for lin in _linears(layer)}
-    return "" if len(groups) == 1 else "int4 groups differ between layers"
+    if len(groups) != 1:
+        return "int4 groups differ between layers"
+    kernels = {lin.quantized.own_kernel for layer in model.layers for lin in _linears(layer)}
+    return "" if len(kernels) == 1 else "int4 layers on two kernels (some too wide for ours)"

@@ -76,6 +76,9 @@ class DecodeLayers(torch.nn.Module):
         self.parts = [tuple(parts[4 * i : 4 * i + 4]) for i in range(len(norms) // 2)]
         self.group, self.eps, self.heads, self.kv_heads = group, eps, heads, kv_heads
 
+    def _linear(self, x: Tensor, packed: Tensor, scale_zero: Tensor, parts: int) -> Tensor:
+        return _linear(x, packed, scale_zero, parts, self.group)
+
     def forward(
         self,
         hidden: Tensor,
@@ -93,7 +96,7 @@ class DecodeLayers(torch.nn.Module):
         and values stacked [L, B, KV, D] (the cache write after the forward). One loop for all
         layers, longer than our usual: every call out of TorchScript costs what the ops it
         saves do."""
-        group, heads, kv_heads, eps = self.group, self.heads, self.kv_heads, self.eps
+        heads, kv_heads, eps = self.heads, self.kv_heads, self.eps
         num_tokens, width = hidden.shape[0], hidden.shape[1]
         head_dim = cos.shape[-1]
         qk_width, v_width = (heads + kv_heads) * head_dim, kv_heads * head_dim
@@ -120,7 +123,7 @@ class DecodeLayers(torch.nn.Module):
             ) = self.layers[i]
             qkv_parts, o_parts, gate_up_parts, down_parts = self.parts[i]
             x = torch.layer_norm(both, [2 * width], input_norm, None, eps).narrow(1, 0, width)
-            qkv = _linear(x, qkv_weight, qkv_scales, qkv_parts, group)
+            qkv = self._linear(x, qkv_weight, qkv_scales, qkv_parts)
             v = qkv.narrow(1, qk_width, v_width).view(num_tokens, kv_heads, head_dim)
             qk = qkv.narrow(1, 0, qk_width).view(num_tokens, heads + kv_heads, head_dim)
             qk = qk * cos + qk.roll(head_dim // 2, -1) * signed_sin
@@ -132,15 +135,26 @@ class DecodeLayers(torch.nn.Module):
             attn = _attend(
                 q, workspace[4 * i + 2], workspace[4 * i + 3], mask, query_rows, kv_heads
             )
-            y = _linear(attn, o_weight, o_scales, o_parts, group)
+            y = self._linear(attn, o_weight, o_scales, o_parts)
             residual += y
             negated -= y
             x = torch.layer_norm(both, [2 * width], post_attention_norm, None, eps)
             x = x.narrow(1, 0, width)
-            gate_up = _linear(x, gate_up_weight, gate_up_scales, gate_up_parts, group)
+            gate_up = self._linear(x, gate_up_weight, gate_up_scales, gate_up_parts)
             half = gate_up.shape[1] // 2
             mixed = torch.ops.aten.silu(gate_up.narrow(1, 0, half)) * gate_up.narrow(1, half, half)
-            y = _linear(mixed, down_weight, down_scales, down_parts, group)
+            y = self._linear(mixed, down_weight, down_scales, down_parts)
             residual += y
             negated -= y
         return hidden.copy_(residual), torch.stack(new_keys), torch.stack(new_values)
+
+
+class OwnKernelDecodeLayers(DecodeLayers):
+    """``DecodeLayers`` with the int4 copies on our kernel (``Int4Linear`` with blocks:
+    ``splitserve::int4_decode_mm``, the call its ``apply`` makes). A class of its own: TorchScript
+    compiles a call to the op only where the op is loaded."""
+
+    def _linear(self, x: Tensor, packed: Tensor, scale_zero: Tensor, parts: int) -> Tensor:
+        if parts == 0:
+            return torch.nn.functional.linear(x, packed)
+        return torch.ops.splitserve.int4_decode_mm(x, packed, parts)

@@ -45,6 +45,7 @@ def default_weight_format(
         config.quantized_max_tokens,
         dense_copy=dense_copy_fits(model_config, dtype, weight_copy_budget_bytes(device), device),
         deterministic=config.deterministic,
+        int4_kernel=config.int4_kernel,
     )
 
 

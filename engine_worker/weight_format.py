@@ -21,6 +21,8 @@ run on it (prefill, where dense GEMM beats the integer kernels), and so do the d
 step that has more than ``max_tokens`` of them (``linear.BatchSizeSwitch``), unless the format
 is ``deterministic``: then decode rows always run on the quantized kernels. Quantized kernels
 are CPU-only: on CUDA, auto serves dense weights.
+``int4_kernel="own"``: the int4 layers (bf16 activations) on our kernel (int4_decode.py), packed
+straight from the planes above, where its op is built; aten's kernel otherwise.
 Whatever the head's format, below float32 each row's top logits are recomputed in float32 from
 the checkpoint's head rows (``linear.refine_top_logits``, in the model's forward).
 """
@@ -31,6 +33,7 @@ import logging
 
 import torch
 
+from engine_worker import int4_decode
 from engine_worker.linear import (
     INT4_GROUP,
     MAX_INT4_PARTS,
@@ -48,7 +51,7 @@ from engine_worker.linear import (
     quantize_int4,
     quantize_int8,
 )
-from ipc.engine_config import WEIGHTS
+from ipc.engine_config import INT4_KERNELS, WEIGHTS
 
 logger = logging.getLogger("splitserve.engine.weights")
 
@@ -124,13 +127,25 @@ class WeightFormat:
         dense_copy: bool = True,
         reference_for: torch.dtype | None = None,
         deterministic: bool = False,
+        int4_kernel: str = "aten",
     ) -> None:
         check_weights_and_dtype(weights, reference_for or dtype, device)
+        if int4_kernel not in INT4_KERNELS:
+            raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {int4_kernel!r}")
         self.weights, self.dtype, self.device = weights, dtype, device
         self.max_tokens = BatchSizeSwitch.UNBOUNDED if deterministic else max_tokens
         self.dense_copy = dense_copy and reference_for is None
         self.reference_for = reference_for
         self.counts: dict[str, int] = {}  # layers built per kind, for the start-up log line
+        # Our int4 kernel (int4_decode.py) where asked for and it runs here: bf16 activations on
+        # the CPU, the op already built (never compiled at start-up: else aten's, logged once)
+        self.own_int4 = (
+            int4_kernel == "own"
+            and reference_for is None
+            and device.type == "cpu"
+            and dtype == torch.bfloat16
+            and int4_decode.load_op()
+        )
 
     def dense(self, source: WeightSource) -> torch.Tensor:
         """A tensor in the activation dtype (embedding, norms, biases, dense layers)."""
@@ -160,7 +175,9 @@ class WeightFormat:
             if self.reference_for is not None:
                 weight = torch.stack([dequantize(p.rounded(scale_dtype)) for p in planes])
                 return DenseLinear(weight.sum(0), bias)
-            layer: LinearWeight = Int4Linear(planes, self.dtype, bias)
+            own = self.own_int4 and int4_decode.takes(planes)
+            blocks = int4_decode.pack(planes) if own else None
+            layer: LinearWeight = Int4Linear(planes, self.dtype, bias, blocks)
         else:
             self._count(kind)
             q, scale = quantize_int8(dequantize(source), scale_dtype)
@@ -247,7 +264,8 @@ class WeightFormat:
                 above = "" if limit == BatchSizeSwitch.UNBOUNDED else f", above {limit} decode rows"
                 text += f" (dense for prompt rows{above})"
             parts.append(text)
-        return f"weights={self.weights}: {', '.join(parts)} linear layers"
+        kernel = ", int4 on our kernel" if self.own_int4 and self.counts.keys() - {"dense"} else ""
+        return f"weights={self.weights}: {', '.join(parts)} linear layers{kernel}"
 
 
 def _stack(sources: list[WeightSource]) -> WeightSource:

@@ -12,6 +12,7 @@ from ipc.kv_events import parse_kv_events_config
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("off", "ngram")
+INT4_KERNELS = ("aten", "own")  # engine_worker/int4_decode.py
 WEIGHTS = ("auto", "bf16", "fp32", "int8", "int4", "int4-exact")  # engine_worker/weight_format.py
 WEIGHTS_HELP = (
     "the linear layers' weights. auto: on a CPU with bf16 activations, a GGUF's Q4_0/Q4_1 "
@@ -48,6 +49,13 @@ class EngineConfig:
         choices=DTYPES,
     )
     weights: str = knob("auto", WEIGHTS_HELP, choices=WEIGHTS)
+    int4_kernel: str = knob(
+        "aten",
+        "which kernel runs int4 layers' decode rows (bf16 activations): aten (torch's "
+        "int4 kernel) or own (ours, AVX-512 BF16, built by scripts/setup_env.sh; where it "
+        "is not built or cannot run, aten's serves, logged)",
+        choices=INT4_KERNELS,
+    )
     quantized_max_tokens: int = knob(
         0,
         "a step's decode rows run on quantized weights while "

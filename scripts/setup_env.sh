@@ -30,4 +30,8 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 fi
 echo "[setup] installing splitserve${EXTRA:+ with its $EXTRA extra}" >&2
 "$VPY" -m pip install -q -e "$ROOT${EXTRA:+[$EXTRA]}"
+# Our int4 decode kernel as a torch op (EngineConfig.int4_kernel=own), compiled once into
+# ~/.cache/splitserve/kernels; the engine never compiles at start-up. No g++ or AVX-512 BF16:
+# not built, and int4_kernel=own serves on aten's kernel.
+"$VPY" -m engine_worker.int4_decode || true
 touch "$STAMP" "$VENV/.splitserve-installed"  # an extra comes with what running needs

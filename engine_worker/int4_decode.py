@@ -1,0 +1,202 @@
+"""Our own int4 decode kernel (int4_decode.cpp), beside ``aten._weight_int4pack_mm_for_cpu``.
+
+A few bf16 rows against int4 groups, the products (q - 8) * x exact and summed in float32
+(AVX-512 BF16 dot products), tiles of 16 outputs split over torch's OpenMP threads; a row's bits
+do not depend on the call's other rows nor on the thread count.
+
+Two builds of one source, each compiled once by g++ into ``~/.cache/splitserve/kernels/<hash>``
+(a hash of the sources, the flags and torch's version: a restart loads it, an edited source
+builds anew):
+* the torch op ``splitserve::int4_decode_mm`` (int4_decode_op.cpp), what ``Int4Linear`` and the
+  scripted decode layers call under ``EngineConfig.int4_kernel = "own"``. ``load_op`` never
+  compiles: a start-up loads a built op or serves on aten's kernel (logged once);
+  ``scripts/setup_env.sh`` builds it (``python -m engine_worker.int4_decode``);
+* a plain library loaded with ctypes (``library``, built on first use): the reference the op is
+  tested against and what the kernel benchmark calls without torch's dispatcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine_worker.linear import Int4Groups
+
+logger = logging.getLogger("splitserve.engine.int4_decode")
+
+SOURCE = Path(__file__).with_name("int4_decode.cpp")
+OP_SOURCE = Path(__file__).with_name("int4_decode_op.cpp")
+FLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
+FLAGS += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"]
+CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
+TILE, GROUP, BLOCK_BYTES = 16, 32, 320
+MAX_GROUPS = 2048  # groups of 32 along K (all planes) the kernel takes: kMaxGroups
+CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
+
+
+def _op_flags(paths: bool = True) -> list[str]:
+    """g++'s flags for the op; without ``paths`` what names the build (not where this torch is
+    installed: every checkout with the same torch shares one build)."""
+    from torch.utils import cpp_extension
+
+    flags = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *FLAGS]
+    if not paths:
+        return flags
+    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
+    return flags + [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
+
+
+def _path(name: str, sources: list[Path], flags: list[str]) -> Path:
+    text = b"".join(s.read_bytes() for s in sources) + " ".join(flags).encode()
+    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:16]
+    return CACHE_DIR / "kernels" / digest / f"{name}.so"
+
+
+def library_path() -> Path:
+    return _path("int4_decode", [SOURCE], FLAGS)
+
+
+def op_path() -> Path:
+    return _path("int4_decode_op", [SOURCE, OP_SOURCE], _op_flags(paths=False))
+
+
+def build(path: Path, source: Path, flags: list[str]) -> None:
+    """Compiles ``source`` into ``path`` (a temporary name first, then renamed: a concurrent
+    process never loads half a file) and removes the other builds of that name."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        raise FileNotFoundError("g++")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        subprocess.run([compiler, str(source), "-o", str(out), *flags], check=True)
+        out.replace(path)
+    for stale in path.parent.parent.glob(f"*/{path.name}"):  # builds of other sources
+        if stale != path:
+            stale.unlink(missing_ok=True)  # a process still holding one keeps its mapping
+            with contextlib.suppress(OSError):  # another file there: not ours to remove
+                stale.parent.rmdir()
+
+
+def cpu_supported() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return CPU_FLAGS <= set(flags.partition(":")[2].split())
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The ctypes library, built on first use; None where it cannot run here."""
+    path = library_path()
+    if not cpu_supported() or shutil.which("g++") is None and not path.exists():
+        return None
+    try:
+        if not path.exists():
+            build(path, SOURCE, FLAGS)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        logger.warning("int4 decode kernel unavailable (%s)", exc)
+        return None
+    lib.int4_decode.restype = ctypes.c_int
+    lib.int4_decode.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p]
+    lib.int4_decode.argtypes += [*[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64]
+    lib.int4_decode.argtypes += [ctypes.c_int]
+    return lib
+
+
+def build_op() -> Path:
+    """Builds the torch op (set-up time: a minute of g++); raises where it cannot."""
+    if not cpu_supported():
+        raise RuntimeError("this CPU lacks AVX-512 BF16/VNNI")
+    path = op_path()
+    if not path.exists():
+        build(path, OP_SOURCE, _op_flags())
+    return path
+
+
+@cache
+def load_op() -> bool:
+    """Whether ``torch.ops.splitserve.int4_decode_mm`` can run here: the op already built
+    (``build_op``) loaded, never compiled here (start-up does not wait for g++). Logged once
+    where it cannot."""
+    path = op_path()
+    reason = ""
+    if not cpu_supported():
+        reason = "this CPU lacks AVX-512 BF16/VNNI"
+    elif not path.exists():
+        reason = f"not built ({path}; `python -m engine_worker.int4_decode` builds it)"
+    else:
+        try:
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as exc:
+            reason = f"load failed: {exc}"
+    if reason:
+        logger.warning(
+            "int4_kernel=own: our int4 kernel is unavailable (%s): aten's serves", reason
+        )
+    return not reason
+
+
+def takes(planes: list[Int4Groups]) -> bool:
+    """Whether the kernel takes these planes (their groups along K, N a multiple of 16)."""
+    n, k = planes[0].q.shape
+    return n % TILE == 0 and k % GROUP == 0 and len(planes) * k // GROUP <= MAX_GROUPS
+
+
+def pack(planes: list[Int4Groups]) -> torch.Tensor:
+    """The kernel's blocks [N / 16, parts * K / 32, 320] uint8 from int4 planes (q [N, K],
+    scale/zero [N, K / 32], rounded to bf16 here, as ``Int4Linear`` holds them), side by side
+    along K as ``Int4Linear`` lays them; layout in int4_decode.cpp. Straight from the
+    checkpoint's groups: nothing is read back through another kernel."""
+    q = torch.cat([p.q for p in planes], dim=1).to(torch.int32)
+    scale = torch.cat([p.scale for p in planes], dim=1)
+    zero = torch.cat([p.zero for p in planes], dim=1)
+    n, k = q.shape
+    tiles, blocks = n // TILE, k // GROUP
+    # q[n = 16 t + i // 2, k = 32 g + 2 (4 c + s) + i % 2] -> [t, g, c, i, s], 16-bit words
+    q = q.view(tiles, TILE, blocks, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
+    words = (q.reshape(tiles, blocks, 4, 2 * TILE, 4) << torch.tensor([0, 4, 8, 12])).sum(-1)
+    weights = words.to(torch.int16).view(torch.uint8).reshape(tiles, blocks, 256)
+    pairs = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [N, K/32, 2]
+    pairs = pairs.view(tiles, TILE, blocks, 2).transpose(1, 2).contiguous()
+    return torch.cat([weights, pairs.view(torch.uint8).reshape(tiles, blocks, 64)], -1)
+
+
+def apply_ctypes(blocks: torch.Tensor, x: torch.Tensor, parts: int = 1, f32: bool = False):
+    """``int4_decode_mm`` through the ctypes library (None where it cannot run): bf16 rows x
+    [M, K] -> [M, N] bf16, or float32 sums before their rounding (``f32``)."""
+    lib = library()
+    if lib is None:
+        return None
+    x = x.contiguous() if parts == 1 else x.repeat(1, parts)
+    n, k, m = blocks.shape[0] * TILE, blocks.shape[1] * GROUP, x.shape[0]
+    if x.dtype != torch.bfloat16 or x.shape[1] != k:
+        raise ValueError(f"needs bf16 rows of {k // parts}, got {x.dtype} {tuple(x.shape)}")
+    y = torch.empty(m, n, dtype=torch.float32 if f32 else torch.bfloat16)
+    args = (blocks.data_ptr(), n, k, x.data_ptr(), m, k, y.data_ptr(), n, int(f32))
+    if lib.int4_decode(*args):
+        raise ValueError(f"shape {n} x {k} not taken by the kernel")
+    return y
+
+
+if __name__ == "__main__":  # scripts/setup_env.sh: build the op once
+    logging.basicConfig(level=logging.INFO)
+    try:
+        print(f"int4 decode op: {build_op()}")
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        print(f"int4 decode op not built ({exc}): int4_kernel=own serves on aten's kernel")
+        sys.exit(0)

@@ -1,0 +1,131 @@
+"""Our int4 decode kernel (engine_worker/int4_decode.py): the torch op against the ctypes build of
+the same source and against float32 of the same weights, a row's bits alone (not the call's other
+rows, nor the thread count), the engine on it (``int4_kernel="own"``: scripted == eager), and
+aten's kernel where the op is not built. Skipped where the op is not built or cannot run (no g++,
+no AVX-512 BF16/VNNI; scripts/setup_env.sh builds it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine_worker import int4_decode
+from engine_worker.linear import BatchSizeSwitch, Int4Linear, Int8Blocks, dequantize, quantize_int4
+from engine_worker.weight_format import WeightFormat
+from tests.engine_worker.helpers import greedy
+from tests.engine_worker.test_scripted_decode import assert_same, make_engine
+
+needs_op = pytest.mark.skipif(
+    not int4_decode.load_op() or int4_decode.library() is None,
+    reason="int4 decode op not built, or no g++ / AVX-512 BF16",
+)
+CPU = torch.device("cpu")
+
+
+def groups(n: int, k: int, seed: int = 0):
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return quantize_int4(weight, torch.bfloat16)
+
+
+def rows(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((y.float() - reference).norm() / reference.norm()).item()
+
+
+@needs_op
+@pytest.mark.parametrize("planes", [1, 2])
+def test_op_equals_the_ctypes_kernel_and_float32_of_the_weights(planes):
+    sources = [groups(48, 96, seed=p) for p in range(planes)]
+    blocks = int4_decode.pack(sources)
+    weight = sum(dequantize(s) for s in sources)
+    for m in range(1, 9):  # rows go 4 at a time: partial and second chunks too
+        x = rows(m, 96, seed=m)
+        y = torch.ops.splitserve.int4_decode_mm(x, blocks, planes)
+        assert torch.equal(y, int4_decode.apply_ctypes(blocks, x, planes))
+        sums = int4_decode.apply_ctypes(blocks, x, planes, f32=True)
+        assert relative_error(sums, x.float() @ weight.t()) < 1e-6  # exact products
+        assert torch.equal(y, sums.bfloat16())
+
+
+@needs_op
+def test_a_q8_0_head_as_two_planes_matches_its_weights():
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=generator)
+    scale = (torch.rand(32, 2, generator=generator) * 0.01).bfloat16().float()  # bf16 holds it
+    blocks = Int8Blocks(q, scale)
+    x = rows(2, 64)
+    sums = int4_decode.apply_ctypes(int4_decode.pack(blocks.as_int4_planes()), x, 2, f32=True)
+    assert relative_error(sums, x.float() @ dequantize(blocks).t()) < 1e-6
+
+
+@needs_op
+def test_a_rows_bits_depend_on_that_row_alone():
+    """Large enough that more than one row runs on two threads and one row on the caller's."""
+    blocks = int4_decode.pack([groups(256, 576)])
+    x = rows(7, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = torch.ops.splitserve.int4_decode_mm(x, blocks, 1)
+        alone = [torch.ops.splitserve.int4_decode_mm(x[i : i + 1], blocks, 1) for i in range(7)]
+        torch.set_num_threads(1)
+        one_thread = torch.ops.splitserve.int4_decode_mm(x, blocks, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, torch.cat(alone)) and torch.equal(together, one_thread)
+
+
+@needs_op
+def test_int4_layers_take_the_op_and_refuse_other_rows():
+    fmt = WeightFormat("int4", torch.bfloat16, CPU, int4_kernel="own")
+    layer = fmt.linear([torch.randn(48, 96)])
+    assert isinstance(layer, BatchSizeSwitch) and layer.quantized.own_kernel
+    with pytest.raises(RuntimeError, match="rows of 96"):
+        layer.quantized.apply(rows(1, 64))
+    with pytest.raises(ValueError, match="int4_kernel"):
+        WeightFormat("int4", torch.bfloat16, CPU, int4_kernel="mine")
+
+
+@needs_op
+def test_engine_on_our_kernel_scripted_matches_eager(tiny_model_dir):
+    engine = make_engine(
+        tiny_model_dir, weights="int4", int4_kernel="own", enable_prefix_cache=False
+    )
+    model = engine.runner.model
+    assert model.scripted_decode is not None and model.scripted_decode.own_kernel
+    assert all(isinstance(x.down.quantized, Int4Linear) for x in model.layers)
+    assert all(x.down.quantized.own_kernel for x in model.layers)
+    prompts = [[1, 5, 9, 300], [1, 17, 4000, 5, 6, 7, 8], [1, 2000]]
+    assert_same(engine, prompts, greedy(8, ignore_eos=True), "own")
+
+
+FALLBACK = """
+import logging, torch
+logging.basicConfig(level=logging.WARNING)
+from engine_worker.weight_format import WeightFormat
+cpu = torch.device("cpu")
+formats = [WeightFormat("int4", torch.bfloat16, cpu, int4_kernel="own") for _ in range(2)]
+layers = [fmt.linear([torch.randn(48, 96)]) for fmt in formats]
+own = any(f.own_int4 for f in formats) or any(x.quantized.own_kernel for x in layers)
+print("own" if own else "aten")
+"""
+
+
+def test_without_a_built_op_aten_serves_logged_once(tmp_path):
+    """A cache without the op (a fresh machine before set-up): aten's kernel, one warning."""
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK],
+        env={"SPLITSERVE_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "aten"
+    assert done.stderr.count("our int4 kernel is unavailable") == 1
