@@ -155,6 +155,6 @@ class OwnKernelDecodeLayers(DecodeLayers):
     compiles a call to the op only where the op is loaded."""
 
     def _linear(self, x: Tensor, packed: Tensor, scale_zero: Tensor, parts: int) -> Tensor:
-        if parts == 0:
-            return torch.nn.functional.linear(x, packed)
+        if parts <= 0:  # the dense copy
+            return _linear(x, packed, scale_zero, parts, self.group)
         return torch.ops.splitserve.int4_decode_mm(x, packed, parts)

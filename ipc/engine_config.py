@@ -50,10 +50,10 @@ class EngineConfig:
     )
     weights: str = knob("auto", WEIGHTS_HELP, choices=WEIGHTS)
     int4_kernel: str = knob(
-        "aten",
-        "which kernel runs int4 layers' decode rows (bf16 activations): aten (torch's "
-        "int4 kernel) or own (ours, AVX-512 BF16, built by scripts/setup_env.sh; where it "
-        "is not built or cannot run, aten's serves, logged)",
+        "own",
+        "which kernel runs int4 layers' decode rows (bf16 activations): own (ours, AVX-512 "
+        "BF16, built by scripts/setup_env.sh; where it is not built or cannot run, aten's "
+        "serves, logged) or aten (torch's int4 kernel)",
         choices=INT4_KERNELS,
     )
     quantized_max_tokens: int = knob(

@@ -11,7 +11,20 @@ PY="${PYTHON:-python3}"
 EXTRA="${1:-}"
 STAMP="$VENV/.splitserve-installed${EXTRA:+-$EXTRA}"
 
+# Our int4 decode kernel as a torch op (EngineConfig.int4_kernel=own), compiled once into
+# ~/.cache/splitserve/kernels whenever its sources are newer than the last build here; the engine
+# never compiles at start-up. No g++ or AVX-512 BF16: not built, and aten's kernel serves.
+KERNEL_STAMP="$VENV/.splitserve-int4-kernel"
+build_kernel() {
+    if [[ ! -f "$KERNEL_STAMP" || "$ROOT/engine_worker/int4_decode.cpp" -nt "$KERNEL_STAMP" \
+          || "$ROOT/engine_worker/int4_decode_op.cpp" -nt "$KERNEL_STAMP" ]]; then
+        "$VENV/bin/python" -m engine_worker.int4_decode || true
+        touch "$KERNEL_STAMP"
+    fi
+}
+
 if [[ -f "$STAMP" && "$STAMP" -nt "$ROOT/pyproject.toml" ]]; then
+    build_kernel
     exit 0
 fi
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -30,8 +43,5 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 fi
 echo "[setup] installing splitserve${EXTRA:+ with its $EXTRA extra}" >&2
 "$VPY" -m pip install -q -e "$ROOT${EXTRA:+[$EXTRA]}"
-# Our int4 decode kernel as a torch op (EngineConfig.int4_kernel=own), compiled once into
-# ~/.cache/splitserve/kernels; the engine never compiles at start-up. No g++ or AVX-512 BF16:
-# not built, and int4_kernel=own serves on aten's kernel.
-"$VPY" -m engine_worker.int4_decode || true
+build_kernel
 touch "$STAMP" "$VENV/.splitserve-installed"  # an extra comes with what running needs

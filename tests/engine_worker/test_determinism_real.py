@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_worker.engine import Engine
-from engine_worker.weight_format import QUANTIZED_MAX_TOKENS
+from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
 from scripts.bench.chat_prompts import chat_prompt_ids
 from tests.engine_worker.helpers import collect, greedy
@@ -18,7 +18,12 @@ pytestmark = pytest.mark.slow
 TOKENS = 16
 # The default launch runs decode rows on the int4 kernels while a step has at most this many of
 # them (dense above): its promise holds for decode batches on one side of that line.
-DEFAULT_DECODE_BATCH = QUANTIZED_MAX_TOKENS["int4"]
+DEFAULT_DECODE_BATCH = WeightFormat(
+    "auto",
+    torch.bfloat16,
+    torch.device("cpu"),
+    int4_kernel=EngineConfig(model_path="-").int4_kernel,
+).crossover("int4")
 
 
 def make_engine(model_dir, **knobs) -> Engine:
