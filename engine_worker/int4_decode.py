@@ -17,7 +17,6 @@ builds anew):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -48,11 +47,11 @@ CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "sp
 def _op_flags(paths: bool = True) -> list[str]:
     """g++'s flags for the op; without ``paths`` what names the build (not where this torch is
     installed: every checkout with the same torch shares one build)."""
-    from torch.utils import cpp_extension
-
     flags = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *FLAGS]
     if not paths:
         return flags
+    from torch.utils import cpp_extension  # ~0.1 s (setuptools): only where it compiles
+
     flags += [f"-I{p}" for p in cpp_extension.include_paths()]
     return flags + [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
 
@@ -73,7 +72,8 @@ def op_path() -> Path:
 
 def build(path: Path, source: Path, flags: list[str]) -> None:
     """Compiles ``source`` into ``path`` (a temporary name first, then renamed: a concurrent
-    process never loads half a file) and removes the other builds of that name."""
+    process never loads half a file). Other builds stay: checkouts of other sources or another
+    torch share the cache and each loads its own."""
     compiler = shutil.which("g++")
     if compiler is None:
         raise FileNotFoundError("g++")
@@ -82,11 +82,6 @@ def build(path: Path, source: Path, flags: list[str]) -> None:
         out = Path(tmp) / path.name
         subprocess.run([compiler, str(source), "-o", str(out), *flags], check=True)
         out.replace(path)
-    for stale in path.parent.parent.glob(f"*/{path.name}"):  # builds of other sources
-        if stale != path:
-            stale.unlink(missing_ok=True)  # a process still holding one keeps its mapping
-            with contextlib.suppress(OSError):  # another file there: not ours to remove
-                stale.parent.rmdir()
 
 
 def cpu_supported() -> bool:
@@ -152,9 +147,15 @@ def load_op() -> bool:
 
 
 def takes(planes: list[Int4Groups]) -> bool:
-    """Whether the kernel takes these planes (their groups along K, N a multiple of 16)."""
+    """Whether the kernel takes these planes (groups of 32 along K, at most MAX_GROUPS of them
+    over all planes; N a multiple of 16)."""
     n, k = planes[0].q.shape
-    return n % TILE == 0 and k % GROUP == 0 and len(planes) * k // GROUP <= MAX_GROUPS
+    return (
+        all(p.group == GROUP for p in planes)
+        and n % TILE == 0
+        and k % GROUP == 0
+        and len(planes) * k // GROUP <= MAX_GROUPS
+    )
 
 
 def pack(planes: list[Int4Groups]) -> torch.Tensor:

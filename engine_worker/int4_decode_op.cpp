@@ -3,6 +3,7 @@
 // x [M, K] bf16 rows, blocks the packed weights [N / 16, parts * K / 32, 320] uint8 (planes side
 // by side along K, each applied to x: x is repeated once per plane) -> [M, N] bf16.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "int4_decode.cpp"
@@ -10,6 +11,8 @@
 namespace {
 
 at::Tensor int4_decode_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t parts) {
+    // torch's thread count on this thread's OpenMP team, as aten's own parallel ops do
+    at::internal::lazy_init_num_threads();
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
                 "int4_decode_mm: x must be 2-d bf16 on the CPU");
     TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == kBlockBytes &&

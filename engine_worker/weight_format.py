@@ -174,7 +174,10 @@ class WeightFormat:
         source = _stack(sources)
         if kind == "dense":
             self._count(kind)
-            return DenseLinear(dense if dense is not None else self.dense(source), bias)
+            if dense is not None:  # shared (the embedding table): kept anyway
+                return DenseLinear(dense, bias)
+            # only a head's plain matrix is read again (model._exact_head_rows refines from it)
+            return DenseLinear(self.dense(source), bias, keep_weight=head)
         scale_dtype = self.reference_for or self.dtype
         if kind == "int4":
             planes = self._int4_planes(source, scale_dtype)
@@ -196,7 +199,7 @@ class WeightFormat:
             copy = (
                 DenseLinear(dense, bias)
                 if dense is not None
-                else DenseLinear(self.dense(source), bias, keep_weight=False)
+                else DenseLinear(self.dense(source), bias, keep_weight=head)
             )
             layer = BatchSizeSwitch(layer, copy, self.max_tokens or self.crossover(kind))
         return layer

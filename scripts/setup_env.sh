@@ -12,14 +12,24 @@ EXTRA="${1:-}"
 STAMP="$VENV/.splitserve-installed${EXTRA:+-$EXTRA}"
 
 # Our int4 decode kernel as a torch op (EngineConfig.int4_kernel=own), compiled once into
-# ~/.cache/splitserve/kernels whenever its sources are newer than the last build here; the engine
-# never compiles at start-up. No g++ or AVX-512 BF16: not built, and aten's kernel serves.
+# ~/.cache/splitserve/kernels; the engine never compiles at start-up. The stamp records the build
+# (or "none" where it cannot be built: no g++, no AVX-512 BF16, which torch's kernel then serves);
+# it is redone when the kernel's sources are newer or the recorded build is gone.
 KERNEL_STAMP="$VENV/.splitserve-int4-kernel"
 build_kernel() {
-    if [[ ! -f "$KERNEL_STAMP" || "$ROOT/engine_worker/int4_decode.cpp" -nt "$KERNEL_STAMP" \
+    local built=""
+    [[ -f "$KERNEL_STAMP" ]] && built="$(cat "$KERNEL_STAMP")"
+    if [[ -z "$built" || ( "$built" != none && ! -f "$built" ) \
+          || "$ROOT/engine_worker/int4_decode.cpp" -nt "$KERNEL_STAMP" \
           || "$ROOT/engine_worker/int4_decode_op.cpp" -nt "$KERNEL_STAMP" ]]; then
-        "$VENV/bin/python" -m engine_worker.int4_decode || true
-        touch "$KERNEL_STAMP"
+        local out
+        out="$("$VENV/bin/python" -m engine_worker.int4_decode | tail -n 1)" || true
+        echo "[setup] $out" >&2
+        if [[ "$out" == "int4 decode op: "* ]]; then
+            echo "${out#int4 decode op: }" > "$KERNEL_STAMP"
+        else
+            echo none > "$KERNEL_STAMP"
+        fi
     fi
 }
 

@@ -18,6 +18,7 @@ from engine_worker.linear import (
     Int8Linear,
     dequantize,
     onednn_packed,
+    packs_for_onednn,
     quantize_int4,
     quantize_int8,
     refine_top_logits,
@@ -178,6 +179,22 @@ def test_dense_bf16_packed_for_onednn_computes_the_plain_products_bits(shape):
     finally:
         torch.set_num_threads(threads)
     assert DenseLinear(w.float()).packed is None  # float32: another BLAS, left as it was
+
+
+@pytest.mark.skipif(
+    not packs_for_onednn(CPU, torch.bfloat16),
+    reason="this torch or CPU sends bf16 products elsewhere than oneDNN",
+)
+def test_packed_dense_layers_hold_one_copy_and_a_head_keeps_its_matrix_for_refinement():
+    # A packed layer's plain matrix is dropped (it would double the model's memory), except a
+    # head's: model._exact_head_rows recomputes each row's top logits in float32 from it.
+    w = torch.randn(64, 64) * 0.1
+    for weights in ("bf16", "int8"):
+        fmt = WeightFormat(weights, torch.bfloat16, CPU)
+        layer, head = fmt.linear([w]), fmt.linear([w], head=True)
+        layer, head = (getattr(x, "dense", x) for x in (layer, head))
+        assert layer.packed is not None and layer.weight is None, weights
+        assert head.packed is not None and torch.equal(head.weight, w.bfloat16()), weights
 
 
 def test_batch_size_switch_picks_by_decode_rows():
