@@ -174,10 +174,7 @@ class WeightFormat:
         source = _stack(sources)
         if kind == "dense":
             self._count(kind)
-            if dense is not None:  # shared (the embedding table): kept anyway
-                return DenseLinear(dense, bias)
-            # only a head's plain matrix is read again (model._exact_head_rows refines from it)
-            return DenseLinear(self.dense(source), bias, keep_weight=head)
+            return self._dense_layer(source, bias, dense, head)
         scale_dtype = self.reference_for or self.dtype
         if kind == "int4":
             planes = self._int4_planes(source, scale_dtype)
@@ -196,13 +193,23 @@ class WeightFormat:
                 return DenseLinear(q.float() * scale[:, None], bias)
             layer = Int8Linear(q, scale, self.dtype, bias)
         if self.dense_copy:
-            copy = (
-                DenseLinear(dense, bias)
-                if dense is not None
-                else DenseLinear(self.dense(source), bias, keep_weight=head)
-            )
+            copy = self._dense_layer(source, bias, dense, head)
             layer = BatchSizeSwitch(layer, copy, self.max_tokens or self.crossover(kind))
         return layer
+
+    def _dense_layer(
+        self,
+        source: WeightSource,
+        bias: torch.Tensor | None,
+        dense: torch.Tensor | None,
+        head: bool,
+    ) -> DenseLinear:
+        """The dense layer (or dense copy) of ``source``: ``dense`` where it is shared (the
+        embedding table, kept anyway); else its own matrix, whose plain copy stays beside a
+        oneDNN-packed one only for a head (model._exact_head_rows refines from it)."""
+        if dense is not None:
+            return DenseLinear(dense, bias)
+        return DenseLinear(self.dense(source), bias, keep_weight=head)
 
     def _int4_planes(self, source: WeightSource, dtype: torch.dtype) -> list[Int4Groups]:
         """The planes of one int4 layer: a checkpoint's 4-bit groups as they are, its Q8_0
