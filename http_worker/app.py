@@ -25,9 +25,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from http_worker.answer import generate, json_response
+from http_worker.answer import CLIENT_CLOSED_REQUEST, generate, json_response
 from http_worker.body import BodyReader, validation_error
 from http_worker.frontend import Connect, Frontend, FrontendSettings, connect_cluster
 from http_worker.generation import GenerationPlan, plan_generation
@@ -296,6 +297,14 @@ class FrontendMiddleware:
 
         try:
             await self.app(scope, receive, noting_status)
+        except ClientDisconnect:
+            # The client left before its body was whole: nothing to answer, nobody to answer,
+            # and nothing wrong here. 499 (nginx's "client closed request"), like a client that
+            # leaves while its answer is computed (answer.py); docs/operations.md.
+            logger.debug(
+                "client closed the connection before its body was whole: %s", scope["path"]
+            )
+            status[0] = status[0] or CLIENT_CLOSED_REQUEST
         except Exception:
             logger.exception("unexpected error answering %s", scope["path"])
             if status[0]:

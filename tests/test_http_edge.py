@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import subprocess
 import threading
 import time
 from typing import Any
@@ -26,7 +28,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from http_worker.server import frontend_command, wait_until_serving
 from ipc.client import BadRequestError, Client
+from procs.children import REPO_ROOT
 from procs.launch_cluster import launch_cluster
 from tests import test_http_tiny
 from tests.http_edge_cases import (
@@ -71,6 +75,7 @@ def cluster(tiny_model_dir):
 
 
 base_url = test_http_tiny.base_url  # a frontend process for this module's cluster
+stop_frontend = test_http_tiny.stop_frontend
 
 
 @pytest.fixture(scope="module")
@@ -401,3 +406,70 @@ def test_hostile_bodies_do_not_hold_up_the_other_streams_of_their_frontend(base_
             f"{1e3 * max(gaps, default=0):.0f} ms"
         )
         assert inside, f"no stream event arrived while the {name} requests were in flight"
+
+
+def test_a_client_that_leaves_mid_body_is_a_499_logged_in_one_short_line(cluster, tmp_path):
+    """Issue 38 item 3: a client that closes its connection before its body is whole was a 500
+    (splitserve_http_requests_total{status="500"}) and an ERROR with a ~48-line ClientDisconnect
+    traceback per connection. It is the client's doing: counted as 499, one DEBUG line, no
+    answer. A frontend of its own, logging at DEBUG to a file, over raw sockets."""
+    port = test_http_tiny.free_port()
+    log = tmp_path / "frontend.log"
+    with log.open("w") as err:
+        popen = subprocess.Popen(
+            frontend_command(
+                cluster.client_addr,
+                port=port,
+                model_name="tiny",
+                extra_args=("--log-level", "DEBUG"),
+            ),
+            cwd=str(REPO_ROOT),
+            stderr=err,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(base, popen)
+        cases = [
+            (path, framing)
+            for path in (COMPLETIONS, CHAT_COMPLETIONS, "/v1/messages", "/tokenize")
+            for framing in ("length", "chunked")
+        ] * 5
+        for path, framing in cases:
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            if framing == "length":
+                head += "Content-Length: 1000\r\n\r\n"
+                partial = b'{"prompt": "a half'
+            else:
+                head += "Transfer-Encoding: chunked\r\n\r\n"
+                partial = b'12\r\n{"prompt": "a half\r\n'  # one chunk, and no last one
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(head.encode() + partial)
+                time.sleep(0.05)  # the frontend is waiting for the rest
+                sock.shutdown(socket.SHUT_WR)
+                assert sock.recv(65536) == b"", "nothing is answered to a client that left"
+        deadline = time.monotonic() + 30
+        while True:
+            counted = {
+                labels: value
+                for (name, labels), value in test_http_tiny.metrics(base).items()
+                if name == "splitserve_http_requests_total"
+            }
+            left = {dict(labels)["endpoint"] for labels in counted if ("status", "499") in labels}
+            if sum(v for k, v in counted.items() if ("status", "499") in k) >= len(cases):
+                break
+            assert time.monotonic() < deadline, counted
+            time.sleep(0.1)
+        assert left == {COMPLETIONS, CHAT_COMPLETIONS, "/v1/messages", "/tokenize"}
+        assert sum(v for k, v in counted.items() if ("status", "499") in k) == len(cases)
+        assert not [k for k in counted if dict(k)["status"].startswith("5")], counted
+        # The connection pool of a client that stays works on, and is counted as it should be.
+        assert httpx.post(f"{base}/tokenize", json={"prompt": "hi"}).status_code == 200
+    finally:
+        stop_frontend(popen)
+    text = log.read_text()
+    ours = [line for line in text.splitlines() if "splitserve.http" in line]
+    left_lines = [line for line in ours if "before its body was whole" in line]
+    assert len(left_lines) == len(cases), ours
+    assert all(" DEBUG " in line and len(line) < 200 for line in left_lines), left_lines
+    assert "Traceback" not in text and "ClientDisconnect" not in text, text[-3000:]
+    assert not [line for line in ours if " ERROR " in line], ours
