@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from http_worker.protocol import MAX_CONTENT_PARTS, STRICT, bad_request, bound_messages
+from http_worker.chat_protocol import bound_messages
+from http_worker.protocol import MAX_CONTENT_PARTS, STRICT, bad_request
 from http_worker.translated import CHAT_TOOL_FIELD, TOOL_NAME, TranslatedChatRequest
 from ipc.field_rules import MAX_CHAT_MESSAGES, MAX_INT32
 
