@@ -141,7 +141,9 @@ def build_app(settings: FrontendSettings, connect: Connect = connect_cluster) ->
     _install_error_handlers(app)
     _install_middleware(app, frontend, settings.api_key)
     install_openapi(
-        app, [CompletionRequest, ChatCompletionRequest, *OTHER_API_BODIES, *TOKENIZER_BODIES]
+        app,
+        [CompletionRequest, ChatCompletionRequest, *OTHER_API_BODIES, *TOKENIZER_BODIES],
+        lambda: frontend.vocab_size,
     )
 
     _install_generation_routes(app, frontend, bodies)
@@ -160,11 +162,12 @@ def build_app(settings: FrontendSettings, connect: Connect = connect_cluster) ->
         openapi_extra={"responses": {**reading(JSON_OBJECT)["responses"], **health_answers}},
     )
     async def health() -> Response:
+        # Unauthenticated (load balancers probe it): the status and why not, nothing about the
+        # host (a pid, which frontend answered: the ready line and the logs say those).
         problem = await frontend.healthy()
-        who = {"pid": os.getpid(), "index": settings.index}
         if problem is None:
-            return json_response({"status": "ok", **who})
-        return json_response({"status": "unavailable", "reason": problem, **who}, 503)
+            return json_response({"status": "ok"})
+        return json_response({"status": "unavailable", "reason": problem}, 503)
 
     @app.get("/metrics", openapi_extra=reading({"text/plain": {"schema": {"type": "string"}}}))
     async def metrics() -> Response:

@@ -5,25 +5,42 @@ before any message is validated. What the endpoints share is in protocol.py."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
-from http_worker.protocol import MAX_CONTENT_PARTS, STRICT, GenerationRequest, Logprobs, bad_request
+from http_worker.field_types import (
+    CHAT_TOOL_CHOICE,
+    FORCING_CHOICE,
+    Logprobs,
+    chat_message_rules,
+    stated,
+    tools_needed_by,
+)
+from http_worker.protocol import MAX_CONTENT_PARTS, STRICT, GenerationRequest, bad_request
 from ipc.field_rules import MAX_CHAT_MESSAGES, content_problem, tool_call_id_problem
 
 
 class TextPart(BaseModel):
-    model_config = STRICT
-    type: str
-    text: str | None = None
+    # Any type and no text parse, so that the 400 can say what is supported (as_dict).
+    model_config = ConfigDict(**STRICT, json_schema_extra={"required": ["type", "text"]})
+    type: Annotated[str, stated("only text parts are supported", const="text")]
+    text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
 class ChatMessageIn(BaseModel):
     """One message; its fields' order matters to the checks below, which read the earlier
     ones (the SDK's rules, ipc.field_rules)."""
 
-    model_config = STRICT
+    model_config = ConfigDict(**STRICT, json_schema_extra=chat_message_rules)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     name: str | None = None  # passed to the chat template, which may show it
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
@@ -79,13 +96,14 @@ def bound_messages(messages: Any) -> Any:
 
 
 class ChatCompletionRequest(GenerationRequest):
+    model_config = ConfigDict(**STRICT, json_schema_extra=tools_needed_by(FORCING_CHOICE))
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     _bounded = field_validator("messages", mode="before")(bound_messages)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: Annotated[Any, WithJsonSchema(CHAT_TOOL_CHOICE)] = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 

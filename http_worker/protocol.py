@@ -13,14 +13,29 @@ The body itself (size, JSON) is read and parsed in http_worker.body.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ipc.block_hash import MAX_CACHE_SALT_CHARS
+from http_worker.field_types import (
+    MAX_TOKENS_RULE,
+    CacheSalt,
+    Count,
+    LogitBias,
+    Logprobs,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    StopString,
+    StopStrings,
+    StopTokenIds,
+    Temperature,
+    TokenId,
+    TopP,
+    stated,
+)
 from ipc.field_rules import MAX_INT32, MAX_SEED, MAX_TOKEN_ID, FieldError, renamed
 from ipc.messages import SamplingParams
-from ipc.sampling import MAX_LOGPROBS
 from ipc.structured import StructuredOutputError, spec_from_request
 
 MAX_N = 16  # choices per prompt
@@ -31,10 +46,6 @@ STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 # Validating a message costs ~10 us per content part: a body of many small parts (320,000 fit in
 # the body limit) would take seconds; these bound the work before it starts.
 MAX_CONTENT_PARTS = 4096  # text parts over all messages of one request
-Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 # --- errors -------------------------------------------------------------------------------------
 
@@ -90,27 +101,28 @@ class GenerationRequest(BaseModel):
     model_config = STRICT
 
     model: str | None = None
-    max_tokens: Count | None = None
-    max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: Count | None = Field(None, description=MAX_TOKENS_RULE)
+    # OpenAI's newer name for max_tokens
+    max_completion_tokens: Count | None = Field(None, description=MAX_TOKENS_RULE)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=-1, le=MAX_INT32)] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # not OpenAI's; vLLM and TGI take it too
-    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # not OpenAI's; vLLM and TGI take it
+    logit_bias: LogitBias | None = None  # token id (as a JSON key) -> bias
     # vLLM's extensions, with vLLM's meaning.
-    min_tokens: Count = 0
-    min_p: float = 0.0
+    min_tokens: Count = Field(0, description="at most max_tokens")
+    min_p: MinP = 0.0
     include_stop_str_in_output: bool = False
     prompt_logprobs: Logprobs | None = None
     # What the output must match: OpenAI's field, or vLLM's (json, regex, choice, grammar).
@@ -221,12 +233,17 @@ class GenerationRequest(BaseModel):
             raise bad_request(str(exc), exc.param) from None
 
 
-PromptIds = list[int]
+T = TypeVar("T")
+NonEmpty = Field(min_length=1)
+PromptIds = Annotated[list[TokenId], NonEmpty]
+PromptText = Annotated[str, NonEmpty]
+# A batch is n x its prompts requests (generation.py checks against MAX_CHOICES, naming n).
+Batch = Annotated[list[T], NonEmpty, stated(maxItems=MAX_CHOICES)]
 
 
 class CompletionRequest(GenerationRequest):
-    # A string, a batch of strings, token ids, or a batch of token id lists.
-    prompt: str | list[str] | PromptIds | list[PromptIds]
+    # A string, a batch of strings, token ids, or a batch of token id lists; none empty.
+    prompt: PromptText | Batch[PromptText] | PromptIds | Batch[PromptIds]
     echo: bool = False
     best_of: Count | None = None
     suffix: str | None = None
@@ -257,6 +274,8 @@ class CompletionRequest(GenerationRequest):
             isinstance(v, list)
             and (ids(v) or all(isinstance(x, str) for x in v) or all(ids(x) for x in v))
         ):
+            if not v or (isinstance(v, list) and not all(v)):
+                raise ValueError("prompt is empty")  # before the union names four reasons
             _check_token_ids(v)
             return v
         raise ValueError(
@@ -266,21 +285,9 @@ class CompletionRequest(GenerationRequest):
 
     def prompts(self) -> list[dict[str, Any]]:
         """One submit() keyword set per prompt of the batch."""
-        p = self.prompt
-        if isinstance(p, str):
-            batch: list[Any] = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            batch = [p]
-        else:
-            batch = list(p)
-        if not batch:
-            raise bad_request("prompt is empty", "prompt")
-        out = []
-        for item in batch:
-            if not item:
-                raise bad_request("prompt is empty", "prompt")
-            out.append({"prompt": item} if isinstance(item, str) else {"prompt_token_ids": item})
-        return out
+        p = self.prompt  # never empty, nor any prompt of a batch (_prompt_shape)
+        batch: list[Any] = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in batch]
 
 
 def _check_token_ids(prompt: Any) -> None:

@@ -311,7 +311,41 @@ def test_405_says_allow_and_the_openapi_document_states_the_rules(base_url):
     (bounded, _null) = fields["max_tokens"]["anyOf"]
     assert bounded == {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
     detokenize = doc["components"]["schemas"]["DetokenizeBody"]["properties"]["tokens"]
-    assert detokenize["items"]["maximum"] == 2**31 - 1 and detokenize["minItems"] == 1
+    assert detokenize["minItems"] == 1
+
+
+def test_the_document_bounds_token_ids_by_the_served_vocabulary(base_url):
+    """Issue 38 item 9: the document admitted token ids past the vocabulary (to the wire's
+    2**31-1), which the tokenizer worker then refused. A frontend states the vocabulary it
+    learnt from its cluster: the last id is taken, the next refused, where the document says."""
+    vocab = httpx.get(f"{base_url}/tokenizer_info").json()["vocab_size"]
+    doc = httpx.get(f"{base_url}/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    completion = schemas["CompletionRequest"]["properties"]
+    items = [
+        completion["prompt"]["anyOf"][2]["items"],  # token ids
+        completion["prompt"]["anyOf"][3]["items"]["items"],  # a batch of them
+        completion["stop_token_ids"]["anyOf"][0]["items"],
+        schemas["ChatCompletionRequest"]["properties"]["stop_token_ids"]["anyOf"][0]["items"],
+        schemas["DetokenizeBody"]["properties"]["tokens"]["items"],
+    ]
+    for item in items:
+        assert item["maximum"] == vocab - 1 and str(vocab) in item["description"], item
+    conn = KeepAlive(base_url)
+    try:
+        for path, body, param in (
+            (COMPLETIONS, {"prompt": [vocab - 1], "max_tokens": 1}, "prompt"),
+            (COMPLETIONS, {"prompt": [[1], [vocab - 1]], "max_tokens": 1}, "prompt"),
+            (COMPLETIONS, {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [vocab - 1]}, None),
+            ("/detokenize", {"tokens": [vocab - 1]}, "tokens"),
+        ):
+            status, answer = conn.post(path, json.dumps(body))
+            assert status == 200, answer
+            past = json.loads(json.dumps(body).replace(str(vocab - 1), str(vocab)))
+            message = refused(*conn.post(path, json.dumps(past)), param or "stop_token_ids")
+            assert str(vocab) in message
+    finally:
+        conn.close()
 
 
 def test_schemathesis_over_every_route_finds_no_5xx_and_answers_as_documented(base_url):
