@@ -44,6 +44,7 @@ from tests.http_edge_cases import (
 )
 
 MAX_MODEL_LEN = 512
+MAX_DEFAULT_TOKENS = 64  # --max-default-tokens of this module's cluster
 # The output limits of each generation route, kept small so that a valid case is cheap.
 LIMIT_FIELDS = {
     COMPLETIONS: ("max_tokens", "max_completion_tokens"),
@@ -69,6 +70,7 @@ def cluster(tiny_model_dir):
         tokenizer_workers=1,
         kv_cache_tokens=8192,
         max_model_len=MAX_MODEL_LEN,
+        max_default_tokens=MAX_DEFAULT_TOKENS,
         heartbeat_interval_s=0.1,
     ) as c:
         yield c
@@ -244,6 +246,38 @@ def test_max_tokens_past_the_contexts_room_is_a_400_and_no_limit_keeps_the_defau
     assert caught.value.param == "max_tokens" and "at most" in str(caught.value)
     tail = client.submit(prompt_token_ids=[1] * 500, ignore_eos=True).result(timeout=60)
     assert len(tail.token_ids) == 12  # the SDK's default (16), cut to the room
+
+
+def test_no_limit_is_the_endpoints_default_cut_to_max_default_tokens(base_url, client):
+    """Issue 38 item 7: a 13-byte body ({"input": ""}) ran past 120 s: with no limit, chat and
+    the Responses API generate to the end of the context. The default is now cut to
+    --max-default-tokens as well, on every API and the SDK alike (the tokenizer worker applies
+    it); completions' default (16) is below it, and a limit the request gives is not cut."""
+    conn = KeepAlive(base_url)
+    try:
+        free = {"ignore_eos": True, "temperature": 0}
+        for stream in (False, True):
+            body = {"messages": CHAT, "stream": stream, **free}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            status, answer = conn.post(CHAT_COMPLETIONS, json.dumps(body))
+            assert status == 200, answer
+            if stream:  # the usage chunk is the last before [DONE]
+                data = [line[6:] for line in answer["stream"].splitlines() if line[:6] == "data: "]
+                answer = json.loads(data[-2])
+            assert answer["usage"]["completion_tokens"] == MAX_DEFAULT_TOKENS, answer
+        _, answer = conn.post(COMPLETIONS, json.dumps({"prompt": "hi", **free}))
+        assert answer["usage"]["completion_tokens"] == 16
+        asked = {"messages": CHAT, "max_tokens": 3 * MAX_DEFAULT_TOKENS, **free}
+        _, answer = conn.post(CHAT_COMPLETIONS, json.dumps(asked))
+        assert answer["usage"]["completion_tokens"] == 3 * MAX_DEFAULT_TOKENS  # asked: not cut
+        _, answer = conn.post("/v1/responses", json.dumps({"input": "hi", "temperature": 0}))
+        assert answer["usage"]["output_tokens"] == MAX_DEFAULT_TOKENS, answer
+        assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+    finally:
+        conn.close()
+    sdk = client.submit(messages=CHAT, default_max_tokens=10**6, ignore_eos=True)
+    assert len(sdk.result(timeout=60).token_ids) == MAX_DEFAULT_TOKENS
 
 
 def test_cache_salt_is_checked_like_every_field_and_keeps_caches_apart(base_url):
