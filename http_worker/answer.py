@@ -26,6 +26,10 @@ from http_worker.generation import (
 from http_worker.responses import ChoiceOutput, ResponseFormat, usage_body
 from ipc.client import Delta, SplitserveError
 
+# nginx's status for a client that closed the connection before its answer: counted as such in
+# splitserve_http_requests_total, never as a 5xx (docs/operations.md).
+CLIENT_CLOSED_REQUEST = 499
+
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(
@@ -52,7 +56,7 @@ async def generate(
         first = await unless_disconnected(request, events.__anext__())
     except ClientGone:
         call.close()
-        return Response(status_code=499)  # nobody reads it; the access log does
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the metrics count it
     except SplitserveError as exc:
         raise call.fail(exc) from None
     except BaseException:

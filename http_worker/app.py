@@ -25,10 +25,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from http_worker.answer import generate, json_response
+from http_worker.answer import CLIENT_CLOSED_REQUEST, generate, json_response
 from http_worker.body import BodyReader, validation_error
+from http_worker.chat_protocol import ChatCompletionRequest
 from http_worker.frontend import Connect, Frontend, FrontendSettings, connect_cluster
 from http_worker.generation import GenerationPlan, plan_generation
 from http_worker.messages_api_bodies import messages_error_body
@@ -37,7 +39,7 @@ from http_worker.other_api_routes import BODIES as OTHER_API_BODIES
 from http_worker.other_api_routes import PATHS as OTHER_API_PATHS
 from http_worker.other_api_routes import POLICIES as OTHER_API_POLICIES
 from http_worker.other_api_routes import install_other_api_routes, speaks_messages_api
-from http_worker.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from http_worker.protocol import APIError, CompletionRequest, error_body
 from http_worker.responses import ChatFormat, CompletionFormat, models_body
 from http_worker.tokenize_routes import (
     POLICIES,
@@ -139,7 +141,9 @@ def build_app(settings: FrontendSettings, connect: Connect = connect_cluster) ->
     _install_error_handlers(app)
     _install_middleware(app, frontend, settings.api_key)
     install_openapi(
-        app, [CompletionRequest, ChatCompletionRequest, *OTHER_API_BODIES, *TOKENIZER_BODIES]
+        app,
+        [CompletionRequest, ChatCompletionRequest, *OTHER_API_BODIES, *TOKENIZER_BODIES],
+        lambda: frontend.vocab_size,
     )
 
     _install_generation_routes(app, frontend, bodies)
@@ -158,11 +162,12 @@ def build_app(settings: FrontendSettings, connect: Connect = connect_cluster) ->
         openapi_extra={"responses": {**reading(JSON_OBJECT)["responses"], **health_answers}},
     )
     async def health() -> Response:
+        # Unauthenticated (load balancers probe it): the status and why not, nothing about the
+        # host (a pid, which frontend answered: the ready line and the logs say those).
         problem = await frontend.healthy()
-        who = {"pid": os.getpid(), "index": settings.index}
         if problem is None:
-            return json_response({"status": "ok", **who})
-        return json_response({"status": "unavailable", "reason": problem, **who}, 503)
+            return json_response({"status": "ok"})
+        return json_response({"status": "unavailable", "reason": problem}, 503)
 
     @app.get("/metrics", openapi_extra=reading({"text/plain": {"schema": {"type": "string"}}}))
     async def metrics() -> Response:
@@ -296,6 +301,14 @@ class FrontendMiddleware:
 
         try:
             await self.app(scope, receive, noting_status)
+        except ClientDisconnect:
+            # The client left before its body was whole: nothing to answer, nobody to answer,
+            # and nothing wrong here. 499 (nginx's "client closed request"), like a client that
+            # leaves while its answer is computed (answer.py); docs/operations.md.
+            logger.debug(
+                "client closed the connection before its body was whole: %s", scope["path"]
+            )
+            status[0] = status[0] or CLIENT_CLOSED_REQUEST
         except Exception:
             logger.exception("unexpected error answering %s", scope["path"])
             if status[0]:

@@ -1,9 +1,9 @@
 """No silent drops: what the frontend does with every request field its models do not declare.
 
-The request models (protocol.py, tokenize_routes.py) declare the fields this server honours and
-refuse declared ones at values it cannot honour. They keep every other field of a body as an
-extra (pydantic ``extra="allow"``), and ``check_fields`` judges each one here, so a field that
-would change the output is never dropped without a word:
+The request models (protocol.py, chat_protocol.py, tokenize_routes.py) declare the fields this
+server honours and refuse declared ones at values it cannot honour. They keep every other field
+of a body as an extra (pydantic ``extra="allow"``), and ``check_fields`` judges each one here,
+so a field that would change the output is never dropped without a word:
 
 - known and not implemented: a 400 naming it, unless its value asks for nothing (``"tools": []``,
   ``"priority": 0``);

@@ -144,6 +144,7 @@ class Frontend:
         self.client: ClusterClient | None = None
         self.model_name = settings.model_name
         self.max_model_len = 0
+        self.vocab_size = 0  # the served model's, once connected (0: not known)
         self.t_start = int(time.time())
         self.last_alive = 0.0  # time.monotonic() of the latest token any request received
         self._probe: asyncio.Task | None = None
@@ -155,6 +156,7 @@ class Frontend:
         assert welcome is not None
         self.model_name = self.model_name or welcome.model
         self.max_model_len = welcome.max_model_len
+        self.vocab_size = welcome.vocab_size
 
     async def close(self) -> None:
         if self.client is not None:

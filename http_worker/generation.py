@@ -10,14 +10,9 @@ from typing import Any
 
 from starlette.requests import Request
 
+from http_worker.chat_protocol import ChatCompletionRequest
 from http_worker.frontend import Frontend
-from http_worker.protocol import (
-    MAX_CHOICES,
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    bad_request,
-)
+from http_worker.protocol import MAX_CHOICES, APIError, CompletionRequest, bad_request
 from http_worker.request_metrics import RequestClock
 from http_worker.responses import ResponseFormat, usage_body
 from ipc.client import ERR_TIMEOUT, AsyncRequestHandle, Delta, SplitserveError

@@ -15,19 +15,33 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from http_worker.protocol import MAX_CONTENT_PARTS, STRICT, bad_request, bound_messages
+from http_worker.chat_protocol import bound_messages
+from http_worker.field_types import Temperature, TopP, tools_needed_by
+from http_worker.protocol import MAX_CONTENT_PARTS, STRICT, bad_request
 from http_worker.translated import CHAT_TOOL_FIELD, TOOL_NAME, TranslatedChatRequest
 from ipc.field_rules import MAX_CHAT_MESSAGES, MAX_INT32
 
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
+Text = Annotated[str, Field(min_length=1)]  # Anthropic refuses empty text blocks
+# A tool's input is an object: Anthropic refuses an input_schema of any other type.
+InputSchema = Annotated[
+    dict[str, Any],
+    Field(json_schema_extra={"required": ["type"], "properties": {"type": {"const": "object"}}}),
+]
+# Anthropic's tool_choice types that call a tool: they need tools to call.
+FORCING_CHOICE = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"enum": ["any", "tool"]}},
+}
 
 
 class MessagesTextBlock(BaseModel):
     model_config = STRICT
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class MessagesBlock(BaseModel):
@@ -35,7 +49,7 @@ class MessagesBlock(BaseModel):
 
     model_config = STRICT
     type: Literal["text", "tool_use", "tool_result"]
-    text: str | None = None
+    text: Text | None = None
     id: CallId | None = None  # tool_use
     name: str | None = None  # tool_use
     input: dict[str, Any] | None = None  # tool_use
@@ -80,7 +94,15 @@ def _text(content: list[MessagesTextBlock] | list[MessagesBlock] | str | None) -
 class MessagesMessage(BaseModel):
     model_config = STRICT
     role: Literal["user", "assistant"]
-    content: list[MessagesBlock] | str  # the list first: its errors are the useful ones
+    # The list first: its errors are the useful ones. Neither may be empty (Anthropic's rule).
+    content: Annotated[list[MessagesBlock], Field(min_length=1)] | Text
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _some_content(cls, value: Any) -> Any:
+        if value in ("", []):  # one message, not one per member of the union
+            raise ValueError("a message needs content: a non-empty string or at least one block")
+        return value
 
     @model_validator(mode="after")
     def _blocks_of_its_role(self) -> MessagesMessage:
@@ -115,8 +137,18 @@ class MessagesTool(BaseModel):
     type: Literal["custom"] | None = None  # first: a server tool is refused for being one
     name: Annotated[str, Field(pattern=TOOL_NAME)]
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: InputSchema
     strict: bool | None = None  # a forced call always follows the schema; others are parsed
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type") != "object":
+            raise ValueError(
+                'input_schema must be a JSON schema of type "object" (a tool\'s input is an '
+                f"object), got type {value.get('type')!r:.40}"
+            )
+        return value
 
     def chat_tool(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
@@ -174,7 +206,7 @@ def _bounded_blocks(messages: Any) -> Any:
 class MessagesPrompt(BaseModel):
     """What a prompt is made of: what count_tokens takes, and the start of a Messages request."""
 
-    model_config = STRICT
+    model_config = ConfigDict(**STRICT, json_schema_extra=tools_needed_by(FORCING_CHOICE))
     model: str | None = None
     messages: list[MessagesMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     _bounded = field_validator("messages", mode="before")(_bounded_blocks)
@@ -210,8 +242,8 @@ class MessagesRequest(MessagesPrompt):
 
     max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)]
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=0, le=MAX_INT32)] | None = None
     stream: bool = False
     metadata: MessagesMetadata | None = None

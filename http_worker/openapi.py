@@ -10,11 +10,14 @@ models' schemas to the document's components.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+
+from http_worker.field_types import TOKEN_ID_MARK
 
 _REF = "#/components/schemas/{model}"
 ERROR_SCHEMA: dict[str, Any] = {
@@ -115,20 +118,50 @@ def operation(
     }
 
 
-def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Serves the document with ``models`` (the route bodies) among its components."""
+def install_openapi(
+    app: FastAPI, models: list[type[BaseModel]], vocab_size: Callable[[], int]
+) -> None:
+    """Serves the document with ``models`` (the route bodies) among its components, its token
+    ids bounded by the served model's vocabulary (``vocab_size()``, 0 while not known: the
+    document is then made anew on each request until it is)."""
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            doc = get_openapi(
-                title=app.title, version=app.version, description=app.description, routes=app.routes
-            )
-            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in models:
-                schema = model.model_json_schema(ref_template=_REF)
-                schemas.update(schema.pop("$defs", {}))
-                schemas[model.__name__] = schema
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in models:
+            schema = model.model_json_schema(ref_template=_REF)
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        vocab = vocab_size()
+        bound_token_ids(doc, vocab)
+        if vocab:
             app.openapi_schema = doc
-        return app.openapi_schema
+        return doc
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def bound_token_ids(node: Any, vocab_size: int) -> None:
+    """Every token id's schema (marked by field_types.TokenId) says the bound the tokenizer
+    worker holds ids to: below the vocabulary size, which the frontend learns from its cluster.
+    Unknown (0), the wire's bound stays and the description says where to find it."""
+    if isinstance(node, list):
+        for item in node:
+            bound_token_ids(item, vocab_size)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.pop(TOKEN_ID_MARK, False):
+        if vocab_size:
+            node["maximum"] = vocab_size - 1
+            node["description"] = f"a token id of the served model (its vocabulary: {vocab_size})"
+        else:
+            node["description"] = (
+                "a token id: below the served model's vocabulary size (GET /tokenizer_info)"
+            )
+    for value in node.values():
+        bound_token_ids(value, vocab_size)

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible wire format of the HTTP frontend: request models (pydantic), their
-mapping to SamplingParams, and the error bodies (responses and stream chunks: responses.py).
+"""The OpenAI-compatible wire format of the HTTP frontend: the fields both generation endpoints
+share, the completions request (chat's: chat_protocol.py), their mapping to SamplingParams, and
+the error bodies (responses and stream chunks: responses.py).
 
 Value checks live in one place, ``SamplingParams.__post_init__`` (and the rules of
 ipc.field_rules it shares with the SDK); the models here check types strictly (as OpenAI: an
@@ -12,23 +13,29 @@ The body itself (size, JSON) is read and parsed in http_worker.body.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ipc.block_hash import MAX_CACHE_SALT_CHARS
-from ipc.field_rules import (
-    MAX_CHAT_MESSAGES,
-    MAX_INT32,
-    MAX_SEED,
-    MAX_TOKEN_ID,
-    FieldError,
-    content_problem,
-    renamed,
-    tool_call_id_problem,
+from http_worker.field_types import (
+    MAX_TOKENS_RULE,
+    CacheSalt,
+    Count,
+    LogitBias,
+    Logprobs,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    StopString,
+    StopStrings,
+    StopTokenIds,
+    Temperature,
+    TokenId,
+    TopP,
+    stated,
 )
+from ipc.field_rules import MAX_INT32, MAX_SEED, MAX_TOKEN_ID, FieldError, renamed
 from ipc.messages import SamplingParams
-from ipc.sampling import MAX_LOGPROBS
 from ipc.structured import StructuredOutputError, spec_from_request
 
 MAX_N = 16  # choices per prompt
@@ -39,10 +46,6 @@ STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 # Validating a message costs ~10 us per content part: a body of many small parts (320,000 fit in
 # the body limit) would take seconds; these bound the work before it starts.
 MAX_CONTENT_PARTS = 4096  # text parts over all messages of one request
-Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 # --- errors -------------------------------------------------------------------------------------
 
@@ -92,33 +95,34 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # usage on every chunk (vLLM's extension)
 
 
-class _GenerationRequest(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields both endpoints share. Other fields are judged by http_worker.fields."""
 
     model_config = STRICT
 
     model: str | None = None
-    max_tokens: Count | None = None
-    max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: Count | None = Field(None, description=MAX_TOKENS_RULE)
+    # OpenAI's newer name for max_tokens
+    max_completion_tokens: Count | None = Field(None, description=MAX_TOKENS_RULE)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=-1, le=MAX_INT32)] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # not OpenAI's; vLLM and TGI take it too
-    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # not OpenAI's; vLLM and TGI take it
+    logit_bias: LogitBias | None = None  # token id (as a JSON key) -> bias
     # vLLM's extensions, with vLLM's meaning.
-    min_tokens: Count = 0
-    min_p: float = 0.0
+    min_tokens: Count = Field(0, description="at most max_tokens")
+    min_p: MinP = 0.0
     include_stop_str_in_output: bool = False
     prompt_logprobs: Logprobs | None = None
     # What the output must match: OpenAI's field, or vLLM's (json, regex, choice, grammar).
@@ -130,7 +134,7 @@ class _GenerationRequest(BaseModel):
     speculative: bool = True
 
     @model_validator(mode="after")
-    def _reject_unsupported(self) -> _GenerationRequest:
+    def _reject_unsupported(self) -> GenerationRequest:
         for name, neutral in self._neutral_values().items():
             value = getattr(self, name)
             if value is not None and value != neutral and value not in ({}, []):
@@ -229,12 +233,17 @@ class _GenerationRequest(BaseModel):
             raise bad_request(str(exc), exc.param) from None
 
 
-PromptIds = list[int]
+T = TypeVar("T")
+NonEmpty = Field(min_length=1)
+PromptIds = Annotated[list[TokenId], NonEmpty]
+PromptText = Annotated[str, NonEmpty]
+# A batch is n x its prompts requests (generation.py checks against MAX_CHOICES, naming n).
+Batch = Annotated[list[T], NonEmpty, stated(maxItems=MAX_CHOICES)]
 
 
-class CompletionRequest(_GenerationRequest):
-    # A string, a batch of strings, token ids, or a batch of token id lists.
-    prompt: str | list[str] | PromptIds | list[PromptIds]
+class CompletionRequest(GenerationRequest):
+    # A string, a batch of strings, token ids, or a batch of token id lists; none empty.
+    prompt: PromptText | Batch[PromptText] | PromptIds | Batch[PromptIds]
     echo: bool = False
     best_of: Count | None = None
     suffix: str | None = None
@@ -265,6 +274,8 @@ class CompletionRequest(_GenerationRequest):
             isinstance(v, list)
             and (ids(v) or all(isinstance(x, str) for x in v) or all(ids(x) for x in v))
         ):
+            if not v or (isinstance(v, list) and not all(v)):
+                raise ValueError("prompt is empty")  # before the union names four reasons
             _check_token_ids(v)
             return v
         raise ValueError(
@@ -274,21 +285,9 @@ class CompletionRequest(_GenerationRequest):
 
     def prompts(self) -> list[dict[str, Any]]:
         """One submit() keyword set per prompt of the batch."""
-        p = self.prompt
-        if isinstance(p, str):
-            batch: list[Any] = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            batch = [p]
-        else:
-            batch = list(p)
-        if not batch:
-            raise bad_request("prompt is empty", "prompt")
-        out = []
-        for item in batch:
-            if not item:
-                raise bad_request("prompt is empty", "prompt")
-            out.append({"prompt": item} if isinstance(item, str) else {"prompt_token_ids": item})
-        return out
+        p = self.prompt  # never empty, nor any prompt of a batch (_prompt_shape)
+        batch: list[Any] = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in batch]
 
 
 def _check_token_ids(prompt: Any) -> None:
@@ -306,108 +305,3 @@ def _check_token_ids(prompt: Any) -> None:
                 raise ValueError(
                     f"token ids are integers in [0, {MAX_TOKEN_ID}], got {token} at {at}"
                 )
-
-
-class TextPart(BaseModel):
-    model_config = STRICT
-    type: str
-    text: str | None = None
-
-
-class ChatMessageIn(BaseModel):
-    """One message; its fields' order matters to the checks below, which read the earlier
-    ones (the SDK's rules, ipc.field_rules)."""
-
-    model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    name: str | None = None  # passed to the chat template, which may show it
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
-    tool_call_id: str | None = Field(None, validate_default=True)  # a tool result's call
-    content: str | list[TextPart] | None = Field(None, validate_default=True)
-
-    @field_validator("tool_call_id")
-    @classmethod
-    def _tool_call_id(cls, value: Any, info: ValidationInfo) -> Any:
-        if problem := tool_call_id_problem(info.data.get("role", ""), value):
-            raise ValueError(problem)
-        return value
-
-    @field_validator("content")
-    @classmethod
-    def _content(cls, value: Any, info: ValidationInfo) -> Any:
-        if problem := content_problem(
-            info.data.get("role", ""), value, info.data.get("tool_calls")
-        ):
-            raise ValueError(problem)
-        return value
-
-    def as_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise bad_request("only text content parts are supported", "messages")
-            content = "".join(part.text for part in content)  # type: ignore[misc]
-        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-        role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            if getattr(self, key):
-                out[key] = getattr(self, key)
-        return out
-
-
-def bound_messages(messages: Any) -> Any:
-    """The messages list as parsed, before any message is validated: at most MAX_CHAT_MESSAGES
-    messages and MAX_CONTENT_PARTS text parts in all (a "before" validator of chat bodies)."""
-    if not isinstance(messages, list):
-        return messages  # the field's own checks say what is wrong
-    if len(messages) > MAX_CHAT_MESSAGES:
-        raise ValueError(f"at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}")
-    parts = sum(
-        len(m["content"])
-        for m in messages
-        if isinstance(m, dict) and isinstance(m.get("content"), list)
-    )
-    if parts > MAX_CONTENT_PARTS:
-        raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all, got {parts}")
-    return messages
-
-
-class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
-    _bounded = field_validator("messages", mode="before")(bound_messages)
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
-    logprobs: bool | None = None
-    top_logprobs: Logprobs | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
-
-    def output_options(self) -> dict[str, Any]:
-        options = super().output_options()
-        for name in ("tools", "tool_choice", "parallel_tool_calls"):
-            if getattr(self, name) not in (None, []):  # "tools": [] offers nothing
-                options[name] = getattr(self, name)
-        return options
-
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs is only allowed when logprobs is true")
-        return self
-
-    def _logprob_fields(self) -> dict[str, Any]:
-        return {
-            **super()._logprob_fields(),
-            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
-        }
-
-    def prompts(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "messages": [m.as_dict() for m in self.messages],
-                "add_generation_prompt": self.add_generation_prompt,
-                "chat_template_kwargs": self.chat_template_kwargs,
-            }
-        ]

@@ -16,9 +16,17 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from http_worker.protocol import MAX_CONTENT_PARTS, STRICT, Count, Logprobs
+from http_worker.field_types import (
+    FORCING_CHOICE,
+    Count,
+    Logprobs,
+    Temperature,
+    TopP,
+    tools_needed_by,
+)
+from http_worker.protocol import MAX_CONTENT_PARTS, STRICT, bad_request
 from http_worker.translated import CHAT_TOOL_FIELD, TOOL_NAME, TranslatedChatRequest
 from ipc.field_rules import MAX_CHAT_MESSAGES
 
@@ -57,7 +65,17 @@ class ResponsesInputItem(BaseModel):
     content: list[ResponsesTextPart] | str | None = (
         None  # the list first: its errors are the useful ones
     )
-    call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    call_id: (
+        Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=256,
+                description="a function_call_output's names a function_call earlier in input",
+            ),
+        ]
+        | None
+    ) = None
     name: str | None = None
     arguments: str | None = None
     output: list[ResponsesTextPart] | str | None = None
@@ -96,7 +114,10 @@ def _text(content: str | list[ResponsesTextPart] | None) -> str:
 
 
 def _bounded_items(items: Any) -> Any:
-    """At most MAX_CHAT_MESSAGES items and MAX_CONTENT_PARTS parts, before any is validated."""
+    """At most MAX_CHAT_MESSAGES items and MAX_CONTENT_PARTS parts, before any is validated;
+    a string is not empty (as a completion's prompt: there is nothing to answer)."""
+    if items == "":
+        raise ValueError("input is empty: send some text, or a list of items")
     if not isinstance(items, list):
         return items
     if len(items) > MAX_CHAT_MESSAGES:
@@ -164,14 +185,17 @@ class ResponsesStreamOptions(BaseModel):
 class ResponsesRequest(BaseModel):
     """POST /v1/responses. Other fields are judged by http_worker.fields (RESPONSES_POLICIES)."""
 
-    model_config = STRICT
+    model_config = ConfigDict(**STRICT, json_schema_extra=tools_needed_by(FORCING_CHOICE))
     model: str | None = None
-    input: Annotated[list[ResponsesInputItem], Field(min_length=1)] | str
+    input: (
+        Annotated[list[ResponsesInputItem], Field(min_length=1)]
+        | Annotated[str, Field(min_length=1)]
+    )
     _bounded = field_validator("input", mode="before")(_bounded_items)
     instructions: str | None = None
     max_output_tokens: Annotated[Count, Field(ge=1)] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     tools: list[ResponsesFunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -215,7 +239,16 @@ class ResponsesRequest(BaseModel):
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
-        for item in self.input:
+        calls = set()
+        for i, item in enumerate(self.input):
+            if item.type == "function_call":
+                calls.add(item.call_id)
+            elif item.type == "function_call_output" and item.call_id not in calls:
+                raise bad_request(
+                    f"input[{i}].call_id: no function_call item before it has the call_id "
+                    f"{item.call_id!r:.80} (this server keeps no responses: send the call too)",
+                    f"input[{i}].call_id",
+                )
             message = item.chat_message()
             last = messages[-1] if messages else None
             if "tool_calls" in message and last is not None and last["role"] == "assistant":

@@ -16,11 +16,12 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.responses import Response
 
 from http_worker.body import BodyReader
+from http_worker.chat_protocol import ChatMessageIn, bound_messages
 from http_worker.fields import GENERATION_POLICIES, NOT_IMPLEMENTED_FIELDS, FieldPolicy
 from http_worker.frontend import Frontend
 from http_worker.generation import api_error_from
 from http_worker.openapi import JSON_OBJECT, operation, reading
-from http_worker.protocol import STRICT, ChatMessageIn, TokenId, bound_messages
+from http_worker.protocol import STRICT, TokenId
 from ipc.client import SplitserveError
 from ipc.field_rules import MAX_CHAT_MESSAGES
 

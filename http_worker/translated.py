@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 from pydantic import ValidationError
 
 from http_worker.body import validation_error
-from http_worker.protocol import ChatCompletionRequest, bad_request
+from http_worker.chat_protocol import ChatCompletionRequest
+from http_worker.protocol import bad_request
 from ipc.field_rules import FieldError
 
 # A function's name, as the tokenizer worker checks it (there, a 400 without the field's name).

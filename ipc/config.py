@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ipc.engine_config import EngineConfig
 from ipc.knobs import check_knobs, knob
 from ipc.routing import CACHE_AWARE, POLICIES, RoutingThresholds
+from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS, MAX_DEFAULT_TOKENS_HELP
 
 if TYPE_CHECKING:
     from ipc.sockets import CurveKeys
@@ -127,6 +128,9 @@ class ClusterConfig:
         "requests a tokenizer worker queues before clients skip it",
         unit="REQUESTS",
         minimum=1,
+    )
+    max_default_tokens: int = knob(
+        DEFAULT_MAX_DEFAULT_TOKENS, MAX_DEFAULT_TOKENS_HELP, unit="TOKENS", minimum=0
     )
     stream_interval_tokens: int = knob(
         1,

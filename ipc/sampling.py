@@ -21,6 +21,16 @@ MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_LOGIT_BIAS = 100.0
 DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's completions default
+# A request that gives no output limit gets its endpoint's default (chat, the Responses API: the
+# whole room its prompt leaves, as vLLM and OpenAI), cut to this knob (--max-default-tokens): one
+# small body must not hold a batch slot for minutes. 2048 tokens take ~20 s at the default
+# model's single-stream decode on 2 CPU cores (~120 tok/s); a client that wants more asks.
+DEFAULT_MAX_DEFAULT_TOKENS = 2048
+MAX_DEFAULT_TOKENS_HELP = (
+    "a request that gives no max_tokens (max_completion_tokens, max_output_tokens) generates at "
+    "most this many tokens, besides the room its prompt leaves; 0: only the room (vLLM's "
+    "default). A limit the request gives is not cut"
+)
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ TOKENIZER_KNOBS = (
     "tokenizer_threads",
     "tokenizer_batch_max",
     "tokenizer_queue_max",
+    "max_default_tokens",
     "stream_interval_tokens",
 )
 FAULT_KNOBS = ("restart_policy", "max_restarts", "hang_timeout_s")

@@ -13,6 +13,9 @@ for _ in range(250):  # past the body's 200 levels of nesting
 # A last assistant message: a prefill to continue, refused by /v1/messages (count_tokens counts it).
 PREFILL = {"messages": [{"role": "assistant", "content": "Paris is"}]}
 TOOL_SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}}
+CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+OUTPUT = {"type": "function_call_output", "call_id": "c1", "output": "x"}
+NOT_AN_OBJECT = 'input_schema must be a JSON schema of type "object"'
 
 RESPONSES = [
     ({"model": 5}, "model"),
@@ -35,6 +38,18 @@ RESPONSES = [
         "input[0].call_id",
     ),
     ({"input": [{"role": "user", "content": "hi", "vendor": 1}]}, "input[0].vendor"),
+    # Issue 38 items 7 and 9: an empty input, and outputs of calls the input does not hold.
+    ({"input": ""}, "input"),
+    ({"input": {"text": "hi"}}, "input"),
+    ({"input": [["hi"]]}, "input[0]"),
+    ({"input": [OUTPUT]}, "input[0].call_id"),
+    ({"input": [OUTPUT, CALL]}, "input[0].call_id"),  # the call after its output
+    ({"input": [CALL, {**OUTPUT, "call_id": "c2"}]}, "input[1].call_id"),
+    ({"input": [{**OUTPUT, "call_id": 5}]}, "input[0].call_id"),
+    ({"input": [{**OUTPUT, "call_id": ["c1"]}]}, "input[0].call_id"),
+    ({"input": [{**OUTPUT, "call_id": "c" * 257}]}, "input[0].call_id"),
+    ({"input": [{**OUTPUT, "call_id": ""}]}, "input[0].call_id"),
+    ({"top_p": 0}, "top_p"),
     ({"input": [{"role": "user", "content": "x"}] * 5000}, "input"),
     ({"instructions": 5}, "instructions"),
     ({"instructions": SURROGATE}, "instructions"),
@@ -88,6 +103,33 @@ MESSAGES = [
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    # Issue 38 item 9: Anthropic refuses empty content and empty text blocks.
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content: a message needs"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content: a message needs"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [[{"type": "text"}]]}]}, "messages[0].content[0]"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+        "messages[0].content[0].text",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t",
+                            "content": [{"type": "text", "text": ""}],
+                        }
+                    ],
+                }
+            ]
+        },
+        "messages[0].content[0].content[0].text",
+    ),
+    ({"system": [{"type": "text", "text": ""}]}, "system[0].text"),
     ({"messages": [{"role": "user", "content": SURROGATE}]}, "messages[0].content"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
@@ -174,6 +216,15 @@ MESSAGES = [
         "tools[0].input_schema",
     ),
     ({"tools": [{"name": "f", "input_schema": DEEP}]}, "nested deeper"),
+    # Issue 38 item 9: a tool's input is an object, as Anthropic requires.
+    ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, NOT_AN_OBJECT),
+    ({"tools": [{"name": "f", "input_schema": {}}]}, NOT_AN_OBJECT),
+    ({"tools": [{"name": "f", "input_schema": {"type": ["object"]}}]}, NOT_AN_OBJECT),
+    ({"tools": [{"name": "f", "input_schema": {"type": 5}}]}, NOT_AN_OBJECT),
+    ({"tools": [{"name": "f", "input_schema": "object"}]}, "tools[0].input_schema"),
+    ({"tools": [{"name": "f", "input_schema": [TOOL_SCHEMA]}]}, "tools[0].input_schema"),
+    ({"tools": [], "tool_choice": {"type": "any"}}, 'tool_choice {"type": "any"}'),
+    ({"top_p": 0}, "top_p"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
     ({"tool_choice": {"type": "tool"}}, "tool_choice"),
     ({"tool_choice": {"type": "auto", "name": "f"}}, "tool_choice"),

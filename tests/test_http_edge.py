@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import subprocess
 import threading
 import time
 from typing import Any
@@ -26,7 +28,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from http_worker.server import frontend_command, wait_until_serving
 from ipc.client import BadRequestError, Client
+from procs.children import REPO_ROOT
 from procs.launch_cluster import launch_cluster
 from tests import test_http_tiny
 from tests.http_edge_cases import (
@@ -40,6 +44,7 @@ from tests.http_edge_cases import (
 )
 
 MAX_MODEL_LEN = 512
+MAX_DEFAULT_TOKENS = 64  # --max-default-tokens of this module's cluster
 # The output limits of each generation route, kept small so that a valid case is cheap.
 LIMIT_FIELDS = {
     COMPLETIONS: ("max_tokens", "max_completion_tokens"),
@@ -65,12 +70,14 @@ def cluster(tiny_model_dir):
         tokenizer_workers=1,
         kv_cache_tokens=8192,
         max_model_len=MAX_MODEL_LEN,
+        max_default_tokens=MAX_DEFAULT_TOKENS,
         heartbeat_interval_s=0.1,
     ) as c:
         yield c
 
 
 base_url = test_http_tiny.base_url  # a frontend process for this module's cluster
+stop_frontend = test_http_tiny.stop_frontend
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +248,38 @@ def test_max_tokens_past_the_contexts_room_is_a_400_and_no_limit_keeps_the_defau
     assert len(tail.token_ids) == 12  # the SDK's default (16), cut to the room
 
 
+def test_no_limit_is_the_endpoints_default_cut_to_max_default_tokens(base_url, client):
+    """Issue 38 item 7: a 13-byte body ({"input": ""}) ran past 120 s: with no limit, chat and
+    the Responses API generate to the end of the context. The default is now cut to
+    --max-default-tokens as well, on every API and the SDK alike (the tokenizer worker applies
+    it); completions' default (16) is below it, and a limit the request gives is not cut."""
+    conn = KeepAlive(base_url)
+    try:
+        free = {"ignore_eos": True, "temperature": 0}
+        for stream in (False, True):
+            body = {"messages": CHAT, "stream": stream, **free}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            status, answer = conn.post(CHAT_COMPLETIONS, json.dumps(body))
+            assert status == 200, answer
+            if stream:  # the usage chunk is the last before [DONE]
+                data = [line[6:] for line in answer["stream"].splitlines() if line[:6] == "data: "]
+                answer = json.loads(data[-2])
+            assert answer["usage"]["completion_tokens"] == MAX_DEFAULT_TOKENS, answer
+        _, answer = conn.post(COMPLETIONS, json.dumps({"prompt": "hi", **free}))
+        assert answer["usage"]["completion_tokens"] == 16
+        asked = {"messages": CHAT, "max_tokens": 3 * MAX_DEFAULT_TOKENS, **free}
+        _, answer = conn.post(CHAT_COMPLETIONS, json.dumps(asked))
+        assert answer["usage"]["completion_tokens"] == 3 * MAX_DEFAULT_TOKENS  # asked: not cut
+        _, answer = conn.post("/v1/responses", json.dumps({"input": "hi", "temperature": 0}))
+        assert answer["usage"]["output_tokens"] == MAX_DEFAULT_TOKENS, answer
+        assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+    finally:
+        conn.close()
+    sdk = client.submit(messages=CHAT, default_max_tokens=10**6, ignore_eos=True)
+    assert len(sdk.result(timeout=60).token_ids) == MAX_DEFAULT_TOKENS
+
+
 def test_cache_salt_is_checked_like_every_field_and_keeps_caches_apart(base_url):
     """vLLM's cache_salt: an empty or 257-character salt is a 400 naming it (types and lone
     surrogates: LAX and SURROGATES); a request shares cached blocks only with requests of its
@@ -306,7 +345,41 @@ def test_405_says_allow_and_the_openapi_document_states_the_rules(base_url):
     (bounded, _null) = fields["max_tokens"]["anyOf"]
     assert bounded == {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
     detokenize = doc["components"]["schemas"]["DetokenizeBody"]["properties"]["tokens"]
-    assert detokenize["items"]["maximum"] == 2**31 - 1 and detokenize["minItems"] == 1
+    assert detokenize["minItems"] == 1
+
+
+def test_the_document_bounds_token_ids_by_the_served_vocabulary(base_url):
+    """Issue 38 item 9: the document admitted token ids past the vocabulary (to the wire's
+    2**31-1), which the tokenizer worker then refused. A frontend states the vocabulary it
+    learnt from its cluster: the last id is taken, the next refused, where the document says."""
+    vocab = httpx.get(f"{base_url}/tokenizer_info").json()["vocab_size"]
+    doc = httpx.get(f"{base_url}/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    completion = schemas["CompletionRequest"]["properties"]
+    items = [
+        completion["prompt"]["anyOf"][2]["items"],  # token ids
+        completion["prompt"]["anyOf"][3]["items"]["items"],  # a batch of them
+        completion["stop_token_ids"]["anyOf"][0]["items"],
+        schemas["ChatCompletionRequest"]["properties"]["stop_token_ids"]["anyOf"][0]["items"],
+        schemas["DetokenizeBody"]["properties"]["tokens"]["items"],
+    ]
+    for item in items:
+        assert item["maximum"] == vocab - 1 and str(vocab) in item["description"], item
+    conn = KeepAlive(base_url)
+    try:
+        for path, body, param in (
+            (COMPLETIONS, {"prompt": [vocab - 1], "max_tokens": 1}, "prompt"),
+            (COMPLETIONS, {"prompt": [[1], [vocab - 1]], "max_tokens": 1}, "prompt"),
+            (COMPLETIONS, {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [vocab - 1]}, None),
+            ("/detokenize", {"tokens": [vocab - 1]}, "tokens"),
+        ):
+            status, answer = conn.post(path, json.dumps(body))
+            assert status == 200, answer
+            past = json.loads(json.dumps(body).replace(str(vocab - 1), str(vocab)))
+            message = refused(*conn.post(path, json.dumps(past)), param or "stop_token_ids")
+            assert str(vocab) in message
+    finally:
+        conn.close()
 
 
 def test_schemathesis_over_every_route_finds_no_5xx_and_answers_as_documented(base_url):
@@ -401,3 +474,70 @@ def test_hostile_bodies_do_not_hold_up_the_other_streams_of_their_frontend(base_
             f"{1e3 * max(gaps, default=0):.0f} ms"
         )
         assert inside, f"no stream event arrived while the {name} requests were in flight"
+
+
+def test_a_client_that_leaves_mid_body_is_a_499_logged_in_one_short_line(cluster, tmp_path):
+    """Issue 38 item 3: a client that closes its connection before its body is whole was a 500
+    (splitserve_http_requests_total{status="500"}) and an ERROR with a ~48-line ClientDisconnect
+    traceback per connection. It is the client's doing: counted as 499, one DEBUG line, no
+    answer. A frontend of its own, logging at DEBUG to a file, over raw sockets."""
+    port = test_http_tiny.free_port()
+    log = tmp_path / "frontend.log"
+    with log.open("w") as err:
+        popen = subprocess.Popen(
+            frontend_command(
+                cluster.client_addr,
+                port=port,
+                model_name="tiny",
+                extra_args=("--log-level", "DEBUG"),
+            ),
+            cwd=str(REPO_ROOT),
+            stderr=err,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(base, popen)
+        cases = [
+            (path, framing)
+            for path in (COMPLETIONS, CHAT_COMPLETIONS, "/v1/messages", "/tokenize")
+            for framing in ("length", "chunked")
+        ] * 5
+        for path, framing in cases:
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            if framing == "length":
+                head += "Content-Length: 1000\r\n\r\n"
+                partial = b'{"prompt": "a half'
+            else:
+                head += "Transfer-Encoding: chunked\r\n\r\n"
+                partial = b'12\r\n{"prompt": "a half\r\n'  # one chunk, and no last one
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(head.encode() + partial)
+                time.sleep(0.05)  # the frontend is waiting for the rest
+                sock.shutdown(socket.SHUT_WR)
+                assert sock.recv(65536) == b"", "nothing is answered to a client that left"
+        deadline = time.monotonic() + 30
+        while True:
+            counted = {
+                labels: value
+                for (name, labels), value in test_http_tiny.metrics(base).items()
+                if name == "splitserve_http_requests_total"
+            }
+            left = {dict(labels)["endpoint"] for labels in counted if ("status", "499") in labels}
+            if sum(v for k, v in counted.items() if ("status", "499") in k) >= len(cases):
+                break
+            assert time.monotonic() < deadline, counted
+            time.sleep(0.1)
+        assert left == {COMPLETIONS, CHAT_COMPLETIONS, "/v1/messages", "/tokenize"}
+        assert sum(v for k, v in counted.items() if ("status", "499") in k) == len(cases)
+        assert not [k for k in counted if dict(k)["status"].startswith("5")], counted
+        # The connection pool of a client that stays works on, and is counted as it should be.
+        assert httpx.post(f"{base}/tokenize", json={"prompt": "hi"}).status_code == 200
+    finally:
+        stop_frontend(popen)
+    text = log.read_text()
+    ours = [line for line in text.splitlines() if "splitserve.http" in line]
+    left_lines = [line for line in ours if "before its body was whole" in line]
+    assert len(left_lines) == len(cases), ours
+    assert all(" DEBUG " in line and len(line) < 200 for line in left_lines), left_lines
+    assert "Traceback" not in text and "ClientDisconnect" not in text, text[-3000:]
+    assert not [line for line in ours if " ERROR " in line], ours

@@ -3,13 +3,17 @@ validation errors before it needs one (and 503 for valid requests while it has n
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from http_worker.app import build_app
+from http_worker.chat_protocol import ChatCompletionRequest
 from http_worker.frontend import FrontendSettings
-from http_worker.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from http_worker.protocol import APIError, CompletionRequest
 from http_worker.responses import ChatFormat, ChoiceOutput, CompletionFormat
 
 
@@ -142,6 +146,175 @@ def test_valid_request_without_a_cluster_is_503_and_health_says_so(http):
     assert error["code"] == "unavailable"
     r = http.get("/health")
     assert r.status_code == 503 and "not connected" in r.json()["reason"]
+
+
+def test_health_says_nothing_about_the_host(http):
+    """Issue 38 item 9: /health (no API key needed) showed the frontend's pid and index."""
+    r = http.get("/health")
+    assert r.status_code == 503 and set(r.json()) == {"status", "reason"}
+
+
+# Fields with numeric bounds that SamplingParams (or the wire) checks; the document states them.
+BOUNDED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "n",
+    "logprobs",
+    "prompt_logprobs",
+)
+
+
+def _numeric(schema: dict) -> dict:
+    return next(s for s in schema.get("anyOf", [schema]) if s.get("type") in ("number", "integer"))
+
+
+def test_the_documents_bounds_are_what_validation_does(http):
+    """Issue 38 item 9: /openapi.json admitted top_p 0, which the server then refused. For each
+    bounded number of a completion, a value at each bound the document states is taken (only
+    the missing cluster answers: 503), and one just past it is a 400 naming the field."""
+    fields = http.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+    checked = []
+    for name in BOUNDED:
+        schema = _numeric(fields["properties"][name])
+        step = 1 if schema["type"] == "integer" else 1e-6
+        inside, outside = [], []
+        if "minimum" in schema:
+            inside.append(schema["minimum"])
+            outside.append(schema["minimum"] - step)
+        if "exclusiveMinimum" in schema:
+            inside.append(schema["exclusiveMinimum"] + step)
+            outside.append(schema["exclusiveMinimum"])
+        if "maximum" in schema:
+            inside.append(schema["maximum"])
+            outside.append(schema["maximum"] + step)
+        assert outside, f"{name}: the document states no bound"
+        for value in inside:
+            r = http.post("/v1/completions", json={"prompt": "hi", name: value})
+            assert r.status_code == 503, (name, value, r.text)
+        for value in outside:
+            error = _error(http.post("/v1/completions", json={"prompt": "hi", name: value}), 400)
+            assert error["param"] == name, (name, value, error)
+        checked.append((name, inside, outside))
+    assert ("top_p", [1e-6, 1], [0, 1 + 1e-6]) in checked
+
+
+def _agrees(doc: dict, model: str, body: dict) -> bool:
+    """Whether the document's schema of ``model`` admits ``body``."""
+    schema = {"$ref": f"#/components/schemas/{model}", "components": doc["components"]}
+    return jsonschema.Draft202012Validator(schema).is_valid(body)
+
+
+HI = [{"role": "user", "content": "hi"}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "path, model, body, taken",
+    [
+        ("/v1/completions", "CompletionRequest", {"prompt": "hi"}, True),
+        ("/v1/completions", "CompletionRequest", {"prompt": [[1], [2]]}, True),
+        ("/v1/completions", "CompletionRequest", {"prompt": ""}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": []}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": ["a", ""]}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": [[1], []]}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": "hi", "top_p": 0}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": "hi", "stop": ""}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": "hi", "stop": ["x"] * 17}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": "hi", "stop": ["x" * 257]}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": "hi", "logit_bias": {"a": 1}}, False),
+        ("/v1/completions", "CompletionRequest", {"prompt": "hi", "logit_bias": {"5": 101}}, False),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": HI}, True),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {"messages": [*HI, {"role": "assistant", "tool_calls": [CALL]}]},
+            True,
+        ),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {"messages": [*HI, {"role": "tool", "content": "r", "tool_call_id": "c1"}]},
+            True,
+        ),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {"messages": [*HI, {"role": "tool", "content": "r"}]},
+            False,
+        ),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {"messages": [*HI, {"role": "tool", "content": "r", "tool_call_id": ""}]},
+            False,
+        ),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [{"role": "user"}]}, False),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {"messages": [{"role": "assistant", "tool_calls": []}]},
+            False,
+        ),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            False,
+        ),
+    ],
+)
+def test_the_document_admits_what_the_server_takes(http, path, model, body, taken):
+    """Issue 38 item 9: the document admitted an empty prompt, top_p 0 and tool messages
+    without their tool_call_id, which the server then refused. Each body: taken by the server
+    (only the missing cluster answers: 503) exactly when the document admits it."""
+    doc = http.get("/openapi.json").json()
+    assert _agrees(doc, model, body) == taken
+    assert http.post(path, json=body).status_code == (503 if taken else 400)
+
+
+@pytest.mark.parametrize(
+    "model, body",
+    [
+        ("ChatCompletionRequest", {"messages": HI, "tool_choice": "required"}),
+        (
+            "ChatCompletionRequest",
+            {"messages": HI, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        ),
+        ("ChatCompletionRequest", {"messages": HI, "tools": [], "tool_choice": "required"}),
+        ("ResponsesRequest", {"input": "hi", "tool_choice": "required"}),
+        ("MessagesRequest", {"messages": HI, "max_tokens": 4, "tool_choice": {"type": "any"}}),
+    ],
+)
+def test_the_document_says_a_forced_tool_choice_needs_tools(http, model, body):
+    """Issue 38 item 9: tool_choice "required" (any) without tools is refused by the tokenizer
+    worker (tests/test_http_other_apis.py shows it); the document now says so, and admits the
+    same choice with a tool."""
+    doc = http.get("/openapi.json").json()
+    assert not _agrees(doc, model, body)
+    tools = (
+        [TOOL]
+        if model != "MessagesRequest"
+        else [{"name": "f", "input_schema": {"type": "object"}}]
+    )
+    if model == "ResponsesRequest":
+        tools = [{"type": "function", "name": "f"}]
+    assert _agrees(doc, model, {**body, "tools": tools})
+
+
+def test_token_ids_in_the_document_without_a_cluster(http):
+    """Token ids are bounded by the served model's vocabulary, which a frontend learns from its
+    cluster (tests/test_http_edge.py); without one the document says where to look."""
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    item = schemas["DetokenizeBody"]["properties"]["tokens"]["items"]
+    assert item["maximum"] == 2**31 - 1 and "/tokenizer_info" in item["description"]
+    assert "x-token-id" not in json.dumps(schemas)
 
 
 def test_metrics_parse_and_count_answers_by_status(http):

@@ -23,6 +23,7 @@ from ipc.messages import (
     SubmitRequest,
     TokenizedRequest,
 )
+from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_worker.grammar_compiler import GrammarSpecError
 from tokenizer_worker.structured import OutputPlan, StructuredOutputs, needs_plan
@@ -41,8 +42,12 @@ class RequestRejected(ValueError):
 class Limits:
     max_model_len: int
     vocab_size: int
+    # What a request without max_tokens may generate at most (0: the room its prompt leaves).
+    max_default_tokens: int = DEFAULT_MAX_DEFAULT_TOKENS
 
     def __post_init__(self) -> None:
+        if self.max_default_tokens < 0:
+            raise ValueError(f"max_default_tokens must be >= 0, got {self.max_default_tokens}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.vocab_size < 1:
@@ -121,7 +126,7 @@ class RequestPreparer:
                 f"the prompt has {n} tokens; with at least one generated token that exceeds the "
                 f"context length of {self.limits.max_model_len} tokens"
             )
-        sampling = _fit_to_context(req.sampling, n, self.limits.max_model_len)
+        sampling = _fit_to_context(req.sampling, n, self.limits)
         packed = pack_ids(ids)
         meta = RequestMeta(
             request_id=req.request_id,
@@ -240,13 +245,13 @@ def render_chat(
         raise RequestRejected(str(exc)) from None
 
 
-def _fit_to_context(
-    sampling: SamplingParams, prompt_tokens: int, max_model_len: int
-) -> SamplingParams:
+def _fit_to_context(sampling: SamplingParams, prompt_tokens: int, limits: Limits) -> SamplingParams:
     """The sampling the engine gets: max_tokens resolved against the room the prompt leaves.
     A max_tokens the caller gave that does not fit is refused (as OpenAI and vLLM do: a limit
     the server would silently lower is not the one asked for); one not given is its default cut
-    to the room (chat's default is the whole context, completions' 16)."""
+    to the room and to ``max_default_tokens`` (chat's default is the whole context, completions'
+    16): every API and the SDK come here, so one rule bounds them all."""
+    max_model_len = limits.max_model_len
     room = max_model_len - prompt_tokens
     if sampling.max_tokens is not None:
         if sampling.max_tokens > room:
@@ -257,7 +262,7 @@ def _fit_to_context(
                 param="max_tokens",
             )
         return sampling
-    resolved = min(sampling.default_max_tokens, room)
+    resolved = min(sampling.default_max_tokens, room, limits.max_default_tokens or room)
     return dataclasses.replace(
         sampling, max_tokens=resolved, min_tokens=min(sampling.min_tokens, resolved)
     )

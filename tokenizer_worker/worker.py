@@ -48,7 +48,9 @@ def model_limits(config: ClusterConfig) -> Limits:
     model_config = json.loads((Path(config.model_path) / "config.json").read_text())
     max_len = config.engine.max_model_len or int(model_config.get("max_position_embeddings", 2048))
     vocab = config.vocab_size or int(model_config["vocab_size"])
-    return Limits(max_model_len=max_len, vocab_size=vocab)
+    return Limits(
+        max_model_len=max_len, vocab_size=vocab, max_default_tokens=config.max_default_tokens
+    )
 
 
 def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:

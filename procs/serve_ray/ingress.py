@@ -14,6 +14,7 @@ from ray.serve.handle import DeploymentHandle
 from http_worker.app import build_app
 from http_worker.frontend import FrontendSettings
 from ipc.messages import ClientWelcome
+from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS
 from procs.model_store import resolve_model
 from procs.serve_ray.client import PrepareQueue, ServeClient
 from procs.serve_ray.settings import APP_NAME, PREFIX_CACHE_AFFINITY, ServeSettings
@@ -41,7 +42,14 @@ class Ingress:
         """Called by the frontend's start-up: the engines' limits (every replica serves the
         same model), then this replica's tokenizer for them."""
         info = await self.engine.info.remote()
-        limits = Limits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"])
+        limits = Limits(
+            max_model_len=info["max_model_len"],
+            vocab_size=info["vocab_size"],
+            # this replica prepares every request, so the tokenizer knob applies here
+            max_default_tokens=self.settings.cluster.get(
+                "max_default_tokens", DEFAULT_MAX_DEFAULT_TOKENS
+            ),
+        )
         model_path = str(resolve_model(self.settings.model or None))
         preparer = await asyncio.to_thread(build_preparer, model_path, limits)
         welcome = ClientWelcome([], info["model"], limits.max_model_len, limits.vocab_size)

@@ -39,7 +39,8 @@ def test_what_asks_for_nothing(value, neutral, expected):
 
 
 def test_the_tables_do_not_overlap_nor_name_a_declared_field():
-    from http_worker.protocol import ChatCompletionRequest, CompletionRequest
+    from http_worker.chat_protocol import ChatCompletionRequest
+    from http_worker.protocol import CompletionRequest
 
     declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     assert not set(NO_OP_FIELDS) & set(NOT_IMPLEMENTED_FIELDS)

@@ -154,3 +154,36 @@ def test_min_tokens_follows_a_clamped_max_tokens(preparer):
     out = _one(preparer, prompt="Hello", sampling=sampling)
     assert isinstance(out, TokenizedRequest)
     assert out.sampling.min_tokens == out.sampling.max_tokens == 64 - out.meta.prompt_tokens
+
+
+def test_a_default_max_tokens_is_also_cut_to_max_default_tokens(default_model_dir):
+    """Issue 38 item 7: a request without max_tokens (chat's default is the whole context) ran
+    for minutes. Its default is cut to --max-default-tokens as well as to the room; a limit the
+    request gives is not, and 0 leaves only the room (vLLM's default)."""
+
+    def preparer(cap: int) -> RequestPreparer:
+        return RequestPreparer(
+            load_tokenizer(default_model_dir),
+            ChatTemplate.from_model_dir(default_model_dir),
+            Limits(max_model_len=64, vocab_size=49152, max_default_tokens=cap),
+        )
+
+    capped, uncapped = preparer(10), preparer(0)
+    chat = [ChatMessage(role="user", content="Hi")]
+    for kwargs in ({"prompt": "Hello"}, {"messages": chat}, {"prompt_token_ids": pack_ids([5])}):
+        out = _one(capped, **kwargs, sampling=SamplingParams(default_max_tokens=64))
+        assert out.sampling.max_tokens == 10, kwargs
+        whole = _one(uncapped, **kwargs, sampling=SamplingParams(default_max_tokens=64))
+        assert whole.sampling.max_tokens == 64 - whole.meta.prompt_tokens, kwargs
+    assert _one(capped, prompt="Hello", sampling=SamplingParams()).sampling.max_tokens == 10
+    small = SamplingParams(default_max_tokens=4)
+    assert _one(capped, prompt="Hello", sampling=small).sampling.max_tokens == 4
+    given = _one(capped, prompt="Hello", sampling=SamplingParams(max_tokens=40))
+    assert given.sampling.max_tokens == 40  # asked for: not cut
+    follows = SamplingParams(default_max_tokens=64, min_tokens=30)
+    out = _one(capped, prompt="Hello", sampling=follows)
+    assert (out.sampling.max_tokens, out.sampling.min_tokens) == (10, 10)
+    near_the_end = _one(capped, prompt_token_ids=pack_ids([5] * 60), sampling=follows)
+    assert near_the_end.sampling.max_tokens == 4  # the room is less than the cap
+    with pytest.raises(ValueError, match="max_default_tokens"):
+        Limits(max_model_len=64, vocab_size=49152, max_default_tokens=-1)
