@@ -22,6 +22,7 @@ TOKENIZER_KNOBS = (
     "tokenizer_batch_max",
     "tokenizer_queue_max",
     "stream_interval_tokens",
+    "tool_call_parser",
 )
 FAULT_KNOBS = ("restart_policy", "max_restarts", "hang_timeout_s")
 DATA_PARALLEL_KNOBS = (

@@ -43,7 +43,10 @@ class Ingress:
         info = await self.engine.info.remote()
         limits = Limits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"])
         model_path = str(resolve_model(self.settings.model or None))
-        preparer = await asyncio.to_thread(build_preparer, model_path, limits)
+        parser = self.settings.cluster.get("tool_call_parser", "auto")  # as the replicas'
+        preparer = await asyncio.to_thread(
+            build_preparer, model_path, limits, tool_call_parser=parser
+        )
         welcome = ClientWelcome([], info["model"], limits.max_model_len, limits.vocab_size)
         return ServeClient(
             self.engine,
