@@ -13,10 +13,17 @@ import pytest
 from detok_worker.tool_parsers import TOOL_PARSERS, parse_complete
 from engine_worker.grammar_builder import GrammarBuilder, backend_tokenizer
 from ipc.config import ClusterConfig
+from tests.chat_templates import LLAMA3_TOOLS_TEMPLATE, with_template
 from tests.engine_worker.grammar_helpers import sample_constrained, tiny_vocabulary, wait_ready
 from tests.tokenizer_worker.test_tool_calls import TOOLS
+from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.grammar_compiler import GrammarCompiler
-from tokenizer_worker.tool_calls import ToolChoice, conversation_for_template, forced_tool_call_spec
+from tokenizer_worker.tool_calls import (
+    ToolChoice,
+    conversation_for_template,
+    forced_tool_call_spec,
+    template_supports_tools,
+)
 from tokenizer_worker.tool_formats import ToolFormat, detect_format
 
 # The tool-call parts of each family's template, as they ship (abridged).
@@ -144,3 +151,33 @@ def test_forced_calls_in_each_format_parse_and_match_the_schema(
             jsonschema.validate(json.loads(call.arguments), by_name[call.name])
     if choice.mode == "named" or key == "llama3_json":  # Llama's templates take one call
         assert counts == {1}
+
+
+def test_a_llama3_template_with_tools_renders_as_transformers_renders_it(
+    default_model_dir, tmp_path
+):
+    from transformers import AutoTokenizer
+
+    model_dir = with_template(default_model_dir, tmp_path / "llama3", LLAMA3_TOOLS_TEMPLATE)
+    arguments = '{"city": "Oslo", "unit": "c"}'
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+    ]
+    template = ChatTemplate.from_model_dir(model_dir)
+    assert template is not None and template_supports_tools(template.source)
+    messages, tools = conversation_for_template(history, TOOLS, ToolChoice("auto"), True)
+    ours = template.render(messages, tools=tools)
+    hf_history = json.loads(json.dumps(history))
+    hf_history[2]["tool_calls"][0]["function"]["arguments"] = json.loads(arguments)
+    theirs = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        hf_history, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs and '{"name": "get_weather", "parameters": {"city": "Oslo"' in ours
