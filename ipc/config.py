@@ -18,6 +18,7 @@ from ipc.engine_config import EngineConfig
 from ipc.knobs import check_knobs, knob
 from ipc.routing import CACHE_AWARE, POLICIES, RoutingThresholds
 from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS, MAX_DEFAULT_TOKENS_HELP
+from ipc.structured import TOOL_CALL_FORMATS
 
 if TYPE_CHECKING:
     from ipc.sockets import CurveKeys
@@ -137,6 +138,13 @@ class ClusterConfig:
         "the detokenizer sends a text delta every this many tokens (the first at once)",
         unit="TOKENS",
         minimum=1,
+    )
+    tool_call_parser: str = knob(
+        "auto",
+        "the model family's tool-call format, prompted, enforced and parsed: auto reads it "
+        "from the chat template (Mistral's [TOOL_CALLS], Hermes/Qwen <tool_call>, Llama 3.x "
+        "JSON; hermes when it shows none)",
+        choices=("auto", *TOOL_CALL_FORMATS),
     )
 
     # What the engine resolved; 0/"" until the engine reported ready (the supervisor fills them

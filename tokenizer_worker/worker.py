@@ -56,16 +56,22 @@ def model_limits(config: ClusterConfig) -> Limits:
 def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:
     if config.preparer_factory:  # a test seam: e.g. a deliberately slow preparer
         return load_factory(config.preparer_factory)(config, index)
-    return build_preparer(config.model_path, model_limits(config), index)
+    return build_preparer(
+        config.model_path, model_limits(config), index, tool_call_parser=config.tool_call_parser
+    )
 
 
-def build_preparer(model_path: str, limits: Limits, index: int = 0) -> RequestPreparer:
+def build_preparer(
+    model_path: str, limits: Limits, index: int = 0, *, tool_call_parser: str = "auto"
+) -> RequestPreparer:
     """The model's tokenizer, chat template and structured outputs, as a tokenizer worker
     prepares requests with them (so does an ingress replica of the Ray Serve application)."""
     tokenizer = load_tokenizer(model_path)
     template = ChatTemplate.from_model_dir(model_path)
     eos_ids = model_eos_ids(model_path)
-    structured = StructuredOutputs(tokenizer, limits.vocab_size, template, eos_ids)
+    structured = StructuredOutputs(
+        tokenizer, limits.vocab_size, template, eos_ids, tool_call_parser=tool_call_parser
+    )
     structured.start()  # the vocabulary is read in the background, ready for the first grammar
     return RequestPreparer(
         tokenizer, template, limits, tokenizer_index=index, structured=structured
