@@ -118,9 +118,9 @@ def test_unrelated_prefixes_one_after_another_land_on_two_replicas(tiny_model_di
                 for i in range(6):
                     known = index_blocks(fresh)
                     tail = ids(seed * 100 + i, 8)
-                    result = client.submit(
-                        prompt_token_ids=prefix + tail, max_tokens=1
-                    ).result(timeout=60)
+                    result = client.submit(prompt_token_ids=prefix + tail, max_tokens=1).result(
+                        timeout=60
+                    )
                     placed[name].append(result.engine_index)
                     if i == 0:  # the index follows the KV events asynchronously
                         poll(
