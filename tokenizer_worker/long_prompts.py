@@ -18,6 +18,7 @@ import logging
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 
 from ipc.messages import ERR_INTERNAL, RequestError, TokenizedRequest
@@ -38,7 +39,7 @@ class LongPromptLane:
         self._done: queue.SimpleQueue[TokenizedRequest | RequestError] = queue.SimpleQueue()
         self._ready, self._signal = os.pipe()
         os.set_blocking(self._ready, False)
-        self.queued: dict[str, Screened] = {}  # request id -> not yet taken back
+        self.queued: deque[Screened] = deque()  # not yet taken back, in order (the lane's too)
         self.encoded = 0
         self.native_id = 0  # the lane thread's, once it runs
         started = threading.Event()
@@ -56,7 +57,7 @@ class LongPromptLane:
         """Queues one request; False when the lane is full (the caller refuses it)."""
         if len(self.queued) >= MAX_QUEUED:
             return False
-        self.queued[screened.request.request_id] = screened
+        self.queued.append(screened)
         self._jobs.put(screened)
         return True
 
@@ -73,7 +74,7 @@ class LongPromptLane:
                 result = self._done.get_nowait()
             except queue.Empty:
                 return results
-            self.queued.pop(result.request_id, None)
+            self.queued.popleft()  # the lane answers in the order it was given
             results.append(result)
 
     def _run(self, started: threading.Event) -> None:
@@ -101,7 +102,7 @@ class LongPromptLane:
         """Stops the thread (after the prompt it is encoding, if any; it is not waited for) and
         returns the requests it never answered, for the worker to end."""
         self._jobs.put(None)
-        left = list(self.queued.values())
+        left = list(self.queued)
         self.queued.clear()
         self._thread.join(timeout=0.1)
         if not self._thread.is_alive():

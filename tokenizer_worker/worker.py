@@ -3,6 +3,11 @@ TokenizedRequests to the engine and RequestErrors to the detokenizer. TokenizeRe
 /tokenize, /detokenize and /tokenizer_info queries) arrive on the same socket and are answered
 through the detokenizer, which routes the TokenizeResult to the client.
 
+A prompt longer than ``tokenizer_long_prompt_chars`` is encoded on the long-prompt lane's thread
+(long_prompts.py) while the loop goes on with the others; its result comes back to the loop,
+which routes and sends it like any other. One that no tokenization could fit is refused before
+that, unread (prompt_bound.py).
+
 With several engine replicas each request goes to the one ``ReplicaRouting`` (routing.py)
 picks; the supervisor's ClusterNotices about replicas arrive on the same socket. With one engine
 nothing of that runs: no hashing, no event subscription."""
