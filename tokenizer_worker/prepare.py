@@ -1,6 +1,10 @@
 """Turns SubmitRequests into TokenizedRequests (or RequestErrors): chat template, batch encoding,
 validation against the vocabulary and the context length.
 
+``screen`` does everything before encoding (a prompt too long for any tokenization to fit is
+refused there, unread: prompt_bound.py), ``encode`` the rest, so the worker can encode a long
+prompt on its own thread (long_prompts.py); ``prepare_batch`` is the two in one.
+
 Everything here is pure (no sockets), so it is unit-tested directly.
 """
 
