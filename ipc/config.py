@@ -37,6 +37,8 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 HTTP_MAX_BODY_BYTES_HELP = (
     "an HTTP request body larger than this is refused with a 413 before it is read or parsed"
 )
+LONG_PROMPT_HELP = "tokenizer workers encode a longer prompt (characters) on a thread of its own"
+NICENESS_HELP = "tokenizer and HTTP workers run background work this much nicer (0: not)"
 API_KEY_HELP = "require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints"
 LENIENT_FIELDS_HELP = (
     "HTTP: log and ignore request fields the server does not know (for clients "
@@ -124,6 +126,8 @@ class ClusterConfig:
         unit="REQUESTS",
         minimum=1,
     )
+    tokenizer_long_prompt_chars: int = knob(16384, LONG_PROMPT_HELP, unit="CHARS", minimum=1)
+    background_niceness: int = knob(10, NICENESS_HELP, unit="N", minimum=0, maximum=19)
     tokenizer_queue_max: int = knob(
         1024,
         "requests a tokenizer worker queues before clients skip it",

@@ -19,6 +19,7 @@ from typing import Any
 
 from ipc.messages import ChatMessage, SubmitRequest
 from ipc.structured import GrammarVocabulary
+from runtime.priority import lower_this_thread
 from tokenizer_worker import tool_calls
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.grammar_compiler import GrammarCompiler
@@ -76,6 +77,7 @@ class StructuredOutputs:
         threading.Thread(target=self._build, name="grammar-vocabulary", daemon=True).start()
 
     def _build(self) -> None:
+        lower_this_thread()  # background work: the engine's step comes first
         try:
             backend, vocabulary = grammar_backend(self._tokenizer, self._vocab_size, self._eos_ids)
             self._backend.set_result((GrammarCompiler(backend), vocabulary))
