@@ -158,9 +158,12 @@ def write_hf_metadata(gguf_path: Path, out_dir: Path, name: str) -> None:
 
     header = _read_header(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    src_dir, file_name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=file_name)
-    config = AutoConfig.from_pretrained(src_dir, gguf_file=file_name).to_dict()
+    # transformers also reads the files beside the GGUF (a tokenizer_config.json there hid the
+    # file's chat template): it is given a directory holding nothing but a link to the file.
+    with tempfile.TemporaryDirectory(prefix="splitserve-gguf-") as alone:
+        (Path(alone) / gguf_path.name).symlink_to(gguf_path.resolve())
+        tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_path.name)
+        config = AutoConfig.from_pretrained(alone, gguf_file=gguf_path.name).to_dict()
     for key in ("quantization_config", "_name_or_path", "torch_dtype", "dtype"):
         config.pop(key, None)
     config["_name_or_path"] = name
