@@ -111,7 +111,7 @@ def _fetch_gguf(workdir: Path) -> Path:
 def gguf_file(model_dir: str | os.PathLike) -> Path | None:
     """The GGUF a model directory serves its weights from, its first part if split (None: a
     safetensors checkpoint)."""
-    found = gguf_weights(model_dir)
+    found = gguf_weights(Path(model_dir))
     return found[0] if found and not any(Path(model_dir).glob("*.safetensors")) else None
 
 

@@ -17,8 +17,8 @@ from tokenizers import Tokenizer
 from engine_worker.engine import Engine
 from engine_worker.gguf_tensors import GGUFFileError, read_gguf
 from ipc.engine_config import EngineConfig
-from procs.local_model import causal_lm_architectures, check_model
 from procs import model_store
+from procs.local_model import causal_lm_architectures, check_model
 from procs.model_store import ModelError, gguf_file, resolve_model
 from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import give_blocks, manual_request
