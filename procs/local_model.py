@@ -138,6 +138,8 @@ def _from_gguf(first: Path, cache_dir: Path, *, overlay: Path | None, name: str)
             staging = Path(tmp) / name
             try:
                 write_hf_metadata(first, staging, name)
+            except ModelError:
+                raise
             except Exception as exc:  # noqa: BLE001 - whatever the user's file made it raise
                 raise ModelError(f"{first}: cannot read its metadata ({exc})") from None
             for f in own:
@@ -202,7 +204,12 @@ def _read_header(first: Path) -> dict:
     also end a turn (llama.cpp's end-of-turn and end-of-message tokens)."""
     from engine_worker.gguf_tensors import open_reader
 
-    readers = [open_reader(part) for part in gguf_parts(first)]
+    try:
+        readers = [open_reader(part) for part in gguf_parts(first)]
+    except (ValueError, IndexError, OSError, EOFError) as exc:
+        raise ModelError(
+            f"{first} is not a readable GGUF file, truncated or corrupt ({exc})"
+        ) from None
     end_ids = []
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         field = readers[0].fields.get(key)

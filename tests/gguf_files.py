@@ -72,11 +72,13 @@ def write_tiny_gguf(
     default_model_dir: Path,
     unserved: str = "",
     split_max_tensors: int = 0,
+    eot_token_id: int | None = None,
 ) -> list[Path]:
     """The HF checkpoint ``model_dir`` as a GGUF file ``out`` (its parts, when
     ``split_max_tensors`` splits it). ``unserved``: a tensor (GGUF name) written as IQ4_NL, a
-    type the engine does not serve (its bytes are random: nobody may read them). Returns the
-    files written."""
+    type the engine does not serve (its bytes are random: nobody may read them).
+    ``eot_token_id``: an end-of-turn token besides the end-of-sequence one. Returns the files
+    written."""
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
     arch = GGUF_ARCH[model_type]
@@ -97,6 +99,8 @@ def write_tiny_gguf(
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     copy_tokenizer_fields(writer, gguf_file(default_model_dir))
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     rng = np.random.default_rng(0)
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         for hf in f.keys():

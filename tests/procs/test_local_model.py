@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGUFWriter
 from tokenizers import Tokenizer
 
 from engine_worker.engine import Engine
 from engine_worker.gguf_tensors import GGUFFileError, read_gguf
+from engine_worker.model_config import ModelConfig
 from ipc.engine_config import EngineConfig
 from procs import model_store
 from procs.local_model import causal_lm_architectures, check_model
@@ -70,7 +72,7 @@ def test_a_bare_gguf_is_served_from_its_metadata_alone(
         else make_tiny_model(tmp_path / "hf", architecture=architecture)
     )
     gguf = tmp_path / "files" / f"tiny-{architecture}.Q0.gguf"
-    write_tiny_gguf(hf, gguf, default_model_dir=default_model_dir)
+    write_tiny_gguf(hf, gguf, default_model_dir=default_model_dir, eot_token_id=0)
     # What lies beside a file given as --model is not read (transformers once took this
     # tokenizer_config.json, which has no chat template, over the file's own).
     (gguf.parent / "tokenizer_config.json").write_text('{"tokenizer_class": "Other"}')
@@ -88,7 +90,9 @@ def test_a_bare_gguf_is_served_from_its_metadata_alone(
     text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>"
     ours = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids
     assert ours == Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(text).ids
-    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    # End of sequence (2) and, from llama.cpp's tokenizer.ggml.eot_token_id, end of turn (0).
+    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+    assert ModelConfig.from_dir(model_dir).eos_token_ids == {0, 2}  # the engine stops on both
     check_model(model_dir)
     assert torch.equal(last_logits(model_dir), last_logits(hf))
 
@@ -198,7 +202,14 @@ def test_what_is_not_a_model_is_refused_with_one_line(tiny_gguf, tmp_path):
     assert "is not a GGUF file" in refused(fake)
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(tiny_gguf.read_bytes()[:100_000])
-    assert "cannot read its metadata" in refused(truncated)
+    assert "is not a readable GGUF file, truncated or corrupt" in refused(truncated)
+    unknown = tmp_path / "unknown-arch.gguf"
+    writer = GGUFWriter(str(unknown), "bogus")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "cannot read its metadata (GGUF model with architecture bogus" in refused(unknown)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "holds no model (no .gguf file, no config.json)" in refused(empty)
