@@ -20,6 +20,7 @@ adjacent dimensions, ours the two halves); rows are undone here, which moves who
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,10 @@ class UnsupportedGGUFType(ValueError):
     pass
 
 
+class GGUFFileError(ValueError):
+    pass
+
+
 def hf_name(gguf_name: str) -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None: unknown)."""
     stem, _, kind = gguf_name.rpartition(".")
@@ -69,23 +74,31 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{mapped}.{kind}" if mapped else None
 
 
-def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, WeightSource]:
-    """Every tensor of the file, keyed by its Hugging Face name (unknown names are skipped with a
-    warning). Raises ``UnsupportedGGUFType`` naming the first tensor of a type we cannot serve."""
-    reader = _reader_class()(str(path))
-    field = reader.fields.get("general.architecture")
+def read_gguf(
+    path: str | Path | Sequence[str | Path], num_heads: int, num_kv_heads: int
+) -> dict[str, WeightSource]:
+    """Every tensor of the checkpoint, keyed by its Hugging Face name (unknown names are skipped
+    with a warning). ``path``: one file, or the parts of a split checkpoint in order (llama.cpp's
+    layout: the metadata in the first part, the tensors spread over all). Raises
+    ``UnsupportedGGUFType`` naming the first tensor of a type we cannot serve, ``GGUFFileError``
+    for a file that is not a readable GGUF (or not the part it should be)."""
+    # Resolved: a cached model directory links to the user's files, which errors should name.
+    paths = [Path(p).resolve() for p in ([path] if isinstance(path, (str, Path)) else path)]
+    readers = _open_parts(paths)
+    field = readers[0].fields.get("general.architecture")
     architecture = bytes(field.parts[field.data[0]]).decode() if field else ""
-    unsupported = [t for t in reader.tensors if t.tensor_type.name not in SERVED_TYPES]
+    all_tensors = [t for reader in readers for t in reader.tensors]
+    unsupported = [t for t in all_tensors if t.tensor_type.name not in SERVED_TYPES]
     if unsupported:
         t = unsupported[0]
         raise UnsupportedGGUFType(
-            f"{path}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, which splitserve "
+            f"{paths[0]}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, which splitserve "
             f"cannot serve ({len(unsupported)} such tensors; supported types: "
             f"{', '.join(SERVED_TYPES)}). Requantize the file to one of those types."
         )
     tensors: dict[str, WeightSource] = {}
     skipped = []
-    for t in reader.tensors:
+    for t in all_tensors:
         name = hf_name(t.name)
         if name is None:
             skipped.append(t.name)
@@ -102,6 +115,45 @@ def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
             "ignored %d GGUF tensors with no known role, e.g. %s", len(skipped), skipped[:3]
         )
     return tensors
+
+
+def open_reader(path: str | Path):
+    """The ``gguf`` package's reader of one file, over a plain buffer (see _reader_class)."""
+    return _reader_class()(str(path))
+
+
+def _open_parts(paths: list[Path]) -> list:
+    """A reader per file; with several, each must be the part of one split checkpoint that its
+    place says (``split.no``, ``split.count``) and together hold ``split.tensors.count``."""
+    readers = []
+    for path in paths:
+        try:
+            readers.append(open_reader(path))
+        except (ValueError, IndexError, OSError, EOFError) as exc:
+            raise GGUFFileError(
+                f"{path} is not a readable GGUF file, truncated or corrupt ({exc})"
+            ) from exc
+    if len(paths) == 1:
+        return readers
+    for no, (path, reader) in enumerate(zip(paths, readers)):
+        found = (_int_field(reader, "split.no"), _int_field(reader, "split.count"))
+        if found != (no, len(paths)):
+            raise GGUFFileError(
+                f"{path} says it is part (split.no, split.count) = {found}, expected "
+                f"{(no, len(paths))}: the parts are not one split checkpoint"
+            )
+    expected = _int_field(readers[0], "split.tensors.count")
+    total = sum(len(r.tensors) for r in readers)
+    if expected != total:
+        raise GGUFFileError(
+            f"{paths[0]}: the parts hold {total} tensors, split.tensors.count says {expected}"
+        )
+    return readers
+
+
+def _int_field(reader, key: str) -> int | None:
+    field = reader.fields.get(key)
+    return int(field.parts[field.data[0]][0]) if field is not None else None
 
 
 def _reader_class():

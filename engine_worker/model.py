@@ -22,6 +22,7 @@ from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
 from engine_worker.rms_norm import RmsNorm
 from engine_worker.scripted_decode import ScriptedDecode
 from engine_worker.weight_format import WeightFormat
+from runtime.model_files import gguf_weights
 
 logger = logging.getLogger("splitserve.engine.model")
 
@@ -121,7 +122,8 @@ class LlamaFamilyModel:
         max_positions: int,
         weight_format: WeightFormat | None = None,
     ) -> LlamaFamilyModel:
-        """A checkpoint directory: config.json plus either *.safetensors or one *.gguf."""
+        """A checkpoint directory: config.json plus either *.safetensors or one GGUF checkpoint
+        (a file, or the parts of a split one)."""
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
         tensors = load_tensors(model_dir, config)
@@ -246,11 +248,9 @@ def load_tensors(model_dir: Path, config: ModelConfig) -> dict[str, WeightSource
                 for name in f.keys():
                     tensors[name] = f.get_tensor(name)
         return tensors
-    ggufs = sorted(model_dir.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return read_gguf(ggufs[0], config.num_heads, config.num_kv_heads)
+    ggufs = gguf_weights(model_dir)  # one file, or the parts of a split one
     if ggufs:
-        raise ValueError(f"{model_dir} holds {len(ggufs)} GGUF files; keep exactly one")
+        return read_gguf(ggufs, config.num_heads, config.num_kv_heads)
     raise FileNotFoundError(f"{model_dir} has no *.safetensors or *.gguf weights")
 
 

@@ -1,5 +1,8 @@
 """Reads a Hugging Face checkpoint's config.json (with json, not transformers) into what our
-forward needs, and computes rotary inverse frequencies for the common rope scaling types."""
+forward needs, and computes rotary inverse frequencies for the common rope scaling types.
+
+Reading a config needs no torch (the supervisor checks a model with it before it starts any
+engine); only the rope functions import it."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -46,18 +51,27 @@ class ModelConfig:
         if not config_file.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json")
         cfg = json.loads(config_file.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{config_file} is not a JSON object")
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        num_heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
         eos = _as_id_set(cfg.get("eos_token_id"))
         generation_file = model_dir / "generation_config.json"
         if generation_file.is_file():
             eos |= _as_id_set(json.loads(generation_file.read_text()).get("eos_token_id"))
+        try:
+            return cls._from_dict(cfg, model_type, eos)
+        except KeyError as exc:
+            raise ValueError(f"{config_file} has no {exc.args[0]!r}") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict, model_type: str, eos: set[int]) -> ModelConfig:
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -112,6 +126,8 @@ def _rope_parameters(cfg: dict) -> dict:
 
 def rope_inverse_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos/sin)."""
+    import torch
+
     base = float(rope["rope_theta"])
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -140,6 +156,8 @@ def rope_inverse_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, f
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict, factor: float) -> torch.Tensor:
+    import torch
+
     # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
     low_freq_factor = float(rope.get("low_freq_factor", 1.0))
     high_freq_factor = float(rope.get("high_freq_factor", 4.0))
@@ -155,6 +173,8 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict, factor: float) -> to
 
 
 def _yarn_frequencies(rope: dict, base: float, dim: int, factor: float):
+    import torch
+
     original = float(rope["original_max_position_embeddings"])
     beta_fast = float(rope.get("beta_fast") or 32.0)
     beta_slow = float(rope.get("beta_slow") or 1.0)
