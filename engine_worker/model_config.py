@@ -10,7 +10,20 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from engine_worker.model_features import PLAIN_FEATURES, ModelFeatures, model_features
+
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "smollm3",
+    "granite",
+    "olmo2",
+)
 
 
 @dataclass(slots=True)
@@ -31,6 +44,9 @@ class ModelConfig:
     sliding_window: int = 0  # 0 = full attention; we attend fully, so context is capped to it
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type and scaling parameters
     eos_token_ids: set[int] = field(default_factory=set)
+    features: ModelFeatures = PLAIN_FEATURES  # how the decoder differs from Llama's
+    # Every rope the layers use (features.layer_rope picks per layer); empty: ``rope`` alone
+    ropes: tuple[dict, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -75,6 +91,8 @@ class ModelConfig:
             sliding_window=_sliding_window(cfg),
             rope=_rope_parameters(cfg),
             eos_token_ids=eos,
+            features=model_features(cfg, model_type, cfg["num_hidden_layers"]),
+            ropes=_layer_ropes(cfg, model_type),
         )
 
 
@@ -93,25 +111,47 @@ def _as_id_set(value) -> set[int]:
     return {int(v) for v in value}
 
 
-def _rope_parameters(cfg: dict) -> dict:
-    """Merges transformers 5's ``rope_parameters`` with the older ``rope_theta`` and
-    ``rope_scaling``."""
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
+def _layer_ropes(cfg: dict, model_type: str) -> tuple[dict, ...]:
+    """Gemma 3: the global layers' rope, then the sliding layers' (``rope_parameters`` by layer
+    type in transformers 5, ``rope_local_base_freq`` before); others: none beside ``rope``."""
+    if model_type != "gemma3_text":
+        return ()
+    nested = cfg.get("rope_parameters") or {}
+    local = nested.get("sliding_attention") or {
+        "rope_type": "default",
+        "rope_theta": cfg.get("rope_local_base_freq", 10000.0),
+    }
+    return _rope_parameters(cfg), _rope_parameters(cfg, dict(local))
+
+
+def _rope_parameters(cfg: dict, params: dict | None = None) -> dict:
+    """Merges transformers 5's ``rope_parameters`` (the global layers' where it is given per
+    layer type) with the older ``rope_theta`` and ``rope_scaling``; ``params``: one layer
+    type's own instead."""
+    if params is None:
+        nested = cfg.get("rope_parameters") or {}
+        params = dict(cfg.get("rope_scaling") or {})
+        params.update(nested.get("full_attention") or nested)
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    params["rope_type"] = rope_type
+    params["rope_type"] = "longrope" if rope_type == "su" else rope_type
+    if rope_type in ("longrope", "su") and cfg.get("original_max_position_embeddings"):
+        # Phi-3 keeps it beside the rope settings, and there it wins (as in transformers)
+        params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     params.setdefault(
         "original_max_position_embeddings",
         cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048),
     )
     params["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
-    params["partial_rotary_factor"] = cfg.get("partial_rotary_factor", 1.0)
+    params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     return params
 
 
-def rope_inverse_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos/sin)."""
+def rope_inverse_frequencies(
+    rope: dict, head_dim: int, max_positions: int = 0
+) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [rotary dims / 2] float32, attention scaling applied to cos/sin).
+    ``max_positions``: the context served, which picks longrope's factors."""
     base = float(rope["rope_theta"])
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -136,6 +176,8 @@ def rope_inverse_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, f
         return _llama3_frequencies(inv_freq, rope, factor), 1.0
     if rope_type == "yarn":
         return _yarn_frequencies(rope, base, dim, factor)
+    if rope_type == "longrope":
+        return _longrope_frequencies(rope, base, exponents, max_positions)
     raise ValueError(f"rope type {rope_type!r} is not supported")
 
 
@@ -152,6 +194,23 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict, factor: float) -> to
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, blended, scaled)
+
+
+def _longrope_frequencies(rope: dict, base: float, exponents: torch.Tensor, max_positions: int):
+    """Phi-3's LongRoPE: per-frequency divisors, the long ones where the served context exceeds
+    the original one (as llama.cpp decides, once: transformers switches per forward on the
+    sequence's length, which would rotate one sequence's keys two ways), the short ones else;
+    cos/sin scaled by sqrt(1 + ln(s) / ln(original)), s = context / original."""
+    original = int(rope["original_max_position_embeddings"])
+    long = max_positions > original
+    divisors = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32)
+    factor = rope.get("factor") or rope["max_position_embeddings"] / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0
+        if factor > 1.0:
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
+    return 1.0 / (divisors * base**exponents), float(attention_factor)
 
 
 def _yarn_frequencies(rope: dict, base: float, dim: int, factor: float):
