@@ -26,6 +26,27 @@ SUPPORTED_MODEL_TYPES = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer's attention differs from plain causal softmax(q.k / sqrt(head_dim)).
+
+    ``window`` W > 0: a query at position p sees the keys at positions > p - W (W keys, its
+    own included: transformers' sliding-window overlay), 0 = every earlier key; ``softcap`` C
+    > 0: scores become C * tanh(scores / C) before the mask and the softmax (Gemma 2), 0 =
+    none; ``scale``: what q.k is multiplied by (None: head_dim ** -0.5)."""
+
+    window: int = 0
+    softcap: float = 0.0
+    scale: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self == PLAIN_ATTENTION
+
+
+PLAIN_ATTENTION = LayerAttention()
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model_type: str
@@ -41,7 +62,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
-    sliding_window: int = 0  # 0 = full attention; we attend fully, so context is capped to it
+    # One per layer (empty: every layer plain): sliding windows, soft-capping, softmax scale
+    layer_attention: tuple[LayerAttention, ...] = ()
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type and scaling parameters
     eos_token_ids: set[int] = field(default_factory=set)
     features: ModelFeatures = PLAIN_FEATURES  # how the decoder differs from Llama's
@@ -54,6 +76,9 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    def attention_of(self, layer: int) -> LayerAttention:
+        return self.layer_attention[layer] if self.layer_attention else PLAIN_ATTENTION
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -88,7 +113,7 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
             qk_norm=model_type == "qwen3",
-            sliding_window=_sliding_window(cfg),
+            layer_attention=_layer_attention(cfg, cfg["num_hidden_layers"], model_type),
             rope=_rope_parameters(cfg),
             eos_token_ids=eos,
             features=model_features(cfg, model_type, cfg["num_hidden_layers"]),
@@ -96,11 +121,41 @@ class ModelConfig:
         )
 
 
-def _sliding_window(cfg: dict) -> int:
-    window = cfg.get("sliding_window") or 0
-    if not cfg.get("use_sliding_window", cfg.get("model_type") == "mistral"):
-        return 0
-    return int(window)
+def _layer_attention(cfg: dict, num_layers: int, model_type: str) -> tuple[LayerAttention, ...]:
+    """Each layer's ``LayerAttention`` from the config's keys, as transformers reads them."""
+    windows = _layer_windows(cfg, num_layers, model_type)
+    softcap = float(cfg.get("attn_logit_softcapping") or 0.0)
+    scale = None
+    if cfg.get("query_pre_attn_scalar"):  # Gemma
+        scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
+    elif cfg.get("attention_multiplier"):  # Granite
+        scale = float(cfg["attention_multiplier"])
+    layers = tuple(LayerAttention(w, softcap, scale) for w in windows)
+    return () if all(layer.plain for layer in layers) else layers
+
+
+def _layer_windows(cfg: dict, num_layers: int, model_type: str) -> list[int]:
+    """Per layer: the sliding window, or 0. ``layer_types`` where the config lists them, else
+    the defaults transformers gives each family."""
+    window = int(cfg.get("sliding_window") or 0)
+    # A window as long as the model's context hides nothing (the tiny test models' 4096)
+    wider = window >= cfg.get("max_position_embeddings", 2048)
+    if not window or wider or not cfg.get("use_sliding_window", True):
+        return [0] * num_layers
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+        return [window if t == "sliding_attention" else 0 for t in types]
+    if model_type in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", num_layers)
+        return [window if i >= first else 0 for i in range(num_layers)]
+    if model_type == "gemma2":
+        return [window if (i + 1) % 2 else 0 for i in range(num_layers)]
+    if model_type in ("gemma3", "gemma3_text"):
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        return [window if (i + 1) % pattern else 0 for i in range(num_layers)]
+    return [window] * num_layers  # mistral: every layer
 
 
 def _as_id_set(value) -> set[int]:
