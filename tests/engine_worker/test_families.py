@@ -36,8 +36,8 @@ COMMON = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-# name: (model_type, GGUF architecture, config overrides). Sliding windows are wider than any
-# sequence here (sliding attention itself is the attention backend's, tested there).
+# name: (model_type, GGUF architecture, config overrides). Sliding windows shorter than the
+# sequences, softmax scales other than head_dim ** -0.5 and soft-caps that change the result.
 FAMILIES = {
     "llama3-rope": (
         "llama",
@@ -58,18 +58,18 @@ FAMILIES = {
         "gemma2",
         "gemma2",
         dict(
-            query_pre_attn_scalar=16,
-            attn_logit_softcapping=None,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.0,
             final_logit_softcapping=1.5,
-            sliding_window=128,
+            sliding_window=8,
         ),
     ),
     "gemma3": (
         "gemma3_text",
         "gemma3",
         dict(
-            query_pre_attn_scalar=16,
-            sliding_window=128,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -77,7 +77,7 @@ FAMILIES = {
             },
         ),
     ),
-    "phi3": ("phi3", "phi3", dict(tie_word_embeddings=False)),
+    "phi3": ("phi3", "phi3", dict(tie_word_embeddings=False, sliding_window=12)),
     "phi4-mini": (
         "phi3",
         "phi3",
@@ -100,7 +100,7 @@ FAMILIES = {
         dict(
             embedding_multiplier=3.0,
             residual_multiplier=0.5,
-            attention_multiplier=0.25,
+            attention_multiplier=0.1,
             logits_scaling=2.5,
         ),
     ),
