@@ -20,6 +20,7 @@ from engine_worker.gguf_tensors import read_gguf
 from engine_worker.layers import LayerLoader, LayerWeights, rope_tables, run_layers
 from engine_worker.linear import LinearWeight, WeightSource, refine_top_logits
 from engine_worker.model_config import ModelConfig
+from engine_worker.model_features import text_tensor_name
 from engine_worker.scripted_decode import ScriptedDecode
 from engine_worker.weight_format import WeightFormat
 
@@ -191,14 +192,17 @@ def _exact_head_rows(
 
 
 def load_tensors(model_dir: Path, config: ModelConfig) -> dict[str, WeightSource]:
-    """Every weight of the checkpoint under its Hugging Face name, at the file's precision."""
+    """Every weight of the checkpoint under its Hugging Face name, at the file's precision (a
+    multimodal checkpoint's language model only: ``model_features.text_tensor_name``)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         tensors: dict[str, WeightSource] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+                    text_name = text_tensor_name(name)
+                    if text_name is not None:
+                        tensors[text_name] = f.get_tensor(name)
         return tensors
     ggufs = sorted(model_dir.glob("*.gguf"))
     if len(ggufs) == 1:

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import torch
 
-from engine_worker.model_features import PLAIN_FEATURES, ModelFeatures, model_features
+from engine_worker.model_features import (
+    PLAIN_FEATURES,
+    ModelFeatures,
+    model_features,
+    text_model_config,
+)
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -86,7 +91,7 @@ class ModelConfig:
         config_file = model_dir / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json")
-        cfg = json.loads(config_file.read_text())
+        cfg = text_model_config(json.loads(config_file.read_text()))
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(

@@ -24,6 +24,31 @@ import math
 from dataclasses import dataclass
 
 GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Gemma3TextConfig's defaults, which a multimodal Gemma 3 checkpoint's text_config leaves out
+GEMMA3_TEXT_DEFAULTS = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
+# A multimodal checkpoint's language model weights, under these prefixes (transformers 5 saves
+# the first), and the prefixes of the rest (vision tower, projector), which a text model skips
+TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model."}
+TEXT_PREFIXES |= {"language_model.lm_head.": "lm_head."}
+NON_TEXT_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.")
+NON_TEXT_PREFIXES += ("model.multi_modal_projector.",)
 NORM_LAYOUTS = ("pre", "sandwich", "post")
 ACTIVATIONS = {
     "silu": "silu",
@@ -72,6 +97,30 @@ class ModelFeatures:
 
 
 PLAIN_FEATURES = ModelFeatures()
+
+
+def text_model_config(cfg: dict) -> dict:
+    """A multimodal Gemma 3 checkpoint (``gemma3``: Gemma3ForConditionalGeneration) as its
+    language model: ``text_config`` over Gemma3TextConfig's defaults; any other config as it
+    is."""
+    if cfg.get("model_type") != "gemma3" or "text_config" not in cfg:
+        return cfg
+    text = {**GEMMA3_TEXT_DEFAULTS, **cfg["text_config"], "model_type": "gemma3_text"}
+    for key in ("eos_token_id", "tie_word_embeddings"):
+        if key in cfg:
+            text[key] = cfg[key]
+    return text
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A checkpoint tensor's name in a text model (a multimodal one's language model
+    renamed), or None for the other parts of a multimodal checkpoint."""
+    if name.startswith(NON_TEXT_PREFIXES):
+        return None
+    for prefix, replacement in TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
 
 
 def model_features(cfg: dict, model_type: str, num_layers: int) -> ModelFeatures:
@@ -123,7 +172,7 @@ def layer_types(cfg: dict) -> list[str]:
     types = cfg.get("layer_types")
     if types is not None:
         return list(types)
-    pattern = cfg.get("sliding_window_pattern") or 6
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
     return [
         "sliding_attention" if (i + 1) % pattern else "full_attention"
         for i in range(cfg["num_hidden_layers"])
