@@ -47,8 +47,8 @@ GEMMA3_TEXT_DEFAULTS = {
 # the first), and the prefixes of the rest (vision tower, projector), which a text model skips
 TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model."}
 TEXT_PREFIXES |= {"language_model.lm_head.": "lm_head."}
-NON_TEXT_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.")
-NON_TEXT_PREFIXES += ("model.multi_modal_projector.",)
+NON_TEXT_PREFIXES: tuple[str, ...] = ("vision_tower.", "model.vision_tower.")
+NON_TEXT_PREFIXES += ("multi_modal_projector.", "model.multi_modal_projector.")
 NORM_LAYOUTS = ("pre", "sandwich", "post")
 ACTIVATIONS = {
     "silu": "silu",
