@@ -154,6 +154,8 @@ def rotary_row_order(config: ModelConfig) -> torch.Tensor | None:
     rotary = int(head_dim * config.rope.get("partial_rotary_factor", 1.0))
     if rotary >= head_dim:
         return None
+    if rotary % 2 or head_dim % 2:
+        raise ValueError(f"a partial rotary of {rotary} of {head_dim} dimensions is not supported")
     half, rest = rotary // 2, (head_dim - rotary) // 2
     one = torch.cat(
         [
