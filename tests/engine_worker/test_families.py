@@ -261,3 +261,42 @@ def test_family_matches_transformers(tmp_path, family, source):
     worst = max(compare(reference, p, results[f"r{i}"]) for i, p in enumerate(prompts))
     print(f"{family} from {source}: max abs logprob difference {worst:.2e}")
     assert worst < TOLERANCE
+
+
+def test_scripted_decode_serves_only_the_plain_layer(tmp_path):
+    """A family feature the scripted decode layers do not implement (SmolLM3's layers without
+    rope) keeps its decode steps eager; the same checkpoint with rope on every layer is the plain
+    case, which it serves."""
+    tiny_family("smollm3", tmp_path / "nope")
+    plain = tmp_path / "plain"
+    shutil.copytree(tmp_path / "nope", plain)
+    config = json.loads((plain / "config.json").read_text())
+    config["no_rope_layers"] = [1] * config["num_hidden_layers"]
+    (plain / "config.json").write_text(json.dumps(config))
+    for model_dir, scripted in ((tmp_path / "nope", False), (plain, True)):
+        engine = Engine(
+            EngineConfig(model_path=str(model_dir), weights="int4", kv_cache_tokens=512)
+        )
+        assert engine.runner.model.config.features.plain is scripted
+        assert (engine.runner.model.scripted_decode is not None) is scripted
+
+
+def test_rows_reordered_on_blocks_equal_rows_reordered_after_dequantizing():
+    """A partial rotary's q/k row order applied to a GGUF's blocks (whole rows of blocks move)
+    is the order applied to the dequantized weights."""
+    from engine_worker.layers import take_rows
+    from engine_worker.linear import Int4Groups, Int8Blocks, dequantize
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randperm(16, generator=generator)
+    int4 = Int4Groups(
+        torch.randint(0, 16, (16, 64), generator=generator, dtype=torch.uint8),
+        torch.rand(16, 2, generator=generator),
+        torch.rand(16, 2, generator=generator),
+    )
+    int8 = Int8Blocks(
+        torch.randint(-128, 128, (16, 64), generator=generator, dtype=torch.int8),
+        torch.rand(16, 2, generator=generator),
+    )
+    for source in (int4, int8):
+        assert torch.equal(dequantize(take_rows(source, rows)), dequantize(source)[rows])
