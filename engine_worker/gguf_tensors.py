@@ -31,15 +31,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine_worker.linear import Int4Groups, Int8Blocks, WeightSource, dequantize
+from engine_worker.linear import Int4Groups, Int8Blocks, WeightSource
 
 logger = logging.getLogger("splitserve.engine.gguf")
 
 BLOCK = 32
 SERVED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
-# Architectures whose converter permutes q/k rows for an interleaved rope (its Llama
-# converter's subclasses that keep that: Mistral files are "llama" too).
+# Architectures whose converter permutes q/k rows for an interleaved rope.
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3", "granite")
+# (its Llama converter's subclasses that keep the permutation; Mistral files are "llama" too)
 # Architectures whose converter stores norm weights as w + 1 (Gemma's RMSNorm scales by 1 + w).
 NORM_SHIFT_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
@@ -131,7 +131,9 @@ def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
                 source = _unpermute_rows(source, num_kv_heads)
         if architecture in NORM_SHIFT_ARCHITECTURES and name.endswith("norm.weight"):
-            source = dequantize(source) - 1
+            if not isinstance(source, torch.Tensor):
+                raise UnsupportedGGUFType(f"{path}: norm {t.name!r} is not stored as floats")
+            source = source.float() - 1
         tensors[name] = source
     for name in [n for n in tensors if n.endswith("mlp.up_proj.weight")]:
         if name.replace("up_proj", "gate_proj") not in tensors:  # Phi-3: gate and up fused
