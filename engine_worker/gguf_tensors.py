@@ -13,8 +13,14 @@ Any other type is refused with an error that names it. Nibble order within a blo
 are weights 0-15, high nibbles 16-31) and the formulas above are the ``gguf`` package's own
 ``dequantize``; tests check that we reproduce it bit for bit.
 
-llama.cpp's converter reorders the rows of q and k for the ``llama`` architecture (its rope pairs
-adjacent dimensions, ours the two halves); rows are undone here, which moves whole blocks only.
+Names: each architecture's GGUF names are the ``gguf`` package's own map (``TensorNameMap``)
+of the Hugging Face names our layers read, inverted; a block with ``ffn_up`` but no ``ffn_gate``
+holds Phi-3's fused gate and up rows (``mlp.gate_up_proj``).
+
+What llama.cpp's converter changed is undone here, so the tensors are the checkpoint's own:
+it reorders the rows of q and k for the architectures that derive from its Llama converter
+(its rope pairs adjacent dimensions, ours the two halves), which moves whole blocks only, and
+stores Gemma's norm weights as ``w + 1`` (F32: taken back here, added again at load).
 """
 
 from __future__ import annotations
@@ -33,26 +39,36 @@ logger = logging.getLogger("splitserve.engine.gguf")
 BLOCK = 32
 SERVED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 # Architectures whose converter permutes q/k rows for an interleaved rope.
-PERMUTED_QK_ARCHITECTURES = ("llama",)
+PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3", "granite")
+# (its Llama converter's subclasses that keep the permutation; Mistral files are "llama" too)
+# Architectures whose converter stores norm weights as w + 1 (Gemma's RMSNorm scales by 1 + w).
+NORM_SHIFT_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# The per-layer Hugging Face names our layers read (engine_worker.layers); ``up_proj`` last, so
+# that where two map to ``ffn_up`` it wins (a fused gate_up is told by its missing ffn_gate).
+_HF_LAYER_PARTS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.down_proj",
+    "mlp.gate_up_proj",
+    "mlp.up_proj",
+)
+_layer_names_cache: dict[str, dict[str, str]] = {}
 
 
 class UnsupportedGGUFType(ValueError):
@@ -63,12 +79,30 @@ class GGUFFileError(ValueError):
     pass
 
 
-def hf_name(gguf_name: str) -> str | None:
+def layer_names(architecture: str) -> dict[str, str]:
+    """GGUF layer tensor kind -> Hugging Face name part, for ``architecture`` (the ``gguf``
+    package's map; an architecture it does not know gets Llama's)."""
+    names = _layer_names_cache.get(architecture)
+    if names is None:
+        import gguf
+
+        by_name = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+        name_map = gguf.get_tensor_name_map(by_name.get(architecture, gguf.MODEL_ARCH.LLAMA), 1)
+        names = {}
+        for part in _HF_LAYER_PARTS:
+            mapped = name_map.get_name(f"model.layers.0.{part}")
+            if mapped is not None:
+                names[mapped.split(".", 2)[2]] = part
+        _layer_names_cache[architecture] = names
+    return names
+
+
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None: unknown)."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
-        mapped = _LAYER_NAMES.get(part)
+        mapped = layer_names(architecture).get(part)
         return f"model.layers.{index}.{mapped}.{kind}" if mapped else None
     mapped = _TOP_LEVEL_NAMES.get(stem)
     return f"{mapped}.{kind}" if mapped else None
@@ -99,7 +133,7 @@ def read_gguf(
     tensors: dict[str, WeightSource] = {}
     skipped = []
     for t in all_tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, architecture)
         if name is None:
             skipped.append(t.name)
             continue
@@ -109,7 +143,14 @@ def read_gguf(
                 source = _unpermute_rows(source, num_heads)
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
                 source = _unpermute_rows(source, num_kv_heads)
+        if architecture in NORM_SHIFT_ARCHITECTURES and name.endswith("norm.weight"):
+            if not isinstance(source, torch.Tensor):
+                raise UnsupportedGGUFType(f"{path}: norm {t.name!r} is not stored as floats")
+            source = source.float() - 1
         tensors[name] = source
+    for name in [n for n in tensors if n.endswith("mlp.up_proj.weight")]:
+        if name.replace("up_proj", "gate_proj") not in tensors:  # Phi-3: gate and up fused
+            tensors[name.replace("up_proj", "gate_up_proj")] = tensors.pop(name)
     if skipped:
         logger.warning(
             "ignored %d GGUF tensors with no known role, e.g. %s", len(skipped), skipped[:3]
