@@ -137,23 +137,38 @@ def conversation_for_template(
     template without tools is told of and sees its history in."""
     offered = tools if choice.mode != "none" else []
     if supports_tools:
-        out = []
-        for m in messages:
-            m = dict(m)
-            if m.get("tool_calls"):
-                m["tool_calls"] = [
-                    {
-                        **c,
-                        "function": {
-                            **c["function"],
-                            "arguments": _arguments(c["function"].get("arguments")),
-                        },
-                    }
-                    for c in _checked_calls(m["tool_calls"])
-                ]
-            out.append(m)
-        return out, offered or None
-    out = []
+        return [_with_parsed_arguments(m) for m in messages], offered or None
+    out = _history_as_text(messages, fmt)
+    if offered:
+        prompt = tool_system_prompt(offered, choice, fmt)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+def _with_parsed_arguments(message: dict) -> dict:
+    """A message for a template that renders tools itself: its calls' arguments as objects."""
+    m = dict(message)
+    if m.get("tool_calls"):
+        m["tool_calls"] = [
+            {
+                **c,
+                "function": {
+                    **c["function"],
+                    "arguments": _arguments(c["function"].get("arguments")),
+                },
+            }
+            for c in _checked_calls(m["tool_calls"])
+        ]
+    return m
+
+
+def _history_as_text(messages: list[dict], fmt: ToolFormat) -> list[dict]:
+    """The conversation for a template without tools: calls written in ``fmt``, each turn's tool
+    results in one user message."""
+    out: list[dict] = []
     for m in messages:
         role, content = m.get("role"), m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
@@ -179,13 +194,7 @@ def conversation_for_template(
             out.append({"role": role, "content": content})
     for m in out:
         m.pop("_tool_results", None)
-    if offered:
-        prompt = tool_system_prompt(offered, choice, fmt)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out, None
+    return out
 
 
 def tool_system_prompt(tools: list[dict], choice: ToolChoice, fmt: ToolFormat = HERMES) -> str:
