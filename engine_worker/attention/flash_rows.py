@@ -27,9 +27,10 @@ the thread count. With float32 inputs the kernel is exact to float32 but not bat
 A sliding window is one more masked span (the keys before the window, exact zeros too), so a
 windowed row keeps these rules; and leading key blocks of 512 that no row of a call sees are
 left out of it (``window_start``): measured bitwise, the kernel's rows do not change without
-them, so a long context does not read keys its windowed layers will not use. Soft-capped scores (Gemma 2) are not the kernel's arithmetic:
-such layers take ``capped_attention``, float32 matmuls over the same padded layout, which is
-exact to float32 but promises no bits across paths.
+them, so a long context does not read keys its windowed layers will not use. Soft-capped
+scores (Gemma 2) are not the kernel's arithmetic: such layers take ``capped_attention``,
+float32 matmuls over the same padded layout, which is exact to float32 but promises no bits
+across paths.
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.attention import paged_cpu
-from engine_worker.attention import PagedCpuBackend, PagedKVCache, SdpaBackend, StepBatch
+from engine_worker.attention import PagedCpuBackend, PagedKVCache, SdpaBackend, StepBatch, paged_cpu
 from engine_worker.attention.flash_rows import fused_cpu_kernel_available
 from engine_worker.model_config import PLAIN_ATTENTION, LayerAttention, ModelConfig
 
@@ -28,7 +27,7 @@ LONG = {"L": 1400, "M": 1150}  # past two of the flash kernel's 512-key blocks
 BACKENDS = [SdpaBackend] + ([PagedCpuBackend] if fused_cpu_kernel_available() else [])
 
 
-def make_data(seed=0, lengths=LENGTHS, layers=len(LAYERS), dtype=torch.float32) -> dict:
+def make_data(seed=0, lengths=LENGTHS, layers=4, dtype=torch.float32) -> dict:
     """(layer, name) -> q [N, H, D], k and v [N, KV, D]."""
     gen = torch.Generator().manual_seed(seed)
     heads = KV_HEADS * GROUP
@@ -83,9 +82,7 @@ def run_step(backend, data, sequences: dict, step: list[tuple[str, int, int]], f
     metadata = backend.prepare(batch)
     results = {}
     for layer in range(len(backend.layers)):
-        q, k, v = (
-            torch.cat([data[layer, n][j][s : s + c] for n, s, c in step]) for j in range(3)
-        )
+        q, k, v = (torch.cat([data[layer, n][j][s : s + c] for n, s, c in step]) for j in range(3))
         out = backend.forward(q, k, v, layer, metadata)
         rows = [(layer, n, p) for n, s, c in step for p in range(s, s + c)]
         results.update(zip(rows, out))
