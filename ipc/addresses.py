@@ -88,4 +88,3 @@ class AddressPlan:
     @property
     def config_path(self) -> Path:
         return Path(self.run_dir) / "cluster.json"
-
