@@ -74,5 +74,10 @@ def run_on_context(make: Callable[[zmq.Context], _Runs]) -> None:
     ctx = zmq.Context()
     try:
         make(ctx).run()
-    finally:
-        ctx.term()
+    except BaseException:
+        # The loop died with its sockets open: term() would wait for them forever, a live
+        # process that never beats again. Closed unsent, the process exits with the error, and
+        # the supervisor handles it as dead (its requests ended, the worker restarted).
+        ctx.destroy(linger=0)
+        raise
+    ctx.term()
