@@ -237,19 +237,19 @@ def _arguments(arguments: Any) -> Any:
     except json.JSONDecodeError:
         return arguments
     except RecursionError:
-        raise _too_deep("far more than") from None
+        raise _too_deep("far deeper") from None
     return _not_too_deep(value)
 
 
 def _not_too_deep(arguments: Any) -> Any:
     depth = json_depth(arguments)
     if depth > MAX_ARGUMENTS_DEPTH:
-        raise _too_deep(str(depth))
+        raise _too_deep(f"{depth} levels deep")
     return arguments
 
 
-def _too_deep(depth: str) -> ToolSpecError:
+def _too_deep(how: str) -> ToolSpecError:
     return ToolSpecError(
-        f"a tool call's arguments in the history nest {depth} levels deep; at most "
-        f"{MAX_ARGUMENTS_DEPTH} are accepted"
+        f"a tool call's arguments in the history nest {how}; at most {MAX_ARGUMENTS_DEPTH} "
+        "levels are accepted"
     )

@@ -160,11 +160,11 @@ def test_a_history_call_with_arguments_nested_too_deep_is_a_bad_request(queries,
     ]
     answer = queries.answer(TokenizeRequest("q", b"c", messages=messages))
     assert isinstance(answer, RequestError) and answer.code == "bad_request"
-    assert "levels deep" in answer.message
+    assert "nest" in answer.message and "at most 200 levels" in answer.message
     preparer = RequestPreparer(queries.tokenizer, queries.chat_template, LIMITS)
     (prepared,) = preparer.prepare_batch([SubmitRequest("r", b"c", SamplingParams(), messages=messages)])
     assert isinstance(prepared, RequestError) and prepared.code == "bad_request"
-    assert "levels deep" in prepared.message
+    assert "at most 200 levels" in prepared.message
     # As deep as an HTTP body may nest is still rendered.
     ok = ToolCall("call_1", "f", "[" * 190 + "]" * 190)
     messages[1] = ChatMessage("assistant", "", tool_calls=[ok])
