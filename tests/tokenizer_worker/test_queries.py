@@ -162,7 +162,9 @@ def test_a_history_call_with_arguments_nested_too_deep_is_a_bad_request(queries,
     assert isinstance(answer, RequestError) and answer.code == "bad_request"
     assert "nest" in answer.message and "at most 200 levels" in answer.message
     preparer = RequestPreparer(queries.tokenizer, queries.chat_template, LIMITS)
-    (prepared,) = preparer.prepare_batch([SubmitRequest("r", b"c", SamplingParams(), messages=messages)])
+    (prepared,) = preparer.prepare_batch(
+        [SubmitRequest("r", b"c", SamplingParams(), messages=messages)]
+    )
     assert isinstance(prepared, RequestError) and prepared.code == "bad_request"
     assert "at most 200 levels" in prepared.message
     # As deep as an HTTP body may nest is still rendered.
