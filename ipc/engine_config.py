@@ -33,6 +33,12 @@ WEIGHTS_HELP = (
 # GPU computes thousands of tokens in milliseconds and wants large steps.
 PREFILL_TOKENS_CUDA = 4096
 PREFILL_TOKENS_CPU = 512
+# Token-keys (each prompt token computed x the keys it attends) one step may compute when
+# prefill_max_token_keys is 0: on a CPU, attention deep into a long context costs more than the
+# rest of a token's work (measured in docs/benchmarks.md), so chunks there shrink; a GPU's
+# prefill is not bounded by it.
+PREFILL_TOKEN_KEYS_CPU = 1 << 20
+PREFILL_TOKEN_KEYS_CUDA = 1 << 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,15 @@ class EngineConfig:
         "~1-2k prompt tokens/s, so a step, and the decode of every "
         "running request waiting on it, stays well under a second)",
         unit="TOKENS",
+        minimum=0,
+    )
+    prefill_max_token_keys: int = knob(
+        0,
+        "most token-keys (each prompt token computed x the keys it attends: its position + 1) "
+        "in one step, all requests together, so a chunk deep into a long context shrinks and "
+        "the step stays short; 0 = no bound on CUDA, 1Mi on CPU (measured: with 512 tokens a "
+        "step stays under ~0.4 s on 2 cores at any depth of an 8k context)",
+        unit="TOKEN_KEYS",
         minimum=0,
     )
     prefill_chunk_tokens: int = knob(
