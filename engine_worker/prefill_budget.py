@@ -33,9 +33,10 @@ from engine_worker.request import EngineRequest
 
 SHORT_PROMPT_SHARE = 0.5
 MIN_CHUNK_TOKENS = 16
-# A prompt token's own work (its linear layers) in keys attended: measured on the default model,
-# 2 CPU cores (a step of C tokens after P took ~a C + b C P; a / b, docs/benchmarks.md).
-TOKEN_WORK_KEYS = 1024
+# A prompt token's own work (its linear layers) in keys attended: on the default model, 2 CPU
+# cores, a step of C tokens after P computed ones took ~a C + b (C P + C^2 / 2) with a ~0.78 ms
+# and b ~0.6 us (docs/benchmarks.md): a / b ~1.3k.
+TOKEN_WORK_KEYS = 1280
 
 
 def chunk_cost(start: int, count: int) -> int:

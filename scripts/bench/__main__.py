@@ -53,6 +53,10 @@ WORKLOADS = {
         "the multi-turn chats through the Ray Serve ingress: our router against Ray's "
         "PrefixCacheAffinityRouter and power of two; the Serve path's TTFT overhead",
     ),
+    "long-prompts": (
+        "scripts.bench.long_prompts",
+        "two long prompts arriving beside unrelated short streams: their TTFT and largest gap",
+    ),
     "http-body": (
         "scripts.bench.http_body",
         "how long a frontend's event loop stalls while it reads and validates a large body",
