@@ -2,9 +2,10 @@
 
 Two requests with --long-tokens prompts (max_tokens 4) arrive together; meanwhile an unrelated
 request with a --short-tokens prompt streaming --stream-tokens tokens arrives every
---interval-s until both long ones have ended. Reported: the unrelated streams' TTFT (p50, max)
-and their largest gap between two tokens, the long requests' end-to-end time, and the load
-average. Prompts are random token ids, distinct per request and per run (no prefix-cache hits).
+--interval-s until both long ones have ended (at most --streams of them). Reported: the
+unrelated streams' TTFT (p50, max) and their largest gap between two tokens, the long requests'
+end-to-end time, and the load average. Prompts are random token ids, distinct per request and
+per run (no prefix-cache hits).
 
     python -m scripts.bench long-prompts --max-model-len 8192 [--repeats 2]
 """
@@ -31,7 +32,7 @@ def one_run(client, args, rng: np.random.Generator) -> dict:
         for _ in range(2)
     ]
     t_start, streams = time.monotonic(), []
-    while not all(h.done for h in long):
+    while not all(h.done for h in long) and len(streams) < args.streams:
         streams.append(
             client.submit(
                 prompt_token_ids=ids(rng, args.short_tokens),
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long-tokens", type=int, default=7030, help="long prompts' length")
     p.add_argument("--short-tokens", type=int, default=32, help="unrelated prompts' length")
     p.add_argument("--stream-tokens", type=int, default=16, help="unrelated streams' tokens")
-    p.add_argument("--interval-s", type=float, default=1.0, help="one unrelated stream per")
+    p.add_argument("--interval-s", type=float, default=1.5, help="one unrelated stream per")
+    p.add_argument("--streams", type=int, default=24, help="most unrelated streams in a run")
     p.add_argument("--repeats", type=int, default=1, help="runs (each with new prompts)")
     p.add_argument("--launch-flags", default="", help="`splitserve launch` flags, e.g. knobs")
     args = p.parse_args(argv)
