@@ -223,8 +223,8 @@ class Scheduler:
             and budget.slots > 0
             and budget.tokens > 0
         ):
-            request = next((r for r in self.waiting if r.ready), None)
-            if request is None or not self._admit_one(request, budget, batch, now):
+            first_ready = next((r for r in self.waiting if r.ready), None)
+            if first_ready is None or not self._admit_one(first_ready, budget, batch, now):
                 break  # FCFS: the first ready request waits for blocks, nobody overtakes it
 
     def _admit_one(
