@@ -51,7 +51,7 @@ def one_run(client, args, rng: np.random.Generator) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser():
     p = workload_parser("long-prompts", __doc__)
     add_shared(p, "model")
     p.add_argument("--max-model-len", type=int, default=8192, help="the cluster's (default 8192)")
@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--streams", type=int, default=24, help="most unrelated streams in a run")
     p.add_argument("--repeats", type=int, default=1, help="runs (each with new prompts)")
     p.add_argument("--launch-flags", default="", help="`splitserve launch` flags, e.g. knobs")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     from ipc.client import Client
     from scripts.bench.launcher import splitserve
