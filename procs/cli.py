@@ -2,6 +2,7 @@
 
 splitserve chat "What is the capital of France?"   # start, stream one answer, stop
 splitserve launch --tokenizer-workers 2             # serve until SIGINT/SIGTERM
+splitserve serve model.gguf --port 8000             # the same, with vLLM's flag names
 splitserve generate "Once upon a time" "The sky"    # raw prompts, one answer each
 """
 
@@ -162,6 +163,13 @@ def http_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    return serve_until_stopped(args.model, args.run_dir, cluster_kwargs(args), args.start_timeout_s)
+
+
+def serve_until_stopped(
+    model: str | None, run_dir: str | None, kwargs: dict, start_timeout_s: float
+) -> int:
+    """Start a cluster and serve until SIGINT/SIGTERM (``launch``, ``serve``)."""
     stop = threading.Event()
     started = False
 
@@ -172,9 +180,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    config, owns = make_config(args.model, args.run_dir, **cluster_kwargs(args))
+    config, owns = make_config(model, run_dir, **kwargs)
     try:
-        cluster = Cluster.start(config, owns_run_dir=owns, start_timeout_s=args.start_timeout_s)
+        cluster = Cluster.start(config, owns_run_dir=owns, start_timeout_s=start_timeout_s)
     except KeyboardInterrupt:
         return 130
     started = True
@@ -340,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
         "submit wall and TTFT (splitserve bench --help for its options)",
     )
     sub.add_parser(
+        "serve",
+        add_help=False,
+        help="serve MODEL over HTTP with vLLM's flag names (splitserve serve --help; "
+        "docs/migrating.md)",
+    )
+    sub.add_parser(
         "serve-ray",
         add_help=False,
         help="serve on Ray Serve, one node or many (needs the ray extra; splitserve serve-ray "
@@ -352,6 +366,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         sys.exit(run_bench(argv[1:]))
+    if argv[:1] == ["serve"]:
+        from procs.serve_command import main as serve
+
+        sys.exit(serve(argv[1:]))
     if argv[:1] == ["serve-ray"]:
         # Deferred: the Ray launcher is an optional extra, and nothing else needs it.
         from procs.serve_ray.command import main as serve_ray
