@@ -151,7 +151,8 @@ class ClusterConfig:
         choices=("auto", *TOOL_CALL_FORMATS),
     )
     chat_template: str = knob(
-        "", "a chat template's text, used instead of the model's own (empty: the model's)",
+        "",
+        "a chat template's text, used instead of the model's own (empty: the model's)",
         cli=False,
     )
 

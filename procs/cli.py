@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from typing import Any
 from ipc.client import Client, SplitserveError
 from ipc.config import API_KEY_HELP, TRANSPORTS
 from procs.children import REPO_ROOT
-from procs.cluster_setup import make_config
 from procs.config_flags import (
     DATA_PARALLEL_KNOBS,
     ENGINE_KNOBS,
@@ -34,8 +32,9 @@ from procs.config_flags import (
     add_engine_flags,
     knob_values,
 )
-from procs.launch_cluster import Cluster, ClusterStartError, launch_cluster
+from procs.launch_cluster import ClusterStartError, launch_cluster
 from procs.model_store import ModelError
+from procs.serving import serve_until_stopped
 
 logger = logging.getLogger("splitserve.cli")
 
@@ -164,52 +163,6 @@ def http_kwargs(args: argparse.Namespace) -> dict:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     return serve_until_stopped(args.model, args.run_dir, cluster_kwargs(args), args.start_timeout_s)
-
-
-def serve_until_stopped(
-    model: str | None, run_dir: str | None, kwargs: dict, start_timeout_s: float
-) -> int:
-    """Start a cluster and serve until SIGINT/SIGTERM (``launch``, ``serve``)."""
-    stop = threading.Event()
-    started = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if not started:
-            raise KeyboardInterrupt  # unwinds start-up, which stops what it started
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    config, owns = make_config(model, run_dir, **kwargs)
-    try:
-        cluster = Cluster.start(config, owns_run_dir=owns, start_timeout_s=start_timeout_s)
-    except KeyboardInterrupt:
-        return 130
-    started = True
-    print(f"splitserve serving {cluster.config.model_name} at {cluster.client_addr}", flush=True)
-    print(f"client address: {cluster.client_addr}", flush=True)
-    if cluster.curve_public_key:
-        print(
-            f"curve public key: {cluster.curve_public_key} (also in "
-            f"{cluster.config.run_dir}/curve_public.key; clients pass it as "
-            "server_public_key=)",
-            flush=True,
-        )
-    if cluster.http_url:
-        print(
-            f"OpenAI API: {cluster.http_url}/v1 ({cluster.config.http_workers} frontend(s))",
-            flush=True,
-        )
-    try:
-        while not stop.wait(0.2) and cluster.failure is None:
-            pass
-    finally:
-        print("splitserve shutting down", flush=True)
-        cluster.shutdown()
-    if cluster.failure:
-        print(f"splitserve stopped: {cluster.failure}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

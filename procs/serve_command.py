@@ -8,10 +8,10 @@ import os
 import sys
 
 from ipc.config import ClusterConfig
-from procs.cli import serve_until_stopped
 from procs.launch_cluster import ClusterStartError
 from procs.model_store import ModelError
 from procs.serve_flags import ServeFlagError, build_parser, translate
+from procs.serving import serve_until_stopped
 
 logger = logging.getLogger("splitserve.serve")
 

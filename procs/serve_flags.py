@@ -279,7 +279,10 @@ def speculative_knobs(text: str) -> dict[str, Any]:
         )
     extra = sorted(set(spec) - SPECULATIVE_KEYS)
     if extra:
-        refuse(f"--speculative-config: {extra[0]!r} is not supported (keys: {', '.join(sorted(SPECULATIVE_KEYS))})")
+        refuse(
+            f"--speculative-config: {extra[0]!r} is not supported "
+            f"(keys: {', '.join(sorted(SPECULATIVE_KEYS))})"
+        )
     for key in SPECULATIVE_KEYS - {"method"}:
         value = spec.get(key)
         if value is not None and (type(value) is not int or not 1 <= value <= 64):
