@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE")
     p.add_argument("--chat-template-file", metavar="FILE", help="llama-server's")
     p.add_argument("--jinja", action="store_true", help="llama-server's; always on here")
+    p.add_argument("--metrics", action="store_true", help="llama-server's; always on here")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     p.add_argument("--data-parallel-size", "-dp", type=count(1), metavar="N")
     p.add_argument("--kv-events-config", metavar="JSON")
@@ -229,6 +230,8 @@ def _accepted(args: argparse.Namespace, knobs: dict[str, Any]) -> list[str]:
         )
     if args.jinja:
         notes.append("--jinja: no effect; chat templates are always rendered with jinja2")
+    if args.metrics:
+        notes.append("--metrics: no effect; GET /metrics is always served")
     if args.quantization == "gguf":
         notes.append("--quantization gguf: no effect; a GGUF model is recognised by its file")
     if args.gpu_memory_utilization is not None:

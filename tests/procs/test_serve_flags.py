@@ -66,10 +66,11 @@ def test_defaults_serve_http_on_loopback_port_8000(monkeypatch):
 
 
 def test_a_llama_server_command_line_maps_to_our_knobs():
-    model, knobs, _ = translated(
+    model, knobs, notes = translated(
         "-m", "m.gguf", "-c", "4096", "--port", "8080", "-np", "4", "-t", "2", "-a", "local",
-        "--jinja",
+        "--jinja", "--metrics",
     )  # fmt: skip
+    assert "--metrics: no effect; GET /metrics is always served" in notes
     assert model == "m.gguf"
     assert knobs["kv_cache_tokens"] == 4096 and knobs["max_model_len"] == 4096  # unified KV
     assert knobs["max_batch_size"] == 4 and knobs["engine_threads"] == 2
