@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", metavar="DTYPE")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--disable-log-requests", action="store_true")
     ours = p.add_argument_group("splitserve's own (as `splitserve launch` names them)")
     ours.add_argument("--tokenizer-workers", type=count(1), metavar="N")
     ours.add_argument("--http-workers", type=count(1), metavar="N")
@@ -228,6 +229,8 @@ def _accepted(args: argparse.Namespace, knobs: dict[str, Any]) -> list[str]:
             "--enable-auto-tool-choice: no effect; tool_choice auto is always honoured when "
             "a request gives tools"
         )
+    if args.disable_log_requests:
+        notes.append("--disable-log-requests: no effect; requests are never logged one by one")
     if args.jinja:
         notes.append("--jinja: no effect; chat templates are always rendered with jinja2")
     if args.metrics:

@@ -89,8 +89,9 @@ def test_speculative_config_maps_to_the_ngram_knobs():
 
 
 def test_enforce_eager_turns_the_scripted_decode_off():
-    _, knobs, notes = translated("--enforce-eager", "--trust-remote-code")
+    _, knobs, notes = translated("--enforce-eager", "--trust-remote-code", "--disable-log-requests")
     assert knobs["scripted_decode"] is False
+    assert any(n.startswith("--disable-log-requests: no effect") for n in notes)
     assert "--trust-remote-code: no effect; splitserve never runs a checkpoint's code" in notes
 
 
