@@ -143,7 +143,14 @@ def translate(args: argparse.Namespace) -> tuple[str | None, dict[str, Any], lis
     if args.speculative_config is not None:
         knobs.update(speculative_knobs(args.speculative_config))
     notes += _accepted(args, knobs)
-    return (args.model_flag or args.model), knobs, notes
+    model = args.model_flag or args.model
+    if model is not None and not Path(model).expanduser().exists():
+        refuse(
+            f"MODEL {model!r}: no such file or directory (splitserve serves local files and "
+            "downloads nothing: give a GGUF file, a directory with one, or a checkpoint "
+            "directory)"
+        )
+    return model, knobs, notes
 
 
 def _direct(args: argparse.Namespace, knobs: dict[str, Any]) -> None:

@@ -19,6 +19,14 @@ from procs.serve_command import main as serve_main
 from procs.serve_flags import build_parser, translate
 
 
+@pytest.fixture(autouse=True)
+def _models_that_exist(tmp_path, monkeypatch):
+    """The model paths these tests name, as empty files (the model is read at start-up only)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("x.gguf", "y.gguf", "m.gguf"):
+        (tmp_path / name).touch()
+
+
 def translated(*argv: str) -> tuple[str | None, dict, list[str]]:
     model, knobs, notes = translate(build_parser().parse_args(list(argv)))
     ClusterConfig.build("model", "run-dir", **knobs)  # the knobs are ones the config takes
@@ -35,7 +43,7 @@ def refused(*argv: str, capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_a_vllm_command_line_maps_to_our_knobs():
     model, knobs, notes = translated(
-        "/models/x.gguf", "--host", "127.0.0.1", "--port", "8001",
+        "x.gguf", "--host", "127.0.0.1", "--port", "8001",
         "--served-model-name", "chat", "--max-model-len", "32K", "--max-num-seqs", "8",
         "--max-num-batched-tokens", "1k", "--api-key", "K", "--no-enable-prefix-caching",
         "--data-parallel-size", "2", "--seed", "7", "--dtype", "half",
@@ -44,7 +52,7 @@ def test_a_vllm_command_line_maps_to_our_knobs():
         "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--quantization", "gguf",
         "--kv-cache-dtype", "auto", "--block-size", "32", "--device", "cpu",
     )  # fmt: skip
-    assert model == "/models/x.gguf"
+    assert model == "x.gguf"
     assert knobs == {
         "http_port": 8001, "http_host": "127.0.0.1", "http_api_key": "K",
         "served_model_name": "chat", "max_model_len": 32 * 1024, "max_batch_size": 8,
@@ -126,6 +134,8 @@ REFUSALS = [
      "'draft_tensor_parallel_size' is not supported", "num_speculative_tokens"),
     (["--swap-space", "4"], "unrecognized arguments: --swap-space", "docs/migrating.md"),
     (["x.gguf", "-m", "y.gguf"], "two models given", "give one"),
+    (["Qwen/Qwen2.5-0.5B-Instruct"], "MODEL 'Qwen/Qwen2.5-0.5B-Instruct': no such file",
+     "downloads nothing"),
 ]  # fmt: skip
 
 
