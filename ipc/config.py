@@ -146,6 +146,11 @@ class ClusterConfig(AddressPlan):
         "JSON; hermes when it shows none)",
         choices=("auto", *TOOL_CALL_FORMATS),
     )
+    chat_template: str = knob(
+        "",
+        "a chat template's text, used instead of the model's own (empty: the model's)",
+        cli=False,
+    )
 
     # What the engine resolved; 0/"" until the engine reported ready (the supervisor fills them
     # in, with the engine's max_model_len, for the processes started after it).

@@ -237,6 +237,13 @@ class EngineConfig:
         maximum=1.0,
     )
 
+    seed: int | None = knob(
+        None,
+        "seeds the draws that give each unseeded sampling request its seed, so a run "
+        "replays the same samples for the same requests in the same order (None: random)",
+        minimum=0,
+        cli=False,
+    )
     kv_events_config: str = knob(
         "",
         "publish KV-cache events in vLLM's format, configured with vLLM's JSON keys: "
