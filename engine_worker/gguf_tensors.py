@@ -1,17 +1,10 @@
 """Reads a GGUF checkpoint's tensors at their own precision, under Hugging Face names.
 
 The ``gguf`` package's reader gives each tensor's raw block bytes (a memory map); we parse the
-blocks ourselves instead of dequantizing to float32:
-
-* Q4_0 (18-byte blocks of 32: fp16 d, 16 bytes of nibbles; ``w = d * (q - 8)``) and Q4_1 (20
-  bytes: fp16 d, fp16 m, nibbles; ``w = d * q + m``) become ``Int4Groups`` with group 32:
-  scale = d, zero = 0 (Q4_0) or m + 8 d (Q4_1), which is exact in float32 (checked per file);
-* Q8_0 (34 bytes: fp16 d, 32 int8; ``w = d * q``) becomes ``Int8Blocks``;
-* F32, F16 and BF16 stay dense tensors in their own dtype.
-
-Any other type is refused with an error that names it. Nibble order within a block (low nibbles
-are weights 0-15, high nibbles 16-31) and the formulas above are the ``gguf`` package's own
-``dequantize``; tests check that we reproduce it bit for bit.
+blocks ourselves instead of dequantizing to float32 (gguf_blocks.py: Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0 and the K-quants Q2_K to Q6_K become ``Int4Groups`` or ``Int8Blocks`` holding the file's
+own weights); F32, F16 and BF16 stay dense tensors in their own dtype. Any other type is refused
+with an error that names the tensor, its type and the served types.
 
 llama.cpp's converter reorders the rows of q and k for the ``llama`` architecture (its rope pairs
 adjacent dimensions, ours the two halves); rows are undone here, which moves whole blocks only.
@@ -25,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine_worker.gguf_blocks import BLOCK_TYPES, parse_blocks
 from engine_worker.linear import Int4Groups, Int8Blocks, WeightSource
 
 logger = logging.getLogger("splitserve.engine.gguf")
 
-BLOCK = 32
-SERVED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+SERVED_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)
 # Architectures whose converter permutes q/k rows for an interleaved rope.
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 
@@ -136,32 +129,7 @@ def _parse(type_name: str, data: np.ndarray, shape: list[int]) -> WeightSource:
     if type_name == "BF16":
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(dims)
     rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
-    blocks = raw.reshape(rows, cols // BLOCK, block_bytes)
-
-    def halves(start: int) -> torch.Tensor:  # the fp16 at this byte offset of every block
-        return torch.from_numpy(
-            blocks[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-        )
-
-    d = halves(0)
-    if type_name == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
-        return Int8Blocks(q=torch.from_numpy(q), scale=d)
-    nibbles = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
-    q = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols))
-    if type_name == "Q4_0":
-        return Int4Groups(q=q, scale=d, zero=torch.zeros_like(d))
-    m = halves(2)
-    zero = m + 8 * d  # w = d*q + m = d*(q - 8) + (m + 8d)
-    inexact = int(((zero.double() - 8 * d.double() - m.double()) != 0).sum())
-    if inexact:
-        logger.warning(
-            "%d Q4_1 blocks have m + 8d outside float32: those weights differ from "
-            "the file's by one float32 rounding",
-            inexact,
-        )
-    return Int4Groups(q=q, scale=d, zero=zero)
+    return parse_blocks(type_name, raw, rows, cols)
 
 
 def _unpermute_rows(source: WeightSource, heads: int) -> WeightSource:
@@ -172,5 +140,6 @@ def _unpermute_rows(source: WeightSource, heads: int) -> WeightSource:
     if isinstance(source, Int4Groups):
         return Int4Groups(rows(source.q), rows(source.scale), rows(source.zero))
     if isinstance(source, Int8Blocks):
-        return Int8Blocks(rows(source.q), rows(source.scale))
+        zero = None if source.zero is None else rows(source.zero)
+        return Int8Blocks(rows(source.q), rows(source.scale), zero)
     return rows(source)

@@ -94,21 +94,38 @@ class Int4Groups:
 
 @dataclass(slots=True)
 class Int8Blocks:
-    """w[n, k] = q[n, k] * scale[n, k // group]; q int8, scale float32 (GGUF Q8_0)."""
+    """w[n, k] = q[n, k] * scale[n, k // group] + zero[n, k // group]; q int8, scale and zero
+    float32, zero None for none (GGUF Q8_0, Q5_0, Q6_K; Q5_1 and Q5_K have one)."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    zero: torch.Tensor | None = None
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
 
     def as_int4_planes(self) -> list[Int4Groups]:
         """The same weights as two 4-bit planes for ``Int4Linear``: with
-        q + 128 = 16 hi + lo, w = 16 d (hi - 8) + d (lo - 8) + 8 d. Scales in the kernel's dtype
-        round d alone (16 d rounds alike), so the layer computes round(d) * q."""
+        q + 128 = 16 hi + lo, w = 16 d (hi - 8) + d (lo - 8) + (8 d + zero). Scales in the
+        kernel's dtype round d alone (16 d rounds alike), so the layer computes round(d) * q
+        (+ the zero, rounded). 8 d + zero is one float32 rounding where there is a zero."""
         u = self.q.to(torch.int16) + 128
         hi, lo = (u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)
+        zero = 8 * self.scale if self.zero is None else 8 * self.scale + self.zero
         return [
             Int4Groups(hi, 16 * self.scale, torch.zeros_like(self.scale)),
-            Int4Groups(lo, self.scale.clone(), 8 * self.scale),
+            Int4Groups(lo, self.scale.clone(), zero),
         ]
+
+    def with_group(self, group: int) -> Int8Blocks:
+        """The same weights with a scale (and zero) per ``group`` columns (a divisor of
+        ``self.group``: each scale repeated)."""
+        times = self.group // group
+        if times == 1:
+            return self
+        zero = None if self.zero is None else self.zero.repeat_interleave(times, 1)
+        return Int8Blocks(self.q, self.scale.repeat_interleave(times, 1), zero)
 
 
 WeightSource: TypeAlias = torch.Tensor | Int4Groups | Int8Blocks
@@ -142,7 +159,8 @@ def dequantize(source: WeightSource) -> torch.Tensor:
     groups = source.scale.shape[1]
     scale = source.scale[..., None]
     if isinstance(source, Int8Blocks):
-        return (source.q.view(n, groups, -1).float() * scale).view(n, k)
+        w = source.q.view(n, groups, -1).float() * scale
+        return (w if source.zero is None else w.add_(source.zero[..., None])).view(n, k)
     q = source.q.view(n, groups, -1).float().sub_(8)
     return q.mul_(scale).add_(source.zero[..., None]).view(n, k)
 
@@ -153,7 +171,8 @@ def source_rows(source: WeightSource, rows: torch.Tensor) -> torch.Tensor:
         return source.index_select(0, rows).float()
     q, scale = source.q.index_select(0, rows), source.scale.index_select(0, rows)
     if isinstance(source, Int8Blocks):
-        return dequantize(Int8Blocks(q, scale))
+        zero = None if source.zero is None else source.zero.index_select(0, rows)
+        return dequantize(Int8Blocks(q, scale, zero))
     return dequantize(Int4Groups(q, scale, source.zero.index_select(0, rows)))
 
 
