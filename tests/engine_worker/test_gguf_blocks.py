@@ -54,7 +54,9 @@ def reference(type_name: str, blocks: np.ndarray, rows: int) -> torch.Tensor:
 @pytest.mark.parametrize("type_name", sorted(BLOCK_SHAPES))
 def test_blocks_equal_gguf_dequantize(type_name):
     rows, cols = 32, 512
-    blocks = random_blocks(type_name, rows, cols, seed=len(type_name) + ord(type_name[1]), wide=False)
+    blocks = random_blocks(
+        type_name, rows, cols, seed=len(type_name) + ord(type_name[1]), wide=False
+    )
     source = parse_blocks(type_name, blocks, rows, cols)
     expected = reference(type_name, blocks, rows)
     got = dequantize(source)
