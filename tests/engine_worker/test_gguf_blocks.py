@@ -28,9 +28,11 @@ FP16_AT = {
 GROUPS = {"Q2_K": 16, "Q3_K": 16, "Q6_K": 16}  # sub-block sizes; the others' groups are 32
 
 
-def random_blocks(type_name: str, rows: int, cols: int, seed: int, wide: bool) -> np.ndarray:
-    """Random blocks whose fp16 scales are finite: of a model's magnitudes (``wide`` False) or
-    any finite fp16, subnormals included (``wide``)."""
+def random_blocks(
+    type_name: str, rows: int, cols: int, seed: int, wide: bool, d_size: float = 2e-3
+) -> np.ndarray:
+    """Random blocks whose fp16 scales are finite: normal of standard deviation ``d_size``
+    (``wide`` False) or any finite fp16, subnormals included (``wide``)."""
     per_block, nbytes = BLOCK_SHAPES[type_name]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows * cols // per_block, nbytes), dtype=np.uint8)
@@ -40,7 +42,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int, wide: bool) -
             bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # exponent 31 (inf, NaN) -> 15
             d = bits.view(np.float16)
         else:
-            d = (rng.standard_normal(blocks.shape[0]) * 2e-3).astype(np.float16)
+            d = (rng.standard_normal(blocks.shape[0]) * d_size).astype(np.float16)
         blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
