@@ -153,7 +153,10 @@ class WeightFormat:
 
     def crossover(self, kind: str) -> int:
         """The most decode rows a step runs on a ``kind`` layer's quantized copy by default."""
-        return (OWN_KERNEL_MAX_TOKENS if self.own_int4 else QUANTIZED_MAX_TOKENS)[kind]
+        table = OWN_KERNEL_MAX_TOKENS if self.own_int4 else QUANTIZED_MAX_TOKENS
+        # 5- and 6-bit q (our kernel only) take their 4-bit kind's crossover: not measured
+        # apart (the products are the same; a block reads 1.2-1.6x the bytes)
+        return table[kind] if kind in table else table["int4" + kind[4:]]
 
     def dense(self, source: WeightSource) -> torch.Tensor:
         """A tensor in the activation dtype (embedding, norms, biases, dense layers)."""

@@ -135,3 +135,16 @@ def test_kquant_gguf_runs_every_layer_on_our_kernel_in_its_own_width(kquant_gguf
     logits = last_logits(served, PROMPT)
     error = ((logits - reference).norm() / reference.norm()).item()
     assert error < 0.03, error  # bf16 activations and scales
+
+
+@pytest.mark.skipif(not int4_decode.load_op(), reason="int4 decode op not built")
+def test_kquant_gguf_decodes_scripted_as_eager(kquant_gguf):
+    """Layers of several widths and group sizes on our kernel: the scripted decode layers take
+    them (each block carries its layout) and give eager's bits."""
+    from tests.engine_worker.helpers import greedy
+    from tests.engine_worker.test_scripted_decode import assert_same, make_engine
+
+    engine = make_engine(kquant_gguf[0], int4_kernel="own", enable_prefix_cache=False)
+    assert engine.runner.model.scripted_decode is not None
+    prompts = [[1, 5, 9, 300], [1, 17, 4000, 5, 6, 7, 8]]
+    assert_same(engine, prompts, greedy(6, ignore_eos=True), "kquant")
