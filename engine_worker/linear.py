@@ -20,9 +20,10 @@ above one row, the int4 kernel, scripts/bench/engine_determinism.py), so a row's
 on which kernel a layer picks for it, never on its neighbours: the pick depends only on the
 row's kind (a decoded token's or a prompt's) and, for decode rows, on how many there are.
 
-Quantized weights arrive as ``Int4Groups`` (q, scale, zero per group) or ``Int8Blocks`` (a GGUF
-Q8_0 tensor: int8 with one scale per 32 columns), from a checkpoint's own blocks or from
-``quantize_int4`` of a dense matrix; ``dequantize`` gives every source as fp32.
+Quantized weights arrive as ``Int4Groups`` (q, scale, zero per group) or ``Int8Blocks`` (GGUF
+5- to 8-bit blocks: int8 with a scale, and maybe a zero, per 16 or 32 columns), from a
+checkpoint's own blocks (gguf_blocks.py) or from ``quantize_int4`` of a dense matrix;
+``dequantize`` gives every source as fp32 (weight_sources.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Which format each linear layer's weights take (the ``weights`` knob), decided once at load.
 
-  auto  on a CPU with bf16 activations, a GGUF's own blocks on torch's int4 kernel, as ``int4``
-        below: Q4_0/Q4_1 layers as they are, Q8_0 ones (the default model's tied head) as two
-        4-bit planes; everything else dense in the activation dtype (F16/F32, safetensors,
-        float32 activations, where the int4 kernel runs ~30x slower). Nothing is re-quantized
+  auto  on a CPU with bf16 activations, a GGUF's own blocks on the int4 kernel, as ``int4``
+        below: 4-bit (and Q2_K/Q3_K) layers as they are, Q5_x/Q6_K as one plane of 5- or
+        6-bit q on our kernel, Q8_0 ones (the default model's tied head) as two 4-bit planes
+        (gguf_blocks.py); groups of 16 dense where aten's kernel serves (it takes none);
+        everything else dense in the activation dtype (F16/F32, safetensors, float32
+        activations, where the int4 kernel runs ~30x slower). Nothing is re-quantized
   bf16, fp32  dense weights in that dtype (quantized blocks are dequantized)
   int8  per-channel int8 for every linear layer, lm_head included (re-quantized)
   int4  one call of torch's group-32 int4 kernel per layer, scales and zeros in the activation
@@ -254,7 +256,7 @@ class WeightFormat:
             # never re-quantized.
             if self.device.type != "cpu" or dtype != torch.bfloat16 or not blocks:
                 return "dense"
-            if not self.own_int4 and any(s.group != INT4_GROUP for s in sources):  # type: ignore[union-attr]
+            if not self.own_int4 and any(s.group != INT4_GROUP for s in sources):
                 return "dense"  # groups of 16, which aten's int4 kernel does not take
             weights = "int4"
         if weights in DENSE_DTYPES:

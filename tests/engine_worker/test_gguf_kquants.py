@@ -20,8 +20,7 @@ from engine_worker.engine import Engine
 from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
 from scripts.bench.tiny_model import make_tiny_model
-from tests.engine_worker.test_gguf import PROMPT, last_logits, permute_back
-from tests.engine_worker.test_gguf import to_gguf_name
+from tests.engine_worker.test_gguf import PROMPT, last_logits, permute_back, to_gguf_name
 from tests.engine_worker.test_gguf_blocks import random_blocks
 
 T = GGMLQuantizationType
