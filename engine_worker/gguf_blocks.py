@@ -15,9 +15,9 @@ package's ``dequantize``, value for value; tests/engine_worker/test_gguf_blocks.
 
 Products of an fp16 d and a sub-block's integer scale are exact in float32 (at most 19
 significant bits). A zero that folds a min and the kernel's offset of 8 (Q4_1 ``m + 8 d``, Q4_K
-and Q2_K ``8 d sc - dmin m``) is one float32 rounding, exact for nearly every block: each tensor
-counts the blocks where it is not and logs them (their weights are then the file's to one
-float32 rounding).
+and Q2_K ``8 d sc - dmin m``) is one float32 rounding, exact for nearly every block: the
+groups where it is not are counted (``INEXACT_ZEROS``; read_gguf logs them per file): their
+weights are the file's to one float32 rounding.
 """
 
 from __future__ import annotations
@@ -93,18 +93,19 @@ def _int8(
 
 def folded_zero(scale: np.ndarray, offset: np.ndarray, type_name: str) -> np.ndarray:
     """``8 scale + offset`` in float32 (the zero of ``w = scale q + offset`` as ``Int4Groups``
-    holds it), logging how many of them float32 rounds."""
+    holds it); how many of them float32 rounds is added to ``INEXACT_ZEROS`` (``read_gguf``
+    reports them per file, and each tensor at debug level)."""
     zero = (np.float32(8) * scale + offset).astype(np.float32)
     inexact = int((zero.astype(np.float64) != 8 * scale.astype(np.float64) + offset).sum())
+    INEXACT_ZEROS[0] += inexact
+    INEXACT_ZEROS[1] += zero.size
     if inexact:
-        logger.warning(
-            "%d of %d %s groups have a zero (8 d + m) outside float32: their weights differ "
-            "from the file's by one float32 rounding",
-            inexact,
-            zero.size,
-            type_name,
-        )
+        logger.debug("%d of %d %s zeros rounded by float32", inexact, zero.size, type_name)
     return zero
+
+
+# [zeros float32 rounded, zeros folded] since the last reset (read_gguf resets and reports)
+INEXACT_ZEROS = [0, 0]
 
 
 def _q4_0(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
@@ -133,9 +134,7 @@ def _q5_0(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
 
 
 def _q5_1(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
-    d, m = _f16(b, 0), _f16(b, 2)
-    folded_zero(d, m, name)  # the zero of its low plane (Int8Blocks.as_int4_planes)
-    return _int8(_q5(b, 4), d, m, rows, cols)
+    return _int8(_q5(b, 4), _f16(b, 0), _f16(b, 2), rows, cols)
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -162,7 +161,6 @@ def _q5_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
     n = b.shape[0]
     high = _bits(b[:, 16:48].reshape(n, 1, 32), list(range(8)), 1).reshape(n, -1)
     q = _nibbles(b[:, 48:], 32) | (high << 4)
-    folded_zero(scale, -dm, name)  # the zero of its low plane (Int8Blocks.as_int4_planes)
     return _int8(q, scale, -dm, rows, cols)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine_worker.gguf_blocks import BLOCK_TYPES, parse_blocks
+from engine_worker.gguf_blocks import BLOCK_TYPES, INEXACT_ZEROS, parse_blocks
 from engine_worker.linear import Int4Groups, Int8Blocks, WeightSource
 
 logger = logging.getLogger("splitserve.engine.gguf")
@@ -78,6 +78,7 @@ def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
         )
     tensors: dict[str, WeightSource] = {}
     skipped = []
+    INEXACT_ZEROS[:] = [0, 0]
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
@@ -90,6 +91,15 @@ def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
                 source = _unpermute_rows(source, num_kv_heads)
         tensors[name] = source
+    inexact, folded = INEXACT_ZEROS
+    if folded:
+        logger.log(
+            logging.WARNING if inexact else logging.INFO,
+            "%d of %d group zeros (Q4_1 m + 8 d, Q4_K/Q2_K 8 d sc - dmin m) need a float32 "
+            "rounding: those groups' weights differ from the file's by it",
+            inexact,
+            folded,
+        )
     if skipped:
         logger.warning(
             "ignored %d GGUF tensors with no known role, e.g. %s", len(skipped), skipped[:3]
