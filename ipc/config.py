@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ipc.engine_config import EngineConfig
 from ipc.knobs import check_knobs, knob
+from ipc.reasoning import REASONING_PARSER_CHOICES, REASONING_PARSER_HELP
 from ipc.routing import CACHE_AWARE, POLICIES, RoutingThresholds
 from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS, MAX_DEFAULT_TOKENS_HELP
 from ipc.structured import TOOL_CALL_FORMATS
@@ -150,6 +151,7 @@ class ClusterConfig:
         "JSON; hermes when it shows none)",
         choices=("auto", *TOOL_CALL_FORMATS),
     )
+    reasoning_parser: str = knob("auto", REASONING_PARSER_HELP, choices=REASONING_PARSER_CHOICES)
 
     # What the engine resolved; 0/"" until the engine reported ready (the supervisor fills them
     # in, with the engine's max_model_len, for the processes started after it).
