@@ -57,7 +57,6 @@ CACHE_CONTROL = {
     "shared prefixes by their token ids"
 }
 MESSAGES_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "thinking": ({"type": "disabled"},),
     "output_config": (),
     "container": (),
     "mcp_servers": (),
