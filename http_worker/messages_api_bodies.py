@@ -2,8 +2,8 @@
 (``message_start``, ``ping``, per content block ``content_block_start``,
 ``content_block_delta``... with ``thinking_delta``, ``text_delta`` or ``input_json_delta``,
 ``content_block_stop``; then ``message_delta`` with the stop reason and the usage,
-``message_stop``), and errors in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with the status codes
-every route answers with.
+``message_stop``), and errors in Anthropic's shape, ``{"type": "error", "error": {"type",
+"message"}}``, with the status codes every route answers with.
 
 ``usage`` in Anthropic's terms: ``input_tokens`` are the prompt's tokens not read from the
 prefix cache, ``cache_read_input_tokens`` those that were (their sum is the prompt).
