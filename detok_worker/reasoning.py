@@ -34,6 +34,8 @@ class ReasoningSplitter:
             stripped = text.lstrip()
             if stripped.startswith(THINK_OPEN):
                 self.phase, text = THINKING, stripped[len(THINK_OPEN) :]
+            elif not stripped and self._otherwise == THINKING:
+                return text, ""  # blanks inside the thinking the prompt opened, "<think>" or not
             elif THINK_OPEN.startswith(stripped):  # blank, or a "<thi" that may go on
                 self._held = text
                 return "", ""
