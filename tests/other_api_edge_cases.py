@@ -236,7 +236,8 @@ MESSAGES = [
         },
         "'g'",
     ),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "adaptive"}}, "thinking"),
+    ({"thinking": {"type": "enabled"}}, "budget_tokens"),
     ({"container": "c"}, "container"),
     ({"unknown_field": 1}, "unknown_field"),
 ]
