@@ -20,7 +20,8 @@ from tests.test_tool_calls_tiny import serve
 
 THINK_TEMPLATE = """{%- for message in messages -%}
 <|im_start|>{{ message['role'] }}
-{{ message['content'] }}<|im_end|>
+{% if message['reasoning_content'] is defined %}<think>{{ message['reasoning_content'] }}</think>
+{% endif %}{{ message['content'] }}<|im_end|>
 {% endfor -%}
 {%- if add_generation_prompt -%}
 <|im_start|>assistant
@@ -198,3 +199,24 @@ def test_hostile_messages_thinking(base_url, thinking, max_tokens, words):
     r = httpx.post(f"{base_url}/v1/messages", json=body, timeout=60)
     assert r.status_code == 400 and words in r.text, r.text
     assert r.json()["type"] == "error"
+
+
+def test_an_earlier_answers_thinking_reaches_the_template(base_url, oai):
+    said = {"role": "assistant", "content": "9.8."}
+    history = [*ASK, said, {"role": "user", "content": "Sure?"}]
+    thought = [*ASK, {**said, "reasoning_content": "9.8 has more tenths."}, history[-1]]
+
+    def prompt_tokens(messages) -> int:
+        return oai.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=1
+        ).usage.prompt_tokens
+
+    assert prompt_tokens(thought) > prompt_tokens(history)
+    for message, words in (
+        ({**said, "reasoning_content": 5}, "reasoning_content"),
+        ({**said, "reasoning_content": ["a"]}, "reasoning_content"),
+        ({**ASK[0], "reasoning_content": "x"}, "only an assistant message has reasoning_content"),
+    ):
+        body = {"model": "tiny", "messages": [*ASK, message], "max_tokens": 1}
+        r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and words in r.text, r.text

@@ -301,16 +301,22 @@ def render_chat(
         if not m.role:
             raise RequestRejected("every chat message needs a non-empty role")
     if conversation is None:
-        conversation = [
-            {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-            for m in messages
-        ]
+        conversation = [_template_message(m) for m in messages]
     try:
         return template.render(
             conversation, add_generation_prompt=add_generation_prompt, extra=extra, tools=tools
         )
     except ChatTemplateError as exc:
         raise RequestRejected(str(exc)) from None
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.reasoning_content is not None:  # an earlier answer's thinking (Qwen3's key)
+        out["reasoning_content"] = m.reasoning_content
+    return out
 
 
 def _fit_to_context(sampling: SamplingParams, prompt_tokens: int, limits: Limits) -> SamplingParams:
