@@ -204,16 +204,21 @@ class RequestPreparer:
         self, req: SubmitRequest, text: str, plan: OutputPlan | None
     ) -> tuple[str, bool]:
         reasoning = request_reasoning(self.reasoning_parser, req, text)
-        if reasoning[0] and plan is not None and plan.grammar:
-            # The grammar would bind the thinking too: it is not held back until </think>.
-            raise RequestRejected(
-                "a reasoning model's thinking cannot be combined with response_format, "
-                "structured_outputs or a forced tool_choice here: turn thinking off "
-                '(chat_template_kwargs {"enable_thinking": false}; Messages: thinking '
-                '{"type": "disabled"}) or serve with --reasoning-parser none',
-                param="response_format" if req.structured is not None else "tool_choice",
-            )
-        return reasoning
+        if not (reasoning[0] and plan is not None and plan.grammar):
+            return reasoning
+        if not reasoning[1]:
+            # The grammar holds from the first token, so the model cannot open a thinking: the
+            # output is all answer (and a grammar's "<think>" is its text, not a thinking).
+            return "", False
+        # The prompt opened the thinking, which the grammar would bind too: it is not held back
+        # until </think>.
+        raise RequestRejected(
+            "a reasoning model's thinking, opened by the prompt, cannot be combined with "
+            "response_format, structured_outputs or a forced tool_choice here: turn thinking "
+            'off (chat_template_kwargs {"enable_thinking": false}; Messages: thinking '
+            '{"type": "disabled"}) or serve with --reasoning-parser none',
+            param="response_format" if req.structured is not None else "tool_choice",
+        )
 
     def _plan(self, req: SubmitRequest) -> OutputPlan | None:
         if not needs_plan(req):

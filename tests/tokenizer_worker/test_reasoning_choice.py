@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from ipc.messages import ChatMessage, SamplingParams, SubmitRequest
+from ipc.client.requests import build_submit
+from ipc.messages import ChatMessage, RequestError, SamplingParams, SubmitRequest, TokenizedRequest
+from ipc.structured import StructuredOutputSpec
+from runtime.model_files import load_tokenizer
 from tests.chat_templates import LLAMA3_TOOLS_TEMPLATE, THINKING_TEMPLATE
 from tests.test_reasoning_tiny import THINK_TEMPLATE
 from tokenizer_worker.chat_template import ChatTemplate
+from tokenizer_worker.prepare import Limits, RequestPreparer
 from tokenizer_worker.reasoning import choose_reasoning_parser, request_reasoning
 
 
@@ -61,3 +65,48 @@ def test_what_a_request_gets():
 def test_enable_thinking_must_be_a_boolean(bad):
     with pytest.raises(ValueError, match="enable_thinking must be true or false"):
         chat(chat_template_kwargs={"enable_thinking": bad})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return load_tokenizer(default_model_dir)
+
+
+def prepared(tokenizer, source: str, **sampling_kwargs):
+    preparer = RequestPreparer(
+        tokenizer,
+        template(source),
+        Limits(max_model_len=2048, vocab_size=49152),
+        reasoning_parser="qwen3",
+    )
+    request = build_submit(
+        b"c",
+        "r",
+        prompt=None,
+        messages=[{"role": "user", "content": "Name a city."}],
+        prompt_token_ids=None,
+        sampling=SamplingParams(max_tokens=8),
+        sampling_kwargs=sampling_kwargs,
+        add_generation_prompt=True,
+        t_submit=0.0,
+    )
+    return preparer.prepare_batch([request])[0]
+
+
+def test_a_grammar_binds_the_whole_output_or_is_refused(tokenizer):
+    plain = prepared(tokenizer, THINK_TEMPLATE)
+    assert isinstance(plain, TokenizedRequest)
+    assert (plain.meta.reasoning_parser, plain.meta.reasoning_open) == ("qwen3", True)
+    regex = {"response_format": StructuredOutputSpec("regex", "<think>[a-z]+")}
+    # The prompt opened the thinking: a grammar would bind it, so the request is refused.
+    refused = prepared(tokenizer, THINK_TEMPLATE, **regex)
+    assert isinstance(refused, RequestError) and "enable_thinking" in refused.message
+    assert refused.param == "response_format"
+    # Not opened: the grammar holds from the first token, the output is all answer (its
+    # "<think>" is the grammar's text), nothing is split.
+    bound = prepared(tokenizer, THINKING_TEMPLATE, **regex)
+    assert isinstance(bound, TokenizedRequest) and bound.grammar
+    assert (bound.meta.reasoning_parser, bound.meta.reasoning_open) == ("", False)
+    unbound = prepared(tokenizer, THINKING_TEMPLATE)
+    assert isinstance(unbound, TokenizedRequest)
+    assert (unbound.meta.reasoning_parser, unbound.meta.reasoning_open) == ("qwen3", False)
