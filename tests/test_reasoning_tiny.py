@@ -220,3 +220,45 @@ def test_an_earlier_answers_thinking_reaches_the_template(base_url, oai):
         body = {"model": "tiny", "messages": [*ASK, message], "max_tokens": 1}
         r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400 and words in r.text, r.text
+
+
+def test_responses_takes_its_reasoning_items_back(oai):
+    """An earlier answer's output replayed as input: its reasoning item goes to the assistant
+    turn after it (the template shows it), as chat's reasoning_content."""
+    first = oai.responses.create(model="tiny", input=ASK, temperature=0, max_output_tokens=4)
+    assert first.output[0].type == "reasoning"
+    said = {"role": "assistant", "content": "9.8."}
+    thought = {
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "9.8 has more tenths."}],
+    }
+    then = {"role": "user", "content": "Sure?"}
+
+    def input_tokens(items) -> int:
+        r = oai.responses.create(model="tiny", input=items, temperature=0, max_output_tokens=1)
+        return r.usage.input_tokens
+
+    assert input_tokens([*ASK, thought, said, then]) > input_tokens([*ASK, said, then])
+    replayed = [*ASK, *[item.model_dump(exclude_none=True) for item in first.output], then]
+    assert input_tokens(replayed) > 0
+
+
+@pytest.mark.parametrize(
+    ("item", "words"),
+    [
+        ({"type": "reasoning"}, "needs summary"),
+        ({"type": "reasoning", "summary": [], "content": "text"}, "reasoning_text"),
+        ({"type": "reasoning", "summary": [{"type": "output_text", "text": "x"}]}, "parts only"),
+        ({"type": "reasoning", "summary": [], "role": "assistant"}, "has no role"),
+        ({"type": "reasoning", "summary": "x"}, "summary"),
+        (
+            {"role": "user", "content": [{"type": "reasoning_text", "text": "x"}]},
+            "belong to a reasoning item",
+        ),
+    ],
+)
+def test_hostile_reasoning_items(base_url, item, words):
+    body = {"model": "tiny", "input": [*ASK, item], "max_output_tokens": 1}
+    r = httpx.post(f"{base_url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400 and words in r.text, r.text
