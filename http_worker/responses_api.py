@@ -278,6 +278,10 @@ class ResponsesRequest(BaseModel):
                 last["tool_calls"] = last.get("tool_calls", []) + message["tool_calls"]
             else:
                 messages.append(message)
+        if not messages:
+            raise bad_request(
+                "input has no message to answer (reasoning items alone are not)", "input"
+            )
         return messages
 
     def to_chat(self) -> ResponsesChat:
