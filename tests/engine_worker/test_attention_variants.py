@@ -74,7 +74,9 @@ def run_step(backend, data, sequences: dict, step: list[tuple[str, int, int]]) -
     metadata = backend.prepare(batch)
     results = {}
     for layer in range(len(LAYERS)):
-        q, k, v = (torch.cat([data[layer, n][j][s : s + c] for n, s, c in step]) for j in range(3))
+        q, k, v = (
+            torch.cat([data[layer, n][j][s : s + c] for n, s, c in step]) for j in range(3)
+        )
         out = backend.forward(q, k, v, layer, metadata)
         rows = [(layer, n, p) for n, s, c in step for p in range(s, s + c)]
         results.update(zip(rows, out))
