@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ipc.addresses import LOOPBACK_HOSTS, AddressPlan
 from ipc.engine_config import EngineConfig
 from ipc.knobs import check_knobs, knob
+from ipc.reasoning import REASONING_PARSER_CHOICES, REASONING_PARSER_HELP
 from ipc.routing import CACHE_AWARE, POLICIES, RoutingThresholds
 from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS, MAX_DEFAULT_TOKENS_HELP
 from ipc.structured import TOOL_CALL_FORMATS
@@ -151,6 +152,7 @@ class ClusterConfig(AddressPlan):
         "a chat template's text, used instead of the model's own (empty: the model's)",
         cli=False,
     )
+    reasoning_parser: str = knob("auto", REASONING_PARSER_HELP, choices=REASONING_PARSER_CHOICES)
 
     # What the engine resolved; 0/"" until the engine reported ready (the supervisor fills them
     # in, with the engine's max_model_len, for the processes started after it).

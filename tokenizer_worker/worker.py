@@ -43,6 +43,7 @@ from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.long_prompts import LongPromptLane
 from tokenizer_worker.prepare import Limits, RequestPreparer
 from tokenizer_worker.queries import TokenizerQueries
+from tokenizer_worker.reasoning import choose_reasoning_parser
 from tokenizer_worker.routing import ReplicaRouting
 from tokenizer_worker.structured import StructuredOutputs
 from tokenizer_worker.vocabulary_sender import VocabularySender
@@ -69,6 +70,7 @@ def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:
         index,
         tool_call_parser=config.tool_call_parser,
         chat_template=config.chat_template,
+        reasoning_parser=config.reasoning_parser,
     )
 
 
@@ -79,6 +81,7 @@ def build_preparer(
     *,
     tool_call_parser: str = "auto",
     chat_template: str = "",
+    reasoning_parser: str = "auto",
 ) -> RequestPreparer:
     """The model's tokenizer, chat template and structured outputs, as a tokenizer worker
     prepares requests with them (so does an ingress replica of the Ray Serve application)."""
@@ -90,7 +93,12 @@ def build_preparer(
     )
     structured.start()  # the vocabulary is read in the background, ready for the first grammar
     return RequestPreparer(
-        tokenizer, template, limits, tokenizer_index=index, structured=structured
+        tokenizer,
+        template,
+        limits,
+        tokenizer_index=index,
+        structured=structured,
+        reasoning_parser=choose_reasoning_parser(template, reasoning_parser),
     )
 
 
