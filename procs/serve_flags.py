@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ipc.kv_events import parse_kv_events_config
+from ipc.reasoning import REASONING_PARSER_CHOICES
 from ipc.structured import TOOL_CALL_FORMATS
 
 DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16"}
@@ -177,6 +178,8 @@ def _direct(args: argparse.Namespace, knobs: dict[str, Any]) -> None:
         knobs["dtype"] = DTYPES[args.dtype]
     if args.tool_call_parser is not None:
         knobs["tool_call_parser"] = args.tool_call_parser
+    if args.reasoning_parser is not None:
+        knobs["reasoning_parser"] = args.reasoning_parser
 
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
@@ -204,10 +207,10 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
             f"--kv-cache-dtype {args.kv_cache_dtype}: the KV cache is held in the activation "
             "dtype; set that with --dtype"
         )
-    if args.reasoning_parser is not None:
+    if args.reasoning_parser not in (None, *REASONING_PARSER_CHOICES):
         refuse(
-            f"--reasoning-parser {args.reasoning_parser}: splitserve does not separate "
-            "reasoning from content yet; leave the flag out (the reasoning stays in the content)"
+            f"--reasoning-parser {args.reasoning_parser}: not a parser splitserve has; use one "
+            f"of {', '.join(REASONING_PARSER_CHOICES)}"
         )
     if args.generation_config not in (None, "vllm"):
         refuse(

@@ -112,6 +112,11 @@ def test_chat_template_inline_or_from_a_file(tmp_path):
     assert translated("--chat-template-file", str(path))[1]["chat_template"] == path.read_text()
 
 
+def test_reasoning_parser_sets_the_knob():
+    _, knobs, _ = translated("--reasoning-parser", "deepseek_r1")
+    assert knobs["reasoning_parser"] == "deepseek_r1"
+
+
 def test_kv_events_config_passes_vllms_json_through():
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
     _, knobs, _ = translated("--kv-events-config", json.dumps(config))
@@ -123,7 +128,7 @@ REFUSALS = [
     (["-pp", "2"], "--pipeline-parallel-size 2:", "--data-parallel-size"),
     (["--quantization", "awq"], "--quantization awq:", "--weights int8|int4"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8:", "--dtype"),
-    (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser deepseek_r1:", "leave the flag"),
+    (["--reasoning-parser", "granite"], "--reasoning-parser granite:", "deepseek_r1"),
     (["--generation-config", "auto"], "--generation-config auto:", "vllm"),
     (["--generation-config", "/some/folder"], "--generation-config /some/folder:", "vllm"),
     (["--tool-call-parser", "pythonic"], "--tool-call-parser pythonic:", "hermes"),
