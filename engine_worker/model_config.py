@@ -81,6 +81,7 @@ class ModelConfig:
     ropes: tuple[dict, ...] = ()
 
     def __post_init__(self) -> None:
+        _check_values(self)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -114,6 +115,8 @@ class ModelConfig:
             return cls._from_dict(cfg, model_type, eos)
         except KeyError as exc:
             raise ValueError(f"{config_file} has no {exc.args[0]!r}") from None
+        except (TypeError, AttributeError) as exc:  # a field of the wrong JSON type
+            raise ValueError(f"{config_file} has a field of the wrong type ({exc})") from None
 
     @classmethod
     def _from_dict(cls, cfg: dict, model_type: str, eos: set[int]) -> ModelConfig:
@@ -139,6 +142,69 @@ class ModelConfig:
             features=model_features(cfg, model_type, cfg["num_hidden_layers"]),
             ropes=_layer_ropes(cfg, model_type),
         )
+
+
+_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+_SIZES = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("intermediate_size", "intermediate_size"),
+    ("num_layers", "num_hidden_layers"),
+    ("num_heads", "num_attention_heads"),
+    ("num_kv_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("max_position_embeddings", "max_position_embeddings"),
+)
+
+
+def _check_values(config: ModelConfig) -> None:
+    """Refuses, with the config key's name, what no forward can run: sizes that are not positive
+    integers, an odd head_dim (rope rotates pairs), a norm epsilon or rope base that is not a
+    finite positive number, a rope type we do not compute, LongRoPE without its factors."""
+    for attr, key in _SIZES:
+        value = getattr(config, attr)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+            raise ValueError(f"{key} must be a positive integer below 2**31, not {value!r}")
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim must be even (rope rotates pairs), not {config.head_dim}")
+    if not _finite_at_least(config.rms_norm_eps, 0.0):
+        raise ValueError(f"rms_norm_eps must be a finite number >= 0, not {config.rms_norm_eps!r}")
+    for rope in config.ropes or (config.rope,):
+        if rope:  # empty: built in code, not read from a config
+            _check_rope(rope, config.head_dim)
+
+
+def _finite_at_least(value: object, low: float) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= low
+    )
+
+
+def _check_rope(rope: dict, head_dim: int) -> None:
+    if rope["rope_type"] not in _ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope['rope_type']!r} is not supported "
+            f"(supported: {', '.join(_ROPE_TYPES)})"
+        )
+    theta = rope["rope_theta"]
+    if not _finite_at_least(theta, 0.0) or theta <= 0:
+        raise ValueError(f"rope_theta must be a finite positive number, not {theta!r}")
+    factor = rope.get("partial_rotary_factor", 1.0)
+    if not _finite_at_least(factor, 0.0) or not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], not {factor!r}")
+    if rope["rope_type"] == "longrope":
+        pairs = int(head_dim * factor) // 2
+        for key in ("short_factor", "long_factor"):
+            got = rope.get(key)
+            if not isinstance(got, list) or len(got) != pairs:
+                raise ValueError(
+                    f"LongRoPE needs {key}: a list of {pairs} numbers (one per rotary pair)"
+                )
+            if not all(_finite_at_least(v, 0.0) and v > 0 for v in got):
+                raise ValueError(f"LongRoPE's {key} holds a value that is not a positive number")
 
 
 def _layer_attention(cfg: dict, num_layers: int, model_type: str) -> tuple[LayerAttention, ...]:
