@@ -84,6 +84,22 @@ def _from_directory(path: Path, cache_dir: Path) -> Path:
     )
 
 
+MAX_SERVED_NAME = 256
+
+
+def check_served_name(name: str | None) -> None:
+    """``--served-model-name``: empty (the default name), or up to ``MAX_SERVED_NAME``
+    printable characters, not all blank: control and bidi-override characters would reach
+    /v1/models, every response, the metrics' labels and the logs as they are."""
+    if not name:
+        return
+    if len(name) > MAX_SERVED_NAME or not name.isprintable() or not name.strip():
+        raise ModelError(
+            f"--served-model-name {name[:40]!r}{'...' if len(name) > 40 else ''} must be 1 to "
+            f"{MAX_SERVED_NAME} printable characters, not all blank"
+        )
+
+
 def _check_magic(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(len(GGUF_MAGIC))
