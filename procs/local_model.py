@@ -57,7 +57,9 @@ class ModelError(ValueError):
 def resolve_local(model: str | os.PathLike, cache_dir: Path) -> Path:
     """The directory the processes read for ``model``: the model itself for a Hugging Face
     directory, else one made under ``cache_dir`` (see the module's doc)."""
-    path = Path(model).expanduser()
+    # Absolute: the workers start in another working directory (a relative --model, or
+    # $SPLITSERVE_CACHE, passed the supervisor's check and then was not found by the engine).
+    path, cache_dir = Path(model).expanduser().absolute(), Path(cache_dir).expanduser().absolute()
     if not path.exists():
         raise ModelError(f"--model {str(model)!r}: no such file or directory")
     if path.is_dir():
