@@ -116,16 +116,32 @@ def check_model(model_dir: str | os.PathLike) -> None:
 
     model_dir = Path(model_dir)
     try:
-        ModelConfig.from_dir(model_dir)
+        config = ModelConfig.from_dir(model_dir)
         ggufs = gguf_weights(model_dir)
     except (ValueError, OSError) as exc:
         raise ModelError(f"{model_dir}: {exc}") from None
     if not (model_dir / "tokenizer.json").is_file():
         raise ModelError(f"{model_dir} has no tokenizer.json")
+    _check_vocabulary(model_dir, config.vocab_size)
     if not ggufs and not any(model_dir.glob("*.safetensors")):
         raise ModelError(f"{model_dir} has no weights (*.safetensors or *.gguf)")
     for part in ggufs:
         _check_magic(part)
+
+
+def _check_vocabulary(model_dir: Path, vocab_size: int) -> None:
+    """A tokenizer with ids past the model's vocab_size would have every request refused."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokens = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size(True)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's file made it raise
+        raise ModelError(f"{model_dir}/tokenizer.json cannot be read ({exc})") from None
+    if tokens > vocab_size:
+        raise ModelError(
+            f"{model_dir}: the tokenizer has {tokens} tokens, the model's vocab_size is only "
+            f"{vocab_size}"
+        )
 
 
 def _cache_key(files: list[Path]) -> str:

@@ -68,3 +68,13 @@ def test_a_config_of_the_wrong_type_ends_the_launch_with_one_line(tiny_model_dir
         assert code == 2, stderr
         assert_one_line_error(stderr, key if key == "hidden_size" else "wrong type")
         assert took < 60, took
+
+
+def test_a_tokenizer_past_the_models_vocab_size_is_refused(tiny_model_dir, tmp_path):
+    """Before: served, and every request refused ('token ids must be in [0, 1000)')."""
+    model = with_config(tiny_model_dir, tmp_path / "m", {"vocab_size": 1000})
+    with pytest.raises(ModelError, match="the tokenizer has 49152 tokens, the model's vocab_size"):
+        check_model(model)
+    (model / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelError, match="tokenizer.json cannot be read"):
+        check_model(model)
