@@ -37,6 +37,11 @@ CASES = [
         {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8}},
         "LongRoPE needs long_factor: a list of 8 numbers",
     ),
+    # Gemma 2's keys on the Llama checkpoint: a negative query_pre_attn_scalar gave a complex
+    # softmax scale, a NaN soft-cap NaN scores
+    ({"query_pre_attn_scalar": -4}, "the attention settings are not valid"),
+    ({"attn_logit_softcapping": float("nan")}, "the attention settings are not valid"),
+    ({"sliding_window": -5}, "the attention settings are not valid"),
 ]
 
 
