@@ -55,7 +55,8 @@ class LlamaFamilyModel:
         loader = LayerLoader(config, tensors, fmt)
         self.layers: list[LayerWeights] = [loader.layer(i) for i in range(config.num_layers)]
         final_norm = loader.norm("model.norm.weight")
-        assert final_norm is not None, "the checkpoint has no model.norm.weight"
+        if final_norm is None:
+            raise KeyError("model.norm.weight")
         self.norm = final_norm
         if "lm_head.weight" in tensors and not config.tie_word_embeddings:
             head_source = tensors.pop("lm_head.weight")
@@ -100,7 +101,13 @@ class LlamaFamilyModel:
         tensors = load_tensors(model_dir, config)
         if not config.features.plain:
             logger.info("%s: %s", config.model_type, config.features.describe())
-        model = cls(config, tensors, device, dtype, max_positions, weight_format)
+        try:
+            model = cls(config, tensors, device, dtype, max_positions, weight_format)
+        except KeyError as exc:  # the config asks for more than the checkpoint holds
+            raise ValueError(
+                f"{model_dir}: the checkpoint has no tensor {exc.args[0]!r}, which its config "
+                f"({config.model_type}, {config.num_layers} layers) needs"
+            ) from None
         leftover = [n for n in tensors if "rotary_emb" not in n]
         if leftover:
             logger.warning("ignored %d unexpected weights, e.g. %s", len(leftover), leftover[:3])

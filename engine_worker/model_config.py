@@ -81,6 +81,7 @@ class ModelConfig:
     ropes: tuple[dict, ...] = ()
 
     def __post_init__(self) -> None:
+        _check_values(self)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -114,6 +115,8 @@ class ModelConfig:
             return cls._from_dict(cfg, model_type, eos)
         except KeyError as exc:
             raise ValueError(f"{config_file} has no {exc.args[0]!r}") from None
+        except (TypeError, AttributeError) as exc:  # a field of the wrong JSON type
+            raise ValueError(f"{config_file} has a field of the wrong type ({exc})") from None
 
     @classmethod
     def _from_dict(cls, cfg: dict, model_type: str, eos: set[int]) -> ModelConfig:
@@ -139,6 +142,68 @@ class ModelConfig:
             features=model_features(cfg, model_type, cfg["num_hidden_layers"]),
             ropes=_layer_ropes(cfg, model_type),
         )
+
+
+_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# ModelConfig's sizes and their config keys
+_SIZES = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers")
+_SIZES.update(intermediate_size="intermediate_size", num_heads="num_attention_heads")
+_SIZES.update(num_kv_heads="num_key_value_heads", head_dim="head_dim")
+_SIZES.update(max_position_embeddings="max_position_embeddings")
+
+
+def _check_values(config: ModelConfig) -> None:
+    """Refuses, with the config key's name, what no forward can run: sizes that are not positive
+    integers, an odd head_dim (rope rotates pairs), a norm epsilon, soft-cap, softmax scale or
+    rope base that is not a finite number of the right sign, a rope type we do not compute,
+    LongRoPE without its factors."""
+    for attr, key in _SIZES.items():
+        value = getattr(config, attr)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+            raise ValueError(f"{key} must be a positive integer below 2**31, not {value!r}")
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim must be even (rope rotates pairs), not {config.head_dim}")
+    if not _finite(config.rms_norm_eps) or config.rms_norm_eps < 0:
+        raise ValueError(f"rms_norm_eps must be a finite number >= 0, not {config.rms_norm_eps!r}")
+    for a in config.layer_attention:  # sliding_window, soft-cap, query_pre_attn_scalar
+        scale = 1.0 if a.scale is None else a.scale
+        if a.window < 0 or not _finite(a.softcap) or a.softcap < 0 or not _positive(scale):
+            raise ValueError(f"the attention settings are not valid: {a}")
+    for rope in config.ropes or (config.rope,):
+        if rope:  # empty: built in code, not read from a config
+            _check_rope(rope, config.head_dim)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive(value: object) -> bool:
+    return _finite(value) and value > 0  # type: ignore[operator]
+
+
+def _check_rope(rope: dict, head_dim: int) -> None:
+    if rope["rope_type"] not in _ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope['rope_type']!r} is not supported "
+            f"(supported: {', '.join(_ROPE_TYPES)})"
+        )
+    theta = rope["rope_theta"]
+    if not _positive(theta):
+        raise ValueError(f"rope_theta must be a finite positive number, not {theta!r}")
+    factor = rope.get("partial_rotary_factor", 1.0)
+    if not _positive(factor) or factor > 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], not {factor!r}")
+    if rope["rope_type"] == "longrope":
+        pairs = int(head_dim * factor) // 2
+        for key in ("short_factor", "long_factor"):
+            got = rope.get(key)
+            if not isinstance(got, list) or len(got) != pairs:
+                raise ValueError(
+                    f"LongRoPE needs {key}: a list of {pairs} numbers (one per rotary pair)"
+                )
+            if not all(_positive(v) for v in got):
+                raise ValueError(f"LongRoPE's {key} holds a value that is not a positive number")
 
 
 def _layer_attention(cfg: dict, num_layers: int, model_type: str) -> tuple[LayerAttention, ...]:

@@ -13,7 +13,7 @@ import zmq
 
 from ipc.config import LOOPBACK_HOSTS, ClusterConfig
 from ipc.sockets import check_curve_available
-from procs.local_model import check_model
+from procs.local_model import check_model, check_served_name
 from procs.model_store import resolve_model
 from procs.thread_budget import thread_budget
 
@@ -32,6 +32,7 @@ def make_config(
     """A ClusterConfig with the model resolved and checked, a private run dir and the thread
     budget filled in. Returns (config, whether the run dir was created here and is ours to
     remove). A model the engine could not serve raises ModelError before anything starts."""
+    check_served_name(overrides.get("served_model_name"))
     model_path = str(
         resolve_model(model if model is not None else overrides.pop("model_path", None))
     )

@@ -57,7 +57,9 @@ class ModelError(ValueError):
 def resolve_local(model: str | os.PathLike, cache_dir: Path) -> Path:
     """The directory the processes read for ``model``: the model itself for a Hugging Face
     directory, else one made under ``cache_dir`` (see the module's doc)."""
-    path = Path(model).expanduser()
+    # Absolute: the workers start in another working directory (a relative --model, or
+    # $SPLITSERVE_CACHE, passed the supervisor's check and then was not found by the engine).
+    path, cache_dir = Path(model).expanduser().absolute(), Path(cache_dir).expanduser().absolute()
     if not path.exists():
         raise ModelError(f"--model {str(model)!r}: no such file or directory")
     if path.is_dir():
@@ -84,6 +86,22 @@ def _from_directory(path: Path, cache_dir: Path) -> Path:
     )
 
 
+MAX_SERVED_NAME = 256
+
+
+def check_served_name(name: str | None) -> None:
+    """``--served-model-name``: empty (the default name), or up to ``MAX_SERVED_NAME``
+    printable characters, not all blank: control and bidi-override characters would reach
+    /v1/models, every response, the metrics' labels and the logs as they are."""
+    if not name:
+        return
+    if len(name) > MAX_SERVED_NAME or not name.isprintable() or not name.strip():
+        raise ModelError(
+            f"--served-model-name {name[:40]!r}{'...' if len(name) > 40 else ''} must be 1 to "
+            f"{MAX_SERVED_NAME} printable characters, not all blank"
+        )
+
+
 def _check_magic(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(len(GGUF_MAGIC))
@@ -98,16 +116,32 @@ def check_model(model_dir: str | os.PathLike) -> None:
 
     model_dir = Path(model_dir)
     try:
-        ModelConfig.from_dir(model_dir)
+        config = ModelConfig.from_dir(model_dir)
         ggufs = gguf_weights(model_dir)
     except (ValueError, OSError) as exc:
         raise ModelError(f"{model_dir}: {exc}") from None
     if not (model_dir / "tokenizer.json").is_file():
         raise ModelError(f"{model_dir} has no tokenizer.json")
+    _check_vocabulary(model_dir, config.vocab_size)
     if not ggufs and not any(model_dir.glob("*.safetensors")):
         raise ModelError(f"{model_dir} has no weights (*.safetensors or *.gguf)")
     for part in ggufs:
         _check_magic(part)
+
+
+def _check_vocabulary(model_dir: Path, vocab_size: int) -> None:
+    """A tokenizer with ids past the model's vocab_size would have every request refused."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokens = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size(True)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's file made it raise
+        raise ModelError(f"{model_dir}/tokenizer.json cannot be read ({exc})") from None
+    if tokens > vocab_size:
+        raise ModelError(
+            f"{model_dir}: the tokenizer has {tokens} tokens, the model's vocab_size is only "
+            f"{vocab_size}"
+        )
 
 
 def _cache_key(files: list[Path]) -> str:
