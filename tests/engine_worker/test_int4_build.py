@@ -25,8 +25,7 @@ print("loaded" if int4_decode.load_op() and hasattr(torch.ops.splitserve, "int4_
 
 
 @pytest.mark.skipif(
-    shutil.which("g++") is None or not int4_decode.cpu_supported(),
-    reason="no g++ / AVX-512 BF16",
+    shutil.which("g++") is None or not int4_decode.cpu_supported(), reason="no g++ / AVX-512 BF16"
 )
 @pytest.mark.timeout(900)
 def test_two_starts_at_once_build_once_and_both_load(tmp_path):
