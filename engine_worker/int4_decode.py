@@ -155,7 +155,7 @@ def load_op() -> bool:
             )
         torch.ops.load_library(str(build_op()))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        reason = exc
+        reason = str(exc)
         if isinstance(exc, subprocess.CalledProcessError):
             reason = f"g++ failed with exit status {exc.returncode}"
         logger.warning(
