@@ -8,9 +8,12 @@ Two builds of one source, each compiled once by g++ into ``~/.cache/splitserve/k
 (a hash of the sources, the flags and torch's version: a restart loads it, an edited source
 builds anew):
 * the torch op ``splitserve::int4_decode_mm`` (int4_decode_op.cpp), what ``Int4Linear`` and the
-  scripted decode layers call under ``EngineConfig.int4_kernel = "own"``. ``load_op`` never
-  compiles: a start-up loads a built op or serves on aten's kernel (logged once);
-  ``scripts/setup_env.sh`` builds it (``python -m engine_worker.int4_decode``);
+  scripted decode layers call under ``EngineConfig.int4_kernel = "own"``. ``load_op`` (the
+  engine's start, before its weights) builds it where this torch has no build yet, once: under a
+  lock in the cache directory, so two launches at once build once (the second waits, then
+  loads); where it cannot (no g++, no AVX-512 BF16, a compile error, or
+  SPLITSERVE_NO_KERNEL_BUILD=1) aten's kernel serves, logged once. ``scripts/setup_env.sh``
+  builds it ahead (``python -m engine_worker.int4_decode``);
 * a plain library loaded with ctypes (``library``, built on first use): the reference the op is
   tested against and what the kernel benchmark calls without torch's dispatcher.
 """
@@ -18,6 +21,7 @@ builds anew):
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -25,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -44,6 +49,7 @@ GROUPS = (16, 32)  # scale/zero groups the kernel takes (two or one (scale, zero
 MAX_BITS = 6  # q of 4 bits, or 5 or 6 (one or two high-bit planes a block)
 MAX_GROUPS = 2048  # blocks of 32 along K (all planes) the kernel takes: kMaxGroups
 CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
+NO_BUILD = "SPLITSERVE_NO_KERNEL_BUILD"  # set (not 0): a start-up loads a built op, never builds
 
 
 def _op_flags(paths: bool = True) -> list[str]:
@@ -78,7 +84,7 @@ def build(path: Path, source: Path, flags: list[str]) -> None:
     torch share the cache and each loads its own."""
     compiler = shutil.which("g++")
     if compiler is None:
-        raise FileNotFoundError("g++")
+        raise FileNotFoundError("no g++ on PATH")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
@@ -116,36 +122,49 @@ def library() -> ctypes.CDLL | None:
 
 
 def build_op() -> Path:
-    """Builds the torch op (set-up time: a minute of g++); raises where it cannot."""
+    """The op built for this torch (a minute or more of g++ where none is): under a lock in its
+    cache directory, so concurrent callers build once (the others wait, then find it built).
+    Raises where it cannot."""
     if not cpu_supported():
         raise RuntimeError("this CPU lacks AVX-512 BF16/VNNI")
     path = op_path()
-    if not path.exists():
-        build(path, OP_SOURCE, _op_flags())
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not path.exists():
+            logger.info("building our int4 decode kernel (once for this torch) into %s ...", path)
+            start = time.monotonic()
+            build(path, OP_SOURCE, _op_flags())
+            logger.info("built our int4 decode kernel in %.0f s", time.monotonic() - start)
     return path
 
 
 @cache
 def load_op() -> bool:
-    """Whether ``torch.ops.splitserve.int4_decode_mm`` can run here: the op already built
-    (``build_op``) loaded, never compiled here (start-up does not wait for g++). Logged once
+    """Whether ``torch.ops.splitserve.int4_decode_mm`` can run here: the op built for this torch
+    (``build_op``, where SPLITSERVE_NO_KERNEL_BUILD is unset) and loaded. Logged once, with why,
     where it cannot."""
-    path = op_path()
-    reason = ""
-    if not cpu_supported():
-        reason = "this CPU lacks AVX-512 BF16/VNNI"
-    elif not path.exists():
-        reason = f"not built ({path}; `python -m engine_worker.int4_decode` builds it)"
-    else:
-        try:
-            torch.ops.load_library(str(path))
-        except (OSError, RuntimeError) as exc:
-            reason = f"load failed: {exc}"
-    if reason:
+    try:
+        path = op_path()
+        if not path.exists() and os.environ.get(NO_BUILD, "") not in ("", "0"):
+            raise RuntimeError(
+                f"not built ({path}) and {NO_BUILD} is set; "
+                "`python -m engine_worker.int4_decode` builds it"
+            )
+        torch.ops.load_library(str(build_op()))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        reason = str(exc)
+        if isinstance(exc, subprocess.CalledProcessError):
+            reason = f"g++ failed with exit status {exc.returncode}"
         logger.warning(
-            "int4_kernel=own: our int4 kernel is unavailable (%s): aten's serves", reason
+            "int4_kernel=own: our int4 kernel is unavailable (%s): torch's kernel serves, "
+            "~30%% slower per token",
+            reason,
         )
-    return not reason
+        return False
+    return True
 
 
 def takes(planes: list[Int4Groups]) -> bool:

@@ -144,7 +144,8 @@ class WeightFormat:
         self.reference_for = reference_for
         self.counts: dict[str, int] = {}  # layers built per kind, for the start-up log line
         # Our int4 kernel (int4_decode.py) where asked for and it runs here: bf16 activations on
-        # the CPU, the op already built (never compiled at start-up: else aten's, logged once)
+        # the CPU, the op built (here, once for this torch, where it is not yet) and loaded: else
+        # aten's, logged once
         self.own_int4 = (
             int4_kernel == "own"
             and reference_for is None

@@ -65,8 +65,8 @@ class EngineConfig:
     int4_kernel: str = knob(
         "own",
         "which kernel runs int4 layers' decode rows (bf16 activations): own (ours, AVX-512 "
-        "BF16, built by scripts/setup_env.sh; where it is not built or cannot run, aten's "
-        "serves, logged) or aten (torch's int4 kernel)",
+        "BF16, built once for this torch at the first start that finds none; where it "
+        "cannot be built or run, aten's serves, logged) or aten (torch's int4 kernel)",
         choices=INT4_KERNELS,
     )
     quantized_max_tokens: int = knob(

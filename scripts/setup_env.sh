@@ -12,7 +12,8 @@ EXTRA="${1:-}"
 STAMP="$VENV/.splitserve-installed${EXTRA:+-$EXTRA}"
 
 # Our int4 decode kernel as a torch op (EngineConfig.int4_kernel=own), compiled once into
-# ~/.cache/splitserve/kernels; the engine never compiles at start-up. The stamp records the build
+# ~/.cache/splitserve/kernels here, ahead of the first launch (an engine start that finds no build
+# compiles it itself, once: engine_worker/int4_decode.py). The stamp records the build
 # (or "none" where it cannot be built: no g++, no AVX-512 BF16, which torch's kernel then serves);
 # it is redone when the kernel's sources are newer or the recorded build is gone.
 KERNEL_STAMP="$VENV/.splitserve-int4-kernel"

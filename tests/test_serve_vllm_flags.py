@@ -78,7 +78,8 @@ def vllm_style_server(tiny_model_dir, tmp_path_factory):
         "--trust-remote-code",
         "--enforce-eager",
     ]  # fmt: skip
-    env = dict(os.environ, SPLITSERVE_CACHE=str(tmp / "cache"))
+    # A cache of its own: aten's int4 kernel, not a minute of g++ building ours there
+    env = dict(os.environ, SPLITSERVE_CACHE=str(tmp / "cache"), SPLITSERVE_NO_KERNEL_BUILD="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     log = tmp / "serve.log"
     with open(log, "w") as out:

@@ -124,11 +124,19 @@ print("own" if own else "aten")
 """
 
 
-def test_without_a_built_op_aten_serves_logged_once(tmp_path):
-    """A cache without the op (a fresh machine before set-up): aten's kernel, one warning."""
+@pytest.mark.parametrize(
+    "env, why",
+    [
+        ({int4_decode.NO_BUILD: "1", "PATH": "/usr/bin:/bin"}, "SPLITSERVE_NO_KERNEL_BUILD is set"),
+        ({"PATH": "/nonexistent"}, "no g++ on PATH"),
+    ],
+)
+def test_without_a_built_op_aten_serves_logged_once_with_why(tmp_path, env, why):
+    """A cache without the op (a fresh machine) where it is not to be built, or cannot be:
+    aten's kernel, one warning that says why and what it costs."""
     done = subprocess.run(
         [sys.executable, "-c", FALLBACK],
-        env={"SPLITSERVE_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        env={"SPLITSERVE_CACHE": str(tmp_path), **env},
         capture_output=True,
         text=True,
         timeout=120,
@@ -136,6 +144,8 @@ def test_without_a_built_op_aten_serves_logged_once(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "aten"
     assert done.stderr.count("our int4 kernel is unavailable") == 1
+    assert why in done.stderr and "~30% slower per token" in done.stderr
+    assert not list(tmp_path.glob("kernels/*/*.so"))
 
 
 def wide_planes(n: int, k: int, group: int, bits: int, seed: int) -> Int4Groups:
