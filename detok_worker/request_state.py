@@ -45,6 +45,7 @@ class RequestState:
         "unsent_logprobs",
         "prompt_logprobs",
         "tool_parser",
+        "marker_ids",
         "unsent_calls",
         "step_ms",
         "step_threads",
@@ -71,6 +72,7 @@ class RequestState:
         self.tool_parser: ToolCallParser | None = None
         if meta.tool_parser:
             self.tool_parser = TOOL_PARSERS[meta.tool_parser]()
+        self.marker_ids: dict[int, str] | None = None  # the parser's special tokens, when skipped
         self.unsent_calls: list[ToolCallDelta] = []
         self.step_ms = 0.0  # how long the engine step of its newest token took
         self.step_threads = 0  # and the torch threads it ran on
@@ -114,16 +116,33 @@ class RequestState:
                 "request %r: token %d does not decode: %s", self.meta.request_id, token_id, exc
             )
             piece = ""
+        if self.tool_parser is not None and self.tool_parser.markers:
+            piece += self._marker(tokenizer, token_id)
         released, stopped = self.matcher.feed(piece)
         self._release(released)
         return stopped
 
-    def _release(self, text: str, last: bool = False) -> None:
+    def _marker(self, tokenizer, token_id: int) -> str:
+        """The text of a tool-call marker token (Mistral's [TOOL_CALLS], Llama's
+        <|python_tag|>) that decoding skipped with the special tokens: the parser needs it."""
+        if self.marker_ids is None:
+            assert self.tool_parser is not None
+            ids = {tokenizer.token_to_id(m): m for m in self.tool_parser.markers}
+            self.marker_ids = {
+                i: m
+                for i, m in ids.items()
+                if i is not None
+                and self.meta.skip_special_tokens
+                and not tokenizer.decode([i], skip_special_tokens=True)
+            }
+        return self.marker_ids.get(token_id, "")
+
+    def _release(self, text: str, last: bool = False, cut: bool = False) -> None:
         if self.tool_parser is None:
             self.unsent_text += text
             return
         parsed = self.tool_parser.feed(text) if text else ParsedDelta()
-        for part in (parsed, self.tool_parser.finish()) if last else (parsed,):
+        for part in (parsed, self.tool_parser.finish(cut)) if last else (parsed,):
             self.unsent_text += part.content
             for call in part.tool_calls:  # one delta per call and event
                 previous = self.unsent_calls[-1] if self.unsent_calls else None
@@ -188,7 +207,9 @@ class RequestState:
         error_code: str | None = None,
         strings: TokenStrings | None = None,
     ) -> StreamEvent:
-        self._release("" if stopped_by_string else self.matcher.flush(), last=True)
+        # Cut (max_tokens, an abort): a call's start held back is dropped (tool_call_text).
+        cut = reason != FINISH_STOP
+        self._release("" if stopped_by_string else self.matcher.flush(), last=True, cut=cut)
         event = self.delta(None if error_code else strings)
         event.finished = True
         called = self.tool_parser is not None and self.tool_parser.calls > 0

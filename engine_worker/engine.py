@@ -93,7 +93,9 @@ class Engine:
         model.use_scripted_decode(config.scripted_decode)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = set(model_config.eos_token_ids)
-        self.model_name = os.path.basename(os.path.normpath(config.model_path))
+        self.model_name = config.served_model_name or os.path.basename(
+            os.path.normpath(config.model_path)
+        )
         num_blocks = kv_cache_blocks(config, model_config, dtype, self.device, self.max_model_len)
         self.max_model_len = fit_to_kv_cache(self.max_model_len, num_blocks * config.block_size)
         medium = MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU

@@ -13,13 +13,20 @@ Any other type is refused with an error that names it. Nibble order within a blo
 are weights 0-15, high nibbles 16-31) and the formulas above are the ``gguf`` package's own
 ``dequantize``; tests check that we reproduce it bit for bit.
 
-llama.cpp's converter reorders the rows of q and k for the ``llama`` architecture (its rope pairs
-adjacent dimensions, ours the two halves); rows are undone here, which moves whole blocks only.
+Names: each architecture's GGUF names are the ``gguf`` package's own map (``TensorNameMap``)
+of the Hugging Face names our layers read, inverted; a block with ``ffn_up`` but no ``ffn_gate``
+holds Phi-3's fused gate and up rows (``mlp.gate_up_proj``).
+
+What llama.cpp's converter changed is undone here, so the tensors are the checkpoint's own:
+it reorders the rows of q and k for the architectures that derive from its Llama converter
+(its rope pairs adjacent dimensions, ours the two halves), which moves whole blocks only, and
+stores Gemma's norm weights as ``w + 1`` (F32: taken back here, added again at load).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,61 +39,101 @@ logger = logging.getLogger("splitserve.engine.gguf")
 BLOCK = 32
 SERVED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 # Architectures whose converter permutes q/k rows for an interleaved rope.
-PERMUTED_QK_ARCHITECTURES = ("llama",)
+PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3", "granite")
+# (its Llama converter's subclasses that keep the permutation; Mistral files are "llama" too)
+# Architectures whose converter stores norm weights as w + 1 (Gemma's RMSNorm scales by 1 + w).
+NORM_SHIFT_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# The per-layer Hugging Face names our layers read (engine_worker.layers); ``up_proj`` last, so
+# that where two map to ``ffn_up`` it wins (a fused gate_up is told by its missing ffn_gate).
+_HF_LAYER_PARTS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.down_proj",
+    "mlp.gate_up_proj",
+    "mlp.up_proj",
+)
+_layer_names_cache: dict[str, dict[str, str]] = {}
 
 
 class UnsupportedGGUFType(ValueError):
     pass
 
 
-def hf_name(gguf_name: str) -> str | None:
+class GGUFFileError(ValueError):
+    pass
+
+
+def layer_names(architecture: str) -> dict[str, str]:
+    """GGUF layer tensor kind -> Hugging Face name part, for ``architecture`` (the ``gguf``
+    package's map; an architecture it does not know gets Llama's)."""
+    names = _layer_names_cache.get(architecture)
+    if names is None:
+        import gguf
+
+        by_name = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+        name_map = gguf.get_tensor_name_map(by_name.get(architecture, gguf.MODEL_ARCH.LLAMA), 1)
+        names = {}
+        for part in _HF_LAYER_PARTS:
+            mapped = name_map.get_name(f"model.layers.0.{part}")
+            if mapped is not None:
+                names[mapped.split(".", 2)[2]] = part
+        _layer_names_cache[architecture] = names
+    return names
+
+
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None: unknown)."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
-        mapped = _LAYER_NAMES.get(part)
+        mapped = layer_names(architecture).get(part)
         return f"model.layers.{index}.{mapped}.{kind}" if mapped else None
     mapped = _TOP_LEVEL_NAMES.get(stem)
     return f"{mapped}.{kind}" if mapped else None
 
 
-def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, WeightSource]:
-    """Every tensor of the file, keyed by its Hugging Face name (unknown names are skipped with a
-    warning). Raises ``UnsupportedGGUFType`` naming the first tensor of a type we cannot serve."""
-    reader = _reader_class()(str(path))
-    field = reader.fields.get("general.architecture")
+def read_gguf(
+    path: str | Path | Sequence[str | Path], num_heads: int, num_kv_heads: int
+) -> dict[str, WeightSource]:
+    """Every tensor of the checkpoint, keyed by its Hugging Face name (unknown names are skipped
+    with a warning). ``path``: one file, or the parts of a split checkpoint in order (llama.cpp's
+    layout: the metadata in the first part, the tensors spread over all). Raises
+    ``UnsupportedGGUFType`` naming the first tensor of a type we cannot serve, ``GGUFFileError``
+    for a file that is not a readable GGUF (or not the part it should be)."""
+    # Resolved: a cached model directory links to the user's files, which errors should name.
+    paths = [Path(p).resolve() for p in ([path] if isinstance(path, (str, Path)) else path)]
+    readers = _open_parts(paths)
+    field = readers[0].fields.get("general.architecture")
     architecture = bytes(field.parts[field.data[0]]).decode() if field else ""
-    unsupported = [t for t in reader.tensors if t.tensor_type.name not in SERVED_TYPES]
+    all_tensors = [t for reader in readers for t in reader.tensors]
+    unsupported = [t for t in all_tensors if t.tensor_type.name not in SERVED_TYPES]
     if unsupported:
         t = unsupported[0]
         raise UnsupportedGGUFType(
-            f"{path}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, which splitserve "
+            f"{paths[0]}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, which splitserve "
             f"cannot serve ({len(unsupported)} such tensors; supported types: "
             f"{', '.join(SERVED_TYPES)}). Requantize the file to one of those types."
         )
     tensors: dict[str, WeightSource] = {}
     skipped = []
-    for t in reader.tensors:
-        name = hf_name(t.name)
+    for t in all_tensors:
+        name = hf_name(t.name, architecture)
         if name is None:
             skipped.append(t.name)
             continue
@@ -96,12 +143,58 @@ def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, 
                 source = _unpermute_rows(source, num_heads)
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
                 source = _unpermute_rows(source, num_kv_heads)
+        if architecture in NORM_SHIFT_ARCHITECTURES and name.endswith("norm.weight"):
+            if not isinstance(source, torch.Tensor):
+                raise UnsupportedGGUFType(f"{path}: norm {t.name!r} is not stored as floats")
+            source = source.float() - 1
         tensors[name] = source
+    for name in [n for n in tensors if n.endswith("mlp.up_proj.weight")]:
+        if name.replace("up_proj", "gate_proj") not in tensors:  # Phi-3: gate and up fused
+            tensors[name.replace("up_proj", "gate_up_proj")] = tensors.pop(name)
     if skipped:
         logger.warning(
             "ignored %d GGUF tensors with no known role, e.g. %s", len(skipped), skipped[:3]
         )
     return tensors
+
+
+def open_reader(path: str | Path):
+    """The ``gguf`` package's reader of one file, over a plain buffer (see _reader_class)."""
+    return _reader_class()(str(path))
+
+
+def _open_parts(paths: list[Path]) -> list:
+    """A reader per file; with several, each must be the part of one split checkpoint that its
+    place says (``split.no``, ``split.count``) and together hold ``split.tensors.count``."""
+    readers = []
+    for path in paths:
+        try:
+            readers.append(open_reader(path))
+        except (ValueError, IndexError, OSError, EOFError) as exc:
+            raise GGUFFileError(
+                f"{path} is not a readable GGUF file, truncated or corrupt ({exc})"
+            ) from exc
+    if len(paths) == 1:
+        return readers
+    for no, (path, reader) in enumerate(zip(paths, readers)):
+        found = (_int_field(reader, "split.no"), _int_field(reader, "split.count"))
+        if found != (no, len(paths)):
+            raise GGUFFileError(
+                f"{path} says it is part (split.no, split.count) = {found}, expected "
+                f"{(no, len(paths))}: the parts are not one split checkpoint"
+            )
+    expected = _int_field(readers[0], "split.tensors.count")
+    total = sum(len(r.tensors) for r in readers)
+    if expected != total:
+        raise GGUFFileError(
+            f"{paths[0]}: the parts hold {total} tensors, split.tensors.count says {expected}"
+        )
+    return readers
+
+
+def _int_field(reader, key: str) -> int | None:
+    field = reader.fields.get(key)
+    return int(field.parts[field.data[0]][0]) if field is not None else None
 
 
 def _reader_class():

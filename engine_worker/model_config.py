@@ -1,5 +1,8 @@
 """Reads a Hugging Face checkpoint's config.json (with json, not transformers) into what our
-forward needs, and computes rotary inverse frequencies for the common rope scaling types."""
+forward needs, and computes rotary inverse frequencies for the common rope scaling types.
+
+Reading a config needs no torch (the supervisor checks a model with it before it starts any
+engine); only the rope functions import it."""
 
 from __future__ import annotations
 
@@ -7,10 +10,51 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from engine_worker.model_features import (
+    PLAIN_FEATURES,
+    ModelFeatures,
+    model_features,
+    text_model_config,
+)
+
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "smollm3",
+    "granite",
+    "olmo2",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer's attention differs from plain causal softmax(q.k / sqrt(head_dim)).
+
+    ``window`` W > 0: a query at position p sees the keys at positions > p - W (W keys, its
+    own included: transformers' sliding-window overlay), 0 = every earlier key; ``softcap`` C
+    > 0: scores become C * tanh(scores / C) before the mask and the softmax (Gemma 2), 0 =
+    none; ``scale``: what q.k is multiplied by (None: head_dim ** -0.5)."""
+
+    window: int = 0
+    softcap: float = 0.0
+    scale: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self == PLAIN_ATTENTION
+
+
+PLAIN_ATTENTION = LayerAttention()
 
 
 @dataclass(slots=True)
@@ -28,9 +72,13 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
-    sliding_window: int = 0  # 0 = full attention; we attend fully, so context is capped to it
+    # One per layer (empty: every layer plain): sliding windows, soft-capping, softmax scale
+    layer_attention: tuple[LayerAttention, ...] = ()
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type and scaling parameters
     eos_token_ids: set[int] = field(default_factory=set)
+    features: ModelFeatures = PLAIN_FEATURES  # how the decoder differs from Llama's
+    # Every rope the layers use (features.layer_rope picks per layer); empty: ``rope`` alone
+    ropes: tuple[dict, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -39,6 +87,9 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
 
+    def attention_of(self, layer: int) -> LayerAttention:
+        return self.layer_attention[layer] if self.layer_attention else PLAIN_ATTENTION
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
@@ -46,18 +97,28 @@ class ModelConfig:
         if not config_file.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json")
         cfg = json.loads(config_file.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{config_file} is not a JSON object")
+        cfg = text_model_config(cfg)
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        num_heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
         eos = _as_id_set(cfg.get("eos_token_id"))
         generation_file = model_dir / "generation_config.json"
         if generation_file.is_file():
             eos |= _as_id_set(json.loads(generation_file.read_text()).get("eos_token_id"))
+        try:
+            return cls._from_dict(cfg, model_type, eos)
+        except KeyError as exc:
+            raise ValueError(f"{config_file} has no {exc.args[0]!r}") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict, model_type: str, eos: set[int]) -> ModelConfig:
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -72,17 +133,49 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
             qk_norm=model_type == "qwen3",
-            sliding_window=_sliding_window(cfg),
+            layer_attention=_layer_attention(cfg, cfg["num_hidden_layers"], model_type),
             rope=_rope_parameters(cfg),
             eos_token_ids=eos,
+            features=model_features(cfg, model_type, cfg["num_hidden_layers"]),
+            ropes=_layer_ropes(cfg, model_type),
         )
 
 
-def _sliding_window(cfg: dict) -> int:
-    window = cfg.get("sliding_window") or 0
-    if not cfg.get("use_sliding_window", cfg.get("model_type") == "mistral"):
-        return 0
-    return int(window)
+def _layer_attention(cfg: dict, num_layers: int, model_type: str) -> tuple[LayerAttention, ...]:
+    """Each layer's ``LayerAttention`` from the config's keys, as transformers reads them."""
+    windows = _layer_windows(cfg, num_layers, model_type)
+    softcap = float(cfg.get("attn_logit_softcapping") or 0.0)
+    scale = None
+    if cfg.get("query_pre_attn_scalar"):  # Gemma
+        scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
+    elif cfg.get("attention_multiplier"):  # Granite
+        scale = float(cfg["attention_multiplier"])
+    layers = tuple(LayerAttention(w, softcap, scale) for w in windows)
+    return () if all(layer.plain for layer in layers) else layers
+
+
+def _layer_windows(cfg: dict, num_layers: int, model_type: str) -> list[int]:
+    """Per layer: the sliding window, or 0. ``layer_types`` where the config lists them, else
+    the defaults transformers gives each family."""
+    window = int(cfg.get("sliding_window") or 0)
+    # A window as long as the model's context hides nothing (the tiny test models' 4096)
+    wider = window >= cfg.get("max_position_embeddings", 2048)
+    if not window or wider or not cfg.get("use_sliding_window", True):
+        return [0] * num_layers
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+        return [window if t == "sliding_attention" else 0 for t in types]
+    if model_type in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", num_layers)
+        return [window if i >= first else 0 for i in range(num_layers)]
+    if model_type == "gemma2":
+        return [window if (i + 1) % 2 else 0 for i in range(num_layers)]
+    if model_type in ("gemma3", "gemma3_text"):
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        return [window if (i + 1) % pattern else 0 for i in range(num_layers)]
+    return [window] * num_layers  # mistral: every layer
 
 
 def _as_id_set(value) -> set[int]:
@@ -93,25 +186,49 @@ def _as_id_set(value) -> set[int]:
     return {int(v) for v in value}
 
 
-def _rope_parameters(cfg: dict) -> dict:
-    """Merges transformers 5's ``rope_parameters`` with the older ``rope_theta`` and
-    ``rope_scaling``."""
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
+def _layer_ropes(cfg: dict, model_type: str) -> tuple[dict, ...]:
+    """Gemma 3: the global layers' rope, then the sliding layers' (``rope_parameters`` by layer
+    type in transformers 5, ``rope_local_base_freq`` before); others: none beside ``rope``."""
+    if model_type != "gemma3_text":
+        return ()
+    nested = cfg.get("rope_parameters") or {}
+    local = nested.get("sliding_attention") or {
+        "rope_type": "default",
+        "rope_theta": cfg.get("rope_local_base_freq", 10000.0),
+    }
+    return _rope_parameters(cfg), _rope_parameters(cfg, dict(local))
+
+
+def _rope_parameters(cfg: dict, params: dict | None = None) -> dict:
+    """Merges transformers 5's ``rope_parameters`` (the global layers' where it is given per
+    layer type) with the older ``rope_theta`` and ``rope_scaling``; ``params``: one layer
+    type's own instead."""
+    if params is None:
+        nested = cfg.get("rope_parameters") or {}
+        params = dict(cfg.get("rope_scaling") or {})
+        params.update(nested.get("full_attention") or nested)
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    params["rope_type"] = rope_type
+    params["rope_type"] = "longrope" if rope_type == "su" else rope_type
+    if rope_type in ("longrope", "su") and cfg.get("original_max_position_embeddings"):
+        # Phi-3 keeps it beside the rope settings, and there it wins (as in transformers)
+        params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     params.setdefault(
         "original_max_position_embeddings",
         cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048),
     )
     params["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
-    params["partial_rotary_factor"] = cfg.get("partial_rotary_factor", 1.0)
+    params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     return params
 
 
-def rope_inverse_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos/sin)."""
+def rope_inverse_frequencies(
+    rope: dict, head_dim: int, max_positions: int = 0
+) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [rotary dims / 2] float32, attention scaling applied to cos/sin).
+    ``max_positions``: the context served, which picks longrope's factors."""
+    import torch
+
     base = float(rope["rope_theta"])
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -136,10 +253,14 @@ def rope_inverse_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, f
         return _llama3_frequencies(inv_freq, rope, factor), 1.0
     if rope_type == "yarn":
         return _yarn_frequencies(rope, base, dim, factor)
+    if rope_type == "longrope":
+        return _longrope_frequencies(rope, base, exponents, max_positions)
     raise ValueError(f"rope type {rope_type!r} is not supported")
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict, factor: float) -> torch.Tensor:
+    import torch
+
     # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
     low_freq_factor = float(rope.get("low_freq_factor", 1.0))
     high_freq_factor = float(rope.get("high_freq_factor", 4.0))
@@ -154,7 +275,28 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict, factor: float) -> to
     return torch.where(medium, blended, scaled)
 
 
+def _longrope_frequencies(rope: dict, base: float, exponents: torch.Tensor, max_positions: int):
+    """Phi-3's LongRoPE: per-frequency divisors, the long ones where the served context exceeds
+    the original one (as llama.cpp decides, once: transformers switches per forward on the
+    sequence's length, which would rotate one sequence's keys two ways), the short ones else;
+    cos/sin scaled by sqrt(1 + ln(s) / ln(original)), s = context / original."""
+    import torch
+
+    original = int(rope["original_max_position_embeddings"])
+    long = max_positions > original
+    divisors = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32)
+    factor = rope.get("factor") or rope["max_position_embeddings"] / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0
+        if factor > 1.0:
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
+    return 1.0 / (divisors * base**exponents), float(attention_factor)
+
+
 def _yarn_frequencies(rope: dict, base: float, dim: int, factor: float):
+    import torch
+
     original = float(rope["original_max_position_embeddings"])
     beta_fast = float(rope.get("beta_fast") or 32.0)
     beta_slow = float(rope.get("beta_slow") or 1.0)

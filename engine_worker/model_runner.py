@@ -72,7 +72,12 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(
             model.config, num_blocks, block_size, model.dtype, model.device
         )
-        self.attention = select_backend(self.kv_cache, decode_workspace_max_bytes, whole_key_blocks)
+        self.attention = select_backend(
+            self.kv_cache,
+            decode_workspace_max_bytes,
+            whole_key_blocks,
+            model.config.layer_attention,
+        )
         self.grammar_masker: GrammarMasker | None = None  # made for the first constrained row
 
     @torch.inference_mode()

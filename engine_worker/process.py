@@ -46,7 +46,7 @@ from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
 from runtime.kv_events import KVEventPublisher
 from runtime.memory import IdleTrim
-from runtime.worker import WorkerRuntime, run_on_context
+from runtime.worker import StartupError, WorkerRuntime, run_on_context
 
 logger = logging.getLogger("splitserve.engine")
 
@@ -57,12 +57,18 @@ SHUTDOWN_MAX_S = 20.0
 
 
 def make_engine(config: ClusterConfig) -> EngineLike:
+    """The engine; a model it cannot serve (an unknown architecture, a tensor type we do not
+    serve, a file that is not a model, too little memory for it) is a StartupError naming why."""
     if config.engine_factory:  # a test seam: a stand-in engine (no model)
         engine: EngineLike = load_factory(config.engine_factory)(config)
         return engine
     from engine_worker.engine import Engine  # torch loads here, not with this module
 
-    return Engine(config.engine, cache_events=True)
+    try:
+        return Engine(config.engine, cache_events=True)
+    except (ValueError, OSError) as exc:
+        logger.debug("the engine could not load %s", config.model_path, exc_info=True)
+        raise StartupError(str(exc)) from exc
 
 
 def tokenizer_modules_loaded() -> list[str]:

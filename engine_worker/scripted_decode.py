@@ -8,7 +8,9 @@ one. TorchScript runs the same ops from its interpreter at ~60% of eager's cost 
 When it runs (``ScriptedDecode.applies``), else the eager forward does, unchanged:
 * the CPU backend on a kept workspace with decode rows only (``metadata.deferred_kv`` set: no
   prefill rows, the workspace was built by an earlier step), no request verifying drafts;
-* a model with no q/k norm and no qkv bias, bf16/fp16 activations (fused ``RmsNorm``), every
+* a plain Llama layer (``ModelConfig.features`` all default) with plain attention (no
+  sliding window, soft-cap or other softmax scale: one mask for every layer), no q/k norm and
+  no qkv bias, bf16/fp16 activations (fused ``RmsNorm``), every
   linear a ``BatchSizeSwitch`` of an ``Int4Linear`` and a ``DenseLinear`` without bias, every
   ``Int4Linear`` on one kernel (aten's or ours: ``OwnKernelDecodeLayers``);
   the step's batch picks the copy just as ``BatchSizeSwitch.apply`` does.
@@ -217,6 +219,11 @@ def _unsupported(model) -> str:
         return f"device {model.device.type}"
     if model.dtype == torch.float32:
         return "float32 activations (RmsNorm is not fused)"
+    if not model.config.features.plain:  # the scripted layers are the plain Llama layer only
+        return f"model features ({model.config.features.describe()})"
+    if any(not spec.plain for spec in model.config.layer_attention):
+        # its layers attend with one mask and the kernel's own scale
+        return "sliding windows, soft-capped scores or another softmax scale"
     for layer in model.layers:
         if layer.q_norm is not None or layer.k_norm is not None:
             return "q/k norm"

@@ -17,13 +17,9 @@ logger = logging.getLogger("splitserve.engine")
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The context the engine offers: the knob, else the model's own; capped to a sliding
-    window (attention here is always full, which equals sliding attention within the window)."""
+    """The context the engine offers: the knob, else the model's own (a sliding-window model's
+    too: its windowed layers attend their window, whatever the context)."""
     max_len = config.max_model_len or model_config.max_position_embeddings
-    window = model_config.sliding_window
-    if window and max_len > window:
-        logger.warning("capping max_model_len %d to the model's sliding window %d", max_len, window)
-        max_len = window
     if max_len > model_config.max_position_embeddings:
         logger.warning(
             "max_model_len %d exceeds the model's max_position_embeddings %d",

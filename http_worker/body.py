@@ -34,6 +34,7 @@ from starlette.requests import Request
 from http_worker.fields import FieldPolicy, check_fields
 from http_worker.protocol import APIError, bad_request
 from ipc.json_values import json_leaves, lone_surrogate
+from runtime.priority import lower_this_thread
 
 INLINE_BODY_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 200  # pydantic-core's parser refuses deeper nesting ("recursion limit")
@@ -48,7 +49,10 @@ def _worker() -> ThreadPoolExecutor:
     # One thread: large bodies wait for each other instead of multiplying threads (and memory).
     global _executor
     if _executor is None:
-        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-body")
+        # At the background niceness (runtime.priority): parsing a huge body is not the step.
+        _executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="http-body", initializer=lower_this_thread
+        )
     return _executor
 
 

@@ -11,10 +11,11 @@ prefix cache, ``cache_read_input_tokens`` those that were (their sum is the prom
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
+
+from pydantic_core import from_json
 
 from http_worker.messages_api import MessagesRequest
 from http_worker.output_items import Change, OutputItem, OutputItems
@@ -151,13 +152,15 @@ def _block(item: OutputItem) -> dict[str, Any]:
 
 
 def _input(arguments: str) -> Any:
-    """A call's arguments as the object Anthropic's tool_use carries. Arguments the model wrote
-    that are not a JSON object (only a call the grammar did not force) are kept as text."""
+    """A call's arguments as the object Anthropic's tool_use carries. Arguments cut short by
+    max_tokens are read as far as they go (complete members only, as Anthropic's SDK reads a
+    stream's ``input_json_delta``s); others the model wrote that are no JSON object (only a
+    call the grammar did not force) are kept as text."""
     if not arguments:
         return {}
     try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
+        value = from_json(arguments, allow_partial=True)
+    except ValueError:
         value = None
     return value if isinstance(value, dict) else {"_unparsed_arguments": arguments}
 

@@ -293,6 +293,8 @@ class CompletionRequest(GenerationRequest):
 def _check_token_ids(prompt: Any) -> None:
     """Every token id of a prompt of ids (or a batch of them) within the wire's int32. min() and
     max() look at a list in C; the ids are walked one by one only to name a bad one."""
+    if isinstance(prompt, str):  # no ids (a 7 MB text was walked character by character)
+        return
     batch = bool(prompt) and isinstance(prompt[0], (list, str))
     rows = [(f"[{i}]", row) for i, row in enumerate(prompt)] if batch else [("", prompt)]
     rows = [(where, row) for where, row in rows if isinstance(row, list) and row]

@@ -18,6 +18,7 @@ from ipc.engine_config import EngineConfig
 from ipc.knobs import check_knobs, knob
 from ipc.routing import CACHE_AWARE, POLICIES, RoutingThresholds
 from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS, MAX_DEFAULT_TOKENS_HELP
+from ipc.structured import TOOL_CALL_FORMATS
 
 if TYPE_CHECKING:
     from ipc.sockets import CurveKeys
@@ -36,6 +37,8 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 HTTP_MAX_BODY_BYTES_HELP = (
     "an HTTP request body larger than this is refused with a 413 before it is read or parsed"
 )
+LONG_PROMPT_HELP = "tokenizer workers encode a longer prompt (characters) on a thread of its own"
+NICENESS_HELP = "tokenizer and HTTP workers run background work this much nicer (0: not)"
 API_KEY_HELP = "require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints"
 LENIENT_FIELDS_HELP = (
     "HTTP: log and ignore request fields the server does not know (for clients "
@@ -123,6 +126,8 @@ class ClusterConfig:
         unit="REQUESTS",
         minimum=1,
     )
+    tokenizer_long_prompt_chars: int = knob(16384, LONG_PROMPT_HELP, unit="CHARS", minimum=1)
+    background_niceness: int = knob(10, NICENESS_HELP, unit="N", minimum=0, maximum=19)
     tokenizer_queue_max: int = knob(
         1024,
         "requests a tokenizer worker queues before clients skip it",
@@ -137,6 +142,13 @@ class ClusterConfig:
         "the detokenizer sends a text delta every this many tokens (the first at once)",
         unit="TOKENS",
         minimum=1,
+    )
+    tool_call_parser: str = knob(
+        "auto",
+        "the model family's tool-call format, prompted, enforced and parsed: auto reads it "
+        "from the chat template (Mistral's [TOOL_CALLS], Hermes/Qwen <tool_call>, Llama 3.x "
+        "JSON; hermes when it shows none)",
+        choices=("auto", *TOOL_CALL_FORMATS),
     )
 
     # What the engine resolved; 0/"" until the engine reported ready (the supervisor fills them

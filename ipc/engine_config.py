@@ -40,6 +40,12 @@ class EngineConfig:
     """Knobs of one engine. Token counts are in tokens, memory in bytes."""
 
     model_path: str = knob("", "the model directory", cli=False)
+    served_model_name: str = knob(
+        "",
+        "the model's name in the API (/v1/models, each response's model); default: the "
+        "--model file's stem, or its directory's name",
+        unit="NAME",
+    )
     device: str = knob("auto", "where the engine runs (auto: CUDA when present)", choices=DEVICES)
     dtype: str = knob(
         "auto",

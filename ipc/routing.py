@@ -9,10 +9,17 @@ for a request's block ids (``ipc.block_hash``), how many leading blocks each rep
    ``max_load > min_load * balance_rel_threshold``): the least loaded replica;
 2. else the replica with the longest cached prefix, if that prefix is more than
    ``cache_threshold`` of the request's full blocks;
-3. else the least loaded replica.
+3. else the least loaded replica, and among equally loaded ones the one whose cache holds the
+   fewest blocks (SGLang's "smallest tree"), so an unrelated prefix starts on an idle replica
+   instead of piling onto the one that cached everything before it.
 
-Ties go to the lowest load, then the lowest index. Replicas not in ``live`` are never chosen.
-A load is the replica's running + waiting requests plus the chooser's own in flight to it.
+"Least loaded" is always that: the lowest load, then the smallest cache, and a tie beyond that
+goes round (the chooser's turn picks among the tied replicas), never always to the lowest
+index. Load comes before cache size because the index only learns of a replica's blocks from
+its events, after the prefill: a burst of new prefixes ordered by cache alone would all go to
+the replica that looked emptiest when the burst began. Replicas not in ``live`` are never
+chosen. A load is the replica's running + waiting requests plus the chooser's own in flight
+to it.
 """
 
 from __future__ import annotations
@@ -125,10 +132,13 @@ def choose(
     live: Iterable[int],
     thresholds: RoutingThresholds = RoutingThresholds(),
     turn: int = 0,
+    cached: Mapping[int, int] | None = None,
 ) -> tuple[int, str]:
     """(replica, outcome) for one request. ``matched``: replica -> leading blocks it holds
     (``PrefixIndex.longest_prefix``); ``prompt_blocks``: the request's full blocks;
-    ``loads``: replica -> load (absent: 0); ``turn``: round robin's counter."""
+    ``loads``: replica -> load (absent: 0); ``turn``: the chooser's counter (round robin's
+    turn, and which of several tied replicas takes a request); ``cached``: replica -> blocks
+    its cache holds (``PrefixIndex.blocks_of``; absent: 0)."""
     candidates = sorted(set(live))
     if not candidates:
         raise NoLiveReplica("no engine replica is in rotation")
@@ -137,7 +147,7 @@ def choose(
     if policy not in POLICIES:
         raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
     load = {r: loads.get(r, 0) for r in candidates}
-    least_loaded = min(candidates, key=lambda r: (load[r], r))
+    least_loaded = _least_loaded(candidates, load, cached or {}, turn)
     if policy == LEAST_LOADED:
         return least_loaded, OUTCOME_BALANCED
     highest, lowest = max(load.values()), load[least_loaded]
@@ -150,6 +160,16 @@ def choose(
     if prompt_blocks and matched.get(best, 0) / prompt_blocks > thresholds.cache_threshold:
         return best, OUTCOME_CACHE_HIT
     return least_loaded, OUTCOME_BALANCED
+
+
+def _least_loaded(
+    candidates: list[int], load: Mapping[int, int], cached: Mapping[int, int], turn: int
+) -> int:
+    """The lowest load, then the fewest cached blocks; ``turn`` picks among what still ties."""
+    rank = {r: (load[r], cached.get(r, 0)) for r in candidates}
+    lowest = min(rank.values())
+    tied = [r for r in candidates if rank[r] == lowest]
+    return tied[turn % len(tied)]
 
 
 class Router:
@@ -174,6 +194,10 @@ class Router:
         the first block no replica holds; see BlockHasher.hashes), else len(block_ids)."""
         matched = self.index.longest_prefix(block_ids) if self.policy == CACHE_AWARE else {}
         total = len(block_ids) if prompt_blocks is None else prompt_blocks
-        choice = choose(self.policy, matched, total, loads, live, self.thresholds, self._turn)
+        live = sorted(set(live))
+        cached = {r: self.index.blocks_of(r) for r in live}
+        choice = choose(
+            self.policy, matched, total, loads, live, self.thresholds, self._turn, cached
+        )
         self._turn += 1
         return choice

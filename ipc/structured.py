@@ -33,6 +33,13 @@ STRUCTURED_KINDS = (
     STRUCTURED_GRAMMAR,
 )
 MAX_STRUCTURED_TEXT_CHARS = 1024 * 1024
+
+# Tool-call formats: how a model family writes its calls (the tokenizer worker prompts and
+# enforces one, the detokenizer's parser of that name reads it back; RequestMeta.tool_parser).
+TOOL_FORMAT_HERMES = "hermes"  # <tool_call>{...}</tool_call>: Qwen2.5/3, Hermes, the default
+TOOL_FORMAT_LLAMA3_JSON = "llama3_json"  # {"name": ..., "parameters": {...}}: Llama 3.1-3.3
+TOOL_FORMAT_MISTRAL = "mistral"  # [TOOL_CALLS]...: Mistral
+TOOL_CALL_FORMATS = (TOOL_FORMAT_HERMES, TOOL_FORMAT_LLAMA3_JSON, TOOL_FORMAT_MISTRAL)
 MAX_STRUCTURED_CHOICES = 1024
 MAX_STRUCTURED_CHOICE_CHARS = 4096
 

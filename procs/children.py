@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ipc.config import ClusterConfig
-from ipc.messages import Heartbeat, WorkerReady
+from ipc.messages import Heartbeat, WorkerFailed, WorkerReady
 from procs.thread_budget import child_env
 from runtime.process import PARENT_PID_ENV
 
@@ -33,6 +33,7 @@ class Child:
     last_seen: float = 0.0  # supervisor's monotonic clock: spawn, ready or latest heartbeat
     restarted: bool = False  # a replacement whose readiness the detokenizer is still to hear of
     killed_for: str = ""  # why the supervisor killed it (hang), for the log and the notice
+    failed: WorkerFailed | None = None  # its last words: why it could not start or crashed
 
     @property
     def name(self) -> str:

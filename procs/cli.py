@@ -33,7 +33,8 @@ from procs.config_flags import (
     add_engine_flags,
     knob_values,
 )
-from procs.launch_cluster import Cluster, launch_cluster
+from procs.launch_cluster import Cluster, ClusterStartError, launch_cluster
+from procs.model_store import ModelError
 
 logger = logging.getLogger("splitserve.cli")
 
@@ -55,7 +56,8 @@ def _add_cluster_group(g: Any) -> None:
         "--model",
         default=None,
         metavar="PATH",
-        help="a local Hugging Face checkpoint directory (Llama family); default: "
+        help="a GGUF file (the first part of a split one), a directory holding one, or a "
+        "Hugging Face checkpoint directory (Llama, Qwen2/3, Mistral); default: "
         "SmolLM2-135M-Instruct, provisioned automatically on first use",
     )
     add_cluster_flags(g, TOKENIZER_KNOBS)
@@ -363,7 +365,13 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ["SPLITSERVE_LOG_LEVEL"],
         format="%(asctime)s supervisor %(levelname)s %(name)s: %(message)s",
     )
-    sys.exit(args.run(args))
+    try:
+        code = args.run(args)
+    except (ModelError, ClusterStartError) as exc:
+        # A model we cannot serve, a worker that could not start: its one line, no traceback.
+        print(f"splitserve: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        code = 2
+    sys.exit(code)
 
 
 if __name__ == "__main__":

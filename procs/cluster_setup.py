@@ -13,6 +13,7 @@ import zmq
 
 from ipc.config import LOOPBACK_HOSTS, ClusterConfig
 from ipc.sockets import check_curve_available
+from procs.local_model import check_model
 from procs.model_store import resolve_model
 from procs.thread_budget import thread_budget
 
@@ -28,11 +29,14 @@ def free_tcp_port(host: str) -> int:
 def make_config(
     model: str | os.PathLike | None = None, run_dir: str | None = None, **overrides: Any
 ) -> tuple[ClusterConfig, bool]:
-    """A ClusterConfig with the model resolved, a private run dir and the thread budget filled
-    in. Returns (config, whether the run dir was created here and is ours to remove)."""
+    """A ClusterConfig with the model resolved and checked, a private run dir and the thread
+    budget filled in. Returns (config, whether the run dir was created here and is ours to
+    remove). A model the engine could not serve raises ModelError before anything starts."""
     model_path = str(
         resolve_model(model if model is not None else overrides.pop("model_path", None))
     )
+    if not overrides.get("engine_factory"):  # a stand-in engine may need no model at all
+        check_model(model_path)
     owns = run_dir is None or not Path(run_dir).exists()  # remove only what we created
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix="splitserve-")  # mode 0700

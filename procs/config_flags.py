@@ -23,6 +23,7 @@ TOKENIZER_KNOBS = (
     "tokenizer_queue_max",
     "max_default_tokens",
     "stream_interval_tokens",
+    "tool_call_parser",
 )
 FAULT_KNOBS = ("restart_policy", "max_restarts", "hang_timeout_s")
 DATA_PARALLEL_KNOBS = (

@@ -11,7 +11,6 @@ dequantized copy on disk).
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -21,6 +20,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from procs.local_model import ModelError, resolve_local, write_hf_metadata
+from runtime.model_files import gguf_weights
+
+__all__ = ["ModelError", "ensure_default_model", "resolve_model", "write_hf_metadata"]
 logger = logging.getLogger("splitserve.model_store")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -43,17 +46,18 @@ def default_model_dir() -> Path:
     return cache_root() / "models" / _LAYOUT / DEFAULT_MODEL_NAME
 
 
+def local_models_dir() -> Path:
+    """Where the directories made for users' GGUF files live (procs.local_model)."""
+    return cache_root() / "models" / "local"
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Returns a local HF directory for ``model`` (None or "default" means the default model)."""
+    """The directory every process reads for ``model``: None or "default" means the default
+    model; else a GGUF file, a directory holding one, or a Hugging Face directory
+    (procs.local_model). Raises ModelError, with one line, for anything else."""
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
         return ensure_default_model()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"--model {model!r} is not a Hugging Face checkpoint directory (no config.json); "
-            "no model hub is reachable, so give a local directory"
-        )
-    return path
+    return resolve_local(model, local_models_dir())
 
 
 def ensure_default_model() -> Path:
@@ -71,7 +75,7 @@ def ensure_default_model() -> Path:
         with tempfile.TemporaryDirectory(prefix="splitserve-model-", dir=target.parent) as tmp:
             gguf_path = _fetch_gguf(Path(tmp))
             staging = Path(tmp) / "hf"
-            write_hf_metadata(gguf_path, staging)
+            write_hf_metadata(gguf_path, staging, DEFAULT_MODEL_NAME)
             shutil.move(str(gguf_path), str(staging / gguf_path.name))
             if target.exists():
                 shutil.rmtree(target)
@@ -104,37 +108,10 @@ def _fetch_gguf(workdir: Path) -> Path:
     return workdir / DEFAULT_MODEL_GGUF
 
 
-def write_hf_metadata(gguf_path: Path, out_dir: Path) -> None:
-    """config.json, tokenizer files, chat template and generation config of a GGUF checkpoint,
-    from its metadata (no tensor is read)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    src_dir, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    config = AutoConfig.from_pretrained(src_dir, gguf_file=name).to_dict()
-    for key in ("quantization_config", "_name_or_path", "torch_dtype", "dtype"):
-        config.pop(key, None)
-    config["_name_or_path"] = DEFAULT_MODEL_NAME
-    config["architectures"] = ["LlamaForCausalLM"]
-    # Older transformers read rope_theta at the top level, newer ones rope_parameters.
-    rope = config.get("rope_parameters") or {}
-    if config.get("rope_theta") is None and "rope_theta" in rope:
-        config["rope_theta"] = rope["rope_theta"]
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-    tokenizer.save_pretrained(str(out_dir))
-    gen = GenerationConfig(
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_id=config.get("eos_token_id"),
-        pad_token_id=config.get("pad_token_id"),
-    )
-    gen.save_pretrained(str(out_dir))
-
-
 def gguf_file(model_dir: str | os.PathLike) -> Path | None:
-    """The GGUF a model directory serves its weights from (None: a safetensors checkpoint)."""
-    found = sorted(Path(model_dir).glob("*.gguf"))
+    """The GGUF a model directory serves its weights from, its first part if split (None: a
+    safetensors checkpoint)."""
+    found = gguf_weights(Path(model_dir))
     return found[0] if found and not any(Path(model_dir).glob("*.safetensors")) else None
 
 

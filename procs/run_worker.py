@@ -5,6 +5,10 @@
 The supervisor sets the thread budget in the environment (OMP_NUM_THREADS, RAYON_NUM_THREADS,
 TOKENIZERS_PARALLELISM) before the interpreter starts, so no library reads it too early. This
 module sits with the supervisor, above the roles: it is the only place that imports them all.
+
+A worker that cannot start (``StartupError``: a model it cannot serve, ...) logs its one-line
+reason, sends it to the supervisor (WorkerFailed) and exits with EXIT_STARTUP_REFUSED; one that
+crashes logs its traceback, sends the exception's line and exits with 1.
 """
 
 from __future__ import annotations
@@ -14,8 +18,13 @@ import os
 import sys
 
 from ipc.config import ROLES, ClusterConfig
+from ipc.messages import EXIT_STARTUP_REFUSED
 from procs.thread_budget import engine_cores
 from runtime.process import die_with_parent, setup_logging
+from runtime.supervisor_link import send_last_words
+from runtime.worker import StartupError
+
+logger = logging.getLogger("splitserve.worker")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,8 +47,13 @@ def main(argv: list[str] | None = None) -> None:
         else:
             from http_worker.server import main_from_config as run
         run(config, index)
-    except Exception:
-        logging.getLogger("splitserve.worker").exception("%s[%d] crashed", role, index)
+    except StartupError as exc:
+        logger.error("%s[%d] cannot start: %s", role, index, exc)
+        send_last_words(config, role, index, str(exc), refused=True)
+        sys.exit(EXIT_STARTUP_REFUSED)
+    except Exception as exc:
+        logger.exception("%s[%d] crashed", role, index)
+        send_last_words(config, role, index, f"crashed: {exc!r}", refused=False)
         sys.exit(1)
 
 

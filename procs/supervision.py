@@ -24,7 +24,15 @@ import zmq
 
 from ipc import codec
 from ipc.config import ClusterConfig
-from ipc.messages import NOTICE_DIED, NOTICE_READY, ClusterNotice, Heartbeat, WorkerReady
+from ipc.messages import (
+    EXIT_STARTUP_REFUSED,
+    NOTICE_DIED,
+    NOTICE_READY,
+    ClusterNotice,
+    Heartbeat,
+    WorkerFailed,
+    WorkerReady,
+)
 from ipc.sockets import PullQueue
 from procs.children import Child, spawn
 
@@ -39,12 +47,17 @@ def _log_malformed(frame: bytes, exc: codec.DecodeError) -> None:
     logger.warning("malformed frame on the supervisor socket: %s", exc)
 
 
+# After a child's exit, how long the supervisor waits for its last words (WorkerFailed: sent
+# before it exits, but on a socket of its own that may deliver a little after).
+LAST_WORDS_WAIT_S = 1.0
+
+
 class Roster:
-    """The children and the supervisor's inbox (WorkerReady and Heartbeat from each)."""
+    """The children and the supervisor's inbox (WorkerReady, Heartbeat and WorkerFailed)."""
 
     def __init__(self, ctx: zmq.Context, config: ClusterConfig) -> None:
-        self.inbox: PullQueue[WorkerReady | Heartbeat] = PullQueue(
-            ctx, config.supervisor_addr, WorkerReady, Heartbeat, curve=config.curve
+        self.inbox: PullQueue[WorkerReady | Heartbeat | WorkerFailed] = PullQueue(
+            ctx, config.supervisor_addr, WorkerReady, Heartbeat, WorkerFailed, curve=config.curve
         )
         self.children: list[Child] = []
 
@@ -67,19 +80,29 @@ class Roster:
             child.last_seen = time.monotonic()
             if isinstance(msg, WorkerReady):
                 child.ready = msg
+            elif isinstance(msg, WorkerFailed):
+                child.failed = msg
             else:
                 child.last_heartbeat = msg
 
+    def why_exited(self, child: Child) -> str:
+        """A child that exited: its last words if it sent them (waiting a little for them),
+        else its exit code."""
+        deadline = time.monotonic() + LAST_WORDS_WAIT_S
+        while child.failed is None and time.monotonic() < deadline:
+            self.receive(50)
+        if child.failed is not None:
+            return child.failed.reason
+        return f"exited with code {child.popen.returncode} (its log above says why)"
+
     def wait_ready(self, waiting: list[Child], timeout_s: float) -> list[WorkerReady]:
-        """Each child's WorkerReady; raises ClusterStartError if one exits or the time runs out."""
+        """Each child's WorkerReady; raises ClusterStartError, with the child's own reason, at
+        the first that fails or exits, or when the time runs out."""
         deadline = time.monotonic() + timeout_s
         while any(c.ready is None for c in waiting):
             for c in waiting:
-                if c.popen.poll() is not None:
-                    raise ClusterStartError(
-                        f"{c.name} exited with code {c.popen.returncode} during start-up "
-                        "(its log above says why)"
-                    )
+                if c.failed is not None or c.popen.poll() is not None:
+                    raise ClusterStartError(f"{c.name}: {self.why_exited(c)}")
             if time.monotonic() > deadline:
                 late = [c.name for c in waiting if c.ready is None]
                 raise ClusterStartError(f"not ready after {timeout_s:.0f} s: {', '.join(late)}")
@@ -105,6 +128,8 @@ class SupervisionPolicy:
         used = self.restarts.get(child.name, 0)
         if self.restart_policy != "restart":
             return "restart_policy is shutdown"
+        if child.popen.returncode == EXIT_STARTUP_REFUSED:
+            return "it refused to start, and would again"
         if used >= self.max_restarts:
             return f"it was restarted {used} times already (max_restarts)"
         self.restarts[child.name] = used + 1
@@ -206,6 +231,8 @@ class Watcher:
         """Tells the detokenizer (it ends the requests that died) and restarts the child, or
         stops the cluster. False once the cluster is stopping."""
         detail = c.killed_for or f"exited with code {c.popen.returncode}"
+        if c.failed is not None:
+            detail += f": {c.failed.reason}"
         if c.role != "detokenizer":  # a detokenizer's clients see their connection drop
             self.notify(
                 ClusterNotice(

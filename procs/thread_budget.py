@@ -1,5 +1,9 @@
 """How the cluster's processes share the CPU cores.
 
+When the cores are contended the engine's step comes first: the tokenizer workers' and HTTP
+frontends' background threads (grammar checks, long prompts' encoding, large bodies' parsing)
+run ``background_niceness`` nicer (runtime.priority; the engine is never made nicer).
+
 The engine gets torch intra-op threads, each tokenizer worker gets the tokenizers library's own
 (rayon) parallelism, and the detokenizer one thread. The tokenizers, the HTTP frontends and the
 detokenizer work in short bursts (a prompt's encoding, a token's text) and sleep while the engine
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 
 from ipc.config import ClusterConfig
+from runtime.priority import BACKGROUND_NICENESS_ENV
 
 
 def available_cpus() -> int:
@@ -74,6 +79,11 @@ def describe_budget(config: ClusterConfig) -> str:
             if config.http_port is not None
             else ""
         )
+        + (
+            f"; their background threads at nice +{config.background_niceness}"
+            if config.background_niceness
+            else ""
+        )
     )
 
 
@@ -95,6 +105,8 @@ def child_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if role in ("tokenizer", "http"):  # grammar checks, long prompts, large bodies (see DESIGN)
+        env[BACKGROUND_NICENESS_ENV] = str(config.background_niceness)
     if role == "engine" and config.devices:
         env["CUDA_VISIBLE_DEVICES"] = config.device_list[index]
     if role == "http":

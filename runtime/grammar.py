@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 
+from runtime.priority import lower_this_thread
+
 # no_forcing: the engine has no tokenizer to tokenize forced text with (see
 # engine_worker.grammar_builder); the worker checks grammars with the same options.
 GRAMMAR_HEADER = '%llguidance {"no_forcing": true}\n'
@@ -65,13 +67,16 @@ def new_matcher(tokenizer: llguidance.LLTokenizer, lark: str) -> llguidance.LLMa
     return llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
 
 
-def grammar_executor(name: str) -> ThreadPoolExecutor:
-    """One worker thread with GRAMMAR_STACK_BYTES of stack (see the module docstring)."""
+def grammar_executor(name: str, background: bool = False) -> ThreadPoolExecutor:
+    """One worker thread with GRAMMAR_STACK_BYTES of stack (see the module docstring);
+    ``background``: at the process's background niceness (runtime.priority), as a tokenizer
+    worker's grammar checks run, so they never take the engine's core away from its step."""
     pool = ThreadPoolExecutor(1, thread_name_prefix=name)
     with _STACK_LOCK:  # threading.stack_size is process-wide: set it only around this start
         previous = threading.stack_size(GRAMMAR_STACK_BYTES)
         try:
-            pool.submit(int).result()  # starts the pool's one thread now, with that stack
+            # starts the pool's one thread now, with that stack
+            pool.submit(lower_this_thread if background else int).result()
         finally:
             threading.stack_size(previous)
     return pool

@@ -1,5 +1,6 @@
 """A worker's channel to the supervisor: one WorkerReady when it serves, then heartbeats that
-carry its stats. Best effort: a supervisor that is not reading never blocks a worker."""
+carry its stats, and a WorkerFailed as its last words when it cannot go on. Best effort: a
+supervisor that is not reading never blocks a worker."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from typing import Any
 
 import zmq
 
-from ipc.messages import Heartbeat, WorkerReady
+from ipc.config import ClusterConfig
+from ipc.messages import Heartbeat, WorkerFailed, WorkerReady
 from ipc.sockets import CurveKeys, PushQueue
 
 logger = logging.getLogger("splitserve.worker")
 QUEUE_LIMIT = 100  # messages; past it they are dropped with a warning
+LAST_WORDS_LINGER_MS = 1000  # how long a failing worker waits for the supervisor to take them
 
 
 class SupervisorLink:
@@ -68,3 +71,21 @@ class SupervisorLink:
 
     def close(self) -> None:
         self._queue.close()
+
+
+def send_last_words(
+    config: ClusterConfig, role: str, index: int, reason: str, *, refused: bool
+) -> None:
+    """Tells the supervisor why this worker is about to exit, on a context of its own (the
+    worker's may be gone with whatever failed), waiting at most LAST_WORDS_LINGER_MS."""
+    ctx = zmq.Context()
+    try:
+        queue = PushQueue(ctx, config.supervisor_addr, hwm=1, curve=config.curve)
+        msg = WorkerFailed(role=role, index=index, pid=os.getpid(), reason=reason, refused=refused)
+        try:
+            queue.put(msg, block=True, timeout_ms=LAST_WORDS_LINGER_MS)
+        except zmq.Again:
+            logger.warning("the supervisor did not take this worker's last words")
+        queue.socket.close(linger=LAST_WORDS_LINGER_MS)
+    finally:
+        ctx.destroy(linger=0)

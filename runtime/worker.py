@@ -19,6 +19,12 @@ from ipc.config import ClusterConfig
 from runtime.supervisor_link import SupervisorLink
 
 
+class StartupError(Exception):
+    """A worker cannot start for a reason the user can act on (a model it cannot serve, a file
+    that is not a model): its message is the one line the launch ends with, and the worker
+    exits with EXIT_STARTUP_REFUSED, logging no traceback."""
+
+
 def write_line(text: str) -> None:
     """``text`` and its newline to stderr in one write(). Every child runs with PYTHONUNBUFFERED=1,
     where print() writes the text and the newline separately: two children announcing at once
@@ -70,9 +76,13 @@ class _Runs(Protocol):
 
 
 def run_on_context(make: Callable[[zmq.Context], _Runs]) -> None:
-    """A role's entry point: its worker on a fresh ZeroMQ context, terminated however it ends."""
+    """A role's entry point: its worker on a fresh ZeroMQ context, terminated however it ends.
+    A worker that raised (at start-up, before its loop could close anything) leaves sockets
+    open, and ``term()`` would wait for them forever: those are closed at once (linger 0)."""
     ctx = zmq.Context()
     try:
         make(ctx).run()
-    finally:
-        ctx.term()
+    except BaseException:
+        ctx.destroy(linger=0)
+        raise
+    ctx.term()

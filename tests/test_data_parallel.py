@@ -105,6 +105,37 @@ def test_a_conversation_sticks_to_one_replica_and_hits_more_cache_than_round_rob
     assert cached > rr_cached
 
 
+def test_unrelated_prefixes_one_after_another_land_on_two_replicas(tiny_model_dir):
+    """Issue 38: two unrelated ~600-token prefixes, six requests each, one after another (so
+    the loads tie at 0): each prefix stays on one replica, and the second prefix starts on the
+    replica whose cache is empty instead of the lowest index. A fresh cluster, so the caches
+    start empty."""
+    placed: dict[str, list[int]] = {"a": [], "b": []}
+    with launch_cluster(str(tiny_model_dir), **TINY_KNOBS) as fresh:
+        with Client(fresh.client_addr) as client:
+            for name, seed in (("a", 11), ("b", 12)):
+                prefix = ids(seed, 37 * BLOCK)
+                for i in range(6):
+                    known = index_blocks(fresh)
+                    tail = ids(seed * 100 + i, 8)
+                    result = client.submit(prompt_token_ids=prefix + tail, max_tokens=1).result(
+                        timeout=60
+                    )
+                    placed[name].append(result.engine_index)
+                    if i == 0:  # the index follows the KV events asynchronously
+                        poll(
+                            lambda known=known: all(
+                                now >= then + 37 for now, then in zip(index_blocks(fresh), known)
+                            ),
+                            what="the tokenizer workers knowing the prefix's blocks",
+                        )
+            decisions = client.engine_stats().routing_decisions
+    print(f"\nreplicas of prefix a {placed['a']}, of prefix b {placed['b']}; {decisions}")
+    assert len(set(placed["a"])) == 1 and len(set(placed["b"])) == 1, placed
+    assert {placed["a"][0], placed["b"][0]} == {0, 1}, placed
+    assert decisions == {"balanced": 2, "cache_hit": 10}
+
+
 def test_a_low_balance_threshold_spreads_a_flood_on_a_cached_prefix(cluster):
     prefix = ids(7, 8 * BLOCK)
     with Client(cluster.client_addr) as client:

@@ -53,7 +53,9 @@ _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*)\]")
 _RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?\d+)?[ \t]*:", re.MULTILINE)
 _REF = re.compile(r'"(?:\$|\\u0024)ref"', re.IGNORECASE)
 _OPTIONS = re.compile(r"^[ \t]*%llguidance\b(?![ \t]*\{[ \t]*\}[ \t]*$)", re.MULTILINE)  # but {}
-_CHECK_THREAD: list = []  # the process's grammar-check thread, started on first use
+# The process's grammar-check thread, started on first use, at the background niceness: a
+# hostile grammar's compile must not take the engine's core (runtime.priority).
+_CHECK_THREAD: list = []
 
 
 class GrammarSpecError(ValueError):
@@ -148,7 +150,7 @@ class GrammarCompiler:
     def _check(self, lark: str, what: str) -> None:
         check_shape(lark, what)
         if not _CHECK_THREAD:
-            _CHECK_THREAD.append(grammar_executor("grammar-check"))
+            _CHECK_THREAD.append(grammar_executor("grammar-check", background=True))
         error, at_start = _CHECK_THREAD[0].submit(first_mask_error, self.tokenizer, lark).result()
         if error:
             raise GrammarSpecError(describe_error(error, what, at_start))

@@ -1,6 +1,10 @@
 """Turns SubmitRequests into TokenizedRequests (or RequestErrors): chat template, batch encoding,
 validation against the vocabulary and the context length.
 
+``screen`` does everything before encoding (a prompt too long for any tokenization to fit is
+refused there, unread: prompt_bound.py), ``encode`` the rest, so the worker can encode a long
+prompt on its own thread (long_prompts.py); ``prepare_batch`` is the two in one.
+
 Everything here is pure (no sockets), so it is unit-tested directly.
 """
 
@@ -26,6 +30,7 @@ from ipc.messages import (
 from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_worker.grammar_compiler import GrammarSpecError
+from tokenizer_worker.prompt_bound import fewest_tokens, longest_token_chars
 from tokenizer_worker.structured import OutputPlan, StructuredOutputs, needs_plan
 from tokenizer_worker.tool_calls import ToolSpecError
 
@@ -54,6 +59,22 @@ class Limits:
             raise ValueError(f"vocab_size must be at least 1, got {self.vocab_size}")
 
 
+@dataclass(slots=True)
+class Screened:
+    """A request checked and ready to encode: its text (or ids), or the error that ends it."""
+
+    request: SubmitRequest
+    text: str | None = None
+    add_special: bool = True  # raw prompts get the tokenizer's special tokens
+    ids: list[int] | None = None
+    plan: OutputPlan | None = None
+    error: RequestError | None = None
+
+    @property
+    def chars(self) -> int:
+        return len(self.text) if self.text is not None else 0
+
+
 class RequestPreparer:
     def __init__(
         self,
@@ -72,42 +93,56 @@ class RequestPreparer:
         self.structured = structured or StructuredOutputs(
             tokenizer, limits.vocab_size, chat_template
         )
+        # Characters one token stands for at most (None: no such bound for this tokenizer).
+        self.longest_token = longest_token_chars(tokenizer)
 
     def prepare_batch(self, requests: list[SubmitRequest]) -> list[TokenizedRequest | RequestError]:
         """One result per request, in order. Text is encoded with one encode_batch per kind."""
         t_start = time.monotonic()
-        results: list[TokenizedRequest | RequestError | None] = [None] * len(requests)
-        ids: list[list[int] | None] = [None] * len(requests)
-        plans: list[OutputPlan | None] = [None] * len(requests)
-        plain, chat = [], []  # (position, text): raw prompts get the tokenizer's special tokens,
-        # rendered chats already carry theirs
-        for i, req in enumerate(requests):
-            try:
-                self._check_sampling(req.sampling)
-                plans[i] = self._plan(req)
-                if req.prompt is not None:
-                    plain.append((i, self._check_text(req.prompt)))
-                elif req.messages is not None:
-                    chat.append((i, self._render_chat(req, plans[i])))
-                else:
-                    ids[i] = self._check_ids(req.prompt_token_ids or b"")
-            except RequestRejected as exc:
-                results[i] = _error(req, exc)
-        for group, add_special in ((plain, True), (chat, False)):
+        return self.encode([self.screen(req) for req in requests], t_start)
+
+    def screen(self, req: SubmitRequest) -> Screened:
+        """Everything before encoding: sampling, structured outputs, the chat rendered, the text
+        checked (a text too long for any tokenization to fit is refused here, unread)."""
+        screened = Screened(req)
+        try:
+            self._check_sampling(req.sampling)
+            screened.plan = self._plan(req)
+            if req.prompt is not None:
+                screened.text = self._check_text(req.prompt)
+            elif req.messages is not None:
+                # a rendered chat already carries its special tokens
+                screened.text, screened.add_special = self._render_chat(req, screened.plan), False
+            else:
+                screened.ids = self._check_ids(req.prompt_token_ids or b"")
+        except RequestRejected as exc:
+            screened.error = _error(req, exc)
+        return screened
+
+    def encode(
+        self, batch: list[Screened], t_start: float | None = None
+    ) -> list[TokenizedRequest | RequestError]:
+        """The screened requests' results, in order; one encode_batch per kind of text."""
+        t_start = time.monotonic() if t_start is None else t_start
+        for add_special in (True, False):
+            group = [s for s in batch if s.text is not None and s.add_special == add_special]
             if group:
                 encodings = self.tokenizer.encode_batch(
-                    [t for _, t in group], add_special_tokens=add_special
+                    [s.text for s in group], add_special_tokens=add_special
                 )
-                for (i, _), enc in zip(group, encodings):
-                    ids[i] = enc.ids
+                for screened, encoding in zip(group, encodings):
+                    screened.ids = encoding.ids
         t_done = time.monotonic()
-        for i, req in enumerate(requests):
-            if results[i] is None:
-                try:
-                    results[i] = self._finish(req, ids[i] or [], t_start, t_done, plans[i])
-                except RequestRejected as exc:
-                    results[i] = _error(req, exc)
-        return results  # type: ignore[return-value]
+        results: list[TokenizedRequest | RequestError] = []
+        for s in batch:
+            if s.error is not None:
+                results.append(s.error)
+                continue
+            try:
+                results.append(self._finish(s.request, s.ids or [], t_start, t_done, s.plan))
+            except RequestRejected as exc:
+                results.append(_error(s.request, exc))
+        return results
 
     def _finish(
         self,
@@ -184,6 +219,14 @@ class RequestPreparer:
             raise RequestRejected("the prompt is empty")
         if len(text) > MAX_PROMPT_CHARS:
             raise RequestRejected(f"the prompt has more than {MAX_PROMPT_CHARS} characters")
+        longest, context = self.longest_token, self.limits.max_model_len
+        if longest and fewest_tokens(len(text), longest) >= context:
+            raise RequestRejected(
+                f"the prompt has {len(text)} characters, so at least "
+                f"{fewest_tokens(len(text), longest)} tokens (no token of this model stands for "
+                f"more than {longest} characters); with at least one generated token that "
+                f"exceeds the context length of {context} tokens"
+            )
         return text
 
     def _check_ids(self, packed: bytes) -> list[int]:

@@ -19,13 +19,13 @@ from typing import Any
 
 from ipc.messages import ChatMessage, SubmitRequest
 from ipc.structured import GrammarVocabulary
+from runtime.priority import lower_this_thread
 from tokenizer_worker import tool_calls
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.grammar_compiler import GrammarCompiler
 from tokenizer_worker.tool_calls import ToolChoice, ToolSpecError
+from tokenizer_worker.tool_formats import AUTO, ToolFormat
 from tokenizer_worker.vocabulary import grammar_backend
-
-TOOL_PARSER = "hermes"  # the format tool_calls prompts and enforces (detok_worker.tool_parsers)
 
 
 @dataclass(slots=True)
@@ -55,11 +55,14 @@ class StructuredOutputs:
         vocab_size: int,
         chat_template: ChatTemplate | None,
         eos_ids: list[int] | None = None,
+        tool_call_parser: str = AUTO,
     ) -> None:
+        """``tool_call_parser``: the model family's call format, "auto" to read it from the
+        chat template (tokenizer_worker.tool_formats)."""
         self._tokenizer, self._vocab_size, self._eos_ids = tokenizer, vocab_size, eos_ids
-        self.supports_tools = chat_template is not None and tool_calls.template_supports_tools(
-            chat_template.source
-        )
+        source = chat_template.source if chat_template is not None else None
+        self.supports_tools = source is not None and tool_calls.template_supports_tools(source)
+        self.tool_format = ToolFormat.for_model(source, tool_call_parser, tokenizer)
         self._backend: Future[tuple[GrammarCompiler, GrammarVocabulary]] = Future()
         self._started = False
         self._lock = threading.Lock()
@@ -74,6 +77,7 @@ class StructuredOutputs:
         threading.Thread(target=self._build, name="grammar-vocabulary", daemon=True).start()
 
     def _build(self) -> None:
+        lower_this_thread()  # background work: the engine's step comes first
         try:
             backend, vocabulary = grammar_backend(self._tokenizer, self._vocab_size, self._eos_ids)
             self._backend.set_result((GrammarCompiler(backend), vocabulary))
@@ -100,7 +104,9 @@ class StructuredOutputs:
         # Token ids with tools are taken as a chat already rendered with them (a Ray Serve
         # ingress renders and encodes, then hands the engine replica the ids); raw text is not.
         tools, choice = offered_tools(req.tools, req.tool_choice, req.prompt is None)
-        spec = tool_calls.forced_tool_call_spec(tools, choice, req.parallel_tool_calls)
+        spec = tool_calls.forced_tool_call_spec(
+            tools, choice, req.parallel_tool_calls, self.tool_format
+        )
         if spec is not None and req.structured is not None:
             raise ToolSpecError(
                 'tool_choice "required" or a named function forces a tool call; '
@@ -110,7 +116,7 @@ class StructuredOutputs:
         spec = spec or req.structured
         plan = OutputPlan(
             grammar=self.compiler.compile(spec) if spec is not None else "",
-            tool_parser=TOOL_PARSER if choice.mode != "none" else "",
+            tool_parser=self.tool_format.name if choice.mode != "none" else "",
         )
         if req.messages is not None:
             plan.conversation, plan.template_tools = self.conversation(req.messages, tools, choice)
@@ -124,7 +130,11 @@ class StructuredOutputs:
         if choice.mode == "none" and not any(m.tool_calls or m.role == "tool" for m in messages):
             return None, None
         return tool_calls.conversation_for_template(
-            [openai_message(m) for m in messages], tools, choice, self.supports_tools
+            [openai_message(m) for m in messages],
+            tools,
+            choice,
+            self.supports_tools,
+            self.tool_format,
         )
 
 

@@ -1,19 +1,19 @@
 """OpenAI tool calling on the prompt side: checking ``tools`` and ``tool_choice``, putting them
 into the conversation the chat template renders, and the grammar that enforces a call.
 
-The output format is the Hermes one the default model family's instruct data uses: each call
-a JSON object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and
-``</tool_call>`` lines (detok_worker.tool_parsers reads it back). A chat template that knows
-tools (it reads a ``tools`` variable) gets them as Hugging Face templates expect; for one that
-does not (SmolLM2's) they go into the system message in the generic format below, and the
-history's tool calls and results are written in the same tags.
+The call format is the model family's (tokenizer_worker.tool_formats: Hermes tags, Llama 3.x
+JSON, Mistral's [TOOL_CALLS]; detok_worker.tool_parsers reads it back). A chat template that
+knows tools (it reads a ``tools`` variable) gets them as Hugging Face templates expect; for one
+that does not (SmolLM2's) they go into the system message in the generic prompt below, which
+says how to call in the format, and the history's tool calls are written in it.
 
 ``required`` and a named function are enforced by a grammar: the output is one call (for
-``required`` with ``parallel_tool_calls``, one or more), each an object whose ``arguments`` match
-that function's ``parameters`` schema. A named function is called once: small models, offered
-another call of the same function, tend to repeat the first one until max_tokens. ``auto`` is
-left to the model and parsed afterwards; ``none`` leaves the tools out of the prompt, so the
-model is not invited to call what it may not.
+``required`` with ``parallel_tool_calls``, one or more, where the family allows several), each
+naming an allowed function with arguments that match its ``parameters`` schema. A named
+function is called once: small models, offered another call of the same function, tend to
+repeat the first one until max_tokens. ``auto`` is left to the model and parsed afterwards;
+``none`` leaves the tools out of the prompt, so the model is not invited to call what it may
+not.
 """
 
 from __future__ import annotations
@@ -27,23 +27,20 @@ from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ipc.structured import STRUCTURED_GRAMMAR, StructuredOutputSpec
-from tokenizer_worker.grammar_compiler import COMPACT_JSON, GrammarSpecError, check_schema
+from tokenizer_worker.grammar_compiler import GrammarSpecError, check_schema
+from tokenizer_worker.tool_formats import ToolFormat
+
+HERMES = ToolFormat("hermes")
 
 MAX_TOOLS = 128
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 GENERIC_TOOL_PROMPT = """You can call functions to help with the request. Their signatures, one \
 JSON object per line, are between <tools> and </tools>:
 <tools>
 {signatures}
 </tools>
-To call a function, write its name and arguments as a JSON object between <tool_call> and \
-</tool_call> lines, like this:
-<tool_call>
-{{"name": "function_name", "arguments": {{"argument": "value"}}}}
-</tool_call>
+{how_to_call}
 Results come back between <tool_response> and </tool_response>."""
 CHOICE_HINTS = {
     "required": "You must call at least one function.",
@@ -129,10 +126,15 @@ def template_supports_tools(template_source: str) -> bool:
 
 
 def conversation_for_template(
-    messages: list[dict], tools: list[dict], choice: ToolChoice, supports_tools: bool
+    messages: list[dict],
+    tools: list[dict],
+    choice: ToolChoice,
+    supports_tools: bool,
+    fmt: ToolFormat = HERMES,
 ) -> tuple[list[dict], list[dict] | None]:
     """(messages, tools) to render. ``messages`` are OpenAI chat messages (assistant ones may
-    carry ``tool_calls``, ``role: "tool"`` ones answer them)."""
+    carry ``tool_calls``, ``role: "tool"`` ones answer them); ``fmt``: the call format a
+    template without tools is told of and sees its history in."""
     offered = tools if choice.mode != "none" else []
     if supports_tools:
         out = []
@@ -155,12 +157,17 @@ def conversation_for_template(
     for m in messages:
         role, content = m.get("role"), m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
-            calls = [
-                _call_text(c["function"]["name"], _arguments(c["function"].get("arguments")))
-                for c in _checked_calls(m["tool_calls"])
-            ]
+            calls = fmt.calls_text(
+                [
+                    (c["function"]["name"], _arguments(c["function"].get("arguments")))
+                    for c in _checked_calls(m["tool_calls"])
+                ]
+            )
             out.append(
-                {"role": "assistant", "content": "\n".join(([content] if content else []) + calls)}
+                {
+                    "role": "assistant",
+                    "content": "\n".join(([content] if content else []) + [calls]),
+                }
             )
         elif role == "tool":
             response = f"<tool_response>\n{content}\n</tool_response>"
@@ -173,7 +180,7 @@ def conversation_for_template(
     for m in out:
         m.pop("_tool_results", None)
     if offered:
-        prompt = tool_system_prompt(offered, choice)
+        prompt = tool_system_prompt(offered, choice, fmt)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
         else:
@@ -181,18 +188,21 @@ def conversation_for_template(
     return out, None
 
 
-def tool_system_prompt(tools: list[dict], choice: ToolChoice) -> str:
+def tool_system_prompt(tools: list[dict], choice: ToolChoice, fmt: ToolFormat = HERMES) -> str:
     signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    prompt = GENERIC_TOOL_PROMPT.format(signatures=signatures)
+    prompt = GENERIC_TOOL_PROMPT.format(signatures=signatures, how_to_call=fmt.how_to_call())
     hint = CHOICE_HINTS.get(choice.mode)
     return f"{prompt}\n{hint.format(name=choice.name)}" if hint else prompt
 
 
 def forced_tool_call_spec(
-    tools: list[dict], choice: ToolChoice, parallel_tool_calls: bool = True
+    tools: list[dict],
+    choice: ToolChoice,
+    parallel_tool_calls: bool = True,
+    fmt: ToolFormat = HERMES,
 ) -> StructuredOutputSpec | None:
-    """The grammar that makes the output valid calls, for "required" and a named function;
-    None for "auto" and "none" (nothing is forced)."""
+    """The grammar that makes the output valid calls in ``fmt``, for "required" and a named
+    function; None for "auto" and "none" (nothing is forced)."""
     if choice.mode not in ("required", "named"):
         return None
     allowed = [
@@ -200,54 +210,8 @@ def forced_tool_call_spec(
         for t in tools
         if choice.mode == "required" or t["function"]["name"] == choice.name
     ]
-    # Where each function's parameters sit in the schema below: their own references
-    # ("#/$defs/Loc", pydantic's shape) are rebased there, so they resolve inside them.
-    where = (
-        ["#/properties/arguments"]
-        if len(allowed) == 1
-        else [f"#/anyOf/{i}/properties/arguments" for i in range(len(allowed))]
-    )
-    objects = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": f["name"]},
-                "arguments": rebase_refs(
-                    f.get("parameters", {"type": "object", "properties": {}}), pointer
-                ),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for f, pointer in zip(allowed, where)
-    ]
-    schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
-    schema = {**schema, "x-guidance": COMPACT_JSON}
-    repeat = ' ("\\n" call)*' if parallel_tool_calls and choice.mode == "required" else ""
-    lark = (
-        f"start: call{repeat}\n"
-        f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"\n'
-    )
-    return StructuredOutputSpec(STRUCTURED_GRAMMAR, lark)
-
-
-def rebase_refs(schema: Any, pointer: str) -> Any:
-    """A copy of ``schema`` whose document-local references ("#", "#/...") point to the same
-    places once the schema sits at ``pointer`` (a "#/..." JSON pointer) of a larger one. Values
-    that are data, not schemas (enum, const, default, examples), are left as they are."""
-    if isinstance(schema, list):
-        return [rebase_refs(item, pointer) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = pointer + value[1:]
-        elif key in _DATA_KEYWORDS:
-            out[key] = value
-        else:
-            out[key] = rebase_refs(value, pointer)
-    return out
+    several = parallel_tool_calls and choice.mode == "required"
+    return StructuredOutputSpec(STRUCTURED_GRAMMAR, fmt.grammar(allowed, several))
 
 
 def _checked_calls(calls: Any) -> list[dict]:
@@ -268,8 +232,3 @@ def _arguments(arguments: Any) -> Any:
         except json.JSONDecodeError:
             return arguments
     return {} if arguments is None else arguments
-
-
-def _call_text(name: str, arguments: Any) -> str:
-    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"

@@ -3,6 +3,11 @@ TokenizedRequests to the engine and RequestErrors to the detokenizer. TokenizeRe
 /tokenize, /detokenize and /tokenizer_info queries) arrive on the same socket and are answered
 through the detokenizer, which routes the TokenizeResult to the client.
 
+A prompt longer than ``tokenizer_long_prompt_chars`` is encoded on the long-prompt lane's thread
+(long_prompts.py) while the loop goes on with the others; its result comes back to the loop,
+which routes and sends it like any other. One that no tokenization could fit is refused before
+that, unread (prompt_bound.py).
+
 With several engine replicas each request goes to the one ``ReplicaRouting`` (routing.py)
 picks; the supervisor's ClusterNotices about replicas arrive on the same socket. With one engine
 nothing of that runs: no hashing, no event subscription."""
@@ -20,6 +25,7 @@ from ipc.codec import DecodeError
 from ipc.config import ClusterConfig
 from ipc.messages import (
     ERR_BAD_REQUEST,
+    ERR_OVERLOADED,
     ERR_UNAVAILABLE,
     ClusterNotice,
     RequestError,
@@ -34,6 +40,7 @@ from runtime.memory import IdleTrim
 from runtime.model_files import load_tokenizer
 from runtime.worker import WorkerRuntime, run_on_context
 from tokenizer_worker.chat_template import ChatTemplate
+from tokenizer_worker.long_prompts import LongPromptLane
 from tokenizer_worker.prepare import Limits, RequestPreparer
 from tokenizer_worker.queries import TokenizerQueries
 from tokenizer_worker.routing import ReplicaRouting
@@ -56,16 +63,22 @@ def model_limits(config: ClusterConfig) -> Limits:
 def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:
     if config.preparer_factory:  # a test seam: e.g. a deliberately slow preparer
         return load_factory(config.preparer_factory)(config, index)
-    return build_preparer(config.model_path, model_limits(config), index)
+    return build_preparer(
+        config.model_path, model_limits(config), index, tool_call_parser=config.tool_call_parser
+    )
 
 
-def build_preparer(model_path: str, limits: Limits, index: int = 0) -> RequestPreparer:
+def build_preparer(
+    model_path: str, limits: Limits, index: int = 0, *, tool_call_parser: str = "auto"
+) -> RequestPreparer:
     """The model's tokenizer, chat template and structured outputs, as a tokenizer worker
     prepares requests with them (so does an ingress replica of the Ray Serve application)."""
     tokenizer = load_tokenizer(model_path)
     template = ChatTemplate.from_model_dir(model_path)
     eos_ids = model_eos_ids(model_path)
-    structured = StructuredOutputs(tokenizer, limits.vocab_size, template, eos_ids)
+    structured = StructuredOutputs(
+        tokenizer, limits.vocab_size, template, eos_ids, tool_call_parser=tool_call_parser
+    )
     structured.start()  # the vocabulary is read in the background, ready for the first grammar
     return RequestPreparer(
         tokenizer, template, limits, tokenizer_index=index, structured=structured
@@ -100,8 +113,10 @@ class TokenizerWorker:
         # grammars against it).
         self.vocabularies = [VocabularySender(q, self.preparer.structured) for q in self.to_engines]
         self.routing = ReplicaRouting(config, index, ctx) if config.routes else None
+        # Long prompts are encoded beside the loop (tokenizer_worker.long_prompts).
+        self.lane = LongPromptLane(self.preparer.encode, config.background_niceness)
         self.poller = zmq.Poller()
-        self.polled: list[zmq.Socket] = []
+        self.polled: list[zmq.Socket | int] = []
         self.served = 0
         self.rejected = 0
         self.answered = 0  # TokenizeRequests
@@ -114,8 +129,11 @@ class TokenizerWorker:
             self.runtime.maybe_heartbeat(self._stats)
             for vocabulary in self.vocabularies:
                 vocabulary.poll()
-            if not self.wait(min(self.runtime.heartbeat_due_in_ms(), 100)):
-                self.trim.idle()  # nothing came: hand back what the last batch freed
+            inbox = self.wait(min(self.runtime.heartbeat_due_in_ms(), 100))
+            self.deliver(self.lane.take())
+            if not inbox:
+                if not self.lane.queued:
+                    self.trim.idle()  # nothing came: hand back what the last batch freed
                 continue
             self.handle(self.inbox.drain(self.config.tokenizer_batch_max, self._reject_frame))
             self.trim.busy()
@@ -123,20 +141,25 @@ class TokenizerWorker:
         self.runtime.draining = True
         deadline = time.monotonic() + 0.2
         while time.monotonic() < deadline:
+            self.deliver(self.lane.take())
             messages = self.inbox.drain(self.config.tokenizer_batch_max, self._reject_frame)
             if messages:
                 self.handle(messages)
             else:
                 time.sleep(0.01)
+        self.deliver(self.lane.take())
+        for screened in self.lane.close():  # still encoding: ends unanswered, so say so
+            self._send_error(self._unavailable(screened.request))
         self.close()
 
     def wait(self, timeout_ms: int) -> bool:
-        """Whether the inbox has something. With routing, replicas' events that arrive
-        meanwhile are applied as they come (off the path of the next request)."""
-        if self.routing is None:
-            return self.inbox.wait(timeout_ms)
-        self.routing.receive()
-        sockets = [self.inbox.socket, *self.routing.sockets]
+        """Whether the inbox has something (or, returning early, the long-prompt lane). With
+        routing, replicas' events that arrive meanwhile are applied as they come (off the path
+        of the next request)."""
+        sockets: list[zmq.Socket | int] = [self.inbox.socket, self.lane.fd]
+        if self.routing is not None:
+            self.routing.receive()
+            sockets += self.routing.sockets
         if sockets != self.polled:  # a subscriber opened a replay socket, or closed one
             self.poller = zmq.Poller()
             for sock in sockets:
@@ -161,19 +184,31 @@ class TokenizerWorker:
             return
         if self.runtime.draining:
             for req in requests:
+                self._send_error(self._unavailable(req))
+            return
+        t0 = time.monotonic()
+        now = []
+        for screened in map(self.preparer.screen, requests):
+            if screened.chars <= self.config.tokenizer_long_prompt_chars:
+                now.append(screened)
+            elif not self.lane.submit(screened):
+                req = screened.request
                 self._send_error(
                     RequestError(
                         req.request_id,
                         req.client_id,
-                        "unavailable: the cluster is shutting down",
-                        ERR_UNAVAILABLE,
+                        "overloaded: too many long prompts are being tokenized; retry later",
+                        ERR_OVERLOADED,
                         req.t_submit,
                     )
                 )
-            return
-        t0 = time.monotonic()
-        results = self.preparer.prepare_batch(requests)
+        results = self.preparer.encode(now, t0) if now else []
         self.tokenize_s += time.monotonic() - t0
+        self.deliver(results)
+
+    def deliver(self, results: list[TokenizedRequest | RequestError]) -> None:
+        if not results:
+            return
         if self.routing is not None:
             self.routing.receive()  # the replicas' latest view, for this batch's choices
         for result in results:
@@ -192,15 +227,7 @@ class TokenizerWorker:
     def answer_queries(self, queries: list[TokenizeRequest]) -> None:
         for query in queries:
             if self.runtime.draining:
-                self._send_error(
-                    RequestError(
-                        query.request_id,
-                        query.client_id,
-                        "unavailable: the cluster is shutting down",
-                        ERR_UNAVAILABLE,
-                        query.t_submit,
-                    )
-                )
+                self._send_error(self._unavailable(query))
                 continue
             answer = self.queries.answer(query)
             if isinstance(answer, RequestError):
@@ -217,6 +244,16 @@ class TokenizerWorker:
         else:
             logger.warning("dropped a malformed frame nobody can be told about: %s", exc)
 
+    @staticmethod
+    def _unavailable(req: SubmitRequest | TokenizeRequest) -> RequestError:
+        return RequestError(
+            req.request_id,
+            req.client_id,
+            "unavailable: the cluster is shutting down",
+            ERR_UNAVAILABLE,
+            req.t_submit,
+        )
+
     def _send_error(self, err: RequestError) -> None:
         self.rejected += 1
         self.to_detok.put(err)
@@ -227,6 +264,7 @@ class TokenizerWorker:
             "rejected": self.rejected,
             "answered": self.answered,
             "tokenize_s": self.tokenize_s,
+            "long_prompts": self.lane.encoded,
             "draining": float(self.runtime.draining),
             "memory_trims": self.trim.trims,
             **(self.routing.stats() if self.routing is not None else {}),

@@ -14,12 +14,15 @@ kernels) is one more class and one more line there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine_worker.attention.backend import AttentionBackend
 from engine_worker.attention.batch import AttentionMetadata, StepBatch
 from engine_worker.attention.flash_rows import fused_cpu_kernel_available
 from engine_worker.attention.kv_cache import PagedKVCache, kv_bytes_per_token
 from engine_worker.attention.paged_cpu import PagedCpuBackend
 from engine_worker.attention.sdpa import SdpaBackend
+from engine_worker.model_config import LayerAttention
 
 __all__ = [
     "AttentionBackend",
@@ -34,11 +37,14 @@ __all__ = [
 
 
 def select_backend(
-    cache: PagedKVCache, decode_workspace_max_bytes: int, whole_key_blocks: bool = False
+    cache: PagedKVCache,
+    decode_workspace_max_bytes: int,
+    whole_key_blocks: bool = False,
+    layers: Sequence[LayerAttention] = (),
 ) -> AttentionBackend:
     """The fastest backend the cache's device and this torch build can run. ``whole_key_blocks``:
     every row attends whole blocks of the flash kernel's key columns (``flash_rows.key_columns``;
-    a deterministic launch)."""
+    a deterministic launch). ``layers``: each layer's ``LayerAttention`` (the model config's)."""
     if cache.device.type == "cpu" and fused_cpu_kernel_available():
-        return PagedCpuBackend(cache, decode_workspace_max_bytes, whole_key_blocks)
-    return SdpaBackend(cache)
+        return PagedCpuBackend(cache, decode_workspace_max_bytes, whole_key_blocks, layers)
+    return SdpaBackend(cache, layers)

@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from engine_worker.attention.batch import AttentionMetadata, DecodeBatch, StepBatch, to_device
 from engine_worker.attention.kv_cache import PagedKVCache
+from engine_worker.model_config import PLAIN_ATTENTION, LayerAttention
 
 
 class AttentionBackend(ABC):
     """Owns how attention reads the paged KV cache: per step, ``prepare`` turns the step's
     layout into this backend's metadata (block tables, masks, whatever it keeps between steps);
-    per layer, ``forward`` stores the new keys and values and attends."""
+    per layer, ``forward`` stores the new keys and values and attends.
+
+    ``layers``: each layer's ``LayerAttention`` (sliding window, soft-cap, scale), given once
+    here (empty: every layer plain). ``prepare`` builds one mask per distinct window
+    (``windows``) and ``forward`` picks the layer's."""
 
     name: str
 
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: PagedKVCache, layers: Sequence[LayerAttention] = ()) -> None:
         self.cache = cache
+        self.layers = tuple(layers) or (PLAIN_ATTENTION,) * cache.num_layers
+        if len(self.layers) != cache.num_layers:
+            raise ValueError(f"{len(self.layers)} layer specs for {cache.num_layers} layers")
+        self.windows = sorted({layer.window for layer in self.layers if layer.window})
 
     @abstractmethod
     def prepare(self, step: StepBatch) -> AttentionMetadata:

@@ -70,6 +70,12 @@ class DecodeWorkspace:
     mask_rows: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     last_columns: torch.Tensor | None = None
+    # Sliding windows (``AttentionBackend.windows``): per window, its [B, columns] additive
+    # rows and the [B, 1, query rows, columns] view attention reads, and [1, columns] the
+    # column numbers, to hide what each step's window leaves behind
+    window_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    column_index: torch.Tensor | None = None
     fresh: bool = True
     # what engine_worker.scripted_decode reads of keys/values, views taken once per workspace
     scripted_views: list = field(default_factory=list)
@@ -86,6 +92,11 @@ class DecodeBatch:
     mask: torch.Tensor
     block_tables: torch.Tensor | None = None  # [B, columns / block_size] blocks to gather
     workspace: DecodeWorkspace | None = None  # set by a backend that keeps decode keys
+    # Per sliding window W: ``mask`` also hiding the keys at positions <= row's position - W
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        return self.window_masks[window] if window else self.mask
 
 
 @dataclass(slots=True)
@@ -99,6 +110,12 @@ class PrefillSegment:
     # SDPA backend, continuations only: [num_tokens, start_position + num_tokens], True = attend;
     # CPU backend: [query rows, key columns] additive (flash_rows.causal_mask)
     mask: torch.Tensor | None = None
+    # Per sliding window W: the same, also hiding keys at positions <= the row's - W (the SDPA
+    # backend's fresh prompts get one too)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int) -> torch.Tensor | None:
+        return self.window_masks[window] if window else self.mask
 
 
 @dataclass(slots=True)

@@ -23,6 +23,11 @@ bf16 inputs on AVX-512 (docs/determinism.md):
 So a token's attention does not depend on how its context was split between cache and new
 tokens, on the chunk it was computed in, on padding, on the other sequences of the step or on
 the thread count. With float32 inputs the kernel is exact to float32 but not batch-invariant.
+
+A sliding window is one more masked span (the keys before the window, exact zeros too), so a
+windowed row keeps these rules. Soft-capped scores (Gemma 2) are not the kernel's arithmetic:
+such layers take ``capped_attention``, float32 matmuls over the same padded layout, which is
+exact to float32 but promises no bits across paths.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import math
 
 import numpy as np
 import torch
+
+from engine_worker.model_config import LayerAttention
 
 KEY_COLUMN_MULTIPLE = 16
 # Past one of the kernel's key blocks, whole blocks: with a partial last block, the default
@@ -63,15 +70,17 @@ def key_columns(tokens: int, block_size: int, whole_key_blocks: bool = False) ->
 
 
 def causal_mask(
-    positions: np.ndarray, columns: int, group: int, dtype: torch.dtype
+    positions: np.ndarray, columns: int, group: int, dtype: torch.dtype, window: int = 0
 ) -> torch.Tensor:
     """[rows, columns] additive mask of the query rows at ``positions`` (each ``group`` rows,
-    padded to MIN_QUERY_ROWS with copies of the last one): 0 up to the row's position, -inf
-    after."""
+    padded to MIN_QUERY_ROWS with copies of the last one): 0 up to the row's position (from
+    the position - ``window`` + 1 on, with a sliding window), -inf elsewhere."""
     rows: np.ndarray = np.repeat(positions, group)
     if padded_rows(len(rows)) > len(rows):
         rows = np.pad(rows, (0, padded_rows(len(rows)) - len(rows)), mode="edge")
     hidden = np.arange(columns)[None, :] > rows[:, None]
+    if window:
+        hidden |= np.arange(columns)[None, :] <= rows[:, None] - window
     mask = torch.zeros(hidden.shape, dtype=dtype)
     return mask.masked_fill_(torch.from_numpy(hidden), float("-inf"))
 
@@ -103,8 +112,33 @@ def ungrouped(o: torch.Tensor, count: int, group: int) -> torch.Tensor:
 
 
 def flash(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    layer: LayerAttention | None = None,
 ) -> torch.Tensor:
-    """queries [B, KV, R, D], keys/values [B, KV, C, D], mask broadcastable to [B, KV, R, C]."""
+    """queries [B, KV, R, D], keys/values [B, KV, C, D], mask broadcastable to [B, KV, R, C];
+    ``layer``: its softmax scale and soft-cap (None: plain)."""
+    if layer is not None and layer.softcap:
+        return capped_attention(queries, keys, values, mask, layer)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return op(queries, keys, values, attn_mask=mask)[0]
+    scale = None if layer is None else layer.scale
+    return op(queries, keys, values, attn_mask=mask, scale=scale)[0]
+
+
+def capped_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    layer: LayerAttention,
+) -> torch.Tensor:
+    """``flash`` with soft-capped scores, which the fused kernel cannot apply: cap *
+    tanh(scale * q.k / cap) + mask, softmax, weighted sum, in float32; the output in the
+    queries' dtype."""
+    scale = layer.scale if layer.scale is not None else queries.shape[-1] ** -0.5
+    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)).mul_(scale)
+    scores = scores.div_(layer.softcap).tanh_().mul_(layer.softcap).add_(mask)
+    out = torch.matmul(scores.softmax(dim=-1), values.float())
+    return out.to(queries.dtype)

@@ -23,6 +23,7 @@ class PagedKVCache:
     ) -> None:
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
         self.block_size = block_size
+        self.num_layers = config.num_layers
         self.num_kv_heads = config.num_kv_heads
         self.query_group = config.num_heads // config.num_kv_heads  # query heads per kv head
         self.dtype, self.device = dtype, device

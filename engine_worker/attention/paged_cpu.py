@@ -20,6 +20,8 @@ cores). A batch whose copy would exceed ``workspace_max_bytes`` gathers every st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -42,6 +44,7 @@ from engine_worker.attention.flash_rows import (
 )
 from engine_worker.attention.kernels import gather_decode
 from engine_worker.attention.kv_cache import PagedKVCache, gather
+from engine_worker.model_config import LayerAttention
 
 
 class PagedCpuBackend(AttentionBackend):
@@ -50,9 +53,13 @@ class PagedCpuBackend(AttentionBackend):
     WORKSPACE_HEADROOM = 32
 
     def __init__(
-        self, cache: PagedKVCache, workspace_max_bytes: int, whole_key_blocks: bool = False
+        self,
+        cache: PagedKVCache,
+        workspace_max_bytes: int,
+        whole_key_blocks: bool = False,
+        layers: Sequence[LayerAttention] = (),
     ) -> None:
-        super().__init__(cache)
+        super().__init__(cache, layers)
         self.workspace_max_bytes = workspace_max_bytes
         self.whole_key_blocks = whole_key_blocks  # flash_rows.key_columns
         self._workspace: DecodeWorkspace | None = None  # the last step's
@@ -81,16 +88,25 @@ class PagedCpuBackend(AttentionBackend):
         rows = None if len(seqs) == len(step.sequences) else self._device(step.row_starts[seqs])
         ws = self._decode_workspace([step.sequences[i] for i in seqs], context)
         if ws is not None and not ws.fresh:
-            return DecodeBatch(rows=rows, mask=_advance(ws), workspace=ws)
+            mask = _advance(ws)
+            return DecodeBatch(rows=rows, mask=mask, workspace=ws, window_masks=ws.window_masks)
         columns = self._columns(int(context.max())) if ws is None else ws.capacity
-        hidden = np.arange(columns)[None, :] >= context[:, None]
-        mask = torch.zeros(hidden.shape, dtype=self.cache.dtype)
-        mask.masked_fill_(torch.from_numpy(hidden), float("-inf"))
+        column_index = np.arange(columns)[None, :]
+        hidden = column_index >= context[:, None]
+        mask = self._additive(hidden)
+        window_rows = {
+            w: self._additive(hidden | (column_index < context[:, None] - w)) for w in self.windows
+        }
         rows_per_head = max(MIN_QUERY_ROWS, self.cache.query_group)
-        mask = mask.to(self.cache.device)
-        # [B, 1, rows, columns]: every query row of a sequence sees the same columns.
+
+        def per_query_row(m: torch.Tensor) -> torch.Tensor:
+            # [B, 1, rows, columns]: every query row of a sequence sees the same columns.
+            return m[:, None, None, :].expand(-1, 1, rows_per_head, -1)
+
         decode = DecodeBatch(
-            rows=rows, mask=mask[:, None, None, :].expand(-1, 1, rows_per_head, -1)
+            rows=rows,
+            mask=per_query_row(mask),
+            window_masks={w: per_query_row(m) for w, m in window_rows.items()},
         )
         if ws is not None:
             # Where each layer writes the next step's keys/values (one index_copy_ each), and
@@ -99,6 +115,9 @@ class PagedCpuBackend(AttentionBackend):
             ws.new_slots = self._device(flat + np.tile(context - 1, self.cache.num_kv_heads))
             ws.last_columns = self._device(context[:, None] - 1)
             ws.mask_rows, ws.mask = mask, decode.mask
+            ws.window_rows, ws.window_masks = window_rows, decode.window_masks
+            if self.windows:
+                ws.column_index = self._device(column_index)
             decode.workspace = ws
         decode.block_tables = self._device(_padded_tables(step, seqs, columns // step.block_size))
         return decode
@@ -127,6 +146,12 @@ class PagedCpuBackend(AttentionBackend):
         self._workspace = DecodeWorkspace(capacity=capacity, sequences=decoding, context=context)
         return self._workspace
 
+    def _additive(self, hidden: np.ndarray) -> torch.Tensor:
+        """0 where attended, -inf where ``hidden``, on the cache's device."""
+        mask = torch.zeros(hidden.shape, dtype=self.cache.dtype)
+        mask.masked_fill_(torch.from_numpy(hidden), float("-inf"))
+        return mask.to(self.cache.device)
+
     def _columns(self, tokens: int) -> int:
         return key_columns(tokens, self.cache.block_size, self.whole_key_blocks)
 
@@ -138,6 +163,7 @@ class PagedCpuBackend(AttentionBackend):
             n = min(QUERY_CHUNK_POSITIONS, count - first)
             columns = self._columns(start + first + n)
             positions = np.arange(start + first, start + first + n)
+            group, dtype, device = self.cache.query_group, self.cache.dtype, self.cache.device
             chunk = PrefillSegment(
                 row_start=int(step.row_starts[seq]) + first,
                 num_tokens=n,
@@ -145,9 +171,11 @@ class PagedCpuBackend(AttentionBackend):
                 block_table=self._device(
                     _padded_tables(step, np.array([seq]), columns // step.block_size)[0]
                 ),
-                mask=causal_mask(positions, columns, self.cache.query_group, self.cache.dtype).to(
-                    self.cache.device
-                ),
+                mask=causal_mask(positions, columns, group, dtype).to(device),
+                window_masks={
+                    w: causal_mask(positions, columns, group, dtype, w).to(device)
+                    for w in self.windows
+                },
             )
             chunks.append(chunk)
         return chunks
@@ -164,14 +192,17 @@ class PagedCpuBackend(AttentionBackend):
     ) -> None:
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
         group = self.cache.query_group
+        spec = self.layers[layer]
         for chunk in metadata.prefills:
-            assert chunk.block_table is not None and chunk.mask is not None
+            mask = chunk.mask_for(spec.window)
+            assert chunk.block_table is not None and mask is not None
             rows_slice = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
             o = flash(
                 grouped(q[rows_slice], self.cache.num_kv_heads)[None],
                 gather(keys, chunk.block_table)[None],
                 gather(values, chunk.block_table)[None],
-                chunk.mask,
+                mask,
+                spec,
             )
             out[rows_slice] = ungrouped(o[0], chunk.num_tokens, group)
 
@@ -206,11 +237,13 @@ class PagedCpuBackend(AttentionBackend):
             rows = torch.cat([rows, rows[:, :, -1:].expand(-1, -1, short, -1)], dim=2)
         # The workspace is [KV * B, columns, D]: viewed [B, KV, columns, D], strided.
         columns = keys.shape[1]
+        spec = self.layers[layer]
         o = flash(
             rows,
             keys.view(kv_heads, batch_size, columns, head_dim).transpose(0, 1),
             values.view(kv_heads, batch_size, columns, head_dim).transpose(0, 1),
-            decode.mask,
+            decode.mask_for(spec.window),
+            spec,
         )
         return o[:, :, :group].reshape(batch_size, num_heads, head_dim)
 
@@ -223,6 +256,10 @@ def _advance(ws: DecodeWorkspace) -> torch.Tensor:
     ws.new_slots += 1
     ws.last_columns += 1
     ws.mask_rows.scatter_(1, ws.last_columns, 0.0)
+    for window, rows in ws.window_rows.items():  # the column the window left, hidden again
+        assert ws.column_index is not None
+        leaving = ws.column_index <= ws.last_columns - window
+        rows.copy_(ws.mask_rows).masked_fill_(leaving, float("-inf"))
     return ws.mask
 
 

@@ -20,7 +20,7 @@ Channels (who sends what to whom):
     detokenizer -> engine      : AbortRequests (client aborts, stop strings, gone clients)
     engine      -> detokenizer : StepOutput (one message per engine step, columnar)
     engine r    -> tokenizers  : KV events (ipc.kv_events) and ReplicaLoad, on its event stream
-    any worker  -> supervisor  : WorkerReady, Heartbeat
+    any worker  -> supervisor  : WorkerReady, Heartbeat, WorkerFailed (its last words)
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
     supervisor  -> tokenizer i : ClusterNotice about engine replicas (several engines only)
     one-answer queries (tokenize, detokenize, tokenizer info, engine stats): ipc/queries.py
@@ -54,7 +54,15 @@ from ipc.messages.common import (
     FINISH_TOOL_CALLS,
     ChatMessage,
 )
-from ipc.messages.control import NOTICE_DIED, NOTICE_READY, ClusterNotice, Heartbeat, WorkerReady
+from ipc.messages.control import (
+    EXIT_STARTUP_REFUSED,
+    NOTICE_DIED,
+    NOTICE_READY,
+    ClusterNotice,
+    Heartbeat,
+    WorkerFailed,
+    WorkerReady,
+)
 from ipc.messages.engine_step import (
     AbortRequests,
     EngineStats,
@@ -78,6 +86,7 @@ __all__ = [
     "ClientWelcome",
     "ClusterNotice",
     "ERR_BAD_REQUEST",
+    "EXIT_STARTUP_REFUSED",
     "ERR_DUPLICATE_REQUEST",
     "ERR_INTERNAL",
     "ERR_OVERLOADED",
@@ -108,5 +117,6 @@ __all__ = [
     "TokenizedRequest",
     "TopLogprob",
     "Usage",
+    "WorkerFailed",
     "WorkerReady",
 ]

@@ -1,5 +1,5 @@
-"""Control messages: workers report to the supervisor (ready, heartbeats); the supervisor
-tells the detokenizer, and through it every client, that a worker died or is back."""
+"""Control messages: workers report to the supervisor (ready, heartbeats, why they failed); the
+supervisor tells the detokenizer, and through it every client, that a worker died or is back."""
 
 from __future__ import annotations
 
@@ -65,3 +65,23 @@ class Heartbeat:
     pid: int
     t: float
     stats: dict[str, float] = field(default_factory=dict)
+
+
+# A worker's exit code when it refused to start for a reason its WorkerFailed names (a model it
+# cannot serve, ...): starting it again would fail the same way, so the supervisor does not.
+EXIT_STARTUP_REFUSED = 2
+
+
+@message
+@dataclass(slots=True)
+class WorkerFailed:
+    """A worker's last words, sent just before it exits: the one-line reason it stopped, so the
+    supervisor can end a launch at once with it instead of a bare exit code. ``refused``: it
+    refused to start (and exits with EXIT_STARTUP_REFUSED); else it crashed."""
+
+    KIND = "failed"
+    role: str
+    index: int
+    pid: int
+    reason: str
+    refused: bool = True

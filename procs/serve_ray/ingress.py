@@ -51,7 +51,10 @@ class Ingress:
             ),
         )
         model_path = str(resolve_model(self.settings.model or None))
-        preparer = await asyncio.to_thread(build_preparer, model_path, limits)
+        parser = self.settings.cluster.get("tool_call_parser", "auto")  # as the replicas'
+        preparer = await asyncio.to_thread(
+            build_preparer, model_path, limits, tool_call_parser=parser
+        )
         welcome = ClientWelcome([], info["model"], limits.max_model_len, limits.vocab_size)
         return ServeClient(
             self.engine,

@@ -53,6 +53,10 @@ WORKLOADS = {
         "the multi-turn chats through the Ray Serve ingress: our router against Ray's "
         "PrefixCacheAffinityRouter and power of two; the Serve path's TTFT overhead",
     ),
+    "long-prompts": (
+        "scripts.bench.long_prompts",
+        "an unrelated stream's TTFT alone and beside 7.2 MB prompts (refused from their length)",
+    ),
     "http-body": (
         "scripts.bench.http_body",
         "how long a frontend's event loop stalls while it reads and validates a large body",

@@ -64,7 +64,14 @@ def weight_bytes_per_token(model) -> int:
         )
         total += sum(
             0 if norm is None else norm.nbytes
-            for norm in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm)
+            for norm in (
+                layer.input_norm,
+                layer.post_attention_norm,
+                layer.q_norm,
+                layer.k_norm,
+                layer.attn_out_norm,
+                layer.mlp_out_norm,
+            )
         )
     return total
 

@@ -13,6 +13,11 @@
            while requests with new large schemas keep arriving (each compiled in the tokenizer
            worker, built on the engine's grammar thread), against the same arrivals without a
            schema (the same prompts and max_tokens 1: only the grammar differs).
+  hostile  one stream's largest gap between tokens alone and while requests with unique
+           hostile schemas keep arriving (an enum the tokenizer worker compiles for ~0.5 s of
+           CPU before refusing it), each with and without --burners CPU-burning processes in a
+           session of their own (a compile job on the cores), interleaved; one cluster per
+           --background-niceness value (0: the tokenizer's grammar checks as nice as the engine).
 
 A grammar's own cost, without the model (compile, build, the per-step mask), is the `grammar`
 workload's. Figures are printed with the machine's load average (a shared machine makes
@@ -170,12 +175,12 @@ def ask(k: int, what: str = "as a JSON object") -> list[dict]:
 class _Asker:
     """A cluster on the model and an SDK client; each submit asks a prompt of its own."""
 
-    def __init__(self, args) -> None:
+    def __init__(self, args, **knobs) -> None:
         from ipc.client import Client
         from scripts.bench.launcher import splitserve
 
         self._stack = contextlib.ExitStack()
-        cluster = self._stack.enter_context(splitserve(args.model, max_model_len=2048))
+        cluster = self._stack.enter_context(splitserve(args.model, max_model_len=2048, **knobs))
         self.client = self._stack.enter_context(Client(cluster.client_addr, deadline_s=600))
         self.k = 0
 
@@ -271,12 +276,78 @@ def run_itl(args, asker: _Asker) -> None:
     )
 
 
-WORKLOADS = {"decode": run_decode, "ttft": run_ttft, "itl": run_itl}
+def hostile_schema(k: int, values: int) -> dict:
+    """Unique by ``k`` (never cached); refused as too large after its compile."""
+    return {"type": "string", "enum": [f"{k}v{i}" for i in range(values)]}
+
+
+@contextlib.contextmanager
+def burning(processes: int):
+    """``processes`` busy loops at nice 0, each in a session of its own (as a compile job
+    started from another shell), ended when the block ends (and after 600 s regardless)."""
+    import subprocess
+    import sys
+
+    loop = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end: pass"
+    burners = [
+        subprocess.Popen([sys.executable, "-c", loop], start_new_session=True)
+        for _ in range(processes)
+    ]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+def hostile_run(args, asker: _Asker, hostile: bool, burners: int) -> list[float]:
+    """One stream of --stream-tokens; a request with a hostile schema every
+    --arrival-interval-ms while it decodes (or none). Its gaps after the stream's first token."""
+    with burning(burners):
+        stream = asker.submit("in detail", max_tokens=args.stream_tokens, ignore_eos=True)
+        next(iter(stream.stream()))
+        arrivals = []
+        while hostile and not stream.done:
+            fmt = schema_format(hostile_schema(asker.k, args.hostile_values))
+            arrivals.append(asker.submit(max_tokens=1, response_format=fmt))
+            time.sleep(args.arrival_interval_ms / 1000)
+        result = stream.result()
+        for h in arrivals:
+            h.result(check=False)
+    return list(result.inter_token_s)
+
+
+def run_hostile(args, _asker: _Asker | None) -> None:
+    cases = [(h, b) for b in sorted({0, args.burners}) for h in (False, True)]
+    print(
+        f"\nhostile: one stream of {args.stream_tokens} tokens; a schema of a "
+        f"{args.hostile_values}-value enum every {args.arrival_interval_ms:g} ms or none; "
+        f"{args.burners} CPU burner(s) or none; {args.repeats} runs per case, interleaved"
+    )
+    for niceness in args.background_niceness:
+        with _Asker(args, background_niceness=niceness) as asker:
+            asker.submit(max_tokens=4).result()
+            runs = interleave(
+                {c: lambda c=c: hostile_run(args, asker, *c) for c in cases}, args.repeats
+            )
+        print(f"  background_niceness {niceness} (load {os.getloadavg()[0]:.1f} after)")
+        for (hostile, burners), gaps in runs.items():
+            largest = [max(g) * 1000 for g in gaps]
+            every = [x for g in gaps for x in g]
+            print(
+                f"    {'hostile' if hostile else 'alone':8s} burners {burners}: largest gap "
+                f"per run {', '.join(f'{x:.0f}' for x in largest)} ms; "
+                f"{describe_ms(every)}"
+            )
+
+
+WORKLOADS = {"decode": run_decode, "ttft": run_ttft, "itl": run_itl, "hostile": run_hostile}
 
 
 def build_parser():
     p = workload_parser("structured", __doc__)
-    add_parts(p, list(WORKLOADS), list(WORKLOADS))
+    add_parts(p, list(WORKLOADS), ["decode", "ttft", "itl"])
     add_shared(p, "model", "threads", "batch", "repeats", "schema_fields")
     add_shared(p, "decode_tokens", decode_tokens=40)
     p.add_argument(
@@ -293,6 +364,14 @@ def build_parser():
         type=float,
         default=500.0,
         help="itl: a new request (a new schema, or none) every this often",
+    )
+    p.add_argument("--burners", type=int, default=2, help="hostile: CPU-burning processes")
+    p.add_argument("--hostile-values", type=int, default=60_000, help="hostile: the enum's size")
+    p.add_argument(
+        "--background-niceness",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[0, 10],
+        help="hostile: one cluster per value, in turn (default: 0,10)",
     )
     return p
 

@@ -25,8 +25,10 @@ def make_tiny_model(
     seed: int = 0,
     architecture: str = "llama",
     max_position_embeddings: int = 2048,
+    **config_overrides,
 ) -> Path:
-    """Writes the model to ``out_dir`` (a Hugging Face directory) and returns its path."""
+    """Writes the model to ``out_dir`` (a Hugging Face directory) and returns its path;
+    ``config_overrides``: more config fields (a ``sliding_window``, ...)."""
     import torch
     import transformers
 
@@ -54,7 +56,7 @@ def make_tiny_model(
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[architecture]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**common)).to(torch.float32).eval()
+    model = model_cls(config_cls(**common, **config_overrides)).to(torch.float32).eval()
     model.save_pretrained(str(out), safe_serialization=True)
     for name in (
         "tokenizer.json",

@@ -64,3 +64,33 @@ def test_length_keeps_its_reason_and_no_parser_means_plain_text(tokenizer):
 def test_stop_strings_apply_before_the_parser(tokenizer):
     _, text, calls = run(tokenizer, f"Sure.\n{CALL}", "hermes", stop=["<tool_call>"])
     assert text.strip() == "Sure." and not calls
+
+
+def test_a_cut_call_is_dropped_and_a_partial_one_keeps_its_arguments(tokenizer):
+    events, text, calls = run(
+        tokenizer, 'Sure.\n<tool_call>\n{"name": "get_weather",', "hermes", "length"
+    )
+    assert text == "Sure." and not calls and events[-1].finish_reason == "length"
+    events, text, calls = run(tokenizer, CALL[:60], "hermes", reason="length")
+    assert text == "" and len(calls) == 1 and calls[0].arguments == CALL[CALL.index("{", 20) : 60]
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer(default_model_dir):
+    """The default tokenizer with Mistral's markers as special tokens (skipped when decoded)."""
+    tokenizer = load_tokenizer(default_model_dir)
+    tokenizer.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    return tokenizer
+
+
+def test_marker_tokens_reach_the_parser_though_special_tokens_are_skipped(mistral_tokenizer):
+    text = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]f[ARGS]{}'
+    ids = mistral_tokenizer.encode(text, add_special_tokens=False).ids
+    assert mistral_tokenizer.token_to_id("[TOOL_CALLS]") in ids
+    assert "[TOOL_CALLS]" not in mistral_tokenizer.decode(ids, skip_special_tokens=True)
+    events, content, calls = run(mistral_tokenizer, text, "mistral")
+    assert content == "Checking." and [c.name for c in calls] == ["get_weather", "f"]
+    assert json.loads(calls[0].arguments) == {"city": "Oslo"} and len(calls[0].id) == 9
+    assert events[-1].finish_reason == "tool_calls"
+    _, content, calls = run(mistral_tokenizer, text, "")  # no parser: the markers stay skipped
+    assert content == 'Checking.get_weather{"city": "Oslo"}f{}' and not calls

@@ -57,7 +57,12 @@ def calls_of(text):
         ("<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
         # Cut off after a complete object (eos or max tokens before the closing tag).
         ('<tool_call>\n{"name": "f", "arguments": {}}', "", [("call_0", "f", {})]),
-        ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),
+        # Cut before its arguments began: dropped, never text (issue 38).
+        ('<tool_call>\n{"name": "f", "argu', "", []),
+        ('ok\n<tool_call>\n{"name": "get_weather",', "ok", []),
+        ("ok <tool_call>\n", "ok", []),
+        # An unclosed tag followed by prose is text.
+        ("<tool_call> maybe later", "<tool_call> maybe later", []),
         ("a <tool_ b", "a <tool_ b", []),
     ],
 )

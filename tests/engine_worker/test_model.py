@@ -3,6 +3,7 @@ KV cache, for every supported architecture and once for the real default model."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,11 @@ def reference_last_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 
 def check_against_transformers(
-    model_dir, decode_steps: int, chunk: int | None = None, backend=None
+    model_dir,
+    decode_steps: int,
+    chunk: int | None = None,
+    backend=None,
+    prompts: list[list[int]] | None = None,
 ) -> None:
     # Dense fp32 weights: a GGUF checkpoint is dequantized exactly, as transformers does.
     engine = Engine(
@@ -37,9 +42,10 @@ def check_against_transformers(
         )
     )
     if backend is not None:
-        engine.runner.attention = backend(engine.runner.kv_cache)
+        layers = engine.runner.model.config.layer_attention
+        engine.runner.attention = backend(engine.runner.kv_cache, layers=layers)
     hf = load_reference_model(model_dir)
-    prompts = [
+    prompts = prompts or [
         [1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
         [1, 504, 3458, 282, 4649, 314, 253, 1467, 11, 4, 77, 9001, 18, 7],
     ]
@@ -77,6 +83,26 @@ def test_sdpa_backend_matches_transformers(tmp_path):
     continuations one segment at a time."""
     model_dir = make_tiny_model(tmp_path / "llama", architecture="llama")
     check_against_transformers(model_dir, decode_steps=3, chunk=5, backend=SdpaBackend)
+
+
+@pytest.mark.parametrize("backend", [None, SdpaBackend], ids=["chosen", "sdpa"])
+@pytest.mark.parametrize(
+    ("architecture", "window_config"),
+    [
+        ("mistral", {"sliding_window": 8}),  # every layer windowed
+        # layer 0 full, layer 1 windowed (transformers' layer_types from max_window_layers)
+        ("qwen2", {"sliding_window": 12, "use_sliding_window": True, "max_window_layers": 1}),
+    ],
+)
+def test_sliding_window_models_match_transformers(tmp_path, architecture, window_config, backend):
+    """Prompts of 30 and 37 tokens over a window of 8 or 12 (2-3 blocks of 4): a prefill, a
+    chunk of 13 that straddles the window, then 16 decode steps (a kept workspace whose window
+    moves every step). ``chosen``: the engine's own backend (the CPU paged one here)."""
+    model_dir = make_tiny_model(tmp_path / architecture, architecture=architecture, **window_config)
+    assert any(spec.window for spec in ModelConfig.from_dir(model_dir).layer_attention)
+    rng = np.random.default_rng(0)
+    prompts = [[1] + rng.integers(3, 40000, size=n).tolist() for n in (29, 36)]
+    check_against_transformers(model_dir, 16, chunk=13, backend=backend, prompts=prompts)
 
 
 def test_backend_is_chosen_from_the_device_and_the_torch_build(tiny_model_dir):

@@ -95,7 +95,11 @@ def test_default_model_seeded_sampling_matches_eager(default_engine, chat_prompt
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, object]:
     root = tmp_path_factory.mktemp("scripted")
-    return {a: make_tiny_model(root / a, architecture=a) for a in ("llama", "qwen2", "qwen3")}
+    models = {a: make_tiny_model(root / a, architecture=a) for a in ("llama", "qwen2", "qwen3")}
+    models["mistral-window"] = make_tiny_model(
+        root / "mistral-window", architecture="mistral", sliding_window=8
+    )
+    return models
 
 
 def test_tiny_model_scripted_matches_eager(tiny_models):
@@ -128,6 +132,7 @@ def test_steps_with_prompt_rows_run_eagerly(tiny_models):
         ("llama", {"scripted_decode": False}),
         ("qwen2", {"weights": "int4"}),  # qkv bias
         ("qwen3", {"weights": "int4"}),  # q/k norm
+        ("mistral-window", {"weights": "int4"}),  # a sliding window
     ],
 )
 def test_models_it_does_not_cover_run_eagerly(tiny_models, architecture, knobs):

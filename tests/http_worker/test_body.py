@@ -107,3 +107,18 @@ def test_field_paths_read_as_the_api_names_fields():
     assert field_path(("body", "messages", 0, "content", "str")) == "messages[0].content"
     assert field_path(("prompt", "list[int]", 3)) == "prompt[3]"
     assert field_path(()) is None
+
+
+def test_a_text_prompt_is_not_walked_character_by_character():
+    """Issue 38: the token-id range check enumerated a text prompt's characters in Python (a
+    7 MB completions prompt spent ~8 s there before the cluster saw it)."""
+    from http_worker.protocol import _check_token_ids
+
+    class Unwalkable(str):
+        def __iter__(self):
+            raise AssertionError("the prompt's characters were walked")
+
+    _check_token_ids(Unwalkable("a long text prompt"))
+    _check_token_ids([1, 2, 3])
+    with pytest.raises(ValueError, match="token ids are integers"):
+        _check_token_ids([[1, 2], [3, -1]])

@@ -38,6 +38,7 @@ from ipc.messages import (
     TokenLogprobs,
     TopLogprob,
     Usage,
+    WorkerFailed,
     WorkerReady,
 )
 from ipc.queries import (
@@ -146,6 +147,7 @@ EXAMPLES = [
     ),
     WorkerReady("engine", 0, 123, ["ipc:///e"], "m", 2048, 49152),
     Heartbeat("tokenizer", 1, 124, 5.0, {"served": 3.0}),
+    WorkerFailed("engine", 0, 123, "model_type 'bogus' is not supported"),
     ClusterNotice("died", "tokenizer", 1, 125, "exited with code -9", ["r1"]),
     GrammarVocabulary(8, b"<e>ab\xc3", pack_ids([3, 4, 5, 6]), pack_ids([0]), [0], "f00d"),
     SubmitRequest(

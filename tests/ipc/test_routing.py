@@ -1,6 +1,6 @@
 """The prefix index and the routing rule: each case below fails for a rule that differs (load
 imbalance decides first, then the cached share above the threshold, else the least loaded;
-ties to the lower load, then the lower index; dead replicas never)."""
+among equal loads the smallest cache, ties beyond that spread by turn; dead replicas never)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,34 @@ def test_ties_go_to_the_lower_load_then_the_lower_index():
     )
     assert choose(CACHE_AWARE, {}, TEN, {0: 1, 1: 1, 2: 1}, [2, 1, 0]) == (0, "balanced")
     assert choose(LEAST_LOADED, {1: TEN}, TEN, {0: 1, 1: 2}, [0, 1]) == (0, "balanced")
+
+
+def test_below_the_threshold_the_smallest_cache_wins_among_the_least_loaded():
+    # Issue 38: with no match the tie went to replica 0, which then cached every prefix.
+    assert choose(CACHE_AWARE, {}, TEN, {0: 0, 1: 0}, [0, 1], cached={0: 40, 1: 0}) == (
+        1,
+        "balanced",
+    )
+    assert choose(CACHE_AWARE, {0: 2}, TEN, {0: 0, 1: 0}, [0, 1], cached={0: 40, 1: 3}) == (
+        1,
+        "balanced",
+    )
+    # Load still comes first (the index learns of blocks only after their prefill).
+    assert choose(CACHE_AWARE, {}, TEN, {0: 0, 1: 1}, [0, 1], cached={0: 40, 1: 0}) == (
+        0,
+        "balanced",
+    )
+    router = Router(CACHE_AWARE)
+    router.index.apply(0, [BlockStored([1, 2, 3], None, [0] * 12, 4)])
+    assert router.route([7, 8], {0: 0, 1: 0}, [0, 1]) == (1, "balanced")
+
+
+def test_ties_beyond_load_and_cache_spread_by_turn():
+    turns = [choose(CACHE_AWARE, {}, TEN, {0: 2, 1: 0, 2: 0}, [0, 1, 2], turn=t) for t in range(4)]
+    assert [r for r, _ in turns] == [1, 2, 1, 2]
+    assert [choose(LEAST_LOADED, {}, TEN, {}, [0, 1], turn=t)[0] for t in range(3)] == [0, 1, 0]
+    router = Router(LEAST_LOADED)
+    assert [router.route([5], {0: 0, 1: 0}, [0, 1])[0] for _ in range(4)] == [0, 1, 0, 1]
 
 
 def test_dead_replicas_are_never_chosen():

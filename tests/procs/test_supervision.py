@@ -13,7 +13,7 @@ import zmq
 from ipc.config import ClusterConfig
 from ipc.messages import NOTICE_DIED, NOTICE_READY, ClusterNotice, WorkerReady
 from procs.children import Child
-from procs.supervision import Roster, SupervisionPolicy, Watcher
+from procs.supervision import ClusterStartError, Roster, SupervisionPolicy, Watcher
 
 
 def _proc(code: str) -> subprocess.Popen:
@@ -152,6 +152,42 @@ def test_a_dead_detokenizer_is_restarted_without_a_notice(config, children):
         dead.popen.wait()
         watcher.check(time.monotonic())
         assert notices == [] and respawned == [dead]  # clients see their connection drop
+    finally:
+        roster.close()
+        ctx.term()
+
+
+def test_a_child_that_refuses_to_start_ends_the_wait_with_its_reason_and_is_not_restarted(
+    config, children
+):
+    cfg = config()
+    cfg.write()
+    ctx = zmq.Context()
+    roster = Roster(ctx, cfg)
+    try:
+        refusing = children(
+            "engine",
+            0,
+            "import sys\n"
+            "from ipc.config import ClusterConfig\n"
+            "from runtime.supervisor_link import send_last_words\n"
+            f"config = ClusterConfig.read({str(cfg.config_path)!r})\n"
+            "send_last_words(config, 'engine', 0, 'tensor x has type IQ4_NL', refused=True)\n"
+            "sys.exit(2)\n",
+        )
+        roster.children.append(refusing)
+        t0 = time.monotonic()
+        with pytest.raises(ClusterStartError, match=r"^engine\[0\]: tensor x has type IQ4_NL$"):
+            roster.wait_ready([refusing], timeout_s=60)
+        assert time.monotonic() - t0 < 30
+        refusing.popen.wait()
+        assert refusing.failed is not None and refusing.failed.refused
+        assert (
+            SupervisionPolicy(cfg).after_death(refusing) == "it refused to start, and would again"
+        )
+        silent = children("tokenizer", 0, "raise SystemExit(3)")
+        with pytest.raises(ClusterStartError, match=r"tokenizer\[0\]: exited with code 3"):
+            roster.wait_ready([silent], timeout_s=60)  # no last words: its exit code
     finally:
         roster.close()
         ctx.term()

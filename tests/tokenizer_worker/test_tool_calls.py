@@ -28,10 +28,10 @@ from tokenizer_worker.tool_calls import (
     check_tools,
     conversation_for_template,
     forced_tool_call_spec,
-    rebase_refs,
     resolve_tool_choice,
     template_supports_tools,
 )
+from tokenizer_worker.tool_formats import rebase_refs
 
 WEATHER = {
     "type": "function",
