@@ -10,6 +10,7 @@ import logging
 
 from tokenizers.decoders import DecodeStream
 
+from detok_worker.reasoning import ReasoningSplitter
 from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.token_strings import TokenStrings
 from detok_worker.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolCallParser
@@ -45,6 +46,8 @@ class RequestState:
         "unsent_logprobs",
         "prompt_logprobs",
         "tool_parser",
+        "reasoner",
+        "unsent_reasoning",
         "marker_ids",
         "unsent_calls",
         "step_ms",
@@ -72,6 +75,11 @@ class RequestState:
         self.tool_parser: ToolCallParser | None = None
         if meta.tool_parser:
             self.tool_parser = TOOL_PARSERS[meta.tool_parser]()
+        # A reasoning model's thinking leaves the text first: calls come after it.
+        self.reasoner: ReasoningSplitter | None = None
+        if meta.reasoning_parser:
+            self.reasoner = ReasoningSplitter(meta.reasoning_open)
+        self.unsent_reasoning = ""
         self.marker_ids: dict[int, str] | None = None  # the parser's special tokens, when skipped
         self.unsent_calls: list[ToolCallDelta] = []
         self.step_ms = 0.0  # how long the engine step of its newest token took
@@ -138,6 +146,12 @@ class RequestState:
         return self.marker_ids.get(token_id, "")
 
     def _release(self, text: str, last: bool = False, cut: bool = False) -> None:
+        if self.reasoner is not None:
+            reasoning, text = self.reasoner.feed(text) if text else ("", "")
+            if last:
+                end = self.reasoner.finish()
+                reasoning, text = reasoning + end[0], text + end[1]
+            self.unsent_reasoning += reasoning
         if self.tool_parser is None:
             self.unsent_text += text
             return
@@ -166,6 +180,7 @@ class RequestState:
             token_ids=pack_ids(self.unsent_ids),
             logprobs=self.unsent_logprobs,
             tool_calls=self.unsent_calls,
+            reasoning=self.unsent_reasoning,
             engine_index=self.meta.engine_index,
             t_step=self.timings.t_last_token,
             step_ms=self.step_ms,
@@ -174,7 +189,7 @@ class RequestState:
         if not self.sent_any and self.meta.prompt_token_ids and strings is not None:
             self._add_prompt(event, strings)
         self.unsent_text, self.unsent_ids, self.sent_any = "", [], True
-        self.unsent_logprobs, self.unsent_calls = [], []
+        self.unsent_logprobs, self.unsent_calls, self.unsent_reasoning = [], [], ""
         if self.meta.continuous_usage_stats:
             event.usage = self.usage()
         return event

@@ -4,12 +4,19 @@ prompt tokens one step computes there."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
 from engine_worker.weight_format import dtype_for_weights
-from ipc.engine_config import PREFILL_TOKENS_CPU, PREFILL_TOKENS_CUDA
+from ipc.engine_config import (
+    PREFILL_TOKEN_KEYS_CPU,
+    PREFILL_TOKEN_KEYS_CUDA,
+    PREFILL_TOKENS_CPU,
+    PREFILL_TOKENS_CUDA,
+    EngineConfig,
+)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,7 +72,13 @@ def weight_copy_budget_bytes(device: torch.device) -> int:
     return available_memory_bytes() // 4
 
 
-def resolve_prefill_tokens(configured: int, device: torch.device) -> int:
-    if configured:
-        return configured
-    return PREFILL_TOKENS_CUDA if device.type == "cuda" else PREFILL_TOKENS_CPU
+def resolve_prefill_budget(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """``config`` with its prefill budgets' 0 ("the device's") resolved for ``device``."""
+    cuda = device.type == "cuda"
+    return dataclasses.replace(
+        config,
+        prefill_max_tokens=config.prefill_max_tokens
+        or (PREFILL_TOKENS_CUDA if cuda else PREFILL_TOKENS_CPU),
+        prefill_max_token_keys=config.prefill_max_token_keys
+        or (PREFILL_TOKEN_KEYS_CUDA if cuda else PREFILL_TOKEN_KEYS_CPU),
+    )

@@ -5,7 +5,6 @@ columnar ``StepOutput`` for all requests. The engine sees only token ids, never 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -17,7 +16,7 @@ import torch
 from engine_worker.aborts import AbortBook
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.cache_events import CacheEventRecorder
-from engine_worker.device import resolve_device, resolve_prefill_tokens
+from engine_worker.device import resolve_device, resolve_prefill_budget
 from engine_worker.grammar_requests import GrammarRequests
 from engine_worker.idle_window import IdleBatchWindow
 from engine_worker.interface import EngineLoad, EngineOverloaded
@@ -78,10 +77,7 @@ class Engine:
         if config.engine_threads:
             torch.set_num_threads(config.engine_threads)
         self.device = resolve_device(config.device)
-        self.config = config = dataclasses.replace(
-            config,
-            prefill_max_tokens=resolve_prefill_tokens(config.prefill_max_tokens, self.device),
-        )
+        self.config = config = resolve_prefill_budget(config, self.device)
         self.model_config = model_config = ModelConfig.from_dir(config.model_path)
         self.max_model_len = resolve_max_model_len(config, model_config)
         if weight_format is None:
@@ -139,7 +135,8 @@ class Engine:
         config = self.config
         logger.info(
             "engine ready: model=%s device=%s dtype=%s %s threads=%d kv_blocks=%d x %d "
-            "tokens max_model_len=%d prefill_max_tokens=%d prefix_cache=%s attention=%s",
+            "tokens max_model_len=%d prefill_max_tokens=%d prefill_max_token_keys=%d "
+            "prefix_cache=%s attention=%s",
             self.model_name,
             self.device,
             weight_format.dtype,
@@ -149,6 +146,7 @@ class Engine:
             config.block_size,
             self.max_model_len,
             config.prefill_max_tokens,
+            config.prefill_max_token_keys,
             config.enable_prefix_cache,
             self.runner.attention.name,
         )

@@ -1,17 +1,10 @@
 """Reads a GGUF checkpoint's tensors at their own precision, under Hugging Face names.
 
 The ``gguf`` package's reader gives each tensor's raw block bytes (a memory map); we parse the
-blocks ourselves instead of dequantizing to float32:
-
-* Q4_0 (18-byte blocks of 32: fp16 d, 16 bytes of nibbles; ``w = d * (q - 8)``) and Q4_1 (20
-  bytes: fp16 d, fp16 m, nibbles; ``w = d * q + m``) become ``Int4Groups`` with group 32:
-  scale = d, zero = 0 (Q4_0) or m + 8 d (Q4_1), which is exact in float32 (checked per file);
-* Q8_0 (34 bytes: fp16 d, 32 int8; ``w = d * q``) becomes ``Int8Blocks``;
-* F32, F16 and BF16 stay dense tensors in their own dtype.
-
-Any other type is refused with an error that names it. Nibble order within a block (low nibbles
-are weights 0-15, high nibbles 16-31) and the formulas above are the ``gguf`` package's own
-``dequantize``; tests check that we reproduce it bit for bit.
+blocks ourselves instead of dequantizing to float32 (gguf_blocks.py: Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0 and the K-quants Q2_K to Q6_K become ``Int4Groups`` or ``Int8Blocks`` holding the file's
+own weights); F32, F16 and BF16 stay dense tensors in their own dtype. Any other type is refused
+with an error that names the tensor, its type and the served types.
 
 Names: each architecture's GGUF names are the ``gguf`` package's own map (``TensorNameMap``)
 of the Hugging Face names our layers read, inverted; a block with ``ffn_up`` but no ``ffn_gate``
@@ -32,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine_worker.gguf_blocks import BLOCK_TYPES, INEXACT_ZEROS, parse_blocks
 from engine_worker.linear import Int4Groups, Int8Blocks, WeightSource
 
 logger = logging.getLogger("splitserve.engine.gguf")
 
-BLOCK = 32
-SERVED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+SERVED_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)
 # Architectures whose converter permutes q/k rows for an interleaved rope.
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3", "granite")
 # (its Llama converter's subclasses that keep the permutation; Mistral files are "llama" too)
@@ -132,6 +125,7 @@ def read_gguf(
         )
     tensors: dict[str, WeightSource] = {}
     skipped = []
+    INEXACT_ZEROS[:] = [0, 0]
     for t in all_tensors:
         name = hf_name(t.name, architecture)
         if name is None:
@@ -151,6 +145,15 @@ def read_gguf(
     for name in [n for n in tensors if n.endswith("mlp.up_proj.weight")]:
         if name.replace("up_proj", "gate_proj") not in tensors:  # Phi-3: gate and up fused
             tensors[name.replace("up_proj", "gate_up_proj")] = tensors.pop(name)
+    inexact, folded = INEXACT_ZEROS
+    if folded:
+        logger.log(
+            logging.WARNING if inexact else logging.INFO,
+            "%d of %d group zeros (Q4_1 m + 8 d, Q4_K/Q2_K 8 d sc - dmin m) need a float32 "
+            "rounding: those groups' weights differ from the file's by it",
+            inexact,
+            folded,
+        )
     if skipped:
         logger.warning(
             "ignored %d GGUF tensors with no known role, e.g. %s", len(skipped), skipped[:3]
@@ -229,32 +232,7 @@ def _parse(type_name: str, data: np.ndarray, shape: list[int]) -> WeightSource:
     if type_name == "BF16":
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(dims)
     rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
-    blocks = raw.reshape(rows, cols // BLOCK, block_bytes)
-
-    def halves(start: int) -> torch.Tensor:  # the fp16 at this byte offset of every block
-        return torch.from_numpy(
-            blocks[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-        )
-
-    d = halves(0)
-    if type_name == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
-        return Int8Blocks(q=torch.from_numpy(q), scale=d)
-    nibbles = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
-    q = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols))
-    if type_name == "Q4_0":
-        return Int4Groups(q=q, scale=d, zero=torch.zeros_like(d))
-    m = halves(2)
-    zero = m + 8 * d  # w = d*q + m = d*(q - 8) + (m + 8d)
-    inexact = int(((zero.double() - 8 * d.double() - m.double()) != 0).sum())
-    if inexact:
-        logger.warning(
-            "%d Q4_1 blocks have m + 8d outside float32: those weights differ from "
-            "the file's by one float32 rounding",
-            inexact,
-        )
-    return Int4Groups(q=q, scale=d, zero=zero)
+    return parse_blocks(type_name, raw, rows, cols)
 
 
 def _unpermute_rows(source: WeightSource, heads: int) -> WeightSource:
@@ -265,5 +243,6 @@ def _unpermute_rows(source: WeightSource, heads: int) -> WeightSource:
     if isinstance(source, Int4Groups):
         return Int4Groups(rows(source.q), rows(source.scale), rows(source.zero))
     if isinstance(source, Int8Blocks):
-        return Int8Blocks(rows(source.q), rows(source.scale))
+        zero = None if source.zero is None else rows(source.zero)
+        return Int8Blocks(rows(source.q), rows(source.scale), zero)
     return rows(source)

@@ -1,5 +1,8 @@
 // Int4 decode kernel: y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * scale[n, g] + zero[n, g]), for a
 // few bf16 rows x, q in [0, 15], one bf16 (scale, zero) per group of 32 k (g = k / 32).
+// Two variants of the block (below): groups of 16 k (kSub = 2 pairs per block: GGUF Q2_K, Q3_K,
+// Q6_K sub-blocks) and q of 5 or 6 bits (kHigh = 1 or 2 bit planes beside the nibbles:
+// q - 16 or q - 32 in place of q - 8; GGUF Q5_x, Q6_K), each read once.
 //
 // Per group the sum splits into scale * sum_k (q - 8) x + zero * sum_k x. (q - 8) is exact in
 // bf16, so vdpbf16ps forms every product (q - 8) * x exactly and sums them in float32; the group's
@@ -11,6 +14,10 @@
 // shifted right by 4 s and looked up with vpermw (a 32-entry table of (j % 16) - 8 in bf16, so
 // bit 4 of the index is ignored) gives 32 bf16 weights: 16 outputs x 2 consecutive k, the
 // layout vdpbf16ps multiplies with a broadcast pair of x.
+// With kHigh bit planes, 64 bytes each follow the words: 16 32-bit masks, mask 4 c + s holding
+// bit 4 + h of the 32 weights that word shift s of chunk c gives (bit i for word i); they set
+// bits 4 and 5 of the lookup index, into a 32- or 64-entry table of j - 16 or j - 32. Then
+// kSub runs of 16 (scale, zero) pairs; with two, chunks 0-1 (k 0-15) take the first.
 //
 // A row's arithmetic is the same whatever the other rows of the call and whichever thread runs
 // its tile: the result of a row depends on that row alone.
@@ -24,19 +31,46 @@ namespace {
 constexpr int kTile = 16;
 constexpr int kGroup = 32;
 constexpr int kWeightBytes = 256;
-constexpr int kBlockBytes = 320;
+constexpr int kPlaneBytes = 64;  // a high-bit plane, or a run of 16 (scale, zero) bf16 pairs
 constexpr int kMaxRows = 4;
 constexpr int kMaxGroups = 2048;
 
-inline __m512i nibble_table() {
+constexpr int block_bytes(int sub, int high) { return kWeightBytes + kPlaneBytes * (high + sub); }
+
+// Entries [32 part, 32 part + 32) of the lookup table of q of 4 + high bits: q - 8 (16 entries,
+// twice: bit 4 of the index ignored), q - 16 or q - 32, in bf16 (exact: small integers).
+inline __m512i lookup_table(int high, int part) {
     alignas(64) uint16_t table[32];
     for (int j = 0; j < 32; ++j) {
-        float v = (float)(j % 16 - 8);
+        const int q = 32 * part + j;
+        float v = high == 0 ? (float)(q % 16 - 8) : (float)(q - (8 << high));
         uint32_t bits;
         memcpy(&bits, &v, 4);
-        table[j] = (uint16_t)(bits >> 16);  // exact: small integers
+        table[j] = (uint16_t)(bits >> 16);
     }
     return _mm512_load_si512(table);
+}
+
+inline __mmask32 mask_at(const uint8_t* p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    return _cvtu32_mask32(bits);
+}
+
+// The 32 bf16 weights of shift s of chunk c of a block: 16 outputs x 2 consecutive k.
+template <int kHigh>
+inline __m512bh lookup(const uint8_t* block, __m512i words, int c, int s, __m512i table,
+                       __m512i table_hi) {
+    __m512i index = _mm512_srli_epi16(words, 4 * s);
+    if constexpr (kHigh > 0) {
+        index = _mm512_and_si512(index, _mm512_set1_epi16(15));  // bits 4, 5 clear: add sets them
+        for (int h = 0; h < kHigh; ++h) {
+            const __mmask32 bits = mask_at(block + kWeightBytes + kPlaneBytes * h + 4 * (4 * c + s));
+            index = _mm512_mask_add_epi16(index, bits, index, _mm512_set1_epi16((int16_t)(16 << h)));
+        }
+    }
+    if constexpr (kHigh == 2) return (__m512bh)_mm512_permutex2var_epi16(table, index, table_hi);
+    return (__m512bh)_mm512_permutexvar_epi16(index, table);
 }
 
 inline __m512 pair_of(const uint16_t* x) {
@@ -58,8 +92,8 @@ inline void store_row(__m512 acc, void* y, int64_t offset, int f32_out) {
 // scale, their top 16 the zero.
 struct GroupScales {
     __m512 scale, zero;
-    explicit GroupScales(const uint8_t* block) {
-        const __m512i pairs = _mm512_loadu_si512(block + kWeightBytes);
+    explicit GroupScales(const uint8_t* pairs_at) {
+        const __m512i pairs = _mm512_loadu_si512(pairs_at);
         scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
         zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int32_t)0xFFFF0000u)));
     }
@@ -70,41 +104,45 @@ struct GroupScales {
     }
 };
 
-// One tile of 16 outputs for M rows: rows m of x at x + m * ldx, their group sums at
-// sums + m * groups, outputs at column n0 of row m of y (row stride ldy).
-template <int M>
+// One tile of 16 outputs for M rows: rows m of x at x + m * ldx, their sums per group of
+// 32 / kSub k at sums + m * groups * kSub, outputs at column n0 of row m of y (row stride ldy).
+template <int M, int kSub, int kHigh>
 void tile_rows(const uint8_t* blocks, int64_t groups, const uint16_t* x, int64_t ldx,
                const float* sums, void* y, int64_t ldy, int64_t n0, int f32_out) {
-    const __m512i table = nibble_table();
+    constexpr int kBytes = block_bytes(kSub, kHigh), kChunks = 4 / kSub;
+    const __m512i table = lookup_table(kHigh, 0), table_hi = lookup_table(kHigh, 1);
     __m512 acc[M];
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* block = blocks + g * kBlockBytes;
-        __m512 dot[M][4];
+        const uint8_t* block = blocks + g * kBytes;
+#pragma GCC unroll 2
+        for (int h = 0; h < kSub; ++h) {
+            __m512 dot[M][4];
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m)
+            for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
-            for (int s = 0; s < 4; ++s) dot[m][s] = _mm512_setzero_ps();
+                for (int s = 0; s < 4; ++s) dot[m][s] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-            const __m512i words = _mm512_loadu_si512(block + 64 * c);
+            for (int c = h * kChunks; c < (h + 1) * kChunks; ++c) {
+                const __m512i words = _mm512_loadu_si512(block + 64 * c);
 #pragma GCC unroll 4
-            for (int s = 0; s < 4; ++s) {
-                const __m512i shifted = _mm512_srli_epi16(words, 4 * s);
-                const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(shifted, table);
-                const int64_t k = g * kGroup + 2 * (4 * c + s);
+                for (int s = 0; s < 4; ++s) {
+                    const __m512bh w = lookup<kHigh>(block, words, c, s, table, table_hi);
+                    const int64_t k = g * kGroup + 2 * (4 * c + s);
 #pragma GCC unroll 4
-                for (int m = 0; m < M; ++m)
-                    dot[m][s] = _mm512_dpbf16_ps(dot[m][s], w, (__m512bh)pair_of(x + m * ldx + k));
+                    for (int m = 0; m < M; ++m)
+                        dot[m][s] =
+                            _mm512_dpbf16_ps(dot[m][s], w, (__m512bh)pair_of(x + m * ldx + k));
+                }
             }
-        }
-        const GroupScales scales(block);
+            const GroupScales scales(block + kWeightBytes + kPlaneBytes * (kHigh + h));
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-            const __m512 d = _mm512_add_ps(_mm512_add_ps(dot[m][0], dot[m][1]),
-                                           _mm512_add_ps(dot[m][2], dot[m][3]));
-            acc[m] = scales.add(acc[m], d, sums[m * groups + g]);
+            for (int m = 0; m < M; ++m) {
+                const __m512 d = _mm512_add_ps(_mm512_add_ps(dot[m][0], dot[m][1]),
+                                               _mm512_add_ps(dot[m][2], dot[m][3]));
+                acc[m] = scales.add(acc[m], d, sums[(m * groups + g) * kSub + h]);
+            }
         }
     }
     for (int m = 0; m < M; ++m) store_row(acc[m], y, m * ldy + n0, f32_out);
@@ -113,8 +151,14 @@ void tile_rows(const uint8_t* blocks, int64_t groups, const uint16_t* x, int64_t
 typedef void (*TileFn)(const uint8_t*, int64_t, const uint16_t*, int64_t, const float*, void*,
                        int64_t, int64_t, int);
 
-const TileFn kTileFns[kMaxRows + 1] = {nullptr, tile_rows<1>, tile_rows<2>, tile_rows<3>,
-                                       tile_rows<4>};
+template <int kSub, int kHigh>
+constexpr TileFn kFns[kMaxRows + 1] = {nullptr, tile_rows<1, kSub, kHigh>,
+                                       tile_rows<2, kSub, kHigh>, tile_rows<3, kSub, kHigh>,
+                                       tile_rows<4, kSub, kHigh>};
+
+// [sub - 1][high][rows]
+const TileFn* const kTileFns[2][3] = {{kFns<1, 0>, kFns<1, 1>, kFns<1, 2>},
+                                      {kFns<2, 0>, kFns<2, 1>, kFns<2, 2>}};
 
 inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -123,11 +167,11 @@ inline float bf16_to_float(uint16_t h) {
     return v;
 }
 
-// Float32 sum of each group of 32 of a row, in a fixed order.
-void group_sums(const uint16_t* x, int64_t groups, float* sums) {
+// Float32 sum of each group of ``size`` k of a row, in a fixed order.
+void group_sums(const uint16_t* x, int64_t groups, int size, float* sums) {
     for (int64_t g = 0; g < groups; ++g) {
         float total = 0.0f;
-        for (int j = 0; j < kGroup; ++j) total += bf16_to_float(x[g * kGroup + j]);
+        for (int j = 0; j < size; ++j) total += bf16_to_float(x[g * size + j]);
         sums[g] = total;
     }
 }
@@ -146,21 +190,25 @@ void over_tiles(int64_t tiles, int64_t groups, int rows, Fn fn) {
 extern "C" {
 
 // x: m rows of k bf16 (row stride ldx); y: m rows of n outputs, bf16 or float32 (f32_out),
-// row stride ldy; blocks: the packed weights, [n / 16][k / 32][320] bytes. Rows go 4 at a time;
-// the tiles of each 4 are split over the calling thread's OpenMP team (torch's, when this
-// library and torch share one libgomp). Returns 0, or -1 for shapes it does not take.
+// row stride ldy; blocks: the packed weights, [n / 16][k / 32][block_bytes(sub, high)] bytes
+// (sub (scale, zero) runs per block: groups of 32 / sub k; q of 4 + high bits). Rows go 4 at a
+// time; the tiles of each 4 are split over the calling thread's OpenMP team (torch's, when
+// this library and torch share one libgomp). Returns 0, or -1 for shapes it does not take.
 int int4_decode(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, int64_t m,
-                int64_t ldx, void* y, int64_t ldy, int f32_out) {
+                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub, int high) {
     const int64_t groups = k / kGroup, tiles = n / kTile;
     if (n % kTile || k % kGroup || groups > kMaxGroups) return -1;
-    float sums[kMaxRows * kMaxGroups];
+    if (sub < 1 || sub > 2 || high < 0 || high > 2) return -1;
+    const int64_t bytes = block_bytes(sub, high);
+    float sums[kMaxRows * kMaxGroups * 2];
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int rows = (int)(m - r0 < kMaxRows ? m - r0 : kMaxRows);
-        for (int r = 0; r < rows; ++r) group_sums(x + (r0 + r) * ldx, groups, sums + r * groups);
-        const TileFn fn = kTileFns[rows];
+        for (int r = 0; r < rows; ++r)
+            group_sums(x + (r0 + r) * ldx, groups * sub, kGroup / sub, sums + r * groups * sub);
+        const TileFn fn = kTileFns[sub - 1][high][rows];
         void* y_rows = f32_out ? (void*)((float*)y + r0 * ldy) : (void*)((uint16_t*)y + r0 * ldy);
         over_tiles(tiles, groups, rows, [&](int64_t t) {
-            fn(blocks + t * groups * kBlockBytes, groups, x + r0 * ldx, ldx, sums, y_rows, ldy,
+            fn(blocks + t * groups * bytes, groups, x + r0 * ldx, ldx, sums, y_rows, ldy,
                t * kTile, f32_out);
         });
     }

@@ -39,8 +39,10 @@ OP_SOURCE = Path(__file__).with_name("int4_decode_op.cpp")
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
 FLAGS += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
-TILE, GROUP, BLOCK_BYTES = 16, 32, 320
-MAX_GROUPS = 2048  # groups of 32 along K (all planes) the kernel takes: kMaxGroups
+TILE, GROUP, WEIGHT_BYTES, PLANE_BYTES = 16, 32, 256, 64
+GROUPS = (16, 32)  # scale/zero groups the kernel takes (two or one (scale, zero) runs a block)
+MAX_BITS = 6  # q of 4 bits, or 5 or 6 (one or two high-bit planes a block)
+MAX_GROUPS = 2048  # blocks of 32 along K (all planes) the kernel takes: kMaxGroups
 CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
 
 
@@ -109,7 +111,7 @@ def library() -> ctypes.CDLL | None:
     lib.int4_decode.restype = ctypes.c_int
     lib.int4_decode.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p]
     lib.int4_decode.argtypes += [*[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64]
-    lib.int4_decode.argtypes += [ctypes.c_int]
+    lib.int4_decode.argtypes += [ctypes.c_int] * 3
     return lib
 
 
@@ -147,11 +149,13 @@ def load_op() -> bool:
 
 
 def takes(planes: list[Int4Groups]) -> bool:
-    """Whether the kernel takes these planes (groups of 32 along K, at most MAX_GROUPS of them
-    over all planes; N a multiple of 16)."""
+    """Whether the kernel takes these planes (one group size of 16 or 32 and one width of q,
+    blocks of 32 along K, at most MAX_GROUPS of them over all planes; N a multiple of 16)."""
     n, k = planes[0].q.shape
     return (
-        all(p.group == GROUP for p in planes)
+        len({(p.group, p.bits) for p in planes}) == 1
+        and planes[0].group in GROUPS
+        and 4 <= planes[0].bits <= MAX_BITS
         and n % TILE == 0
         and k % GROUP == 0
         and len(planes) * k // GROUP <= MAX_GROUPS
@@ -159,24 +163,36 @@ def takes(planes: list[Int4Groups]) -> bool:
 
 
 def pack(planes: list[Int4Groups]) -> torch.Tensor:
-    """The kernel's blocks [N / 16, parts * K / 32, 320] uint8 from int4 planes (q [N, K],
-    scale/zero [N, K / 32], rounded to bf16 here, as ``Int4Linear`` holds them), side by side
-    along K as ``Int4Linear`` lays them; layout in int4_decode.cpp. Straight from the
-    checkpoint's groups: nothing is read back through another kernel."""
+    """The kernel's blocks [N / 16, parts * K / 32, bytes] uint8 (groups of 16:
+    [N / 16, parts * K / 32, 2, bytes / 2]) from planes (q [N, K], scale/zero [N, K / group],
+    rounded to bf16 here, as ``Int4Linear`` holds them), side by side along K as ``Int4Linear``
+    lays them; layout in int4_decode.cpp. Straight from the checkpoint's groups: nothing is read
+    back through another kernel."""
     q = torch.cat([p.q for p in planes], dim=1)
     scale = torch.cat([p.scale for p in planes], dim=1)
     zero = torch.cat([p.zero for p in planes], dim=1)
     n, k = q.shape
-    tiles, blocks = n // TILE, k // GROUP
+    tiles, blocks, sub = n // TILE, k // GROUP, GROUP // planes[0].group
+    q = q.view(tiles, TILE, blocks, 4, 4, 2)
     # q[n = 16 t + i // 2, k = 32 g + 2 (4 c + s) + i % 2] -> [t, g, c, i, s], 16-bit words as
     # their two bytes, little-endian (nibbles 0 and 1, then 2 and 3): uint8 throughout, ~4x
     # faster at load than building the words in int32 (the default model's head 637 -> 113 ms)
-    q = q.view(tiles, TILE, blocks, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
-    weights = torch.stack([q[..., 0] | (q[..., 1] << 4), q[..., 2] | (q[..., 3] << 4)], -1)
-    weights = weights.reshape(tiles, blocks, 256)
-    pairs = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [N, K/32, 2]
-    pairs = pairs.view(tiles, TILE, blocks, 2).transpose(1, 2).contiguous()
-    return torch.cat([weights, pairs.view(torch.uint8).reshape(tiles, blocks, 64)], -1)
+    nibbles = (q & 15).permute(0, 2, 3, 1, 5, 4)
+    words = torch.stack(
+        [nibbles[..., 0] | (nibbles[..., 1] << 4), nibbles[..., 2] | (nibbles[..., 3] << 4)], -1
+    )
+    parts = [words.reshape(tiles, blocks, WEIGHT_BYTES)]
+    # bit 4 + h of q[...] as masks [t, g, c, s] of 32 bits, bit i for word i
+    lanes = q.permute(0, 2, 3, 4, 1, 5).reshape(tiles, blocks, 16, 4, 8)
+    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+    for h in range(planes[0].bits - 4):
+        bits = (lanes >> (4 + h)) & 1
+        parts.append((bits * weights).sum(-1, dtype=torch.uint8).reshape(tiles, blocks, 64))
+    pairs = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [N, K / group, 2]
+    pairs = pairs.view(tiles, TILE, blocks, sub, 2).permute(0, 2, 3, 1, 4).contiguous()
+    parts.append(pairs.view(torch.uint8).reshape(tiles, blocks, sub * PLANE_BYTES))
+    packed = torch.cat(parts, -1)
+    return packed if sub == 1 else packed.view(tiles, blocks, sub, -1)
 
 
 def apply_ctypes(blocks: torch.Tensor, x: torch.Tensor, parts: int = 1, f32: bool = False):
@@ -187,10 +203,12 @@ def apply_ctypes(blocks: torch.Tensor, x: torch.Tensor, parts: int = 1, f32: boo
         return None
     x = x.contiguous() if parts == 1 else x.repeat(1, parts)
     n, k, m = blocks.shape[0] * TILE, blocks.shape[1] * GROUP, x.shape[0]
+    sub = blocks.shape[2] if blocks.dim() == 4 else 1
+    high = (blocks[0, 0].numel() - WEIGHT_BYTES) // PLANE_BYTES - sub
     if x.dtype != torch.bfloat16 or x.shape[1] != k:
         raise ValueError(f"needs bf16 rows of {k // parts}, got {x.dtype} {tuple(x.shape)}")
     y = torch.empty(m, n, dtype=torch.float32 if f32 else torch.bfloat16)
-    args = (blocks.data_ptr(), n, k, x.data_ptr(), m, k, y.data_ptr(), n, int(f32))
+    args = (blocks.data_ptr(), n, k, x.data_ptr(), m, k, y.data_ptr(), n, int(f32), sub, high)
     if lib.int4_decode(*args):
         raise ValueError(f"shape {n} x {k} not taken by the kernel")
     return y

@@ -20,21 +20,26 @@ above one row, the int4 kernel, scripts/bench/engine_determinism.py), so a row's
 on which kernel a layer picks for it, never on its neighbours: the pick depends only on the
 row's kind (a decoded token's or a prompt's) and, for decode rows, on how many there are.
 
-Quantized weights arrive as ``Int4Groups`` (q, scale, zero per group) or ``Int8Blocks`` (a GGUF
-Q8_0 tensor: int8 with one scale per 32 columns), from a checkpoint's own blocks or from
-``quantize_int4`` of a dense matrix; ``dequantize`` gives every source as fp32.
+Quantized weights arrive as ``Int4Groups`` (q, scale, zero per group) or ``Int8Blocks`` (GGUF
+5- to 8-bit blocks: int8 with a scale, and maybe a zero, per 16 or 32 columns), from a
+checkpoint's own blocks (gguf_blocks.py) or from ``quantize_int4`` of a dense matrix;
+``dequantize`` gives every source as fp32 (weight_sources.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from engine_worker.weight_sources import MAX_INT4_PARTS as MAX_INT4_PARTS
+from engine_worker.weight_sources import Int4Groups, WeightSource, source_rows
+from engine_worker.weight_sources import Int8Blocks as Int8Blocks
+from engine_worker.weight_sources import dequantize as dequantize
+from engine_worker.weight_sources import split_parts as split_parts
+
 INT4_GROUP = 32  # columns per int4 scale/zero; GGUF Q4_0/Q4_1 blocks are 32 weights too
-MAX_INT4_PARTS = 2  # more would read the 4-bit weights as often as a dense bf16 layer's bytes
 
 
 class LinearWeight(Protocol):
@@ -51,110 +56,6 @@ class LinearWeight(Protocol):
     @property
     def nbytes(self) -> int:
         """Bytes of weight data one full apply reads (what bounds decode speed)."""
-
-
-@dataclass(slots=True)
-class Int4Groups:
-    """w[n, k] = (q[n, k] - 8) * scale[n, k // group] + zero[n, k // group]; q uint8 in [0, 15],
-    scale and zero float32."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-
-    @property
-    def group(self) -> int:
-        return self.q.shape[1] // self.scale.shape[1]
-
-    def rounded(self, dtype: torch.dtype, parts: int = 1) -> Int4Groups:
-        """The groups with scale and zero as a kernel of ``parts`` parts holds them (each the sum
-        of ``split_parts`` in ``dtype``)."""
-        scale, zero = (_total(split_parts(v, dtype, parts)) for v in (self.scale, self.zero))
-        return Int4Groups(self.q, scale, zero)
-
-    def split(self, dtype: torch.dtype, parts: int) -> list[Int4Groups]:
-        """``parts`` planes of these weights whose scales and zeros ``dtype`` holds and whose
-        sum is these groups' (``split_parts``); one part is these groups."""
-        if parts == 1:
-            return [self]
-        scales, zeros = (split_parts(v, dtype, parts) for v in (self.scale, self.zero))
-        return [Int4Groups(self.q, s.float(), z.float()) for s, z in zip(scales, zeros)]
-
-    def parts_for(self, dtype: torch.dtype) -> int:
-        """The fewest kernel parts (at most ``MAX_INT4_PARTS``) that hold the scales and zeros
-        exactly in ``dtype``; 0 when none does."""
-        return next((p for p in range(1, MAX_INT4_PARTS + 1) if self.exact_in(dtype, p)), 0)
-
-    def exact_in(self, dtype: torch.dtype, parts: int = 1) -> bool:
-        """Whether ``parts`` values of ``dtype`` summed hold every scale and zero exactly (the
-        kernel then computes the checkpoint's own weights)."""
-        r = self.rounded(dtype, parts)
-        return torch.equal(r.scale, self.scale) and torch.equal(r.zero, self.zero)
-
-
-@dataclass(slots=True)
-class Int8Blocks:
-    """w[n, k] = q[n, k] * scale[n, k // group]; q int8, scale float32 (GGUF Q8_0)."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-
-    def as_int4_planes(self) -> list[Int4Groups]:
-        """The same weights as two 4-bit planes for ``Int4Linear``: with
-        q + 128 = 16 hi + lo, w = 16 d (hi - 8) + d (lo - 8) + 8 d. Scales in the kernel's dtype
-        round d alone (16 d rounds alike), so the layer computes round(d) * q."""
-        u = self.q.to(torch.int16) + 128
-        hi, lo = (u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)
-        return [
-            Int4Groups(hi, 16 * self.scale, torch.zeros_like(self.scale)),
-            Int4Groups(lo, self.scale.clone(), 8 * self.scale),
-        ]
-
-
-WeightSource: TypeAlias = torch.Tensor | Int4Groups | Int8Blocks
-
-
-def _total(parts: list[torch.Tensor]) -> torch.Tensor:
-    total = parts[0].float()
-    for part in parts[1:]:
-        total = total + part.float()
-    return total
-
-
-def split_parts(values: torch.Tensor, dtype: torch.dtype, parts: int) -> list[torch.Tensor]:
-    """``values`` (float32) as ``parts`` tensors of ``dtype`` whose sum is nearest to them: each
-    part rounds what the ones before it left over. Two bf16 parts hold any fp16 value exactly
-    (8 + 8 significant bits against 11, and bf16 has float32's exponent range)."""
-    out, rest = [], values.float()
-    for _ in range(parts):
-        out.append(rest.to(dtype))
-        rest = rest - out[-1].float()
-    return out
-
-
-def dequantize(source: WeightSource) -> torch.Tensor:
-    """The source's weights as float32 [N, K]. For int4 groups this is the value the kernel
-    computes, (q - 8) * scale + zero rounded once, wherever (q - 8) * scale is exact in float32:
-    scales of at most 20 significant bits (fp16 GGUF blocks, bf16 kernels)."""
-    if isinstance(source, torch.Tensor):
-        return source.float()
-    n, k = source.q.shape
-    groups = source.scale.shape[1]
-    scale = source.scale[..., None]
-    if isinstance(source, Int8Blocks):
-        return (source.q.view(n, groups, -1).float() * scale).view(n, k)
-    q = source.q.view(n, groups, -1).float().sub_(8)
-    return q.mul_(scale).add_(source.zero[..., None]).view(n, k)
-
-
-def source_rows(source: WeightSource, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` of the source's weights as float32 [len(rows), K], as ``dequantize``."""
-    if isinstance(source, torch.Tensor):
-        return source.index_select(0, rows).float()
-    q, scale = source.q.index_select(0, rows), source.scale.index_select(0, rows)
-    if isinstance(source, Int8Blocks):
-        return dequantize(Int8Blocks(q, scale))
-    return dequantize(Int4Groups(q, scale, source.zero.index_select(0, rows)))
 
 
 # Logits a low-precision head recomputes in float32 per row (refine_top_logits): bf16 logits are

@@ -63,7 +63,10 @@ def make_engine(config: ClusterConfig) -> EngineLike:
         engine: EngineLike = load_factory(config.engine_factory)(config)
         return engine
     from engine_worker.engine import Engine  # torch loads here, not with this module
+    from engine_worker.sampler import seed_unseeded_requests
 
+    if config.engine.seed is not None:
+        seed_unseeded_requests(config.engine.seed)
     try:
         return Engine(config.engine, cache_events=True)
     except (ValueError, OSError) as exc:

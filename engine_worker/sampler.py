@@ -23,6 +23,14 @@ import torch
 
 from ipc.messages import SamplingParams
 
+# Where a request without a seed gets one; the engine seeds it from its --seed knob.
+_UNSEEDED = random.Random()
+
+
+def seed_unseeded_requests(seed: int) -> None:
+    """The same seed gives the same sequence of unseeded requests' seeds (by arrival order)."""
+    _UNSEEDED.seed(seed)
+
 
 class RequestSampler:
     """The per-request part: parameters and the request's own random stream."""
@@ -63,7 +71,7 @@ class RequestSampler:
         self.generator = None
         if not self.greedy:
             self.generator = torch.Generator(device=device)
-            seed = params.seed if params.seed is not None else random.getrandbits(63)
+            seed = params.seed if params.seed is not None else _UNSEEDED.getrandbits(63)
             self.generator.manual_seed(seed)
         self.penalized = params.penalized
         self.presence = params.presence_penalty

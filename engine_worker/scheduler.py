@@ -1,13 +1,16 @@
 """Continuous-batching scheduler: decides, each step, which tokens of which requests to compute.
 
-Order of a step, oldest first (FCFS):
-1. every running request gets its next tokens: one (decode) or a chunk of its prompt (chunked
-   prefill, or recompute after preemption). When the KV pool has no block for it, the newest
-   running request is preempted (its blocks freed, itself put back at the head of the queue;
-   its emitted tokens stay, its prefix may stay in the prefix cache);
+Order of a step:
+1. every running request, oldest first, gets its next tokens: one (decode) or a chunk of its
+   prompt (chunked prefill, or recompute after preemption). When the KV pool has no block for
+   it, the newest running request is preempted (its blocks freed, itself put back at the head
+   of the queue; its emitted tokens stay, its prefix may stay in the prefix cache);
 2. waiting requests are admitted while the batch has room (``max_batch_size``), the step has
-   prefill budget (``prefill_max_batch_size`` requests, ``prefill_max_tokens`` tokens) and the
-   pool has blocks. A request never computes more than ``prefill_chunk_tokens`` in one step.
+   prefill budget (``prefill_max_batch_size`` requests, ``prefill_max_tokens`` tokens,
+   ``prefill_max_token_keys`` token-keys: engine_worker/prefill_budget.py) and the pool has
+   blocks: first those whose whole prompt fits in the short share of the budget (held back
+   from step 1's prompt chunks), then the others first come, first served. A request never
+   computes more than ``prefill_chunk_tokens`` in one step.
 With ``--speculative ngram``, a decoding request may also verify drafts (engine_worker/
 speculative.py): it computes its last token and up to ``num_speculative_tokens`` drafts, while
 at most ``speculative_max_batch`` requests decode in the step. Drafts get KV blocks only when
@@ -41,10 +44,11 @@ from typing import NamedTuple
 import torch
 
 from engine_worker.block_manager import KVBlockManager
+from engine_worker.prefill_budget import PrefillBudget, tokens_within_keys
 from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.speculative import LookupContext, NgramProposer
-from ipc.engine_config import PREFILL_TOKENS_CPU, EngineConfig
+from ipc.engine_config import PREFILL_TOKEN_KEYS_CPU, PREFILL_TOKENS_CPU, EngineConfig
 
 
 @dataclass(slots=True)
@@ -108,10 +112,12 @@ class Scheduler:
         does not hold (a fully cached prompt computes its last token or nothing, and the idle
         window, sized by this, waits accordingly little), up to one chunk."""
         cached = self._cached_prefix(request).tokens
+        keys = self.config.prefill_max_token_keys or PREFILL_TOKEN_KEYS_CPU
         return min(
             request.num_tokens - cached,
             self.config.prefill_chunk_tokens,
             self.config.prefill_max_tokens,
+            tokens_within_keys(cached, keys),
         )
 
     def _cached_prefix(self, request: EngineRequest) -> CachedPrefix:
@@ -136,13 +142,44 @@ class Scheduler:
         return CachedPrefix(blocks, keys, node, len(blocks) * size)
 
     def schedule(self) -> ScheduledBatch:
+        """Running requests first (decode rows, then the next chunks of prompts being
+        prefilled, in admission order), then waiting ones: short prompts first, then the rest
+        first come, first served. The short prompts' share of the prompt budget is held back
+        while the running requests take theirs (prefill_budget.py states the rule)."""
         batch = ScheduledBatch()
         if self.prefix_cache is not None:
             self.prefix_cache.step += 1
+        budget = self._budget()
+        room = self.config.max_batch_size - len(self.running)
+        short, tokens, keys = budget.short_prompts(
+            self.waiting, self.config.prefill_chunk_tokens, room
+        )
+        budget.tokens, budget.keys, budget.slots = (
+            budget.tokens - tokens,
+            budget.keys - keys,
+            budget.slots - len(short),
+        )
+        self._schedule_running(batch, budget)
+        budget.tokens, budget.keys, budget.slots = (
+            budget.tokens + tokens,
+            budget.keys + keys,
+            budget.slots + len(short),
+        )
+        self._admit_waiting(batch, budget, short)
+        return batch
+
+    def _budget(self) -> PrefillBudget:
         # The engine resolves 0 for its device; a scheduler built alone takes the CPU's.
-        token_budget = self.config.prefill_max_tokens or PREFILL_TOKENS_CPU
-        prefill_slots = self.config.prefill_max_batch_size
-        logprob_budget = self.prompt_logprob_tokens
+        return PrefillBudget(
+            tokens=self.config.prefill_max_tokens or PREFILL_TOKENS_CPU,
+            keys=self.config.prefill_max_token_keys or PREFILL_TOKEN_KEYS_CPU,
+            slots=self.config.prefill_max_batch_size,
+            logprob_tokens=self.prompt_logprob_tokens,
+        )
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: PrefillBudget) -> None:
+        """Every running request's next tokens: one (with drafts: more) for a decoding one, the
+        next chunk of its prompt for a prefilling one, as far as the budget goes."""
         position = 0
         propose = self.proposer is not None and (
             sum(1 for r in self.running if r.is_decoding) <= self.config.speculative_max_batch
@@ -155,53 +192,58 @@ class Scheduler:
             if request.is_decoding:
                 count = 1 + (self._draft(request) if propose else 0)
             else:
-                count = min(request.remaining, self.config.prefill_chunk_tokens, token_budget)
-                if request.wants_prompt_logprobs:
-                    count = min(count, logprob_budget)
-                if count <= 0 or prefill_slots <= 0:
+                wanted = min(request.remaining, self.config.prefill_chunk_tokens)
+                count = budget.chunk_tokens(request, request.num_computed, wanted)
+                if count <= 0:
                     position += 1
                     continue
             if not self._grow(request, count, batch):
                 continue  # preempted or failed: it left self.running at `position`
             if not request.is_decoding:
-                token_budget -= count
-                prefill_slots -= 1
-                if request.wants_prompt_logprobs:
-                    logprob_budget -= count
+                budget.charge(request, request.num_computed, count)
             self._publish_full_blocks(request, request.num_computed + count)
             batch.add(request, count)
             position += 1
+
+    def _admit_waiting(
+        self, batch: ScheduledBatch, budget: PrefillBudget, short: list[EngineRequest]
+    ) -> None:
+        """Admits ``short`` (waiting requests whose whole prompt fits in the short share), then
+        waiting requests in arrival order, while the batch, the budget and the pool have room.
+        A request whose grammar is still being built is passed over, not waited for."""
         now = time.monotonic()
+        for request in short:
+            if len(self.running) >= self.config.max_batch_size:
+                return
+            if not self._admit_one(request, budget, batch, now):
+                break  # no blocks for it: the queue's first ready request waits for them
         while (
             self.waiting
             and len(self.running) < self.config.max_batch_size
-            and prefill_slots > 0
-            and token_budget > 0
+            and budget.slots > 0
+            and budget.tokens > 0
         ):
-            # Requests whose grammar is still being built are passed over, not waited for.
             first_ready = next((r for r in self.waiting if r.ready), None)
-            if first_ready is None:
-                break
-            request = first_ready
-            wants_logprobs = request.wants_prompt_logprobs
-            budget = min(token_budget, logprob_budget) if wants_logprobs else token_budget
-            admitted = self._admit(request, budget) if budget > 0 else None
-            if admitted is None:
+            if first_ready is None or not self._admit_one(first_ready, budget, batch, now):
                 break  # FCFS: the first ready request waits for blocks, nobody overtakes it
-            if wants_logprobs:
-                logprob_budget -= admitted
-            self.waiting.remove(request)
-            self.running.append(request)
-            if not request.t_scheduled:
-                request.t_scheduled = now
-            batch.cached_tokens += request.num_computed if request.num_generated == 0 else 0
-            if request.num_generated == 0 and self.prefix_cache is not None:
-                batch.queried_tokens += request.num_tokens
-            token_budget -= admitted
-            prefill_slots -= 1
-            self._publish_full_blocks(request, request.num_computed + admitted)
-            batch.add(request, admitted)
-        return batch
+
+    def _admit_one(
+        self, request: EngineRequest, budget: PrefillBudget, batch: ScheduledBatch, now: float
+    ) -> bool:
+        admitted = self._admit(request, budget)
+        if admitted is None:
+            return False
+        self.waiting.remove(request)
+        self.running.append(request)
+        if not request.t_scheduled:
+            request.t_scheduled = now
+        batch.cached_tokens += request.num_computed if request.num_generated == 0 else 0
+        if request.num_generated == 0 and self.prefix_cache is not None:
+            batch.queried_tokens += request.num_tokens
+        budget.charge(request, request.num_computed, admitted)
+        self._publish_full_blocks(request, request.num_computed + admitted)
+        batch.add(request, admitted)
+        return True
 
     def _draft(self, request: EngineRequest) -> int:
         """Sets the request's drafts for this step and returns how many: none when it does not
@@ -252,12 +294,17 @@ class Scheduler:
             request.block_ids.extend(self.blocks.allocate(needed))
         return True
 
-    def _admit(self, request: EngineRequest, token_budget: int) -> int | None:
+    def _admit(self, request: EngineRequest, budget: PrefillBudget) -> int | None:
         """Takes cached prefix blocks and fresh blocks for the first chunk (and copies a cached
         prompt tail into the first fresh one); the tokens to compute (0: a kept prompt end, it
-        only samples), None = cannot yet."""
+        only samples), None = cannot yet (no budget or no blocks)."""
+        if budget.slots <= 0:
+            return None
         cached_blocks, keys, node, cached, tail, end = self._cached_prefix(request)
-        count = min(request.num_tokens - cached, self.config.prefill_chunk_tokens, token_budget)
+        wanted = min(request.num_tokens - cached, self.config.prefill_chunk_tokens)
+        count = budget.chunk_tokens(request, cached, wanted)
+        if count <= 0 < wanted:
+            return None
         fresh = self.blocks.blocks_for(cached + count) - len(cached_blocks)
         # Cached blocks nobody holds are counted as available; taking them uses that up.
         reclaimed = sum(1 for b in cached_blocks if self.blocks.ref_counts[b] == 0)

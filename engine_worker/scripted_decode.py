@@ -240,8 +240,9 @@ def _unsupported(model) -> str:
                 return "a linear with bias"
             if linear.max_tokens < 1:  # one decode row on the dense copy: another kernel
                 return "a linear without int4 decode rows"
-    groups = {lin.quantized.group for layer in model.layers for lin in _linears(layer)}
-    if len(groups) != 1:
-        return "int4 groups differ between layers"
     kernels = {lin.quantized.own_kernel for layer in model.layers for lin in _linears(layer)}
-    return "" if len(kernels) == 1 else "int4 layers on two kernels (some too wide for ours)"
+    if len(kernels) != 1:
+        return "int4 layers on two kernels (some too wide for ours)"
+    # our kernel's blocks carry their own group size; aten's takes one for every call
+    groups = {lin.quantized.group for layer in model.layers for lin in _linears(layer)}
+    return "" if kernels == {True} or len(groups) == 1 else "int4 groups differ between layers"

@@ -1,9 +1,11 @@
 """Which format each linear layer's weights take (the ``weights`` knob), decided once at load.
 
-  auto  on a CPU with bf16 activations, a GGUF's own blocks on torch's int4 kernel, as ``int4``
-        below: Q4_0/Q4_1 layers as they are, Q8_0 ones (the default model's tied head) as two
-        4-bit planes; everything else dense in the activation dtype (F16/F32, safetensors,
-        float32 activations, where the int4 kernel runs ~30x slower). Nothing is re-quantized
+  auto  on a CPU with bf16 activations, a GGUF's own blocks on the int4 kernel, as ``int4``
+        below: 4-bit (and Q2_K/Q3_K) layers as they are, Q5_x/Q6_K as one plane of 5- or
+        6-bit q on our kernel, Q8_0 ones (the default model's tied head) as two 4-bit planes
+        (gguf_blocks.py); groups of 16 dense where aten's kernel serves (it takes none);
+        everything else dense in the activation dtype (F16/F32, safetensors, float32
+        activations, where the int4 kernel runs ~30x slower). Nothing is re-quantized
   bf16, fp32  dense weights in that dtype (quantized blocks are dequantized)
   int8  per-channel int8 for every linear layer, lm_head included (re-quantized)
   int4  one call of torch's group-32 int4 kernel per layer, scales and zeros in the activation
@@ -153,7 +155,10 @@ class WeightFormat:
 
     def crossover(self, kind: str) -> int:
         """The most decode rows a step runs on a ``kind`` layer's quantized copy by default."""
-        return (OWN_KERNEL_MAX_TOKENS if self.own_int4 else QUANTIZED_MAX_TOKENS)[kind]
+        table = OWN_KERNEL_MAX_TOKENS if self.own_int4 else QUANTIZED_MAX_TOKENS
+        # 5- and 6-bit q (our kernel only) take their 4-bit kind's crossover: not measured
+        # apart (the products are the same; a block reads 1.2-1.6x the bytes)
+        return table[kind] if kind in table else table["int4" + kind[4:]]
 
     def dense(self, source: WeightSource) -> torch.Tensor:
         """A tensor in the activation dtype (embedding, norms, biases, dense layers)."""
@@ -178,7 +183,7 @@ class WeightFormat:
         scale_dtype = self.reference_for or self.dtype
         if kind == "int4":
             planes = self._int4_planes(source, scale_dtype)
-            kind = "int4" if len(planes) == 1 else f"int4x{len(planes)}"
+            kind = f"int{planes[0].bits}" + ("" if len(planes) == 1 else f"x{len(planes)}")
             self._count(kind)
             if self.reference_for is not None:
                 weight = torch.stack([dequantize(p.rounded(scale_dtype)) for p in planes])
@@ -212,14 +217,17 @@ class WeightFormat:
         return DenseLinear(self.dense(source), bias, keep_weight=head)
 
     def _int4_planes(self, source: WeightSource, dtype: torch.dtype) -> list[Int4Groups]:
-        """The planes of one int4 layer: a checkpoint's 4-bit groups as they are, its Q8_0
-        blocks as two nibble planes, dense weights quantized; int4-exact splits each plane's
-        scales and zeros into as many ``dtype`` parts as hold them."""
-        if isinstance(source, Int4Groups):
-            planes = [source]
-        elif isinstance(source, Int8Blocks):
-            planes = source.as_int4_planes()
-        else:
+        """The planes of one int4 layer: a checkpoint's 4-bit groups as they are; its 5- to
+        8-bit blocks as one plane of 5- or 6-bit q on our kernel (Q5_x, Q6_K), else two nibble
+        planes (Q8_0, and each on aten's kernel); dense weights quantized. aten's kernel takes
+        no groups of 16 (Q2_K, Q3_K, Q6_K): there they are re-quantized to groups of 32 (auto
+        serves them dense: ``_kind``). int4-exact splits each plane's scales and zeros into as
+        many ``dtype`` parts as hold them."""
+        planes = _planes(source, dtype, int4_decode.MAX_BITS if self.own_int4 else 4)
+        if self.own_int4 and not int4_decode.takes(planes):
+            planes = _planes(source, dtype, 4)
+        if (not self.own_int4 or not int4_decode.takes(planes)) and planes[0].group != INT4_GROUP:
+            logger.warning("aten's int4 kernel takes no groups of 16: a layer re-quantized")
             planes = [quantize_int4(dequantize(source), dtype)]
         if self.weights != "int4-exact":
             return planes
@@ -240,9 +248,7 @@ class WeightFormat:
 
     def _kind(self, sources: list[WeightSource], head: bool) -> str:
         weights = self.weights
-        blocks = all(isinstance(s, Int4Groups) for s in sources) or all(
-            isinstance(s, Int8Blocks) for s in sources
-        )
+        blocks = all(isinstance(s, Int4Groups | Int8Blocks) for s in sources)
         if weights == "auto":
             dtype = self.reference_for or self.dtype
             # The checkpoint's own 4-bit and Q8_0 blocks, with bf16 activations (the int4
@@ -250,6 +256,8 @@ class WeightFormat:
             # never re-quantized.
             if self.device.type != "cpu" or dtype != torch.bfloat16 or not blocks:
                 return "dense"
+            if not self.own_int4 and any(s.group != INT4_GROUP for s in sources):
+                return "dense"  # groups of 16, which aten's int4 kernel does not take
             weights = "int4"
         if weights in DENSE_DTYPES:
             return "dense"
@@ -286,19 +294,42 @@ class WeightFormat:
         return f"weights={self.weights}: {', '.join(parts)} linear layers{kernel}"
 
 
+def _planes(source: WeightSource, dtype: torch.dtype, max_bits: int) -> list[Int4Groups]:
+    if isinstance(source, Int4Groups):
+        return [source]
+    if isinstance(source, Int8Blocks):
+        return source.as_planes(max_bits)
+    return [quantize_int4(dequantize(source), dtype)]
+
+
 def _stack(sources: list[WeightSource]) -> WeightSource:
+    """Sources stacked along the output dimension in one kind: 4-bit groups or int8 blocks
+    (GGUF types mixed: each as int8 blocks, groups repeated to the smallest), else dense."""
     if len(sources) == 1:
         return sources[0]
-    int4 = [s for s in sources if isinstance(s, Int4Groups)]
-    if len(int4) == len(sources) and len({s.group for s in int4}) == 1:
-        return Int4Groups(
-            torch.cat([s.q for s in int4]),
-            torch.cat([s.scale for s in int4]),
-            torch.cat([s.zero for s in int4]),
-        )
-    int8 = [s for s in sources if isinstance(s, Int8Blocks)]
-    if len(int8) == len(sources):
-        return Int8Blocks(torch.cat([s.q for s in int8]), torch.cat([s.scale for s in int8]))
+    quantized = [s for s in sources if isinstance(s, Int4Groups | Int8Blocks)]
+    if len(quantized) == len(sources):
+        group = min(s.group for s in quantized)
+
+        def cat(values: list[torch.Tensor | None]) -> torch.Tensor:
+            return torch.cat(
+                [
+                    (torch.zeros_like(s.scale) if v is None else v).repeat_interleave(
+                        s.group // group, 1
+                    )
+                    for s, v in zip(quantized, values)
+                ]
+            )
+
+        int4 = [s for s in quantized if isinstance(s, Int4Groups)]
+        if len(int4) == len(sources) and len({s.bits for s in int4}) == 1:
+            q = torch.cat([s.q for s in int4])
+            return Int4Groups(
+                q, cat([s.scale for s in int4]), cat([s.zero for s in int4]), int4[0].bits
+            )
+        blocks = [s if isinstance(s, Int8Blocks) else s.as_int8() for s in quantized]
+        zero = None if all(b.zero is None for b in blocks) else cat([b.zero for b in blocks])
+        return Int8Blocks(torch.cat([b.q for b in blocks]), cat([b.scale for b in blocks]), zero)
     if all(isinstance(s, torch.Tensor) for s in sources):
         return torch.cat(sources)
-    return torch.cat([dequantize(s) for s in sources])  # mixed block types: no common blocks
+    return torch.cat([dequantize(s) for s in sources])  # quantized and dense mixed

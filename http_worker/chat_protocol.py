@@ -45,6 +45,8 @@ class ChatMessageIn(BaseModel):
     name: str | None = None  # passed to the chat template, which may show it
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (OpenAI's shape)
     tool_call_id: str | None = Field(None, validate_default=True)  # a tool result's call
+    # An earlier answer's thinking, replayed: for a template that shows it (Qwen3's key).
+    reasoning_content: str | None = None
     content: str | list[TextPart] | None = Field(None, validate_default=True)
 
     @field_validator("tool_call_id")
@@ -52,6 +54,13 @@ class ChatMessageIn(BaseModel):
     def _tool_call_id(cls, value: Any, info: ValidationInfo) -> Any:
         if problem := tool_call_id_problem(info.data.get("role", ""), value):
             raise ValueError(problem)
+        return value
+
+    @field_validator("reasoning_content")
+    @classmethod
+    def _reasoning_content(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message has reasoning_content")
         return value
 
     @field_validator("content")
@@ -72,7 +81,7 @@ class ChatMessageIn(BaseModel):
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(self, key):
                 out[key] = getattr(self, key)
         return out

@@ -85,7 +85,6 @@ MESSAGE_NOT_IMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "audio": (),
     "refusal": ("",),
     "annotations": (),
-    "reasoning_content": ("",),
     "reasoning": ("",),
 }
 STREAM_OPTIONS_NO_OP_FIELDS = {

@@ -175,6 +175,22 @@ class MessagesToolChoice(BaseModel):
         return {"auto": "auto", "any": "required", "none": "none"}[self.type]
 
 
+class MessagesThinking(BaseModel):
+    """Anthropic's extended thinking, as the chat template's ``enable_thinking``: the model's
+    thinking comes back as ``thinking`` blocks when the server splits it (--reasoning-parser).
+    ``budget_tokens`` is checked, not enforced apart: max_tokens bounds thinking and answer."""
+
+    model_config = STRICT
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Annotated[int, Field(ge=1024, le=MAX_INT32)] | None = None
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> MessagesThinking:
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise ValueError('budget_tokens is given with type "enabled", and only then')
+        return self
+
+
 class MessagesMetadata(BaseModel):
     model_config = STRICT
     user_id: Annotated[str, Field(max_length=256)] | None = None
@@ -215,12 +231,16 @@ class MessagesPrompt(BaseModel):
     )
     tools: list[MessagesTool] | None = None
     tool_choice: MessagesToolChoice | None = None
+    thinking: MessagesThinking | None = None
 
     def chat_body(self) -> dict[str, Any]:
         messages = [{"role": "system", "content": _text(self.system)}] if self.system else []
         for m in self.messages:
             messages += m.chat_messages()
         chat: dict[str, Any] = {"model": self.model, "messages": messages}
+        if self.thinking is not None:
+            enabled = self.thinking.type == "enabled"
+            chat["chat_template_kwargs"] = {"enable_thinking": enabled}
         if self.tools:
             chat["tools"] = [tool.chat_tool() for tool in self.tools]
         if self.tool_choice is not None:
@@ -256,6 +276,13 @@ class MessagesRequest(MessagesPrompt):
                 f"messages[{len(self.messages) - 1}].role",
             )
         chat = super().chat_body()
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        if budget is not None and budget >= self.max_tokens:
+            raise bad_request(
+                f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                f"({self.max_tokens})",
+                "thinking.budget_tokens",
+            )
         chat.update(max_tokens=self.max_tokens, stream=self.stream)
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:

@@ -1,9 +1,9 @@
 """The Messages API's answer: the ``message`` object, its stream of typed events
 (``message_start``, ``ping``, per content block ``content_block_start``,
-``content_block_delta``... with ``text_delta`` or ``input_json_delta``, ``content_block_stop``;
-then ``message_delta`` with the stop reason and the usage, ``message_stop``), and errors in
-Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with the status codes
-every route answers with.
+``content_block_delta``... with ``thinking_delta``, ``text_delta`` or ``input_json_delta``,
+``content_block_stop``; then ``message_delta`` with the stop reason and the usage,
+``message_stop``), and errors in Anthropic's shape, ``{"type": "error", "error": {"type",
+"message"}}``, with the status codes every route answers with.
 
 ``usage`` in Anthropic's terms: ``input_tokens`` are the prompt's tokens not read from the
 prefix cache, ``cache_read_input_tokens`` those that were (their sum is the prompt).
@@ -136,6 +136,8 @@ class MessagesFormat(ResponseFormat):
             return _event("content_block_stop", index=change.index)
         if item.kind == "text":
             delta = {"type": "text_delta", "text": change.text}
+        elif item.kind == "thinking":
+            delta = {"type": "thinking_delta", "thinking": change.text}
         else:
             delta = {"type": "input_json_delta", "partial_json": change.text}
         return _event("content_block_delta", index=change.index, delta=delta)
@@ -148,6 +150,8 @@ def _event(kind: str, **fields: Any) -> bytes:
 def _block(item: OutputItem) -> dict[str, Any]:
     if item.kind == "text":
         return {"type": "text", "text": item.text}
+    if item.kind == "thinking":  # no signature: the thinking is not signed here
+        return {"type": "thinking", "thinking": item.text, "signature": ""}
     return {"type": "tool_use", "id": item.call_id, "name": item.name, "input": _input(item.text)}
 
 

@@ -57,7 +57,6 @@ CACHE_CONTROL = {
     "shared prefixes by their token ids"
 }
 MESSAGES_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "thinking": ({"type": "disabled"},),
     "output_config": (),
     "container": (),
     "mcp_servers": (),
@@ -130,6 +129,7 @@ def install_other_api_routes(app: FastAPI, frontend: Frontend, bodies: BodyReade
                 messages=[m.as_dict() for m in chat.messages],
                 tools=chat.tools or None,
                 tool_choice=chat.tool_choice,
+                chat_template_kwargs=chat.chat_template_kwargs,
             )
         except SplitserveError as exc:
             raise api_error_from(exc, chat) from None

@@ -1,7 +1,8 @@
 """An answer as a list of typed items, for the APIs that answer that way: OpenAI's Responses
-(``message`` and ``function_call`` output items) and Anthropic's Messages (``text`` and
-``tool_use`` content blocks). Text goes to the open text item; the first piece of a tool call
-opens a call item, its next pieces extend that call's arguments.
+(``reasoning``, ``message`` and ``function_call`` output items) and Anthropic's Messages
+(``thinking``, ``text`` and ``tool_use`` content blocks). Thinking goes to the open thinking
+item, text to the open text item; the first piece of a tool call opens a call item, its next
+pieces extend that call's arguments.
 
 The same builder serves a whole answer and a stream: ``feed`` takes a ChoiceOutput (one delta's
 worth, or all of it, its ``parts`` in the order they came) and returns what changed, which a
@@ -13,14 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from http_worker.responses import ChoiceOutput
+from http_worker.responses import ChoiceOutput, Reasoning
 from ipc.messages import LogprobEntry
 from ipc.structured import ToolCallDelta
 
 
 @dataclass(slots=True)
 class OutputItem:
-    kind: Literal["text", "call"]
+    kind: Literal["text", "call", "thinking"]
     text: str = ""  # the text, or the call's arguments (JSON text)
     call_id: str = ""
     name: str = ""
@@ -52,17 +53,20 @@ class OutputItems:
         changes: list[Change] = []
         self._pending += out.logprobs
         for part in out.parts:
-            if isinstance(part, str):
+            if isinstance(part, Reasoning):
+                self._add_text(part.text, changes, "thinking")
+            elif isinstance(part, str):
                 self._add_text(part, changes)
             else:
                 self._add_call_piece(part, changes)
         return changes
 
     def finish(self, ensure_text: bool = False) -> list[Change]:
-        """Closes the open item; ``ensure_text``: an answer without items gets an empty text
-        item (a Responses answer always has its message)."""
+        """Closes the open item; ``ensure_text``: an answer without text gets an empty text
+        item (a Responses answer always has its message, after any thinking)."""
         changes: list[Change] = []
-        if ensure_text and not self.items:
+        if ensure_text and not any(item.kind == "text" for item in self.items):
+            self._close_open(changes)
             self._open(OutputItem("text"), changes)
         texts = [item for item in self.items if item.kind == "text"]
         if texts and self._pending:
@@ -71,15 +75,19 @@ class OutputItems:
         self._close_open(changes)
         return changes
 
-    def _add_text(self, text: str, changes: list[Change]) -> None:
+    def _add_text(
+        self, text: str, changes: list[Change], kind: Literal["text", "thinking"] = "text"
+    ) -> None:
         if not text:
             return
-        if not self.items or self.items[-1].kind != "text" or self.items[-1].done:
+        if not self.items or self.items[-1].kind != kind or self.items[-1].done:
             self._close_open(changes)
-            self._open(OutputItem("text"), changes)
+            self._open(OutputItem(kind), changes)
         item = self.items[-1]
         item.text += text
-        logprobs, self._pending = self._pending, []
+        logprobs: list[LogprobEntry] = []
+        if kind == "text":  # the thinking's token logprobs go with the answer's text
+            logprobs, self._pending = self._pending, []
         item.logprobs += logprobs
         changes.append(Change("add", len(self.items) - 1, text, logprobs))
 

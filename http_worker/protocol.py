@@ -274,7 +274,8 @@ class CompletionRequest(GenerationRequest):
             isinstance(v, list)
             and (ids(v) or all(isinstance(x, str) for x in v) or all(ids(x) for x in v))
         ):
-            if not v or (isinstance(v, list) and not all(v)):
+            # Empty, or a batch with an empty prompt (a prompt of ids may hold token 0).
+            if not v or (isinstance(v, list) and not ids(v) and not all(v)):
                 raise ValueError("prompt is empty")  # before the union names four reasons
             _check_token_ids(v)
             return v

@@ -53,6 +53,13 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 
 @dataclass(slots=True)
+class Reasoning:
+    """A piece of the thinking among a ChoiceOutput's parts."""
+
+    text: str
+
+
+@dataclass(slots=True)
 class ChoiceOutput:
     """What one choice produced: all of it, or one delta's worth."""
 
@@ -62,11 +69,15 @@ class ChoiceOutput:
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces, as they came
-    # Text and call pieces in the order they came (a delta's text before its calls), for the
-    # APIs whose output is a list of typed items or blocks.
-    parts: list[str | ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""  # the thinking a reasoning parser split out of the text
+    # Thinking, text and call pieces in the order they came (a delta's thinking, then its
+    # text, then its calls), for the APIs whose output is a list of typed items or blocks.
+    parts: list[str | ToolCallDelta | Reasoning] = field(default_factory=list)
 
     def add(self, delta: Delta) -> ChoiceOutput:
+        self.reasoning += delta.reasoning
+        if delta.reasoning:
+            self.parts.append(Reasoning(delta.reasoning))
         self.text += delta.text
         self.tool_calls += delta.tool_calls
         if delta.text:
@@ -89,6 +100,7 @@ class ChoiceOutput:
             or self.echo_text
             or self.finish_reason
             or self.tool_calls
+            or self.reasoning
         )
 
 
@@ -187,7 +199,13 @@ class ResponseFormat:
             and self.logprobs is None
             and not (self.continuous_usage and usage is not None)
             and bool(out.text)
-            and not (out.finish_reason or out.tool_calls or out.echo_text or out.prompt_logprobs)
+            and not (
+                out.finish_reason
+                or out.tool_calls
+                or out.echo_text
+                or out.prompt_logprobs
+                or out.reasoning
+            )
         )
 
     def _text_template(self, index: int) -> tuple[bytes, bytes] | None:
@@ -265,6 +283,8 @@ class ChatFormat(ResponseFormat):
 
     def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
         message = message_with_calls({"role": "assistant", "content": out.text}, out.tool_calls)
+        if out.reasoning:
+            message["reasoning_content"] = out.reasoning
         return {
             "index": index,
             "message": message,
@@ -274,7 +294,11 @@ class ChatFormat(ResponseFormat):
 
     def _chunk_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
         reason = out.finish_reason
-        delta = {"content": out.text} if out.text or reason is None else {}
+        delta: dict[str, Any] = {}
+        if out.text or (reason is None and not out.reasoning):
+            delta["content"] = out.text
+        if out.reasoning:  # a thinking-only chunk has no content key, as vLLM's
+            delta["reasoning_content"] = out.reasoning
         delta = delta_with_calls(delta, out.tool_calls)
         return {
             "index": index,

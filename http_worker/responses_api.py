@@ -49,18 +49,22 @@ Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 
 
 class ResponsesTextPart(BaseModel):
-    """A text part of an input message, or of an earlier answer's message replayed as input."""
+    """A text part of an input message, or of an earlier answer's message or reasoning item
+    (``reasoning_text``, ``summary_text``) replayed as input."""
 
     model_config = STRICT
-    type: Literal["input_text", "output_text"]
+    type: Literal["input_text", "output_text", "reasoning_text", "summary_text"]
     text: str
+
+
+THINKING_PARTS = ("reasoning_text", "summary_text")
 
 
 class ResponsesInputItem(BaseModel):
     """One input item; ``type`` says which fields it has (a message when absent)."""
 
     model_config = STRICT
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: list[ResponsesTextPart] | str | None = (
         None  # the list first: its errors are the useful ones
@@ -79,6 +83,7 @@ class ResponsesInputItem(BaseModel):
     name: str | None = None
     arguments: str | None = None
     output: list[ResponsesTextPart] | str | None = None
+    summary: list[ResponsesTextPart] | None = None  # a reasoning item's
 
     @model_validator(mode="after")
     def _fields_of_its_type(self) -> ResponsesInputItem:
@@ -86,13 +91,26 @@ class ResponsesInputItem(BaseModel):
             "message": ("role", "content"),
             "function_call": ("call_id", "name", "arguments"),
             "function_call_output": ("call_id", "output"),
+            "reasoning": ("summary",),
         }[self.type]
         if missing := [f for f in needs if getattr(self, f) is None]:
             raise ValueError(f"a {self.type} item needs {' and '.join(missing)}")
-        given = ("role", "content", "call_id", "name", "arguments", "output")
-        if extra := [f for f in given if f not in needs and getattr(self, f) is not None]:
+        given = ("role", "content", "call_id", "name", "arguments", "output", "summary")
+        may = (*needs, "content") if self.type == "reasoning" else needs
+        if extra := [f for f in given if f not in may and getattr(self, f) is not None]:
             raise ValueError(f"a {self.type} item has no {' or '.join(extra)}")
+        lists = [v for v in (self.summary, self.content, self.output) if isinstance(v, list)]
+        thinking = [part.type in THINKING_PARTS for parts in lists for part in parts]
+        if any(thinking) and self.type != "reasoning":
+            raise ValueError("reasoning_text and summary_text parts belong to a reasoning item")
+        if self.type == "reasoning" and (isinstance(self.content, str) or not all(thinking)):
+            raise ValueError("a reasoning item holds reasoning_text and summary_text parts only")
         return self
+
+    def thinking(self) -> str:
+        """A reasoning item's text: its thinking, else its summary."""
+        content = self.content if isinstance(self.content, list) else []
+        return _text(content) or _text(self.summary)
 
     def chat_message(self) -> dict[str, Any]:
         if self.type == "message":
@@ -239,8 +257,11 @@ class ResponsesRequest(BaseModel):
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
-        calls = set()
+        calls, thinking = set(), None
         for i, item in enumerate(self.input):
+            if item.type == "reasoning":  # goes with the assistant turn that follows it
+                thinking = item.thinking()
+                continue
             if item.type == "function_call":
                 calls.add(item.call_id)
             elif item.type == "function_call_output" and item.call_id not in calls:
@@ -250,11 +271,17 @@ class ResponsesRequest(BaseModel):
                     f"input[{i}].call_id",
                 )
             message = item.chat_message()
+            if thinking is not None and message["role"] == "assistant":
+                message["reasoning_content"], thinking = thinking, None
             last = messages[-1] if messages else None
             if "tool_calls" in message and last is not None and last["role"] == "assistant":
                 last["tool_calls"] = last.get("tool_calls", []) + message["tool_calls"]
             else:
                 messages.append(message)
+        if not messages:
+            raise bad_request(
+                "input has no message to answer (reasoning items alone are not)", "input"
+            )
         return messages
 
     def to_chat(self) -> ResponsesChat:

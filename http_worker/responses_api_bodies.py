@@ -20,6 +20,8 @@ from http_worker.responses import ChoiceOutput, ResponseFormat, sse
 from http_worker.responses_api import ResponsesRequest
 from ipc.messages import FINISH_LENGTH, LogprobEntry
 
+ITEM_ID_PREFIXES = {"call": "fc", "text": "msg", "thinking": "rs"}
+
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -46,7 +48,7 @@ class ResponsesFormat(ResponseFormat):
     def _feed(self, out: ChoiceOutput) -> list[Change]:
         self._finish_reason = out.finish_reason or self._finish_reason
         changes = self.output.feed(out)
-        self._item_ids += [_id("fc" if it.kind == "call" else "msg") for it in self._new_items()]
+        self._item_ids += [_id(ITEM_ID_PREFIXES[it.kind]) for it in self._new_items()]
         return changes
 
     def _feed_end(self) -> list[Change]:
@@ -117,6 +119,14 @@ class ResponsesFormat(ResponseFormat):
                 "arguments": "" if opening else item.text,
                 "status": status,
             }
+        if item.kind == "thinking":
+            return {
+                "type": "reasoning",
+                "id": item_id,
+                "summary": [],
+                "content": [] if opening else [_reasoning_part(item.text)],
+                "status": status,
+            }
         return {
             "type": "message",
             "id": item_id,
@@ -166,6 +176,21 @@ class ResponsesFormat(ResponseFormat):
         failure = {"code": error.code or "server_error", "message": error.message}
         yield self._event("response.failed", response=self._response(None, "failed", failure))
 
+    def _thinking_events(self, change: Change, where: dict[str, Any]) -> Iterator[bytes]:
+        """A reasoning item's thinking: ``response.reasoning_text.delta`` events, then its
+        ``.done`` with the whole text (its item's opening was sent already)."""
+        index = change.index
+        if change.what == "add":
+            yield self._event(
+                "response.reasoning_text.delta", **where, content_index=0, delta=change.text
+            )
+        elif change.what == "close":
+            text = self.output.items[index].text
+            yield self._event("response.reasoning_text.done", **where, content_index=0, text=text)
+            yield self._event(
+                "response.output_item.done", output_index=index, item=self._item(index)
+            )
+
     def _change_events(self, change: Change) -> Iterator[bytes]:
         index = change.index
         item, item_id = self.output.items[index], self._item_ids[index]
@@ -179,6 +204,8 @@ class ResponsesFormat(ResponseFormat):
                 yield self._event(
                     "response.content_part.added", **where, content_index=0, part=part
                 )
+        elif item.kind == "thinking":
+            yield from self._thinking_events(change, where)
         elif change.what == "add" and item.kind == "text":
             yield self._event(
                 "response.output_text.delta",
@@ -212,6 +239,10 @@ class ResponsesFormat(ResponseFormat):
             yield self._event(
                 "response.output_item.done", output_index=index, item=self._item(index)
             )
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _dumped(value: Any) -> Any:

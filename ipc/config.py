@@ -1,4 +1,4 @@
-"""Cluster configuration and the address plan, computed in one place.
+"""Cluster configuration, computed in one place (the address plan it derives: ipc/addresses.py).
 
 The supervisor builds one ``ClusterConfig`` (the engine's knobs nested in it as an
 ``EngineConfig``), writes it as JSON into the run directory and hands every child the path; each
@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ipc.addresses import LOOPBACK_HOSTS, AddressPlan
 from ipc.engine_config import EngineConfig
 from ipc.knobs import check_knobs, knob
+from ipc.reasoning import REASONING_PARSER_CHOICES, REASONING_PARSER_HELP
 from ipc.routing import CACHE_AWARE, POLICIES, RoutingThresholds
 from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS, MAX_DEFAULT_TOKENS_HELP
 from ipc.structured import TOOL_CALL_FORMATS
@@ -26,12 +28,7 @@ if TYPE_CHECKING:
 TRANSPORTS = ("ipc", "tcp")
 RESTART_POLICIES = ("restart", "shutdown")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_ENGINES = 64
-# tcp: the fixed ports after base_port (client, detokenizer, supervisor); then three per engine
-# replica (inbox, event stream, its replay), then one per tokenizer worker.
-FIXED_PORTS = 3
-PORTS_PER_ENGINE = 3
 # 8 MiB: the longest prompt a tokenizer worker takes (8M characters) fits in one body.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 HTTP_MAX_BODY_BYTES_HELP = (
@@ -48,7 +45,7 @@ LENIENT_FIELDS_HELP = (
 
 
 @dataclass(frozen=True, slots=True)
-class ClusterConfig:
+class ClusterConfig(AddressPlan):
     engine: EngineConfig  # the engine's knobs (and the model directory every process reads)
     run_dir: str = knob("", "where sockets and cluster.json live", cli=False)
     transport: str = knob(
@@ -150,6 +147,12 @@ class ClusterConfig:
         "JSON; hermes when it shows none)",
         choices=("auto", *TOOL_CALL_FORMATS),
     )
+    chat_template: str = knob(
+        "",
+        "a chat template's text, used instead of the model's own (empty: the model's)",
+        cli=False,
+    )
+    reasoning_parser: str = knob("auto", REASONING_PARSER_HELP, choices=REASONING_PARSER_CHOICES)
 
     # What the engine resolved; 0/"" until the engine reported ready (the supervisor fills them
     # in, with the engine's max_model_len, for the processes started after it).
@@ -311,70 +314,6 @@ class ClusterConfig:
         from ipc.sockets import CurveKeys
 
         return CurveKeys(self.curve_public_key, self.curve_secret_key)
-
-    # --- address plan -------------------------------------------------------------------------
-    def _addr(self, name: str, port_offset: int, *, public: bool = False) -> str:
-        """Client-facing sockets bind on ``host``; internal ones (engines, detokenizer inbox,
-        supervisor) stay on loopback whatever ``host`` is: only this machine's processes use
-        them. tcp ports from base_port: client, detokenizer, supervisor; then per engine
-        replica its inbox, event stream and replay socket; then one per tokenizer worker
-        (``port_span`` in all)."""
-        if self.transport == "ipc":
-            return f"ipc://{Path(self.run_dir) / name}.sock"
-        host = self.host if public or self.host in LOOPBACK_HOSTS else "127.0.0.1"
-        host = f"[{host}]" if ":" in host else host
-        return f"tcp://{host}:{self.base_port + port_offset}"
-
-    @property
-    def port_span(self) -> int:
-        """tcp: how many consecutive ports from base_port the cluster uses (see ``_addr``)."""
-        return FIXED_PORTS + PORTS_PER_ENGINE * self.engines + self.tokenizer_workers
-
-    @property
-    def client_addr(self) -> str:
-        """The detokenizer's ROUTER: clients connect here first (handshake, events, aborts)."""
-        return self._addr("client", 0, public=True)
-
-    @property
-    def detokenizer_addr(self) -> str:
-        """The detokenizer's PULL: step outputs from the engines, errors from tokenizers."""
-        return self._addr("detokenizer", 1)
-
-    @property
-    def supervisor_addr(self) -> str:
-        return self._addr("supervisor", 2)
-
-    def engine_addr(self, index: int) -> str:
-        """Engine replica ``index``'s PULL: tokenized requests from tokenizers, aborts from the
-        detokenizer."""
-        return self._addr(f"engine-{index}", self._engine_port(index))
-
-    @property
-    def engine_addrs(self) -> list[str]:
-        return [self.engine_addr(r) for r in range(self.engines)]
-
-    def engine_events_addr(self, index: int) -> str:
-        """Engine replica ``index``'s KV-event PUB (ipc.kv_events): tokenizer workers follow it."""
-        return self._addr(f"engine-events-{index}", self._engine_port(index) + 1)
-
-    def engine_events_replay_addr(self, index: int) -> str:
-        """...and its replay ROUTER, from which a (re)started follower rebuilds its view."""
-        return self._addr(f"engine-events-replay-{index}", self._engine_port(index) + 2)
-
-    def tokenizer_addr(self, index: int) -> str:
-        port = FIXED_PORTS + PORTS_PER_ENGINE * self.engines + index
-        return self._addr(f"tokenizer-{index}", port, public=True)
-
-    @property
-    def tokenizer_addrs(self) -> list[str]:
-        return [self.tokenizer_addr(i) for i in range(self.tokenizer_workers)]
-
-    def _engine_port(self, index: int) -> int:
-        return FIXED_PORTS + PORTS_PER_ENGINE * index
-
-    @property
-    def config_path(self) -> Path:
-        return Path(self.run_dir) / "cluster.json"
 
     # --- (de)serialisation -------------------------------------------------------------------
     def to_json(self) -> str:

@@ -33,6 +33,13 @@ WEIGHTS_HELP = (
 # GPU computes thousands of tokens in milliseconds and wants large steps.
 PREFILL_TOKENS_CUDA = 4096
 PREFILL_TOKENS_CPU = 512
+# Token-keys (engine_worker/prefill_budget.py) one step may compute when prefill_max_token_keys
+# is 0: on a CPU, attention deep into a long context costs more than the rest of a token's work,
+# so a token budget alone let a step deep into an 8k context take 2-4 s. At ~0.6 us a token-key
+# (the default model, 2 cores: docs/benchmarks.md) this keeps a step's prompt work near 0.4 s at
+# any depth. A GPU's prefill is not bounded by it.
+PREFILL_TOKEN_KEYS_CPU = 640 << 10
+PREFILL_TOKEN_KEYS_CUDA = 1 << 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,15 @@ class EngineConfig:
         "~1-2k prompt tokens/s, so a step, and the decode of every "
         "running request waiting on it, stays well under a second)",
         unit="TOKENS",
+        minimum=0,
+    )
+    prefill_max_token_keys: int = knob(
+        0,
+        "most token-keys of prompt work in one step, all requests together: a prompt token "
+        "costs the keys it attends (its position + 1) plus 1,280 for its own layers, so chunks "
+        "deep into a long context shrink and a step stays short; 0 = 640Ki on CPU (~0.4 s of "
+        "prompt work on 2 cores for the default model, measured), no bound on CUDA",
+        unit="TOKEN_KEYS",
         minimum=0,
     )
     prefill_chunk_tokens: int = knob(
@@ -221,6 +237,13 @@ class EngineConfig:
         maximum=1.0,
     )
 
+    seed: int | None = knob(
+        None,
+        "seeds the draws that give each unseeded sampling request its seed, so a run "
+        "replays the same samples for the same requests in the same order (None: random)",
+        minimum=0,
+        cli=False,
+    )
     kv_events_config: str = knob(
         "",
         "publish KV-cache events in vLLM's format, configured with vLLM's JSON keys: "

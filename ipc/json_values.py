@@ -81,6 +81,10 @@ def check_chat_template_kwargs(value: Any) -> dict[str, Any]:
                 f"chat_template_kwargs may not set {key!r}: it comes from "
                 f"{RESERVED_TEMPLATE_VARIABLES[key]}"
             )
+    # Templates test it with "is false" and the reasoning parser reads it: a string would
+    # silently leave thinking on.
+    if not isinstance(value.get("enable_thinking", True), bool):
+        raise ValueError("chat_template_kwargs.enable_thinking must be true or false")
     return value
 
 

@@ -2,6 +2,7 @@
 
 splitserve chat "What is the capital of France?"   # start, stream one answer, stop
 splitserve launch --tokenizer-workers 2             # serve until SIGINT/SIGTERM
+splitserve serve model.gguf --port 8000             # the same, with vLLM's flag names
 splitserve generate "Once upon a time" "The sky"    # raw prompts, one answer each
 """
 
@@ -14,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,6 @@ from typing import Any
 from ipc.client import Client, SplitserveError
 from ipc.config import API_KEY_HELP, TRANSPORTS
 from procs.children import REPO_ROOT
-from procs.cluster_setup import make_config
 from procs.config_flags import (
     DATA_PARALLEL_KNOBS,
     ENGINE_KNOBS,
@@ -33,8 +32,9 @@ from procs.config_flags import (
     add_engine_flags,
     knob_values,
 )
-from procs.launch_cluster import Cluster, ClusterStartError, launch_cluster
+from procs.launch_cluster import ClusterStartError, launch_cluster
 from procs.model_store import ModelError
+from procs.serving import serve_until_stopped
 
 logger = logging.getLogger("splitserve.cli")
 
@@ -162,46 +162,7 @@ def http_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    stop = threading.Event()
-    started = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if not started:
-            raise KeyboardInterrupt  # unwinds start-up, which stops what it started
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    config, owns = make_config(args.model, args.run_dir, **cluster_kwargs(args))
-    try:
-        cluster = Cluster.start(config, owns_run_dir=owns, start_timeout_s=args.start_timeout_s)
-    except KeyboardInterrupt:
-        return 130
-    started = True
-    print(f"splitserve serving {cluster.config.model_name} at {cluster.client_addr}", flush=True)
-    print(f"client address: {cluster.client_addr}", flush=True)
-    if cluster.curve_public_key:
-        print(
-            f"curve public key: {cluster.curve_public_key} (also in "
-            f"{cluster.config.run_dir}/curve_public.key; clients pass it as "
-            "server_public_key=)",
-            flush=True,
-        )
-    if cluster.http_url:
-        print(
-            f"OpenAI API: {cluster.http_url}/v1 ({cluster.config.http_workers} frontend(s))",
-            flush=True,
-        )
-    try:
-        while not stop.wait(0.2) and cluster.failure is None:
-            pass
-    finally:
-        print("splitserve shutting down", flush=True)
-        cluster.shutdown()
-    if cluster.failure:
-        print(f"splitserve stopped: {cluster.failure}", file=sys.stderr)
-        return 1
-    return 0
+    return serve_until_stopped(args.model, args.run_dir, cluster_kwargs(args), args.start_timeout_s)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -340,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
         "submit wall and TTFT (splitserve bench --help for its options)",
     )
     sub.add_parser(
+        "serve",
+        add_help=False,
+        help="serve MODEL over HTTP with vLLM's flag names (splitserve serve --help; "
+        "docs/migrating.md)",
+    )
+    sub.add_parser(
         "serve-ray",
         add_help=False,
         help="serve on Ray Serve, one node or many (needs the ray extra; splitserve serve-ray "
@@ -352,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         sys.exit(run_bench(argv[1:]))
+    if argv[:1] == ["serve"]:
+        from procs.serve_command import main as serve
+
+        sys.exit(serve(argv[1:]))
     if argv[:1] == ["serve-ray"]:
         # Deferred: the Ray launcher is an optional extra, and nothing else needs it.
         from procs.serve_ray.command import main as serve_ray

@@ -24,6 +24,7 @@ TOKENIZER_KNOBS = (
     "max_default_tokens",
     "stream_interval_tokens",
     "tool_call_parser",
+    "reasoning_parser",
 )
 FAULT_KNOBS = ("restart_policy", "max_restarts", "hang_timeout_s")
 DATA_PARALLEL_KNOBS = (

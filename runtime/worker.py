@@ -77,8 +77,10 @@ class _Runs(Protocol):
 
 def run_on_context(make: Callable[[zmq.Context], _Runs]) -> None:
     """A role's entry point: its worker on a fresh ZeroMQ context, terminated however it ends.
-    A worker that raised (at start-up, before its loop could close anything) leaves sockets
-    open, and ``term()`` would wait for them forever: those are closed at once (linger 0)."""
+    A worker that raised (at start-up, or out of its loop) leaves sockets open, and ``term()``
+    would wait for them forever, a live process that never beats again: those are closed at
+    once (linger 0) and the error raised, so the process exits and the supervisor handles it as
+    dead (its requests ended, the worker restarted)."""
     ctx = zmq.Context()
     try:
         make(ctx).run()

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server and llama-bench, the peer of `python -m scripts.bench peer` and
-# `python -m scripts.bench engine peer`, from the llama.cpp source vendored in the PyPI sdist of
-# llama-cpp-python (a pinned version; only its source is used). Nothing lands in this repo.
+# Builds llama.cpp's llama-server and llama-bench (the peer of `python -m scripts.bench peer` and
+# `python -m scripts.bench engine peer`) and llama-quantize (a model's K-quant files, e.g.
+# `llama-quantize --allow-requantize IN.gguf OUT.gguf Q4_K_M`), from the llama.cpp source
+# vendored in the PyPI sdist of llama-cpp-python (a pinned version; only its source is used).
+# Nothing lands in this repo.
 #
 #   scripts/build_llama_server.sh [BUILD_DIR]      (default: ~/.cache/splitserve/llama.cpp)
 #
@@ -35,7 +37,7 @@ cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD_DIR/build" \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   >"$BUILD_DIR/cmake.log"
-cmake --build "$BUILD_DIR/build" --config Release -j "$JOBS" --target llama-server llama-bench
+cmake --build "$BUILD_DIR/build" --config Release -j "$JOBS" --target llama-server llama-bench llama-quantize
 
 BIN="$BUILD_DIR/build/bin"
 "$BIN/llama-server" --version 2>&1 | head -n 2 >&2

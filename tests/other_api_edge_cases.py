@@ -31,7 +31,8 @@ RESPONSES = [
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
         "input[0].content[0].type",
     ),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # nothing to answer
+    ({"input": [{"type": "reasoning_summary", "summary": []}]}, "input[0].type"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
     (
         {"input": [{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}]},
@@ -236,7 +237,8 @@ MESSAGES = [
         },
         "'g'",
     ),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "adaptive"}}, "thinking"),
+    ({"thinking": {"type": "enabled"}}, "budget_tokens"),
     ({"container": "c"}, "container"),
     ({"unknown_field": 1}, "unknown_field"),
 ]

@@ -398,10 +398,20 @@ def test_logprob_fields_map_to_sampling_params():
     assert ChatCompletionRequest(**chat, prompt_logprobs=1).sampling(4, 0).prompt_logprobs == 1
 
 
+def test_a_prompt_of_token_ids_may_hold_token_zero(http):
+    # Valid: past validation, the frontend without a cluster answers 503, not "prompt is empty".
+    for prompt in ([0], [5, 0], [[0], [5, 0]]):
+        response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 503, response.text
+
+
 def test_prompt_shapes():
     assert CompletionRequest(prompt="a").prompts() == [{"prompt": "a"}]
     assert CompletionRequest(prompt=["a", "b"]).prompts() == [{"prompt": "a"}, {"prompt": "b"}]
     assert CompletionRequest(prompt=[1, 2]).prompts() == [{"prompt_token_ids": [1, 2]}]
+    # Token id 0 is a token like any other (not an empty prompt).
+    assert CompletionRequest(prompt=[0]).prompts() == [{"prompt_token_ids": [0]}]
+    assert CompletionRequest(prompt=[5, 0]).prompts() == [{"prompt_token_ids": [5, 0]}]
     assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [
         {"prompt_token_ids": [1]},
         {"prompt_token_ids": [2, 3]},

@@ -17,9 +17,10 @@ import pytest
 import zmq
 
 from ipc import codec
+from ipc.addresses import FIXED_PORTS, PORTS_PER_ENGINE
 from ipc.client import AsyncClient, Client, UnavailableError
 from ipc.client.transport import tokenizer_addrs
-from ipc.config import FIXED_PORTS, PORTS_PER_ENGINE, ClusterConfig
+from ipc.config import ClusterConfig
 from ipc.salvage import salvage_fields
 from procs.cli import build_parser, cluster_kwargs
 from procs.cluster_setup import curve_overrides

@@ -32,7 +32,7 @@ TOOLS = [{"type": "function", "function": {"name": "set_light", "parameters": LI
 ASK = [{"role": "user", "content": "Lights on in the hall."}]
 
 
-def serve(model_dir):
+def serve(model_dir, **knobs):
     with launch_cluster(
         str(model_dir),
         tokenizer_workers=1,
@@ -40,6 +40,7 @@ def serve(model_dir):
         max_model_len=1024,
         heartbeat_interval_s=0.1,
         engine_threads=1,
+        **knobs,
     ) as cluster:
         port = free_port()
         popen = start_frontend(cluster, port)

@@ -74,19 +74,21 @@ class ChatTemplate:
         self.special_tokens = special_tokens
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
-        """None when the model has no chat template (chat requests are then rejected)."""
+    def from_model_dir(cls, model_dir: str | Path, override: str = "") -> ChatTemplate | None:
+        """None when the model has no chat template (chat requests are then rejected).
+        ``override``: a template's text that replaces the model's own (the special tokens
+        still come from the model)."""
         model_dir = Path(model_dir)
         config = {}
         config_path = model_dir / "tokenizer_config.json"
         if config_path.is_file():
             config = json.loads(config_path.read_text())
         special = {k: s for k in SPECIAL_TOKEN_KEYS if (s := _token_string(config.get(k)))}
-        source = None
+        source = override or None
         jinja_path = model_dir / "chat_template.jinja"
-        if jinja_path.is_file():
+        if source is None and jinja_path.is_file():
             source = jinja_path.read_text()
-        else:
+        elif source is None:
             raw = config.get("chat_template")
             if isinstance(raw, list):  # named templates: take "default"
                 named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}

@@ -31,6 +31,7 @@ from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_worker.grammar_compiler import GrammarSpecError
 from tokenizer_worker.prompt_bound import fewest_tokens, longest_token_chars
+from tokenizer_worker.reasoning import request_reasoning
 from tokenizer_worker.structured import OutputPlan, StructuredOutputs, needs_plan
 from tokenizer_worker.tool_calls import ToolSpecError
 
@@ -68,6 +69,7 @@ class Screened:
     add_special: bool = True  # raw prompts get the tokenizer's special tokens
     ids: list[int] | None = None
     plan: OutputPlan | None = None
+    reasoning: tuple[str, bool] = ("", False)  # tokenizer_worker.reasoning.request_reasoning
     error: RequestError | None = None
 
     @property
@@ -83,8 +85,10 @@ class RequestPreparer:
         limits: Limits,
         tokenizer_index: int = 0,
         structured: StructuredOutputs | None = None,
+        reasoning_parser: str = "",
     ) -> None:
         self.tokenizer = tokenizer
+        self.reasoning_parser = reasoning_parser  # resolved: a name, or "" for none
         self.chat_template = chat_template
         self.limits = limits
         self.tokenizer_index = tokenizer_index
@@ -113,6 +117,7 @@ class RequestPreparer:
             elif req.messages is not None:
                 # a rendered chat already carries its special tokens
                 screened.text, screened.add_special = self._render_chat(req, screened.plan), False
+                screened.reasoning = self._reasoning(req, screened.text, screened.plan)
             else:
                 screened.ids = self._check_ids(req.prompt_token_ids or b"")
         except RequestRejected as exc:
@@ -139,7 +144,9 @@ class RequestPreparer:
                 results.append(s.error)
                 continue
             try:
-                results.append(self._finish(s.request, s.ids or [], t_start, t_done, s.plan))
+                results.append(
+                    self._finish(s.request, s.ids or [], t_start, t_done, s.plan, s.reasoning)
+                )
             except RequestRejected as exc:
                 results.append(_error(s.request, exc))
         return results
@@ -151,6 +158,7 @@ class RequestPreparer:
         t_start: float,
         t_done: float,
         plan: OutputPlan | None = None,
+        reasoning: tuple[str, bool] = ("", False),
     ) -> TokenizedRequest:
         n = len(ids)
         if n == 0:
@@ -180,6 +188,8 @@ class RequestPreparer:
             prompt_logprobs=sampling.prompt_logprobs is not None,
             include_stop_str_in_output=sampling.include_stop_str_in_output,
             tool_parser=plan.tool_parser if plan else "",
+            reasoning_parser=reasoning[0],
+            reasoning_open=reasoning[1],
         )
         return TokenizedRequest(
             request_id=req.request_id,
@@ -188,6 +198,26 @@ class RequestPreparer:
             meta=meta,
             grammar=plan.grammar if plan else "",
             cache_salt=req.cache_salt,
+        )
+
+    def _reasoning(
+        self, req: SubmitRequest, text: str, plan: OutputPlan | None
+    ) -> tuple[str, bool]:
+        reasoning = request_reasoning(self.reasoning_parser, req, text)
+        if not (reasoning[0] and plan is not None and plan.grammar):
+            return reasoning
+        if not reasoning[1]:
+            # The grammar holds from the first token, so the model cannot open a thinking: the
+            # output is all answer (and a grammar's "<think>" is its text, not a thinking).
+            return "", False
+        # The prompt opened the thinking, which the grammar would bind too: it is not held back
+        # until </think>.
+        raise RequestRejected(
+            "a reasoning model's thinking, opened by the prompt, cannot be combined with "
+            "response_format, structured_outputs or a forced tool_choice here: turn thinking "
+            'off (chat_template_kwargs {"enable_thinking": false}; Messages: thinking '
+            '{"type": "disabled"}) or serve with --reasoning-parser none',
+            param="response_format" if req.structured is not None else "tool_choice",
         )
 
     def _plan(self, req: SubmitRequest) -> OutputPlan | None:
@@ -276,16 +306,22 @@ def render_chat(
         if not m.role:
             raise RequestRejected("every chat message needs a non-empty role")
     if conversation is None:
-        conversation = [
-            {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-            for m in messages
-        ]
+        conversation = [_template_message(m) for m in messages]
     try:
         return template.render(
             conversation, add_generation_prompt=add_generation_prompt, extra=extra, tools=tools
         )
     except ChatTemplateError as exc:
         raise RequestRejected(str(exc)) from None
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.reasoning_content is not None:  # an earlier answer's thinking (Qwen3's key)
+        out["reasoning_content"] = m.reasoning_content
+    return out
 
 
 def _fit_to_context(sampling: SamplingParams, prompt_tokens: int, limits: Limits) -> SamplingParams:

@@ -166,6 +166,8 @@ def openai_message(m: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         out["name"] = m.name
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
     return out
 
 

@@ -27,12 +27,14 @@ from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ipc.structured import STRUCTURED_GRAMMAR, StructuredOutputSpec
-from tokenizer_worker.grammar_compiler import GrammarSpecError, check_schema
+from tokenizer_worker.grammar_compiler import GrammarSpecError, check_schema, json_depth
 from tokenizer_worker.tool_formats import ToolFormat
 
 HERMES = ToolFormat("hermes")
 
 MAX_TOOLS = 128
+# As deep as an HTTP body may nest (http_worker.body); far below what exhausts the stack.
+MAX_ARGUMENTS_DEPTH = 200
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 GENERIC_TOOL_PROMPT = """You can call functions to help with the request. Their signatures, one \
@@ -137,23 +139,38 @@ def conversation_for_template(
     template without tools is told of and sees its history in."""
     offered = tools if choice.mode != "none" else []
     if supports_tools:
-        out = []
-        for m in messages:
-            m = dict(m)
-            if m.get("tool_calls"):
-                m["tool_calls"] = [
-                    {
-                        **c,
-                        "function": {
-                            **c["function"],
-                            "arguments": _arguments(c["function"].get("arguments")),
-                        },
-                    }
-                    for c in _checked_calls(m["tool_calls"])
-                ]
-            out.append(m)
-        return out, offered or None
-    out = []
+        return [_with_parsed_arguments(m) for m in messages], offered or None
+    out = _history_as_text(messages, fmt)
+    if offered:
+        prompt = tool_system_prompt(offered, choice, fmt)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+def _with_parsed_arguments(message: dict) -> dict:
+    """A message for a template that renders tools itself: its calls' arguments as objects."""
+    m = dict(message)
+    if m.get("tool_calls"):
+        m["tool_calls"] = [
+            {
+                **c,
+                "function": {
+                    **c["function"],
+                    "arguments": _arguments(c["function"].get("arguments")),
+                },
+            }
+            for c in _checked_calls(m["tool_calls"])
+        ]
+    return m
+
+
+def _history_as_text(messages: list[dict], fmt: ToolFormat) -> list[dict]:
+    """The conversation for a template without tools: calls written in ``fmt``, each turn's tool
+    results in one user message."""
+    out: list[dict] = []
     for m in messages:
         role, content = m.get("role"), m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
@@ -179,13 +196,7 @@ def conversation_for_template(
             out.append({"role": role, "content": content})
     for m in out:
         m.pop("_tool_results", None)
-    if offered:
-        prompt = tool_system_prompt(offered, choice, fmt)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out, None
+    return out
 
 
 def tool_system_prompt(tools: list[dict], choice: ToolChoice, fmt: ToolFormat = HERMES) -> str:
@@ -225,10 +236,29 @@ def _checked_calls(calls: Any) -> list[dict]:
 
 
 def _arguments(arguments: Any) -> Any:
-    """History arguments arrive as a JSON string (OpenAI); templates want the object."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            return arguments
-    return {} if arguments is None else arguments
+    """History arguments arrive as a JSON string (OpenAI); templates want the object. Text that
+    is no JSON stays text. The string hid its nesting from the HTTP body's depth bound: deeper
+    than MAX_ARGUMENTS_DEPTH is refused, since parsing or rendering it exhausts the stack."""
+    if not isinstance(arguments, str):
+        return _not_too_deep({} if arguments is None else arguments)
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return arguments
+    except RecursionError:
+        raise _too_deep("far deeper") from None
+    return _not_too_deep(value)
+
+
+def _not_too_deep(arguments: Any) -> Any:
+    depth = json_depth(arguments)
+    if depth > MAX_ARGUMENTS_DEPTH:
+        raise _too_deep(f"{depth} levels deep")
+    return arguments
+
+
+def _too_deep(how: str) -> ToolSpecError:
+    return ToolSpecError(
+        f"a tool call's arguments in the history nest {how}; at most {MAX_ARGUMENTS_DEPTH} "
+        "levels are accepted"
+    )

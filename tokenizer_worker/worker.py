@@ -43,6 +43,7 @@ from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.long_prompts import LongPromptLane
 from tokenizer_worker.prepare import Limits, RequestPreparer
 from tokenizer_worker.queries import TokenizerQueries
+from tokenizer_worker.reasoning import choose_reasoning_parser
 from tokenizer_worker.routing import ReplicaRouting
 from tokenizer_worker.structured import StructuredOutputs
 from tokenizer_worker.vocabulary_sender import VocabularySender
@@ -64,24 +65,40 @@ def make_preparer(config: ClusterConfig, index: int) -> RequestPreparer:
     if config.preparer_factory:  # a test seam: e.g. a deliberately slow preparer
         return load_factory(config.preparer_factory)(config, index)
     return build_preparer(
-        config.model_path, model_limits(config), index, tool_call_parser=config.tool_call_parser
+        config.model_path,
+        model_limits(config),
+        index,
+        tool_call_parser=config.tool_call_parser,
+        chat_template=config.chat_template,
+        reasoning_parser=config.reasoning_parser,
     )
 
 
 def build_preparer(
-    model_path: str, limits: Limits, index: int = 0, *, tool_call_parser: str = "auto"
+    model_path: str,
+    limits: Limits,
+    index: int = 0,
+    *,
+    tool_call_parser: str = "auto",
+    chat_template: str = "",
+    reasoning_parser: str = "auto",
 ) -> RequestPreparer:
     """The model's tokenizer, chat template and structured outputs, as a tokenizer worker
     prepares requests with them (so does an ingress replica of the Ray Serve application)."""
     tokenizer = load_tokenizer(model_path)
-    template = ChatTemplate.from_model_dir(model_path)
+    template = ChatTemplate.from_model_dir(model_path, chat_template)
     eos_ids = model_eos_ids(model_path)
     structured = StructuredOutputs(
         tokenizer, limits.vocab_size, template, eos_ids, tool_call_parser=tool_call_parser
     )
     structured.start()  # the vocabulary is read in the background, ready for the first grammar
     return RequestPreparer(
-        tokenizer, template, limits, tokenizer_index=index, structured=structured
+        tokenizer,
+        template,
+        limits,
+        tokenizer_index=index,
+        structured=structured,
+        reasoning_parser=choose_reasoning_parser(template, reasoning_parser),
     )
 
 

@@ -92,8 +92,10 @@ class DecodeBatch:
     mask: torch.Tensor
     block_tables: torch.Tensor | None = None  # [B, columns / block_size] blocks to gather
     workspace: DecodeWorkspace | None = None  # set by a backend that keeps decode keys
-    # Per sliding window W: ``mask`` also hiding the keys at positions <= row's position - W
+    # Per sliding window W: ``mask`` also hiding the keys at positions <= row's position - W,
+    # and the first key column a windowed layer attends (flash_rows.window_start; CPU backend)
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    window_starts: dict[int, int] = field(default_factory=dict)
 
     def mask_for(self, window: int) -> torch.Tensor:
         return self.window_masks[window] if window else self.mask
@@ -111,8 +113,9 @@ class PrefillSegment:
     # CPU backend: [query rows, key columns] additive (flash_rows.causal_mask)
     mask: torch.Tensor | None = None
     # Per sliding window W: the same, also hiding keys at positions <= the row's - W (the SDPA
-    # backend's fresh prompts get one too)
+    # backend's fresh prompts get one too), and the CPU backend's first key column
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    window_starts: dict[int, int] = field(default_factory=dict)
 
     def mask_for(self, window: int) -> torch.Tensor | None:
         return self.window_masks[window] if window else self.mask

@@ -25,9 +25,12 @@ tokens, on the chunk it was computed in, on padding, on the other sequences of t
 the thread count. With float32 inputs the kernel is exact to float32 but not batch-invariant.
 
 A sliding window is one more masked span (the keys before the window, exact zeros too), so a
-windowed row keeps these rules. Soft-capped scores (Gemma 2) are not the kernel's arithmetic:
-such layers take ``capped_attention``, float32 matmuls over the same padded layout, which is
-exact to float32 but promises no bits across paths.
+windowed row keeps these rules; and leading key blocks of 512 that no row of a call sees are
+left out of it (``window_start``): measured bitwise, the kernel's rows do not change without
+them, so a long context does not read keys its windowed layers will not use. Soft-capped
+scores (Gemma 2) are not the kernel's arithmetic: such layers take ``capped_attention``,
+float32 matmuls over the same padded layout, which is exact to float32 but promises no bits
+across paths.
 """
 
 from __future__ import annotations
@@ -67,6 +70,14 @@ def key_columns(tokens: int, block_size: int, whole_key_blocks: bool = False) ->
     if whole_key_blocks or tokens > KEY_BLOCK_COLUMNS:
         step = math.lcm(KEY_BLOCK_COLUMNS, block_size)
     return -(-tokens // step) * step
+
+
+def window_start(first_visible: int, block_size: int) -> int:
+    """The first key column a call attends when none of its rows sees a column before
+    ``first_visible``: the whole key blocks of the kernel before it are skipped (a multiple of
+    the cache's block size too, so a block table can start there)."""
+    step = math.lcm(KEY_BLOCK_COLUMNS, block_size)
+    return max(0, first_visible) // step * step
 
 
 def causal_mask(

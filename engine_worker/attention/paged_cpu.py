@@ -41,6 +41,7 @@ from engine_worker.attention.flash_rows import (
     grouped,
     key_columns,
     ungrouped,
+    window_start,
 )
 from engine_worker.attention.kernels import gather_decode
 from engine_worker.attention.kv_cache import PagedKVCache, gather
@@ -88,8 +89,9 @@ class PagedCpuBackend(AttentionBackend):
         rows = None if len(seqs) == len(step.sequences) else self._device(step.row_starts[seqs])
         ws = self._decode_workspace([step.sequences[i] for i in seqs], context)
         if ws is not None and not ws.fresh:
-            mask = _advance(ws)
-            return DecodeBatch(rows=rows, mask=mask, workspace=ws, window_masks=ws.window_masks)
+            decode = DecodeBatch(rows=rows, mask=_advance(ws), workspace=ws)
+            decode.window_masks, decode.window_starts = ws.window_masks, self._starts(context)
+            return decode
         columns = self._columns(int(context.max())) if ws is None else ws.capacity
         column_index = np.arange(columns)[None, :]
         hidden = column_index >= context[:, None]
@@ -107,6 +109,7 @@ class PagedCpuBackend(AttentionBackend):
             rows=rows,
             mask=per_query_row(mask),
             window_masks={w: per_query_row(m) for w, m in window_rows.items()},
+            window_starts=self._starts(context),
         )
         if ws is not None:
             # Where each layer writes the next step's keys/values (one index_copy_ each), and
@@ -146,6 +149,11 @@ class PagedCpuBackend(AttentionBackend):
         self._workspace = DecodeWorkspace(capacity=capacity, sequences=decoding, context=context)
         return self._workspace
 
+    def _starts(self, context: np.ndarray) -> dict[int, int]:
+        """Per window, the first key column the decode rows at ``context`` attend."""
+        first = int(context.min())
+        return {w: window_start(first - w, self.cache.block_size) for w in self.windows}
+
     def _additive(self, hidden: np.ndarray) -> torch.Tensor:
         """0 where attended, -inf where ``hidden``, on the cache's device."""
         mask = torch.zeros(hidden.shape, dtype=self.cache.dtype)
@@ -176,6 +184,9 @@ class PagedCpuBackend(AttentionBackend):
                     w: causal_mask(positions, columns, group, dtype, w).to(device)
                     for w in self.windows
                 },
+                window_starts={
+                    w: window_start(start + first - w + 1, step.block_size) for w in self.windows
+                },
             )
             chunks.append(chunk)
         return chunks
@@ -194,13 +205,16 @@ class PagedCpuBackend(AttentionBackend):
         group = self.cache.query_group
         spec = self.layers[layer]
         for chunk in metadata.prefills:
-            mask = chunk.mask_for(spec.window)
-            assert chunk.block_table is not None and mask is not None
+            mask, table = chunk.mask_for(spec.window), chunk.block_table
+            assert table is not None and mask is not None
+            first = chunk.window_starts.get(spec.window, 0)  # whole key blocks it does not see
+            if first:
+                mask, table = mask[:, first:], table[first // self.cache.block_size :]
             rows_slice = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
             o = flash(
                 grouped(q[rows_slice], self.cache.num_kv_heads)[None],
-                gather(keys, chunk.block_table)[None],
-                gather(values, chunk.block_table)[None],
+                gather(keys, table)[None],
+                gather(values, table)[None],
                 mask,
                 spec,
             )
@@ -238,13 +252,13 @@ class PagedCpuBackend(AttentionBackend):
         # The workspace is [KV * B, columns, D]: viewed [B, KV, columns, D], strided.
         columns = keys.shape[1]
         spec = self.layers[layer]
-        o = flash(
-            rows,
-            keys.view(kv_heads, batch_size, columns, head_dim).transpose(0, 1),
-            values.view(kv_heads, batch_size, columns, head_dim).transpose(0, 1),
-            decode.mask_for(spec.window),
-            spec,
-        )
+        keys = keys.view(kv_heads, batch_size, columns, head_dim).transpose(0, 1)
+        values = values.view(kv_heads, batch_size, columns, head_dim).transpose(0, 1)
+        mask = decode.mask_for(spec.window)
+        first = decode.window_starts.get(spec.window, 0)  # whole key blocks no row sees
+        if first:
+            keys, values, mask = keys[:, :, first:], values[:, :, first:], mask[..., first:]
+        o = flash(rows, keys, values, mask, spec)
         return o[:, :, :group].reshape(batch_size, num_heads, head_dim)
 
 

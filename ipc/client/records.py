@@ -36,6 +36,7 @@ class RequestRecord:
         "prompt_logprobs",
         "echo_text",
         "tool_calls",
+        "reasoning",
         "engine_index",
     )
 
@@ -59,6 +60,7 @@ class RequestRecord:
         self.prompt_logprobs: list[LogprobEntry] = []
         self.echo_text = ""
         self.tool_calls: list[ToolCall] = []
+        self.reasoning: list[str] = []
         self.engine_index = -1  # the replica its events came from
 
     def apply(self, event: StreamEvent, t: float) -> Delta:
@@ -78,6 +80,7 @@ class RequestRecord:
             event.prompt_logprobs,
             event.echo_text,
             event.tool_calls,
+            event.reasoning,
             error_param=event.error_param,
             engine_index=event.engine_index,
             t_step=event.t_step,
@@ -87,6 +90,8 @@ class RequestRecord:
             t_detok_sent=event.t_detok_sent,
         )
         self.text.append(event.text)
+        if event.reasoning:
+            self.reasoning.append(event.reasoning)
         add_tool_call_deltas(self.tool_calls, event.tool_calls)
         self.token_ids.extend(ids)
         self.logprobs.extend(event.logprobs)
@@ -120,6 +125,7 @@ class RequestRecord:
             list(self.prompt_logprobs),
             self.echo_text,
             list(self.tool_calls),
+            "".join(self.reasoning),
             error_param=f.error_param,
             engine_index=self.engine_index,
         )

@@ -122,7 +122,7 @@ def _max_tokens_alias(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+CHAT_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 
 
 def chat_message(m: Any, where: str = "messages[0]") -> ChatMessage:
@@ -137,13 +137,16 @@ def chat_message(m: Any, where: str = "messages[0]") -> ChatMessage:
         isinstance(m, dict)
         and isinstance(m.get("role"), str)
         and isinstance(m.get("content"), (str, type(None)))
-        and all(isinstance(m.get(k), (str, type(None))) for k in ("name", "tool_call_id"))
+        and all(
+            isinstance(m.get(k), (str, type(None)))
+            for k in ("name", "tool_call_id", "reasoning_content")
+        )
         and set(m) <= CHAT_MESSAGE_KEYS
     ):
         raise FieldError(
             where,
             f"{where}: a chat message is a {{'role': str, 'content': str}} map (and optionally "
-            f"'name', 'tool_calls', 'tool_call_id'), got {m!r:.300}",
+            f"'name', 'tool_calls', 'tool_call_id', 'reasoning_content'), got {m!r:.300}",
         )
     check_message_shape(m["role"], m.get("content"), calls, m.get("tool_call_id"), where)
     return ChatMessage(
@@ -152,6 +155,7 @@ def chat_message(m: Any, where: str = "messages[0]") -> ChatMessage:
         name=m.get("name") or None,
         tool_calls=None if calls is None else [_tool_call(c) for c in calls],
         tool_call_id=m.get("tool_call_id"),
+        reasoning_content=m.get("reasoning_content") or None,
     )
 
 

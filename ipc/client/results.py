@@ -29,6 +29,7 @@ class Delta:
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces of tool calls
+    reasoning: str = ""  # thinking split out of the text (a reasoning parser's)
     error_param: str | None = None  # the request field a bad_request error is about
     engine_index: int = -1  # the engine replica serving it; -1: none (it ended before one)
     # The event's path from the engine (StreamEvent's fields of the same names; 0: not known).
@@ -55,6 +56,7 @@ class GenerationResult:
     prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
     echo_text: str = ""  # the prompt's text, with echo=True (not part of ``text``)
     tool_calls: list[ToolCall] = field(default_factory=list)  # read from the text, when tools
+    reasoning: str = ""  # the thinking split out of the text (not part of ``text``)
     error_param: str | None = None  # the request field a bad_request error is about
     engine_index: int = -1  # the engine replica that served it (-1: none)
 

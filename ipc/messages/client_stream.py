@@ -104,6 +104,7 @@ class StreamEvent:
     usage: Usage | None = None
     timings: RequestTimings | None = None
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # calls read from the text
+    reasoning: str = ""  # thinking split out of the text (RequestMeta.reasoning_parser)
     # Only for requests that asked: one entry per token of token_ids; the prompt's entries and
     # text (echo) on the request's first event.
     logprobs: list[LogprobEntry] = field(default_factory=list)

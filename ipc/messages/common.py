@@ -33,3 +33,6 @@ class ChatMessage:
     # answers.
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant's thinking in an earlier answer (chat's reasoning_content), for a template
+    # that shows it (Qwen3's shows the thinking of the turns after the last user message).
+    reasoning_content: str | None = None

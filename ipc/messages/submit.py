@@ -89,6 +89,10 @@ class RequestMeta:
     t_tokenize_start: float = 0.0
     t_tokenized: float = 0.0
     tool_parser: str = ""  # reads tool calls out of the output (detok_worker.tool_parsers)
+    # Splits the thinking out of the output (ipc.reasoning; "" none), and whether the output
+    # starts inside it (the prompt opened <think>).
+    reasoning_parser: str = ""
+    reasoning_open: bool = False
     continuous_usage_stats: bool = False  # see SubmitRequest
     # Only when the request asked for echo or prompt_logprobs: the prompt's ids (packed int32),
     # so the detokenizer can turn them into text and token strings.

@@ -53,7 +53,11 @@ class Ingress:
         model_path = str(resolve_model(self.settings.model or None))
         parser = self.settings.cluster.get("tool_call_parser", "auto")  # as the replicas'
         preparer = await asyncio.to_thread(
-            build_preparer, model_path, limits, tool_call_parser=parser
+            build_preparer,
+            model_path,
+            limits,
+            tool_call_parser=parser,
+            reasoning_parser=self.settings.cluster.get("reasoning_parser", "auto"),
         )
         welcome = ClientWelcome([], info["model"], limits.max_model_len, limits.vocab_size)
         return ServeClient(

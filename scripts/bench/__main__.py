@@ -57,6 +57,10 @@ WORKLOADS = {
         "scripts.bench.long_prompts",
         "an unrelated stream's TTFT alone and beside 7.2 MB prompts (refused from their length)",
     ),
+    "long-context": (
+        "scripts.bench.long_context",
+        "two long prompts arriving beside unrelated short streams: their TTFT and largest gap",
+    ),
     "http-body": (
         "scripts.bench.http_body",
         "how long a frontend's event loop stalls while it reads and validates a large body",

@@ -85,6 +85,10 @@ def write_gguf(model_dir, out_dir, types: dict) -> dict[str, torch.Tensor]:
                 w = permute_rows(w, heads_of)
             kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
             qtype = types.get(kind, T.F32) if w.ndim == 2 else T.F32
+            if qtype == T.IQ4_NL:  # no quantizer in gguf; refused before its bytes are read
+                raw = np.zeros((w.shape[0], w.shape[1] // 32 * 18), np.uint8)
+                writer.add_tensor(name, raw, raw_dtype=qtype)
+                continue
             data = (
                 w
                 if qtype == T.F32
@@ -183,11 +187,17 @@ def test_gguf_checkpoint_matches_its_dequantized_weights(tiny_gguf):
 
 
 def test_unsupported_gguf_type_is_refused_by_name(tiny_model_dir, tmp_path):
-    write_gguf(tiny_model_dir, tmp_path / "q5", {"ffn_up": T.Q5_0, "attn_q": T.Q4_0})
-    with pytest.raises(UnsupportedGGUFType, match=r"'blk\.0\.ffn_up\.weight' has GGUF type Q5_0"):
-        read_gguf(tmp_path / "q5" / "model.gguf", 4, 2)
-    with pytest.raises(UnsupportedGGUFType, match="Q5_0"):
-        Engine(EngineConfig(model_path=str(tmp_path / "q5"), kv_cache_tokens=64))
+    write_gguf(tiny_model_dir, tmp_path / "iq4", {"ffn_up": T.IQ4_NL, "attn_q": T.Q5_0})
+    message = (
+        r"tensor 'blk\.0\.ffn_up\.weight' has GGUF type IQ4_NL, which splitserve cannot "
+        r"serve \(2 such tensors; supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
+        r"Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K\)"
+    )
+    with pytest.raises(UnsupportedGGUFType, match=message) as refused:
+        read_gguf(tmp_path / "iq4" / "model.gguf", 4, 2)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(UnsupportedGGUFType, match="IQ4_NL"):
+        Engine(EngineConfig(model_path=str(tmp_path / "iq4"), kv_cache_tokens=64))
 
 
 def test_default_model_q4_1_blocks_map_exactly_in_fp32_not_bf16(default_model_dir):

@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from engine_worker import int4_decode
-from engine_worker.linear import BatchSizeSwitch, Int4Linear, Int8Blocks, dequantize, quantize_int4
+from engine_worker.linear import (
+    BatchSizeSwitch,
+    Int4Groups,
+    Int4Linear,
+    Int8Blocks,
+    dequantize,
+    quantize_int4,
+)
 from engine_worker.weight_format import WeightFormat
 from tests.engine_worker.helpers import greedy
 from tests.engine_worker.test_scripted_decode import assert_same, make_engine
@@ -129,3 +136,33 @@ def test_without_a_built_op_aten_serves_logged_once(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "aten"
     assert done.stderr.count("our int4 kernel is unavailable") == 1
+
+
+def wide_planes(n: int, k: int, group: int, bits: int, seed: int) -> Int4Groups:
+    """Random q of ``bits`` bits in groups of ``group``, scales and zeros bf16 holds."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(n, k // group, generator=generator) * 0.01).bfloat16().float()
+    zero = (torch.randn(n, k // group, generator=generator) * 0.05).bfloat16().float()
+    return Int4Groups(q, scale, zero, bits)
+
+
+@pytest.mark.skipif(int4_decode.library() is None, reason="no g++ / AVX-512 BF16")
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_groups_of_16_and_wide_q_match_their_weights(group, bits):
+    """The kernel's variants (GGUF Q2_K/Q3_K/Q6_K sub-blocks of 16; Q5_x and Q6_K q of 5 and 6
+    bits): float32 sums of the exact products, a row's bits alone."""
+    planes = [wide_planes(48, 128, group, bits, seed=p) for p in range(2)]
+    assert int4_decode.takes(planes)
+    blocks = int4_decode.pack(planes)
+    weight = sum(dequantize(p) for p in planes)
+    for m in (1, 3, 6):
+        x = rows(m, 128, seed=m)
+        sums = int4_decode.apply_ctypes(blocks, x, 2, f32=True)
+        assert relative_error(sums, x.float() @ weight.t()) < 1e-6, m
+        alone = int4_decode.apply_ctypes(blocks, x[-1:], 2, f32=True)
+        assert torch.equal(alone[0], sums[-1])
+    if int4_decode.load_op():
+        y = torch.ops.splitserve.int4_decode_mm(x, blocks, 2)
+        assert torch.equal(y, int4_decode.apply_ctypes(blocks, x, 2))

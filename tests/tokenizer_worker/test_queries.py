@@ -145,3 +145,29 @@ def test_tools_without_messages_or_malformed_are_refused(queries):
         TokenizeRequest("q", b"c", messages=[ChatMessage("user", "x")], tools='[{"type": "x"}]')
     )
     assert isinstance(answer, RequestError) and "tools[0]" in answer.message
+
+
+@pytest.mark.parametrize("depth", [300, 980, 5000])
+def test_a_history_call_with_arguments_nested_too_deep_is_a_bad_request(queries, depth):
+    """A history call's arguments are a JSON string, so the body's depth bound never saw them:
+    ~1000 levels made the tokenize query raise RecursionError out of the worker's loop (the
+    worker hung) and a chat request a 500. Both are the caller's 400 now."""
+    deep = ToolCall("call_1", "f", "[" * depth + "]" * depth)
+    messages = [
+        ChatMessage("user", "Use f."),
+        ChatMessage("assistant", "", tool_calls=[deep]),
+        ChatMessage("tool", "42", tool_call_id="call_1"),
+    ]
+    answer = queries.answer(TokenizeRequest("q", b"c", messages=messages))
+    assert isinstance(answer, RequestError) and answer.code == "bad_request"
+    assert "nest" in answer.message and "at most 200 levels" in answer.message
+    preparer = RequestPreparer(queries.tokenizer, queries.chat_template, LIMITS)
+    (prepared,) = preparer.prepare_batch(
+        [SubmitRequest("r", b"c", SamplingParams(), messages=messages)]
+    )
+    assert isinstance(prepared, RequestError) and prepared.code == "bad_request"
+    assert "at most 200 levels" in prepared.message
+    # As deep as an HTTP body may nest is still rendered.
+    ok = ToolCall("call_1", "f", "[" * 190 + "]" * 190)
+    messages[1] = ChatMessage("assistant", "", tool_calls=[ok])
+    assert ask(queries, messages=messages).token_ids

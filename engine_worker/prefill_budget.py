@@ -1,0 +1,112 @@
+"""What one step may spend on prompts, and the rule that lets short prompts past long ones.
+
+A step's prompt work is bounded twice (``PrefillBudget``):
+
+* in tokens (``prefill_max_tokens``);
+* in token-keys (``prefill_max_token_keys``), a measure of time: a prompt token's attention
+  grows with the keys it attends (its position + 1), and its own layers cost about as much as
+  attending ``TOKEN_WORK_KEYS`` more. A chunk of C tokens after P computed ones costs
+  ``chunk_cost(P, C) = C * (P + TOKEN_WORK_KEYS) + C * (C + 1) / 2``, so deep into a long
+  context the same token budget would take several times longer: there the chunk shrinks
+  (``chunk_tokens``) until both bounds hold, and each step stays short. The first chunk of a
+  step never shrinks below ``MIN_CHUNK_TOKENS`` for the cost alone, so a prompt whose context
+  outgrows the budget still moves.
+
+The fairness rule (``short_prompts``): a waiting request whose whole prompt fits in
+``SHORT_PROMPT_SHARE`` of the step's budgets goes first, before the chunks of prompts already
+being prefilled and before longer waiting prompts, so a short request starts in the step after
+it arrives instead of queueing behind a long prefill. Short prompts together take at most that
+share: the prompts being prefilled keep the rest, every step, so they always finish.
+
+Chunk sizes never change a request's tokens: every path attends with one arithmetic
+(attention/flash_rows.py) and prompt rows run on one set of weights (tests/engine_worker/
+test_determinism_tiny.py computes a prompt in chunks of 7 and gets a cold prefill's bits).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine_worker.request import EngineRequest
+
+SHORT_PROMPT_SHARE = 0.5
+MIN_CHUNK_TOKENS = 16
+# A prompt token's own work (its linear layers) in keys attended: on the default model, 2 CPU
+# cores, a step of C tokens after P computed ones took ~a C + b (C P + C^2 / 2) with a ~0.78 ms
+# and b ~0.6 us (docs/benchmarks.md): a / b ~1.3k.
+TOKEN_WORK_KEYS = 1280
+
+
+def chunk_cost(start: int, count: int) -> int:
+    """Token-keys of ``count`` prompt tokens after ``start`` computed ones: the keys they attend
+    (causal), and ``TOKEN_WORK_KEYS`` each for their own layers."""
+    return count * (start + TOKEN_WORK_KEYS) + count * (count + 1) // 2
+
+
+def tokens_within_keys(start: int, keys: int) -> int:
+    """The most tokens after ``start`` computed ones whose ``chunk_cost`` fits in ``keys``."""
+    if keys <= 0:
+        return 0
+    b = 2 * (start + TOKEN_WORK_KEYS) + 1  # cost <= keys  <=>  c^2 + b c - 2 keys <= 0
+    count = (math.isqrt(b * b + 8 * keys) - b) // 2
+    while chunk_cost(start, count + 1) <= keys:  # isqrt's floor can leave one out
+        count += 1
+    return count
+
+
+@dataclass(slots=True)
+class PrefillBudget:
+    """What is left of one step's prompt budget."""
+
+    tokens: int
+    keys: int
+    slots: int  # requests that may still prefill
+    logprob_tokens: int  # prompt positions that may still compute prompt logprobs
+    spent_keys: int = 0
+
+    def chunk_tokens(self, request: EngineRequest, start: int, wanted: int) -> int:
+        """How many of ``wanted`` tokens after ``start`` the budget lets ``request`` compute."""
+        if self.slots <= 0:
+            return 0
+        count = min(wanted, self.tokens)
+        if request.wants_prompt_logprobs:
+            count = min(count, self.logprob_tokens)
+        by_keys = tokens_within_keys(start, self.keys)
+        if self.spent_keys == 0:  # the step's first chunk: progress, even past the key budget
+            by_keys = max(by_keys, MIN_CHUNK_TOKENS)
+        return max(0, min(count, by_keys))
+
+    def charge(self, request: EngineRequest, start: int, count: int) -> None:
+        cost = chunk_cost(start, count)
+        self.tokens -= count
+        self.keys -= cost
+        self.spent_keys += cost
+        self.slots -= 1
+        if request.wants_prompt_logprobs:
+            self.logprob_tokens -= count
+
+    def short_prompts(
+        self, waiting: Iterable[EngineRequest], chunk_limit: int, room: int
+    ) -> tuple[list[EngineRequest], int, int]:
+        """The waiting requests (arrival order, at most ``room``) whose whole prompt fits in
+        ``SHORT_PROMPT_SHARE`` of this budget and in one chunk, and the tokens and keys they
+        may take (counted as if nothing of them were cached: the most they can take)."""
+        token_share = min(int(self.tokens * SHORT_PROMPT_SHARE), chunk_limit)
+        key_share = int(self.keys * SHORT_PROMPT_SHARE)
+        slots = min(room, self.slots - 1)  # one slot stays for the prompts being prefilled
+        short: list[EngineRequest] = []
+        tokens = keys = 0
+        for request in waiting:
+            if len(short) >= slots:
+                break
+            n = request.num_tokens
+            if not request.ready or request.wants_prompt_logprobs or n > token_share - tokens:
+                continue  # (prompt logprobs have a budget of their own: they wait their turn)
+            if chunk_cost(0, n) > key_share - keys:
+                continue
+            short.append(request)
+            tokens += n
+            keys += chunk_cost(0, n)
+        return short, tokens, keys

@@ -1,0 +1,148 @@
+"""The weights of a linear layer as a checkpoint's quantized blocks give them (``Int4Groups``,
+``Int8Blocks``) or a dense tensor, and their float32 values (``dequantize``): what the formats of
+linear.py are built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import torch
+
+MAX_INT4_PARTS = 2  # more would read the 4-bit weights as often as a dense bf16 layer's bytes
+
+
+@dataclass(slots=True)
+class Int4Groups:
+    """w[n, k] = (q[n, k] - 8) * scale[n, k // group] + zero[n, k // group]; q uint8 in [0, 15],
+    scale and zero float32. With ``bits`` 5 or 6 (our kernel only): q in [0, 2^bits), less
+    2^(bits - 1) in place of 8."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int = 4
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def rounded(self, dtype: torch.dtype, parts: int = 1) -> Int4Groups:
+        """The groups with scale and zero as a kernel of ``parts`` parts holds them (each the sum
+        of ``split_parts`` in ``dtype``)."""
+        scale, zero = (_total(split_parts(v, dtype, parts)) for v in (self.scale, self.zero))
+        return Int4Groups(self.q, scale, zero, self.bits)
+
+    def split(self, dtype: torch.dtype, parts: int) -> list[Int4Groups]:
+        """``parts`` planes of these weights whose scales and zeros ``dtype`` holds and whose
+        sum is these groups' (``split_parts``); one part is these groups."""
+        if parts == 1:
+            return [self]
+        scales, zeros = (split_parts(v, dtype, parts) for v in (self.scale, self.zero))
+        return [Int4Groups(self.q, s.float(), z.float(), self.bits) for s, z in zip(scales, zeros)]
+
+    def as_int8(self) -> Int8Blocks:
+        """The same weights as ``Int8Blocks`` (q less its offset)."""
+        q = self.q.to(torch.int8) - (1 << (self.bits - 1))
+        return Int8Blocks(q, self.scale, self.zero)
+
+    def parts_for(self, dtype: torch.dtype) -> int:
+        """The fewest kernel parts (at most ``MAX_INT4_PARTS``) that hold the scales and zeros
+        exactly in ``dtype``; 0 when none does."""
+        return next((p for p in range(1, MAX_INT4_PARTS + 1) if self.exact_in(dtype, p)), 0)
+
+    def exact_in(self, dtype: torch.dtype, parts: int = 1) -> bool:
+        """Whether ``parts`` values of ``dtype`` summed hold every scale and zero exactly (the
+        kernel then computes the checkpoint's own weights)."""
+        r = self.rounded(dtype, parts)
+        return torch.equal(r.scale, self.scale) and torch.equal(r.zero, self.zero)
+
+
+@dataclass(slots=True)
+class Int8Blocks:
+    """w[n, k] = q[n, k] * scale[n, k // group] + zero[n, k // group]; q int8, scale and zero
+    float32, zero None for none (GGUF Q8_0, Q5_0, Q6_K; Q5_1 and Q5_K have one)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def as_int4_planes(self) -> list[Int4Groups]:
+        """The same weights as two 4-bit planes for ``Int4Linear``: with
+        q + 128 = 16 hi + lo, w = 16 d (hi - 8) + d (lo - 8) + (8 d + zero). Scales in the
+        kernel's dtype round d alone (16 d rounds alike), so the layer computes round(d) * q
+        (+ the zero, rounded). 8 d + zero is one float32 rounding where there is a zero."""
+        u = self.q.to(torch.int16) + 128
+        hi, lo = (u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)
+        zero = 8 * self.scale if self.zero is None else 8 * self.scale + self.zero
+        return [
+            Int4Groups(hi, 16 * self.scale, torch.zeros_like(self.scale)),
+            Int4Groups(lo, self.scale.clone(), zero),
+        ]
+
+    def as_planes(self, max_bits: int) -> list[Int4Groups]:
+        """One plane of q's own width where it spans at most ``max_bits`` bits (5 or 6: our
+        kernel's wide q; a zero-free q centred on 0 as it is, else 2^(bits - 1) scale folded
+        into the zero: one float32 rounding), else the two nibble planes."""
+        low, high = int(self.q.min()), int(self.q.max())
+        for bits in range(4, max_bits + 1):
+            half = 1 << (bits - 1)
+            zero = torch.zeros_like(self.scale) if self.zero is None else self.zero
+            if -half <= low and high < half:
+                return [Int4Groups((self.q + half).to(torch.uint8), self.scale, zero, bits)]
+            if 0 <= low and high < 2 * half:
+                zero = zero + half * self.scale
+                return [Int4Groups(self.q.to(torch.uint8), self.scale, zero, bits)]
+        return self.as_int4_planes()
+
+
+WeightSource: TypeAlias = torch.Tensor | Int4Groups | Int8Blocks
+
+
+def _total(parts: list[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].float()
+    for part in parts[1:]:
+        total = total + part.float()
+    return total
+
+
+def split_parts(values: torch.Tensor, dtype: torch.dtype, parts: int) -> list[torch.Tensor]:
+    """``values`` (float32) as ``parts`` tensors of ``dtype`` whose sum is nearest to them: each
+    part rounds what the ones before it left over. Two bf16 parts hold any fp16 value exactly
+    (8 + 8 significant bits against 11, and bf16 has float32's exponent range)."""
+    out, rest = [], values.float()
+    for _ in range(parts):
+        out.append(rest.to(dtype))
+        rest = rest - out[-1].float()
+    return out
+
+
+def dequantize(source: WeightSource) -> torch.Tensor:
+    """The source's weights as float32 [N, K]. For int4 groups this is the value the kernel
+    computes, (q - 8) * scale + zero rounded once, wherever (q - 8) * scale is exact in float32:
+    scales of at most 20 significant bits (fp16 GGUF blocks, bf16 kernels)."""
+    if isinstance(source, torch.Tensor):
+        return source.float()
+    n, k = source.q.shape
+    groups = source.scale.shape[1]
+    scale = source.scale[..., None]
+    if isinstance(source, Int8Blocks):
+        w = source.q.view(n, groups, -1).float() * scale
+        return (w if source.zero is None else w.add_(source.zero[..., None])).view(n, k)
+    q = source.q.view(n, groups, -1).float().sub_(1 << (source.bits - 1))
+    return q.mul_(scale).add_(source.zero[..., None]).view(n, k)
+
+
+def source_rows(source: WeightSource, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of the source's weights as float32 [len(rows), K], as ``dequantize``."""
+    if isinstance(source, torch.Tensor):
+        return source.index_select(0, rows).float()
+    q, scale = source.q.index_select(0, rows), source.scale.index_select(0, rows)
+    if isinstance(source, Int8Blocks):
+        zero = None if source.zero is None else source.zero.index_select(0, rows)
+        return dequantize(Int8Blocks(q, scale, zero))
+    return dequantize(Int4Groups(q, scale, source.zero.index_select(0, rows), source.bits))
