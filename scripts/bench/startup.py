@@ -7,7 +7,8 @@ rotating each repeat), and for every start this prints the seconds from the laun
 server answering its health check (ready), and to the first token of one streamed chat request
 sent then (a fresh 158-token prompt, greedy). A splitserve launch is `splitserve launch
 --http-port 0 ARGS` in this process (the supervisor starts the workers and waits for each to
-report ready); llama-server is its binary on the default model's GGUF. The first start of a
+report ready); llama-server is its binary on --gguf (default: the default model's GGUF; give a
+--model of the same file in ARGS to compare one model). The first start of a
 case is shown apart from the rest: it is the one that pays for whatever a start leaves behind
 (the OS page cache of the model files, anything a launch compiles and keeps on disk).
 """
@@ -20,6 +21,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from scripts.bench.interleave import progress, rotated
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_splitserve_cases(g, "one default launch")
     g.add_argument("--llama-server", metavar="PATH", help="also start this llama-server binary")
     g.add_argument("--llama-threads", type=int, default=2, metavar="N")
+    add_shared(g, "gguf")
     add_shared(p.add_argument_group("workload"), "repeats", "prompt_tokens", repeats=3)
     add_shared(p.add_argument_group("output"), "json")
     return p
@@ -49,7 +52,8 @@ def start(case: str, args: argparse.Namespace) -> tuple[Any, float]:
 
     began = time.monotonic()
     if case.startswith("llama.cpp"):
-        server: Any = LlamaServer(args.llama_server, default_gguf(), args.llama_threads, 1)
+        gguf = Path(args.gguf) if args.gguf else default_gguf()
+        server: Any = LlamaServer(args.llama_server, gguf, args.llama_threads, 1)
     else:
         server = SplitserveServer(case)
     return server, time.monotonic() - began
@@ -124,6 +128,8 @@ def _validate(args: argparse.Namespace) -> None:
     require_positive(args, "repeats", "prompt_tokens")
     if args.llama_server and not os.access(args.llama_server, os.X_OK):
         raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
+    if args.gguf and not os.path.isfile(args.gguf):
+        raise ValueError(f"--gguf {args.gguf!r} is not a file")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -29,3 +29,11 @@ def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         startup.main(argv)
     assert "error:" in capsys.readouterr().err
+
+
+def test_llama_server_runs_the_given_gguf(tmp_path, capsys):
+    parsed = startup.build_parser().parse_args(["--gguf", str(tmp_path / "m.gguf")])
+    assert parsed.gguf == str(tmp_path / "m.gguf")
+    with pytest.raises(SystemExit):
+        startup.main(["--gguf", str(tmp_path / "missing.gguf")])
+    assert "is not a file" in capsys.readouterr().err
