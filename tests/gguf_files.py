@@ -47,7 +47,7 @@ def gguf_name(hf: str) -> str:
     return f"blk.{index}.{_LAYER[part]}.{kind}"
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's row order for q and k of "llama" files (adjacent rope pairs)."""
     return (
         w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -107,7 +107,7 @@ def write_tiny_gguf(
             w = f.get_tensor(hf).float().numpy()
             name = gguf_name(hf)
             if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-                w = _permute(w, heads if ".attn_q." in name else kv_heads)
+                w = permute_rows(w, heads if ".attn_q." in name else kv_heads)
             if name == unserved:
                 rows, cols = w.shape
                 raw = rng.integers(0, 256, (rows, cols // 32 * 18), dtype=np.uint8)

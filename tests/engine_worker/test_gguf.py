@@ -21,21 +21,10 @@ from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
 from procs.model_store import gguf_file
 from tests.engine_worker.helpers import give_blocks, manual_request
+from tests.gguf_files import gguf_name, permute_rows
 
 T = GGMLQuantizationType
-GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+to_gguf_name = gguf_name  # the Hugging Face name's GGUF name, as llama.cpp's converter writes it
 # One tensor kind per served type: what the tiny file holds.
 TINY_TYPES = {
     "token_embd": T.Q8_0,
@@ -47,21 +36,6 @@ TINY_TYPES = {
     "ffn_up": T.Q4_0,
     "ffn_down": T.F16,
 }
-
-
-def to_gguf_name(hf: str) -> str:
-    if hf in GGUF_NAMES:
-        return GGUF_NAMES[hf]
-    _, _, index, rest = hf.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{index}.{GGUF_NAMES[part]}.{kind}"
-
-
-def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter order for q/k rows (pairs of adjacent rope dimensions)."""
-    return (
-        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
 
 
 def write_gguf(model_dir, out_dir, types: dict) -> dict[str, torch.Tensor]:
