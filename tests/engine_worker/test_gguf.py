@@ -42,6 +42,23 @@ def write_gguf(model_dir, out_dir, types: dict) -> dict[str, torch.Tensor]:
     """A GGUF copy of a safetensors checkpoint (tensor kinds quantized as ``types`` says, the
     rest F32), beside the same config and tokenizer. Returns the ``gguf`` package's own
     dequantization of every tensor, in Hugging Face row order."""
+
+    def encode(w: np.ndarray, kind: str, layer: int, seed: int):
+        qtype = types.get(kind, T.F32) if w.ndim == 2 else T.F32
+        if qtype == T.IQ4_NL:  # no quantizer in gguf; refused before its bytes are read
+            return np.zeros((w.shape[0], w.shape[1] // 32 * 18), np.uint8), qtype
+        if qtype in (T.F32, T.F16):
+            return (w if qtype == T.F32 else w.astype(np.float16)), qtype
+        return quants.quantize(w, qtype), qtype
+
+    return write_encoded_gguf(model_dir, out_dir, encode)
+
+
+def write_encoded_gguf(model_dir, out_dir, encode) -> dict[str, torch.Tensor]:
+    """A GGUF of a safetensors checkpoint, beside its config and tokenizer: each tensor, in
+    llama.cpp's q/k row order, written as ``encode(w, kind, layer, index)`` returns it (its data
+    and GGUF type; ``index`` counts the tensors in name order). Returns the ``gguf`` package's
+    own dequantization of every tensor, in Hugging Face row order."""
     config = json.loads((model_dir / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     out_dir.mkdir(parents=True)
@@ -51,26 +68,18 @@ def write_gguf(model_dir, out_dir, types: dict) -> dict[str, torch.Tensor]:
     writer = GGUFWriter(str(out_dir / "model.gguf"), "llama")
     reference = {}
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        for hf in f.keys():
+        for index, hf in enumerate(sorted(f.keys())):
             w = f.get_tensor(hf).float().numpy()
             name = to_gguf_name(hf)
-            heads_of = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else 0
+            layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+            kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+            heads_of = heads if kind == "attn_q" else kv_heads if kind == "attn_k" else 0
             if heads_of:
                 w = permute_rows(w, heads_of)
-            kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
-            qtype = types.get(kind, T.F32) if w.ndim == 2 else T.F32
-            if qtype == T.IQ4_NL:  # no quantizer in gguf; refused before its bytes are read
-                raw = np.zeros((w.shape[0], w.shape[1] // 32 * 18), np.uint8)
-                writer.add_tensor(name, raw, raw_dtype=qtype)
-                continue
-            data = (
-                w
-                if qtype == T.F32
-                else w.astype(np.float16)
-                if qtype == T.F16
-                else quants.quantize(w, qtype)
-            )
+            data, qtype = encode(w, kind, layer, index)
             writer.add_tensor(name, data, raw_dtype=qtype)
+            if qtype == T.IQ4_NL:  # nothing to compare: the file is refused
+                continue
             exact = quants.dequantize(data, qtype) if qtype not in (T.F32, T.F16) else data
             exact = np.asarray(exact, dtype=np.float32).reshape(w.shape)
             reference[hf] = torch.from_numpy(

@@ -5,14 +5,12 @@ our int4 kernel in its own width (no layer dense) close to those weights."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, quants
-from safetensors import safe_open
+from gguf import GGMLQuantizationType
 from safetensors.torch import save_file
 
 from engine_worker import int4_decode
@@ -20,7 +18,7 @@ from engine_worker.engine import Engine
 from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
 from scripts.bench.tiny_model import make_tiny_model
-from tests.engine_worker.test_gguf import PROMPT, last_logits, permute_back, to_gguf_name
+from tests.engine_worker.test_gguf import PROMPT, last_logits, write_encoded_gguf
 from tests.engine_worker.test_gguf_blocks import random_blocks
 
 T = GGMLQuantizationType
@@ -55,41 +53,16 @@ D_SIZE |= {"Q2_K": 5e-4, "Q3_K": 1.5e-4, "Q4_K": 3e-5, "Q5_K": 1.5e-5, "Q6_K": 6
 def write_kquant_gguf(model_dir, out_dir) -> dict[str, torch.Tensor]:
     """A GGUF of the tiny model's config whose matrices are random blocks of KQUANT_TYPES (its
     vectors the model's, F32). Returns the gguf package's dequantization in HF row order."""
-    config = json.loads((model_dir / "config.json").read_text())
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    out_dir.mkdir(parents=True)
-    for f in model_dir.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, out_dir / f.name)
-    writer = GGUFWriter(str(out_dir / "model.gguf"), "llama")
-    reference = {}
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        for seed, hf in enumerate(sorted(f.keys())):
-            w = f.get_tensor(hf).float().numpy()
-            name = to_gguf_name(hf)
-            layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-            kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
-            type_name = KQUANT_TYPES[layer].get(kind) if w.ndim == 2 else None
-            if type_name is None:
-                writer.add_tensor(name, w, raw_dtype=T.F32)
-                reference[hf] = torch.from_numpy(w)
-                continue
-            rows, cols = w.shape
-            blocks = random_blocks(
-                type_name, rows, cols, seed, wide=False, d_size=D_SIZE[type_name]
-            )
-            qtype = T[type_name]
-            writer.add_tensor(name, blocks, raw_dtype=qtype)
-            exact = np.asarray(quants.dequantize(blocks, qtype), np.float32).reshape(rows, cols)
-            heads_of = heads if kind == "attn_q" else kv_heads if kind == "attn_k" else 0
-            if heads_of:  # the file holds llama.cpp's row order; the reader undoes it
-                exact = permute_back(exact, heads_of)
-            reference[hf] = torch.from_numpy(np.ascontiguousarray(exact))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return reference
+
+    def encode(w: np.ndarray, kind: str, layer: int, seed: int):
+        type_name = KQUANT_TYPES[layer].get(kind) if w.ndim == 2 else None
+        if type_name is None:
+            return w, T.F32
+        rows, cols = w.shape
+        blocks = random_blocks(type_name, rows, cols, seed, wide=False, d_size=D_SIZE[type_name])
+        return blocks, T[type_name]
+
+    return write_encoded_gguf(model_dir, out_dir, encode)
 
 
 @pytest.fixture(scope="module")
