@@ -50,6 +50,21 @@ def step(n: int, *, metas=(), tokens=(), finished=(), started=(), pid: int = 0) 
     )
 
 
+def feed_one_per_step(core: DetokenizerCore, meta, ids: list[int], reason: str = "stop"):
+    """Request ``meta``'s tokens to ``core`` one per step, its meta with the first and its
+    finish (``reason``) with the last; returns its client's events."""
+    for i, token in enumerate(ids):
+        core.on_step_output(
+            step(
+                i + 1,
+                metas=[meta] if i == 0 else (),
+                tokens=[(meta.request_id, token)],
+                finished=[(meta.request_id, reason)] if i == len(ids) - 1 else (),
+            )
+        )
+    return core.take_output().events.get(meta.client_id, [])
+
+
 def core_with_clients(tokenizer, *clients: bytes, **kwargs) -> DetokenizerCore:
     core = DetokenizerCore(tokenizer, **kwargs)
     for client in clients:

@@ -11,7 +11,7 @@ import pytest
 from ipc.messages import RequestMeta
 from ipc.structured import ToolCall, add_tool_call_deltas
 from runtime.model_files import load_tokenizer
-from tests.detok_worker.test_core import CLIENT, core_with_clients, step
+from tests.detok_worker.test_core import CLIENT, core_with_clients, feed_one_per_step
 
 CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -27,16 +27,7 @@ def run(tokenizer, text: str, parser: str, reason: str = "stop", stop=()):
     core = core_with_clients(tokenizer, CLIENT)
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     meta = RequestMeta("r", CLIENT, prompt_tokens=3, stop=list(stop), tool_parser=parser)
-    for i, token in enumerate(ids):
-        core.on_step_output(
-            step(
-                i + 1,
-                metas=[meta] if i == 0 else (),
-                tokens=[("r", token)],
-                finished=[("r", reason)] if i == len(ids) - 1 else (),
-            )
-        )
-    events = core.take_output().events.get(CLIENT, [])
+    events = feed_one_per_step(core, meta, ids, reason)
     calls: list[ToolCall] = []
     for event in events:
         add_tool_call_deltas(calls, event.tool_calls)

@@ -10,7 +10,7 @@ from detok_worker.reasoning import ReasoningSplitter
 from ipc.messages import RequestMeta
 from ipc.structured import ToolCall, add_tool_call_deltas
 from runtime.model_files import load_tokenizer
-from tests.detok_worker.test_core import CLIENT, core_with_clients, step
+from tests.detok_worker.test_core import CLIENT, core_with_clients, feed_one_per_step
 
 
 def split(text: str, starts_open: bool, piece: int = 0) -> tuple[str, str]:
@@ -58,16 +58,7 @@ def run(tokenizer, text: str, *, parser="qwen3", opened=False, tools="", reason=
         reasoning_parser=parser,
         reasoning_open=opened,
     )
-    for i, token in enumerate(ids):
-        core.on_step_output(
-            step(
-                i + 1,
-                metas=[meta] if i == 0 else (),
-                tokens=[("r", token)],
-                finished=[("r", reason)] if i == len(ids) - 1 else (),
-            )
-        )
-    return core.take_output().events.get(CLIENT, [])
+    return feed_one_per_step(core, meta, ids, reason)
 
 
 def test_the_thinking_streams_apart_from_the_answer(tokenizer):
