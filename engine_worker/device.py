@@ -11,6 +11,7 @@ import torch
 
 from engine_worker.weight_format import dtype_for_weights
 from ipc.engine_config import (
+    PREFILL_STEP_TARGET_MS_CPU,
     PREFILL_TOKEN_KEYS_CPU,
     PREFILL_TOKEN_KEYS_CUDA,
     PREFILL_TOKENS_CPU,
@@ -75,10 +76,14 @@ def weight_copy_budget_bytes(device: torch.device) -> int:
 def resolve_prefill_budget(config: EngineConfig, device: torch.device) -> EngineConfig:
     """``config`` with its prefill budgets' 0 ("the device's") resolved for ``device``."""
     cuda = device.type == "cuda"
+    paced = config.prefill_step_target_ms > 0 or not (cuda or config.prefill_max_token_keys)
     return dataclasses.replace(
         config,
+        prefill_step_target_ms=config.prefill_step_target_ms
+        or (PREFILL_STEP_TARGET_MS_CPU if paced else 0),
         prefill_max_tokens=config.prefill_max_tokens
         or (PREFILL_TOKENS_CUDA if cuda else PREFILL_TOKENS_CPU),
+        # Paced steps are bounded by their measured time alone unless a bound is given
         prefill_max_token_keys=config.prefill_max_token_keys
-        or (PREFILL_TOKEN_KEYS_CUDA if cuda else PREFILL_TOKEN_KEYS_CPU),
+        or (PREFILL_TOKEN_KEYS_CUDA if cuda or paced else PREFILL_TOKEN_KEYS_CPU),
     )

@@ -136,7 +136,7 @@ class Engine:
         logger.info(
             "engine ready: model=%s device=%s dtype=%s %s threads=%d kv_blocks=%d x %d "
             "tokens max_model_len=%d prefill_max_tokens=%d prefill_max_token_keys=%d "
-            "prefix_cache=%s attention=%s",
+            "prefill_step_target_ms=%d prefix_cache=%s attention=%s",
             self.model_name,
             self.device,
             weight_format.dtype,
@@ -147,6 +147,7 @@ class Engine:
             self.max_model_len,
             config.prefill_max_tokens,
             config.prefill_max_token_keys,
+            config.prefill_step_target_ms,
             config.enable_prefix_cache,
             self.runner.attention.name,
         )
@@ -299,7 +300,9 @@ class Engine:
         self.threads.threads_for(kind, size, leader)
         t_start = time.perf_counter()
         result = self.runner.run(batch.requests, batch.num_new_tokens)
-        self.threads.record(time.perf_counter() - t_start)
+        seconds = time.perf_counter() - t_start
+        self.threads.record(seconds)
+        self.scheduler.pace.observe(batch.token_keys, batch.prefill_tokens, seconds)
         if self.threads.switches != switches:
             logger.info("torch threads per kind of step now %s (measured)", self.threads.describe())
         return result

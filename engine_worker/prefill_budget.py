@@ -12,6 +12,11 @@ A step's prompt work is bounded twice (``PrefillBudget``):
   step never shrinks below ``MIN_CHUNK_TOKENS`` for the cost alone, so a prompt whose context
   outgrows the budget still moves.
 
+How many token-keys a step may spend is measured as the engine runs (``StepPace``): the seconds
+a step with prompt work took per token-key it computed (its decode rows' included) give the
+token-keys that fit in ``prefill_step_target_ms``, so a step takes about that long on any machine
+and under any load, and ``prefill_max_token_keys`` (when given) stays the upper bound.
+
 The fairness rule (``short_prompts``): a waiting request whose whole prompt fits in
 ``SHORT_PROMPT_SHARE`` of the step's budgets goes first, before the chunks of prompts already
 being prefilled and before longer waiting prompts, so a short request starts in the step after
@@ -54,6 +59,33 @@ def tokens_within_keys(start: int, keys: int) -> int:
     while chunk_cost(start, count + 1) <= keys:  # isqrt's floor can leave one out
         count += 1
     return count
+
+
+# The step pace's smoothing (the newest step's weight) and the steps it ignores: a step whose
+# work is this small is mostly its fixed costs, not a measure of its token-keys.
+PACE_WEIGHT = 0.25
+PACE_MIN_KEYS = 8 * TOKEN_WORK_KEYS
+
+
+class StepPace:
+    """The token-keys a step may spend to take about ``target_s``, from the steps measured."""
+
+    def __init__(self, target_s: float, keys: int, most_keys: int) -> None:
+        self.target_s = target_s
+        self.keys = min(keys, most_keys)  # until measured: the device's default
+        self.most_keys = most_keys
+        self.seconds_per_key = 0.0
+
+    def observe(self, token_keys: int, prefill_tokens: int, seconds: float) -> None:
+        """A step's measure: its token-keys in all (prompt chunks and decode rows), the
+        prompt tokens among them, its seconds. Steps without prompt work are not paced."""
+        if self.target_s <= 0 or prefill_tokens == 0 or token_keys < PACE_MIN_KEYS:
+            return
+        rate = seconds / token_keys
+        old = self.seconds_per_key
+        self.seconds_per_key = rate if old == 0 else old + PACE_WEIGHT * (rate - old)
+        keys = int(self.target_s / self.seconds_per_key)
+        self.keys = max(MIN_CHUNK_TOKENS * TOKEN_WORK_KEYS, min(keys, self.most_keys))
 
 
 @dataclass(slots=True)

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from engine_worker.block_manager import KVBlockManager
-from engine_worker.prefill_budget import PrefillBudget, tokens_within_keys
+from engine_worker.prefill_budget import PrefillBudget, StepPace, chunk_cost, tokens_within_keys
 from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.speculative import LookupContext, NgramProposer
@@ -57,6 +57,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    token_keys: int = 0  # prefill_budget.chunk_cost of every row: what the step's time grows with
     cached_tokens: int = 0
     queried_tokens: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     preempted: int = 0
@@ -65,6 +66,7 @@ class ScheduledBatch:
     def add(self, request: EngineRequest, num_tokens: int) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_tokens)
+        self.token_keys += chunk_cost(request.num_computed, num_tokens)
         if request.is_decoding:
             self.decode_tokens += num_tokens
         else:
@@ -96,6 +98,11 @@ class Scheduler:
         self.blocks = blocks
         self.prefix_cache = prefix_cache
         self.prompt_logprob_tokens = prompt_logprob_tokens
+        # A scheduler built alone (no engine to resolve 0 for its device) takes the CPU's bound
+        most_keys = config.prefill_max_token_keys or PREFILL_TOKEN_KEYS_CPU
+        self.pace = StepPace(
+            config.prefill_step_target_ms / 1e3, min(most_keys, PREFILL_TOKEN_KEYS_CPU), most_keys
+        )
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []  # admission order: the last one is the newest
         self.proposer = (
@@ -112,7 +119,7 @@ class Scheduler:
         does not hold (a fully cached prompt computes its last token or nothing, and the idle
         window, sized by this, waits accordingly little), up to one chunk."""
         cached = self._cached_prefix(request).tokens
-        keys = self.config.prefill_max_token_keys or PREFILL_TOKEN_KEYS_CPU
+        keys = self.pace.keys
         return min(
             request.num_tokens - cached,
             self.config.prefill_chunk_tokens,
@@ -172,7 +179,7 @@ class Scheduler:
         # The engine resolves 0 for its device; a scheduler built alone takes the CPU's.
         return PrefillBudget(
             tokens=self.config.prefill_max_tokens or PREFILL_TOKENS_CPU,
-            keys=self.config.prefill_max_token_keys or PREFILL_TOKEN_KEYS_CPU,
+            keys=self.pace.keys,
             slots=self.config.prefill_max_batch_size,
             logprob_tokens=self.prompt_logprob_tokens,
         )

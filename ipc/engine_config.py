@@ -40,6 +40,11 @@ PREFILL_TOKENS_CPU = 512
 # any depth. A GPU's prefill is not bounded by it.
 PREFILL_TOKEN_KEYS_CPU = 640 << 10
 PREFILL_TOKEN_KEYS_CUDA = 1 << 40
+# What a step with prompt work is sized to take on a CPU when neither prefill_step_target_ms nor
+# prefill_max_token_keys is given (engine_worker/prefill_budget.py's StepPace). A step is every
+# running stream's gap between two tokens: at 640Ki token-keys steps took ~0.45 s and the
+# largest gaps 1.1-1.3 s beside two 7k-token prompts (load 2); at 250 ms the gaps stay near it.
+PREFILL_STEP_TARGET_MS_CPU = 250
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +116,15 @@ class EngineConfig:
         "deep into a long context shrink and a step stays short; 0 = 640Ki on CPU (~0.4 s of "
         "prompt work on 2 cores for the default model, measured), no bound on CUDA",
         unit="TOKEN_KEYS",
+        minimum=0,
+    )
+    prefill_step_target_ms: int = knob(
+        0,
+        "a step with prompt work is sized to take about this long: the engine measures its "
+        "steps' seconds per token-key as it runs and bounds a step's prompt work to match "
+        "(within prefill_max_token_keys when that is given); 0 = 250 ms on CPU unless "
+        "prefill_max_token_keys is given, off on CUDA",
+        unit="MS",
         minimum=0,
     )
     prefill_chunk_tokens: int = knob(

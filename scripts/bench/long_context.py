@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ttft, gaps = [t for r in runs for t in r["ttft"]], [g for r in runs for g in r["gaps"]]
     print(
         f"all runs: unrelated TTFT p50 {np.percentile(ttft, 50) * 1e3:.0f} ms, max "
-        f"{max(ttft) * 1e3:.0f} ms; largest inter-token gap {max(gaps) * 1e3:.0f} ms"
+        f"{max(ttft) * 1e3:.0f} ms; inter-token gap p50 {np.percentile(gaps, 50) * 1e3:.0f}, "
+        f"p99 {np.percentile(gaps, 99) * 1e3:.0f}, max {max(gaps) * 1e3:.0f} ms"
     )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -9,12 +9,15 @@ import numpy as np
 from engine_worker.engine import Engine
 from engine_worker.prefill_budget import (
     MIN_CHUNK_TOKENS,
+    PACE_MIN_KEYS,
     SHORT_PROMPT_SHARE,
+    TOKEN_WORK_KEYS,
+    StepPace,
     chunk_cost,
     tokens_within_keys,
 )
 from ipc.codec import unpack_ids
-from ipc.engine_config import EngineConfig
+from ipc.engine_config import PREFILL_STEP_TARGET_MS_CPU, PREFILL_TOKEN_KEYS_CPU, EngineConfig
 from tests.engine_worker.helpers import collect, greedy
 
 LONG = 1800
@@ -124,3 +127,42 @@ def test_a_prompt_over_the_short_share_waits_its_turn(tiny_model_dir):
     assert "medium" not in out.request_ids
     assert engine.requests["medium"].num_computed < medium
     assert out.stats.prefill_tokens > engine.requests["medium"].num_computed
+
+
+def test_the_step_pace_sizes_steps_to_their_target_from_measured_steps():
+    """Steps that cost a fixed 20 ms plus 1 us a token-key, paced to 250 ms: the bound settles
+    where a step takes the target, whatever the starting guess; steps without prompt work and
+    steps too small to measure leave it alone; it never passes the given bound."""
+    fixed_s, per_key_s, target_s = 0.02, 1e-6, 0.25
+    pace = StepPace(target_s, keys=4 << 20, most_keys=1 << 40)
+    for _ in range(40):
+        keys = pace.keys
+        pace.observe(keys, prefill_tokens=100, seconds=fixed_s + per_key_s * keys)
+    assert abs(fixed_s + per_key_s * pace.keys - target_s) < 0.01
+    settled = pace.keys
+    pace.observe(settled, prefill_tokens=0, seconds=10.0)  # decode only: not paced
+    pace.observe(PACE_MIN_KEYS - 1, prefill_tokens=1, seconds=10.0)  # too small to measure
+    assert pace.keys == settled
+    bounded = StepPace(target_s, keys=1000, most_keys=50_000)
+    bounded.observe(1 << 20, prefill_tokens=100, seconds=0.001)  # a fast machine
+    assert bounded.keys == 50_000
+    slow = StepPace(target_s, keys=1 << 20, most_keys=1 << 40)
+    slow.observe(1 << 20, prefill_tokens=100, seconds=1000.0)  # a stalled one: chunks still move
+    assert slow.keys == MIN_CHUNK_TOKENS * TOKEN_WORK_KEYS
+    unpaced = StepPace(0.0, keys=KEYS, most_keys=KEYS)
+    unpaced.observe(1 << 20, prefill_tokens=100, seconds=10.0)
+    assert unpaced.keys == KEYS
+
+
+def test_a_cpu_engine_paces_its_steps_unless_a_token_key_bound_is_given(tiny_model_dir):
+    paced = engine_for(tiny_model_dir, prefill_max_token_keys=0)
+    assert paced.config.prefill_step_target_ms == PREFILL_STEP_TARGET_MS_CPU
+    paced.add("long", prompt(LONG, 2), greedy(2, ignore_eos=True))
+    collect(paced)
+    # The tiny model's steps take milliseconds: the measured bound grew past the default's
+    assert paced.scheduler.pace.seconds_per_key > 0
+    assert paced.scheduler.pace.keys > PREFILL_TOKEN_KEYS_CPU
+    fixed = engine_for(tiny_model_dir)  # a bound given: it is kept, nothing is paced
+    assert fixed.config.prefill_step_target_ms == 0 and fixed.scheduler.pace.keys == KEYS
+    both = engine_for(tiny_model_dir, prefill_step_target_ms=100)
+    assert both.scheduler.pace.most_keys == KEYS
