@@ -2,4 +2,4 @@
 request body: the field policy's HTTP edge), ``protocol`` (request models and response bodies),
 ``openapi`` (the /openapi.json document), ``frontend`` (one process's shared state),
 ``generation`` (the engine requests behind one HTTP request), ``app`` (routes), ``metrics`` and
-``server`` (the process)."""
+``worker`` (the process)."""

@@ -11,10 +11,10 @@ from typing import Any
 from starlette.requests import Request
 
 from http_worker.chat_protocol import ChatCompletionRequest
+from http_worker.completions_bodies import ResponseFormat, usage_body
 from http_worker.frontend import Frontend
 from http_worker.protocol import MAX_CHOICES, APIError, CompletionRequest, bad_request
 from http_worker.request_metrics import RequestClock
-from http_worker.responses import ResponseFormat, usage_body
 from ipc.client import ERR_TIMEOUT, AsyncRequestHandle, Delta, SplitserveError
 from ipc.field_rules import FieldError
 from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR

@@ -17,10 +17,10 @@ from typing import Any
 
 from pydantic_core import from_json
 
+from http_worker.completions_bodies import ChoiceOutput, ResponseFormat, sse
 from http_worker.messages_api import MessagesRequest
 from http_worker.output_items import Change, OutputItem, OutputItems
 from http_worker.protocol import APIError
-from http_worker.responses import ChoiceOutput, ResponseFormat, sse
 from ipc.messages import FINISH_LENGTH, FINISH_STOP, FINISH_TOOL_CALLS
 
 # Anthropic's error type per status; other 4xx are invalid_request_error, other 5xx api_error.

@@ -13,10 +13,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from http_worker.completions_bodies import ChoiceOutput, ResponseFormat, sse
 from http_worker.logprobs import chat_logprobs
 from http_worker.output_items import Change, OutputItem, OutputItems
 from http_worker.protocol import APIError
-from http_worker.responses import ChoiceOutput, ResponseFormat, sse
 from http_worker.responses_api import ResponsesRequest
 from ipc.messages import FINISH_LENGTH, LogprobEntry
 

@@ -20,9 +20,9 @@ def frontend_command(
     model_name: str = "",
     extra_args: tuple[str, ...] = (),
 ) -> list[str]:
-    """The command line that starts one frontend (``python -m http_worker.server``); run it with
+    """The command line that starts one frontend (``python -m http_worker.worker``); run it with
     the repository root as cwd or on PYTHONPATH."""
-    cmd = [sys.executable, "-m", "http_worker.server", "--client-addr", client_addr]
+    cmd = [sys.executable, "-m", "http_worker.worker", "--client-addr", client_addr]
     cmd += ["--host", host, "--port", str(port), "--index", str(index)]
     if reuse_port:
         cmd.append("--reuse-port")

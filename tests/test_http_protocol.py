@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from http_worker.app import build_app
 from http_worker.chat_protocol import ChatCompletionRequest
+from http_worker.completions_bodies import ChatFormat, ChoiceOutput, CompletionFormat
 from http_worker.frontend import FrontendSettings
 from http_worker.protocol import APIError, CompletionRequest
-from http_worker.responses import ChatFormat, ChoiceOutput, CompletionFormat
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The HTTP frontend end to end on real processes: a cluster on the tiny random model, the
-frontend started as its own process (python -m http_worker.server), the real `openai` client and
+frontend started as its own process (python -m http_worker.worker), the real `openai` client and
 raw HTTP over real sockets."""
 
 from __future__ import annotations

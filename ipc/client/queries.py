@@ -14,7 +14,12 @@ from ipc.client.errors import BadRequestError, SplitserveError
 from ipc.client.requests import chat_message
 from ipc.codec import unpack_id_list
 from ipc.field_rules import pack_token_ids
-from ipc.queries import EngineStatsQuery, EngineStatsReport, TokenizeRequest, TokenizeResult
+from ipc.messages.queries import (
+    EngineStatsQuery,
+    EngineStatsReport,
+    TokenizeRequest,
+    TokenizeResult,
+)
 
 # (wire id, t_submit) -> the message to send under that id.
 Builder = Callable[[str, float], Any]

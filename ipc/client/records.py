@@ -9,7 +9,7 @@ from ipc.client.errors import ERR_TIMEOUT, error_for
 from ipc.client.results import Delta, GenerationResult
 from ipc.codec import unpack_id_list
 from ipc.messages import ERR_UNAVAILABLE, FINISH_ERROR, LogprobEntry, StreamEvent, SubmitRequest
-from ipc.queries import TokenizeRequest
+from ipc.messages.queries import TokenizeRequest
 from ipc.structured import ToolCall, add_tool_call_deltas
 
 
@@ -54,7 +54,7 @@ class RequestRecord:
         self.pending: SubmitRequest | TokenizeRequest | None = None
         self.resubmits = 0
         self.aborted = False  # the caller asked to abort it
-        self.query = False  # a one-answer query (ipc.queries), not a generation
+        self.query = False  # a one-answer query (ipc.messages.queries), not a generation
         self.reply: Any = None  # a query's answer (TokenizeResult, EngineStatsReport)
         self.logprobs: list[LogprobEntry] = []
         self.prompt_logprobs: list[LogprobEntry] = []

@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from http_worker.responses import ChatFormat, ChoiceOutput, CompletionFormat, sse, usage_body
+from http_worker.completions_bodies import (
+    ChatFormat,
+    ChoiceOutput,
+    CompletionFormat,
+    sse,
+    usage_body,
+)
 from ipc.structured import ToolCallDelta
 
 _OPTIONS = [

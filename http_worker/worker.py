@@ -1,7 +1,7 @@
 """One HTTP frontend process: uvicorn on uvloop serving ``http_worker.app`` over a socket bound
 before start-up.
 
-    python -m http_worker.server --client-addr ipc:///tmp/splitserve-x/client.sock --port 8000
+    python -m http_worker.worker --client-addr ipc:///tmp/splitserve-x/client.sock --port 8000
 
 Each frontend process owns one AsyncClient (its own DEALER identity at the detokenizer), so
 several frontends can serve one port (``--reuse-port``, SO_REUSEPORT) or one port each. The
@@ -62,7 +62,7 @@ SETTINGS_FLAGS = tuple(f.name for f in knob_fields(FrontendSettings) if f.metada
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m http_worker.server",
+        prog="python -m http_worker.worker",
         description="OpenAI-compatible HTTP frontend of a splitserve "
         "cluster (one process; start several for more).",
     )
