@@ -3,6 +3,7 @@ and abort. Each client brings its sockets, its way of waiting and ``_make_handle
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, Generic, TypeVar
 
 from ipc.client.core import ClientCore
@@ -15,16 +16,20 @@ H = TypeVar("H", bound=HandleBase)
 
 
 class ClientBase(QueryMethods, Generic[H]):
+    """Abstract: a client brings ``_make_handle``, ``_send_control`` and ``_ask``
+    (QueryMethods); a client class that lacks one cannot be made (TypeError naming it)."""
+
     def __init__(self, deadline_s: float | None, tokenizer_retries: int) -> None:
         self._core = ClientCore(deadline_s, tokenizer_retries)
         self.client_id = self._core.client_id
 
+    @abstractmethod
     def _make_handle(self, record: RequestRecord) -> H:
-        raise NotImplementedError
+        """The client's own handle around ``record`` (its way of waiting)."""
 
+    @abstractmethod
     def _send_control(self, frame: bytes) -> None:
         """Sends ``frame`` on the detokenizer connection (from any thread, without waiting)."""
-        raise NotImplementedError
 
     @property
     def welcome(self) -> ClientWelcome | None:

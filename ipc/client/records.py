@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from ipc.client.errors import ERR_TIMEOUT, error_for
@@ -131,7 +132,7 @@ class RequestRecord:
         )
 
 
-class HandleBase:
+class HandleBase(ABC):
     """What sync and async handles share, and all ClientCore needs of a handle: its ``record``
     (the client's bookkeeping; callers read it through the properties below) and ``deliver``,
     which each handle kind implements with its own waiting (a condition or an asyncio event)."""
@@ -141,8 +142,9 @@ class HandleBase:
         self.record = record
         self._deltas: list[Delta] = []
 
+    @abstractmethod
     def deliver(self, delta: Delta) -> None:
-        raise NotImplementedError
+        """Hands a delta to whoever waits on this handle (from the client's receiving side)."""
 
     @property
     def request_id(self) -> str:
