@@ -44,7 +44,7 @@ from ipc.messages import (
     StepOutput,
     StreamEvent,
 )
-from ipc.queries import EngineStatsReport, TokenizeResult
+from ipc.messages.queries import EngineStatsReport, TokenizeResult
 
 logger = logging.getLogger("splitserve.detokenizer")
 

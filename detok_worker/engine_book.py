@@ -11,7 +11,7 @@ import dataclasses
 from collections import Counter
 
 from ipc.messages import EngineStats, RequestMeta, StepOutput
-from ipc.queries import EngineStatsReport, ReplicaStats
+from ipc.messages.queries import EngineStatsReport, ReplicaStats
 
 
 class EngineBook:

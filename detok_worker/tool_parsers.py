@@ -23,15 +23,9 @@ from detok_worker.tool_call_text import (
     partial_suffix,
     whole_call,
 )
-from ipc.structured import (
-    TOOL_FORMAT_HERMES,
-    TOOL_FORMAT_LLAMA3_JSON,
-    TOOL_FORMAT_MISTRAL,
-    ToolCall,
-    add_tool_call_deltas,
-)
+from ipc.structured import TOOL_FORMAT_HERMES, TOOL_FORMAT_LLAMA3_JSON, TOOL_FORMAT_MISTRAL
 
-__all__ = ["TOOL_PARSERS", "HermesToolParser", "ParsedDelta", "ToolCallParser", "parse_complete"]
+__all__ = ["TOOL_PARSERS", "HermesToolParser", "ParsedDelta", "ToolCallParser"]
 
 
 class HermesToolParser(CallCounter):
@@ -128,14 +122,3 @@ TOOL_PARSERS: dict[str, Callable[..., ToolCallParser]] = {
     TOOL_FORMAT_LLAMA3_JSON: Llama3JsonToolParser,
     TOOL_FORMAT_MISTRAL: MistralToolParser,
 }
-
-
-def parse_complete(
-    parser: ToolCallParser, text: str, cut: bool = False
-) -> tuple[str, list[ToolCall]]:
-    """A whole output at once (non-streaming): its content and its calls, deltas merged."""
-    content, calls = "", []  # type: tuple[str, list[ToolCall]]
-    for delta in (parser.feed(text), parser.finish(cut)):
-        content += delta.content
-        add_tool_call_deltas(calls, delta.tool_calls)
-    return content, calls

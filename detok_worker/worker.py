@@ -43,7 +43,7 @@ from ipc.messages import (
     RequestError,
     StepOutput,
 )
-from ipc.queries import EngineStatsQuery, TokenizeResult
+from ipc.messages.queries import EngineStatsQuery, TokenizeResult
 from ipc.sockets import LINGER_MS, PullQueue, PushQueue, bind, configure
 from runtime.model_files import load_tokenizer
 from runtime.worker import WorkerRuntime, run_on_context

@@ -21,7 +21,7 @@ from ipc.kv_events import (
     parse_kv_events_config,
     plan_endpoint,
 )
-from runtime.kv_events import EventSink
+from runtime.kv_publisher import EventSink
 
 logger = logging.getLogger("splitserve.engine")
 

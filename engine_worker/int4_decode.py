@@ -4,23 +4,20 @@ A few bf16 rows against int4 groups, the products (q - 8) * x exact and summed i
 (AVX-512 BF16 dot products), tiles of 16 outputs split over torch's OpenMP threads; a row's bits
 do not depend on the call's other rows nor on the thread count.
 
-Two builds of one source, each compiled once by g++ into ``~/.cache/splitserve/kernels/<hash>``
-(a hash of the sources, the flags and torch's version: a restart loads it, an edited source
-builds anew):
-* the torch op ``splitserve::int4_decode_mm`` (int4_decode_op.cpp), what ``Int4Linear`` and the
-  scripted decode layers call under ``EngineConfig.int4_kernel = "own"``. ``load_op`` (the
-  engine's start, before its weights) builds it where this torch has no build yet, once: under a
-  lock in the cache directory, so two launches at once build once (the second waits, then
-  loads); where it cannot (no g++, no AVX-512 BF16, a compile error, or
-  SPLITSERVE_NO_KERNEL_BUILD=1) aten's kernel serves, logged once. ``scripts/setup_env.sh``
-  builds it ahead (``python -m engine_worker.int4_decode``);
-* a plain library loaded with ctypes (``library``, built on first use): the reference the op is
-  tested against and what the kernel benchmark calls without torch's dispatcher.
+The torch op ``splitserve::int4_decode_mm`` (int4_decode_op.cpp around int4_decode.cpp), what
+``Int4Linear`` and the scripted decode layers call under ``EngineConfig.int4_kernel = "own"``,
+compiled once by g++ into ``~/.cache/splitserve/kernels/<hash>`` (a hash of the sources, the
+flags and torch's version: a restart loads it, an edited source builds anew). ``load_op`` (the
+engine's start, before its weights) builds it where this torch has no build yet, once: under a
+lock in the cache directory, so two launches at once build once (the second waits, then loads);
+where it cannot (no g++, no AVX-512 BF16, a compile error, or SPLITSERVE_NO_KERNEL_BUILD=1)
+aten's kernel serves, logged once. ``scripts/setup_env.sh`` builds it ahead
+(``python -m engine_worker.int4_decode``). The tests build int4_decode.cpp alone too, as a ctypes
+library (tests/engine_worker/int4_ctypes.py): the reference the op is checked against.
 """
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import logging
@@ -64,18 +61,14 @@ def _op_flags(paths: bool = True) -> list[str]:
     return flags + [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
 
 
-def _path(name: str, sources: list[Path], flags: list[str]) -> Path:
+def build_path(name: str, sources: list[Path], flags: list[str]) -> Path:
     text = b"".join(s.read_bytes() for s in sources) + " ".join(flags).encode()
     digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:16]
     return CACHE_DIR / "kernels" / digest / f"{name}.so"
 
 
-def library_path() -> Path:
-    return _path("int4_decode", [SOURCE], FLAGS)
-
-
 def op_path() -> Path:
-    return _path("int4_decode_op", [SOURCE, OP_SOURCE], _op_flags(paths=False))
+    return build_path("int4_decode_op", [SOURCE, OP_SOURCE], _op_flags(paths=False))
 
 
 def build(path: Path, source: Path, flags: list[str]) -> None:
@@ -99,26 +92,6 @@ def cpu_supported() -> bool:
     except OSError:
         return False
     return CPU_FLAGS <= set(flags.partition(":")[2].split())
-
-
-@cache
-def library() -> ctypes.CDLL | None:
-    """The ctypes library, built on first use; None where it cannot run here."""
-    path = library_path()
-    if not cpu_supported() or shutil.which("g++") is None and not path.exists():
-        return None
-    try:
-        if not path.exists():
-            build(path, SOURCE, FLAGS)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        logger.warning("int4 decode kernel unavailable (%s)", exc)
-        return None
-    lib.int4_decode.restype = ctypes.c_int
-    lib.int4_decode.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p]
-    lib.int4_decode.argtypes += [*[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64]
-    lib.int4_decode.argtypes += [ctypes.c_int] * 3
-    return lib
 
 
 def build_op() -> Path:
@@ -212,25 +185,6 @@ def pack(planes: list[Int4Groups]) -> torch.Tensor:
     parts.append(pairs.view(torch.uint8).reshape(tiles, blocks, sub * PLANE_BYTES))
     packed = torch.cat(parts, -1)
     return packed if sub == 1 else packed.view(tiles, blocks, sub, -1)
-
-
-def apply_ctypes(blocks: torch.Tensor, x: torch.Tensor, parts: int = 1, f32: bool = False):
-    """``int4_decode_mm`` through the ctypes library (None where it cannot run): bf16 rows x
-    [M, K] -> [M, N] bf16, or float32 sums before their rounding (``f32``)."""
-    lib = library()
-    if lib is None:
-        return None
-    x = x.contiguous() if parts == 1 else x.repeat(1, parts)
-    n, k, m = blocks.shape[0] * TILE, blocks.shape[1] * GROUP, x.shape[0]
-    sub = blocks.shape[2] if blocks.dim() == 4 else 1
-    high = (blocks[0, 0].numel() - WEIGHT_BYTES) // PLANE_BYTES - sub
-    if x.dtype != torch.bfloat16 or x.shape[1] != k:
-        raise ValueError(f"needs bf16 rows of {k // parts}, got {x.dtype} {tuple(x.shape)}")
-    y = torch.empty(m, n, dtype=torch.float32 if f32 else torch.bfloat16)
-    args = (blocks.data_ptr(), n, k, x.data_ptr(), m, k, y.data_ptr(), n, int(f32), sub, high)
-    if lib.int4_decode(*args):
-        raise ValueError(f"shape {n} x {k} not taken by the kernel")
-    return y
 
 
 if __name__ == "__main__":  # scripts/setup_env.sh: build the op once

@@ -44,7 +44,7 @@ from ipc.salvage import salvage_fields
 from ipc.sockets import PullQueue, PushQueue
 from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
-from runtime.kv_events import KVEventPublisher
+from runtime.kv_publisher import KVEventPublisher
 from runtime.memory import IdleTrim
 from runtime.worker import StartupError, WorkerRuntime, run_on_context
 

@@ -1,5 +1,5 @@
 """Answering one generation request, whichever API it came in: submit its plan, then either
-collect the whole answer or stream it. The endpoint's format (a ResponseFormat of responses.py,
+collect the whole answer or stream it. The endpoint's format (completions_bodies.py,
 responses_api_bodies.py or messages_api_bodies.py) writes the bodies and the stream's events;
 this module owns what every API shares: the first event awaited before answering, the client's
 disconnect aborting what is left in the engine, and exactly one ending per stream."""
@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from http_worker import path_times
+from http_worker.answer_format import AnswerFormat, ChoiceOutput, usage_body
 from http_worker.frontend import Frontend
 from http_worker.generation import (
     ClientGone,
@@ -23,7 +24,6 @@ from http_worker.generation import (
     submit_all,
     unless_disconnected,
 )
-from http_worker.responses import ChoiceOutput, ResponseFormat, usage_body
 from ipc.client import Delta, SplitserveError
 
 # nginx's status for a client that closed the connection before its answer: counted as such in
@@ -41,7 +41,7 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 async def generate(
-    request: Request, plan: GenerationPlan, fmt: ResponseFormat, t_arrived: float
+    request: Request, plan: GenerationPlan, fmt: AnswerFormat, t_arrived: float
 ) -> Response:
     body = plan.body
     frontend: Frontend = request.app.state.frontend
@@ -71,7 +71,7 @@ async def generate(
 
 
 async def _collect(
-    call: GenerationCall, events: AsyncIterator[tuple[int, Delta]], fmt: ResponseFormat
+    call: GenerationCall, events: AsyncIterator[tuple[int, Delta]], fmt: AnswerFormat
 ) -> dict[str, Any]:
     choices = [ChoiceOutput() for _ in call.handles]
     async for i, delta in events:
@@ -84,7 +84,7 @@ async def _stream(
     call: GenerationCall,
     first: tuple[int, Delta],
     events: AsyncIterator[tuple[int, Delta]],
-    fmt: ResponseFormat,
+    fmt: AnswerFormat,
     trace: bool = False,
 ) -> AsyncIterator[bytes]:
     """The SSE body: the format's opening, one write per delta, then its ending, or its error

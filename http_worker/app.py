@@ -31,6 +31,7 @@ from starlette.responses import Response
 from http_worker.answer import CLIENT_CLOSED_REQUEST, generate, json_response
 from http_worker.body import BodyReader, validation_error
 from http_worker.chat_protocol import ChatCompletionRequest
+from http_worker.completions_bodies import ChatFormat, CompletionFormat, models_body
 from http_worker.frontend import Connect, Frontend, FrontendSettings, connect_cluster
 from http_worker.generation import GenerationPlan, plan_generation
 from http_worker.messages_api_bodies import messages_error_body
@@ -40,7 +41,6 @@ from http_worker.other_api_routes import PATHS as OTHER_API_PATHS
 from http_worker.other_api_routes import POLICIES as OTHER_API_POLICIES
 from http_worker.other_api_routes import install_other_api_routes, speaks_messages_api
 from http_worker.protocol import APIError, CompletionRequest, error_body
-from http_worker.responses import ChatFormat, CompletionFormat, models_body
 from http_worker.tokenize_routes import (
     POLICIES,
     TOKENIZER_BODIES,

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ipc.queries import EngineStatsReport
+from ipc.messages.queries import EngineStatsReport
 
 # (our name, kind, help, the vLLM series it stands for, value from the engine's stats)
 ENGINE_SERIES = (

@@ -30,7 +30,7 @@ logger = logging.getLogger("splitserve.http")
 @dataclass(frozen=True, slots=True)
 class FrontendSettings:
     """One frontend's knobs: a standalone frontend's flags are made from these fields
-    (http_worker.server), a supervised one's come from the cluster's config (``from_cluster``)."""
+    (http_worker.worker), a supervised one's come from the cluster's config (``from_cluster``)."""
 
     client_addr: str = knob(
         "", "the cluster's client address (the detokenizer's ROUTER)", unit="ADDR"

@@ -10,11 +10,11 @@ from typing import Any
 
 from starlette.requests import Request
 
+from http_worker.answer_format import AnswerFormat, usage_body
 from http_worker.chat_protocol import ChatCompletionRequest
 from http_worker.frontend import Frontend
 from http_worker.protocol import MAX_CHOICES, APIError, CompletionRequest, bad_request
 from http_worker.request_metrics import RequestClock
-from http_worker.responses import ResponseFormat, usage_body
 from ipc.client import ERR_TIMEOUT, AsyncRequestHandle, Delta, SplitserveError
 from ipc.field_rules import FieldError
 from ipc.messages import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_UNAVAILABLE, FINISH_ERROR
@@ -218,7 +218,7 @@ def plan_generation(
 
 
 def submit_all(
-    frontend: Frontend, plan: GenerationPlan, fmt: ResponseFormat, t_arrived: float
+    frontend: Frontend, plan: GenerationPlan, fmt: AnswerFormat, t_arrived: float
 ) -> GenerationCall:
     body = plan.body
     client = frontend.require_client()  # after validation: bad input is a 400 even when down

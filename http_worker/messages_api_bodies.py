@@ -17,10 +17,10 @@ from typing import Any
 
 from pydantic_core import from_json
 
+from http_worker.answer_format import ChoiceOutput, sse
 from http_worker.messages_api import MessagesRequest
 from http_worker.output_items import Change, OutputItem, OutputItems
 from http_worker.protocol import APIError
-from http_worker.responses import ChoiceOutput, ResponseFormat, sse
 from ipc.messages import FINISH_LENGTH, FINISH_STOP, FINISH_TOOL_CALLS
 
 # Anthropic's error type per status; other 4xx are invalid_request_error, other 5xx api_error.
@@ -43,10 +43,12 @@ def messages_error_body(status: int, message: str, param: str | None = None) -> 
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-class MessagesFormat(ResponseFormat):
+class MessagesFormat:
+    """The Messages API's ``AnswerFormat``."""
+
     def __init__(self, model: str, request: MessagesRequest) -> None:
-        super().__init__(model)
         self.id = f"msg_{uuid.uuid4().hex}"
+        self.model = model
         self.stops = request.stop_sequences or []
         self.output = OutputItems()
         self._finish_reason: str | None = None

@@ -70,12 +70,18 @@ def _multiprocess_dir() -> str | None:
 
 
 class HttpMetrics:
+    """The frontend's series, declared in three groups (a scrape lists them in this order):
+    HTTP and engine requests counted by outcome and in flight, latencies, tokens."""
+
     def __init__(self) -> None:
-        """Declarations only, one metric each (longer than a function should be, on purpose:
-        the list of series a scrape shows reads best in one place)."""
         # A private registry: two apps in one process (tests) must not collide on names.
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._declare_counts(self.registry)
+        self._declare_latencies(self.registry)
+        self._declare_tokens(self.registry)
+        self.vllm = RequestSeries(self.registry)
+
+    def _declare_counts(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
             "splitserve_http_requests",
             "HTTP requests answered, by endpoint and status code.",
@@ -101,6 +107,8 @@ class HttpMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+
+    def _declare_latencies(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram(
             "splitserve_http_time_to_first_token_seconds",
             "From the HTTP request's arrival to its first generated text.",
@@ -132,6 +140,8 @@ class HttpMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _declare_tokens(self, r: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(
             "splitserve_prompt_tokens", "Prompt tokens of finished engine requests.", registry=r
         )
@@ -145,7 +155,6 @@ class HttpMetrics:
             "Generated tokens of finished engine requests.",
             registry=r,
         )
-        self.vllm = RequestSeries(r)
 
     def observe_generation(
         self, finish_reason: str | None, usage: Any, timings: Any, t_first: float, t_last: float

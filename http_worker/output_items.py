@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from http_worker.responses import ChoiceOutput, Reasoning
+from http_worker.answer_format import ChoiceOutput, Reasoning
 from ipc.messages import LogprobEntry
 from ipc.structured import ToolCallDelta
 

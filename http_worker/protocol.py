@@ -1,6 +1,6 @@
 """The OpenAI-compatible wire format of the HTTP frontend: the fields both generation endpoints
 share, the completions request (chat's: chat_protocol.py), their mapping to SamplingParams, and
-the error bodies (responses and stream chunks: responses.py).
+the error bodies (responses and stream chunks: completions_bodies.py).
 
 Value checks live in one place, ``SamplingParams.__post_init__`` (and the rules of
 ipc.field_rules it shares with the SDK); the models here check types strictly (as OpenAI: an

@@ -9,14 +9,15 @@ for a function call ``response.function_call_arguments.delta``...,
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from http_worker.answer_format import ChoiceOutput, sse
 from http_worker.logprobs import chat_logprobs
 from http_worker.output_items import Change, OutputItem, OutputItems
 from http_worker.protocol import APIError
-from http_worker.responses import ChoiceOutput, ResponseFormat, sse
 from http_worker.responses_api import ResponsesRequest
 from ipc.messages import FINISH_LENGTH, LogprobEntry
 
@@ -27,10 +28,14 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesFormat(ResponseFormat):
+class ResponsesFormat:
+    """The Responses API's ``AnswerFormat``."""
+
     def __init__(self, model: str, request: ResponsesRequest) -> None:
-        super().__init__(model, logprobs=(request.top_logprobs or 0) if request.logprobs else None)
         self.id = _id("resp")
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = (request.top_logprobs or 0) if request.logprobs else None
         self.request = request
         self.output = OutputItems()
         self._item_ids: list[str] = []

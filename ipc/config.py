@@ -18,7 +18,7 @@ from ipc.addresses import LOOPBACK_HOSTS, AddressPlan
 from ipc.engine_config import EngineConfig
 from ipc.knobs import check_knobs, knob
 from ipc.reasoning import REASONING_PARSER_CHOICES, REASONING_PARSER_HELP
-from ipc.routing import CACHE_AWARE, POLICIES, RoutingThresholds
+from ipc.replica_router import CACHE_AWARE, POLICIES, RoutingThresholds
 from ipc.sampling import DEFAULT_MAX_DEFAULT_TOKENS, MAX_DEFAULT_TOKENS_HELP
 from ipc.structured import TOOL_CALL_FORMATS
 

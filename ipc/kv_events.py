@@ -25,7 +25,7 @@ Replay: a ROUTER socket answers a DEALER's ``[b"", start_seq (8 bytes BE)]`` wit
 still buffers whose seq >= start_seq, each as ``[b"", seq, payload]``, then the end marker
 ``[b"", (-1).to_bytes(8, "big", signed=True), b""]``.
 
-The publisher lives in ``runtime.kv_events``, the subscriber that follows one in
+The publisher lives in ``runtime.kv_publisher``, the subscriber that follows one in
 ``runtime.kv_subscriber``.
 """
 

@@ -115,19 +115,6 @@ def gguf_file(model_dir: str | os.PathLike) -> Path | None:
     return found[0] if found and not any(Path(model_dir).glob("*.safetensors")) else None
 
 
-def load_reference_model(model_dir: str | os.PathLike, dtype=None):
-    """The checkpoint as a ``transformers`` model (for numerical checks and benchmarks); a GGUF
-    directory is dequantized to float32 on the way in, as transformers does."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    gguf = gguf_file(model_dir)
-    extra = {"gguf_file": gguf.name} if gguf else {}
-    return AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype or torch.float32, **extra
-    ).eval()
-
-
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(ensure_default_model())

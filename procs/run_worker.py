@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         elif role == "detokenizer":
             from detok_worker.worker import main as run
         else:
-            from http_worker.server import main_from_config as run
+            from http_worker.worker import main_from_config as run
         run(config, index)
     except StartupError as exc:
         logger.error("%s[%d] cannot start: %s", role, index, exc)

@@ -1,4 +1,4 @@
-"""Following one KV-event publisher (``runtime.kv_events``): a tokenizer worker follows every
+"""Following one KV-event publisher (``runtime.kv_publisher``): a tokenizer worker follows every
 engine replica with one ``KVEventSubscriber`` each; tests and tools use ``receive_until``.
 
 The subscriber hands its owner every batch once, in sequence order, asking the replay socket for

@@ -17,12 +17,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from http_worker.fields import NO_OP_FIELDS, NOT_IMPLEMENTED_FIELDS
-from http_worker.server import frontend_command, wait_until_serving
 from ipc.client import AsyncClient, BadRequestError, Client
 from procs.children import REPO_ROOT
 from procs.launch_cluster import launch_cluster
 from runtime.model_files import load_tokenizer
 from tests.chat_templates import THINKING_TEMPLATE, with_thinking_template
+from tests.frontend_process import frontend_command, wait_until_serving
 from tests.test_http_tiny import free_port, metrics, start_frontend, stop_frontend
 
 MAX_MODEL_LEN = 2048

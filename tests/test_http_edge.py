@@ -28,11 +28,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from http_worker.server import frontend_command, wait_until_serving
 from ipc.client import BadRequestError, Client
 from procs.children import REPO_ROOT
 from procs.launch_cluster import launch_cluster
 from tests import test_http_tiny
+from tests.frontend_process import frontend_command, wait_until_serving
 from tests.http_edge_cases import (
     CHAT,
     CHAT_COMPLETIONS,

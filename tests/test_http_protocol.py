@@ -10,11 +10,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from http_worker.answer_format import ChoiceOutput
 from http_worker.app import build_app
 from http_worker.chat_protocol import ChatCompletionRequest
+from http_worker.completions_bodies import ChatFormat, CompletionFormat
 from http_worker.frontend import FrontendSettings
 from http_worker.protocol import APIError, CompletionRequest
-from http_worker.responses import ChatFormat, ChoiceOutput, CompletionFormat
 
 
 @pytest.fixture(scope="module")

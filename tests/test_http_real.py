@@ -62,7 +62,7 @@ def test_stop_string_on_the_answer(oai):
 
 @pytest.fixture(scope="module")
 def hf(default_model_dir):
-    from procs.model_store import load_reference_model
+    from tests.reference_model import load_reference_model
 
     return load_reference_model(default_model_dir)
 

@@ -1,5 +1,5 @@
 """The HTTP frontend end to end on real processes: a cluster on the tiny random model, the
-frontend started as its own process (python -m http_worker.server), the real `openai` client and
+frontend started as its own process (python -m http_worker.worker), the real `openai` client and
 raw HTTP over real sockets."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from http_worker.server import frontend_command, wait_until_serving
 from ipc.client import Client
 from procs.children import REPO_ROOT
 from procs.launch_cluster import launch_cluster
 from runtime.model_files import load_tokenizer
+from tests.frontend_process import frontend_command, wait_until_serving
 
 MAX_MODEL_LEN = 4096
 # Tokens of a request the tests abandon: the tiny model needs ~10 s on 2 busy CPU cores to

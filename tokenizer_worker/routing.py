@@ -1,7 +1,7 @@
 """A tokenizer worker's choice of engine replica (several engines only; docs/data-parallel.md).
 
 ``ReplicaRouting`` follows every replica's event stream (``runtime.kv_subscriber``: the KV events
-feed the prefix index of an ``ipc.routing.Router``, the ``ReplicaLoad`` messages its loads),
+feed the prefix index of an ``ipc.replica_router.Router``, the ``ReplicaLoad`` messages its loads),
 hears from the supervisor which replicas are dead (a ClusterNotice in the worker's inbox), and
 picks the replica of each tokenized request. What it picked, what decided it and how long that
 took go into the request's meta, so the detokenizer knows where the request runs and counts the
@@ -39,7 +39,7 @@ from ipc.messages import (
     ReplicaLoad,
     TokenizedRequest,
 )
-from ipc.routing import CACHE_AWARE, Router
+from ipc.replica_router import CACHE_AWARE, Router
 from runtime.kv_subscriber import KVEventSubscriber
 
 logger = logging.getLogger("splitserve.tokenizer")

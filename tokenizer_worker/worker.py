@@ -32,7 +32,7 @@ from ipc.messages import (
     SubmitRequest,
     TokenizedRequest,
 )
-from ipc.queries import TokenizeRequest
+from ipc.messages.queries import TokenizeRequest
 from ipc.salvage import salvage_fields
 from ipc.sockets import PullQueue, PushQueue
 from runtime.factories import load_factory
@@ -42,7 +42,7 @@ from runtime.worker import WorkerRuntime, run_on_context
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.long_prompts import LongPromptLane
 from tokenizer_worker.prepare import Limits, RequestPreparer
-from tokenizer_worker.queries import TokenizerQueries
+from tokenizer_worker.query_answers import TokenizerQueries
 from tokenizer_worker.reasoning import choose_reasoning_parser
 from tokenizer_worker.routing import ReplicaRouting
 from tokenizer_worker.structured import StructuredOutputs

@@ -29,13 +29,7 @@ from ipc.client.queries import Builder
 from ipc.client.records import HandleBase, RequestRecord
 from ipc.client.requests import prompt_kwargs
 from ipc.client.results import Delta, GenerationResult
-from ipc.client.transport import (
-    SubmitPipes,
-    curve_keys,
-    disconnect_monitor,
-    make_dealer,
-    make_submit_pipes,
-)
+from ipc.client.transport import SubmitPipes, disconnect_monitor, make_dealer, make_submit_pipes
 from ipc.messages import ClientWelcome, SamplingParams
 from ipc.sockets import LINGER_MS
 
@@ -78,23 +72,9 @@ class AsyncRequestHandle(HandleBase):
 
 
 class AsyncClient(ClientBase[AsyncRequestHandle]):
-    def __init__(
-        self,
-        address: str,
-        *,
-        connect_timeout_s: float = 30.0,
-        deadline_s: float | None = None,
-        submit_hwm: int | None = None,
-        server_public_key: str | bytes | None = None,
-        tokenizer_retries: int = 1,
-    ) -> None:
-        """See ipc.client.Client for the arguments (server_public_key: the cluster's CURVE key)."""
-        super().__init__(deadline_s, tokenizer_retries)
-        self.address = address
-        self._curve = curve_keys(server_public_key)
-        self.connect_timeout_s = connect_timeout_s
-        self.submit_hwm = submit_hwm
-        self._ctx = zmq.Context()
+    """See ClientBase for the arguments; ``await start()`` (or ``async with``) connects."""
+
+    def _setup(self) -> None:
         self._dealer: DealerWatch | None = None
         self._pipes: SubmitPipes | None = None
         self._task: asyncio.Task | None = None
@@ -139,11 +119,7 @@ class AsyncClient(ClientBase[AsyncRequestHandle]):
         to_detokenizer: bool = False,
     ) -> Any:
         """Sends one query now (see QueryMethods); the awaitable it returns gives read(reply)."""
-        if to_detokenizer:
-            handle, frame = self._core.open_query(self._make_handle, timeout, build)
-            self._send_control(frame)
-        else:
-            handle = self._core.send(self._make_handle, None, timeout, build)
+        handle = self._send_query(build, timeout, to_detokenizer)
 
         async def answer() -> Any:
             await handle.result()  # raises the query's error

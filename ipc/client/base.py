@@ -3,28 +3,75 @@ and abort. Each client brings its sockets, its way of waiting and ``_make_handle
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, Generic, TypeVar
+
+import zmq
 
 from ipc.client.core import ClientCore
 from ipc.client.errors import UnavailableError
-from ipc.client.queries import QueryMethods
+from ipc.client.queries import Builder, QueryMethods
 from ipc.client.records import HandleBase, RequestRecord
+from ipc.client.transport import curve_keys
 from ipc.messages import ClientWelcome, SamplingParams
 
 H = TypeVar("H", bound=HandleBase)
 
 
 class ClientBase(QueryMethods, Generic[H]):
-    def __init__(self, deadline_s: float | None, tokenizer_retries: int) -> None:
+    """Abstract: a client brings ``_setup``, ``_make_handle``, ``_send_control`` and ``_ask``
+    (QueryMethods); a client class that lacks one cannot be made (TypeError naming it)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        connect_timeout_s: float = 30.0,
+        deadline_s: float | None = None,
+        submit_hwm: int | None = None,
+        server_public_key: str | bytes | None = None,
+        tokenizer_retries: int = 1,
+    ) -> None:
+        """The sync client connects and does the handshake here (raising UnavailableError when
+        nobody answers within ``connect_timeout_s``), the asyncio client in ``start()``.
+
+        deadline_s: a client-side limit per request; past it the request ends with a timeout
+        error and is aborted in the cluster (a last resort against a hang, off by default).
+        server_public_key: the cluster's CURVE public key (the supervisor prints it and writes
+        it to curve_public.key in its run dir); needed when the cluster uses CURVE (--listen).
+        tokenizer_retries: how many times a request still queued in a tokenizer worker that
+        died is sent again to a live one before it ends with an "unavailable" error.
+        submit_hwm: requests each tokenizer pipe holds before submit() raises OverloadedError;
+        default: the cluster's admission bound (max_waiting_requests) over its tokenizers.
+        """
+        self._curve = curve_keys(server_public_key)
         self._core = ClientCore(deadline_s, tokenizer_retries)
         self.client_id = self._core.client_id
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.submit_hwm = submit_hwm
+        self._ctx = zmq.Context()
+        self._setup()
 
+    @abstractmethod
+    def _setup(self) -> None:
+        """The client's own part of construction (the sync client connects here)."""
+
+    @abstractmethod
     def _make_handle(self, record: RequestRecord) -> H:
-        raise NotImplementedError
+        """The client's own handle around ``record`` (its way of waiting)."""
 
+    @abstractmethod
     def _send_control(self, frame: bytes) -> None:
         """Sends ``frame`` on the detokenizer connection (from any thread, without waiting)."""
-        raise NotImplementedError
+
+    def _send_query(self, build: Builder, timeout: float | None, to_detokenizer: bool) -> H:
+        """Sends one query (see QueryMethods._ask) and returns the handle its reply ends."""
+        if not to_detokenizer:
+            return self._core.send(self._make_handle, None, timeout, build)
+        handle, frame = self._core.open_query(self._make_handle, timeout, build)
+        self._send_control(frame)
+        return handle
 
     @property
     def welcome(self) -> ClientWelcome | None:

@@ -31,7 +31,7 @@ from ipc.messages import (
     ClusterNotice,
     StreamEvent,
 )
-from ipc.queries import EngineStatsReport, TokenizeResult
+from ipc.messages.queries import EngineStatsReport, TokenizeResult
 
 logger = logging.getLogger("splitserve.client")
 

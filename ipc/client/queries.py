@@ -6,6 +6,7 @@ worker, a lost connection: see ClientCore), and read back here from its reply.""
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,12 @@ from ipc.client.errors import BadRequestError, SplitserveError
 from ipc.client.requests import chat_message
 from ipc.codec import unpack_id_list
 from ipc.field_rules import pack_token_ids
-from ipc.queries import EngineStatsQuery, EngineStatsReport, TokenizeRequest, TokenizeResult
+from ipc.messages.queries import (
+    EngineStatsQuery,
+    EngineStatsReport,
+    TokenizeRequest,
+    TokenizeResult,
+)
 
 # (wire id, t_submit) -> the message to send under that id.
 Builder = Callable[[str, float], Any]
@@ -134,7 +140,7 @@ def _checked(make: Callable[[], Any]) -> Any:
         raise BadRequestError(str(exc), param=getattr(exc, "param", None)) from None
 
 
-class QueryMethods:
+class QueryMethods(ABC):
     """The queries of both clients. Each client's ``_ask(build, timeout, read)`` sends the query
     and returns ``read(reply)``: at once in the sync Client, as an awaitable in the AsyncClient
     (``await client.tokenize(...)``). ``timeout``: seconds before the query ends with a timeout
@@ -143,6 +149,7 @@ class QueryMethods:
 
     client_id: bytes
 
+    @abstractmethod
     def _ask(
         self,
         build: Builder,
@@ -151,7 +158,8 @@ class QueryMethods:
         *,
         to_detokenizer: bool = False,
     ) -> Any:
-        raise NotImplementedError
+        """Sends the query ``build`` makes (to the detokenizer, or else to a tokenizer worker)
+        and gives ``read(reply)``, the client's way (at once, or as an awaitable)."""
 
     def tokenize(
         self,

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from ipc.client.errors import ERR_TIMEOUT, error_for
 from ipc.client.results import Delta, GenerationResult
 from ipc.codec import unpack_id_list
 from ipc.messages import ERR_UNAVAILABLE, FINISH_ERROR, LogprobEntry, StreamEvent, SubmitRequest
-from ipc.queries import TokenizeRequest
+from ipc.messages.queries import TokenizeRequest
 from ipc.structured import ToolCall, add_tool_call_deltas
 
 
@@ -54,7 +55,7 @@ class RequestRecord:
         self.pending: SubmitRequest | TokenizeRequest | None = None
         self.resubmits = 0
         self.aborted = False  # the caller asked to abort it
-        self.query = False  # a one-answer query (ipc.queries), not a generation
+        self.query = False  # a one-answer query (ipc.messages.queries), not a generation
         self.reply: Any = None  # a query's answer (TokenizeResult, EngineStatsReport)
         self.logprobs: list[LogprobEntry] = []
         self.prompt_logprobs: list[LogprobEntry] = []
@@ -131,7 +132,7 @@ class RequestRecord:
         )
 
 
-class HandleBase:
+class HandleBase(ABC):
     """What sync and async handles share, and all ClientCore needs of a handle: its ``record``
     (the client's bookkeeping; callers read it through the properties below) and ``deliver``,
     which each handle kind implements with its own waiting (a condition or an asyncio event)."""
@@ -141,8 +142,9 @@ class HandleBase:
         self.record = record
         self._deltas: list[Delta] = []
 
+    @abstractmethod
     def deliver(self, delta: Delta) -> None:
-        raise NotImplementedError
+        """Hands a delta to whoever waits on this handle (from the client's receiving side)."""
 
     @property
     def request_id(self) -> str:

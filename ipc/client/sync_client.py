@@ -24,13 +24,7 @@ from ipc.client.queries import Builder
 from ipc.client.records import HandleBase, RequestRecord
 from ipc.client.requests import prompt_kwargs
 from ipc.client.results import Delta, GenerationResult
-from ipc.client.transport import (
-    curve_keys,
-    disconnect_monitor,
-    make_dealer,
-    make_submit_pipes,
-    monitor_events,
-)
+from ipc.client.transport import disconnect_monitor, make_dealer, make_submit_pipes, monitor_events
 from ipc.messages import ClientWelcome, SamplingParams
 from ipc.sockets import LINGER_MS
 
@@ -73,41 +67,20 @@ class RequestHandle(HandleBase):
 
 
 class Client(ClientBase[RequestHandle]):
-    def __init__(
-        self,
-        address: str,
-        *,
-        connect_timeout_s: float = 30.0,
-        deadline_s: float | None = None,
-        submit_hwm: int | None = None,
-        server_public_key: str | bytes | None = None,
-        tokenizer_retries: int = 1,
-    ) -> None:
-        """Connects and does the handshake (raises UnavailableError when nobody answers).
-
-        deadline_s: a client-side limit per request; past it the request ends with a timeout
-        error and is aborted in the cluster (a last resort against a hang, off by default).
-        server_public_key: the cluster's CURVE public key (the supervisor prints it and writes
-        it to curve_public.key in its run dir); needed when the cluster uses CURVE (--listen).
-        tokenizer_retries: how many times a request still queued in a tokenizer worker that
-        died is sent again to a live one before it ends with an "unavailable" error.
-        submit_hwm: requests each tokenizer pipe holds before submit() raises OverloadedError;
-        default: the cluster's admission bound (max_waiting_requests) over its tokenizers.
-        """
-        curve = curve_keys(server_public_key)
-        super().__init__(deadline_s, tokenizer_retries)
-        self._ctx = zmq.Context()
+    def _setup(self) -> None:
+        """Connects and does the handshake (raises UnavailableError when nobody answers)."""
+        address, curve = self.address, self._curve
         dealer = make_dealer(self._ctx.socket(zmq.DEALER), self.client_id, address, curve)
         dealer.send(self._core.hello_frame())
-        if not dealer.poll(int(connect_timeout_s * 1000)):
+        if not dealer.poll(int(self.connect_timeout_s * 1000)):
             dealer.close(linger=0)
             self._ctx.term()
             raise UnavailableError(
                 f"no splitserve cluster answered at {address} within "
-                f"{connect_timeout_s} s" + _curve_hint(curve)
+                f"{self.connect_timeout_s} s" + _curve_hint(curve)
             )
         welcome = codec.decode_as(dealer.recv(), ClientWelcome)
-        self._pipes = make_submit_pipes(self._ctx, address, welcome, submit_hwm, curve)
+        self._pipes = make_submit_pipes(self._ctx, address, welcome, self.submit_hwm, curve)
         self._core.connected(welcome, self._pipes)
         # User threads hand frames for the DEALER (aborts, queries) to the receiver thread
         # through an inproc pipe; _control_lock guards its PUSH end, whose send may wait for the
@@ -153,11 +126,7 @@ class Client(ClientBase[RequestHandle]):
         to_detokenizer: bool = False,
     ) -> Any:
         """Sends one query (see QueryMethods) and returns read(its reply)."""
-        if to_detokenizer:
-            handle, frame = self._core.open_query(self._make_handle, timeout, build)
-            self._send_control(frame)
-        else:
-            handle = self._core.send(self._make_handle, None, timeout, build)
+        handle = self._send_query(build, timeout, to_detokenizer)
         handle.result()  # raises the query's error
         return read(handle.record.reply)
 

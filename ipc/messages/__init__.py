@@ -1,12 +1,13 @@
 """Every message that crosses a process boundary, defined once, one module per channel (this
-package re-exports them all; import from ``ipc.messages``):
+package re-exports them all but the queries'; import from ``ipc.messages``):
 
     common        : finish reasons, error codes, ChatMessage
     submit        : client -> tokenizer -> engine (and a request's error before the engine)
     engine_step   : engine <-> detokenizer
     client_stream : client <-> detokenizer
     control       : workers <-> supervisor, cluster notices
-    routing       : engine replicas -> tokenizer workers, their load (beside the KV events)
+    replica_load  : engine replicas -> tokenizer workers, their load (beside the KV events)
+    queries       : the one-answer queries (import them from ``ipc.messages.queries``)
 
 Channels (who sends what to whom):
 
@@ -23,7 +24,7 @@ Channels (who sends what to whom):
     any worker  -> supervisor  : WorkerReady, Heartbeat, WorkerFailed (its last words)
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
     supervisor  -> tokenizer i : ClusterNotice about engine replicas (several engines only)
-    one-answer queries (tokenize, detokenize, tokenizer info, engine stats): ipc/queries.py
+    one-answer queries (tokenize, detokenize, tokenizer info, engine stats): queries.py
 
 Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
 different processes on one host compare directly.
@@ -72,7 +73,7 @@ from ipc.messages.engine_step import (
     StepOutput,
     TokenLogprobs,
 )
-from ipc.messages.routing import LOAD_TOPIC, ReplicaLoad
+from ipc.messages.replica_load import LOAD_TOPIC, ReplicaLoad
 from ipc.messages.submit import RequestError, RequestMeta, SubmitRequest, TokenizedRequest
 from ipc.sampling import SamplingParams  # a request's sampling settings travel inside its messages
 

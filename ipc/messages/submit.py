@@ -80,8 +80,9 @@ class RequestMeta:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     tokenizer_index: int = 0
-    # The engine replica the tokenizer worker chose, what decided it (an ipc.routing OUTCOME_*;
-    # "" with one engine: no choice was made) and how long hashing and choosing took.
+    # The engine replica the tokenizer worker chose, what decided it (an OUTCOME_* of
+    # ipc.replica_router; "" with one engine: no choice was made) and how long hashing and
+    # choosing took.
     engine_index: int = 0
     routing_outcome: str = ""
     routing_s: float = 0.0

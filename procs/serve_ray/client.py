@@ -41,10 +41,10 @@ from ipc.messages import (
     SubmitRequest,
     TokenizedRequest,
 )
-from ipc.queries import TokenizeResult
+from ipc.messages.queries import TokenizeResult
 from procs.serve_ray.calls import EngineCall, decode_events
 from tokenizer_worker.prepare import RequestPreparer
-from tokenizer_worker.queries import TokenizerQueries
+from tokenizer_worker.query_answers import TokenizerQueries
 
 logger = logging.getLogger("splitserve.serve_ray")
 BATCH_MAX = 64  # requests prepared in one encode_batch, as a tokenizer worker batches

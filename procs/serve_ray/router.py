@@ -3,7 +3,7 @@ replicas.
 
 Serve runs one of these in each process that holds a handle to the engine deployment (the
 ingress replicas). For every request it reads the block ids the ingress hashed
-(``calls.EngineCall``) and scores the candidate replicas with ``ipc.routing`` exactly as a
+(``calls.EngineCall``) and scores the candidate replicas with ``ipc.replica_router`` exactly as a
 tokenizer worker scores its engines: the prefix index follows each replica's KV events (the
 endpoint its routing stats advertise, replayed from the start when first seen), and a
 replica's load is the larger of the requests this process has in flight to it and the load the
@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ipc.routing import CACHE_AWARE, Router, RoutingThresholds
+from ipc.replica_router import CACHE_AWARE, Router, RoutingThresholds
 from ipc.sockets import CurveKeys
 from procs.serve_ray.calls import EngineCall
 from runtime.kv_subscriber import KVEventSubscriber

@@ -10,11 +10,11 @@ from typing import Any
 
 from ipc.config import API_KEY_HELP, DEFAULT_MAX_BODY_BYTES, HTTP_MAX_BODY_BYTES_HELP
 from ipc.knobs import check_knobs, knob
-from ipc.routing import CACHE_AWARE, POLICIES, RoutingThresholds
+from ipc.replica_router import CACHE_AWARE, POLICIES, RoutingThresholds
 
 APP_NAME = "splitserve"
 # The request routers the engine deployment can be given: ours (the token-prefix score of
-# ipc.routing), and Ray's two for comparison (the benchmark's modes).
+# ipc.replica_router), and Ray's two for comparison (the benchmark's modes).
 SPLITSERVE_ROUTER = "splitserve"
 PREFIX_CACHE_AFFINITY = "prefix_cache_affinity"  # Ray's: character prefixes of the prompt text
 POWER_OF_TWO = "power_of_two"  # Ray's default
@@ -67,7 +67,7 @@ class ServeSettings:
         choices=ROUTERS,
     )
     routing_policy: str = knob(
-        CACHE_AWARE, "the splitserve router's rule (ipc.routing)", choices=POLICIES
+        CACHE_AWARE, "the splitserve router's rule (ipc.replica_router)", choices=POLICIES
     )
     routing_stats_period_s: float = knob(
         1.0,

@@ -15,7 +15,7 @@ import torch
 from engine_worker.engine import Engine
 from ipc.engine_config import EngineConfig
 from ipc.messages import SamplingParams
-from procs.model_store import load_reference_model
+from procs.model_store import gguf_file
 
 DENSE_WEIGHTS = {"float32": "fp32", "bfloat16": "bf16", "auto": "auto"}
 _run_ids = itertools.count()  # request ids stay unique across runs on one engine
@@ -162,8 +162,12 @@ def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int, **sampling)
 
 
 def load_hf(args):
+    from transformers import AutoModelForCausalLM
+
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    hf = load_reference_model(args.model, dtype)
+    gguf = gguf_file(args.model)  # transformers dequantizes a GGUF on the way in
+    extra = {"gguf_file": gguf.name} if gguf else {}
+    hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype, **extra).eval()
     hf.generation_config.eos_token_id = None  # count every requested token
     return hf
 

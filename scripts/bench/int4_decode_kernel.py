@@ -31,6 +31,9 @@ from engine_worker.scripted_decode import ScriptedDecode
 from ipc.engine_config import EngineConfig
 from procs.model_store import resolve_model
 from scripts.bench.engine_runs import decode_run
+from tests.engine_worker.int4_ctypes import (
+    apply_ctypes,  # the ctypes reference lives with the tests
+)
 
 ROWS = (1, 2, 4, 8)
 THREADS = (2, 1)
@@ -137,7 +140,7 @@ def accuracy(layers: list[Int4Linear], ours: list[Int4Linear], inputs: list) -> 
             "float32 rounded to bf16": reference.bfloat16(),
         }
         outputs["ours (bf16 out)"] = ours[i].apply(x)
-        outputs["ours (fp32 sums)"] = int4_decode.apply_ctypes(ours[i].packed, x, layer.parts, True)
+        outputs["ours (fp32 sums)"] = apply_ctypes(ours[i].packed, x, layer.parts, True)
         for name, y in outputs.items():
             err = error_of(y, reference)
             prev = worst.setdefault(name, [0.0, 0.0])

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from ipc.block_hash import BlockHasher, block_hashes
 from ipc.codec import pack_ids
 from ipc.kv_events import BlockStored
-from ipc.routing import PrefixIndex
+from ipc.replica_router import PrefixIndex
 
 PROMPT_TOKENS, BLOCK = 2048, 16
 

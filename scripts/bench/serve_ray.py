@@ -6,7 +6,7 @@
 
 routers: the workload of ``data-parallel`` (conversations.py: each turn resends its whole
 history as token ids) over HTTP to the Serve ingress, on 2 engine replicas, once per router:
-``splitserve`` (ours: the token-id prefix score of ipc.routing over the replicas' KV events),
+``splitserve`` (ours: the token-id prefix score of ipc.replica_router over the replicas' KV events),
 Ray's ``prefix_cache_affinity`` (PrefixCacheAffinityRouter: character prefixes of the prompt's
 text, which the ingress then gives it) and ``power_of_two`` (Ray's default). Printed per router:
 the prefix-cache hit rate (cached / prompt tokens, from the responses' usage), TTFT p50 / p95,

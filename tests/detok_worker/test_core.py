@@ -320,7 +320,7 @@ def test_a_second_meta_for_a_live_request_changes_nothing(tokenizer):
 
 
 def test_a_tokenize_result_goes_to_its_client_once_and_not_after_an_abort(tokenizer):
-    from ipc.queries import TokenizeResult
+    from ipc.messages.queries import TokenizeResult
 
     core = core_with_clients(tokenizer, CLIENT, OTHER)
     answer = TokenizeResult("q1", CLIENT, pack_ids([1, 2]), max_model_len=64)

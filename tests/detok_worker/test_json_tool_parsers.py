@@ -11,7 +11,8 @@ import itertools
 import pytest
 
 from detok_worker.json_tool_parsers import mistral_call_id
-from detok_worker.tool_parsers import TOOL_PARSERS, ParsedDelta, parse_complete
+from detok_worker.tool_parsers import TOOL_PARSERS, ParsedDelta
+from tests.detok_worker.whole_text import parse_complete
 
 
 def parser(kind: str):

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detok_worker.tool_parsers import TOOL_PARSERS, HermesToolParser, ParsedDelta, parse_complete
+from detok_worker.tool_parsers import TOOL_PARSERS, HermesToolParser, ParsedDelta
 from ipc.structured import ToolCallDelta
+from tests.detok_worker.whole_text import parse_complete
 
 WEATHER = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'

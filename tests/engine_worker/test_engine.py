@@ -12,8 +12,8 @@ import torch
 from engine_worker.engine import Engine, EngineOverloaded
 from ipc.engine_config import EngineConfig
 from ipc.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
-from procs.model_store import load_reference_model
 from tests.engine_worker.helpers import collect, greedy
+from tests.reference_model import load_reference_model
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1467, 30]
 

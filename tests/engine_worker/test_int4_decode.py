@@ -22,11 +22,12 @@ from engine_worker.linear import (
     quantize_int4,
 )
 from engine_worker.weight_format import WeightFormat
+from tests.engine_worker import int4_ctypes
 from tests.engine_worker.helpers import greedy
 from tests.engine_worker.test_scripted_decode import assert_same, make_engine
 
 needs_op = pytest.mark.skipif(
-    not int4_decode.load_op() or int4_decode.library() is None,
+    not int4_decode.load_op() or int4_ctypes.library() is None,
     reason="int4 decode op not built, or no g++ / AVX-512 BF16",
 )
 CPU = torch.device("cpu")
@@ -54,8 +55,8 @@ def test_op_equals_the_ctypes_kernel_and_float32_of_the_weights(planes):
     for m in range(1, 9):  # rows go 4 at a time: partial and second chunks too
         x = rows(m, 96, seed=m)
         y = torch.ops.splitserve.int4_decode_mm(x, blocks, planes)
-        assert torch.equal(y, int4_decode.apply_ctypes(blocks, x, planes))
-        sums = int4_decode.apply_ctypes(blocks, x, planes, f32=True)
+        assert torch.equal(y, int4_ctypes.apply_ctypes(blocks, x, planes))
+        sums = int4_ctypes.apply_ctypes(blocks, x, planes, f32=True)
         assert relative_error(sums, x.float() @ weight.t()) < 1e-6  # exact products
         assert torch.equal(y, sums.bfloat16())
 
@@ -67,7 +68,7 @@ def test_a_q8_0_head_as_two_planes_matches_its_weights():
     scale = (torch.rand(32, 2, generator=generator) * 0.01).bfloat16().float()  # bf16 holds it
     blocks = Int8Blocks(q, scale)
     x = rows(2, 64)
-    sums = int4_decode.apply_ctypes(int4_decode.pack(blocks.as_int4_planes()), x, 2, f32=True)
+    sums = int4_ctypes.apply_ctypes(int4_decode.pack(blocks.as_int4_planes()), x, 2, f32=True)
     assert relative_error(sums, x.float() @ dequantize(blocks).t()) < 1e-6
 
 
@@ -157,7 +158,7 @@ def wide_planes(n: int, k: int, group: int, bits: int, seed: int) -> Int4Groups:
     return Int4Groups(q, scale, zero, bits)
 
 
-@pytest.mark.skipif(int4_decode.library() is None, reason="no g++ / AVX-512 BF16")
+@pytest.mark.skipif(int4_ctypes.library() is None, reason="no g++ / AVX-512 BF16")
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("bits", [4, 5, 6])
 def test_groups_of_16_and_wide_q_match_their_weights(group, bits):
@@ -169,10 +170,10 @@ def test_groups_of_16_and_wide_q_match_their_weights(group, bits):
     weight = sum(dequantize(p) for p in planes)
     for m in (1, 3, 6):
         x = rows(m, 128, seed=m)
-        sums = int4_decode.apply_ctypes(blocks, x, 2, f32=True)
+        sums = int4_ctypes.apply_ctypes(blocks, x, 2, f32=True)
         assert relative_error(sums, x.float() @ weight.t()) < 1e-6, m
-        alone = int4_decode.apply_ctypes(blocks, x[-1:], 2, f32=True)
+        alone = int4_ctypes.apply_ctypes(blocks, x[-1:], 2, f32=True)
         assert torch.equal(alone[0], sums[-1])
     if int4_decode.load_op():
         y = torch.ops.splitserve.int4_decode_mm(x, blocks, 2)
-        assert torch.equal(y, int4_decode.apply_ctypes(blocks, x, 2))
+        assert torch.equal(y, int4_ctypes.apply_ctypes(blocks, x, 2))

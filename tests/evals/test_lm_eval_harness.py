@@ -24,7 +24,8 @@ import pytest
 from ipc.client import Client
 from procs.children import REPO_ROOT
 from procs.launch_cluster import launch_cluster
-from procs.model_store import gguf_file, load_reference_model
+from procs.model_store import gguf_file
+from tests.reference_model import load_reference_model
 
 pytestmark = pytest.mark.slow  # harness runs on the real model: 20-60 s each here
 TASK = "splitserve_capitals"

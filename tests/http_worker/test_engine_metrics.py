@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from detok_worker.engine_book import total_stats
 from http_worker.engine_metrics import render_engine_metrics
 from ipc.messages import EngineStats
-from ipc.queries import EngineStatsReport, ReplicaStats
+from ipc.messages.queries import EngineStatsReport, ReplicaStats
 
 
 def spec_stats(drafts: int, accepted_per_position: list[int]) -> EngineStats:

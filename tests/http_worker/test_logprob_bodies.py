@@ -3,8 +3,9 @@ across stream chunks), chat, vLLM's prompt_logprobs."""
 
 from __future__ import annotations
 
+from http_worker.answer_format import ChoiceOutput
+from http_worker.completions_bodies import ChatFormat, CompletionFormat
 from http_worker.logprobs import TextOffsets, chat_logprobs, prompt_logprobs_body
-from http_worker.responses import ChatFormat, ChoiceOutput, CompletionFormat
 from ipc.messages import LogprobEntry, TopLogprob
 
 

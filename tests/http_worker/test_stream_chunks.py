@@ -1,4 +1,4 @@
-"""A stream's text-only chunks come from a template per choice (ResponseFormat._text_template):
+"""A stream's text-only chunks come from a template per choice (ChoicesFormat._text_template):
 every byte must be what chunk() + sse() write for the same delta, whatever the text and the
 request's options."""
 
@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from http_worker.responses import ChatFormat, ChoiceOutput, CompletionFormat, sse, usage_body
+from http_worker.answer_format import ChoiceOutput, sse, usage_body
+from http_worker.completions_bodies import ChatFormat, CompletionFormat
 from ipc.structured import ToolCallDelta
 
 _OPTIONS = [

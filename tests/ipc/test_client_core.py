@@ -218,7 +218,7 @@ def query(core: ClientCore, **kwargs):
 def test_a_query_ends_with_its_reply_and_survives_an_engine_death():
     from ipc import codec
     from ipc.messages import NOTICE_DIED, ClusterNotice
-    from ipc.queries import TokenizeRequest, TokenizeResult
+    from ipc.messages.queries import TokenizeRequest, TokenizeResult
 
     core, pipes = connected(deadline_s=None)
     generation, tokenize = submit(core), query(core)

@@ -41,7 +41,7 @@ from ipc.messages import (
     WorkerFailed,
     WorkerReady,
 )
-from ipc.queries import (
+from ipc.messages.queries import (
     EngineStatsQuery,
     EngineStatsReport,
     ReplicaStats,

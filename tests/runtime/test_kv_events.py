@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from ipc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from runtime.kv_events import EventSink, KVEventPublisher
+from runtime.kv_publisher import EventSink, KVEventPublisher
 from runtime.kv_subscriber import KVEventSubscriber, receive_until
 
 

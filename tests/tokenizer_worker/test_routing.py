@@ -23,7 +23,7 @@ from ipc.messages import (
     SamplingParams,
     TokenizedRequest,
 )
-from runtime.kv_events import EventSink, KVEventPublisher
+from runtime.kv_publisher import EventSink, KVEventPublisher
 from tokenizer_worker.routing import ReplicaRouting
 
 WORKER = 1

@@ -12,8 +12,9 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from detok_worker.tool_parsers import HermesToolParser, parse_complete
+from detok_worker.tool_parsers import HermesToolParser
 from engine_worker.grammar_builder import GrammarBuilder, backend_tokenizer
+from tests.detok_worker.whole_text import parse_complete
 from tests.engine_worker.grammar_helpers import (
     sample_constrained,
     text_of,

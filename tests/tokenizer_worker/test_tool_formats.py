@@ -10,10 +10,11 @@ import json
 import jsonschema
 import pytest
 
-from detok_worker.tool_parsers import TOOL_PARSERS, parse_complete
+from detok_worker.tool_parsers import TOOL_PARSERS
 from engine_worker.grammar_builder import GrammarBuilder, backend_tokenizer
 from ipc.config import ClusterConfig
 from tests.chat_templates import LLAMA3_TOOLS_TEMPLATE, with_template
+from tests.detok_worker.whole_text import parse_complete
 from tests.engine_worker.grammar_helpers import sample_constrained, tiny_vocabulary, wait_ready
 from tests.tokenizer_worker.test_tool_calls import TOOLS
 from tokenizer_worker.chat_template import ChatTemplate

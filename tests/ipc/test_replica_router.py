@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ipc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from ipc.routing import (
+from ipc.replica_router import (
     CACHE_AWARE,
     LEAST_LOADED,
     ROUND_ROBIN,

@@ -10,13 +10,13 @@ from transformers import AutoTokenizer
 
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.messages import ChatMessage, RequestError, SamplingParams, SubmitRequest
-from ipc.queries import TokenizeRequest, TokenizeResult
+from ipc.messages.queries import TokenizeRequest, TokenizeResult
 from ipc.structured import ToolCall
 from runtime.model_files import load_tokenizer
 from tests.chat_templates import THINKING_TEMPLATE, with_thinking_template
 from tokenizer_worker.chat_template import ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer
-from tokenizer_worker.queries import TokenizerQueries
+from tokenizer_worker.query_answers import TokenizerQueries
 
 LIMITS = Limits(max_model_len=512, vocab_size=49152)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓ 日本"}]

@@ -1,7 +1,7 @@
 """One HTTP frontend process: uvicorn on uvloop serving ``http_worker.app`` over a socket bound
 before start-up.
 
-    python -m http_worker.server --client-addr ipc:///tmp/splitserve-x/client.sock --port 8000
+    python -m http_worker.worker --client-addr ipc:///tmp/splitserve-x/client.sock --port 8000
 
 Each frontend process owns one AsyncClient (its own DEALER identity at the detokenizer), so
 several frontends can serve one port (``--reuse-port``, SO_REUSEPORT) or one port each. The
@@ -16,7 +16,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from typing import Any
 
 from http_worker.app import build_app
@@ -57,68 +56,13 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def frontend_command(
-    client_addr: str,
-    *,
-    port: int,
-    host: str = "127.0.0.1",
-    index: int = 0,
-    reuse_port: bool = False,
-    model_name: str = "",
-    extra_args: tuple[str, ...] = (),
-) -> list[str]:
-    """The command line that starts one frontend (for the supervisor, tests and benchmarks).
-    Run it with the repository root as cwd or on PYTHONPATH."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "http_worker.server",
-        "--client-addr",
-        client_addr,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--index",
-        str(index),
-    ]
-    if reuse_port:
-        cmd.append("--reuse-port")
-    if model_name:
-        cmd += ["--model-name", model_name]
-    return cmd + list(extra_args)
-
-
-def wait_until_serving(base_url: str, popen: Any = None, timeout_s: float = 60.0) -> None:
-    """Blocks until GET {base_url}/health answers 200; raises if ``popen`` exits or time runs
-    out. /health succeeding means the handshake and one round trip through every process."""
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if popen is not None and popen.poll() is not None:
-            raise RuntimeError(f"the frontend exited with code {popen.returncode} during start-up")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except urllib.error.HTTPError as exc:
-            last = f"HTTP {exc.code}"
-        except OSError as exc:
-            last = str(exc)
-        time.sleep(0.1)
-    raise TimeoutError(f"{base_url} not serving after {timeout_s:.0f} s ({last})")
-
-
 # Process options, not frontend settings: where to listen and how to run.
 SETTINGS_FLAGS = tuple(f.name for f in knob_fields(FrontendSettings) if f.metadata["cli"])
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m http_worker.server",
+        prog="python -m http_worker.worker",
         description="OpenAI-compatible HTTP frontend of a splitserve "
         "cluster (one process; start several for more).",
     )

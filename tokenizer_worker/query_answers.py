@@ -13,7 +13,7 @@ from typing import Any
 
 from ipc.codec import DecodeError, pack_ids, unpack_ids
 from ipc.messages import ERR_BAD_REQUEST, RequestError
-from ipc.queries import TokenizeRequest, TokenizeResult
+from ipc.messages.queries import TokenizeRequest, TokenizeResult
 from tokenizer_worker.chat_template import SPECIAL_TOKEN_KEYS, ChatTemplate
 from tokenizer_worker.prepare import Limits, RequestPreparer, RequestRejected, render_chat
 from tokenizer_worker.structured import StructuredOutputs, offered_tools

@@ -18,7 +18,8 @@ from typing import Any
 
 from ipc.codec import message
 from ipc.json_values import check_chat_template_kwargs
-from ipc.messages import ChatMessage, EngineStats
+from ipc.messages.common import ChatMessage
+from ipc.messages.engine_step import EngineStats
 
 MAX_TOKENIZE_CHARS = 8 * 1024 * 1024
 
@@ -117,8 +118,8 @@ class EngineStatsReport:
     engine died until its replacement steps): ``stats`` sums the replicas (the latest step's
     step_ms is the slowest replica's), ``replicas`` has each one. ``t_step``, ``engine_pid``: the
     latest step of any replica and its sender. ``routing_decisions``: requests routed so far by
-    outcome (ipc.routing OUTCOME_*; empty with one engine) under ``routing_policy``, and the time
-    the tokenizer workers spent choosing for them."""
+    outcome (ipc.replica_router OUTCOME_*; empty with one engine) under ``routing_policy``, and
+    the time the tokenizer workers spent choosing for them."""
 
     KIND = "engine_stats"
     request_id: str

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible response and stream-chunk bodies of the HTTP frontend: plain dicts, built
-by hand because they are on the per-token path and json.dumps of a dict is the cheap way.
-
-A choice's output (``ChoiceOutput``) is all of it for a full response, or one delta's worth for a
-stream chunk; a format renders it, with logprobs (http_worker.logprobs) when they were asked.
+"""The bodies of POST /v1/completions and POST /v1/chat/completions, whole and as stream chunks:
+plain dicts, built by hand because they are on the per-token path and json.dumps of a dict is the
+cheap way. A choice's output (``ChoiceOutput``, http_worker.answer_format) is all of it for a
+full response, or one delta's worth for a stream chunk; a format renders it, with logprobs
+(http_worker.logprobs) when they were asked.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from http_worker.answer_format import ChoiceOutput, sse
 from http_worker.logprobs import (
     TextOffsets,
     chat_logprobs,
@@ -22,12 +23,9 @@ from http_worker.logprobs import (
 )
 from http_worker.protocol import APIError
 from http_worker.tool_call_bodies import delta_with_calls, message_with_calls
-from ipc.client import Delta
-from ipc.messages import LogprobEntry
-from ipc.structured import ToolCallDelta
 
 SSE_DONE = b"data: [DONE]\n\n"
-# Stands for a chunk's text in a template of it (ResponseFormat._text_template); a chunk whose
+# Stands for a chunk's text in a template of it (ChoicesFormat._text_template); a chunk whose
 # other fields hold it too gets no template.
 _TEXT_MARK = "\x00splitserve text\x00"
 _TEXT_MARK_JSON = json.dumps(_TEXT_MARK).encode()
@@ -37,75 +35,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sse(body: Any, event: str | None = None) -> bytes:
-    """One server-sent event; ``event`` names its type (the Responses and Messages APIs do)."""
-    data = b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-    return (b"event: " + event.encode() + b"\n" + data if event else data) + b"\n\n"
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-@dataclass(slots=True)
-class Reasoning:
-    """A piece of the thinking among a ChoiceOutput's parts."""
-
-    text: str
-
-
-@dataclass(slots=True)
-class ChoiceOutput:
-    """What one choice produced: all of it, or one delta's worth."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[LogprobEntry] = field(default_factory=list)
-    prompt_logprobs: list[LogprobEntry] = field(default_factory=list)
-    echo_text: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces, as they came
-    reasoning: str = ""  # the thinking a reasoning parser split out of the text
-    # Thinking, text and call pieces in the order they came (a delta's thinking, then its
-    # text, then its calls), for the APIs whose output is a list of typed items or blocks.
-    parts: list[str | ToolCallDelta | Reasoning] = field(default_factory=list)
-
-    def add(self, delta: Delta) -> ChoiceOutput:
-        self.reasoning += delta.reasoning
-        if delta.reasoning:
-            self.parts.append(Reasoning(delta.reasoning))
-        self.text += delta.text
-        self.tool_calls += delta.tool_calls
-        if delta.text:
-            self.parts.append(delta.text)
-        self.parts += delta.tool_calls
-        self.logprobs += delta.logprobs
-        self.prompt_logprobs += delta.prompt_logprobs
-        self.echo_text += delta.echo_text
-        if delta.finished:
-            self.finish_reason = delta.finish_reason
-        return self
-
-    @property
-    def has_content(self) -> bool:
-        """Worth a chunk: text, or tokens whose text is still held back (their logprobs)."""
-        return bool(
-            self.text
-            or self.logprobs
-            or self.prompt_logprobs
-            or self.echo_text
-            or self.finish_reason
-            or self.tool_calls
-            or self.reasoning
-        )
-
-
-class ResponseFormat:
-    """Builds one endpoint's bodies; a subclass per endpoint. ``created`` and ``id`` are fixed
+class ChoicesFormat(ABC):
+    """Builds the bodies of one of the two endpoints that answer with ``choices``
+    (an ``AnswerFormat``); a subclass per endpoint. ``created`` and ``id`` are fixed
     per response so every chunk of a stream carries the same ones (as OpenAI's do).
 
     ``logprobs``: top logprobs per token to show (None: no logprobs); ``echo``: the prompt's text
@@ -172,7 +104,6 @@ class ResponseFormat:
         return None
 
     # The stream (http_worker.answer): OpenAI's chunks as data-only events ending with [DONE].
-    # The Responses and Messages formats write their typed events instead.
 
     def stream_start(self, choices: int, usage: dict[str, Any] | None) -> Iterator[bytes]:
         """Before the first delta; ``usage``: the prompt's, when continuous usage was asked."""
@@ -234,16 +165,20 @@ class ResponseFormat:
         return body
 
     def _add_prompt_logprobs(self, body: dict[str, Any], out: ChoiceOutput) -> None:
-        """Where the endpoint puts vLLM's prompt_logprobs at the top level (chat)."""
+        """Where the endpoint puts vLLM's prompt_logprobs at the top level (chat); completions
+        put them in each choice instead."""
+        return None
 
+    @abstractmethod
     def _full_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
-        raise NotImplementedError
+        """One choice of the non-streaming body."""
 
+    @abstractmethod
     def _chunk_choice(self, index: int, out: ChoiceOutput) -> dict[str, Any]:
-        raise NotImplementedError
+        """One choice of a stream chunk."""
 
 
-class CompletionFormat(ResponseFormat):
+class CompletionFormat(ChoicesFormat):
     id_prefix, object_full, object_chunk = "cmpl", "text_completion", "text_completion"
     text_template = True
 
@@ -277,7 +212,7 @@ class CompletionFormat(ResponseFormat):
         return completion_logprobs(entries, self.logprobs, text_offset)
 
 
-class ChatFormat(ResponseFormat):
+class ChatFormat(ChoicesFormat):
     id_prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
     text_template = True
 
