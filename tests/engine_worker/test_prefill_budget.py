@@ -159,9 +159,10 @@ def test_a_cpu_engine_paces_its_steps_unless_a_token_key_bound_is_given(tiny_mod
     assert paced.config.prefill_step_target_ms == PREFILL_STEP_TARGET_MS_CPU
     paced.add("long", prompt(LONG, 2), greedy(2, ignore_eos=True))
     collect(paced)
-    # The tiny model's steps take milliseconds: the measured bound grew past the default's
-    assert paced.scheduler.pace.seconds_per_key > 0
-    assert paced.scheduler.pace.keys > PREFILL_TOKEN_KEYS_CPU
+    pace = paced.scheduler.pace  # measured (no figure asserted: the machine is shared)
+    assert pace.seconds_per_key > 0 and pace.most_keys > PREFILL_TOKEN_KEYS_CPU
+    expected = int(PREFILL_STEP_TARGET_MS_CPU / 1e3 / pace.seconds_per_key)
+    assert pace.keys == max(MIN_CHUNK_TOKENS * TOKEN_WORK_KEYS, min(expected, pace.most_keys))
     fixed = engine_for(tiny_model_dir)  # a bound given: it is kept, nothing is paced
     assert fixed.config.prefill_step_target_ms == 0 and fixed.scheduler.pace.keys == KEYS
     both = engine_for(tiny_model_dir, prefill_step_target_ms=100)
