@@ -7,6 +7,7 @@ package re-exports them all; import from ``ipc.messages``):
     client_stream : client <-> detokenizer
     control       : workers <-> supervisor, cluster notices
     routing       : engine replicas -> tokenizer workers, their load (beside the KV events)
+    kv_net        : engine <-> engine across hosts, where a request's KV bytes lie
 
 Channels (who sends what to whom):
 
@@ -23,6 +24,8 @@ Channels (who sends what to whom):
     any worker  -> supervisor  : WorkerReady, Heartbeat, WorkerFailed (its last words)
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
     supervisor  -> tokenizer i : ClusterNotice about engine replicas (several engines only)
+    engine      -> engine      : KVNetRegion (bytes to pull, or room to push into) and KVNetDone
+                                 (engine_worker.kv_net moves the bytes themselves)
     one-answer queries (tokenize, detokenize, tokenizer info, engine stats): ipc/queries.py
 
 Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
@@ -72,6 +75,7 @@ from ipc.messages.engine_step import (
     StepOutput,
     TokenLogprobs,
 )
+from ipc.messages.kv_net import KVNetDone, KVNetRegion
 from ipc.messages.routing import LOAD_TOPIC, ReplicaLoad
 from ipc.messages.submit import RequestError, RequestMeta, SubmitRequest, TokenizedRequest
 from ipc.sampling import SamplingParams  # a request's sampling settings travel inside its messages
@@ -98,6 +102,8 @@ __all__ = [
     "FINISH_STOP",
     "FINISH_TOOL_CALLS",
     "FinishRecord",
+    "KVNetDone",
+    "KVNetRegion",
     "Heartbeat",
     "LOAD_TOPIC",
     "LogprobEntry",
