@@ -23,6 +23,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+
 from ipc.messages.kv_net import KVNetRegion
 
 BACKEND = "mooncake-tcp"
@@ -115,6 +117,45 @@ def block_pieces(caches: Sequence[Any], block_ids: Sequence[int]) -> list[tuple[
             row_base = base + row * blocks * block_bytes
             pieces.extend((row_base + b * block_bytes, block_bytes) for b in block_ids)
     return merge_pieces(pieces)
+
+
+def _block_rows(cache: Any) -> Any:
+    """A cache tensor as bytes, ``[layers * kv_heads, blocks, block_bytes]``."""
+    if not cache.is_contiguous() or cache.dim() < 3:
+        raise ValueError("a KV cache tensor must be contiguous with blocks in dimension 2")
+    layers, heads, blocks = cache.shape[:3]
+    return cache.view(torch.uint8).view(layers * heads, blocks, -1)
+
+
+def staged_bytes(caches: Sequence[Any], block_count: int) -> int:
+    """The size of ``block_count`` blocks of every cache tensor: what a staging buffer holds."""
+    return sum(_block_rows(c)[:, :1].numel() for c in caches) * block_count
+
+
+def gather_blocks(caches: Sequence[Any], block_ids: Sequence[int], staging: Any) -> int:
+    """Copies ``block_ids`` of every cache tensor into the uint8 tensor ``staging``, in
+    ``block_pieces``' order, so that one contiguous transfer moves them (Mooncake's TCP path
+    moves one large piece far faster than thousands of blocks); the bytes written."""
+    index = torch.as_tensor(block_ids, dtype=torch.long)
+    at = 0
+    for cache in caches:
+        rows = _block_rows(cache)
+        n = rows.shape[0] * len(block_ids) * rows.shape[2]
+        out = staging[at : at + n].view(rows.shape[0], len(block_ids), rows.shape[2])
+        torch.index_select(rows, 1, index, out=out)
+        at += n
+    return at
+
+
+def scatter_blocks(staging: Any, caches: Sequence[Any], block_ids: Sequence[int]) -> None:
+    """The other end of ``gather_blocks``: the staged bytes into ``block_ids`` of the caches."""
+    index = torch.as_tensor(block_ids, dtype=torch.long)
+    at = 0
+    for cache in caches:
+        rows = _block_rows(cache)
+        n = rows.shape[0] * len(block_ids) * rows.shape[2]
+        rows.index_copy_(1, index, staging[at : at + n].view(rows.shape[0], len(block_ids), -1))
+        at += n
 
 
 def buffer_piece(buffer: Any) -> tuple[int, int]:

@@ -12,11 +12,13 @@ of 16 tokens of 64 bf16 values) filled from a seed; the decode host rebuilds the
 from the seed and checks every byte it receives. Regions and answers travel over ZeroMQ with
 the project's codec, as the engines will send them.
 
-Scenarios, each under its name in RESULTS_JSON: ``contiguous`` (a 2,048-token KV, 47 MB, in one
-buffer, pulled), ``scattered`` (the same blocks scattered in both caches, pulled block by
-block), ``push`` (the prefill host writes its blocks into a region the decode host offered),
-``killed`` (the owner of a region is killed before the pull: the pull fails within the bound,
-it does not hang). ``--bench`` adds repeated timings of each beside memcpy's.
+Scenarios, each under its name in RESULTS_JSON: ``staged`` (a 2,048-token KV, 47 MB, gathered
+from blocks scattered through the prefill host's cache into one staging buffer, pulled whole
+into the decode host's, scattered into its own blocks), ``scattered`` (the same blocks pulled
+piece by piece, straight from cache to cache), ``push`` (the prefill host writes its blocks
+into a region the decode host offered), ``killed`` (the owner of a region is killed before the
+pull: the pull fails within the bound, it does not hang). ``--bench`` adds repeated timings
+of both beside the gather's and memcpy's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ from typing import Any
 import torch
 import zmq
 
-from engine_worker.kv_net import KVNetEndpoint, KVNetError, block_pieces, buffer_piece
+from engine_worker.kv_net import (
+    KVNetEndpoint,
+    KVNetError,
+    block_pieces,
+    buffer_piece,
+    gather_blocks,
+    scatter_blocks,
+    staged_bytes,
+)
 from ipc import codec
 from ipc.messages.kv_net import KVNetDone, KVNetRegion
 from ipc.sockets import PullQueue, PushQueue
@@ -106,7 +116,7 @@ def decode_host(results_path: str) -> None:
     outbox = PushQueue(ctx, TO_PREFILL)
     endpoint = KVNetEndpoint(DECODE_IP, trusted_network=True, timeout_s=TIMEOUT_S)
     cache = caches(DECODE_CACHE_BLOCKS, None)
-    flat = torch.zeros(2 * LAYERS * HEADS * REQUEST_BLOCKS * BLOCK * HEAD_DIM, dtype=torch.bfloat16)
+    flat = torch.zeros(staged_bytes(cache, REQUEST_BLOCKS), dtype=torch.uint8)
     for buffer in (*cache, flat):
         endpoint.register(*buffer_piece(buffer))
     outbox.put(endpoint.region("push", block_pieces(cache, PUSH_BLOCKS)))
@@ -151,6 +161,10 @@ def serve_decode(
             c.zero_()
         try:
             seconds = endpoint.pull(msg, into)
+            t0 = time.perf_counter()
+            if name == "staged":
+                scatter_blocks(flat, cache, DECODE_BLOCKS)
+            scatter_s = time.perf_counter() - t0
         except (KVNetError, ValueError) as exc:
             outbox.put(KVNetDone(msg.transfer_id, ok=False, error=str(exc)))
             results.setdefault(name, []).append({"ok": False, "error": str(exc)})
@@ -159,16 +173,13 @@ def serve_decode(
         entry: dict[str, Any] = {
             "ok": True,
             "seconds": seconds,
+            "scatter_s": scatter_s,
             "nbytes": msg.nbytes,
             "pieces": len(msg.lengths),
         }
         if "#" not in msg.transfer_id:  # a benchmark's repeats are not checked each time
-            if name.startswith("contiguous"):
-                want = [torch.cat([w.reshape(-1) for w in expected_blocks(PREFILL_BLOCKS)])]
-                entry["same_bytes"] = same_bytes([flat], want)
-            else:
-                got = [c[:, :, DECODE_BLOCKS] for c in cache]
-                entry["same_bytes"] = same_bytes(got, expected_blocks(PREFILL_BLOCKS))
+            got = [c[:, :, DECODE_BLOCKS] for c in cache]
+            entry["same_bytes"] = same_bytes(got, expected_blocks(PREFILL_BLOCKS))
         results.setdefault(name, []).append(entry)
 
 
@@ -251,17 +262,18 @@ def run_scenarios(results: dict[str, Any], bench: bool) -> None:
     outbox = PushQueue(ctx, TO_DECODE)
     endpoint = KVNetEndpoint(PREFILL_IP, trusted_network=True, timeout_s=TIMEOUT_S)
     cache = caches(PREFILL_CACHE_BLOCKS, PREFILL_SEED)
-    staged = torch.cat([c[:, :, PREFILL_BLOCKS].reshape(-1) for c in cache])
-    for buffer in (*cache, staged):
+    staging = torch.empty(staged_bytes(cache, REQUEST_BLOCKS), dtype=torch.uint8)
+    for buffer in (*cache, staging):
         endpoint.register(*buffer_piece(buffer))
-    contiguous = endpoint.region("contiguous", [buffer_piece(staged)])
+    gather_blocks(cache, PREFILL_BLOCKS, staging)
+    staged = endpoint.region("staged", [buffer_piece(staging)])
     scattered = endpoint.region("scattered", block_pieces(cache, PREFILL_BLOCKS))
     try:
         if not inbox.wait(WAIT_MS):
             raise TimeoutError("the decode host never offered its region to push into")
         push_region = inbox.get()  # the decode host offers it first thing
         assert isinstance(push_region, KVNetRegion) and push_region.transfer_id == "push"
-        for region in (contiguous, scattered):
+        for region in (staged, scattered):
             done = answer_to(outbox, inbox, region)
             results[region.transfer_id] = {
                 "ok": done.ok,
@@ -279,7 +291,7 @@ def run_scenarios(results: dict[str, Any], bench: bool) -> None:
             "after_kill_s": time.monotonic() - killed_at,
         }
         if bench:
-            results["bench"] = run_bench(endpoint, outbox, inbox, contiguous, scattered, cache)
+            results["bench"] = run_bench(outbox, inbox, staged, scattered, cache, staging)
     finally:
         outbox.put(KVNetDone("stop", ok=True))
         endpoint.close()
@@ -293,15 +305,21 @@ def answer_to(outbox: PushQueue, inbox: PullQueue[Any], region: KVNetRegion) -> 
     return answer(inbox, region.transfer_id)
 
 
-def run_bench(endpoint, outbox, inbox, contiguous, scattered, cache) -> dict[str, Any]:
-    """Pull times of each layout (the decode host's clock), interleaved, beside memcpy and the
-    gather into a staging buffer that the contiguous layout costs the sender."""
-    times: dict[str, list[float]] = {"contiguous": [], "scattered": [], "memcpy": [], "gather": []}
-    src = torch.cat([c[:, :, PREFILL_BLOCKS].reshape(-1) for c in cache])
-    dst = torch.empty_like(src)
-    index = torch.tensor(PREFILL_BLOCKS)
+def run_bench(
+    outbox: PushQueue,
+    inbox: PullQueue[Any],
+    staged: KVNetRegion,
+    scattered: KVNetRegion,
+    cache: list[torch.Tensor],
+    staging: torch.Tensor,
+) -> dict[str, Any]:
+    """Pull times of both layouts (the decode host's clock; its scatter times are in its own
+    results), interleaved with this host's gather into the staging buffer and a memcpy of the
+    same bytes."""
+    times: dict[str, list[float]] = {"staged": [], "scattered": [], "gather": [], "memcpy": []}
+    copy = torch.empty_like(staging)
     for i in range(5):
-        for region in (contiguous, scattered):
+        for region in (staged, scattered):
             again = KVNetRegion(
                 f"{region.transfer_id}#{i}",
                 region.backend,
@@ -312,17 +330,13 @@ def run_bench(endpoint, outbox, inbox, contiguous, scattered, cache) -> dict[str
             done = answer_to(outbox, inbox, again)
             times[region.transfer_id].append(done.seconds if done.ok else float("nan"))
         t0 = time.perf_counter()
-        dst.copy_(src)
-        times["memcpy"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for c in cache:
-            torch.index_select(c, 2, index)
+        gather_blocks(cache, PREFILL_BLOCKS, staging)
         times["gather"].append(time.perf_counter() - t0)
-    return {
-        "nbytes": src.numel() * src.element_size(),
-        "seconds": times,
-        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
-    }
+        t0 = time.perf_counter()
+        copy.copy_(staging)
+        times["memcpy"].append(time.perf_counter() - t0)
+    loadavg = Path("/proc/loadavg").read_text().split()[:3]
+    return {"nbytes": staging.numel(), "seconds": times, "loadavg": loadavg}
 
 
 def main() -> None:
