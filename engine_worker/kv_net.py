@@ -120,16 +120,30 @@ def block_pieces(caches: Sequence[Any], block_ids: Sequence[int]) -> list[tuple[
 
 
 def _block_rows(cache: Any) -> Any:
-    """A cache tensor as bytes, ``[layers * kv_heads, blocks, block_bytes]``."""
+    """A cache tensor as ``[layers * kv_heads, blocks, words]``, in the widest integer words
+    that tile a block: index copies of 8-byte words run at memcpy's speed, of single bytes at a
+    quarter of it."""
     if not cache.is_contiguous() or cache.dim() < 3:
         raise ValueError("a KV cache tensor must be contiguous with blocks in dimension 2")
     layers, heads, blocks = cache.shape[:3]
-    return cache.view(torch.uint8).view(layers * heads, blocks, -1)
+    rows = cache.view(torch.uint8).view(layers * heads, blocks, -1)
+    for word in (torch.int64, torch.int32, torch.int16):
+        if rows.shape[2] % word.itemsize == 0:
+            return rows.view(word)
+    return rows
 
 
 def staged_bytes(caches: Sequence[Any], block_count: int) -> int:
     """The size of ``block_count`` blocks of every cache tensor: what a staging buffer holds."""
-    return sum(_block_rows(c)[:, :1].numel() for c in caches) * block_count
+    return sum(c[:, :, :1].numel() * c.element_size() for c in caches) * block_count
+
+
+def _staged_rows(staging: Any, at: int, rows: Any, block_count: int) -> tuple[Any, int]:
+    """The part of the uint8 ``staging`` from byte ``at`` that holds ``block_count`` blocks of
+    ``rows`` (in its words), and the byte where the next tensor's part starts."""
+    n = rows.shape[0] * block_count * rows.shape[2] * rows.element_size()
+    part = staging[at : at + n].view(rows.dtype).view(rows.shape[0], block_count, -1)
+    return part, at + n
 
 
 def gather_blocks(caches: Sequence[Any], block_ids: Sequence[int], staging: Any) -> int:
@@ -140,10 +154,8 @@ def gather_blocks(caches: Sequence[Any], block_ids: Sequence[int], staging: Any)
     at = 0
     for cache in caches:
         rows = _block_rows(cache)
-        n = rows.shape[0] * len(block_ids) * rows.shape[2]
-        out = staging[at : at + n].view(rows.shape[0], len(block_ids), rows.shape[2])
-        torch.index_select(rows, 1, index, out=out)
-        at += n
+        part, at = _staged_rows(staging, at, rows, len(block_ids))
+        torch.index_select(rows, 1, index, out=part)
     return at
 
 
@@ -153,9 +165,8 @@ def scatter_blocks(staging: Any, caches: Sequence[Any], block_ids: Sequence[int]
     at = 0
     for cache in caches:
         rows = _block_rows(cache)
-        n = rows.shape[0] * len(block_ids) * rows.shape[2]
-        rows.index_copy_(1, index, staging[at : at + n].view(rows.shape[0], len(block_ids), -1))
-        at += n
+        part, at = _staged_rows(staging, at, rows, len(block_ids))
+        rows.index_copy_(1, index, part)
 
 
 def buffer_piece(buffer: Any) -> tuple[int, int]:

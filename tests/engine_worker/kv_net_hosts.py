@@ -340,6 +340,7 @@ def run_bench(
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # one core per host, as an engine role gets on 2 cores
     if sys.argv[1] == "--decode":
         decode_host(sys.argv[2])
         return
