@@ -55,7 +55,7 @@ class KVNetError(RuntimeError):
 def transfer_engine_class() -> Any:
     """Mooncake's ``TransferEngine``, or ``KVNetUnavailable`` naming the extra to install."""
     try:
-        from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
+        from mooncake.engine import TransferEngine
     except ImportError as exc:
         raise KVNetUnavailable(f"{INSTALL_HINT} ({exc})") from None
     return TransferEngine
