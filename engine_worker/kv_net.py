@@ -19,6 +19,7 @@ endpoint raises ``KVNetUnavailable`` saying so.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -199,8 +200,10 @@ class KVNetEndpoint:
         if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise KVNetError(f"Mooncake's transfer engine did not start on {host} (see its log)")
         self.host = host
+        self.timeout_s = timeout_s
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self.registered: dict[int, int] = {}  # address -> length
+        self.in_doubt: list[tuple[threading.Thread, Pieces]] = []
 
     def register(self, address: int, length: int) -> None:
         """Makes ``length`` bytes at ``address`` reachable by peers (once per buffer: the
@@ -248,25 +251,55 @@ class KVNetEndpoint:
             raise KVNetError(f"a region of the {region.backend!r} transport, not {BACKEND!r}")
         local = merge_pieces(local)
         self._check_registered(local)
+        self._check_not_in_doubt(local)
         locals_, remotes, lengths = pair_pieces(local, region.pieces)
         move = (
             self.engine.batch_transfer_sync_read if read else self.engine.batch_transfer_sync_write
         )
+        outcome: list[int] = []
+
+        def transfer() -> None:
+            status = 0
+            for at in range(0, len(lengths), MAX_BATCH_PIECES):
+                batch = slice(at, at + MAX_BATCH_PIECES)
+                status = move(region.session, locals_[batch], remotes[batch], lengths[batch])
+                if status != 0:
+                    break
+            outcome.append(status)
+
+        # Mooncake bounds a transfer's data (MC_TRANSFER_TIMEOUT) but not its handshake: a peer
+        # that is alive to the kernel and answers nothing (stopped, swapping) holds a call for
+        # ever. The call runs on a thread of its own (Mooncake lets go of the GIL) and is given
+        # up at the bound; its local pieces stay in doubt until it ends (see below).
+        worker = threading.Thread(target=transfer, name="kv-net-transfer", daemon=True)
         t0 = time.monotonic()
-        status = 0
-        for at in range(0, len(lengths), MAX_BATCH_PIECES):
-            batch = slice(at, at + MAX_BATCH_PIECES)
-            status = move(region.session, locals_[batch], remotes[batch], lengths[batch])
-            if status != 0:
-                break
+        worker.start()
+        worker.join(self.timeout_s)
         seconds = time.monotonic() - t0
-        if status != 0:
-            verb = "pulling from" if read else "pushing to"
+        verb = "pulling from" if read else "pushing to"
+        what = f"{region.nbytes} bytes, transfer {region.transfer_id!r}"
+        if worker.is_alive():
+            self.in_doubt.append((worker, local))
             raise KVNetError(
-                f"{verb} {region.session} failed after {seconds:.2f} s "
-                f"({region.nbytes} bytes, transfer {region.transfer_id!r}, status {status})"
+                f"{verb} {region.session} did not end within {self.timeout_s:g} s ({what})"
+            )
+        if outcome != [0]:
+            raise KVNetError(
+                f"{verb} {region.session} failed after {seconds:.2f} s ({what}, status {outcome})"
             )
         return seconds
+
+    def _check_not_in_doubt(self, pieces: Pieces) -> None:
+        """A transfer given up at the bound may still read or write its local pieces when its
+        peer wakes: until it has ended, no other transfer may use them."""
+        self.in_doubt = [(w, p) for w, p in self.in_doubt if w.is_alive()]
+        for _, held in self.in_doubt:
+            for a, n in pieces:
+                if any(a < b + m and b < a + n for b, m in held):
+                    raise KVNetError(
+                        f"{n} bytes at {a:#x} belong to a transfer that timed out and has not "
+                        "ended yet: use other memory, or wait"
+                    )
 
     def close(self) -> None:
         for address in list(self.registered):

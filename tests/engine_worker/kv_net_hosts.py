@@ -17,7 +17,8 @@ from blocks scattered through the prefill host's cache into one staging buffer, 
 into the decode host's, scattered into its own blocks), ``scattered`` (the same blocks pulled
 piece by piece, straight from cache to cache), ``push`` (the prefill host writes its blocks
 into a region the decode host offered), ``killed`` (the owner of a region is killed before the
-pull: the pull fails within the bound, it does not hang). ``--bench`` adds repeated timings
+pull: the pull fails, it does not hang), ``stalled`` (the owner is stopped, SIGSTOP: the pull
+fails within the transfer bound). ``--bench`` adds repeated timings
 of both beside the gather's and memcpy's.
 """
 
@@ -56,7 +57,7 @@ LAYERS, HEADS, BLOCK, HEAD_DIM = 30, 3, 16, 64  # SmolLM2-135M's KV, in the engi
 TOKENS = 2048
 REQUEST_BLOCKS = TOKENS // BLOCK
 PREFILL_CACHE_BLOCKS, DECODE_CACHE_BLOCKS = 160, 200
-TIMEOUT_S = 5.0  # the transfer bound (Mooncake's smallest)
+TIMEOUT_S = 10.0  # the transfer bound: twice the slowest block-by-block pull seen at load 12
 WAIT_MS = 60_000
 
 
@@ -166,8 +167,11 @@ def serve_decode(
                 scatter_blocks(flat, cache, DECODE_BLOCKS)
             scatter_s = time.perf_counter() - t0
         except (KVNetError, ValueError) as exc:
+            entry = {"ok": False, "error": str(exc)}
+            if name == "stalled":  # its owner is still stopped: so is the given-up transfer
+                entry["again"] = pull_error(endpoint, msg, into)
             outbox.put(KVNetDone(msg.transfer_id, ok=False, error=str(exc)))
-            results.setdefault(name, []).append({"ok": False, "error": str(exc)})
+            results.setdefault(name, []).append(entry)
             continue
         outbox.put(KVNetDone(msg.transfer_id, ok=True, nbytes=msg.nbytes, seconds=seconds))
         entry: dict[str, Any] = {
@@ -183,16 +187,25 @@ def serve_decode(
         results.setdefault(name, []).append(entry)
 
 
+def pull_error(endpoint: KVNetEndpoint, region: KVNetRegion, into: list[tuple[int, int]]) -> str:
+    try:
+        endpoint.pull(region, into)
+    except KVNetError as exc:
+        return str(exc)
+    return ""
+
+
 # ---------------------------------------------------------------------------------------------
-# a short-lived owner of a region (the "killed" scenario), in the prefill host's namespace
+# a short-lived owner of a region (the "killed" and "stalled" scenarios), in the prefill host's
+# namespace
 
 
-def doomed_owner() -> None:
-    """Registers a buffer, prints its region (codec bytes, hex) and waits to be killed."""
+def doomed_owner(name: str) -> None:
+    """Registers a buffer, prints its region (codec bytes, hex) and waits for its fate."""
     endpoint = KVNetEndpoint(PREFILL_IP, trusted_network=True, timeout_s=TIMEOUT_S)
     buffer = torch.ones(TOKENS * 1024, dtype=torch.uint8)
     endpoint.register(*buffer_piece(buffer))
-    print(codec.encode(endpoint.region("killed", [buffer_piece(buffer)])).hex(), flush=True)
+    print(codec.encode(endpoint.region(name, [buffer_piece(buffer)])).hex(), flush=True)
     time.sleep(120)
 
 
@@ -242,18 +255,28 @@ def answer(inbox: PullQueue[Any], transfer_id: str) -> KVNetDone:
     raise TimeoutError(f"no answer to {transfer_id!r}")
 
 
-def killed_owner_region() -> tuple[KVNetRegion, float]:
-    """A region whose owner is dead by the time anyone pulls it; the kill's time."""
+def pull_from_a_failed_owner(
+    outbox: PushQueue, inbox: PullQueue[Any], name: str, fate: signal.Signals
+) -> dict[str, Any]:
+    """The decode host pulls a region whose owner got ``fate`` (SIGKILL: gone; SIGSTOP: alive
+    to the kernel, answering nothing) after describing it: what it answered, and when."""
     owner = subprocess.Popen(
-        [sys.executable, "-m", "tests.engine_worker.kv_net_hosts", "--doomed-owner"],
+        [sys.executable, "-m", "tests.engine_worker.kv_net_hosts", "--doomed-owner", name],
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert owner.stdout is not None
-    region = codec.decode_as(bytes.fromhex(owner.stdout.readline().strip()), KVNetRegion)
-    owner.send_signal(signal.SIGKILL)
-    owner.wait(10)
-    return region, time.monotonic()
+    try:
+        assert owner.stdout is not None
+        region = codec.decode_as(bytes.fromhex(owner.stdout.readline().strip()), KVNetRegion)
+        owner.send_signal(fate)
+        if fate == signal.SIGKILL:
+            owner.wait(10)
+        t0 = time.monotonic()
+        done = answer_to(outbox, inbox, region)
+        return {"ok": done.ok, "error": done.error, "after_fault_s": time.monotonic() - t0}
+    finally:
+        owner.kill()
+        owner.wait(10)
 
 
 def run_scenarios(results: dict[str, Any], bench: bool) -> None:
@@ -283,13 +306,8 @@ def run_scenarios(results: dict[str, Any], bench: bool) -> None:
         mine = block_pieces(cache, PREFILL_BLOCKS[: len(PUSH_BLOCKS)])
         seconds = endpoint.push(mine, push_region)
         outbox.put(KVNetDone("push", ok=True, nbytes=push_region.nbytes, seconds=seconds))
-        region, killed_at = killed_owner_region()
-        done = answer_to(outbox, inbox, region)
-        results["killed"] = {
-            "ok": done.ok,
-            "error": done.error,
-            "after_kill_s": time.monotonic() - killed_at,
-        }
+        for name, fate in (("killed", signal.SIGKILL), ("stalled", signal.SIGSTOP)):
+            results[name] = pull_from_a_failed_owner(outbox, inbox, name, fate)
         if bench:
             results["bench"] = run_bench(outbox, inbox, staged, scattered, cache, staging)
     finally:
@@ -345,7 +363,7 @@ def main() -> None:
         decode_host(sys.argv[2])
         return
     if sys.argv[1] == "--doomed-owner":
-        doomed_owner()
+        doomed_owner(sys.argv[2])
         return
     results_path = Path(sys.argv[1])
     results: dict[str, Any] = {}
