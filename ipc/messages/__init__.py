@@ -8,6 +8,7 @@ package re-exports them all but the queries'; import from ``ipc.messages``):
     control       : workers <-> supervisor, cluster notices
     replica_load  : engine replicas -> tokenizer workers, their load (beside the KV events)
     queries       : the one-answer queries (import them from ``ipc.messages.queries``)
+    kv_net        : engine <-> engine across hosts, where a request's KV bytes lie
 
 Channels (who sends what to whom):
 
@@ -24,6 +25,8 @@ Channels (who sends what to whom):
     any worker  -> supervisor  : WorkerReady, Heartbeat, WorkerFailed (its last words)
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
     supervisor  -> tokenizer i : ClusterNotice about engine replicas (several engines only)
+    engine      -> engine      : KVNetRegion (bytes to pull, or room to push into) and KVNetDone
+                                 (engine_worker.kv_net moves the bytes themselves)
     one-answer queries (tokenize, detokenize, tokenizer info, engine stats): queries.py
 
 Timestamps are ``time.monotonic()`` seconds; on Linux that clock is system-wide, so values from
@@ -73,6 +76,7 @@ from ipc.messages.engine_step import (
     StepOutput,
     TokenLogprobs,
 )
+from ipc.messages.kv_net import KVNetDone, KVNetRegion
 from ipc.messages.replica_load import LOAD_TOPIC, ReplicaLoad
 from ipc.messages.submit import RequestError, RequestMeta, SubmitRequest, TokenizedRequest
 from ipc.sampling import SamplingParams  # a request's sampling settings travel inside its messages
@@ -99,6 +103,8 @@ __all__ = [
     "FINISH_STOP",
     "FINISH_TOOL_CALLS",
     "FinishRecord",
+    "KVNetDone",
+    "KVNetRegion",
     "Heartbeat",
     "LOAD_TOPIC",
     "LogprobEntry",

@@ -23,6 +23,8 @@ from ipc.messages import (
     EngineStats,
     FinishRecord,
     Heartbeat,
+    KVNetDone,
+    KVNetRegion,
     LogprobEntry,
     PromptLogprobs,
     ReplicaLoad,
@@ -193,6 +195,8 @@ EXAMPLES = [
     ),
     ClusterNotice("died", "engine", 1, 126, "killed", ["r2"], resend_unstarted=True),
     ReplicaLoad(index=1, pid=78, running=3, waiting=2, kv_usage=0.25, received_from=[4, 0]),
+    KVNetRegion("r1", "mooncake-tcp", "192.0.2.1:15001", [2**47 + 4096, 2**40], [2048, 64]),
+    KVNetDone("r1", ok=True, nbytes=2112, seconds=0.12),
 ]
 
 
