@@ -13,8 +13,8 @@ from engine_worker.engine import Engine
 from engine_worker.model_config import ModelConfig
 from ipc.engine_config import EngineConfig
 from procs.model_store import load_reference_model
-from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import give_blocks, manual_request
+from tests.tiny_model import make_tiny_model
 
 TOLERANCE = 1e-4
 

@@ -14,8 +14,8 @@ from engine_worker.engine import Engine
 from engine_worker.model_config import LayerAttention, _layer_attention
 from ipc.engine_config import EngineConfig
 from procs.model_store import load_reference_model
-from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import collect, greedy
+from tests.tiny_model import make_tiny_model
 
 WINDOW = 8
 TOLERANCE = 1e-3  # logprobs; measured ~1e-5
