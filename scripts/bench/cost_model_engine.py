@@ -89,12 +89,6 @@ def token_at(position: int) -> int:
     return 1000 + position % 997
 
 
-def output_ids(prompt_tokens: int, count: int) -> list[int]:
-    """What a request of ``prompt_tokens`` generates, ``count`` tokens of it: a client that gets
-    only text back (over HTTP) resends a reply's exact ids with these."""
-    return [token_at(prompt_tokens + i) for i in range(count)]
-
-
 def make(config: ClusterConfig):
     """The cluster's engine_factory: the real engine on ``config.model_path``, model runner
     replaced."""
