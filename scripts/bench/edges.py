@@ -4,8 +4,9 @@
                 arrives every --interval-s until both have ended: its TTFT and largest gap, the
                 long requests' end. Random token ids, distinct per request (no cache hits).
   long-prompts  short requests one at a time for --seconds, alone, then while another client
-                sends 7.2 MB text prompts (refused from their length before tokenizing): their
-                TTFT. The tiny random model with an 8,192-token context, one tokenizer worker.
+                sends 7.2 MB text prompts (refused from their length before tokenizing) one
+                after another, --pace-s apart: their TTFT. The tiny random model with an
+                8,192-token context, one tokenizer worker.
   hostile       one stream's gaps alone and while requests with unique hostile schemas (a
                 --hostile-values enum compiled, then refused) arrive every --interval-s, with
                 and without --burners CPU-burning processes; a cluster per --background-niceness.
@@ -100,7 +101,8 @@ def run_long_prompts(args) -> None:
     from tests.tiny_model import make_tiny_model
 
     words = "the quick brown fox jumps over a lazy dog and then some 12345".split()
-    huge = " ".join(random.Random(0).choice(words) for _ in range(1_800_000))[:7_200_000]
+    rng = random.Random(0)
+    huge = " ".join(rng.choice(words) for _ in range(1_800_000))[:7_200_000]
     refused: list[tuple[float, str | None]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(tmp, max_position_embeddings=8192)
@@ -115,6 +117,7 @@ def run_long_prompts(args) -> None:
                         t_start = time.monotonic()
                         result = other.submit(huge, max_tokens=1).result(timeout=300, check=False)
                         refused.append((time.monotonic() - t_start, result.error_code))
+                        time.sleep(args.pace_s)
 
             thread = threading.Thread(target=flood)
             thread.start()
@@ -206,6 +209,7 @@ def build_parser():
     p.add_argument("--interval-s", type=float, default=1.5, help="an arrival every this often")
     p.add_argument("--streams", type=int, default=24, help="most unrelated streams in a run")
     p.add_argument("--seconds", type=float, default=30.0, help="long-prompts: each phase's length")
+    p.add_argument("--pace-s", type=float, default=0.0, help="long-prompts: between huge prompts")
     p.add_argument("--burners", type=int, default=2, help="hostile: CPU-burning processes")
     p.add_argument("--hostile-values", type=int, default=60_000, help="hostile: the enum's size")
     p.add_argument(
