@@ -192,7 +192,7 @@ def test_hops_and_startup_of_a_splitserve_launch(tiny_model_dir, capsys):
     flags = f"--model {tiny_model_dir} --kv-cache-tokens 4096"
     data = peer.main(
         ["hops", "startup", "--splitserve", flags, "--repeats", "2", "--requests", "2"]
-        + ["--prompt-tokens", "40", "--output-tokens", "5"]
+        + ["--prompt-tokens", "60", "--output-tokens", "5"]
     )
     name = f"splitserve {flags}"
     stats = data["hops"]["stats"][name]
