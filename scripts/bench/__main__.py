@@ -9,7 +9,7 @@ import sys
 WORKLOADS = {
     "serving": (
         "scripts.bench.serving",
-        "the cluster against the in-process baseline and the HTTP frontend: submit path, "
+        "the cluster (through the SDK) against the in-process baseline: submit path, "
         "TTFT and its parts, throughput; rate sweeps; --fast-engine",
     ),
     "engine": (

@@ -2,19 +2,13 @@
 
     python -m scripts.bench data-parallel
 
-A multi-turn chat workload on --engines replicas under each routing policy (cache_aware,
-round_robin, least_loaded), and on one replica given all the engine cores and all the KV cache,
-one mode after another in one run.
-Printed per mode: the prefix-cache hit rate (hit / queried prompt tokens over the run, from the
-engines' counters), throughput, TTFT, how requests spread over the replicas, and what routing
-cost per request in the tokenizer workers; then cache_aware against round_robin beside the
-issue's targets.
-
-The default engine is the cost-model engine (cost_model_engine.py: the real scheduler, KV blocks
-and prefix cache, the model's forward replaced by a wait as long as a cost model says), because
-on this project's CPUs the real model's prefill, and several replicas sharing a few cores, would
-decide the comparison instead of the routing; --engine real runs the real engine code (on the
-fast engine's tiny model unless --model says otherwise).
+Multi-turn chats on --engines replicas under each routing policy (cache_aware, round_robin,
+least_loaded), and on one replica given all the cores and KV cache, one mode after another.
+Per mode: the prefix-cache hit rate (from the engines' counters), throughput, TTFT, the spread
+over replicas and the routing's cost per request; then cache_aware against round_robin beside
+the issue's targets. The engine is the cost-model engine (cost_model_engine.py), as the real
+model's prefill on these CPUs would decide the comparison instead of the routing; --engine real
+runs the real engine code (on the fast engine's tiny model unless --model says otherwise).
 """
 
 from __future__ import annotations

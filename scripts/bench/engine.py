@@ -9,13 +9,11 @@
                prefix cache.
   mixed        8 requests decoding while --long-prompts prompts of --long-prompt-tokens arrive:
                their inter-token latency (ITL) p50/p99 with and without chunked prefill.
-  speculative  n-gram drafts against plain decoding on chat prompts (greedy, --max-tokens each):
-               ``summary`` (summarize a ~500-token passage of this repository's docs), ``code``
-               (rewrite a ~300-token Python snippet with one change), ``chat`` (short questions
-               with nothing to copy), at every --streams count (--rounds batches of that many).
-               Both engines run each batch in turn (off, on, on, off, ...). Per run: output
-               tokens/s, TPOT mean, ITL p50 (tokens one step emits together are 0 apart, as a
-               streaming client sees them), acceptance, and whether greedy output is the same.
+  speculative  n-gram drafts against plain decoding, greedy, --max-tokens each: --texts
+               ``summary`` (a ~500-token passage of the docs), ``code`` (rewrite ~300 tokens of
+               Python) and ``chat`` (nothing to copy), --rounds batches at each --streams, both
+               engines in turn: tokens/s, TPOT, ITL p50 (a step's tokens are 0 apart, as a
+               client sees them), acceptance, and whether greedy output is the same.
 
 core, prefix and mixed run --dtype/--weights (unset: dense float32, as transformers does);
 speculative runs the default launch's. Every figure is printed with its torch thread count.
@@ -159,50 +157,37 @@ def load_hf(args):
     return hf
 
 
-def print_rates(title: str, rows: list[tuple[str, float, float]]) -> None:
-    print(title)
-    print(f"{'':24s}{'engine tok/s':>14s}{'transformers':>14s}{'ratio':>8s}")
-    for name, ours, theirs in rows:
-        print(f"{name:24s}{ours:14.1f}{theirs:14.1f}{ours / theirs:8.2f}x")
-
-
 def run_core(args) -> None:
+    """Best prefill and decode tokens/s of ours and transformers', interleaved."""
     rng = np.random.default_rng(0)
     engine = make_engine(args, enable_prefix_cache=False, max_batch_size=max(args.decode_batch))
     hf = load_hf(args)
     rows = []
     for length in args.prefill_tokens:
         prompt = random_prompt(rng, length)
-        best = best_of(
-            {
-                "ours": partial(prefill_rate, engine, prompt),
-                "hf": partial(hf_prefill_rate, hf, prompt),
-            },
-            args.repeats,
-        )
+        cases = {
+            "ours": partial(prefill_rate, engine, prompt),
+            "hf": partial(hf_prefill_rate, hf, prompt),
+        }
+        best = best_of(cases, args.repeats)
         rows.append((f"prefill {length} tokens", best["ours"], best["hf"]))
     for batch in args.decode_batch:
-        rows.append((f"decode batch {batch}", *decode_vs_hf(args, engine, hf, batch)))
-    print_rates(
+        prompts = decode_prompts(args, np.random.default_rng(batch), batch)
+        hf_decode_rate(hf, prompts, 2)  # warm-up
+        cases = {
+            "ours": partial(decode_rate, engine, prompts, args.decode_tokens),
+            "hf": partial(hf_decode_rate, hf, prompts, args.decode_tokens),
+        }
+        best = best_of(cases, args.repeats)
+        rows.append((f"decode batch {batch}", best["ours"], best["hf"]))
+    print(
         f"\ncore (threads={torch.get_num_threads()}, {args.dtype or 'float32'} for both, "
         f"{engine.model_name}; decode prompts {args.decode_prompt_tokens // 2}.."
-        f"{args.decode_prompt_tokens * 3 // 2} tokens, {args.decode_tokens} new tokens)",
-        rows,
+        f"{args.decode_prompt_tokens * 3 // 2} tokens, {args.decode_tokens} new tokens)"
     )
-
-
-def decode_vs_hf(args, engine, hf, batch: int) -> tuple[float, float]:
-    """Best decode tokens/s of ours and transformers', interleaved."""
-    prompts = decode_prompts(args, np.random.default_rng(batch), batch)
-    hf_decode_rate(hf, prompts, 2)  # warm-up
-    best = best_of(
-        {
-            "ours": lambda: decode_rate(engine, prompts, args.decode_tokens),
-            "hf": lambda: hf_decode_rate(hf, prompts, args.decode_tokens),
-        },
-        args.repeats,
-    )
-    return best["ours"], best["hf"]
+    print(f"{'':24s}{'engine tok/s':>14s}{'transformers':>14s}{'ratio':>8s}")
+    for name, ours, theirs in rows:
+        print(f"{name:24s}{ours:14.1f}{theirs:14.1f}{ours / theirs:8.2f}x")
 
 
 def run_arrivals(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], int]]]):

@@ -1,15 +1,12 @@
 """peer's part hops: where one stream's time goes between the engine and the client, per hop.
 
-Each server answers streamed chat requests one at a time (one stream): fresh prompts (each
---prompt-tokens long, distinct), and fully cached ones (a prompt sent once, then again: the
-second is measured). splitserve is asked for its path times (the X-Splitserve-Path-Times header,
-http_worker.path_times, in SSE comments), so every token's journey is split into hops on this
-machine's system-wide monotonic clock: engine step end -> detokenizer wake-up -> detokenizer
-send -> HTTP worker receive -> SSE handed to the server -> this client; and a cached prompt's
-first token from this client's send through the HTTP worker, the tokenizer and the engine.
-Every figure is a median over all runs, printed with the load average. (This client's send time
-is when httpx reports the body written, which can be after the server began reading it: the
-first hop can come out small or negative.)
+Each server answers streamed chat requests one at a time: fresh prompts (distinct), then each
+again (fully cached). splitserve is asked for its path times (the X-Splitserve-Path-Times
+header, in SSE comments), so every token's journey splits into hops on the machine's
+system-wide monotonic clock: engine step end -> detokenizer wake-up -> its send -> HTTP worker
+-> SSE write -> this client; and a cached prompt's first token from this client's send through
+the HTTP worker, the tokenizer and the engine. Medians over all runs, with the load average.
+(The send time is when httpx reports the body written: the first hop can come out negative.)
 """
 
 from __future__ import annotations
@@ -55,10 +52,10 @@ FIRST_TOKEN_HOPS = (
 async def stream_one(http: Any, url: str, model: str, messages: list, max_tokens: int) -> dict:
     """One streamed chat request: the client's send time, and each token's read time with its
     path times (splitserve only), and the request's stages."""
-    from scripts.bench.http_client import request_body, stream
+    from scripts.bench.http_client import chat_body, stream
 
-    path, body = request_body(model, max_tokens=max_tokens, messages=messages, ignore_eos=True)
-    out = await stream(http, url, path, body, headers={"X-Splitserve-Path-Times": "1"})
+    body = chat_body(model, messages, max_tokens)
+    out = await stream(http, url, body, headers={"X-Splitserve-Path-Times": "1"})
     paths, request = {}, {}
     for index, text in out.comments:
         if text.startswith("path "):

@@ -1,5 +1,5 @@
-"""The one HTTP streaming client of the benchmarks: streamed OpenAI completions or chat completions
-over httpx (asyncio), each request's outcome filling a RequestRecord. A token's time is when its
+"""The one HTTP streaming client of the benchmarks: streamed OpenAI chat completions over httpx
+(asyncio), each request's outcome filling a RequestRecord. A token's time is when its
 SSE chunk reaches this client, the same for every server (splitserve's frontend, llama-server).
 
 systems.HttpSystem drives it for the serving workload's HTTP mode and for the peer workload, on an
@@ -53,29 +53,17 @@ def base_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def request_body(
-    model: str,
-    *,
-    max_tokens: int,
-    prompt: str | None = None,
-    messages: list[dict] | None = None,
-    temperature: float = 0.0,
-    ignore_eos: bool = False,
-) -> tuple[str, dict]:
-    """(path, body) of a streamed request: chat completions for messages, else completions."""
-    body: dict[str, object] = {
+def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """A streamed chat completion, greedy, ``max_tokens`` tokens out (ignore_eos), with usage."""
+    return {
         "model": model,
+        "messages": messages,
         "max_tokens": max_tokens,
-        "temperature": temperature,
-        "ignore_eos": ignore_eos,
+        "temperature": 0.0,
+        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if messages is not None:
-        body["messages"] = messages
-        return "/v1/chat/completions", body
-    body["prompt"] = prompt
-    return "/v1/completions", body
 
 
 def make_http(keepalive: bool) -> httpx.AsyncClient:
@@ -100,10 +88,10 @@ async def model_id(http: httpx.AsyncClient, url: str) -> str:
 
 
 async def stream(
-    http: httpx.AsyncClient, url: str, path: str, body: dict, headers: dict | None = None
+    http: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None
 ) -> StreamOutcome:
-    """Sends one streamed request and reads it to its end; never raises for the request's own
-    failure (it is the outcome's error)."""
+    """Sends one streamed chat completion and reads it to its end; never raises for the
+    request's own failure (it is the outcome's error)."""
     out = StreamOutcome()
 
     async def trace(event: str, info: dict) -> None:
@@ -112,7 +100,11 @@ async def stream(
 
     try:
         async with http.stream(
-            "POST", base_url(url) + path, json=body, headers=headers, extensions={"trace": trace}
+            "POST",
+            base_url(url) + "/v1/chat/completions",
+            json=body,
+            headers=headers,
+            extensions={"trace": trace},
         ) as reply:
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")

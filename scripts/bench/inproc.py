@@ -1,12 +1,10 @@
 """The baseline the cluster must beat: the same cores in one process, no process boundary.
 
-``submit()`` does in the caller's thread what a tokenizer worker does (the SDK's request
-building, then the tokenizer worker's RequestPreparer: chat template, encoding, validation; the
-seeds' ``add_request`` with pretok off), then hands the TokenizedRequest to one engine thread
-through a queue. The engine thread adds requests between steps, steps the Engine, and feeds each
-StepOutput to a DetokenizerCore (incremental decoding, stop strings, stream interval), handing
-its events for the step to ``deliver``. Everything shares one interpreter (and its GIL), which is
-exactly what splitserve's separate processes avoid; the cores are the ones the cluster runs.
+``submit()`` does in the caller's thread what a tokenizer worker does (the SDK's request, the
+RequestPreparer: chat template, encoding, validation), then queues the TokenizedRequest for one
+engine thread, which adds requests between steps, steps the Engine and feeds each StepOutput to
+a DetokenizerCore, handing its events to ``deliver``. Everything shares one interpreter (and its
+GIL), which is what splitserve's separate processes avoid; the cores are the cluster's own.
 """
 
 from __future__ import annotations

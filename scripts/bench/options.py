@@ -68,19 +68,6 @@ def add_shared(group: Any, *names: str, **defaults: Any) -> None:
         group.add_argument(flag, **kwargs)
 
 
-def add_splitserve_cases(group: Any, default: str) -> None:
-    """``--splitserve``: one compared launch's arguments, repeatable (``default``: what runs
-    without any)."""
-    group.add_argument(
-        "--splitserve",
-        action="append",
-        default=None,
-        metavar="ARGS",
-        help=f'`splitserve launch` arguments of one cluster (repeatable, one cluster each; "" is '
-        f"the default launch; default: {default})",
-    )
-
-
 def parse_checked(
     parser: argparse.ArgumentParser, argv: list[str] | None, check: Callable[[Any], None]
 ) -> argparse.Namespace:
@@ -174,31 +161,21 @@ def _what_is_compared(g: Any) -> None:
 
 def _workload(g: Any) -> None:
     g.add_argument("--num-requests", type=int, default=256, help="requests per run")
-    g.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=256,
-        help="target length of each synthetic prompt in tokens (default: 256)",
-    )
+    g.add_argument("--prompt-tokens", type=int, default=256, help="each prompt's length, tokens")
     g.add_argument(
         "--unique-prompts",
         action="store_true",
-        help="give every request its own prompt text (default: all send the same "
-        "one, which the prefix cache then shares)",
+        help="every request its own prompt (default: all the same one, shared by the cache)",
     )
     g.add_argument(
         "--shared-prefix-tokens",
         type=int,
         default=0,
-        help="shared-prefix workload: every prompt starts with the same text this "
-        "many tokens long (a system prompt), then --prompt-tokens of its own",
+        help="every prompt starts with the same text this many tokens long (a system prompt), "
+        "then --prompt-tokens of its own",
     )
     g.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per request")
-    g.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="keep generating past end-of-sequence (every request makes --max-new-tokens)",
-    )
+    g.add_argument("--ignore-eos", action="store_true", help="every request makes them all")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
 
@@ -208,24 +185,23 @@ def _arrival(g: Any) -> None:
         "--request-rate",
         default="inf",
         metavar="RPS[,RPS...]",
-        help="Poisson arrivals at this many requests per second (default: inf, "
-        "a burst); a list (2,4,8) sweeps the rates, every mode at each, and "
-        "reports the highest rate each mode sustains",
+        help="Poisson arrivals at this many requests per second (default: inf, a burst); a "
+        "list (2,4,8) sweeps the rates and reports the highest rate each mode sustains",
     )
     g.add_argument(
         "--duration-s",
         type=float,
         default=0.0,
-        help="with a finite --request-rate: each run sends rate x this many seconds "
-        "of requests (at least 10) instead of --num-requests",
+        help="with a finite --request-rate: each run sends rate x this many seconds of requests "
+        "(at least 10) instead of --num-requests",
     )
     g.add_argument(
         "--slo-ttft-p99-ms",
         type=float,
         default=500.0,
-        help="a rate sweep's SLO: a mode sustains a rate when TTFT p99 (from the "
-        "planned arrival) stays within it, every request succeeds and requests "
-        "complete at >= 95%% of the rate they arrive (default: %(default)s)",
+        help="a rate sweep's SLO: a mode sustains a rate when TTFT p99 (from the planned "
+        "arrival) stays within it, every request succeeds and requests complete at >= 95%% of "
+        "the rate they arrive (default: %(default)s)",
     )
     g.add_argument(
         "--max-concurrency",

@@ -4,24 +4,19 @@
     python -m scripts.bench peer serve hops startup --llama-server BIN/llama-server \\
         --llama-threads 1,2 --splitserve "" --splitserve "--engine-threads 2" --json peer.json
 
-llama-server serves the GGUF the default model ships in (its own chat template), once per
---llama-threads value; splitserve serves it as `splitserve launch --http-port 0 ARGS` would, once
-per --splitserve ARGS. Servers alternate, the order rotating each repeat, so machine drift hits
-all alike. Parts:
+llama-server serves the default model's GGUF (its own chat template), once per --llama-threads
+value; splitserve as `splitserve launch --http-port 0 ARGS` would, once per --splitserve ARGS.
+One client drives them all (streamed chat, a distinct real-text prompt of --prompt-tokens
+templated tokens, --output-tokens out, greedy, ignore_eos); servers alternate, the order rotating
+each repeat. Parts:
 
-  serve    one client (the benchmarks' HTTP client) drives every server with streamed chat
-           completions, a distinct real-text prompt of --prompt-tokens templated tokens per
-           request, --output-tokens out (ignore_eos, greedy), a closed loop of N requests in
-           flight for each --concurrency N; figures are medians over --repeats with their
-           spread, llama.cpp taken at its best thread count per concurrency; markdown tables.
-  hops     one stream at a time, --requests fresh prompts then each again (fully cached):
-           splitserve is asked for its path times (the X-Splitserve-Path-Times header), so each
-           token's way from its engine step to this client splits into hops on the machine's
-           system-wide monotonic clock (scripts/bench/hops.py); --url adds a server already
-           running (e.g. another checkout's launch) as a compared case.
-  startup  each server started from nothing --repeats times: seconds to ready (health) and to
-           the first token of one streamed request; the first start is shown apart (it pays for
-           whatever a start leaves behind: the page cache, anything compiled and kept on disk).
+  serve    a closed loop of N requests in flight for each --concurrency N: medians over
+           --repeats with their spread, llama.cpp at its best thread count per concurrency.
+  hops     one stream, --requests fresh prompts then each again (fully cached): each token's
+           way from its engine step to this client, hop by hop, from splitserve's path times
+           (scripts/bench/hops.py); --url adds a server already running as a compared case.
+  startup  each server started from nothing --repeats times: seconds to ready and to the first
+           token; the first start is shown apart (it pays for what a start leaves behind).
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ from scripts.bench.interleave import progress, rotated
 from scripts.bench.options import (
     add_parts,
     add_shared,
-    add_splitserve_cases,
     int_list,
     parse_checked,
     require_positive,
@@ -78,7 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--parallel", type=int, default=32, help="llama-server slots (default 32)")
     g.add_argument("--ctx-per-slot", type=int, default=512, help="tokens; -c is x --parallel")
     g.add_argument("--llama-args", default="", help="more llama-server arguments, one string")
-    add_splitserve_cases(g, "one default launch")
+    g.add_argument(
+        "--splitserve",
+        action="append",
+        metavar="ARGS",
+        help='`splitserve launch` arguments of one cluster (repeatable, one cluster each; "" is '
+        "the default launch, which runs without any)",
+    )
     g.add_argument("--url", action="append", default=[], help="hops: a server already running")
     w = p.add_argument_group("workload")
     w.add_argument(
@@ -318,12 +318,12 @@ def render_serve(setup: dict, stats: dict, comparisons: dict, levels: list[int])
 # --- startup -------------------------------------------------------------------------------------
 async def first_token_s(url: str, messages: list) -> float:
     """Seconds from sending one streamed chat request to its first token's chunk."""
-    from scripts.bench.http_client import make_http, model_id, request_body, stream
+    from scripts.bench.http_client import chat_body, make_http, model_id, stream
 
     async with make_http(keepalive=False) as http:
-        path, body = request_body(await model_id(http, url), max_tokens=4, messages=messages)
+        body = chat_body(await model_id(http, url), messages, 4)
         sent = time.monotonic()
-        out = await stream(http, url, path, body)
+        out = await stream(http, url, body)
     if out.error or not out.delta_times:
         raise RuntimeError(f"the first request failed: {out.error or 'no token'}")
     return out.delta_times[0] - sent

@@ -258,16 +258,11 @@ def comparison_rows(
     for level in levels:
         at_level = {t: stats[t][level] for t in [ours, *peers] if level in stats.get(t, {})}
         peer = best_of(at_level, peers)
-        row = {"concurrency": level, "peer": peer, "figures": {}}
+        row: dict = {"concurrency": level, "peer": peer, "figures": {}}
         for _label, key, higher, _ in FIGURES:
             a = median(at_level.get(ours, {}), key)
             b = median(at_level[peer], key) if peer else None
-            row["figures"][key] = {
-                "ours": a,
-                "theirs": b,
-                "ratio": ratio(a, b),
-                "higher_is_better": higher,
-            }
+            row["figures"][key] = dict(ours=a, theirs=b, ratio=ratio(a, b), higher_is_better=higher)
         rows.append(row)
     return rows
 

@@ -36,12 +36,10 @@ class SystemUnderTest(Protocol):
 
 
 class EventCollector:
-    """Fills in the run's records as requests progress and counts them down.
-
-    Two ways in: ``deliver(events)`` for a system that produces raw StreamEvents (the in-process
-    server; one collector thread stamps them where a real client would receive them), and
-    ``complete(request_id, fill)`` for a system whose client already holds the whole outcome
-    with its own receive stamps (the cluster SDK's GenerationResult)."""
+    """Fills in the run's records as requests progress and counts them down: ``deliver(events)``
+    for raw StreamEvents (the in-process server; a collector thread stamps them as a client
+    would receive them), ``complete(request_id, fill)`` for an outcome a client already holds
+    with its own receive stamps (the cluster SDK's, the HTTP client's)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

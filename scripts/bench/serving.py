@@ -153,8 +153,6 @@ def describe_setup(
         prompts = f"a shared prefix of ~{w.shared_prefix_tokens} tokens + {prompts} of its own"
     return {
         "Model": model_path,
-        "Device": args.device if args.device != "auto" else _auto_device(),
-        "Dtype": args.dtype,
         "Host CPUs": available_cpus(),
         "Modes": ", ".join(modes),
         "Mode details": {
@@ -177,12 +175,6 @@ def describe_setup(
         f"medians reported; run tag {'off' if args.no_run_tag else 'on'}; "
         "driver GC paused while submitting",
     }
-
-
-def _auto_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def specs_of(args: argparse.Namespace, num_requests: int, rate: float):

@@ -1,8 +1,6 @@
 """The benchmark's statistics, in one place: per-request timestamps (``RequestRecord``) and the
-summary of a run, percentiles, medians over repeats, spreads, ratios.
-
-Every timestamp is ``time.monotonic()`` seconds: on Linux that clock is system-wide, so stamps
-taken in the tokenizer, engine and detokenizer processes compare directly with the client's.
+summary of a run, percentiles, medians over repeats, spreads, ratios. Every timestamp is
+``time.monotonic()`` seconds, system-wide on Linux: every process's stamps compare directly.
 
 Conventions (vLLM's ``bench serve``):
 - TTFT = first text delta received by the client - t_submit (the client's own clock).

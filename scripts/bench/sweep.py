@@ -1,21 +1,12 @@
 """Open-loop load at a sweep of request rates: which rate each mode sustains, and the curves.
 
-At each offered rate the requests arrive on a Poisson schedule whatever the system does (open
-loop); TTFT is counted from the planned arrival, so a submitter that falls behind (the in-process
-baseline tokenizing in its caller's thread) shows its backlog as latency, as a real client's
-request would wait in a socket queue.
-
-A finite run cannot prove a rate is sustainable forever, so "sustains" is decided from what a run
-of several seconds can show:
-  - every request succeeded;
-  - TTFT p99 (from arrival) is within the SLO: an engine that falls behind by a fraction e of the
-    offered load accumulates a backlog of e x the run's length, which breaks any SLO shorter than
-    that well before the run ends;
-  - requests completed at >= 95% of the rate they arrived at, both measured over the run's own
-    span (first to last arrival, first to last completion), so the latency of the first and last
-    requests does not count against it.
-The highest sustainable rate of a mode is the highest swept rate that it sustains together with
-every lower swept rate (a noisy pass above a failure does not count).
+Requests arrive on a Poisson schedule whatever the system does (open loop); TTFT counts from
+the planned arrival, so a submitter that falls behind (the in-process baseline tokenizing in its
+caller's thread) shows its backlog as latency, as a socket queue would. A mode sustains a rate
+when every request succeeded, TTFT p99 is within the SLO (falling behind by a fraction e of the
+load builds a backlog of e x the run's length, which breaks the SLO well before the run ends),
+and requests completed at >= 95% of the rate they arrived at, both over the run's own span.
+Its highest sustainable rate is the highest it sustains with every lower one swept.
 """
 
 from __future__ import annotations

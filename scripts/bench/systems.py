@@ -23,11 +23,9 @@ from scripts.bench.workloads import BenchRequest
 
 
 class InprocSystem:
-    """One process: the driver's main thread submits (tokenizing unless pretok), one engine
-    thread steps and detokenizes, with the cluster's own cores. inproc and inproc-pretok share
-    one InprocServer (they differ only in the submit path). CPU roles: "client" is the
-    submitting and collecting threads (including tokenization when not pretok), "engine" the
-    rest of the process (the engine thread, torch's worker threads, detokenization)."""
+    """One process: the main thread submits (tokenizing unless pretok), one engine thread steps
+    and detokenizes; inproc and inproc-pretok share one InprocServer. CPU roles: "client" is the
+    submitting and collecting threads (tokenization too unless pretok), "engine" the rest."""
 
     def __init__(
         self, name: str, server: InprocServer, collector: EventCollector, pretok: bool
@@ -77,12 +75,9 @@ class InprocSystem:
 
 
 class ClusterSystem:
-    """The disaggregated cluster (supervisor as a library) driven through the sync client SDK.
-
-    The SDK stamps every delta's receive time in its own receiver thread; a watcher thread here
-    notices finished handles (``done``) and copies their deltas into the run's records. CPU roles
-    are processes: each tokenizer worker, the engine, the detokenizer, and this process (client).
-    """
+    """The cluster (the supervisor as a library) through the sync client SDK, which stamps every
+    delta's receive time; a watcher thread copies finished handles' deltas into the records. CPU
+    roles are processes: the tokenizer workers, the engine, the detokenizer, this one (client)."""
 
     def __init__(
         self,
@@ -201,12 +196,10 @@ def _fill(rec: RequestRecord, deltas: list) -> None:
 
 
 class HttpSystem:
-    """An OpenAI-compatible HTTP server (splitserve's frontend, llama-server), driven the way an
-    HTTP user drives it: streamed ``/v1/completions`` (or ``/v1/chat/completions`` for chat
-    prompts) from the benchmarks' one HTTP client, on an event-loop thread of its own.
-    ``submit`` hands the request to that loop and returns; a delta's receive time is stamped
-    when its SSE chunk is parsed. The OpenAI API carries no server timestamps: TTFT and the
-    latencies are measured, TTFT's parts are not; only the client's CPU time is known."""
+    """An OpenAI-compatible HTTP server (splitserve's frontend, llama-server) driven with streamed
+    chat completions from the benchmarks' one HTTP client on an event-loop thread of its own;
+    a delta's receive time is stamped when its SSE chunk is parsed. The API carries no server
+    timestamps (TTFT's parts are not known), and only the client's CPU time is known."""
 
     def __init__(
         self, name: str, collector: EventCollector, endpoint: str, keepalive: bool = True
@@ -238,20 +231,13 @@ class HttpSystem:
         pass
 
     def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
-        path, body = http_client.request_body(
-            self.model,
-            max_tokens=sampling.max_tokens,
-            prompt=request.prompt,
-            messages=request.messages,
-            temperature=sampling.temperature,
-            ignore_eos=sampling.ignore_eos,
-        )
+        body = http_client.chat_body(self.model, request.messages or [], sampling.max_tokens)
         self._tasks[request_id] = asyncio.run_coroutine_threadsafe(
-            self._one(request_id, path, body), self._loop
+            self._one(request_id, body), self._loop
         )
 
-    async def _one(self, request_id: str, path: str, body: dict) -> None:
-        outcome = await http_client.stream(self._http, self.url, path, body)
+    async def _one(self, request_id: str, body: dict) -> None:
+        outcome = await http_client.stream(self._http, self.url, body)
         self._tasks.pop(request_id, None)
         self._collector.complete(request_id, outcome.fill)
 

@@ -102,15 +102,7 @@ def salt_requests(requests: list[BenchRequest], salt: str) -> list[BenchRequest]
     """Puts a run-specific tag at the very start of every prompt, so one run never hits the prefix
     cache entries of an earlier run on the same server, while prompts that share a prefix within
     the run still share it."""
-    out = []
-    for req in requests:
-        if req.messages:
-            messages = [dict(m) for m in req.messages]
-            messages[0]["content"] = f"[{salt}] {messages[0]['content']}"
-            out.append(replace(req, messages=messages))
-        else:
-            out.append(replace(req, prompt=f"[{salt}] {req.prompt}"))
-    return out
+    return [replace(req, prompt=f"[{salt}] {req.prompt}") for req in requests]
 
 
 @dataclass(frozen=True, slots=True)
