@@ -15,10 +15,11 @@
   the others and for prompt rows (prefill: the integer kernels re-read and re-dequantize the
   weights for every 4 rows, dense GEMM does not).
 
-Every kernel here computes a row the same way whatever else its call holds (measured: dense bf16
-above one row, the int4 kernel, scripts/bench/engine_determinism.py), so a row's result depends
-on which kernel a layer picks for it, never on its neighbours: the pick depends only on the
-row's kind (a decoded token's or a prompt's) and, for decode rows, on how many there are.
+Every kernel here computes a row the same way whatever else its call holds (dense bf16 above one
+row, the int4 kernel; tests/engine_worker/test_weights.py and test_int4_decode.py hold it), so a
+row's result depends on which kernel a layer picks for it, never on its neighbours: the pick
+depends only on the row's kind (a decoded token's or a prompt's) and, for decode rows, on how
+many there are.
 
 Quantized weights arrive as ``Int4Groups`` (q, scale, zero per group) or ``Int8Blocks`` (GGUF
 5- to 8-bit blocks: int8 with a scale, and maybe a zero, per 16 or 32 columns), from a

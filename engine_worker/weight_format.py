@@ -64,8 +64,8 @@ DENSE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # (oneDNN-packed, ``linear.DenseLinear``) is faster. int4 and int4x2 from the default model's
 # whole decode step, both choices interleaved in one engine at each batch: layers 10 (8 rows
 # 27.1 ms int4 against 29.8 dense; 12 rows 38.6 against 36.4), head 2 (3 rows 15.65 int4x2
-# against 15.19). int4x4 and int8 are from `python -m scripts.bench engine kernels` against the
-# unpacked dense copy.
+# against 15.19). int4x4 and int8 are from the benchmark's `engine kernels` (commit b159b28)
+# against the unpacked dense copy.
 QUANTIZED_MAX_TOKENS = {"int4": 10, "int4x2": 2, "int4x4": 1, "int8": 4}
 # The same on our int4 kernel (``int4_kernel="own"``), measured alike: layers 24 (20 rows 47.1 ms
 # int4 against 48.4 dense, 24 rows 49.8 against 55.5, 32 rows even), head 4 (4 rows 12.9 int4x2

@@ -2,8 +2,8 @@
 
 Every knob of the cluster and the engine is a dataclass field made with ``knob()``: its help
 text, unit, bounds and choices live next to its default, once. The dataclasses validate
-themselves with ``check_knobs``; the command lines (``splitserve launch``, ``splitserve bench``)
-build their flags from the same fields (``add_knob_flags``; the launcher's groups of them are in
+themselves with ``check_knobs``; the command lines (``splitserve launch``, the benchmarks) build
+their flags from the same fields (``add_knob_flags``; the launcher's groups of them are in
 ``procs.config_flags``, a standalone HTTP frontend's in ``http_worker.worker``), so a default or
 a help text is never written twice.
 """

@@ -12,16 +12,12 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from ipc.client import Client, SplitserveError
 from ipc.config import API_KEY_HELP, TRANSPORTS
-from procs.children import REPO_ROOT
 from procs.config_flags import (
     DATA_PARALLEL_KNOBS,
     ENGINE_KNOBS,
@@ -243,37 +239,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def run_bench(argv: list[str], root: Path = REPO_ROOT) -> int:
-    """``splitserve bench ...`` is ``python -m scripts.bench serving ...`` of the source checkout
-    this package runs from (the benchmark is not part of an installed wheel; an editable install
-    keeps the checkout at hand). It runs in a child process with the checkout on PYTHONPATH and
-    the caller's working directory, so relative paths among the arguments mean what they say."""
-    workload = root / "scripts" / "bench" / "serving.py"
-    if not workload.is_file():
-        print(
-            "splitserve bench needs a source checkout of splitserve (the benchmark is not "
-            f"installed with the package; {workload} is missing): clone the repository, "
-            "`pip install -e .` there, then run `splitserve bench` or "
-            "`python -m scripts.bench serving` from its root",
-            file=sys.stderr,
-        )
-        return 2
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    # -P (Python 3.11+): the working directory does not shadow the checkout's packages.
-    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-    child = subprocess.Popen(
-        [sys.executable, *safe_path, "-m", "scripts.bench", "serving", *argv], env=env
-    )
-    # Ctrl-C reaches the child too; wait while it shuts its clusters down.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        code = child.wait()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    return 128 - code if code < 0 else code
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitserve",
@@ -295,12 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(p)
     p.set_defaults(run=cmd_generate)
     sub.add_parser(
-        "bench",
-        add_help=False,
-        help="the serving benchmark (python -m scripts.bench serving): inproc vs cluster, "
-        "submit wall and TTFT (splitserve bench --help for its options)",
-    )
-    sub.add_parser(
         "serve",
         add_help=False,
         help="serve MODEL over HTTP with vLLM's flag names (splitserve serve --help; "
@@ -317,8 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        sys.exit(run_bench(argv[1:]))
     if argv[:1] == ["serve"]:
         from procs.serve_command import main as serve
 

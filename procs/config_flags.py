@@ -1,6 +1,6 @@
 """Command-line flags made from the config dataclasses' fields (see ipc.knobs): the name, type,
 choices, unit and help of every flag come from the field, so ``splitserve launch`` and
-``splitserve bench`` can never disagree with the config on a default or a meaning."""
+the benchmarks can never disagree with the config on a default or a meaning."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from procs.model_store import ensure_default_model
-from scripts.bench.tiny_model import make_tiny_model
+from tests.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")

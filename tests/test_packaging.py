@@ -121,8 +121,7 @@ def test_the_ray_launchers_imports_are_in_the_ray_extra():
 
 
 def test_the_benchmarks_imports_are_declared():
-    # The serve-ray workload drives the Ray launcher: it needs the ray extra too.
-    assert undeclared([ROOT / "scripts"], declared("bench", "ray")) == []
+    assert undeclared([ROOT / "scripts"], declared("bench")) == []
 
 
 def test_the_tests_imports_are_declared():

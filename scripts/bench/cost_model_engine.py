@@ -1,21 +1,16 @@
 """The cost-model engine: the real engine (scheduler, paged KV blocks, prefix cache, its KV
 events) whose model forward is replaced by a wait as long as a cost model says a step takes.
 
-Why: on this project's CPUs the real model's prefill is so slow, and the processes of two
-replicas share so few cores, that CPU contention, not the routing, would decide a data-parallel
-comparison. A replica that waits instead of computing leaves the cores to the tokenizer
-workers, the detokenizer and the client, as an accelerator would, while everything the routing
-acts on stays real: which blocks each replica's prefix cache holds and evicts, what each request
-finds there, how long its prefill takes because of it, and every message on every socket.
+On this project's CPUs the real model's prefill, and two replicas sharing few cores, would
+decide a data-parallel comparison instead of the routing. A replica that waits leaves the cores
+to the other roles, as an accelerator would, while all the routing acts on stays real: what
+each prefix cache holds and evicts, what each request finds there, every socket message.
 
-The step time is ``base + prefill tokens x per_prefill_token + decode rows x per_decode_row``
-(defaults loosely shaped like an 8B model on one H100: 6 ms a step, 60 us a prompt token, 50 us
-a decoding request), divided by the replica's engine threads: a replica with twice the cores
-is modelled twice as fast (ideal scaling, the best case for one big replica). The parameters
-travel in the environment (``STEP_COST_ENV``), which the supervisor's children inherit.
-
-Use it as a cluster's engine_factory: ``scripts.bench.cost_model_engine:make``; the model
-directory only gives the engine a vocabulary and a tiny KV cache layout (fast_engine_model).
+A step takes ``base + prefill tokens x per_prefill_token + decode rows x per_decode_row``
+(defaults loosely an 8B model on one H100: 6 ms, 60 us, 50 us), divided by the replica's engine
+threads (ideal scaling, the best case for one big replica); the parameters travel in the
+environment (``STEP_COST_ENV``) to the supervisor's children. Use it as a cluster's
+engine_factory (``FACTORY``); the model directory only gives a vocabulary and a KV layout.
 """
 
 from __future__ import annotations
@@ -87,12 +82,6 @@ class CostModelRunner:
 def token_at(position: int) -> int:
     """The token the model samples after ``position`` tokens."""
     return 1000 + position % 997
-
-
-def output_ids(prompt_tokens: int, count: int) -> list[int]:
-    """What a request of ``prompt_tokens`` generates, ``count`` tokens of it: a client that gets
-    only text back (over HTTP) resends a reply's exact ids with these."""
-    return [token_at(prompt_tokens + i) for i in range(count)]
 
 
 def make(config: ClusterConfig):

@@ -1,22 +1,14 @@
 """data-parallel: engine replicas behind the tokenizer workers' routing (issue 25's benchmark).
 
-    python -m scripts.bench data-parallel                    # the comparison and the routing cost
-    python -m scripts.bench data-parallel routing-cost       # hashing + lookup per request only
-    python -m scripts.bench data-parallel event-cost         # what recording KV events costs a step
+    python -m scripts.bench data-parallel
 
-A multi-turn chat workload (conversations.py: every turn resends the whole history) on
---engines replicas under each routing policy (cache_aware, round_robin, least_loaded), and on one
-replica given all the engine cores and all the KV cache, one mode after another in one run.
-Printed per mode: the prefix-cache hit rate (hit / queried prompt tokens over the run, from the
-engines' counters), throughput, TTFT, how requests spread over the replicas, and what routing
-cost per request in the tokenizer workers; then cache_aware against round_robin beside the
-issue's targets.
-
-The default engine is the cost-model engine (cost_model_engine.py: the real scheduler, KV blocks
-and prefix cache, the model's forward replaced by a wait as long as a cost model says), because
-on this project's CPUs the real model's prefill, and several replicas sharing a few cores, would
-decide the comparison instead of the routing; --engine real runs the real engine code (on the
-fast engine's tiny model unless --model says otherwise).
+Multi-turn chats on --engines replicas under each routing policy (cache_aware, round_robin,
+least_loaded), and on one replica given all the cores and KV cache, one mode after another.
+Per mode: the prefix-cache hit rate (from the engines' counters), throughput, TTFT, the spread
+over replicas and the routing's cost per request; then cache_aware against round_robin beside
+the issue's targets. The engine is the cost-model engine (cost_model_engine.py), as the real
+model's prefill on these CPUs would decide the comparison instead of the routing; --engine real
+runs the real engine code (on the fast engine's tiny model unless --model says otherwise).
 """
 
 from __future__ import annotations
@@ -26,29 +18,24 @@ import asyncio
 import contextlib
 import json
 import os
+import random
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from procs.config_flags import add_cluster_flags
-from scripts.bench.conversations import (
-    ChatWorkload,
-    RunRecord,
-    add_workload_flags,
-    run_conversations,
-    workload_of,
-)
 from scripts.bench.cost_model_engine import FACTORY, STEP_COST_ENV, StepCost
-from scripts.bench.options import add_parts, require_positive, text_list, workload_parser
+from scripts.bench.fast_engine import fast_engine_model
+from scripts.bench.options import require_positive, text_list, workload_parser
 from scripts.bench.stats import percentiles, ratio
 
 MODES = ("cache_aware", "round_robin", "least_loaded", "one-replica")
-PARTS = ["serving", "routing-cost", "event-cost"]
 # The issue's targets, cache_aware against round_robin: (what, wanted ratio, more is better).
 TARGETS = (
     ("prefix-cache hit rate", "hit_rate", 2.0, True),
     ("throughput (requests/s)", "requests_per_s", 1.3, True),
     ("TTFT p50", "ttft_p50_ms", 0.6, False),
 )
-ROUTING_COST_TARGET_US = 50.0
 ROUTING_KNOBS = (
     "routing_balance_abs_threshold",
     "routing_balance_rel_threshold",
@@ -58,7 +45,6 @@ ROUTING_KNOBS = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = workload_parser("data-parallel", __doc__)
-    add_parts(p, PARTS, ["serving", "routing-cost"])
     g = p.add_argument_group("what is compared")
     g.add_argument("--modes", type=text_list, default=list(MODES), help="(default: all four)")
     g.add_argument("--engines", type=int, default=2, help="replicas of the routed modes")
@@ -77,20 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the cost model: a step's base ms, us per prompt token, us per decoding request "
         "(default: %(default)s)",
     )
-    g.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=32768,
-        help="each replica's KV cache; one-replica gets the replicas' total (default: "
-        "%(default)s: half the conversations' histories fit in one replica, all of them in two)",
-    )
-    g.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=32,
-        help="each replica's decode batch; one-replica gets the replicas' total (default: "
-        "%(default)s)",
-    )
+    for flag, default, what in (
+        ("--kv-cache-tokens", 32768, "KV cache (half the histories fit one replica)"),
+        ("--max-batch-size", 32, "decode batch"),
+    ):
+        g.add_argument(flag, type=int, default=default, help=f"each replica's {what}; "
+                       "one-replica gets the replicas' total (default: %(default)s)")  # fmt: skip
     g.add_argument("--tokenizer-workers", type=int, default=2)
     add_cluster_flags(
         g,
@@ -98,15 +76,100 @@ def build_parser() -> argparse.ArgumentParser:
         defaults={"routing_balance_abs_threshold": 8},
         help_overrides={
             "routing_balance_abs_threshold": "cache_aware: imbalanced when the busiest replica "
-            "has more than this many requests over the least busy (default: %(default)s, for "
-            "this workload's few dozen requests in flight; SGLang's 64, the cluster's default, "
-            "suits hundreds: below it every conversation would follow the shared system prompt "
-            "to the replica that cached it first)"
+            "has more than this many requests over the least busy (default: %(default)s for "
+            "this workload's few dozen in flight; the cluster's 64 suits hundreds)"
         },
     )
     add_workload_flags(p.add_argument_group("workload"))
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
     return p
+
+
+# --- the workload -------------------------------------------------------------------------------
+# Conversations arrive as a Poisson process. Each opens with a system prompt every conversation
+# shares, and each turn resends its whole history as token ids (the system prompt, every earlier
+# user message and reply, a new user message); the next turn follows when the reply has ended
+# (after an optional think time). Token ids rather than chat text: the history is then exactly
+# what the engine saw, and no re-tokenization of a reply can move a block boundary.
+@dataclass(frozen=True, slots=True)
+class ChatWorkload:
+    conversations: int = 32
+    turns: int = 6
+    system_tokens: int = 256
+    user_tokens: int = 160
+    reply_tokens: int = 96
+    conversation_rate: float = 4.0  # conversations starting per second (Poisson)
+    think_time_ms: float = 0.0  # between a reply's end and the next turn (exponential mean)
+    seed: int = 0
+
+    @property
+    def longest_prompt(self) -> int:
+        return (
+            self.system_tokens
+            + self.turns * self.user_tokens
+            + (self.turns - 1) * (self.reply_tokens)
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.conversations} conversations x {self.turns} turns arriving at "
+            f"{self.conversation_rate:g}/s (Poisson), a shared {self.system_tokens}-token system "
+            f"prompt, {self.user_tokens}-token user turns, {self.reply_tokens}-token replies "
+            f"(histories up to {self.longest_prompt} tokens)"
+        )
+
+
+def add_workload_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per ChatWorkload field (``--conversation-rate``...), its default the field's."""
+    defaults = ChatWorkload()
+    for name in ChatWorkload.__dataclass_fields__:
+        default = getattr(defaults, name)
+        group.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+
+
+def workload_of(args: argparse.Namespace) -> ChatWorkload:
+    return ChatWorkload(**{name: getattr(args, name) for name in ChatWorkload.__dataclass_fields__})
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40_000) for _ in range(n)]
+
+
+async def run_conversations(client, workload: ChatWorkload, timeout_s: float = 600) -> dict:
+    """Drives every conversation to its end on ``client`` (an AsyncClient): each turn's result,
+    and the run's start and end."""
+    rng = random.Random(workload.seed)
+    system = _ids(rng, workload.system_tokens)
+    gap = random.Random(workload.seed + 1)
+    starts, t = [], 0.0
+    for _ in range(workload.conversations):
+        starts.append(t)
+        t += gap.expovariate(workload.conversation_rate)
+    record: dict = {"turns": [], "t_start": time.monotonic()}
+
+    async def converse(index: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        talk = random.Random(workload.seed * 7919 + index)
+        history = list(system)
+        for _ in range(workload.turns):
+            history += _ids(talk, workload.user_tokens)
+            handle = client.submit(
+                prompt_token_ids=history,
+                max_tokens=workload.reply_tokens,
+                ignore_eos=True,
+                temperature=0.0,
+            )
+            result = await handle.result(timeout=timeout_s, check=False)
+            record["turns"].append(result)
+            if result.error:
+                return
+            history += result.token_ids
+            if workload.think_time_ms:
+                await asyncio.sleep(talk.expovariate(1e3 / workload.think_time_ms))
+
+    await asyncio.gather(*(converse(i, s) for i, s in enumerate(starts)))
+    record["t_end"] = time.monotonic()
+    return record
 
 
 def mode_knobs(mode: str, args: argparse.Namespace, workload: ChatWorkload) -> dict[str, Any]:
@@ -136,7 +199,7 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, workload: ChatWork
 
     with launch_cluster(model, **mode_knobs(mode, args, workload)) as cluster:
 
-        async def drive() -> tuple[Any, RunRecord, Any]:
+        async def drive() -> tuple[Any, dict, Any]:
             async with AsyncClient(cluster.client_addr) as client:
                 before = await client.engine_stats()
                 record = await run_conversations(client, workload)
@@ -146,9 +209,9 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, workload: ChatWork
     return summarize(record, before, after)
 
 
-def summarize(record: RunRecord, before: Any, after: Any) -> dict:
-    turns = [t for t in record.turns if not t.error]
-    duration = record.t_end - record.t_start
+def summarize(record: dict, before: Any, after: Any) -> dict:
+    turns = [t for t in record["turns"] if not t.error]
+    duration = record["t_end"] - record["t_start"]
     queried = after.stats.prefix_queried_tokens_total - before.stats.prefix_queried_tokens_total
     hits = after.stats.prefix_hit_tokens_total - before.stats.prefix_hit_tokens_total
     decisions = sum(after.routing_decisions.values()) - sum(before.routing_decisions.values())
@@ -159,10 +222,10 @@ def summarize(record: RunRecord, before: Any, after: Any) -> dict:
         spread[t.engine_index] = spread.get(t.engine_index, 0) + 1
     return {
         "requests": len(turns),
-        "errors": len(record.turns) - len(turns),
+        "errors": len(record["turns"]) - len(turns),
         "duration_s": duration,
         "requests_per_s": len(turns) / duration,
-        "output_tokens_per_s": sum(t.output_tokens for t in turns) / duration,
+        "output_tokens_per_s": sum(t.usage.completion_tokens for t in turns if t.usage) / duration,
         "ttft_p50_ms": ttft["p50"],
         "ttft_p95_ms": ttft["p95"],
         "hit_rate": hits / queried if queried else 0.0,
@@ -206,24 +269,6 @@ def report(results: dict[str, dict]) -> list[str]:
     return lines
 
 
-def routing_cost_lines(results: dict[str, dict]) -> list[str]:
-    from scripts.bench.kv_routing_cost import routing_cost
-
-    cost = routing_cost()
-    lines = ["routing cost per request, a 2k-token prompt (128 blocks), in one process:"]
-    lines += [f"  {name:26s} {value:8.1f}" for name, value in cost.items()]
-    measured = results.get("cache_aware", {}).get("routing_us_per_request")
-    if measured is not None:
-        lines.append(f"  {'in the workers, this run':26s} {measured:8.1f}")
-    warm = cost["hash_warm_and_lookup_us"]
-    lines.append(
-        f"  target < {ROUTING_COST_TARGET_US:g} us warm: "
-        + ("met" if warm < ROUTING_COST_TARGET_US else "MISSED")
-        + f" (cold hashing {cost['hash_cold_us']:.0f} us: a prompt seen for the first time)"
-    )
-    return lines
-
-
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     require_positive(args, "engines", "engine_cores", "tokenizer_workers", "conversations")
@@ -232,28 +277,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average {os.getloadavg()[0]:.2f}; {workload.describe()}")
     results: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
-        model = args.model or _fast_engine_model(stack)
-        if "serving" in args.workloads:
-            cost = f"the cost model {args.step_cost} (ms, us, us)"
-            engine = cost if args.engine == "cost-model" else f"the real engine on {model}"
-            print(f"engine: {engine}; KV cache {args.kv_cache_tokens} tokens per replica")
-            for mode in args.modes:
-                results[mode] = run_mode(model, mode, args, workload)
-                print(f"  {mode}: done in {results[mode]['duration_s']:.1f} s", flush=True)
-            print("\n".join(report(results)))
-        if "routing-cost" in args.workloads:
-            print("\n".join(routing_cost_lines(results)))
-        if "event-cost" in args.workloads:
-            from scripts.bench.kv_routing_cost import engine_step_cost
-
-            for name, value in sorted(engine_step_cost(model).items()):
-                print(f"  {name:28s} {value:10.3f}")
+        model = args.model or fast_engine_model(stack)
+        cost = f"the cost model {args.step_cost} (ms, us, us)"
+        engine = cost if args.engine == "cost-model" else f"the real engine on {model}"
+        print(f"engine: {engine}; KV cache {args.kv_cache_tokens} tokens per replica")
+        for mode in args.modes:
+            results[mode] = run_mode(model, mode, args, workload)
+            print(f"  {mode}: done in {results[mode]['duration_s']:.1f} s", flush=True)
+        print("\n".join(report(results)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": workload.describe(), "modes": results}, f, indent=2)
-
-
-def _fast_engine_model(stack: contextlib.ExitStack) -> str:
-    from scripts.bench.fast_engine import fast_engine_model
-
-    return fast_engine_model(stack)

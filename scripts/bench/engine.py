@@ -1,38 +1,29 @@
 """engine: the engine alone on the default model (no processes, no sockets, no tokenizer).
 
-  core      prefill tokens/s (one prompt of each --prefill-tokens length) and decode tokens/s at
-            each --decode-batch, for our engine and for transformers ``generate`` (batched, left
-            padding), interleaved, with ratios. Decode prompts have varied lengths (a batch of
-            real requests rarely shares one length), drawn from one seed for both.
-  sampling  decode tokens/s at the largest --decode-batch with each sampling setting (greedy,
-            temperature, top-p, top-k, repetition penalty), ours and transformers' alike.
-  prefix    --num-requests requests sharing a --shared-prefix-tokens system prompt plus a short
-            unique question: prompt tokens computed and TTFT p50 with and without the prefix cache.
-  cached    a fully cached prompt's first step, its tail from the prefix cache or its last
-            block computed again, interleaved (scripts/bench/engine_cached.py).
-  mixed     8 requests decoding while --long-prompts prompts of --long-prompt-tokens arrive:
-            their inter-token latency (ITL) p50/p99 with and without chunked prefill.
-  peer      llama.cpp's engine alone (its llama-bench, --llama-bench PATH, built with llama-server
-            by scripts/build_llama_server.sh) on the GGUF our default model is served from, same
-            threads, interleaved with our engine in the default launch: prefill tokens/s at each
-            --prefill-tokens and batch-1 decode, ratios, and each one's bandwidth bound.
-  kernels, formats, bandwidth  weight formats: the linear layers alone at each --kernel-rows,
-            the engine in each --formats format, and batch-1 decode of each against the read
-            bandwidth bound (scripts/bench/engine_formats.py).
-  logprobs  decode steps at the largest --decode-batch with one request's (then every
-            request's) top-20 logprobs switched on every other step; the logprob work of a step
-            alone; prefill with prompt logprobs (scripts/bench/engine_logprobs.py).
-  determinism  whether a row's numbers depend on the rest of its step, op by op and path by
-            path; each --formats mode's distance from float32; what the default launch and
-            --deterministic cost (--determinism-parts; scripts/bench/engine_determinism.py).
+  core         prefill tokens/s (one prompt of each --prefill-tokens length) and decode tokens/s
+               at each --decode-batch, for our engine and for transformers ``generate`` (batched,
+               left padding), interleaved, with ratios. Decode prompts have varied lengths (a
+               batch of real requests rarely shares one length), drawn from one seed for both.
+  prefix       --num-requests requests sharing a --shared-prefix-tokens system prompt plus a
+               short unique question: prompt tokens computed and TTFT p50 with and without the
+               prefix cache.
+  mixed        8 requests decoding while --long-prompts prompts of --long-prompt-tokens arrive:
+               their inter-token latency (ITL) p50/p99 with and without chunked prefill.
+  speculative  n-gram drafts against plain decoding, greedy, --max-tokens each: --texts
+               ``summary`` (a ~500-token passage of the docs), ``code`` (rewrite ~300 tokens of
+               Python) and ``chat`` (nothing to copy), --rounds batches at each --streams, both
+               engines in turn: tokens/s, TPOT, ITL p50 (a step's tokens are 0 apart, as a
+               client sees them), acceptance, and whether greedy output is the same.
 
-Engines run --dtype/--weights; unset, every workload but 'peer' runs dense float32 (as
-transformers does) and 'peer' runs the default launch (auto/auto). Every figure is printed with
-the torch thread count it ran with (--threads).
+core, prefix and mixed run --dtype/--weights (unset: dense float32, as transformers does);
+speculative runs the default launch's. Every figure is printed with its torch thread count.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import re
 import time
 from functools import partial
 from pathlib import Path
@@ -41,112 +32,168 @@ import numpy as np
 import torch
 
 from engine_worker.engine import Engine
+from ipc.codec import unpack_ids
+from ipc.engine_config import WEIGHTS, EngineConfig
+from ipc.messages import SamplingParams
+from procs.config_flags import add_knob_flags, knob_values
 from procs.model_store import resolve_model
-from scripts.bench import (
-    determinism_cost,
-    engine_cached,
-    engine_determinism,
-    engine_formats,
-    engine_logprobs,
-)
-from scripts.bench.engine_runs import (
-    decode_prompts,
-    decode_rate,
-    default_launch_knobs,
-    hf_decode_rate,
-    hf_prefill_rate,
-    load_hf,
-    make_engine,
-    params,
-    prefill_rate,
-    print_rates,
-    random_prompt,
-)
-from scripts.bench.interleave import best_of, interleave
+from runtime.model_files import load_tokenizer
+from scripts.bench.interleave import best_of
 from scripts.bench.options import add_parts, add_shared, int_list, text_list, workload_parser
+from tests.chat_prompts import QUESTIONS, chat_prompt_ids
+
+DENSE_WEIGHTS = {"float32": "fp32", "bfloat16": "bf16", "auto": "auto"}
+REPO = Path(__file__).resolve().parents[2]
+_run_ids = itertools.count()  # request ids stay unique across runs on one engine
+
+
+def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
+    return [1] + rng.integers(100, 40000, size=length - 1).tolist()
+
+
+def decode_prompts(args, rng: np.random.Generator, batch: int) -> list[list[int]]:
+    """Varied lengths (a batch of real requests rarely shares one), half to 1.5x the mean."""
+    low, high = args.decode_prompt_tokens // 2, args.decode_prompt_tokens * 3 // 2
+    return [random_prompt(rng, int(n)) for n in rng.integers(low, high + 1, size=batch)]
+
+
+def make_engine(args, **knobs) -> Engine:
+    """An engine on --dtype/--weights (unset: dense float32, as transformers runs)."""
+    knobs.setdefault("kv_cache_tokens", args.kv_cache_tokens)
+    knobs.setdefault("dtype", args.dtype or "float32")
+    knobs.setdefault("weights", args.weights or DENSE_WEIGHTS[knobs["dtype"]])
+    # Figures are printed with the thread count they ran with: the engine keeps it.
+    knobs.setdefault("adaptive_threads", False)
+    return Engine(EngineConfig(model_path=str(args.model), engine_threads=args.threads, **knobs))
+
+
+def params(max_tokens: int) -> SamplingParams:
+    """Greedy; every requested token is generated."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def prefill_rate(engine: Engine, prompt: list[int]) -> float:
+    """Prompt tokens/s of one request's prefill to its first token."""
+    engine.add(f"prefill{next(_run_ids)}", prompt, params(1))
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return len(prompt) / (time.perf_counter() - start)
+
+
+def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Tokens/s of ``new_tokens`` decode steps of the whole batch after everyone's prefill (the
+    count hf_decode_rate times too)."""
+    for i, prompt in enumerate(prompts):
+        engine.add(f"decode{next(_run_ids)}.{i}", prompt, params(new_tokens + 1))
+    while engine.num_waiting or any(not r.num_generated for r in engine.scheduler.running):
+        engine.step()
+    start, produced = time.perf_counter(), 0
+    while engine.requests:
+        produced += len(engine.step().request_ids)
+    return produced / (time.perf_counter() - start)
+
+
+# --- transformers, the reference --------------------------------------------------------------
+class _StepClock:
+    """A logits processor that only notes the time: generate calls it once per forward, right
+    after that forward (the first call follows the prefill)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def hf_generate_seconds(
+    model, prompts: list[list[int]], new_tokens: int, clock: _StepClock | None = None
+) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding, as batched generation needs
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=2,
+            logits_processor=[clock] if clock is not None else None,
+            do_sample=False,
+        )
+    return time.perf_counter() - start
+
+
+def hf_prefill_rate(model, prompt: list[int]) -> float:
+    return len(prompt) / hf_generate_seconds(model, [prompt], 1)
+
+
+def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s of ``new_tokens`` steps after the prefill, timed inside generate (the
+    difference of two whole generate calls is mostly prefill noise at batch 32)."""
+    clock = _StepClock()
+    hf_generate_seconds(model, prompts, new_tokens + 1, clock)
+    assert len(clock.times) == new_tokens + 1, len(clock.times)
+    return len(prompts) * new_tokens / (clock.times[-1] - clock.times[0])
+
+
+def load_hf(args):
+    from transformers import AutoModelForCausalLM
+
+    from procs.model_store import gguf_file
+
+    gguf = gguf_file(args.model)  # a GGUF directory is dequantized on the way in
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(args.model), dtype=dtype, **({"gguf_file": gguf.name} if gguf else {})
+    ).eval()
+    hf.generation_config.eos_token_id = None  # count every requested token
+    return hf
 
 
 def run_core(args) -> None:
+    """Best prefill and decode tokens/s of ours and transformers', interleaved."""
     rng = np.random.default_rng(0)
     engine = make_engine(args, enable_prefix_cache=False, max_batch_size=max(args.decode_batch))
     hf = load_hf(args)
     rows = []
     for length in args.prefill_tokens:
         prompt = random_prompt(rng, length)
-        best = best_of(
-            {
-                "ours": partial(prefill_rate, engine, prompt),
-                "hf": partial(hf_prefill_rate, hf, prompt),
-            },
-            args.repeats,
-        )
+        cases = {
+            "ours": partial(prefill_rate, engine, prompt),
+            "hf": partial(hf_prefill_rate, hf, prompt),
+        }
+        best = best_of(cases, args.repeats)
         rows.append((f"prefill {length} tokens", best["ours"], best["hf"]))
     for batch in args.decode_batch:
-        rows.append((f"decode batch {batch}", *decode_vs_hf(args, engine, hf, batch, {}, {})))
-    print_rates(
+        prompts = decode_prompts(args, np.random.default_rng(batch), batch)
+        hf_decode_rate(hf, prompts, 2)  # warm-up
+        cases = {
+            "ours": partial(decode_rate, engine, prompts, args.decode_tokens),
+            "hf": partial(hf_decode_rate, hf, prompts, args.decode_tokens),
+        }
+        best = best_of(cases, args.repeats)
+        rows.append((f"decode batch {batch}", best["ours"], best["hf"]))
+    print(
         f"\ncore (threads={torch.get_num_threads()}, {args.dtype or 'float32'} for both, "
         f"{engine.model_name}; decode prompts {args.decode_prompt_tokens // 2}.."
-        f"{args.decode_prompt_tokens * 3 // 2} tokens, {args.decode_tokens} new tokens)",
-        rows,
+        f"{args.decode_prompt_tokens * 3 // 2} tokens, {args.decode_tokens} new tokens)"
     )
-
-
-def decode_vs_hf(args, engine, hf, batch: int, ours: dict, theirs: dict) -> tuple[float, float]:
-    """Best decode tokens/s of ours and transformers', interleaved; ``ours``/``theirs``: the same
-    sampling setting in each one's words."""
-    prompts = decode_prompts(args, np.random.default_rng(batch), batch)
-    hf_decode_rate(hf, prompts, 2, **theirs)  # warm-up
-    best = best_of(
-        {
-            "ours": lambda: decode_rate(engine, prompts, args.decode_tokens, **ours),
-            "hf": lambda: hf_decode_rate(hf, prompts, args.decode_tokens, **theirs),
-        },
-        args.repeats,
-    )
-    return best["ours"], best["hf"]
-
-
-# (name, our SamplingParams fields, transformers generate arguments): the same setting on both.
-SAMPLING_CASES = [
-    ("greedy", {}, {}),
-    (
-        "temperature 0.7",
-        {"temperature": 0.7},
-        {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0},
-    ),
-    (
-        "top-p 0.9",
-        {"temperature": 0.7, "top_p": 0.9},
-        {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 0.9},
-    ),
-    (
-        "top-k 50",
-        {"temperature": 0.7, "top_k": 50},
-        {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 1.0},
-    ),
-    ("repetition 1.2", {"repetition_penalty": 1.2}, {"repetition_penalty": 1.2}),
-]
-
-
-def run_sampling(args) -> None:
-    batch = max(args.decode_batch)
-    engine = make_engine(args, enable_prefix_cache=False, max_batch_size=batch)
-    hf = load_hf(args)
-    rows = [
-        (name, *decode_vs_hf(args, engine, hf, batch, ours, theirs))
-        for name, ours, theirs in SAMPLING_CASES
-    ]
-    print_rates(
-        f"\nsampling (threads={torch.get_num_threads()}, {args.dtype or 'float32'} for both, "
-        f"decode batch {batch}, {args.decode_tokens} new tokens)",
-        rows,
-    )
+    print(f"{'':24s}{'engine tok/s':>14s}{'transformers':>14s}{'ratio':>8s}")
+    for name, ours, theirs in rows:
+        print(f"{name:24s}{ours:14.1f}{theirs:14.1f}{ours / theirs:8.2f}x")
 
 
 def run_arrivals(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], int]]]):
     """Steps the engine, adding requests at given steps; returns each request's TTFT (ms), the
-    times of its tokens and the prompt tokens computed."""
-    arrived, first, emitted = {}, {}, {}
+    times of its tokens, the prompt tokens computed and each request's tokens."""
+    arrived, first, emitted, tokens = {}, {}, {}, {}
     prefill_tokens = step = 0
     while step in arrivals or engine.has_work() or any(s > step for s in arrivals):
         for request_id, prompt, max_tokens in arrivals.get(step, []):
@@ -154,12 +201,13 @@ def run_arrivals(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], 
             engine.add(request_id, prompt, params(max_tokens), arrival_time=arrived[request_id])
         out = engine.step()
         prefill_tokens += out.stats.prefill_tokens
-        for request_id in out.request_ids:
+        for request_id, token in zip(out.request_ids, unpack_ids(out.token_ids)):
             first.setdefault(request_id, out.t_step)
             emitted.setdefault(request_id, []).append(out.t_step)
+            tokens.setdefault(request_id, []).append(int(token))
         step += 1
     ttft = np.array([first[r] - arrived[r] for r in arrived]) * 1000
-    return ttft, emitted, prefill_tokens
+    return ttft, emitted, prefill_tokens, tokens
 
 
 def run_prefix(args) -> None:
@@ -173,7 +221,8 @@ def run_prefix(args) -> None:
     )
     figures = {}
     for enabled in (False, True):
-        ttft, _, computed = run_arrivals(make_engine(args, enable_prefix_cache=enabled), arrivals)
+        engine = make_engine(args, enable_prefix_cache=enabled)
+        ttft, _, computed, _ = run_arrivals(engine, arrivals)
         figures[enabled] = (computed, float(np.percentile(ttft, 50)))
         print(
             f"  prefix cache {'on ' if enabled else 'off'}: prompt tokens computed {computed:7d}"
@@ -204,7 +253,7 @@ def run_mixed(args) -> None:
             prefill_max_tokens=max(chunk, 64 * 8),
             enable_prefix_cache=False,
         )
-        _, emitted, _ = run_arrivals(engine, arrivals)
+        emitted = run_arrivals(engine, arrivals)[1]
         gaps = np.concatenate([np.diff(emitted[r]) for r, _, _ in decoders]) * 1000
         p99[chunk] = float(np.percentile(gaps, 99))
         label = "off" if chunk == args.long_prompt_tokens else f"{chunk} tokens"
@@ -218,90 +267,149 @@ def run_mixed(args) -> None:
     )
 
 
-def run_peer(args) -> None:
-    """Our engine in the default launch against llama-bench, interleaved; best of --repeats."""
-    from scripts.bench.launcher import default_gguf, llama_bench
-
-    if not args.llama_bench:
-        raise SystemExit(
-            "engine peer needs --llama-bench PATH (scripts/build_llama_server.sh builds it)"
-        )
-    gguf = Path(args.gguf) if args.gguf else default_gguf()
-    rng = np.random.default_rng(3)
-    engine = make_engine(
-        args, enable_prefix_cache=False, max_batch_size=1, **default_launch_knobs(args)
-    )
-    prompts = {n: random_prompt(rng, n) for n in args.prefill_tokens}
-    context = random_prompt(rng, args.decode_prompt_tokens)
-    decode_rate(engine, [random_prompt(rng, 16)], 2)  # warm-up: first-call allocations
-    tg = f"tg{args.decode_tokens}"
-
-    def ours() -> dict[str, float]:
-        figures = {f"pp{n}": prefill_rate(engine, p) for n, p in prompts.items()}
-        return figures | {tg: decode_rate(engine, [context], args.decode_tokens)}
-
-    def theirs() -> dict[str, float]:
-        run = partial(llama_bench, args.llama_bench, gguf, args.threads)
-        return run(args.prefill_tokens, 0) | run([], args.decode_tokens, len(context))
-
-    runs = interleave({"ours": ours, "theirs": theirs}, args.repeats)
-    best = {side: {k: max(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-    rows = []
-    for key, rate in best["ours"].items():
-        name = f"prefill {key[2:]} tokens" if key.startswith("pp") else "decode batch 1"
-        rows.append((name, rate, best["theirs"].get(key, float("nan"))))
-    model = engine.runner.model
-    print_rates(
-        f"\npeer (threads={args.threads} for both; ours {model.weight_format.describe()}, "
-        f"activations {model.dtype}; llama-bench on {gguf.name}; decode after a "
-        f"{args.decode_prompt_tokens}-token prompt, {args.decode_tokens} new tokens; best of "
-        f"{args.repeats} interleaved)",
-        rows,
-        peer="llama.cpp",
-    )
-    bandwidth = engine_formats.read_bandwidth_gbs(args.threads)
-    print(f"batch-1 decode bandwidth bound (read {bandwidth:.1f} GB/s at {args.threads} threads):")
-    for name, weight_bytes, rate in (
-        ("engine", engine_formats.weight_bytes_per_token(model), rows[-1][1]),
-        ("llama.cpp", engine_formats.gguf_weight_bytes_per_token(gguf), rows[-1][2]),
-    ):
-        print(engine_formats.bound_line(name, weight_bytes, bandwidth, rate))
+# --- speculative decoding ---------------------------------------------------------------------
+def passages(tokenizer, count: int, tokens: int, kind: str) -> list[str]:
+    """``count`` texts of about ``tokens`` tokens: paragraphs of docs/*.md (summary) or the
+    leading lines of Python modules (code)."""
+    if kind == "summary":
+        paragraphs = [
+            p.strip()
+            for f in sorted((REPO / "docs").glob("*.md"))
+            for p in f.read_text().split("\n\n")
+            if len(p) > 200 and not p.lstrip().startswith(("|", "```", "#"))
+        ]
+    else:
+        paragraphs = [
+            re.sub(r'""".*?"""', "", f.read_text(), count=1, flags=re.S).strip()
+            for f in sorted((REPO / "engine_worker").glob("*.py"))
+        ]
+    out = []
+    for start in range(len(paragraphs)):
+        text, end = "", start
+        while end < len(paragraphs) and len(tokenizer.encode(text).ids) < tokens:
+            text = (text + "\n\n" + paragraphs[end]).strip()
+            end += 1
+        if kind == "code":
+            lines, text = text.split("\n"), ""
+            for line in lines:  # cut at about `tokens` tokens, on a line
+                if len(tokenizer.encode(text).ids) >= tokens:
+                    break
+                text += line + "\n"
+        out.append(text)
+        if len(out) == count:
+            break
+    return out
 
 
-def run_determinism(args) -> None:
-    """Each of --determinism-parts (scripts/bench/engine_determinism.py says what each is)."""
-    parts = {
-        "ops": engine_determinism.run_ops,
-        "paths": engine_determinism.run_paths,
-        "forced": engine_determinism.run_forced,
-        "mc": engine_determinism.run_mc,
-        "attention": determinism_cost.run_attention,
-        "cost": determinism_cost.run_cost,
+# What each text asks (the passage goes in the braces), and the passage's length in tokens.
+ASKS = {
+    "summary": ("Summarize this passage, quoting its key sentences:\n\n{}", 500),
+    "code": (
+        "Rewrite this Python code with one change: rename the variable `request` to `req` "
+        "everywhere. Output the whole code.\n\n```python\n{}```",
+        300,
+    ),
+}
+
+
+def workload_prompts(model_dir, name: str, count: int) -> list[list[int]]:
+    if name == "chat":
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(count)]
+    else:
+        ask, tokens = ASKS[name]
+        texts = passages(load_tokenizer(model_dir), count, tokens, name)
+        questions = [ask.format(text) for text in texts]
+    return chat_prompt_ids(model_dir, questions)[1]
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Output tokens/s (decode only: from each batch's first token), TPOT mean, ITL p50."""
+    decode_s = out_tokens = 0.0
+    tpots, gaps = [], []
+    for run in runs:
+        first = min(t[0] for t in run["times"])
+        last = max(t[-1] for t in run["times"])
+        decode_s += last - first
+        out_tokens += sum(len(t) - 1 for t in run["tokens"])
+        for times in run["times"]:
+            if len(times) > 1:
+                tpots.append((times[-1] - times[0]) / (len(times) - 1))
+                gaps += list(np.diff(times))
+    return {
+        "tok_s": out_tokens / decode_s,
+        "tpot_ms": 1e3 * float(np.mean(tpots)),
+        "itl_p50_ms": 1e3 * float(np.median(gaps)),
     }
-    for part in args.determinism_parts:
-        parts[part](args)
+
+
+def run_speculative(args) -> None:
+    knobs = dict(model_path=str(args.model), kv_cache_tokens=32768, max_batch_size=64)
+    knobs |= dict(adaptive_threads=False, engine_threads=args.threads)
+    ngram = knob_values(args, ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"))
+    ngram |= dict(speculative="ngram", speculative_max_batch=args.speculative_max_batch)
+    engines = {
+        "off": Engine(EngineConfig(**knobs)),
+        "ngram": Engine(EngineConfig(**knobs, **ngram)),
+    }
+    print(f"\nspeculative (threads={args.threads}, load {os.getloadavg()[0]:.2f})")
+    print(
+        f"{'workload':9s}{'streams':>8s}{'tok/s off':>11s}{'tok/s on':>10s}{'ratio':>7s}"
+        f"{'TPOT off':>10s}{'TPOT on':>9s}{'ITLp50 off':>12s}{'ITLp50 on':>11s}"
+        f"{'accept':>8s}{'same':>6s}"
+    )
+    counters = engines["ngram"].speculation
+    for workload in args.texts:
+        for streams in args.streams:
+            prompts = workload_prompts(args.model, workload, streams * args.rounds)
+            runs: dict[str, list[dict]] = {"off": [], "ngram": []}
+            before = (counters.draft_tokens, counters.accepted_tokens)
+            for r in range(args.rounds):
+                batch = prompts[r * streams : (r + 1) * streams]
+                for mode in ("off", "ngram") if r % 2 == 0 else ("ngram", "off"):
+                    names = [f"b{next(_run_ids)}" for _ in batch]
+                    requests = [(n, p, args.max_tokens) for n, p in zip(names, batch)]
+                    _, times, _, tokens = run_arrivals(engines[mode], {0: requests})
+                    runs[mode].append({"tokens": [tokens[n] for n in names],
+                                       "times": [times[n] for n in names]})  # fmt: skip
+            same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["off"], runs["ngram"]))
+            drafted = counters.draft_tokens - before[0]
+            accepted = (counters.accepted_tokens - before[1]) / drafted if drafted else 0.0
+            off, on = summarize(runs["off"]), summarize(runs["ngram"])
+            print(
+                f"{workload:9s}{streams:8d}{off['tok_s']:11.1f}{on['tok_s']:10.1f}"
+                f"{on['tok_s'] / off['tok_s']:7.2f}{off['tpot_ms']:10.1f}{on['tpot_ms']:9.1f}"
+                f"{off['itl_p50_ms']:12.1f}{on['itl_p50_ms']:11.1f}{accepted:8.2f}"
+                f"{'yes' if same else 'NO':>6s}",
+                flush=True,
+            )
+    spent = engines["ngram"].scheduler.propose_s
+    print(f"proposer: {spent * 1e3:.1f} ms in all, {counters.drafts} drafts; load after: "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
 
 
 WORKLOADS = {
     "core": run_core,
-    "sampling": run_sampling,
     "prefix": run_prefix,
-    "cached": engine_cached.run_cached,
     "mixed": run_mixed,
-    "peer": run_peer,
-    "kernels": engine_formats.run_kernels,
-    "formats": engine_formats.run_formats,
-    "bandwidth": engine_formats.run_bandwidth,
-    "logprobs": engine_logprobs.run_logprobs,
-    "determinism": run_determinism,
+    "speculative": run_speculative,
 }
 
 
 def build_parser():
     p = workload_parser("engine", __doc__)
     add_parts(p, list(WORKLOADS), ["core"])
-    add_shared(p, "model", "threads", "dtype", "weights", "prefill_tokens", "gguf")
-    add_shared(p, "decode_tokens", "repeats", repeats=2)
+    add_shared(p, "model", "repeats", repeats=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activations")
+    p.add_argument("--weights", choices=list(WEIGHTS), help="weight format (splitserve launch)")
+    p.add_argument(
+        "--prefill-tokens",
+        type=int_list,
+        default=[256, 1024],
+        metavar="N[,N...]",
+        help="prompt lengths of the prefill figures (default: 256,1024)",
+    )
+    p.add_argument("--decode-tokens", type=int, default=32, help="per figure (default: 32)")
     p.add_argument(
         "--decode-batch",
         type=int_list,
@@ -316,55 +424,26 @@ def build_parser():
         help="mean decode prompt length; lengths vary from half to 1.5x (default: 128)",
     )
     p.add_argument("--kv-cache-tokens", type=int, default=65536, help="(default: 65536)")
-    p.add_argument(
-        "--llama-bench",
-        default=None,
-        metavar="PATH",
-        help="'peer': the llama-bench binary (scripts/build_llama_server.sh builds it)",
-    )
-    p.add_argument(
-        "--formats",
-        type=text_list,
-        default=["fp32", "bf16", "int8", "int4", "auto"],
-        help="weight formats 'formats' and 'bandwidth' compare (fp32 and bf16 run their own "
-        "dtype, the others the CPU's auto dtype) (default: fp32,bf16,int8,int4,auto)",
-    )
-    p.add_argument(
-        "--kernel-rows",
-        type=int_list,
-        default=[1, 2, 4, 8, 16, 32, 256],
-        help="'kernels': rows (tokens) per linear call (default: 1,2,4,8,16,32,256)",
-    )
-    p.add_argument(
-        "--kernel-repeats",
-        type=int,
-        default=5,
-        help="'kernels': interleaved runs of each format; each call's best counts (default: 5)",
-    )
-    p.add_argument(
-        "--determinism-parts",
-        type=text_list,
-        default=["ops", "paths", "forced"],
-        help="'determinism': any of ops,paths,forced,mc,attention,cost (its module "
-        "scripts/bench/engine_determinism.py says what each is) (default: ops,paths,forced)",
-    )
-    p.add_argument(
-        "--mc-jsonl",
-        default="tests/evals/facts_mc.jsonl",
-        help="'determinism' mc: the multiple-choice items (default: %(default)s)",
-    )
     g = p.add_argument_group("prefix and mixed")
     g.add_argument("--num-requests", type=int, default=32, help="'prefix' (default: 32)")
     g.add_argument("--shared-prefix-tokens", type=int, default=1024, help="(default: 1024)")
     g.add_argument("--new-tokens", type=int, default=8, help="tokens per request (default: 8)")
     g.add_argument("--long-prompts", type=int, default=3, help="'mixed' (default: 3)")
     g.add_argument("--long-prompt-tokens", type=int, default=2048, help="(default: 2048)")
-    g.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=256,
-        help="prefill_chunk_tokens of the chunked run of 'mixed' (default: 256)",
+    g.add_argument("--chunk-tokens", type=int, default=256, help="'mixed' chunked (default: 256)")
+    s = p.add_argument_group("speculative")
+    s.add_argument(
+        "--texts",
+        type=text_list,
+        default=["summary", "code", "chat"],
+        help="any of summary,code,chat (default: all)",
     )
+    s.add_argument("--streams", type=int_list, default=[1, 8], help="requests decoding together")
+    s.add_argument("--rounds", type=int, default=2, help="batches per (text, streams)")
+    s.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    speculative_knobs = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    speculative_knobs += ("speculative_max_batch",)  # 8 below: speculate at every --streams
+    add_knob_flags(s, EngineConfig, speculative_knobs, defaults={"speculative_max_batch": 8})
     return p
 
 

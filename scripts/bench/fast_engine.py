@@ -14,7 +14,6 @@ import contextlib
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 
 from ipc.codec import unpack_id_list
 from ipc.messages import RequestError, SamplingParams
@@ -33,7 +32,7 @@ def fast_engine_model(
     hidden_size: int = FAST_ENGINE_HIDDEN_SIZE,
 ) -> str:
     """Writes the model to a temporary directory that ``stack`` removes; returns its path."""
-    from scripts.bench.tiny_model import make_tiny_model
+    from tests.tiny_model import make_tiny_model
 
     directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="splitserve-fast-engine-"))
     return str(
@@ -46,47 +45,12 @@ def fast_engine_model(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Calibration:
-    """Medians per prompt, in milliseconds; CPU is the process's CPU time over the same span."""
-
-    prompts: int
-    prompt_tokens: float
-    tokenize_cpu_ms: float
-    tokenize_wall_ms: float
-    prefill_cpu_ms: float
-    prefill_wall_ms: float
-
-    @property
-    def ratio_cpu(self) -> float:
-        """Tokenize time / prefill time per prompt, from CPU times (steadier on a shared
-        machine than wall times)."""
-        return self.tokenize_cpu_ms / self.prefill_cpu_ms
-
-    @property
-    def ratio_wall(self) -> float:
-        return self.tokenize_wall_ms / self.prefill_wall_ms
-
-    @property
-    def tokenizer_tokens_per_cpu_s(self) -> float:
-        return self.prompt_tokens / self.tokenize_cpu_ms * 1e3
-
-    def describe(self) -> str:
-        return (
-            f"{self.prompts} prompts of {self.prompt_tokens:.0f} tokens (medians): tokenize "
-            f"{self.tokenize_cpu_ms:.2f} ms CPU ({self.tokenize_wall_ms:.2f} ms wall), "
-            f"engine prefill to first token {self.prefill_cpu_ms:.2f} ms CPU "
-            f"({self.prefill_wall_ms:.2f} ms wall); tokenize/prefill "
-            f"{self.ratio_cpu:.3f} (CPU), {self.ratio_wall:.3f} (wall); one tokenizer core "
-            f"encodes {self.tokenizer_tokens_per_cpu_s / 1e3:.0f}k tokens/s"
-        )
-
-
 def calibrate(
     engine_config, requests: list[BenchRequest], samples: int = 8, warmup: int = 2
-) -> Calibration:
+) -> str:
     """Prepares and prefills ``warmup + samples`` of the workload's prompts one at a time, on an
-    engine of its own built from ``engine_config`` (freed afterwards)."""
+    engine of its own built from ``engine_config`` (freed afterwards); says what each took per
+    prompt (medians; CPU time, steadier on a shared machine than wall time, and wall time)."""
     from engine_worker.engine import Engine
     from scripts.bench.inproc import make_preparer, prepare_request
 
@@ -108,21 +72,20 @@ def calibrate(
         engine.add(prepared.request_id, ids, sampling)
         while engine.has_work():
             engine.step()
-        prefilled = (time.process_time() - cpu, time.perf_counter() - wall)
         if i >= warmup:
             tokenize.append(tokenized)
-            prefill.append(prefilled)
+            prefill.append((time.process_time() - cpu, time.perf_counter() - wall))
             lengths.append(len(ids))
     del engine
-
-    def median_ms(pairs: list[tuple[float, float]], index: int) -> float:
-        return statistics.median(p[index] for p in pairs) * 1e3
-
-    return Calibration(
-        prompts=len(lengths),
-        prompt_tokens=statistics.median(lengths),
-        tokenize_cpu_ms=median_ms(tokenize, 0),
-        tokenize_wall_ms=median_ms(tokenize, 1),
-        prefill_cpu_ms=median_ms(prefill, 0),
-        prefill_wall_ms=median_ms(prefill, 1),
+    (tok_cpu, tok_wall), (pre_cpu, pre_wall) = (
+        [statistics.median(p[k] for p in pairs) * 1e3 for k in (0, 1)]
+        for pairs in (tokenize, prefill)
+    )
+    tokens = statistics.median(lengths)
+    return (
+        f"{len(lengths)} prompts of {tokens:.0f} tokens (medians): tokenize {tok_cpu:.2f} ms CPU "
+        f"({tok_wall:.2f} ms wall), engine prefill to first token {pre_cpu:.2f} ms CPU "
+        f"({pre_wall:.2f} ms wall); tokenize/prefill {tok_cpu / pre_cpu:.3f} (CPU), "
+        f"{tok_wall / pre_wall:.3f} (wall); one tokenizer core encodes "
+        f"{tokens / tok_cpu:.0f}k tokens/s"
     )

@@ -1,41 +1,24 @@
-"""hops: where one stream's time goes between the engine and the client, per hop.
+"""peer's part hops: where one stream's time goes between the engine and the client, per hop.
 
-    python -m scripts.bench hops --splitserve "" --splitserve "--engine-threads 1" \\
-        --llama-server BIN/llama-server --requests 8 --repeats 3
-
-Each server answers streamed chat requests one at a time (one stream): fresh prompts (each
---prompt-tokens long, distinct), and fully cached ones (a prompt sent once, then again: the
-second is measured). splitserve is asked for its path times (the X-Splitserve-Path-Times header,
-http_worker.path_times), so every token's journey is split into hops on this machine's
-system-wide monotonic clock: engine step end -> detokenizer wake-up -> detokenizer send -> HTTP
-worker receive -> SSE handed to the server -> this client; and a cached prompt's first token
-from this client's send through the HTTP worker, the tokenizer and the engine. Servers
-alternate, the order rotating each repeat; every figure is a median over all runs, printed with
-the load average. (This client's send time is when httpx reports the body written, which can be
-after the server began reading it: the first hop can come out small or negative.) --url adds
-a server that is already running (e.g. another checkout's launch) as a compared case.
+Each server answers streamed chat requests one at a time: fresh prompts (distinct), then each
+again (fully cached). splitserve is asked for its path times (the X-Splitserve-Path-Times
+header, in SSE comments), so every token's journey splits into hops on the machine's
+system-wide monotonic clock: engine step end -> detokenizer wake-up -> its send -> HTTP worker
+-> SSE write -> this client; and a cached prompt's first token from this client's send through
+the HTTP worker, the tokenizer and the engine. Medians over all runs, with the load average.
+(The send time is when httpx reports the body written: the first hop can come out negative.)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 from scripts.bench.interleave import progress, rotated
-from scripts.bench.options import (
-    add_shared,
-    add_splitserve_cases,
-    parse_checked,
-    require_positive,
-    workload_parser,
-)
 
 # A token's way from the end of its engine step to this client: (label, from, to) over the path
 # comment's and the client's times.
@@ -66,61 +49,21 @@ FIRST_TOKEN_HOPS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = workload_parser("hops", __doc__)
-    g = p.add_argument_group("servers")
-    add_splitserve_cases(g, "one default launch unless --url is given")
-    g.add_argument(
-        "--url",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a server already running (its /v1 base URL), compared as it is (repeatable)",
-    )
-    g.add_argument("--llama-server", default=None, metavar="PATH", help="a llama-server binary")
-    g.add_argument("--llama-threads", type=int, default=2, help="its -t/-tb (default 2)")
-    add_shared(g, "gguf")
-    w = p.add_argument_group("workload")
-    w.add_argument("--requests", type=int, default=8, help="fresh and cached requests per run")
-    add_shared(w, "prompt_tokens", "output_tokens", "repeats", "nice")
-    add_shared(p.add_argument_group("output"), "json")
-    return p
-
-
 async def stream_one(http: Any, url: str, model: str, messages: list, max_tokens: int) -> dict:
-    """One streamed chat request: the client's send and per-token read times, with the path
-    times of each token (splitserve only) and the request's stages."""
-    from scripts.bench.http_client import base_url, request_body
+    """One streamed chat request: the client's send time, and each token's read time with its
+    path times (splitserve only), and the request's stages."""
+    from scripts.bench.http_client import chat_body, stream
 
-    path, body = request_body(model, max_tokens=max_tokens, messages=messages, ignore_eos=True)
-    out: dict[str, Any] = {"t_sent": 0.0, "tokens": [], "request": {}, "error": None}
-
-    async def trace(event: str, info: dict) -> None:
-        if event == "http11.send_request_body.complete":
-            out["t_sent"] = time.monotonic()
-
-    pending: dict[str, float] = {}
-    async with http.stream(
-        "POST",
-        base_url(url) + path,
-        json=body,
-        headers={"X-Splitserve-Path-Times": "1"},
-        extensions={"trace": trace},
-    ) as reply:
-        async for line in reply.aiter_lines():
-            now = time.monotonic()
-            if line.startswith(": path "):
-                pending = json.loads(line[len(": path ") :])
-            elif line.startswith(": path-request "):
-                out["request"] = json.loads(line[len(": path-request ") :])
-            elif line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[len("data: ") :])
-                if chunk.get("error"):
-                    out["error"] = str(chunk["error"])
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
-                    out["tokens"].append({**pending, "t_client": now})
-                    pending = {}
-    return out
+    body = chat_body(model, messages, max_tokens)
+    out = await stream(http, url, body, headers={"X-Splitserve-Path-Times": "1"})
+    paths, request = {}, {}
+    for index, text in out.comments:
+        if text.startswith("path "):
+            paths[index] = json.loads(text[len("path ") :])
+        elif text.startswith("path-request "):
+            request = json.loads(text[len("path-request ") :])
+    tokens = [{**paths.get(i, {}), "t_client": t} for i, t in enumerate(out.delta_times)]
+    return {"t_sent": out.t_sent, "tokens": tokens, "request": request, "error": out.error}
 
 
 def hop_values(times: dict[str, float], hops: tuple) -> dict[str, float]:
@@ -234,29 +177,6 @@ def render(stats: dict[str, dict], loads: list[str]) -> str:
     return "\n".join(lines)
 
 
-def start_servers(
-    args: argparse.Namespace, stack: contextlib.ExitStack
-) -> tuple[dict[str, str], dict[str, Any]]:
-    """Each compared server's name and URL, and the splitserve clusters started here by name
-    (their CPU is counted per role); the servers started here run at --nice."""
-    from scripts.bench.launcher import LlamaServer, SplitserveServer, default_gguf, renice
-
-    urls = {f"url {u}": u for u in args.url}
-    started: dict[str, Any] = {}
-    if args.llama_server:
-        gguf = Path(args.gguf) if args.gguf else default_gguf()
-        started["llama"] = LlamaServer(args.llama_server, gguf, args.llama_threads)
-        stack.callback(started["llama"].close)
-    for flags in args.splitserve or ([] if args.url else [""]):
-        started[flags] = SplitserveServer(flags)
-        stack.callback(started[flags].close)
-    urls |= {server.name: server.url for server in started.values()}
-    if args.nice is not None:
-        renice(started, args.nice)
-    clusters = {s.name: s.cluster for s in started.values() if isinstance(s, SplitserveServer)}
-    return urls, clusters
-
-
 def _cpu(cluster: Any) -> dict[str, float]:
     """CPU seconds of this client and, for a cluster started here, of each of its roles."""
     import psutil
@@ -267,45 +187,36 @@ def _cpu(cluster: Any) -> dict[str, float]:
     return {"client": times.user + times.system} | (cluster_cpu(cluster) if cluster else {})
 
 
-def run_benchmark(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, servers: dict) -> dict:
+    """The hops of every server started (``servers``, by name) and of every --url."""
     from procs.model_store import resolve_model
     from scripts.bench.http_client import make_http, model_id
+    from scripts.bench.launcher import SplitserveServer
     from scripts.bench.peer_workload import PromptCounter, build_chats
 
     async def model_of(url: str) -> str:
         async with make_http(keepalive=False) as http:
             return await model_id(http, url)
 
+    urls = {f"url {u}": u for u in args.url} | {name: s.url for name, s in servers.items()}
+    clusters = {n: s.cluster for n, s in servers.items() if isinstance(s, SplitserveServer)}
     counter = PromptCounter(resolve_model(None))
     runs: dict[str, list] = {}
     loads: list[str] = []
-    with contextlib.ExitStack() as stack:
-        urls, clusters = start_servers(args, stack)
-        models = {n: asyncio.run(model_of(u)) for n, u in urls.items()}
-        start = 0
-        for repeat in range(args.repeats):
-            chats = build_chats(counter, args.requests, args.prompt_tokens, 10**6 + start)
-            start += len(chats)
-            for name in rotated(urls, repeat):
-                load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-                cpu0 = _cpu(clusters.get(name))
-                run = measure_run(urls[name], models[name], chats, args)
-                tokens = args.output_tokens * len(chats) * 2
-                used = {k: v - cpu0[k] for k, v in _cpu(clusters.get(name)).items()}
-                run["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in used.items()}
-                runs.setdefault(name, []).append(run)
-                loads.append(f"{name} r{repeat}: {load}")
-                progress(f"repeat {repeat} {name}: load {load}")
+    models = {n: asyncio.run(model_of(u)) for n, u in urls.items()}
+    start = 0
+    for repeat in range(args.repeats):
+        chats = build_chats(counter, args.requests, args.prompt_tokens, 10**6 + start)
+        start += len(chats)
+        for name in rotated(urls, repeat):
+            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            cpu0 = _cpu(clusters.get(name))
+            run = measure_run(urls[name], models[name], chats, args)
+            tokens = args.output_tokens * len(chats) * 2
+            used = {k: v - cpu0[k] for k, v in _cpu(clusters.get(name)).items()}
+            run["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in used.items()}
+            runs.setdefault(name, []).append(run)
+            loads.append(f"{name} r{repeat}: {load}")
+            progress(f"repeat {repeat} {name}: load {load}")
     stats = {name: summarize(r) for name, r in runs.items()}
     return {"stats": stats, "loads": loads, "runs": runs, "text": render(stats, loads)}
-
-
-def main(argv: list[str] | None = None) -> dict:
-    counts = ("requests", "prompt_tokens", "output_tokens", "repeats")
-    args = parse_checked(build_parser(), argv, lambda args: require_positive(args, *counts))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    data = run_benchmark(args)
-    print(data["text"], flush=True)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(data, indent=1))
-    return data

@@ -1,5 +1,5 @@
-"""The one HTTP streaming client of the benchmarks: streamed OpenAI completions or chat completions
-over httpx (asyncio), each request's outcome filling a RequestRecord. A token's time is when its
+"""The one HTTP streaming client of the benchmarks: streamed OpenAI chat completions over httpx
+(asyncio), each request's outcome filling a RequestRecord. A token's time is when its
 SSE chunk reaches this client, the same for every server (splitserve's frontend, llama-server).
 
 systems.HttpSystem drives it for the serving workload's HTTP mode and for the peer workload, on an
@@ -29,6 +29,9 @@ class StreamOutcome:
     finish_reason: str | None = None
     error: str | None = None
     usage: dict | None = None
+    # SSE comments (": text" lines, splitserve's path times): (how many text chunks came
+    # before it, the text after ": ")
+    comments: list[tuple[int, str]] = field(default_factory=list)
 
     def fill(self, rec: RequestRecord) -> None:
         rec.delta_times, rec.t_done = self.delta_times, self.t_done
@@ -50,35 +53,17 @@ def base_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def request_body(
-    model: str,
-    *,
-    max_tokens: int,
-    prompt: str | None = None,
-    messages: list[dict] | None = None,
-    temperature: float = 0.0,
-    ignore_eos: bool = False,
-    seed: int | None = None,
-    stop: list[str] | None = None,
-) -> tuple[str, dict]:
-    """(path, body) of a streamed request: chat completions for messages, else completions."""
-    body: dict[str, object] = {
+def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """A streamed chat completion, greedy, ``max_tokens`` tokens out (ignore_eos), with usage."""
+    return {
         "model": model,
+        "messages": messages,
         "max_tokens": max_tokens,
-        "temperature": temperature,
-        "ignore_eos": ignore_eos,
+        "temperature": 0.0,
+        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if seed is not None:
-        body["seed"] = seed
-    if stop:
-        body["stop"] = stop
-    if messages is not None:
-        body["messages"] = messages
-        return "/v1/chat/completions", body
-    body["prompt"] = prompt
-    return "/v1/completions", body
 
 
 def make_http(keepalive: bool) -> httpx.AsyncClient:
@@ -86,7 +71,7 @@ def make_http(keepalive: bool) -> httpx.AsyncClient:
     connection just as the next request goes out on it ("Server disconnected without sending a
     response"; ~1 request in 8 at one stream); a new loopback connection costs well under a
     millisecond. No retries either way: a failure must show."""
-    import httpx  # the bench extra; `splitserve bench` without an HTTP mode runs without it
+    import httpx  # the bench extra
 
     return httpx.AsyncClient(
         timeout=httpx.Timeout(600.0, connect=30.0),
@@ -102,9 +87,11 @@ async def model_id(http: httpx.AsyncClient, url: str) -> str:
     return reply.json()["data"][0]["id"]
 
 
-async def stream(http: httpx.AsyncClient, url: str, path: str, body: dict) -> StreamOutcome:
-    """Sends one streamed request and reads it to its end; never raises for the request's own
-    failure (it is the outcome's error)."""
+async def stream(
+    http: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None
+) -> StreamOutcome:
+    """Sends one streamed chat completion and reads it to its end; never raises for the
+    request's own failure (it is the outcome's error)."""
     out = StreamOutcome()
 
     async def trace(event: str, info: dict) -> None:
@@ -113,7 +100,11 @@ async def stream(http: httpx.AsyncClient, url: str, path: str, body: dict) -> St
 
     try:
         async with http.stream(
-            "POST", base_url(url) + path, json=body, extensions={"trace": trace}
+            "POST",
+            base_url(url) + "/v1/chat/completions",
+            json=body,
+            headers=headers,
+            extensions={"trace": trace},
         ) as reply:
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")
@@ -122,6 +113,8 @@ async def stream(http: httpx.AsyncClient, url: str, path: str, body: dict) -> St
                 async for line in reply.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         _take_chunk(out, json.loads(line[len("data: ") :]), time.monotonic())
+                    elif line.startswith(": "):
+                        out.comments.append((len(out.delta_times), line[2:]))
     except Exception as exc:  # noqa: BLE001 - any transport failure ends this request
         out.error = f"{type(exc).__name__}: {exc}"[:300]
     out.t_done = time.monotonic()

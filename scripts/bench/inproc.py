@@ -1,12 +1,10 @@
 """The baseline the cluster must beat: the same cores in one process, no process boundary.
 
-``submit()`` does in the caller's thread what a tokenizer worker does (the SDK's request
-building, then the tokenizer worker's RequestPreparer: chat template, encoding, validation; the
-seeds' ``add_request`` with pretok off), then hands the TokenizedRequest to one engine thread
-through a queue. The engine thread adds requests between steps, steps the Engine, and feeds each
-StepOutput to a DetokenizerCore (incremental decoding, stop strings, stream interval), handing
-its events for the step to ``deliver``. Everything shares one interpreter (and its GIL), which is
-exactly what splitserve's separate processes avoid; the cores are the ones the cluster runs.
+``submit()`` does in the caller's thread what a tokenizer worker does (the SDK's request, the
+RequestPreparer: chat template, encoding, validation), then queues the TokenizedRequest for one
+engine thread, which adds requests between steps, steps the Engine and feeds each StepOutput to
+a DetokenizerCore, handing its events to ``deliver``. Everything shares one interpreter (and its
+GIL), which is what splitserve's separate processes avoid; the cores are the cluster's own.
 """
 
 from __future__ import annotations
@@ -111,8 +109,8 @@ class InprocServer:
     # --- the caller's side ----------------------------------------------------------------------
     def pretokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
         """The prompt's token ids exactly as submit() would make them (for inproc-pretok)."""
-        result = self._prepare(
-            "pretokenize", SamplingParams(), time.monotonic(), prompt, messages, None
+        result = prepare_request(
+            self.preparer, "pretokenize", SamplingParams(), time.monotonic(), prompt, messages
         )
         if isinstance(result, RequestError):
             raise ValueError(result.message)
@@ -130,25 +128,14 @@ class InprocServer:
         """Tokenizes (or, given ids, validates them) in this thread, then queues the request for
         the engine thread. Returns t_submit (taken before tokenizing)."""
         t_submit = time.monotonic()
-        result = self._prepare(request_id, sampling, t_submit, prompt, messages, prompt_token_ids)
+        result = prepare_request(
+            self.preparer, request_id, sampling, t_submit, prompt, messages, prompt_token_ids
+        )
         if prompt_token_ids is not None and isinstance(result, TokenizedRequest):
             # Pretokenized: tokenization happened outside the timed region.
             result.meta.t_tokenize_start = result.meta.t_tokenized = t_submit
         self._inbox.put(result)
         return t_submit
-
-    def _prepare(
-        self,
-        request_id: str,
-        sampling: SamplingParams,
-        t_submit: float,
-        prompt: str | None,
-        messages: list[dict] | None,
-        prompt_token_ids: list[int] | None,
-    ) -> TokenizedRequest | RequestError:
-        return prepare_request(
-            self.preparer, request_id, sampling, t_submit, prompt, messages, prompt_token_ids
-        )
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -156,10 +143,6 @@ class InprocServer:
     def close(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=30)
-
-    @property
-    def engine_thread_id(self) -> int | None:
-        return self._thread.native_id
 
     # --- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:

@@ -6,7 +6,6 @@ each case goes first as often as the others (the first run after a switch often 
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
@@ -42,13 +41,3 @@ def best_of(cases: Mapping[K, Callable[[], float]], repeats: int) -> dict[K, flo
     """Each case's largest result (a rate) over interleaved repeats: on a shared machine the
     fastest run is the one least disturbed."""
     return {case: max(values) for case, values in interleave(cases, repeats).items()}
-
-
-def best_ms(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
-    """The shortest of ``repeats`` calls in milliseconds, and the last call's result."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3, out

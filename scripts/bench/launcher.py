@@ -3,15 +3,12 @@
 splitserve: always the supervisor as a library (``launch_cluster``), configured either by
 `splitserve launch` flags as a user types them (parsed by the CLI's own parser, so a flag means
 what it means there) or by config knobs, or both. llama.cpp: its own binaries, built from the
-pinned source by scripts/build_llama_server.sh, `llama-server` as a process serving the OpenAI API
-and `llama-bench` for its engine alone.
+pinned source by scripts/build_llama_server.sh: `llama-server` as a process serving the OpenAI API.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import os
 import re
 import shlex
@@ -106,25 +103,6 @@ def splitserve(
         **(cluster_kwargs(args) | knobs),
     ) as cluster:
         yield cluster
-
-
-class HeartbeatWarnings(logging.Handler):
-    """Counts, while installed, the supervisor's warnings of a worker silent past
-    heartbeat_timeout_s: a step long enough to starve the engine's heartbeat."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += "sent no heartbeat" in str(record.msg)
-
-    def __enter__(self) -> HeartbeatWarnings:
-        logging.getLogger("splitserve.supervisor").addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger("splitserve.supervisor").removeHandler(self)
 
 
 class SplitserveServer:
@@ -253,28 +231,6 @@ class LlamaServer:
             Path(self.log.name).unlink(missing_ok=True)
 
 
-def llama_bench(
-    binary: str,
-    gguf: str | os.PathLike,
-    threads: int,
-    prompt_tokens: list[int],
-    new_tokens: int,
-    depth: int = 0,
-) -> dict[str, float]:
-    """llama.cpp's own benchmark of its engine alone, one repetition: {"pp<N>" | "tg<M>":
-    tokens/s} (pp: a prompt of N tokens; tg: M tokens one at a time after ``depth`` in the KV
-    cache; an empty list or 0 leaves that test out)."""
-    cmd = [binary, "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", "-d", str(depth)]
-    cmd += ["-p", ",".join(map(str, prompt_tokens or [0])), "-n", str(new_tokens)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
-    return {
-        (f"pp{test['n_prompt']}" if test["n_prompt"] else f"tg{test['n_gen']}"): float(
-            test["avg_ts"]
-        )
-        for test in json.loads(out)
-    }
-
-
 def renice(servers: dict, niceness: int) -> None:
     """Every thread of every server process and of this client at ``niceness``. Linux keeps a
     niceness per thread (a thread started later inherits its starter's), so each running thread
@@ -289,10 +245,3 @@ def renice(servers: dict, niceness: int) -> None:
         autogroup = Path(f"/proc/{pid}/autogroup")
         if autogroup.exists():
             autogroup.write_text(str(niceness))
-
-
-def idle_cpu_percent(servers: dict, seconds: float = 2.0) -> dict[str, float]:
-    """Each server's CPU use while idle: a server that spins would slow the one measured."""
-    before = {name: s.cpu_seconds() for name, s in servers.items()}
-    time.sleep(seconds)
-    return {name: 100 * (s.cpu_seconds() - before[name]) / seconds for name, s in servers.items()}

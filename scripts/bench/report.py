@@ -1,4 +1,6 @@
-"""The benchmark's outputs: the text report (in the seeds' format), the JSON file, the plot."""
+"""The benchmarks' one report writer: the serving report (text in the seeds' format, and the JSON
+file), and the peer comparison (each figure's median and spread over repeats, llama.cpp at its
+best thread count per concurrency, ratios splitserve / llama.cpp, as markdown)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from scripts.bench.runner import RunResult
-from scripts.bench.stats import TTFT_PARTS, RequestRecord, ratio
-from scripts.bench.targets import SERVING_TARGETS, targets_apply
+from scripts.bench.stats import TTFT_PARTS, ratio, spread
 
 # (label, metric key prefix, unit) for the "p50/p95/p99" lines, in the seeds' order.
 PERCENTILE_LINES = (
@@ -85,26 +86,16 @@ def mode_block(mode: str, summary: dict, runs: int, arrival_kind: str) -> list[s
         if key == "submit_lag_ms" and arrival_kind == "burst":
             continue  # every request is due at t0: the lag is just the submit wall again
         lines.append(_pct_line(label, s, key, unit))
-    if s.get(f"ttft_part[{TTFT_PARTS[0][0]}]_ms_mean") is None:
-        lines.append(
-            "TTFT parts: not visible to this client (the OpenAI API carries no server timestamps)"
-        )
-    else:
-        parts = " + ".join(
-            f"{name} {_num(s.get(f'ttft_part[{name}]_ms_mean'))}" for name, _, _ in TTFT_PARTS
-        )
-        lines.append(f"TTFT parts (mean, ms): {parts} = {_num(s.get('ttft_ms_mean'))}")
+    parts = " + ".join(
+        f"{name} {_num(s.get(f'ttft_part[{name}]_ms_mean'))}" for name, _, _ in TTFT_PARTS
+    )
+    lines.append(f"TTFT parts (mean, ms): {parts} = {_num(s.get('ttft_ms_mean'))}")
     lines += [
         f"Duration: {_num(s['duration_s'], 3)} s",
         f"Request throughput: {_num(s['request_throughput_rps'])} req/s",
         f"Throughput (completion,total): {_num(s['output_throughput_tps'])}/"
         f"{_num(s['total_throughput_tps'])} tokens/s",
     ]
-    if s.get("goodput_rps") is not None:
-        lines.append(
-            f"Goodput: {_num(s['goodput_rps'])} req/s "
-            f"({100 * s['goodput_fraction']:.1f}% of requests meet every SLO)"
-        )
     cpu = {k[len("cpu_s[") : -1]: v for k, v in s.items() if k.startswith("cpu_s[")}
     if cpu:
         lines.append(
@@ -115,9 +106,7 @@ def mode_block(mode: str, summary: dict, runs: int, arrival_kind: str) -> list[s
     return lines
 
 
-def comparison_lines(
-    medians: dict[str, dict], baseline: str | None, arrival_kind: str = "burst"
-) -> list[str]:
+def comparison_lines(medians: dict[str, dict], baseline: str | None) -> list[str]:
     modes = list(medians)
     width = max(len(label) for label, _ in COMPARED) + 2
     col = max(12, *(len(m) + 2 for m in modes))
@@ -139,17 +128,6 @@ def comparison_lines(
             f"{label} {_ratio(medians[mode].get(key), base.get(key))}" for label, key in RATIO_KEYS
         )
         lines.append(f"{mode} vs {baseline}: {ratios}")
-    for mode in modes:
-        if not targets_apply(mode, baseline, arrival_kind):
-            continue
-        checks = []
-        for target in SERVING_TARGETS:
-            value, base_value = medians[mode].get(target.metric), base.get(target.metric)
-            checks.append(
-                f"{target.label} ({_ratio(value, base_value)}): "
-                f"{target.verdict(ratio(value, base_value))}"
-            )
-        lines.append(f"targets {mode} vs {baseline}: " + "; ".join(checks))
     return lines
 
 
@@ -192,7 +170,7 @@ def render(
         lines += mode_block(mode, summary, measured_runs[mode], arrival_kind)
         lines += error_lines(runs, mode)
     lines.append("")
-    lines += comparison_lines(medians, baseline, arrival_kind)
+    lines += comparison_lines(medians, baseline)
     return "\n".join(lines)
 
 
@@ -223,59 +201,124 @@ def write_json(path: str | Path, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=1, allow_nan=False))
 
 
-def load_runs(data: dict) -> list[RunResult]:
-    """The RunResults of a written JSON file (to re-summarize or re-plot a past benchmark)."""
-    return [
-        RunResult(
-            mode=r["mode"],
-            run_index=r["run_index"],
-            warmup=r["warmup"],
-            records=[RequestRecord.from_json(x) for x in r["records"]],
-            cpu_seconds=r["cpu_seconds"],
-            timed_out=r["timed_out"],
-            request_rate=r.get("request_rate") or math.inf,
-        )
-        for r in data["runs"]
+# --- the peer comparison ------------------------------------------------------------------------
+# (label, summary key, higher is better, decimals): the figures compared per concurrency.
+FIGURES = (
+    ("output tok/s", "output_throughput_tps", True, 1),
+    ("TTFT p50 (ms)", "ttft_ms_p50", False, 0),
+    ("TTFT p99 (ms)", "ttft_ms_p99", False, 0),
+    ("ITL p50 (ms)", "itl_ms_p50", False, 1),
+    ("ITL p99 (ms)", "itl_ms_p99", False, 1),
+    ("req/s", "request_throughput_rps", True, 2),
+)
+HEADLINE = "output_throughput_tps"  # what "llama.cpp at its best" maximizes
+
+
+def aggregate(summaries: list[dict]) -> dict[str, dict[str, float] | None]:
+    """Per figure of stats.summarize (plus what this module derives), its spread."""
+    derived = [dict(s, **per_request(s)) for s in summaries]
+    keys = list(dict.fromkeys(k for s in derived for k in s))
+    return {k: spread([s.get(k) for s in derived]) for k in keys}
+
+
+def per_request(summary: dict) -> dict[str, float | None]:
+    """Averages per successful request, and the server's CPU seconds per output token."""
+    ok = summary["requests"] - summary["errors"]
+    out_tokens = summary["output_tokens_total"]
+    return {
+        "prompt_tokens_mean": summary["prompt_tokens_total"] / ok if ok else None,
+        "output_tokens_mean": out_tokens / ok if ok else None,
+        "cached_tokens_mean": summary["cached_tokens_total"] / ok if ok else None,
+        "server_cpu_ms_per_token": (
+            1e3 * summary["cpu_s[server]"] / out_tokens
+            if out_tokens and "cpu_s[server]" in summary
+            else None
+        ),
+    }
+
+
+def median(stats: dict, key: str) -> float | None:
+    entry = stats.get(key)
+    return None if entry is None else entry["median"]
+
+
+def best_of(stats_by_target: dict[str, dict], targets: list[str]) -> str | None:
+    """The target with the highest median headline figure (llama.cpp at its best)."""
+    scored = [(median(stats_by_target[t], HEADLINE), t) for t in targets if t in stats_by_target]
+    scored = [(v, t) for v, t in scored if v is not None]
+    return max(scored)[1] if scored else None
+
+
+def comparison_rows(
+    stats: dict[str, dict[int, dict]], ours: str, peers: list[str], levels: list[int]
+) -> list[dict]:
+    """One row per concurrency: each figure's median ours, theirs (the best peer at that
+    concurrency) and the ratio ours / theirs."""
+    rows = []
+    for level in levels:
+        at_level = {t: stats[t][level] for t in [ours, *peers] if level in stats.get(t, {})}
+        peer = best_of(at_level, peers)
+        row: dict = {"concurrency": level, "peer": peer, "figures": {}}
+        for _label, key, higher, _ in FIGURES:
+            a = median(at_level.get(ours, {}), key)
+            b = median(at_level[peer], key) if peer else None
+            row["figures"][key] = dict(ours=a, theirs=b, ratio=ratio(a, b), higher_is_better=higher)
+        rows.append(row)
+    return rows
+
+
+def markdown_comparison(rows: list[dict], ours: str, peer_label: str = "llama.cpp") -> str:
+    head = ["streams", *[label for label, *_ in FIGURES], "llama.cpp at its best"]
+    lines = [
+        f"**{ours}** / {peer_label} (medians; each cell ours / theirs = ratio; "
+        "TTFT and ITL: lower is better)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
     ]
+    for row in rows:
+        cells = [str(row["concurrency"])]
+        for _, key, _, decimals in FIGURES:
+            f = row["figures"][key]
+            cells.append(
+                f"{_num(f['ours'], decimals)} / {_num(f['theirs'], decimals)} = "
+                f"{_ratio(f['ours'], f['theirs'])}"
+            )
+        cells.append(row["peer"] or "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
-# --- plot ---------------------------------------------------------------------------------------
-def plot(path: str | Path, runs: list[RunResult], medians: dict[str, dict]) -> None:
-    """Left: TTFT CDF per mode (all measured runs pooled). Right: mean TTFT split into its
-    parts, stacked, per mode."""
-    import matplotlib
+# (label, figure, decimals): the per-request medians of the all-servers table.
+ALL_COLUMNS = (
+    ("TTFT p50 (ms)", "ttft_ms_p50", 0),
+    ("ITL p50 (ms)", "itl_ms_p50", 1),
+    ("req/s", "request_throughput_rps", 2),
+    ("prompt tok/req", "prompt_tokens_mean", 1),
+    ("output tok/req", "output_tokens_mean", 1),
+    ("cached tok/req", "cached_tokens_mean", 1),
+    ("server CPU ms/token", "server_cpu_ms_per_token", 1),
+)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
 
-    modes = list(medians)
-    fig, (ax_cdf, ax_bar) = plt.subplots(1, 2, figsize=(13, 5))
-    for mode in modes:
-        ttft = np.sort(
-            [
-                rec.ttft * 1e3
-                for r in runs
-                if r.mode == mode and not r.warmup
-                for rec in r.records
-                if rec.ok
-            ]
-        )
-        if ttft.size:
-            ax_cdf.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=mode)
-    ax_cdf.set_xlabel("TTFT (ms)")
-    ax_cdf.set_ylabel("fraction of requests")
-    ax_cdf.set_title("TTFT CDF")
-    ax_cdf.grid(alpha=0.3)
-    ax_cdf.legend()
-    bottom = np.zeros(len(modes))
-    for name, _, _ in TTFT_PARTS:
-        values = np.array([medians[m].get(f"ttft_part[{name}]_ms_mean") or 0.0 for m in modes])
-        ax_bar.bar(modes, values, bottom=bottom, label=name)
-        bottom += values
-    ax_bar.set_ylabel("mean TTFT (ms)")
-    ax_bar.set_title("where TTFT goes (means, median over runs)")
-    ax_bar.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def markdown_all(stats: dict[str, dict[int, dict]], levels: list[int]) -> str:
+    """Every target at every concurrency: median [min-max] of the headline figures, and what
+    each request really was (tokens in and out, from the server's usage)."""
+    head = ["target", "streams", "output tok/s median [min-max]"]
+    head += [label for label, _, _ in ALL_COLUMNS] + ["errors", "runs"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for target, by_level in stats.items():
+        for level in [level for level in levels if level in by_level]:
+            s = by_level[level]
+            tput = s.get(HEADLINE)
+            cells = [target, str(level)]
+            cells.append(
+                "n/a"
+                if tput is None
+                else f"{tput['median']:.1f} [{tput['min']:.1f}-{tput['max']:.1f}]"
+            )
+            cells += [_num(median(s, key), decimals) for _, key, decimals in ALL_COLUMNS]
+            cells += [_num(s["errors"]["max"] if s.get("errors") else None, 0)]
+            cells += [str(tput["n"] if tput else 0)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -36,12 +36,10 @@ class SystemUnderTest(Protocol):
 
 
 class EventCollector:
-    """Fills in the run's records as requests progress and counts them down.
-
-    Two ways in: ``deliver(events)`` for a system that produces raw StreamEvents (the in-process
-    server; one collector thread stamps them where a real client would receive them), and
-    ``complete(request_id, fill)`` for a system whose client already holds the whole outcome
-    with its own receive stamps (the cluster SDK's GenerationResult)."""
+    """Fills in the run's records as requests progress and counts them down: ``deliver(events)``
+    for raw StreamEvents (the in-process server; a collector thread stamps them as a client
+    would receive them), ``complete(request_id, fill)`` for an outcome a client already holds
+    with its own receive stamps (the cluster SDK's, the HTTP client's)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -152,7 +150,6 @@ class RunResult:
 class RunOptions:
     max_concurrency: int = 0  # 0: unlimited
     request_timeout_s: float = 600.0  # for the whole run after the last submit
-    progress: bool = True
 
 
 def run_once(
@@ -179,15 +176,10 @@ def run_once(
     limiter = (
         threading.BoundedSemaphore(options.max_concurrency) if options.max_concurrency > 0 else None
     )
-    bar = _progress(
-        len(requests), f"{mode} run {run_index}{' (warmup)' if warmup else ''}", options.progress
-    )
 
     def on_done(_rec: RequestRecord) -> None:
         if limiter is not None:
             limiter.release()
-        if bar is not None:
-            bar.update(1)
 
     all_done = collector.expect(records, on_done)
     cpu_before = system.cpu_seconds()
@@ -203,8 +195,6 @@ def run_once(
     if not all_done.wait(options.request_timeout_s):
         timed_out = _give_up(system, collector, records)
     cpu_after = system.cpu_seconds()
-    if bar is not None:
-        bar.close()
     # Clock-tick rounding can make a near-idle role's difference a hair below zero.
     cpu = {role: max(0.0, cpu_after[role] - cpu_before.get(role, 0.0)) for role in cpu_after}
     return RunResult(
@@ -230,15 +220,10 @@ def _submit_all(
     offsets = arrival.offsets_s(len(requests))
     t0 = time.monotonic()
     for i, (rid, request) in enumerate(zip(records, requests)):
-        if arrival.relative:
-            if i:
-                time.sleep(arrival.submit_interval_ms / 1e3)
-            planned = time.monotonic()
-        else:
-            planned = t0 + offsets[i]
-            delay = planned - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+        planned = t0 + offsets[i]
+        delay = planned - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
         if limiter is not None:
             limiter.acquire()
         rec = records[rid]
@@ -267,11 +252,3 @@ def _give_up(
         system.abort(rid)
         collector.complete(rid, fail("timed out (--request-timeout-s)", "abort"))
     return len(late)
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True)

@@ -1,5 +1,4 @@
-"""serving: splitserve's cluster against a single-process baseline, one workload (also what
-`splitserve bench` runs).
+"""serving: splitserve's cluster against a single-process baseline, one workload.
 
     python -m scripts.bench serving --num-requests 256 --prompt-tokens 256 --unique-prompts \\
         --max-new-tokens 1 --modes inproc,inproc-pretok,cluster
@@ -11,7 +10,6 @@ Modes (compared in one invocation, runs interleaved so machine drift hits all al
   cluster         splitserve: tokenizer worker processes, one engine process, a detokenizer
                   process, driven through the client SDK; --tokenizer-workers 1,2 sweeps
                   (modes cluster-tw1, cluster-tw2)
-  http            the cluster through its OpenAI frontend (or --endpoint URL), streamed
 A list of --request-rate values sweeps open-loop Poisson arrivals and reports the highest rate
 each mode sustains; --fast-engine swaps the model for one whose steps cost milliseconds, so
 tokenization weighs in TTFT as it does in front of a GPU (scripts/bench/fast_engine.py).
@@ -39,14 +37,8 @@ from scripts.bench.fast_engine import (
 from scripts.bench.interleave import rotated
 from scripts.bench.options import BASE_MODES, serving_parser
 from scripts.bench.runner import EventCollector, RunOptions, run_once
-from scripts.bench.stats import median_summary, parse_goodput, summarize
-from scripts.bench.sweep import (
-    parse_rates,
-    plot_sweep,
-    requests_at,
-    sweep_lines,
-    sweep_target_lines,
-)
+from scripts.bench.stats import median_summary, summarize
+from scripts.bench.sweep import parse_rates, requests_at, sweep_lines
 from scripts.bench.workloads import ArrivalSpec, WorkloadSpec, build_workload, salt_requests
 
 
@@ -81,14 +73,7 @@ def workload_kv_tokens(args: argparse.Namespace, requests, tokenizer) -> int:
     """A KV pool sized for this workload: every decode slot holding the longest request, twice
     over (room for the prefix cache). The engine's own CPU default sizes from free memory, and
     several engines at once (one per mode) would then take most of the machine."""
-    longest_prompt = max(
-        len(
-            tokenizer.encode(
-                r.prompt if r.prompt is not None else "\n".join(m["content"] for m in r.messages)
-            ).ids
-        )
-        for r in requests
-    )
+    longest_prompt = max(len(tokenizer.encode(r.prompt).ids) for r in requests)
     longest = longest_prompt + 64 + max(r.max_tokens for r in requests)  # 64: run tag, template
     tokens = 2 * min(args.max_batch_size, len(requests)) * longest
     return -(-tokens // args.block_size) * args.block_size
@@ -121,7 +106,7 @@ def make_systems(
     stack: contextlib.ExitStack,
 ) -> dict:
     """One system under test per mode; the inproc modes share one in-process server."""
-    from scripts.bench.systems import ClusterSystem, HttpSystem, InprocServer, InprocSystem
+    from scripts.bench.systems import ClusterSystem, InprocServer, InprocSystem
 
     def cluster_knobs(workers: int) -> dict:
         return engine_knobs(args) | {
@@ -133,23 +118,11 @@ def make_systems(
 
     systems, server = {}, None
     for mode in modes:
-        if mode == "http":
-            workers = args.tokenizer_workers[0]
-            systems[mode] = HttpSystem(
-                mode,
-                collector,
-                endpoint=args.endpoint,
-                model_path=model_path,
-                tokenizer_workers=workers,
-                cluster_knobs=cluster_knobs(workers),
-            )
-        elif mode.startswith("cluster-tw"):
+        if mode.startswith("cluster-tw"):
             workers = int(mode[len("cluster-tw") :])
             knobs = cluster_knobs(workers)
             poll_s = 0.001 if args.max_concurrency else 0.02
-            systems[mode] = ClusterSystem(
-                mode, model_path, workers, knobs, collector, poll_s, args.client_submit_hwm or None
-            )
+            systems[mode] = ClusterSystem(mode, model_path, workers, knobs, collector, poll_s)
         else:
             if server is None:
                 server = InprocServer(
@@ -175,18 +148,11 @@ def describe_setup(
     from procs.thread_budget import available_cpus
 
     w = workload
-    prompts = {
-        "synthetic": f"synthetic, ~{w.prompt_tokens} tokens",
-        "literal": f"literal --prompt ({len(w.prompt_text or '')} characters)",
-        "shared-prefix": f"shared prefix of ~{w.shared_prefix_tokens} tokens + "
-        f"~{w.prompt_tokens} tokens of its own",
-    }.get(w.source, w.source)
-    if w.prompt_tokens_range_ratio and w.jsonl_path is None:
-        prompts += f" (range ratio {w.prompt_tokens_range_ratio:g})"
+    prompts = f"synthetic, ~{w.prompt_tokens} tokens"
+    if w.shared_prefix_tokens:
+        prompts = f"a shared prefix of ~{w.shared_prefix_tokens} tokens + {prompts} of its own"
     return {
         "Model": model_path,
-        "Device": args.device if args.device != "auto" else _auto_device(),
-        "Dtype": args.dtype,
         "Host CPUs": available_cpus(),
         "Modes": ", ".join(modes),
         "Mode details": {
@@ -194,11 +160,10 @@ def describe_setup(
         },
         "Requests": w.num_requests,
         "Prompts": prompts,
-        "Unique prompts": w.unique_prompts or w.source == "shared-prefix",
+        "Unique prompts": w.unique_prompts or w.shared_prefix_tokens > 0,
         "Max new tokens": w.max_new_tokens,
         "Ignore EOS": args.ignore_eos,
         "Temperature": args.temperature,
-        "Stop strings": args.stop or "none",
         "Arrival": arrival.describe(),
         "Max concurrency": args.max_concurrency or "unlimited",
         # Every engine knob, as the engine got it (threads: per mode, in "Mode details").
@@ -209,14 +174,7 @@ def describe_setup(
         f"requests) + {args.repeats} measured per mode, interleaved; "
         f"medians reported; run tag {'off' if args.no_run_tag else 'on'}; "
         "driver GC paused while submitting",
-        "Goodput SLOs (ms)": args.goodput_slos or "none",
     }
-
-
-def _auto_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def specs_of(args: argparse.Namespace, num_requests: int, rate: float):
@@ -225,20 +183,11 @@ def specs_of(args: argparse.Namespace, num_requests: int, rate: float):
         num_requests=num_requests,
         max_new_tokens=args.max_new_tokens,
         prompt_tokens=args.prompt_tokens,
-        prompt_tokens_range_ratio=args.prompt_tokens_range_ratio,
-        prompt_text=args.prompt,
         unique_prompts=args.unique_prompts,
         shared_prefix_tokens=args.shared_prefix_tokens,
-        jsonl_path=args.dataset_jsonl,
         seed=args.seed,
     )
-    arrival = ArrivalSpec(
-        submit_interval_ms=args.submit_interval_ms,
-        submit_schedule=args.submit_schedule,
-        request_rate=rate,
-        burstiness=args.burstiness,
-        seed=args.seed,
-    )
+    arrival = ArrivalSpec(request_rate=rate, seed=args.seed)
     return workload, arrival
 
 
@@ -251,7 +200,6 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     if args.fast_engine and args.model:
         raise ValueError("give either --model or --fast-engine, not both")
     modes = expand_modes(args.modes, args.tokenizer_workers)
-    args.goodput_slos = parse_goodput(args.goodput)
     rates = parse_rates(args.request_rate)
     counts = {rate: requests_at(rate, args.duration_s, args.num_requests) for rate in rates}
     workload, arrival = specs_of(args, max(counts.values()), rates[0])
@@ -278,13 +226,10 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     if calibration is not None:
         setup["Fast engine"] = (
             f"{FAST_ENGINE_LAYERS} layers, hidden size "
-            f"{FAST_ENGINE_HIDDEN_SIZE}, random weights; " + calibration.describe()
+            f"{FAST_ENGINE_HIDDEN_SIZE}, random weights; " + calibration
         )
     if len(rates) > 1:
-        setup["Arrival"] = (
-            f"Poisson-like (gamma gaps, burstiness {args.burstiness:g}) at each "
-            f"of {', '.join(f'{r:g}' for r in rates)} req/s, absolute schedule"
-        )
+        setup["Arrival"] = f"Poisson at each of {', '.join(f'{r:g}' for r in rates)} req/s"
         setup["Requests"] = ", ".join(f"{counts[r]} at {r:g} req/s" for r in rates)
         return _sweep_document(args, modes, rates, setup, runs, summaries)
 
@@ -305,11 +250,7 @@ def _run_rounds(args, modes, systems, collector, requests, arrival, counts):
     """Warmup rounds (the first rate), then measured rounds: each round every rate, each rate
     every mode, interleaved so machine drift hits all alike (the modes' order rotates each
     measured round)."""
-    options = RunOptions(
-        max_concurrency=args.max_concurrency,
-        request_timeout_s=args.request_timeout_s,
-        progress=not args.no_progress,
-    )
+    options = RunOptions(args.max_concurrency, args.request_timeout_s)
 
     def sampling_for(request) -> SamplingParams:
         return SamplingParams(
@@ -317,7 +258,6 @@ def _run_rounds(args, modes, systems, collector, requests, arrival, counts):
             temperature=args.temperature,
             ignore_eos=args.ignore_eos,
             seed=args.seed,
-            stop=list(args.stop),
         )
 
     runs, summaries = [], []
@@ -343,7 +283,7 @@ def _run_rounds(args, modes, systems, collector, requests, arrival, counts):
                     warmup=warmup,
                 )
                 runs.append(result)
-                summaries.append(summarize(result.records, result.cpu_seconds, args.goodput_slos))
+                summaries.append(summarize(result.records, result.cpu_seconds))
     return runs, summaries
 
 
@@ -366,11 +306,7 @@ def _sweep_document(args, modes, rates, setup, runs, summaries) -> dict:
         mode: {f"{rate:g}": s for rate, s in by_rate.items()} for mode, by_rate in sweep.items()
     }
     data["text"] = "\n".join(
-        report.header_lines(setup)
-        + [""]
-        + sweep_lines(sweep, args.slo_ttft_p99_ms)
-        + [""]
-        + sweep_target_lines(sweep, args.slo_ttft_p99_ms, modes[0])
+        report.header_lines(setup) + [""] + sweep_lines(sweep, args.slo_ttft_p99_ms)
     )
     return data
 
@@ -383,20 +319,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json_path:
         report.write_json(args.json_path, data)
         print(f"wrote {args.json_path}")
-    if args.plot_path and "sweep" in data:
-        plot_sweep(
-            args.plot_path,
-            {
-                mode: {float(r): v for r, v in by_rate.items()}
-                for mode, by_rate in data["sweep"].items()
-            },
-            args.slo_ttft_p99_ms,
-            title=f"~{args.prompt_tokens}-token prompts",
-        )
-        print(f"wrote {args.plot_path}")
-    elif args.plot_path:
-        report.plot(args.plot_path, report.load_runs(data), data["medians"])
-        print(f"wrote {args.plot_path}")
     return data
 
 

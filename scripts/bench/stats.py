@@ -1,14 +1,11 @@
 """The benchmark's statistics, in one place: per-request timestamps (``RequestRecord``) and the
-summary of a run, percentiles, medians over repeats, spreads, ratios.
-
-Every timestamp is ``time.monotonic()`` seconds: on Linux that clock is system-wide, so stamps
-taken in the tokenizer, engine and detokenizer processes compare directly with the client's.
+summary of a run, percentiles, medians over repeats, spreads, ratios. Every timestamp is
+``time.monotonic()`` seconds, system-wide on Linux: every process's stamps compare directly.
 
 Conventions (vLLM's ``bench serve``):
 - TTFT = first text delta received by the client - t_submit (the client's own clock).
 - TPOT per request = (latency - TTFT) / (output_tokens - 1); one-token outputs have none.
 - ITL = gaps between consecutive deltas received by one request, pooled over all requests.
-- Goodput = requests meeting every SLO / benchmark duration.
 TTFT is split into four parts that add up to it exactly:
   submit->tokenized, tokenized->scheduled (queue wait), scheduled->first token (prefill),
   first token->client (detokenize + transport).
@@ -22,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 PERCENTILES = (50, 95, 99)
-SLO_METRICS = ("ttft", "tpot", "itl", "e2el")  # the --goodput keys, each in ms
 
 # TTFT's parts: (name, from-stamp, to-stamp). They tile [t_submit, t_first_delta].
 TTFT_PARTS = (
@@ -108,35 +104,7 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | No
     return {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}
 
 
-def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
-    slos = {}
-    for item in items or []:
-        key, sep, value = item.partition(":")
-        if not sep or key not in SLO_METRICS:
-            raise ValueError(f"--goodput takes KEY:MS with KEY in {SLO_METRICS}, got {item!r}")
-        ms = float(value)
-        if not ms > 0:
-            raise ValueError(f"--goodput {key} must be > 0 ms, got {value}")
-        slos[key] = ms
-    return slos
-
-
-def _meets(rec: RequestRecord, slos: dict[str, float]) -> bool:
-    values_ms = {
-        "ttft": [rec.ttft * 1e3],
-        "e2el": [rec.latency * 1e3],
-        "tpot": [] if rec.tpot is None else [rec.tpot * 1e3],
-        "itl": [x * 1e3 for x in rec.itls],
-    }
-    return rec.ok and all(v <= limit for key, limit in slos.items() for v in values_ms[key])
-
-
-def summarize(
-    records: list[RequestRecord],
-    cpu_seconds: dict[str, float],
-    slos: dict[str, float] | None = None,
-) -> dict[str, float | None]:
+def summarize(records: list[RequestRecord], cpu_seconds: dict[str, float]) -> dict:
     """One run's metrics as a flat {name: value} dict; times in ms unless the name says _s."""
     ok = [r for r in records if r.ok]
     out: dict[str, float | None] = {
@@ -185,10 +153,6 @@ def summarize(
         if duration > 0
         else None
     )
-    if slos:
-        good = sum(1 for r in records if _meets(r, slos))
-        out["goodput_rps"] = good / duration if duration > 0 else None
-        out["goodput_fraction"] = good / len(records)
     for role, seconds in cpu_seconds.items():
         out[f"cpu_s[{role}]"] = seconds
     return out

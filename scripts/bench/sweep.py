@@ -1,28 +1,17 @@
 """Open-loop load at a sweep of request rates: which rate each mode sustains, and the curves.
 
-At each offered rate the requests arrive on a Poisson schedule whatever the system does (open
-loop); TTFT is counted from the planned arrival, so a submitter that falls behind (the in-process
-baseline tokenizing in its caller's thread) shows its backlog as latency, as a real client's
-request would wait in a socket queue.
-
-A finite run cannot prove a rate is sustainable forever, so "sustains" is decided from what a run
-of several seconds can show:
-  - every request succeeded;
-  - TTFT p99 (from arrival) is within the SLO: an engine that falls behind by a fraction e of the
-    offered load accumulates a backlog of e x the run's length, which breaks any SLO shorter than
-    that well before the run ends;
-  - requests completed at >= 95% of the rate they arrived at, both measured over the run's own
-    span (first to last arrival, first to last completion), so the latency of the first and last
-    requests does not count against it.
-The highest sustainable rate of a mode is the highest swept rate that it sustains together with
-every lower swept rate (a noisy pass above a failure does not count).
+Requests arrive on a Poisson schedule whatever the system does (open loop); TTFT counts from
+the planned arrival, so a submitter that falls behind (the in-process baseline tokenizing in its
+caller's thread) shows its backlog as latency, as a socket queue would. A mode sustains a rate
+when every request succeeded, TTFT p99 is within the SLO (falling behind by a fraction e of the
+load builds a backlog of e x the run's length, which breaks the SLO well before the run ends),
+and requests completed at >= 95% of the rate they arrived at, both over the run's own span.
+Its highest sustainable rate is the highest it sustains with every lower one swept.
 """
 
 from __future__ import annotations
 
 import math
-
-from scripts.bench.targets import SUBMIT_P99_MAX_MS, SWEEP_RATE_RATIO, sweep_targets_apply
 
 SUSTAIN_THROUGHPUT_FRACTION = 0.95
 
@@ -72,11 +61,6 @@ def highest_sustained(by_rate: dict[float, dict], slo_ttft_p99_ms: float) -> flo
             break
         best = rate
     return best
-
-
-def nearest_at_or_below(rates: list[float], target: float) -> float | None:
-    below = [r for r in rates if r <= target * (1 + 1e-9)]
-    return max(below) if below else None
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -131,107 +115,3 @@ def sweep_lines(sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float) -> 
 
 def _rate(rate: float | None) -> str:
     return "below the lowest rate swept" if rate is None else f"{rate:g}"
-
-
-def sweep_target_lines(
-    sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float, baseline: str
-) -> list[str]:
-    """The sweep's targets for every cluster mode against the baseline (targets.py)."""
-    if baseline not in sweep:
-        return []
-    rates = sorted(sweep[baseline])
-    base_best = highest_sustained(sweep[baseline], slo_ttft_p99_ms)
-    half = nearest_at_or_below(rates, base_best / 2) if base_best is not None else None
-    lines = []
-    for mode, by_rate in sweep.items():
-        if mode == baseline:
-            continue
-        worst_submit = max((s.get("submit_latency_ms_p99") or 0.0) for s in by_rate.values())
-        worst_cpu = max((s.get("submit_cpu_ms_p99") or 0.0) for s in by_rate.values())
-        submit = (
-            f"submit p99 < {SUBMIT_P99_MAX_MS * 1e3:g} us at every rate (worst "
-            f"{worst_submit * 1e3:.1f} us; its CPU time {worst_cpu * 1e3:.1f} us): "
-            f"{'met' if worst_submit < SUBMIT_P99_MAX_MS else 'MISSED'}"
-        )
-        if not sweep_targets_apply(mode):
-            lines.append(f"{mode}: {submit} (reported beside the SDK's, not a target)")
-            continue
-        best = highest_sustained(by_rate, slo_ttft_p99_ms)
-        checks = []
-        if base_best is None or best is None:
-            checks.append(
-                f"highest sustainable rate >= {SWEEP_RATE_RATIO:g}x {baseline}'s: "
-                f"n/a ({_rate(best)} vs {_rate(base_best)})"
-            )
-        else:
-            ratio = best / base_best
-            checks.append(
-                f"highest sustainable rate >= {SWEEP_RATE_RATIO:g}x {baseline}'s "
-                f"({best:g} / {base_best:g} = {ratio:.2f}x): "
-                f"{'met' if ratio >= SWEEP_RATE_RATIO else 'MISSED'}"
-            )
-        if half is None:
-            checks.append(f"TTFT p50 at half of {baseline}'s saturation rate: n/a")
-        else:
-            ours = by_rate.get(half, {}).get("ttft_from_arrival_ms_p50")
-            theirs = sweep[baseline][half].get("ttft_from_arrival_ms_p50")
-            verdict = (
-                "n/a" if ours is None or theirs is None else ("met" if ours <= theirs else "MISSED")
-            )
-            checks.append(
-                f"TTFT p50 at {half:g} req/s (half of {baseline}'s {base_best:g}) no "
-                f"worse ({_ms(ours)} vs {_ms(theirs)} ms): {verdict}"
-            )
-        lines.append(f"targets {mode} vs {baseline}: " + "; ".join(checks + [submit]))
-    return lines
-
-
-# --- the plot -----------------------------------------------------------------------------------
-def plot_sweep(
-    path, sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float, title: str = ""
-) -> None:
-    """Left: TTFT p99 (solid) and p50 (dotted) against offered rate, per mode, with the SLO.
-    Right: submit latency p99 against offered rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_ttft, ax_submit) = plt.subplots(1, 2, figsize=(13, 5))
-    for mode, by_rate in sweep.items():
-        rates = sorted(by_rate)
-        (line,) = ax_ttft.plot(
-            rates,
-            [by_rate[r].get("ttft_from_arrival_ms_p99") for r in rates],
-            marker="o",
-            label=f"{mode} p99",
-        )
-        ax_ttft.plot(
-            rates,
-            [by_rate[r].get("ttft_from_arrival_ms_p50") for r in rates],
-            linestyle=":",
-            color=line.get_color(),
-            label=f"{mode} p50",
-        )
-        ax_submit.plot(
-            rates,
-            [(by_rate[r].get("submit_latency_ms_p99") or 0) * 1e3 for r in rates],
-            marker="o",
-            label=mode,
-        )
-    ax_ttft.axhline(slo_ttft_p99_ms, color="grey", linestyle="--", label="SLO (p99)")
-    ax_ttft.set_yscale("log")
-    ax_ttft.set_xlabel("offered rate (req/s)")
-    ax_ttft.set_ylabel("TTFT from arrival (ms)")
-    ax_ttft.set_title("TTFT vs offered rate" + (f" ({title})" if title else ""))
-    ax_ttft.grid(alpha=0.3, which="both")
-    ax_ttft.legend(fontsize=8)
-    ax_submit.set_yscale("log")
-    ax_submit.set_xlabel("offered rate (req/s)")
-    ax_submit.set_ylabel("submit latency p99 (us)")
-    ax_submit.set_title("submit() latency p99")
-    ax_submit.grid(alpha=0.3, which="both")
-    ax_submit.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -1,6 +1,6 @@
-"""The systems the serving workload compares, behind one small interface
-(scripts.bench.runner.SystemUnderTest): the in-process baseline, the cluster through the SDK, and
-the cluster through its OpenAI frontend."""
+"""The systems the benchmarks drive, behind one small interface
+(scripts.bench.runner.SystemUnderTest): the in-process baseline and the cluster through the SDK
+(the serving workload), and an OpenAI-compatible HTTP server (the peer workload)."""
 
 from __future__ import annotations
 
@@ -23,11 +23,9 @@ from scripts.bench.workloads import BenchRequest
 
 
 class InprocSystem:
-    """One process: the driver's main thread submits (tokenizing unless pretok), one engine
-    thread steps and detokenizes, with the cluster's own cores. inproc and inproc-pretok share
-    one InprocServer (they differ only in the submit path). CPU roles: "client" is the
-    submitting and collecting threads (including tokenization when not pretok), "engine" the
-    rest of the process (the engine thread, torch's worker threads, detokenization)."""
+    """One process: the main thread submits (tokenizing unless pretok), one engine thread steps
+    and detokenizes; inproc and inproc-pretok share one InprocServer. CPU roles: "client" is the
+    submitting and collecting threads (tokenization too unless pretok), "engine" the rest."""
 
     def __init__(
         self, name: str, server: InprocServer, collector: EventCollector, pretok: bool
@@ -77,12 +75,9 @@ class InprocSystem:
 
 
 class ClusterSystem:
-    """The disaggregated cluster (supervisor as a library) driven through the sync client SDK.
-
-    The SDK stamps every delta's receive time in its own receiver thread; a watcher thread here
-    notices finished handles (``done``) and copies their deltas into the run's records. CPU roles
-    are processes: each tokenizer worker, the engine, the detokenizer, and this process (client).
-    """
+    """The cluster (the supervisor as a library) through the sync client SDK, which stamps every
+    delta's receive time; a watcher thread copies finished handles' deltas into the records. CPU
+    roles are processes: the tokenizer workers, the engine, the detokenizer, this one (client)."""
 
     def __init__(
         self,
@@ -92,10 +87,9 @@ class ClusterSystem:
         cluster_knobs: dict,
         collector: EventCollector,
         poll_s: float,
-        submit_hwm: int | None,
     ) -> None:
-        """poll_s: how often the watcher looks for finished handles. Only the progress bar and
-        --max-concurrency wait on it (the timestamps are the SDK's own); each wake-up takes the
+        """poll_s: how often the watcher looks for finished handles. Only --max-concurrency
+        waits on it (the timestamps are the SDK's own); each wake-up takes the
         GIL from the submitting thread, so poll slowly unless a concurrency cap needs it."""
         from ipc.client import Client
 
@@ -109,10 +103,7 @@ class ClusterSystem:
                     model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs
                 )
             )
-            self.client = self._stack.enter_context(
-                Client(self.cluster.client_addr, submit_hwm=submit_hwm)
-            )
-            self._submit_hwm = submit_hwm
+            self.client = self._stack.enter_context(Client(self.cluster.client_addr))
         except BaseException:
             self._stack.close()
             raise
@@ -128,7 +119,6 @@ class ClusterSystem:
             f"{c.tokenizer_threads} thread(s)",
             "engine_threads": c.engine.engine_threads,
             "stream_interval_tokens": c.stream_interval_tokens,
-            "client submit_hwm": self._submit_hwm or "SDK default (cluster admission bound)",
         }
 
     def prepare(self, requests: list[BenchRequest]) -> None:
@@ -206,41 +196,16 @@ def _fill(rec: RequestRecord, deltas: list) -> None:
 
 
 class HttpSystem:
-    """The OpenAI-compatible HTTP frontend, driven the way an HTTP user drives it: streamed
-    ``/v1/completions`` (or ``/v1/chat/completions`` for chat prompts) from the benchmarks' one
-    HTTP client, on an event-loop thread of its own. ``submit`` hands the request to that loop
-    and returns; a delta's receive time is stamped when its SSE chunk is parsed.
-
-    Either launches its own cluster with a frontend (mode ``http``), or drives a frontend that is
-    already serving (``--endpoint URL``; its processes are not ours, so only the client's CPU time
-    is known). The OpenAI API carries no server timestamps: TTFT and the latencies are measured,
-    TTFT's parts are not."""
+    """An OpenAI-compatible HTTP server (splitserve's frontend, llama-server) driven with streamed
+    chat completions from the benchmarks' one HTTP client on an event-loop thread of its own;
+    a delta's receive time is stamped when its SSE chunk is parsed. The API carries no server
+    timestamps (TTFT's parts are not known), and only the client's CPU time is known."""
 
     def __init__(
-        self,
-        name: str,
-        collector: EventCollector,
-        *,
-        endpoint: str | None = None,
-        model_path: str | None = None,
-        tokenizer_workers: int = 1,
-        cluster_knobs: dict | None = None,
-        keepalive: bool = True,
+        self, name: str, collector: EventCollector, endpoint: str, keepalive: bool = True
     ) -> None:
         self.name = name
         self._collector = collector
-        self._stack = contextlib.ExitStack()
-        self.cluster = None
-        if endpoint is None:
-            self.cluster = self._stack.enter_context(
-                launcher.splitserve(
-                    model_path,
-                    http=True,
-                    tokenizer_workers=tokenizer_workers,
-                    **(cluster_knobs or {}),
-                )
-            )
-            endpoint = self.cluster.http_url
         self.url = http_client.base_url(endpoint)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -262,42 +227,17 @@ class HttpSystem:
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def describe(self) -> dict[str, object]:
-        out: dict[str, object] = {
-            "endpoint": self.url,
-            "client": "httpx.AsyncClient, SSE",
-            "submit latency": "until the request body is written to the "
-            "connection (httpcore trace)",
-        }
-        if self.cluster is not None:
-            c = self.cluster.config
-            out["tokenize"] = (
-                f"{c.tokenizer_workers} tokenizer worker process(es) x "
-                f"{c.tokenizer_threads} thread(s)"
-            )
-            out["engine_threads"] = c.engine.engine_threads
-        return out
-
     def prepare(self, requests: list[BenchRequest]) -> None:
         pass
 
     def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
-        path, body = http_client.request_body(
-            self.model,
-            max_tokens=sampling.max_tokens,
-            prompt=request.prompt,
-            messages=request.messages,
-            temperature=sampling.temperature,
-            ignore_eos=sampling.ignore_eos,
-            seed=sampling.seed,
-            stop=sampling.stop,
-        )
+        body = http_client.chat_body(self.model, request.messages or [], sampling.max_tokens)
         self._tasks[request_id] = asyncio.run_coroutine_threadsafe(
-            self._one(request_id, path, body), self._loop
+            self._one(request_id, body), self._loop
         )
 
-    async def _one(self, request_id: str, path: str, body: dict) -> None:
-        outcome = await http_client.stream(self._http, self.url, path, body)
+    async def _one(self, request_id: str, body: dict) -> None:
+        outcome = await http_client.stream(self._http, self.url, body)
         self._tasks.pop(request_id, None)
         self._collector.complete(request_id, outcome.fill)
 
@@ -307,10 +247,7 @@ class HttpSystem:
             task.cancel()  # closes the connection: the frontend aborts it in the engine
 
     def cpu_seconds(self) -> dict[str, float]:
-        out = {"client": cpu_of([os.getpid()])}
-        if self.cluster is not None:
-            out |= cluster_cpu(self.cluster)
-        return out
+        return {"client": cpu_of([os.getpid()])}
 
     def close(self) -> None:
         if getattr(self, "_http", None) is not None:
@@ -318,4 +255,3 @@ class HttpSystem:
             self._http = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
-        self._stack.close()

@@ -11,7 +11,7 @@ import torch
 from engine_worker.engine import Engine
 from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
-from scripts.bench.chat_prompts import chat_prompt_ids
+from tests.chat_prompts import chat_prompt_ids
 from tests.engine_worker.helpers import collect, greedy
 
 pytestmark = pytest.mark.slow

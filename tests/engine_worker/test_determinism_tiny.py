@@ -13,9 +13,71 @@ import pytest
 import torch
 
 from engine_worker.engine import Engine
+from engine_worker.request import EngineRequest
+from engine_worker.sampler import RequestSampler
 from ipc.engine_config import EngineConfig
-from scripts.bench.engine_determinism import first_token_paths, run_plan
-from scripts.bench.tiny_model import make_tiny_model
+from ipc.messages import SamplingParams
+from tests.tiny_model import make_tiny_model
+
+Plan = list[tuple[list[int], list[int], int]]  # per request: tokens, chunk sizes, prompt length
+
+
+def run_plan(engine: Engine, plan: Plan) -> list[torch.Tensor]:
+    """Step s computes chunk s of every request that has one; per request, the logits after
+    each of its chunks [chunks, vocab] (float32). Tokens past the prompt length are decoded
+    tokens to the engine (what it would have sampled, forced)."""
+    requests = []
+    for i, (ids, _, prompt_len) in enumerate(plan):
+        params = SamplingParams(max_tokens=len(ids), temperature=0.0)
+        r = EngineRequest(
+            f"r{i}", list(ids[:prompt_len]), params, RequestSampler(params, engine.device),
+            frozenset(), engine.max_model_len, 0.0,
+        )  # fmt: skip
+        r.block_ids = engine.blocks.allocate(engine.blocks.blocks_for(len(ids)))
+        requests.append(r)
+    out: list[list[torch.Tensor]] = [[] for _ in plan]
+    for s in range(max(len(chunks) for _, chunks, _ in plan)):
+        batch = [(i, chunks[s]) for i, (_, chunks, _) in enumerate(plan) if s < len(chunks)]
+        stepping = [requests[i] for i, _ in batch]
+        for (i, count), r in zip(batch, stepping):
+            r.token_ids = plan[i][0][: r.num_computed + count]  # the step emits at its end
+            r.num_generated = max(0, len(r.token_ids) - r.prompt_len)
+        logits, emitting = engine.runner.compute_logits(stepping, [n for _, n in batch])
+        for row, index in zip(logits, emitting):
+            out[batch[index][0]].append(row.float().clone())
+        for (_, count), r in zip(batch, stepping):
+            r.num_computed += count
+    for r in requests:
+        engine.blocks.release(r.block_ids)
+    return [torch.stack(o) for o in out]
+
+
+def first_token_paths(engine: Engine, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """[prompts, vocab] logits after each whole prompt, per path."""
+
+    def one_by_one(chunks_of) -> torch.Tensor:
+        return torch.cat([run_plan(engine, [(p, chunks_of(p), len(p))])[0][-1:] for p in prompts])
+
+    def cached(p: list[int]) -> list[int]:
+        whole = (len(p) - 1) // 16 * 16  # the full blocks a prefix-cache hit leaves computed
+        return [whole, len(p) - whole]
+
+    def sevens(p: list[int]) -> list[int]:
+        return [7] * ((len(p) - 1) // 7) + [len(p) - (len(p) - 1) // 7 * 7]
+
+    together = run_plan(engine, [(p, [len(p)], len(p)) for p in prompts])
+    decoded = run_plan(engine, [(p, [len(p) - 1, 1], len(p) - 1) for p in prompts])
+    return {
+        "cold prefill": one_by_one(lambda p: [len(p)]),
+        "cold, all in one step": torch.stack([o[-1] for o in together]),
+        "after cached blocks": one_by_one(cached),
+        "after a cached tail": one_by_one(lambda p: [len(p) - 1, 1]),
+        "in chunks of 7": one_by_one(sevens),
+        "decode row alone": torch.cat(
+            [run_plan(engine, [(p, [len(p) - 1, 1], len(p) - 1)])[0][-1:] for p in prompts]
+        ),
+        "decode row, all in one step": torch.stack([o[-1] for o in decoded]),
+    }
 
 
 @pytest.fixture(scope="module", params=["full", "window"])

@@ -17,9 +17,9 @@ from engine_worker import int4_decode
 from engine_worker.engine import Engine
 from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
-from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.test_gguf import PROMPT, last_logits, write_encoded_gguf
 from tests.engine_worker.test_gguf_blocks import random_blocks
+from tests.tiny_model import make_tiny_model
 
 T = GGMLQuantizationType
 # Per tensor kind and layer: every served block type, groups of 16 and 32, q of 2 to 8 bits,

@@ -12,9 +12,9 @@ from engine_worker.attention.flash_rows import fused_cpu_kernel_available
 from engine_worker.engine import Engine
 from engine_worker.model_config import ModelConfig
 from ipc.engine_config import EngineConfig
-from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import give_blocks, manual_request
 from tests.reference_model import load_reference_model
+from tests.tiny_model import make_tiny_model
 
 TOLERANCE = 1e-4
 

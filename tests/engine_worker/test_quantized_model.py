@@ -14,7 +14,7 @@ import torch
 from engine_worker.engine import Engine
 from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
-from scripts.bench.chat_prompts import QUESTIONS, chat_prompt_ids
+from tests.chat_prompts import QUESTIONS, chat_prompt_ids
 from tests.engine_worker.helpers import collect, give_blocks, greedy, manual_request
 
 PROMPTS = [

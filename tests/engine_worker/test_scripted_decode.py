@@ -12,9 +12,9 @@ import torch
 from engine_worker.engine import Engine
 from ipc.engine_config import EngineConfig
 from ipc.messages import SamplingParams
-from scripts.bench.chat_prompts import chat_prompt_ids
-from scripts.bench.tiny_model import make_tiny_model
+from tests.chat_prompts import chat_prompt_ids
 from tests.engine_worker.helpers import collect, greedy
+from tests.tiny_model import make_tiny_model
 
 
 def make_engine(model_dir, **knobs) -> Engine:

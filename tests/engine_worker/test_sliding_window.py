@@ -13,9 +13,9 @@ import torch
 from engine_worker.engine import Engine
 from engine_worker.model_config import LayerAttention, _layer_attention
 from ipc.engine_config import EngineConfig
-from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import collect, greedy
 from tests.reference_model import load_reference_model
+from tests.tiny_model import make_tiny_model
 
 WINDOW = 8
 TOLERANCE = 1e-3  # logprobs; measured ~1e-5

@@ -14,7 +14,7 @@ from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
 from ipc.engine_config import EngineConfig
 from ipc.messages import SamplingParams
-from scripts.bench.chat_prompts import QUESTIONS, chat_prompt_ids
+from tests.chat_prompts import QUESTIONS, chat_prompt_ids
 from tests.engine_worker.helpers import collect, greedy
 
 pytestmark = pytest.mark.slow

@@ -22,9 +22,9 @@ from ipc.engine_config import EngineConfig
 from procs import model_store
 from procs.local_model import causal_lm_architectures, check_model
 from procs.model_store import ModelError, gguf_file, resolve_model
-from scripts.bench.tiny_model import make_tiny_model
 from tests.engine_worker.helpers import give_blocks, manual_request
 from tests.gguf_files import write_tiny_gguf
+from tests.tiny_model import make_tiny_model
 
 PROMPT = [1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 504, 3458, 282, 4649, 314]
 CLASSES = {

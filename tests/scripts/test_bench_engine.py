@@ -1,5 +1,4 @@
-"""The engine workload for real on the tiny model (every part of it but llama.cpp's, which needs
-a llama-bench binary), and the weight bytes its bandwidth bound counts. Timings are not a test."""
+"""The engine workload for real on the tiny model, every part of it. Timings are not a test."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 
 from scripts.bench import engine
-from scripts.bench.engine_formats import weight_bytes_per_token
 
 
 @pytest.fixture(autouse=True)
@@ -20,15 +18,15 @@ def _keep_torch_threads():
     torch.set_num_threads(threads)
 
 
-def test_every_engine_workload_runs_and_prints_its_figures(tiny_model_dir, capsys):
+def test_every_engine_part_runs_and_prints_its_figures(tiny_model_dir, capsys):
     engine.main(
-        ["core", "sampling", "prefix", "mixed", "kernels", "formats", "bandwidth", "logprobs"]
+        ["core", "prefix", "mixed", "speculative"]
         + ["--model", str(tiny_model_dir), "--threads", "1", "--repeats", "1"]
         + ["--prefill-tokens", "24", "--decode-batch", "1,2", "--decode-tokens", "3"]
         + ["--decode-prompt-tokens", "16", "--kv-cache-tokens", "4096"]
         + ["--num-requests", "3", "--shared-prefix-tokens", "64", "--new-tokens", "2"]
         + ["--long-prompts", "1", "--long-prompt-tokens", "96", "--chunk-tokens", "32"]
-        + ["--formats", "fp32,int8", "--kernel-rows", "1,4", "--kernel-repeats", "1"]
+        + ["--texts", "chat,code", "--streams", "1,2", "--rounds", "2", "--max-tokens", "6"]
     )
     out = capsys.readouterr().out
     rates = re.findall(
@@ -36,50 +34,19 @@ def test_every_engine_workload_runs_and_prints_its_figures(tiny_model_dir, capsy
     )
     assert len(rates) == 3 and all(float(ours) > 0 and float(hf) > 0 for _, ours, hf, _ in rates)
     for line in (
-        "temperature 0.7",
-        "repetition 1.2",
         "prefix cache on : prompt tokens computed",
         "chunked prefill   32 tokens: ITL p50",
-        "int8: faster than bf16 at rows",
-        "\nformats (threads=1",
-        "MB of weights per token",
-        "1 request asks top 20",
-        "prompt_logprobs 20",
     ):
         assert line in out, line
     computed = [int(n) for n in re.findall(r"prompt tokens computed +(\d+)", out)]
     assert computed[1] < computed[0]  # the shared prefix is computed once with the cache on
-
-
-def test_peer_needs_llama_bench(tiny_model_dir):
-    with pytest.raises(SystemExit, match="--llama-bench PATH"):
-        engine.main(["peer", "--model", str(tiny_model_dir)])
-
-
-def test_weight_bytes_count_a_tied_lm_head_once_and_quantized_layers_as_stored(tiny_model_dir):
-    from engine_worker.model import LlamaFamilyModel
-    from engine_worker.weight_format import WeightFormat
-
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    model = LlamaFamilyModel.load(tiny_model_dir, cpu, bf16, 64, WeightFormat("bf16", bf16, cpu))
-    assert model.lm_head.weight is model.embed
-    # a norm reads its weight twice over (engine_worker/rms_norm.py); a dense layer's matrix is
-    # counted from its shape (packed for oneDNN, it keeps no plain copy)
-    expected = sum(
-        2 * (t.numel() if isinstance(t, torch.Tensor) else t.out_features * t.in_features)
-        for layer in model.layers
-        for t in (
-            layer.input_norm.weight,
-            layer.input_norm.weight,
-            layer.qkv,
-            layer.o_proj,
-            layer.post_attention_norm.weight,
-            layer.post_attention_norm.weight,
-            layer.gate_up,
-            layer.down,
-        )
-    ) + 2 * (2 * model.norm.weight.numel() + model.embed.numel())
-    assert weight_bytes_per_token(model) == expected
-    # int8 layers read one byte a weight (plus scales), though each keeps a dense copy too
-    int8 = LlamaFamilyModel.load(tiny_model_dir, cpu, bf16, 64, WeightFormat("int8", bf16, cpu))
-    assert expected / 2 < weight_bytes_per_token(int8) < expected * 0.6
+    # speculative: a row per (text, streams); greedy output is the same with drafts or without
+    rows = re.findall(r"^(chat|code) +([12]) +([\d.]+) +([\d.]+) .* (yes|NO)$", out, re.M)
+    assert [(t, int(n)) for t, n, *_ in rows] == [
+        ("chat", 1),
+        ("chat", 2),
+        ("code", 1),
+        ("code", 2),
+    ]
+    assert all(same == "yes" and float(off) > 0 for _, _, off, _, same in rows)
+    assert "proposer: " in out

@@ -1,6 +1,6 @@
 """The peer workload's parts that need no llama.cpp: its command line, its statistics and tables,
-its prompts, and the workload itself end to end with splitserve launches alone on the tiny model
-(the benchmarks' HTTP client against real servers). Timings are not a test."""
+its prompts, and each part (serve, hops, startup) end to end with splitserve launches alone on
+the tiny model (the benchmarks' HTTP client against real servers). Timings are not a test."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from scripts.bench import peer, peer_report
+from scripts.bench import peer, report
 from scripts.bench.stats import RequestRecord, summarize
 
 
@@ -43,6 +43,8 @@ def test_defaults_and_lists():
         (["--splitserve", "", "--splitserve", ""], "must differ"),
         (["--repeats", "0"], "--repeats must be at least 1"),
         (["--ctx-per-slot", "64"], "--ctx-per-slot is too small"),
+        (["--requests", "0"], "--requests must be at least 1"),
+        (["--gguf", "/nonexistent.gguf"], "is not a file"),
     ],
 )
 def test_bad_arguments_are_refused(extra, message):
@@ -83,7 +85,7 @@ def _run(tokens_per_s: float, ttft_s: float, requests: int = 4, tokens: int = 5)
 
 
 def test_aggregate_gives_median_and_spread():
-    stats = peer_report.aggregate([_run(10, 0.1), _run(20, 0.1), _run(40, 0.1)])
+    stats = report.aggregate([_run(10, 0.1), _run(20, 0.1), _run(40, 0.1)])
     itl = stats["itl_ms_p50"]
     assert itl["median"] == pytest.approx(50.0) and itl["min"] == pytest.approx(25.0)
     assert itl["max"] == pytest.approx(100.0) and itl["n"] == 3
@@ -91,7 +93,7 @@ def test_aggregate_gives_median_and_spread():
     assert stats["output_tokens_mean"]["median"] == 5 and stats["prompt_tokens_mean"]["min"] == 158
     # 20 output tokens per run, 1 CPU second: 50 ms of server CPU per token
     assert stats["server_cpu_ms_per_token"]["median"] == pytest.approx(50.0)
-    assert peer_report.spread([None, None]) is None
+    assert report.spread([None, None]) is None
 
 
 def median_tps(stats: dict) -> float:
@@ -100,20 +102,11 @@ def median_tps(stats: dict) -> float:
 
 def test_comparison_takes_llama_at_its_best_per_level():
     stats = {
-        "ours": {
-            1: peer_report.aggregate([_run(30, 0.05)]),
-            8: peer_report.aggregate([_run(60, 0.05)]),
-        },
-        "llama t1": {
-            1: peer_report.aggregate([_run(40, 0.2)]),
-            8: peer_report.aggregate([_run(20, 0.2)]),
-        },
-        "llama t2": {
-            1: peer_report.aggregate([_run(20, 0.4)]),
-            8: peer_report.aggregate([_run(50, 0.1)]),
-        },
+        "ours": {1: report.aggregate([_run(30, 0.05)]), 8: report.aggregate([_run(60, 0.05)])},
+        "llama t1": {1: report.aggregate([_run(40, 0.2)]), 8: report.aggregate([_run(20, 0.2)])},
+        "llama t2": {1: report.aggregate([_run(20, 0.4)]), 8: report.aggregate([_run(50, 0.1)])},
     }
-    rows = peer_report.comparison_rows(stats, "ours", ["llama t1", "llama t2"], [1, 8])
+    rows = report.comparison_rows(stats, "ours", ["llama t1", "llama t2"], [1, 8])
     assert [r["peer"] for r in rows] == ["llama t1", "llama t2"]
     out = rows[1]["figures"]["output_throughput_tps"]
     assert out["ratio"] == pytest.approx(out["ours"] / out["theirs"])
@@ -121,9 +114,9 @@ def test_comparison_takes_llama_at_its_best_per_level():
     ttft = rows[0]["figures"]["ttft_ms_p50"]
     assert ttft["ours"] == pytest.approx(50) and ttft["theirs"] == pytest.approx(200)
     assert ttft["ratio"] == pytest.approx(0.25) and not ttft["higher_is_better"]
-    table = peer_report.markdown_comparison(rows, "ours")
+    table = report.markdown_comparison(rows, "ours")
     assert "| 1 |" in table and "50 / 200 = 0.25x" in table and "llama t2 |" in table
-    everything = peer_report.markdown_all(stats, [1, 8])
+    everything = report.markdown_all(stats, [1, 8])
     assert everything.count("\n") == 1 + 6  # header, rule, 3 targets x 2 levels
 
 
@@ -150,12 +143,12 @@ def test_the_workload_end_to_end_with_a_splitserve_launch_alone(tiny_model_dir, 
         ["--splitserve", flags, "--concurrency", "1,3", "--repeats", "1", "--prompt-tokens", "60"]
         + ["--output-tokens", "7", "--warmup-requests", "2", "--min-requests", "3"]
         + ["--requests-per-stream", "1", "--json", str(json_path)]
-    )
+    )["serve"]
     name = f"splitserve {flags}"
     assert [(r["target"], r["concurrency"]) for r in data["runs"]] == [(name, 1), (name, 3)]
     for run in data["runs"]:
         records = [RequestRecord.from_json(r) for r in run["records"]]
-        assert len(records) == 3 and run["heartbeat_warnings"] == 0
+        assert len(records) == 3
         for rec in records:
             assert rec.ok, rec.error
             assert rec.output_tokens == 7 and rec.prompt_tokens == 60  # ignore_eos; usage
@@ -165,47 +158,7 @@ def test_the_workload_end_to_end_with_a_splitserve_launch_alone(tiny_model_dir, 
     assert "splitserve launch --http-port 0 --model" in data["setup"]["servers"][name]
     assert data["stats"][name][3]["output_tokens_mean"]["median"] == 7
     assert f"**{name}** / llama.cpp" in capsys.readouterr().out
-    assert json.loads(json_path.read_text())["setup"]["peers"] == []
-
-
-def test_best_statistic_takes_each_figures_best_repeat():
-    stats = {
-        "ours": {1: peer_report.aggregate([_run(10, 0.1), _run(40, 0.3)])},
-        "peer": {1: peer_report.aggregate([_run(20, 0.2)])},
-    }
-    (row,) = peer_report.comparison_rows(stats, "ours", ["peer"], [1], "best")
-    assert row["figures"]["ttft_ms_p50"]["ours"] == pytest.approx(100)  # the lowest
-    assert row["figures"]["itl_ms_p50"]["ours"] == pytest.approx(25)
-    assert "best repeat" in peer_report.markdown_comparison([row], "ours")
-    with pytest.raises(ValueError, match="statistic"):
-        peer_report.comparison_rows(stats, "ours", ["peer"], [1], "mean")
-
-
-def test_saved_json_renders_again_with_either_statistic(tmp_path):
-    stats = {
-        "splitserve defaults": {1: peer_report.aggregate([_run(30, 0.05), _run(10, 0.05)])},
-        "llama.cpp t2": {1: peer_report.aggregate([_run(20, 0.2)])},
-    }
-    setup = {
-        "gguf": "m.gguf",
-        "host": "h",
-        "workload": "w",
-        "client": "c",
-        "servers": {"splitserve defaults": "splitserve launch", "llama.cpp t2": "llama"},
-        "idle_cpu_percent": {},
-        "peers": ["llama.cpp t2"],
-        "ours": ["splitserve defaults"],
-    }
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps({"setup": setup, "runs": [], "stats": stats}))
-    median = peer.render_saved(str(path), "median")
-    best = peer.render_saved(str(path), "best")
-    fig = "output_throughput_tps"
-    assert (
-        best["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"]
-        > median["comparisons"]["splitserve defaults"][0]["figures"][fig]["ours"]
-    )
-    assert "best repeat" in best["text"] and "(medians;" in median["text"]
+    assert json.loads(json_path.read_text())["serve"]["setup"]["peers"] == []
 
 
 def test_a_launch_that_cannot_start_or_parse_is_refused(tmp_path):
@@ -225,9 +178,30 @@ def test_warm_cache_measures_prompts_the_server_has_cached(tiny_model_dir):
         ["--splitserve", flags, "--concurrency", "2", "--repeats", "1", "--prompt-tokens", "60"]
         + ["--output-tokens", "3", "--warmup-requests", "0", "--min-requests", "3"]
         + ["--requests-per-stream", "1", "--warm-cache"]
-    )
+    )["serve"]
     (run,) = data["runs"]  # the warming pass is not a measured run
     records = [RequestRecord.from_json(r) for r in run["records"]]
     assert len(records) == 3 and all(r.ok for r in records)
     assert all(r.cached_tokens >= 48 for r in records)  # 60 tokens: 3 whole 16-token blocks
     assert "warm caches" in data["setup"]["workload"]
+
+
+def test_hops_and_startup_of_a_splitserve_launch(tiny_model_dir, capsys):
+    """hops: each token's path times split into hops; startup: a launch from nothing to its first
+    token, twice (the first start apart)."""
+    flags = f"--model {tiny_model_dir} --kv-cache-tokens 4096"
+    data = peer.main(
+        ["hops", "startup", "--splitserve", flags, "--repeats", "2", "--requests", "2"]
+        + ["--prompt-tokens", "60", "--output-tokens", "5"]
+    )
+    name = f"splitserve {flags}"
+    stats = data["hops"]["stats"][name]
+    assert stats["itl_p50_ms"] > 0 and stats["ttft_cached_p50_ms"] > 0
+    assert stats["token_hops_p50_ms"]["engine step"] > 0  # the path times came with the tokens
+    assert stats["first_token_hops_p50_ms"]["tokenize"] is not None
+    runs = data["startup"]["runs"]
+    assert [(r["case"], r["repeat"]) for r in runs] == [(name, 0), (name, 1)]
+    for run in runs:
+        assert 0 < run["ready_s"] < run["first_token_s"] < run["wall_s"]
+    out = capsys.readouterr().out
+    assert f"| figure (p50, ms) | {name} |" in out and f"| {name} |" in out

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench.__main__ import WORKLOADS, main
-from scripts.bench.interleave import best_ms, best_of, interleave, rotated
+from scripts.bench.interleave import best_of, interleave, rotated
 
 
 def test_rotation_puts_each_case_first_as_often():
@@ -38,8 +38,6 @@ def test_interleave_alternates_the_cases_and_keeps_each_ones_results():
         "a": 5.0,
         "b": 3.0,
     }
-    ms, out = best_ms(lambda: "done", 3)
-    assert out == "done" and ms >= 0
 
 
 def test_the_entry_point_lists_every_workload_and_refuses_others(capsys):
@@ -54,12 +52,7 @@ def test_the_entry_point_lists_every_workload_and_refuses_others(capsys):
 
 
 ROOT = Path(__file__).resolve().parents[2]
-PREFIXES = (
-    ("python -m scripts.bench ", None),
-    (".venv/bin/python -m scripts.bench ", None),
-    ("scripts/splitserve bench ", "serving"),
-    ("splitserve bench ", "serving"),
-)
+PREFIXES = (("python -m scripts.bench ", None), (".venv/bin/python -m scripts.bench ", None))
 
 
 def bench_commands() -> list[tuple[str, str, list[str]]]:

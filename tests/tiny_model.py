@@ -2,7 +2,7 @@
 benchmarks that need an engine far faster than the real model (real tokenizer, real engine code,
 a model whose step costs milliseconds).
 
-    python -m scripts.bench.tiny_model OUT_DIR --num-layers 2 --hidden-size 64
+    python -m tests.tiny_model OUT_DIR --num-layers 2 --hidden-size 64
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def make_tiny_model(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m scripts.bench.tiny_model", description=__doc__.split("\n\n")[0]
+        prog="python -m tests.tiny_model", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("out_dir", help="where to write the model directory")
     p.add_argument("--num-layers", type=int, default=2, help="decoder layers (default: 2)")
