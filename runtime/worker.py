@@ -57,8 +57,16 @@ class WorkerRuntime:
         self.stopping = True
 
     def starting(self) -> contextlib.AbstractContextManager[None]:
-        """Wraps the worker's start: long work in it (``start_progress.alive``) heartbeats."""
-        return start_progress.reporting(self.link.starting)
+        """Wraps the worker's start: long work in it (``start_progress.alive``) heartbeats, and
+        a SIGTERM meanwhile ends it there (SystemExit: the work's own cleanup runs, e.g. a
+        kernel build kills its g++) instead of after the work."""
+
+        def send(doing: str) -> None:
+            if self.stopping:
+                raise SystemExit(0)
+            self.link.starting(doing)
+
+        return start_progress.reporting(send)
 
     def announce(self, addresses: list[str], **model_info: object) -> None:
         """One start-up line (stderr: stdout belongs to the CLI's answers), then WorkerReady."""

@@ -9,27 +9,33 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from engine_worker import int4_decode
+from ipc.messages import Heartbeat, WorkerReady
+from ipc.sockets import PullQueue
+from procs.children import REPO_ROOT
+from procs.cluster_setup import make_config
 from procs.launch_cluster import launch_cluster
 from procs.supervision import ClusterStartError
 from tests.procs.fake_engine import START_S_ENV
 
 TIMEOUT_S = 8.0  # the start timeout; each stand-in engine takes longer to start
+BUILDING = "tests.procs.fake_engine:make_building"
 
 
 def test_an_engine_that_beats_past_the_start_timeout_starts(monkeypatch, capfd):
     monkeypatch.setenv(START_S_ENV, str(TIMEOUT_S + 5))
     t0 = time.monotonic()
     with launch_cluster(
-        None,
-        tokenizer_workers=1,
-        engine_factory="tests.procs.fake_engine:make_building",
-        start_timeout_s=TIMEOUT_S,
+        None, tokenizer_workers=1, engine_factory=BUILDING, start_timeout_s=TIMEOUT_S
     ) as cluster:
         took = time.monotonic() - t0
         engine = cluster.child("engine")
@@ -97,3 +103,30 @@ def test_a_first_launch_whose_kernel_build_outlasts_the_start_timeout_serves_on_
     assert err.count(f": {int4_decode.BUILDING}") == 1, err
     assert "int4 on our kernel" in err and "unavailable" not in err, err
     assert list(Path(tmp_path, "cache").glob("kernels/*/int4_decode_op.so"))
+
+
+def test_a_sigterm_ends_a_start_in_long_work_at_once(tmp_path, monkeypatch):
+    """The engine worker alone (python -m procs.run_worker), its supervisor socket read here:
+    it beats while its start runs, and a SIGTERM then ends it within seconds, not after the
+    work (a first launch's kernel build: minutes)."""
+    monkeypatch.setenv(START_S_ENV, "120")
+    config, _ = make_config(None, run_dir=str(tmp_path), engine_factory=BUILDING)
+    ctx = zmq.Context()
+    inbox = PullQueue(ctx, config.supervisor_addr, WorkerReady, Heartbeat)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "procs.run_worker", "engine", "0", str(config.write())],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    try:
+        assert inbox.wait(60_000), "no heartbeat"
+        beat = inbox.get()
+        assert isinstance(beat, Heartbeat) and beat.doing == "building a stand-in for a kernel"
+        t0 = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=10) == 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        worker.kill()
+        inbox.close()
+        ctx.destroy(linger=0)
