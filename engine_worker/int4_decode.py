@@ -14,8 +14,7 @@ builds anew):
   loads). Meanwhile the engine heartbeats (``runtime.start_progress``): its start timeout
   counts silence, not g++. Where it cannot (no g++, no AVX-512 BF16, a compile error, g++ past
   BUILD_LIMIT_S, or SPLITSERVE_NO_KERNEL_BUILD=1) aten's kernel serves, logged once.
-  ``scripts/setup_env.sh``
-  builds it ahead (``python -m engine_worker.int4_decode``);
+  ``scripts/setup_env.sh`` builds it ahead (``python -m engine_worker.int4_decode``);
 * a plain library loaded with ctypes (``library``, built on first use): the reference the op is
   tested against and what the kernel benchmark calls without torch's dispatcher.
 """
