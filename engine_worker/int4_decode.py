@@ -9,11 +9,12 @@ The torch op ``splitserve::int4_decode_mm`` (int4_decode_op.cpp around int4_deco
 compiled once by g++ into ``~/.cache/splitserve/kernels/<hash>`` (a hash of the sources, the
 flags and torch's version: a restart loads it, an edited source builds anew). ``load_op`` (the
 engine's start, before its weights) builds it where this torch has no build yet, once: under a
-lock in the cache directory, so two launches at once build once (the second waits, then loads);
-where it cannot (no g++, no AVX-512 BF16, a compile error, or SPLITSERVE_NO_KERNEL_BUILD=1)
-aten's kernel serves, logged once. ``scripts/setup_env.sh`` builds it ahead
-(``python -m engine_worker.int4_decode``). The tests build int4_decode.cpp alone too, as a ctypes
-library (tests/engine_worker/int4_ctypes.py): the reference the op is checked against.
+lock in the cache directory, so two launches at once build once (the second waits, then loads).
+Meanwhile the engine heartbeats (``runtime.start_progress``): its start timeout counts silence,
+not g++. Where it cannot (no g++, no AVX-512 BF16, a compile error, g++ past BUILD_LIMIT_S, or
+SPLITSERVE_NO_KERNEL_BUILD=1) aten's kernel serves, logged once. ``scripts/setup_env.sh`` builds
+it ahead (``python -m engine_worker.int4_decode``). The tests build int4_decode.cpp alone too, as
+a ctypes library (tests/engine_worker/int4_ctypes.py): the reference the op is checked against.
 """
 
 from __future__ import annotations
@@ -21,18 +22,22 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import IO
 
 import torch
 
 from engine_worker.linear import Int4Groups
+from runtime import start_progress
 
 logger = logging.getLogger("splitserve.engine.int4_decode")
 
@@ -47,6 +52,15 @@ MAX_BITS = 6  # q of 4 bits, or 5 or 6 (one or two high-bit planes a block)
 MAX_GROUPS = 2048  # blocks of 32 along K (all planes) the kernel takes: kMaxGroups
 CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
 NO_BUILD = "SPLITSERVE_NO_KERNEL_BUILD"  # set (not 0): a start-up loads a built op, never builds
+BUILD_LIMIT_S = 1200.0  # past it g++ is killed and aten's kernel serves (logged)
+SLICE_S = 0.5  # how often a build (or a wait for another's) calls its progress callback
+# What a starting engine's heartbeats say meanwhile (the supervisor shows it once)
+BUILDING = "building our int4 decode kernel (once for this torch; minutes on a loaded machine)"
+WAITING = "waiting for another process building our int4 decode kernel"
+
+
+class BuildTimeout(RuntimeError):
+    pass
 
 
 def _op_flags(paths: bool = True) -> list[str]:
@@ -71,18 +85,57 @@ def op_path() -> Path:
     return build_path("int4_decode_op", [SOURCE, OP_SOURCE], _op_flags(paths=False))
 
 
-def build(path: Path, source: Path, flags: list[str]) -> None:
+def build(
+    path: Path,
+    source: Path,
+    flags: list[str],
+    progress: Callable[[], None] = lambda: None,
+    deadline: float = math.inf,
+) -> None:
     """Compiles ``source`` into ``path`` (a temporary name first, then renamed: a concurrent
     process never loads half a file). Other builds stay: checkouts of other sources or another
-    torch share the cache and each loads its own."""
+    torch share the cache and each loads its own. While g++ runs, ``progress`` is called every
+    SLICE_S; past ``deadline`` (monotonic) g++ is killed and BuildTimeout raised."""
     compiler = shutil.which("g++")
     if compiler is None:
         raise FileNotFoundError("no g++ on PATH")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        subprocess.run([compiler, str(source), "-o", str(out), *flags], check=True)
+        command = [compiler, str(source), "-o", str(out), *flags]
+        gxx = subprocess.Popen(command)
+        try:
+            while (code := _wait(gxx)) is None:
+                if time.monotonic() > deadline:
+                    raise BuildTimeout("g++ ran past the build limit: killed")
+                progress()
+        finally:
+            if gxx.poll() is None:
+                gxx.kill()
+                gxx.wait()
+        if code:
+            raise subprocess.CalledProcessError(code, command)
         out.replace(path)
+
+
+def _wait(popen: subprocess.Popen) -> int | None:
+    try:
+        return popen.wait(timeout=SLICE_S)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _lock(lock: IO[str], progress: Callable[[], None], deadline: float) -> None:
+    """The build lock, waited for in slices (``progress`` between them) until ``deadline``."""
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # freed on close, or if we die
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise BuildTimeout(f"another build held {lock.name} past the limit") from None
+            progress()
+            time.sleep(SLICE_S)
 
 
 def cpu_supported() -> bool:
@@ -94,23 +147,30 @@ def cpu_supported() -> bool:
     return CPU_FLAGS <= set(flags.partition(":")[2].split())
 
 
-def build_op() -> Path:
+def build_op(
+    progress: Callable[[str], None] = lambda doing: None, limit_s: float = BUILD_LIMIT_S
+) -> Path:
     """The op built for this torch (a minute or more of g++ where none is): under a lock in its
     cache directory, so concurrent callers build once (the others wait, then find it built).
-    Raises where it cannot."""
+    ``progress(doing)`` is called every SLICE_S while it waits or builds; waiting and building
+    end within ``limit_s`` (BuildTimeout, g++ killed). Raises where it cannot."""
     if not cpu_supported():
         raise RuntimeError("this CPU lacks AVX-512 BF16/VNNI")
     path = op_path()
     if path.exists():
         return path
+    deadline = time.monotonic() + limit_s
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-        if not path.exists():
-            logger.info("building our int4 decode kernel (once for this torch) into %s ...", path)
-            start = time.monotonic()
-            build(path, OP_SOURCE, _op_flags())
-            logger.info("built our int4 decode kernel in %.0f s", time.monotonic() - start)
+        try:
+            _lock(lock, lambda: progress(WAITING), deadline)
+            if not path.exists():
+                logger.info("building our int4 decode kernel (once for this torch) into %s", path)
+                start = time.monotonic()
+                build(path, OP_SOURCE, _op_flags(), lambda: progress(BUILDING), deadline)
+                logger.info("built our int4 decode kernel in %.0f s", time.monotonic() - start)
+        except BuildTimeout as exc:
+            raise BuildTimeout(f"{exc} ({limit_s:.0f} s)") from None
     return path
 
 
@@ -126,7 +186,7 @@ def load_op() -> bool:
                 f"not built ({path}) and {NO_BUILD} is set; "
                 "`python -m engine_worker.int4_decode` builds it"
             )
-        torch.ops.load_library(str(build_op()))
+        torch.ops.load_library(str(build_op(start_progress.alive)))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         reason = str(exc)
         if isinstance(exc, subprocess.CalledProcessError):

@@ -94,7 +94,8 @@ class EngineProcess:
     ) -> None:
         self.config, self.index = config, index
         self.runtime = WorkerRuntime("engine", index, config, ctx)
-        self.engine = engine if engine is not None else make_engine(config)
+        with self.runtime.starting():  # a first start's kernel build heartbeats meanwhile
+            self.engine = engine if engine is not None else make_engine(config)
         # The prefix cache's events: off the step, on a publisher thread; the first batch
         # (AllBlocksCleared) tells followers that this replica starts empty.
         self.cache_events = KVEventPublisher(

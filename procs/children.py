@@ -34,6 +34,7 @@ class Child:
     restarted: bool = False  # a replacement whose readiness the detokenizer is still to hear of
     killed_for: str = ""  # why the supervisor killed it (hang), for the log and the notice
     failed: WorkerFailed | None = None  # its last words: why it could not start or crashed
+    doing: str = ""  # before ready: the long start-up work its heartbeats name
 
     @property
     def name(self) -> str:

@@ -91,7 +91,7 @@ def _add_cluster_group(g: Any) -> None:
         type=float,
         default=180.0,
         metavar="SECONDS",
-        help="give up if the processes are not ready within this (default 180)",
+        help="give up on a starting process silent this long (default 180)",
     )
 
 

@@ -35,6 +35,7 @@ from ipc.messages import (
 )
 from ipc.sockets import PullQueue
 from procs.children import Child, spawn
+from runtime.worker import write_line
 
 logger = logging.getLogger("splitserve.supervisor")
 
@@ -84,6 +85,10 @@ class Roster:
                 child.failed = msg
             else:
                 child.last_heartbeat = msg
+                if child.ready is None and msg.doing and msg.doing != child.doing:
+                    # once per kind of work: the user sees why this start takes long
+                    write_line(f"splitserve {child.name} pid={msg.pid}: {msg.doing}")
+                child.doing = msg.doing
 
     def why_exited(self, child: Child) -> str:
         """A child that exited: its last words if it sent them (waiting a little for them),
@@ -97,14 +102,16 @@ class Roster:
 
     def wait_ready(self, waiting: list[Child], timeout_s: float) -> list[WorkerReady]:
         """Each child's WorkerReady; raises ClusterStartError, with the child's own reason, at
-        the first that fails or exits, or when the time runs out."""
-        deadline = time.monotonic() + timeout_s
+        the first that fails or exits, or at the first silent for ``timeout_s``: a child's
+        time counts from its start or its latest message (a Heartbeat before ready says it is
+        alive in long start-up work, e.g. building our int4 kernel)."""
         while any(c.ready is None for c in waiting):
             for c in waiting:
                 if c.failed is not None or c.popen.poll() is not None:
                     raise ClusterStartError(f"{c.name}: {self.why_exited(c)}")
-            if time.monotonic() > deadline:
-                late = [c.name for c in waiting if c.ready is None]
+            now = time.monotonic()
+            late = [c.name for c in waiting if c.ready is None and now - c.last_seen > timeout_s]
+            if late:
                 raise ClusterStartError(f"not ready after {timeout_s:.0f} s: {', '.join(late)}")
             self.receive(200)
         return [c.ready for c in waiting if c.ready is not None]

@@ -35,6 +35,7 @@ class SupervisorLink:
         self.pid = os.getpid()
         self._queue = PushQueue(ctx, address, hwm=QUEUE_LIMIT, curve=curve)
         self._next_heartbeat = 0.0
+        self._doing = ""  # the start-up work last reported (``starting``)
 
     def ready(self, addresses: list[str], **model_info: Any) -> None:
         self._send(
@@ -62,6 +63,15 @@ class SupervisorLink:
                 stats={k: float(v) for k, v in stats().items()},
             )
         )
+
+    def starting(self, doing: str) -> None:
+        """Before ready: a Heartbeat naming the long start-up work (``start_progress``), at once
+        where the work changed, else once each ``interval_s``."""
+        now = time.monotonic()
+        if doing == self._doing and now < self._next_heartbeat:
+            return
+        self._doing, self._next_heartbeat = doing, now + self.interval_s
+        self._send(Heartbeat(role=self.role, index=self.index, pid=self.pid, t=now, doing=doing))
 
     def _send(self, msg: object) -> None:
         try:

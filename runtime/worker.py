@@ -8,6 +8,7 @@ supervisor alone and shutdown stays ordered):
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Protocol
 import zmq
 
 from ipc.config import ClusterConfig
+from runtime import start_progress
 from runtime.supervisor_link import SupervisorLink
 
 
@@ -53,6 +55,18 @@ class WorkerRuntime:
     def _on_stop(self, *_: object) -> None:
         self.draining = True
         self.stopping = True
+
+    def starting(self) -> contextlib.AbstractContextManager[None]:
+        """Wraps the worker's start: long work in it (``start_progress.alive``) heartbeats, and
+        a SIGTERM meanwhile ends it there (SystemExit: the work's own cleanup runs, e.g. a
+        kernel build kills its g++) instead of after the work."""
+
+        def send(doing: str) -> None:
+            if self.stopping:
+                raise SystemExit(0)
+            self.link.starting(doing)
+
+        return start_progress.reporting(send)
 
     def announce(self, addresses: list[str], **model_info: object) -> None:
         """One start-up line (stderr: stdout belongs to the CLI's answers), then WorkerReady."""

@@ -65,6 +65,9 @@ class Heartbeat:
     pid: int
     t: float
     stats: dict[str, float] = field(default_factory=dict)
+    # Before its WorkerReady: the long start-up work it is alive in (e.g. building our int4
+    # kernel), which the supervisor shows once; its start timeout counts silence, not this work
+    doing: str = ""
 
 
 # A worker's exit code when it refused to start for a reason its WorkerFailed names (a model it

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_worker.engine import Engine
-from ipc.engine_config import EngineConfig
+from ipc.engine_config import PREFILL_TOKEN_KEYS_CPU, EngineConfig
 from ipc.messages import SamplingParams
 from tests.chat_prompts import chat_prompt_ids
 from tests.engine_worker.helpers import collect, greedy
@@ -18,7 +18,14 @@ from tests.tiny_model import make_tiny_model
 
 
 def make_engine(model_dir, **knobs) -> Engine:
-    knobs = {"dtype": "bfloat16", "weights": "auto", "adaptive_threads": False, **knobs}
+    # A fixed token-key bound: steps paced by their measured time would batch each run anew
+    knobs = {
+        "dtype": "bfloat16",
+        "weights": "auto",
+        "adaptive_threads": False,
+        "prefill_max_token_keys": PREFILL_TOKEN_KEYS_CPU,
+        **knobs,
+    }
     return Engine(EngineConfig(model_path=str(model_dir), kv_cache_tokens=8192, **knobs))
 
 

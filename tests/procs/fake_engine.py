@@ -7,6 +7,8 @@ max_tokens, stop_token_ids, eos, abort and the waiting-queue bound. It takes no 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +19,7 @@ from ipc.config import ClusterConfig
 from ipc.kv_events import KVCacheEvent
 from ipc.messages import EngineStats, FinishRecord, RequestStart, SamplingParams, StepOutput
 from ipc.structured import GrammarVocabulary
+from runtime import start_progress
 
 
 class FakeEngine:
@@ -110,3 +113,24 @@ def make(config: ClusterConfig) -> EngineLike:
 def make_slow(config: ClusterConfig) -> EngineLike:
     """20 ms a step, so requests stay in flight for seconds (fault tests)."""
     return FakeEngine(config.engine.max_waiting_requests, step_s=0.02)
+
+
+START_S_ENV = "SPLITSERVE_TEST_FAKE_START_S"  # how long make_building / make_silent start
+
+
+def make_building(config: ClusterConfig) -> EngineLike:
+    """Takes SPLITSERVE_TEST_FAKE_START_S to start, saying all the while that it is alive (as a
+    first start's kernel build does: ``start_progress.alive``, called every 0.1 s)."""
+    deadline = time.monotonic() + float(os.environ[START_S_ENV])
+    while time.monotonic() < deadline:
+        start_progress.alive("building a stand-in for a kernel")
+        time.sleep(0.1)
+    return make(config)
+
+
+def make_silent(config: ClusterConfig) -> EngineLike:
+    """Takes SPLITSERVE_TEST_FAKE_START_S to start and says nothing meanwhile; a SIGTERM ends it
+    at once (a test need not wait out the supervisor's grace for a worker that ignores it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(float(os.environ[START_S_ENV]))
+    return make(config)
