@@ -17,6 +17,8 @@ resolved directory's path. Anything else is refused with one line (``ModelError`
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import fcntl
 import hashlib
 import json
@@ -24,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from runtime.model_files import gguf_parts, gguf_stem, gguf_weights
@@ -196,7 +199,10 @@ def write_hf_metadata(gguf_path: Path, out_dir: Path, name: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     # transformers also reads the files beside the GGUF (a tokenizer_config.json there hid the
     # file's chat template): it is given a directory holding nothing but a link to the file.
-    with tempfile.TemporaryDirectory(prefix="splitserve-gguf-") as alone:
+    with (
+        tempfile.TemporaryDirectory(prefix="splitserve-gguf-") as alone,
+        _metadata_read_once(),
+    ):
         (Path(alone) / gguf_path.name).symlink_to(gguf_path.resolve())
         tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_path.name)
         config = AutoConfig.from_pretrained(alone, gguf_file=gguf_path.name).to_dict()
@@ -223,6 +229,32 @@ def write_hf_metadata(gguf_path: Path, out_dir: Path, name: str) -> None:
         pad_token_id=config.get("pad_token_id"),
     )
     gen.save_pretrained(str(out_dir))
+
+
+@contextlib.contextmanager
+def _metadata_read_once() -> Iterator[None]:
+    """AutoTokenizer and AutoConfig each parse the whole metadata (for most architectures
+    through ``load_gguf_checkpoint``, which reads every field, the 49,152-entry vocabulary and
+    merge table included: seconds each); inside this block the second call gets a copy of the
+    first's result. The lock of ``_from_gguf`` keeps this to one reader at a time."""
+    from transformers import modeling_gguf_pytorch_utils as readers
+
+    load = readers.load_gguf_checkpoint
+    read: dict[tuple, dict] = {}
+
+    def load_once(path, return_tensors=False, **kwargs):  # type: ignore[no-untyped-def]
+        if return_tensors or kwargs:
+            return load(path, return_tensors, **kwargs)
+        key = (os.path.realpath(path), os.stat(path).st_mtime_ns)
+        if key not in read:
+            read[key] = load(path, return_tensors=False)
+        return copy.deepcopy(read[key])
+
+    readers.load_gguf_checkpoint = load_once
+    try:
+        yield
+    finally:
+        readers.load_gguf_checkpoint = load
 
 
 def causal_lm_architectures(model_type: str) -> list[str]:
