@@ -245,7 +245,7 @@ def _metadata_read_once() -> Iterator[None]:
     load, gguf_reader = readers.load_gguf_checkpoint, gguf.GGUFReader
     read: dict[tuple, dict] = {}
 
-    def load_once(path, return_tensors=False, **kwargs):  # type: ignore[no-untyped-def]
+    def load_once(path, return_tensors=False, **kwargs):
         if return_tensors or kwargs:
             return load(path, return_tensors, **kwargs)
         key = (os.path.realpath(path), os.stat(path).st_mtime_ns)

@@ -103,7 +103,7 @@ def test_the_metadata_is_read_once_and_again_when_the_file_changes(
     opened = []  # every whole-metadata parse (the gguf package's reader) of the file
     init = GGUFReader.__init__
 
-    def counted(reader, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def counted(reader, path, *args, **kwargs):
         opened.append(Path(path).name)
         init(reader, path, *args, **kwargs)
 
