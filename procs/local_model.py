@@ -27,6 +27,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ logger = logging.getLogger("splitserve.model_store")
 
 GGUF_MAGIC = b"GGUF"
 _COMPLETE_MARKER = ".splitserve-complete"
+_ONE_READER = threading.Lock()  # see _metadata_read_once
 _LAYOUT_VERSION = 1  # part of the cache key: a change to what is written here reads files again
 # A directory's own files that win over what a GGUF's metadata gives.
 HF_METADATA_FILES = (
@@ -235,14 +237,13 @@ def _metadata_read_once() -> Iterator[None]:
     through ``load_gguf_checkpoint``, which reads every field, the 49,152-entry vocabulary and
     merge table included: seconds each); inside this block the second call gets a copy of the
     first's result, and that one parses through our reader class (the gguf package's reader
-    over a plain buffer: a third of its time). The lock of ``_from_gguf`` keeps this to one
-    reader at a time."""
+    over a plain buffer: a third of its time). One block at a time in a process: each puts the
+    functions it found back."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as readers
 
     from engine_worker.gguf_tensors import _reader_class
 
-    load, gguf_reader = readers.load_gguf_checkpoint, gguf.GGUFReader
     read: dict[tuple, dict] = {}
 
     def load_once(path, return_tensors=False, **kwargs):
@@ -253,11 +254,13 @@ def _metadata_read_once() -> Iterator[None]:
             read[key] = load(path, return_tensors=False)
         return copy.deepcopy(read[key])
 
-    readers.load_gguf_checkpoint, gguf.GGUFReader = load_once, _reader_class()
-    try:
-        yield
-    finally:
-        readers.load_gguf_checkpoint, gguf.GGUFReader = load, gguf_reader
+    with _ONE_READER:
+        load, gguf_reader = readers.load_gguf_checkpoint, gguf.GGUFReader
+        readers.load_gguf_checkpoint, gguf.GGUFReader = load_once, _reader_class()
+        try:
+            yield
+        finally:
+            readers.load_gguf_checkpoint, gguf.GGUFReader = load, gguf_reader
 
 
 def causal_lm_architectures(model_type: str) -> list[str]:
