@@ -7,6 +7,7 @@ package re-exports them all; import from ``ipc.messages``):
     client_stream : client <-> detokenizer
     control       : workers <-> supervisor, cluster notices
     routing       : engine replicas -> tokenizer workers, their load (beside the KV events)
+    kv_handoff    : prefill engine <-> decode engine (prefill/decode disaggregation)
 
 Channels (who sends what to whom):
 
@@ -20,6 +21,9 @@ Channels (who sends what to whom):
     detokenizer -> engine      : AbortRequests (client aborts, stop strings, gone clients)
     engine      -> detokenizer : StepOutput (one message per engine step, columnar)
     engine r    -> tokenizers  : KV events (ipc.kv_events) and ReplicaLoad, on its event stream
+    prefill p   -> decode d    : PrefilledRequest (its KV blocks described, not carried)
+    decode d    -> prefill p   : KVRelease (the transfer's buffer may be reused)
+    supervisor  -> prefill p   : ClusterNotice about decode engines (disaggregated only)
     any worker  -> supervisor  : WorkerReady, Heartbeat, WorkerFailed (its last words)
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
     supervisor  -> tokenizer i : ClusterNotice about engine replicas (several engines only)
@@ -72,6 +76,13 @@ from ipc.messages.engine_step import (
     StepOutput,
     TokenLogprobs,
 )
+from ipc.messages.kv_handoff import (
+    TRANSPORT_SHARED_MEMORY,
+    KVArrival,
+    KVDescriptor,
+    KVRelease,
+    PrefilledRequest,
+)
 from ipc.messages.routing import LOAD_TOPIC, ReplicaLoad
 from ipc.messages.submit import RequestError, RequestMeta, SubmitRequest, TokenizedRequest
 from ipc.sampling import SamplingParams  # a request's sampling settings travel inside its messages
@@ -98,6 +109,11 @@ __all__ = [
     "FINISH_STOP",
     "FINISH_TOOL_CALLS",
     "FinishRecord",
+    "KVArrival",
+    "KVDescriptor",
+    "KVRelease",
+    "PrefilledRequest",
+    "TRANSPORT_SHARED_MEMORY",
     "Heartbeat",
     "LOAD_TOPIC",
     "LogprobEntry",
