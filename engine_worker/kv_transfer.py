@@ -40,6 +40,19 @@ STAMP_BYTES = 8
 ALIGN = 4096
 
 
+RUNS_PER_GATHER = 4  # export: slices when the blocks form at most 1/4 as many runs, else a gather
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in ``block_ids``, first block, length) of each run of consecutive block ids."""
+    runs, start = [], 0
+    for position in range(1, len(block_ids) + 1):
+        if position == len(block_ids) or block_ids[position] != block_ids[position - 1] + 1:
+            runs.append((start, block_ids[start], position - start))
+            start = position
+    return runs
+
+
 @dataclass(frozen=True, slots=True)
 class KVGeometry:
     """The shape of one engine's paged cache, which both ends of a transfer must share."""
@@ -186,10 +199,16 @@ class SharedMemoryExporter:
         if start is None:
             return None
         region = self.segment.region(start, count, self.geometry)
-        index = torch.tensor(block_ids, dtype=torch.long, device=keys.device)
         self.segment.stamps[start] = 0
+        runs = block_runs(block_ids)
+        index = torch.tensor(block_ids, dtype=torch.long, device=keys.device)
         for side, cache in enumerate((keys, values)):
-            if cache.device.type == "cpu":
+            if len(runs) * RUNS_PER_GATHER <= count:  # mostly consecutive: slices, memcpy speed
+                for position, first, length in runs:
+                    region[side, :, :, position : position + length].copy_(
+                        cache[:, :, first : first + length]
+                    )
+            elif cache.device.type == "cpu":
                 torch.index_select(cache, 2, index, out=region[side])
             else:
                 region[side].copy_(cache.index_select(2, index))
@@ -254,9 +273,13 @@ class SharedMemoryImporter:
         if int(stamp) != descriptor.transfer_id:
             return False
         region = segment.region(descriptor.offset, descriptor.num_blocks, self.geometry)
-        index = torch.tensor(block_ids, dtype=torch.long, device=keys.device)
         for side, cache in enumerate((keys, values)):
-            cache.index_copy_(2, index, region[side].to(cache.device))
+            # Runs of consecutive blocks (a fresh allocation mostly is one): a slice copy each;
+            # index_copy_ over the block axis ran several times slower here.
+            for position, first, length in block_runs(block_ids):
+                cache[:, :, first : first + length].copy_(
+                    region[side, :, :, position : position + length]
+                )
         return int(segment.stamps[descriptor.stamp_index]) == descriptor.transfer_id
 
     def _segment(self, descriptor: KVDescriptor) -> Segment | None:

@@ -48,6 +48,11 @@ WORKLOADS = {
         "engine replicas routed by the tokenizer workers: cache_aware, round_robin, "
         "least_loaded and one replica on multi-turn chats; the routing's own cost",
     ),
+    "disaggregation": (
+        "scripts.bench.disaggregation",
+        "prefill/decode engines against one engine and 2 replicas: decoding streams' ITL beside "
+        "long prompts; the KV transfer against memcpy",
+    ),
     "serve-ray": (
         "scripts.bench.serve_ray",
         "the multi-turn chats through the Ray Serve ingress: our router against Ray's "

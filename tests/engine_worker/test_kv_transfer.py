@@ -13,6 +13,7 @@ import torch
 
 from engine_worker.kv_transfer import (
     KVGeometry,
+    block_runs,
     RegionAllocator,
     SharedMemoryExporter,
     SharedMemoryImporter,
@@ -60,6 +61,24 @@ def test_blocks_move_bit_for_bit_into_other_blocks(segment_path):
     finally:
         exporter.close()
     assert not Path(segment_path).exists()
+
+
+def test_runs_of_consecutive_blocks_move_as_slices(segment_path):
+    assert block_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    keys, values = caches()
+    exporter = SharedMemoryExporter(segment_path, KVGeometry.of(keys), buffer_blocks=12)
+    try:
+        sent = [3, 4, 5, 6, 7, 8, 9, 10, 20, 21]  # two runs: sliced out
+        kv = exporter.export(3, keys, values, sent)
+        their_keys, their_values = caches(seed=2)
+        into = [12, 13, 14, 0, 1, 2, 3, 4, 5, 23]
+        importer = SharedMemoryImporter(KVGeometry.of(their_keys))
+        assert kv is not None and importer.import_blocks(kv, their_keys, their_values, into)
+        assert torch.equal(their_keys[:, :, into], keys[:, :, sent])
+        assert torch.equal(their_values[:, :, into], values[:, :, sent])
+        importer.close()
+    finally:
+        exporter.close()
 
 
 def test_a_run_given_back_is_refused_not_read(segment_path):
