@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -212,6 +213,9 @@ def test_a_hung_decode_engine_times_the_transfer_out(tiny_model_dir):
         idle_and_clean(hung)
         result = client.submit(prompt_token_ids=PROMPTS[0], max_tokens=5).result(timeout=30)
         assert result.ok and result.engine_index == DECODE
+        prefix = Path(hung.config.kv_segment_prefix)
+        assert len(list(prefix.parent.glob(prefix.name + "*"))) == 1  # the prefill engine's
+    assert not list(prefix.parent.glob(prefix.name + "*"))  # removed with the cluster
 
 
 def test_the_two_modes_are_exclusive_in_one_line(tmp_path):
