@@ -13,10 +13,10 @@ import torch
 
 from engine_worker.kv_transfer import (
     KVGeometry,
-    block_runs,
     RegionAllocator,
     SharedMemoryExporter,
     SharedMemoryImporter,
+    block_runs,
 )
 
 SHAPE = (3, 2, 24, 4, 8)  # layers, kv heads, blocks, block size, head dim
