@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from detok_worker.engine_book import EngineBook
+from detok_worker.handover import HandoverOrder
+from detok_worker.output import EVERY_REPLICA, ClientInfo, DetokenizerOutput
 from detok_worker.request_state import RequestState
 from detok_worker.token_strings import TokenStrings
 from ipc import codec
@@ -44,33 +45,12 @@ from ipc.messages import (
     StepOutput,
     StreamEvent,
 )
-from ipc.messages.queries import EngineStatsReport, TokenizeResult
+from ipc.messages.queries import TokenizeResult
 
 logger = logging.getLogger("splitserve.detokenizer")
 
 MAX_IGNORED = 100_000  # ids stopped/abandoned here whose engine finish has not arrived yet
 MAX_PENDING_ABORTS = 10_000  # per client: aborts for requests not seen yet
-EVERY_REPLICA = -1  # an abort's replica when the request's is not known here
-
-
-@dataclass(slots=True)
-class DetokenizerOutput:
-    welcomes: list[bytes] = field(default_factory=list)
-    events: dict[bytes, list[StreamEvent]] = field(default_factory=dict)
-    notices: dict[bytes, list[ClusterNotice]] = field(default_factory=dict)
-    replies: dict[bytes, list[TokenizeResult | EngineStatsReport]] = field(default_factory=dict)
-    aborts: list[tuple[str, int]] = field(default_factory=list)
-
-
-class ClientInfo:
-    __slots__ = ("request_ids", "pending_aborts")
-
-    def __init__(self) -> None:
-        self.request_ids: set[str] = set()
-        # Aborts for requests not seen here yet, oldest first. Some never show up (ended before
-        # the abort arrived, lost with a worker): the oldest are forgotten past the cap, which
-        # is safe because every abort also goes to the engine at once.
-        self.pending_aborts: OrderedDict[str, None] = OrderedDict()
 
 
 class DetokenizerCore:
@@ -83,6 +63,7 @@ class DetokenizerCore:
         max_ignored: int = MAX_IGNORED,
         engines: int = 1,
         routing_policy: str = "",
+        roles: list[str] | None = None,
     ) -> None:
         if stream_interval_tokens < 1:
             raise ValueError(
@@ -97,7 +78,8 @@ class DetokenizerCore:
         self.states: dict[str, RequestState] = {}
         # Requests ended here (stop string, gone client) whose engine finish is still to come.
         self.ignored: OrderedDict[str, None] = OrderedDict()
-        self.engines = EngineBook(engines, routing_policy)
+        self.engines = EngineBook(engines, routing_policy, roles)
+        self.handovers = HandoverOrder()
         self.output = DetokenizerOutput()
         self.steps = 0
         self.notices = 0
@@ -131,7 +113,7 @@ class DetokenizerCore:
             # now too (it remembers unknown ids for a while; after a detokenizer restart this
             # process never sees the metas of older requests) and abort again when it shows up.
             state = self.states.get(rid) if rid in info.request_ids else None
-            self._abort(rid, state.meta.engine_index if state is not None else EVERY_REPLICA)
+            self._abort(rid, state.meta if state is not None else None)
             if rid not in info.request_ids:
                 info.pending_aborts[rid] = None
                 info.pending_aborts.move_to_end(rid)
@@ -152,7 +134,7 @@ class DetokenizerCore:
         for rid in info.request_ids:
             state = self.states.pop(rid, None)
             self._ignore(rid)
-            self._abort(rid, state.meta.engine_index if state is not None else EVERY_REPLICA)
+            self._abort(rid, state.meta if state is not None else None)
 
     def on_stats_query(self, client_id: bytes, request_id: str) -> None:
         if client_id in self.clients:
@@ -208,15 +190,25 @@ class DetokenizerCore:
            finishes: a request's last tokens belong in the text its terminal event carries, so
            a request that finishes in this step gets no delta of its own;
         5. the finishes: each open request's terminal event.
+        Disaggregated, a decode engine's output may wait for its requests' metas first (see
+        handover.py), and then reports where they run (before any of their tokens).
         """
-        if not self.engines.on_step(out):
+        if not self.engines.on_step(out) or self.handovers.hold(out, self._known):
             return
-        self.steps += 1
-        for meta in out.new_requests:
-            self._admit(meta)
-        self._apply_starts(out)
-        self._apply_tokens(out)
-        self._apply_finishes(out)
+        queue = [out]
+        while queue:
+            out = queue.pop(0)
+            self.steps += 1
+            for meta in out.new_requests:
+                self._admit(meta)
+            self.handovers.arrive(out, self.states, self._abort)
+            self._apply_starts(out)
+            self._apply_tokens(out)
+            self._apply_finishes(out)
+            queue = queue or self.handovers.release(self._known)
+
+    def _known(self, rid: str) -> bool:
+        return rid in self.states or rid in self.ignored
 
     def _apply_starts(self, out: StepOutput) -> None:
         for start in out.started:
@@ -249,7 +241,7 @@ class DetokenizerCore:
             ):
                 self._finish(rid, FINISH_STOP, out.t_step, stopped_by_string=True)
                 self._ignore(rid)
-                self._abort(rid, state.meta.engine_index)  # frees its KV blocks in the engine
+                self._abort(rid, state.meta)  # frees its KV blocks in the engine
             elif rid not in finishing and state.should_stream(self.stream_interval_tokens):
                 self._queue(state.meta.client_id, state.delta(self._prompt_strings(state)))
 
@@ -317,7 +309,9 @@ class DetokenizerCore:
         detail = notice.detail or "exited"
         error = f"unavailable: {who} died ({detail}); the request was lost with it"
         for rid, state in list(self.states.items()):
-            if several and state.meta.engine_index != notice.index:
+            # Disaggregated: a request past its first token on its way to this decode engine.
+            moving = state.meta.decode_index == notice.index and state.completion_tokens > 0
+            if several and state.meta.engine_index != notice.index and not moving:
                 continue
             if keep_unstarted and not state.completion_tokens:
                 del self.states[rid]
@@ -342,13 +336,13 @@ class DetokenizerCore:
         self.engines.on_admit(meta)
         if info is None:  # its client is gone (or never said hello)
             self._ignore(meta.request_id)
-            self._abort(meta.request_id, meta.engine_index)
+            self._abort(meta.request_id, meta)
         else:
             self.states[meta.request_id] = RequestState(meta)
             info.request_ids.add(meta.request_id)
             if meta.request_id in info.pending_aborts:
                 del info.pending_aborts[meta.request_id]
-                self._abort(meta.request_id, meta.engine_index)
+                self._abort(meta.request_id, meta)
 
     def _finish(
         self,
@@ -361,6 +355,8 @@ class DetokenizerCore:
         code: str = "",
     ) -> None:
         state = self.states.pop(rid)
+        if error and state.meta.decode_index >= 0:  # a decode engine may still report it
+            self._ignore(rid)
         info = self.clients.get(state.meta.client_id)
         if info is not None:
             info.request_ids.discard(rid)
@@ -386,8 +382,14 @@ class DetokenizerCore:
     def _prompt_strings(self, state: RequestState) -> TokenStrings | None:
         return self.strings if state.meta.prompt_token_ids and not state.sent_any else None
 
-    def _abort(self, rid: str, replica: int) -> None:
+    def _abort(self, rid: str, meta: RequestMeta | None, replica: int | None = None) -> None:
+        """To the replica the request runs on (``replica``, else its meta's; every replica
+        without a meta) and, disaggregated, to the decode engine it moves to as well."""
+        if replica is None:
+            replica = meta.engine_index if meta is not None else EVERY_REPLICA
         self.output.aborts.append((rid, replica))
+        if meta is not None and meta.decode_index >= 0 and meta.decode_index != replica:
+            self.output.aborts.append((rid, meta.decode_index))
 
     def _ignore(self, rid: str) -> None:
         self.ignored[rid] = None

@@ -15,8 +15,12 @@ from ipc.messages.queries import EngineStatsReport, ReplicaStats
 
 
 class EngineBook:
-    def __init__(self, engines: int = 1, routing_policy: str = "") -> None:
-        self.replicas = [ReplicaStats(index) for index in range(engines)]
+    def __init__(
+        self, engines: int = 1, routing_policy: str = "", roles: list[str] | None = None
+    ) -> None:
+        """``roles``: each replica's, disaggregated ("prefill", "decode")."""
+        self.roles = roles or [""] * engines
+        self.replicas = [ReplicaStats(index, role=self.roles[index]) for index in range(engines)]
         self.routing_policy = routing_policy
         self.dead_pids: set[int] = set()
         self.routing_decisions: Counter[str] = Counter()
@@ -45,7 +49,9 @@ class EngineBook:
             self.dead_pids.add(pid)
         if 0 <= index < len(self.replicas):
             total = self.replicas[index].stats.kv_blocks_total
-            self.replicas[index] = ReplicaStats(index, EngineStats(kv_blocks_total=total), now)
+            self.replicas[index] = ReplicaStats(
+                index, EngineStats(kv_blocks_total=total), now, role=self.roles[index]
+            )
         if pid == self.latest_pid:
             self.latest_t, self.latest_pid = now, 0
 

@@ -63,6 +63,7 @@ class Detokenizer:
             stream_interval_tokens=config.stream_interval_tokens,
             engines=config.engines,
             routing_policy=config.routing_policy if config.routes else "",
+            roles=[config.engine_role(r) for r in range(config.engines)],
         )
         self.router = configure(ctx.socket(zmq.ROUTER), receives=True, sndhwm=100_000)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # never drop silently: raise instead

@@ -8,15 +8,16 @@ channel. The process never tokenizes: it only ever sees token ids (tests check t
 is never imported here, via the `imported_tokenizers` heartbeat stat).
 
 With several replicas, each step is also followed by the replica's load on its event stream
-(``ReplicaLoad``, topic ``b"load"``), which the tokenizer workers route by.
+(``ReplicaLoad``, topic ``b"load"``), which the tokenizer workers route by. A prefill or decode
+engine (disaggregation) also runs its role's pass (engine_worker/disaggregation.py) between steps.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -33,7 +34,10 @@ from ipc.messages import (
     FINISH_ERROR,
     LOAD_TOPIC,
     AbortRequests,
+    ClusterNotice,
     FinishRecord,
+    KVRelease,
+    PrefilledRequest,
     ReplicaLoad,
     RequestError,
     RequestMeta,
@@ -46,7 +50,13 @@ from ipc.structured import GrammarVocabulary
 from runtime.factories import load_factory
 from runtime.kv_publisher import KVEventPublisher
 from runtime.memory import IdleTrim
+from runtime.model_files import tokenizer_modules_loaded
 from runtime.worker import StartupError, WorkerRuntime, run_on_context
+
+if TYPE_CHECKING:
+    from engine_worker.disaggregation import DecodeRole, PrefillRole
+
+Inbox = TokenizedRequest | AbortRequests | GrammarVocabulary | PrefilledRequest | KVRelease
 
 logger = logging.getLogger("splitserve.engine")
 
@@ -74,16 +84,6 @@ def make_engine(config: ClusterConfig) -> EngineLike:
         raise StartupError(str(exc)) from exc
 
 
-def tokenizer_modules_loaded() -> list[str]:
-    return sorted(
-        m
-        for m in sys.modules
-        if m == "tokenizers"
-        or m.startswith("tokenizers.")
-        or m.startswith("transformers.tokenization")
-    )
-
-
 class EngineProcess:
     def __init__(
         self,
@@ -105,12 +105,15 @@ class EngineProcess:
             queue_max=event_queue_max(config),
         )
         self.publish_cache_events()
-        self.inbox: PullQueue[TokenizedRequest | AbortRequests | GrammarVocabulary] = PullQueue(
+        self.inbox: PullQueue[Inbox | ClusterNotice] = PullQueue(
             ctx,
             config.engine_addr(index),
             TokenizedRequest,
             AbortRequests,
             GrammarVocabulary,
+            PrefilledRequest,
+            KVRelease,
+            ClusterNotice,
             hwm=INBOX_HWM,
             curve=config.curve,
         )
@@ -134,6 +137,11 @@ class EngineProcess:
         # load report is never replayed: a follower that joined late gets the next one).
         self.load_published_t = 0.0
         self.load_reported_at = -1
+        self.pd: PrefillRole | DecodeRole | None = None  # a disaggregated engine's role
+        if config.disaggregated:
+            from engine_worker.disaggregation import make_role  # torch: with the engine
+
+            self.pd = make_role(config, index, self.engine, ctx, self.runtime.pid)
 
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -145,6 +153,7 @@ class EngineProcess:
         )
         while not self.runtime.stopping:
             self.drain_inbox()
+            self.pump_role()
             if self.engine.has_work():
                 delay_s = self.engine.step_delay_s()
                 if delay_s > 0:  # the idle batching window: let the rest of a burst arrive
@@ -172,8 +181,10 @@ class EngineProcess:
                     self.engine.abort(rid)
             elif isinstance(msg, GrammarVocabulary):
                 self.engine.set_grammar_vocabulary(msg)
-            else:
+            elif isinstance(msg, TokenizedRequest):
                 self.add(msg)
+            elif self.pd is not None:
+                self.pd.on_message(msg)
 
     def add(self, req: TokenizedRequest) -> None:
         req.meta.engine_index = self.index  # where it is, whatever its sender wrote
@@ -197,6 +208,10 @@ class EngineProcess:
         if self.runtime.stopping:
             self._finish_early(req.meta, FINISH_ABORT, "", "")
             return
+        refusal = self.pd.refuse(req) if self.pd is not None else ""
+        if refusal:
+            self._finish_early(req.meta, FINISH_ERROR, refusal, ERR_BAD_REQUEST)
+            return
         try:
             ids = unpack_id_list(req.token_ids)
             self.engine.add(
@@ -217,6 +232,8 @@ class EngineProcess:
         else:
             self.live.add(req.request_id)
             self.pending.new_requests.append(req.meta)
+            if self.pd is not None:
+                self.pd.accepted(req)
 
     def step(self) -> None:
         """One engine step; its tokens go to the detokenizer first, the bookkeeping (cache
@@ -228,9 +245,23 @@ class EngineProcess:
         for record in out.finished:
             self.live.discard(record.request_id)
         out.finished += pending.finished
+        out.kv_arrivals = pending.kv_arrivals + out.kv_arrivals
         self.send(out)
+        if self.pd is not None:  # a prefill engine's first tokens leave right after their step
+            self.pd.after_step(out)
+            self.pump_role()
         self.publish_cache_events()
         self.publish_load()
+
+    def pump_role(self) -> None:
+        """A prefill or decode engine's pass: hand-offs out, arrivals in, transfers timed out."""
+        if self.pd is None:
+            return
+        result = self.pd.pump()
+        self.live.difference_update(result.left)
+        self.live.update(result.joined)
+        self.pending.finished += result.finished
+        self.pending.kv_arrivals += result.arrivals
 
     def send(self, out: StepOutput) -> None:
         out.engine_pid = self.runtime.pid
@@ -262,6 +293,8 @@ class EngineProcess:
             self.send(self.take_pending())
         self.runtime.maybe_heartbeat(self.stats)
         self.engine.close()
+        if self.pd is not None:
+            self.pd.close()
         self.cache_events.close()
         self.inbox.close()
         self.outbox.close()
@@ -319,14 +352,15 @@ class EngineProcess:
                 index=self.index,
                 pid=self.runtime.pid,
                 running=load.running,
-                waiting=load.waiting,
+                waiting=load.waiting + (self.pd.queued_requests if self.pd is not None else 0),
                 kv_usage=load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0,
                 received_from=list(self.received_from),
+                kv_blocks_available=load.kv_blocks_available,
             ),
         )
 
     def _has_pending(self) -> bool:
-        return bool(self.pending.new_requests or self.pending.finished)
+        return bool(self.pending.new_requests or self.pending.finished or self.pending.kv_arrivals)
 
     def take_pending(self) -> StepOutput:
         pending, self.pending = self.pending, StepOutput(step=0, t_step=0.0)
@@ -354,6 +388,7 @@ class EngineProcess:
                 if load.kv_blocks_total
                 else {}
             ),
+            **(self.pd.stats() if self.pd is not None else {}),
         }
 
 

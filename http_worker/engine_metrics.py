@@ -116,9 +116,12 @@ class _EngineCollector:
             ours = family_type(name, help_text, labels=["model_name"])
             ours.add_metric([self.model_name], float(value(self.report.stats)))
             yield ours
-            per_replica = family_type(vllm_name, help_text, labels=["model_name", "engine"])
+            # Disaggregated: role="prefill"/"decode" beside the replica's index.
+            roles = any(r.role for r in replicas)
+            names = ["model_name", "engine", *(["role"] if roles else [])]
+            per_replica = family_type(vllm_name, help_text, labels=names)
             for replica in replicas:
-                labels = [self.model_name, str(replica.index)]
+                labels = [self.model_name, str(replica.index), *([replica.role] if roles else [])]
                 per_replica.add_metric(labels, float(value(replica.stats)))
             yield per_replica
         yield self._accepted_per_position()

@@ -46,6 +46,7 @@ LATENCY_BUCKETS = (
     120.0,
     300.0,
 )
+KV_BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(16, 33, 2))  # 64 KiB .. 4 GiB
 TOKEN_GAP_BUCKETS = (
     0.001,
     0.0025,
@@ -140,6 +141,20 @@ class HttpMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.kv_transfer = Histogram(
+            "splitserve_kv_transfer_seconds",
+            "Disaggregated: from the prefill engine's export of a request's KV blocks to the "
+            "decode engine's import of them.",
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_bytes = Histogram(
+            "splitserve_kv_transfer_bytes",
+            "Disaggregated: bytes of KV blocks a request moved from its prefill engine to its "
+            "decode engine.",
+            buckets=KV_BYTES_BUCKETS,
+            registry=r,
+        )
 
     def _declare_tokens(self, r: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(
@@ -173,6 +188,9 @@ class HttpMetrics:
                 self.tokenize.observe(timings.t_tokenized - timings.t_tokenize_start)
             if timings.t_scheduled and timings.t_arrived:
                 self.queue_wait.observe(timings.t_scheduled - timings.t_arrived)
+            if timings.kv_transfer_bytes:
+                self.kv_transfer.observe(timings.kv_transfer_s)
+                self.kv_transfer_bytes.observe(timings.kv_transfer_bytes)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Where prefill engines keep KV blocks on their way to decode engines (tmpfs: memory, no disk).
+KV_SEGMENT_DIR = "/dev/shm"
 # tcp: the fixed ports after base_port (client, detokenizer, supervisor); then three per engine
 # replica (inbox, event stream, its replay), then one per tokenizer worker.
 FIXED_PORTS = 3
@@ -84,6 +86,18 @@ class AddressPlan:
 
     def _engine_port(self, index: int) -> int:
         return FIXED_PORTS + PORTS_PER_ENGINE * index
+
+    @property
+    def kv_segment_prefix(self) -> str:
+        """Disaggregation: the start of every KV transfer segment's path of this cluster (the
+        supervisor removes what a killed engine left behind)."""
+        base = KV_SEGMENT_DIR if Path(KV_SEGMENT_DIR).is_dir() else self.run_dir
+        return str(Path(base) / f"splitserve-kv-{Path(self.run_dir).name}-")
+
+    def kv_segment_path(self, index: int, pid: int) -> str:
+        """Prefill engine ``index``'s KV transfer segment (process ``pid``: a restarted engine
+        makes a new one, while a decode engine may still read the old)."""
+        return f"{self.kv_segment_prefix}{index}-{pid}"
 
     @property
     def config_path(self) -> Path:

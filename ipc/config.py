@@ -44,6 +44,24 @@ LENIENT_FIELDS_HELP = (
 )
 
 
+def engine_mode_error(engines: int, prefill_engines: int, decode_engines: int) -> str:
+    """Why these engine counts do not make one mode ("" when they do): data-parallel replicas
+    (--engines N) or prefill/decode disaggregation (--prefill-engines P --decode-engines D)."""
+    if not (prefill_engines or decode_engines):
+        return ""
+    if prefill_engines < 1 or decode_engines < 1:
+        return (
+            "disaggregation needs both --prefill-engines and --decode-engines, each at least 1 "
+            f"(got {prefill_engines} and {decode_engines})"
+        )
+    if engines != 1:
+        return (
+            f"--engines {engines} (colocated replicas) and --prefill-engines/--decode-engines "
+            "(disaggregated) are exclusive: give one or the other"
+        )
+    return ""
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig(AddressPlan):
     engine: EngineConfig  # the engine's knobs (and the model directory every process reads)
@@ -76,6 +94,40 @@ class ClusterConfig(AddressPlan):
         unit="N",
         minimum=1,
         maximum=MAX_ENGINES,
+    )
+    # Prefill/decode disaggregation (docs/disaggregation.md): engines 0..P-1 compute prompts,
+    # engines P..P+D-1 decode; ``engines`` is then P + D (the supervisor sets it).
+    prefill_engines: int = knob(
+        0,
+        "disaggregated mode: engines that compute prompts (chunked, with their prefix caches) "
+        "and sample the first token, then hand each request and its KV blocks to a decode "
+        "engine; give with --decode-engines, instead of --engines",
+        unit="N",
+        minimum=0,
+        maximum=MAX_ENGINES,
+    )
+    decode_engines: int = knob(
+        0,
+        "disaggregated mode: engines that take requests over from the prefill engines and "
+        "decode them to the end",
+        unit="N",
+        minimum=0,
+        maximum=MAX_ENGINES,
+    )
+    kv_transfer_buffer_tokens: int = knob(
+        8192,
+        "disaggregated mode: each prefill engine's shared-memory buffer for KV blocks on their "
+        "way to a decode engine (at least the context length is taken)",
+        unit="TOKENS",
+        minimum=16,
+    )
+    kv_transfer_timeout_s: float = knob(
+        30.0,
+        "disaggregated mode: a KV transfer its decode engine has not taken in this long (hung, "
+        "or its batch full all that time) is aborted: the request ends 'unavailable', the "
+        "prefill engine's buffer is freed",
+        unit="SECONDS",
+        minimum=0.01,
     )
     routing_policy: str = knob(
         CACHE_AWARE,
@@ -225,6 +277,15 @@ class ClusterConfig(AddressPlan):
         if not self.run_dir:
             raise ValueError("run_dir is required")
         check_knobs(self)
+        if self.disaggregated:
+            error = engine_mode_error(1, self.prefill_engines, self.decode_engines)
+            if error:
+                raise ValueError(error)
+            if self.engines != self.pd_engines:
+                raise ValueError(
+                    f"disaggregated: engines must be prefill_engines + decode_engines "
+                    f"({self.pd_engines}), got {self.engines}"
+                )
         if self.transport == "tcp" and not (0 < self.base_port <= 65536 - self.port_span):
             raise ValueError(
                 f"tcp transport needs a base_port in 1..{65536 - self.port_span} (the cluster "
@@ -289,6 +350,29 @@ class ClusterConfig(AddressPlan):
         """Whether tokenizer workers choose a replica (several engines); with one they send
         every request to it and neither hash nor follow events."""
         return self.engines > 1
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill/decode disaggregation: prefill engines hand requests to decode engines."""
+        return bool(self.prefill_engines or self.decode_engines)
+
+    @property
+    def pd_engines(self) -> int:
+        return self.prefill_engines + self.decode_engines
+
+    def engine_role(self, index: int) -> str:
+        """ "prefill", "decode", or "" (an engine that computes prompts and decodes them)."""
+        if not self.disaggregated:
+            return ""
+        return "prefill" if index < self.prefill_engines else "decode"
+
+    @property
+    def prefill_indices(self) -> range:
+        return range(self.prefill_engines) if self.disaggregated else range(self.engines)
+
+    @property
+    def decode_indices(self) -> range:
+        return range(self.prefill_engines, self.pd_engines) if self.disaggregated else range(0)
 
     @property
     def routing_thresholds(self) -> RoutingThresholds:

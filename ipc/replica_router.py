@@ -172,6 +172,20 @@ def _least_loaded(
     return tied[turn % len(tied)]
 
 
+def choose_decode(
+    loads: Mapping[int, int], free_blocks: Mapping[int, int], live: Iterable[int], turn: int = 0
+) -> int:
+    """The decode engine for a request (prefill/decode disaggregation): the least loaded, then
+    the one with the most free KV blocks; ``turn`` picks among what still ties."""
+    candidates = sorted(set(live))
+    if not candidates:
+        raise NoLiveReplica("no decode engine is in rotation")
+    rank = {r: (loads.get(r, 0), -free_blocks.get(r, 0)) for r in candidates}
+    lowest = min(rank.values())
+    tied = [r for r in candidates if rank[r] == lowest]
+    return tied[turn % len(tied)]
+
+
 class Router:
     """A policy, its thresholds, a prefix index and round robin's turn: what a chooser keeps."""
 

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ipc.client import Client, SplitserveError
-from ipc.config import API_KEY_HELP, TRANSPORTS
+from ipc.config import API_KEY_HELP, TRANSPORTS, engine_mode_error
 from procs.config_flags import (
     DATA_PARALLEL_KNOBS,
+    DISAGGREGATION_KNOBS,
     ENGINE_KNOBS,
     FAULT_KNOBS,
     TESTING_KNOBS,
@@ -41,6 +42,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p.add_argument_group("engine"))
     add_cluster_flags(
         p.add_argument_group("data-parallel engines (docs/data-parallel.md)"), DATA_PARALLEL_KNOBS
+    )
+    add_cluster_flags(
+        p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)"),
+        DISAGGREGATION_KNOBS,
     )
     _add_http_group(p.add_argument_group("OpenAI-compatible HTTP frontend"))
     add_cluster_flags(p.add_argument_group("faults"), FAULT_KNOBS)
@@ -127,6 +132,7 @@ def cluster_kwargs(args: argparse.Namespace) -> dict:
             ENGINE_KNOBS
             + TOKENIZER_KNOBS
             + DATA_PARALLEL_KNOBS
+            + DISAGGREGATION_KNOBS
             + FAULT_KNOBS
             + TESTING_KNOBS
             + ("require_curve",),
@@ -287,6 +293,11 @@ def main(argv: list[str] | None = None) -> None:
         logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
         sys.exit(serve_ray(argv[1:]))
     args = build_parser().parse_args(argv)
+    if hasattr(args, "prefill_engines"):  # one mode of engines or the other, said in one line
+        mode_error = engine_mode_error(args.engines, args.prefill_engines, args.decode_engines)
+        if mode_error:
+            print(f"splitserve: error: {mode_error}", file=sys.stderr, flush=True)
+            sys.exit(2)
     quiet = args.command in ("chat", "generate")
     os.environ.setdefault("SPLITSERVE_LOG_LEVEL", "WARNING" if quiet else "INFO")
     logging.basicConfig(

@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from ipc.config import LOOPBACK_HOSTS, ClusterConfig
+from ipc.config import LOOPBACK_HOSTS, ClusterConfig, engine_mode_error
 from ipc.sockets import check_curve_available
 from procs.local_model import check_model, check_served_name
 from procs.model_store import resolve_model
@@ -33,6 +33,7 @@ def make_config(
     budget filled in. Returns (config, whether the run dir was created here and is ours to
     remove). A model the engine could not serve raises ModelError before anything starts."""
     check_served_name(overrides.get("served_model_name"))
+    disaggregate(overrides)
     model_path = str(
         resolve_model(model if model is not None else overrides.pop("model_path", None))
     )
@@ -63,6 +64,18 @@ def make_config(
         **overrides,
     )
     return config, owns
+
+
+def disaggregate(overrides: dict[str, Any]) -> None:
+    """--prefill-engines P --decode-engines D: P + D engines (ValueError if that is not one
+    mode: --engines N as well, or one of the two missing)."""
+    prefill = int(overrides.get("prefill_engines", 0) or 0)
+    decode = int(overrides.get("decode_engines", 0) or 0)
+    error = engine_mode_error(int(overrides.get("engines", 1)), prefill, decode)
+    if error:
+        raise ValueError(error)
+    if prefill or decode:
+        overrides["engines"] = prefill + decode
 
 
 def curve_overrides(overrides: dict[str, Any]) -> dict[str, str]:

@@ -36,6 +36,12 @@ DATA_PARALLEL_KNOBS = (
     "devices",
     "pin_engine_cores",
 )
+DISAGGREGATION_KNOBS = (
+    "prefill_engines",
+    "decode_engines",
+    "kv_transfer_buffer_tokens",
+    "kv_transfer_timeout_s",
+)
 TESTING_KNOBS = ("engine_factory", "preparer_factory")
 
 

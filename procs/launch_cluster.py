@@ -77,6 +77,11 @@ class Cluster:
             PushQueue(self.ctx, address, hwm=1000, curve=config.curve)
             for address in (config.tokenizer_addrs if config.routes else [])
         ]
+        # Disaggregated: prefill engines hear of decode engines' deaths (their KV in flight).
+        self.router_notices += [
+            PushQueue(self.ctx, config.engine_addr(p), hwm=1000, curve=config.curve)
+            for p in (config.prefill_indices if config.disaggregated else [])
+        ]
         self.policy = SupervisionPolicy(config)
         self.watcher = Watcher(
             self.roster, self.policy, self._notify, self._respawn, self._stop_children
@@ -203,6 +208,11 @@ class Cluster:
             if self.config.routes
             else ""
         )
+        if self.config.disaggregated:
+            engines = (
+                f"{self.config.prefill_engines} prefill + {self.config.decode_engines} decode "
+                f"engines (prefill routed {self.config.routing_policy}); "
+            )
         return (
             f"client address {self.client_addr}; {http}{engines}"
             f"{self.config.tokenizer_workers} tokenizer worker(s); model "
@@ -243,6 +253,9 @@ class Cluster:
 
     def _remove_run_dir(self) -> None:
         run_dir = Path(self.config.run_dir)
+        prefix = Path(self.config.kv_segment_prefix)  # KV transfer segments a killed engine left
+        for segment in prefix.parent.glob(prefix.name + "*"):
+            segment.unlink(missing_ok=True)
         if self.owns_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
             return

@@ -4,6 +4,7 @@ the engine), and which GGUF files hold the weights (the engine and the superviso
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 
@@ -15,6 +16,17 @@ def load_tokenizer(model_dir: str | Path):
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
     return Tokenizer.from_file(str(path))
+
+
+def tokenizer_modules_loaded() -> list[str]:
+    """Tokenization modules this process has imported (the engine's must stay empty)."""
+    return sorted(
+        m
+        for m in sys.modules
+        if m == "tokenizers"
+        or m.startswith("tokenizers.")
+        or m.startswith("transformers.tokenization")
+    )
 
 
 # llama.cpp's split layout (gguf-split, and the gguf package's writer): NAME-00001-of-00003.gguf

@@ -17,6 +17,12 @@ A replica's load is its running + waiting requests as of its latest report, plus
 requests on their way to it: what this worker sent there minus what the replica reports having
 received from it (exact: nothing is guessed about what finished). A worker that restarts catches
 up through each replica's replay socket before its first choice is informed by it.
+
+Prefill/decode disaggregation (docs/disaggregation.md): the prefill engine is chosen as above
+among the prefill engines; the decode engine the request moves to after its first token is the
+least loaded decode engine (running + waiting as of its latest report, plus what this worker
+sent it since that report), then the one with the most free KV blocks. The prefill engine hands
+the request to that one (``RequestMeta.decode_index``).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ipc.messages import (
     ReplicaLoad,
     TokenizedRequest,
 )
-from ipc.replica_router import CACHE_AWARE, Router
+from ipc.replica_router import CACHE_AWARE, Router, choose_decode
 from runtime.kv_subscriber import KVEventSubscriber
 
 logger = logging.getLogger("splitserve.tokenizer")
@@ -49,6 +55,7 @@ class ReplicaRouting:
     def __init__(self, config: ClusterConfig, worker_index: int, ctx: zmq.Context) -> None:
         self.worker_index = worker_index
         self.replicas = range(config.engines)
+        self.prefill, self.decode = config.prefill_indices, config.decode_indices
         self.router = Router(config.routing_policy, config.routing_thresholds)
         self.uses_cache = config.routing_policy == CACHE_AWARE
         self.hasher = BlockHasher(config.engine.block_size)
@@ -67,6 +74,9 @@ class ReplicaRouting:
         self.sent = [0] * config.engines  # requests this worker sent to each replica
         self.received = [0] * config.engines  # ...that the replica reports having received
         self.pids = [0] * config.engines  # the process each replica's latest load came from
+        self.free_blocks = [0] * config.engines  # KV blocks available, from the latest load
+        self.sent_since_load = [0] * config.engines  # decode engines: sent since their report
+        self.decode_turn = 0
         self.decisions: Counter[str] = Counter()
         self.routing_s = 0.0
         self.learn_s = 0.0  # hashing the announced blocks into the memo, off the request path
@@ -115,6 +125,8 @@ class ReplicaRouting:
             self.sent[replica] = max(self.sent[replica], received) if first else received
             self.pids[replica] = load.pid
         self.reported[replica] = load.running + load.waiting
+        self.free_blocks[replica] = load.kv_blocks_available
+        self.sent_since_load[replica] = 0
         self.received[replica] = received
 
     def on_notice(self, notice: ClusterNotice) -> None:
@@ -129,6 +141,7 @@ class ReplicaRouting:
             # from 0 (its first report takes this worker's new count for its baseline).
             self.reported[notice.index] = self.sent[notice.index] = 0
             self.received[notice.index] = self.pids[notice.index] = 0
+            self.free_blocks[notice.index] = self.sent_since_load[notice.index] = 0
         elif notice.event == NOTICE_READY:
             self.live.add(notice.index)
             self.subscribers[notice.index].start_over()
@@ -147,19 +160,29 @@ class ReplicaRouting:
             held = self.router.index.held
             block_ids = self.hasher.hashes(request.token_ids, request.cache_salt, held)
         loads = {
-            r: self.reported[r] + max(0, self.sent[r] - self.received[r]) for r in self.replicas
+            r: self.reported[r] + max(0, self.sent[r] - self.received[r]) for r in self.prefill
         }
         blocks = len(request.token_ids) // (4 * self.hasher.block_size)
-        replica, outcome = self.router.route(
-            block_ids, loads, self.live or self.replicas, prompt_blocks=blocks
-        )
+        live = self.live.intersection(self.prefill) or self.prefill
+        replica, outcome = self.router.route(block_ids, loads, live, prompt_blocks=blocks)
         self.sent[replica] += 1
+        if self.decode:
+            request.meta.decode_index = self._choose_decode()
         elapsed = time.perf_counter() - t_start
         self.decisions[outcome] += 1
         self.routing_s += elapsed
         meta = request.meta
         meta.engine_index, meta.routing_outcome, meta.routing_s = replica, outcome, elapsed
         return replica
+
+    def _choose_decode(self) -> int:
+        loads = {d: self.reported[d] + self.sent_since_load[d] for d in self.decode}
+        free = {d: self.free_blocks[d] for d in self.decode}
+        live = self.live.intersection(self.decode) or self.decode
+        decode = choose_decode(loads, free, live, self.decode_turn)
+        self.decode_turn += 1
+        self.sent_since_load[decode] += 1
+        return decode
 
     def stats(self) -> dict[str, float]:
         routed = sum(self.decisions.values())

@@ -9,6 +9,7 @@ package re-exports them all but the queries'; import from ``ipc.messages``):
     replica_load  : engine replicas -> tokenizer workers, their load (beside the KV events)
     queries       : the one-answer queries (import them from ``ipc.messages.queries``)
     kv_net        : engine <-> engine across hosts, where a request's KV bytes lie
+    kv_handoff    : prefill engine <-> decode engine (prefill/decode disaggregation)
 
 Channels (who sends what to whom):
 
@@ -22,6 +23,9 @@ Channels (who sends what to whom):
     detokenizer -> engine      : AbortRequests (client aborts, stop strings, gone clients)
     engine      -> detokenizer : StepOutput (one message per engine step, columnar)
     engine r    -> tokenizers  : KV events (ipc.kv_events) and ReplicaLoad, on its event stream
+    prefill p   -> decode d    : PrefilledRequest (its KV blocks described, not carried)
+    decode d    -> prefill p   : KVRelease (the transfer's buffer may be reused)
+    supervisor  -> prefill p   : ClusterNotice about decode engines (disaggregated only)
     any worker  -> supervisor  : WorkerReady, Heartbeat, WorkerFailed (its last words)
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
     supervisor  -> tokenizer i : ClusterNotice about engine replicas (several engines only)
@@ -76,6 +80,13 @@ from ipc.messages.engine_step import (
     StepOutput,
     TokenLogprobs,
 )
+from ipc.messages.kv_handoff import (
+    TRANSPORT_SHARED_MEMORY,
+    KVArrival,
+    KVDescriptor,
+    KVRelease,
+    PrefilledRequest,
+)
 from ipc.messages.kv_net import KVNetDone, KVNetRegion
 from ipc.messages.replica_load import LOAD_TOPIC, ReplicaLoad
 from ipc.messages.submit import RequestError, RequestMeta, SubmitRequest, TokenizedRequest
@@ -105,6 +116,11 @@ __all__ = [
     "FinishRecord",
     "KVNetDone",
     "KVNetRegion",
+    "KVArrival",
+    "KVDescriptor",
+    "KVRelease",
+    "PrefilledRequest",
+    "TRANSPORT_SHARED_MEMORY",
     "Heartbeat",
     "LOAD_TOPIC",
     "LogprobEntry",

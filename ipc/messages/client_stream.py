@@ -67,6 +67,10 @@ class RequestTimings:
     t_first_token: float = 0.0
     t_last_token: float = 0.0
     t_finished: float = 0.0
+    # Prefill/decode disaggregation: seconds from the prefill engine's export of the request's
+    # KV blocks to the decode engine's import of them (0: not disaggregated).
+    kv_transfer_s: float = 0.0
+    kv_transfer_bytes: int = 0
 
 
 @dataclass(slots=True)

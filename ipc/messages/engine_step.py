@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ipc.codec import message
 from ipc.messages.common import ERR_INTERNAL, FINISH_ERROR
+from ipc.messages.kv_handoff import KVArrival
 from ipc.messages.submit import RequestMeta
 
 # ---------------------------------------------------------------------------------------------
@@ -123,3 +124,5 @@ class StepOutput:
     # detokenizer drops its late outputs (their requests already ended with an error).
     engine_pid: int = 0
     engine_index: int = 0  # the replica that sent it (ClusterConfig.engines)
+    # A decode engine's: requests it took over from a prefill engine since its last output.
+    kv_arrivals: list[KVArrival] = field(default_factory=list)

@@ -109,6 +109,7 @@ class ReplicaStats:
     stats: EngineStats = field(default_factory=EngineStats)
     t_step: float = 0.0
     pid: int = 0  # 0: dead, or no step since it (re)started
+    role: str = ""  # disaggregated: "prefill" or "decode"
 
 
 @message

@@ -26,3 +26,4 @@ class ReplicaLoad:
     waiting: int
     kv_usage: float = 0.0  # share of KV blocks held by requests (0 to 1)
     received_from: list[int] = field(default_factory=list)
+    kv_blocks_available: int = 0  # free or only caching a prefix (decode engines route by it)

@@ -86,6 +86,9 @@ class RequestMeta:
     engine_index: int = 0
     routing_outcome: str = ""
     routing_s: float = 0.0
+    # Prefill/decode disaggregation: the decode engine the tokenizer worker chose (the request
+    # moves there after its first token); -1: the engine that computes the prompt decodes too.
+    decode_index: int = -1
     t_submit: float = 0.0
     t_tokenize_start: float = 0.0
     t_tokenized: float = 0.0

@@ -27,6 +27,11 @@ WORKLOADS = {
         "engine replicas routed by the tokenizer workers: cache_aware, round_robin, "
         "least_loaded and one replica on multi-turn chats",
     ),
+    "disaggregation": (
+        "scripts.bench.disaggregation",
+        "prefill/decode engines against one engine and 2 replicas: decoding streams' ITL beside "
+        "long prompts; the KV transfer against memcpy",
+    ),
     "edges": (
         "scripts.bench.edges",
         "an unrelated stream beside long contexts, 7.2 MB prompts or hostile schemas",
