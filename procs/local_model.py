@@ -203,6 +203,7 @@ def write_hf_metadata(gguf_path: Path, out_dir: Path, name: str) -> None:
     for key in ("quantization_config", "_name_or_path", "torch_dtype", "dtype"):
         config.pop(key, None)
     config["_name_or_path"] = name
+    config.update(header["experts"])
     config["architectures"] = causal_lm_architectures(config.get("model_type", ""))
     # transformers looks for the untied head in the first file only; a split file may hold it
     # in any part.
@@ -234,8 +235,9 @@ def causal_lm_architectures(model_type: str) -> list[str]:
 
 
 def _read_header(first: Path) -> dict:
-    """What transformers does not take from a GGUF: every part's tensor names, and the ids that
-    also end a turn (llama.cpp's end-of-turn and end-of-message tokens)."""
+    """What transformers does not take from a GGUF: every part's tensor names, the ids that
+    also end a turn (llama.cpp's end-of-turn and end-of-message tokens), a mixture of experts'
+    config keys (``_expert_keys``)."""
     from engine_worker.gguf_tensors import open_reader
 
     try:
@@ -249,4 +251,31 @@ def _read_header(first: Path) -> dict:
         field = readers[0].fields.get(key)
         if field is not None:
             end_ids.append(int(field.parts[field.data[0]][0]))
-    return {"tensors": {t.name for r in readers for t in r.tensors}, "end_ids": end_ids}
+    tensors = {t.name for r in readers for t in r.tensors}
+    return {"tensors": tensors, "end_ids": end_ids, "experts": _expert_keys(readers[0])}
+
+
+def _expert_keys(reader) -> dict:
+    """A mixture of experts' keys that transformers' reading of a GGUF leaves out: the experts'
+    own sizes (``{arch}.expert_feed_forward_length``, Qwen2-MoE's shared expert's), and for a
+    Mixtral file (llama.cpp writes it as a "llama" with experts) the model type itself."""
+
+    def number(key: str) -> int:
+        field = reader.fields.get(key)
+        return int(field.parts[field.data[0]][0]) if field is not None else 0
+
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    count, used = number(f"{arch}.expert_count"), number(f"{arch}.expert_used_count")
+    if not count:
+        return {}
+    if arch == "llama":
+        return {"model_type": "mixtral", "num_local_experts": count, "num_experts_per_tok": used}
+    keys = {"num_experts": count, "num_experts_per_tok": used}
+    if number(f"{arch}.expert_feed_forward_length"):
+        keys["moe_intermediate_size"] = number(f"{arch}.expert_feed_forward_length")
+    if arch == "qwen2moe":
+        keys["shared_expert_intermediate_size"] = number(
+            f"{arch}.expert_shared_feed_forward_length"
+        )
+    return keys

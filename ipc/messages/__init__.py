@@ -64,6 +64,7 @@ from ipc.messages.control import (
     WorkerReady,
 )
 from ipc.messages.engine_step import (
+    EXPERT_ROWS_BUCKETS,
     AbortRequests,
     EngineStats,
     FinishRecord,
@@ -92,6 +93,7 @@ __all__ = [
     "ERR_OVERLOADED",
     "ERR_UNAVAILABLE",
     "EngineStats",
+    "EXPERT_ROWS_BUCKETS",
     "FINISH_ABORT",
     "FINISH_ERROR",
     "FINISH_LENGTH",
