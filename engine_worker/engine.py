@@ -398,4 +398,5 @@ class Engine:
             spec_draft_tokens_total=self.speculation.draft_tokens,
             spec_accepted_tokens_total=self.speculation.accepted_tokens,
             spec_accepted_per_position_total=list(self.speculation.accepted_per_position),
+            **self.runner.model.expert_stats(),
         )

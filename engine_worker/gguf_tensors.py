@@ -8,7 +8,8 @@ with an error that names the tensor, its type and the served types.
 
 Names: each architecture's GGUF names are the ``gguf`` package's own map (``TensorNameMap``)
 of the Hugging Face names our layers read, inverted; a block with ``ffn_up`` but no ``ffn_gate``
-holds Phi-3's fused gate and up rows (``mlp.gate_up_proj``).
+holds Phi-3's fused gate and up rows (``mlp.gate_up_proj``). A mixture's stacked experts
+(``ffn_gate_exps`` ..., [E, N, K]) are read as their E N rows, under engine_worker.moe's names.
 
 What llama.cpp's converter changed is undone here, so the tensors are the checkpoint's own:
 it reorders the rows of q and k for the architectures that derive from its Llama converter
@@ -60,6 +61,15 @@ _HF_LAYER_PARTS = (
     "mlp.down_proj",
     "mlp.gate_up_proj",
     "mlp.up_proj",
+    # a mixture of experts (engine_worker.moe's names): router, stacked experts, shared expert
+    "mlp.gate",
+    "mlp.experts.gate_proj",
+    "mlp.experts.up_proj",
+    "mlp.experts.down_proj",
+    "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate",
 )
 _layer_names_cache: dict[str, dict[str, str]] = {}
 
@@ -231,7 +241,8 @@ def _parse(type_name: str, data: np.ndarray, shape: list[int]) -> WeightSource:
     raw = np.asarray(data, dtype=np.uint8)
     if type_name == "BF16":
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(dims)
-    rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
+    # a stack of matrices (a mixture's experts, [E, N, K]) as its E N rows
+    rows, cols = int(np.prod(dims[:-1])), dims[-1]
     return parse_blocks(type_name, raw, rows, cols)
 
 

@@ -6,7 +6,10 @@ Norms by role: ``input_norm`` before attention and ``post_attention_norm`` befor
 names Llama's checkpoint gives them: ``input_layernorm``, ``post_attention_layernorm``);
 ``attn_out_norm`` and ``mlp_out_norm`` on each branch's output before the residual add (Gemma's
 ``post_attention_layernorm``/``post_feedforward_layernorm``, OLMo 2's). Each is None where the
-family has no such norm."""
+family has no such norm.
+
+The MLP: a gated one (``gate_up``, ``down``), or where ``features.moe`` makes the layer sparse a
+mixture of experts (``moe``: engine_worker.moe)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.linear import Int4Groups, Int8Blocks, LinearWeight, WeightSource, dequantize
 from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
+from engine_worker.moe import ExpertLoad, MoeBlock, load_moe
 from engine_worker.rms_norm import RmsNorm
 from engine_worker.weight_format import WeightFormat
 
@@ -38,11 +42,12 @@ class LayerWeights:
     k_norm: RmsNorm | None
     o_proj: LinearWeight
     post_attention_norm: RmsNorm | None  # before the MLP
-    gate_up: LinearWeight  # gate and up projections stacked
-    down: LinearWeight
+    gate_up: LinearWeight | None  # gate and up projections stacked (None: a MoE layer)
+    down: LinearWeight | None
     attn_out_norm: RmsNorm | None = None
     mlp_out_norm: RmsNorm | None = None
     rope: int = 0  # which rope table (-1: none)
+    moe: MoeBlock | None = None  # the MLP is this mixture of experts
 
 
 class LayerLoader:
@@ -53,6 +58,8 @@ class LayerLoader:
     ) -> None:
         self.config, self.tensors, self.fmt = config, tensors, fmt
         self.rotary_rows = rotary_row_order(config)
+        # the rows each expert takes, shared by the MoE layers (None: a dense model)
+        self.expert_load = ExpertLoad() if config.features.moe else None
 
     def norm(self, name: str | None, rows: torch.Tensor | None = None) -> RmsNorm | None:
         """The RMSNorm ``name`` (None where absent), Gemma's 1 + w folded in (in float32)."""
@@ -118,6 +125,9 @@ class LayerLoader:
         layout = cfg.features.norm_layout
         pre_mlp = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}
         q_rows, k_rows = self._qk_norm_rows()
+        moe = None
+        if self.expert_load is not None and cfg.features.moe and cfg.features.moe.sparse(i):
+            moe = load_moe(self.tensors, self.fmt, cfg, i, self.expert_load)
         return LayerWeights(
             input_norm=self.norm(None if layout == "post" else p + "input_layernorm.weight"),
             qkv=self.qkv(p + "self_attn."),
@@ -127,13 +137,14 @@ class LayerLoader:
             post_attention_norm=self.norm(
                 p + pre_mlp[layout] + ".weight" if layout in pre_mlp else None
             ),
-            gate_up=self._gate_up(p + "mlp."),
-            down=self.linear(p + "mlp.down_proj.weight"),
+            gate_up=None if moe else self._gate_up(p + "mlp."),
+            down=None if moe else self.linear(p + "mlp.down_proj.weight"),
             attn_out_norm=self.norm(
                 None if layout == "pre" else p + "post_attention_layernorm.weight"
             ),
             mlp_out_norm=self.norm(p + "post_feedforward_layernorm.weight"),
             rope=cfg.features.layer_rope[i] if cfg.features.layer_rope else 0,
+            moe=moe,
         )
 
     def _gate_up(self, prefix: str) -> LinearWeight:
@@ -236,9 +247,23 @@ def run_layers(
         y = layer.o_proj.apply(attn.reshape(num_tokens, q_size), decode_rows, decode_batch)
         add_branch(hidden, y, layer.attn_out_norm, residual_scale)
         x = hidden if layer.post_attention_norm is None else layer.post_attention_norm(hidden)
-        gate, up = layer.gate_up.apply(x, decode_rows, decode_batch).chunk(2, dim=-1)
-        y = layer.down.apply(activation(gate) * up, decode_rows, decode_batch)
+        y = mlp(layer, x, activation, decode_rows, decode_batch)
         add_branch(hidden, y, layer.mlp_out_norm, residual_scale)
+
+
+def mlp(
+    layer: LayerWeights,
+    x: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    decode_rows: int,
+    decode_batch: int | None,
+) -> torch.Tensor:
+    """The layer's MLP on its normed input ``x``: the gated one, or its mixture of experts."""
+    if layer.moe is not None:
+        return layer.moe.apply(x, activation, decode_rows, decode_batch)
+    assert layer.gate_up is not None and layer.down is not None
+    gate, up = layer.gate_up.apply(x, decode_rows, decode_batch).chunk(2, dim=-1)
+    return layer.down.apply(activation(gate) * up, decode_rows, decode_batch)
 
 
 def add_branch(

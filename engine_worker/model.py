@@ -1,7 +1,8 @@
 """Our own forward for the Llama family and its relatives (Llama/SmolLM2/SmolLM3, Mistral, Qwen2
-with qkv bias, Qwen3 with q/k norm, Gemma 2/3, Phi-3/4, Granite, OLMo 2: what differs is
-``ModelConfig.features``, the layers are ``engine_worker.layers``'), loaded from safetensors or
-from a GGUF at its own precision. It runs on a flat batch
+with qkv bias, Qwen3 with q/k norm, Gemma 2/3, Phi-3/4, Granite, OLMo 2, and the mixtures of
+experts Qwen2-MoE, Qwen3-MoE, OLMoE and Mixtral: what differs is ``ModelConfig.features``, the
+layers are ``engine_worker.layers``', a mixture's MLP ``engine_worker.moe``'s), loaded from
+safetensors or from a GGUF at its own precision. It runs on a flat batch
 of tokens from many sequences and reads/writes the paged KV cache through an
 ``engine_worker.attention`` backend. Linear layers are ``LinearWeight``s
 (``engine_worker.linear``): the forward calls ``apply`` whatever format ``WeightFormat`` gave
@@ -21,6 +22,7 @@ from engine_worker.layers import LayerLoader, LayerWeights, rope_tables, run_lay
 from engine_worker.linear import LinearWeight, WeightSource, refine_top_logits
 from engine_worker.model_config import ModelConfig
 from engine_worker.model_features import text_tensor_name
+from engine_worker.moe import stack_expert_tensors
 from engine_worker.scripted_decode import ScriptedDecode
 from engine_worker.weight_format import WeightFormat
 from runtime.model_files import gguf_weights
@@ -54,6 +56,7 @@ class LlamaFamilyModel:
             self.embedding_scale = float(torch.tensor(self.embedding_scale, dtype=dtype))
         loader = LayerLoader(config, tensors, fmt)
         self.layers: list[LayerWeights] = [loader.layer(i) for i in range(config.num_layers)]
+        self.expert_load = loader.expert_load  # a mixture of experts' load (None: dense)
         final_norm = loader.norm("model.norm.weight")
         if final_norm is None:
             raise KeyError("model.norm.weight")
@@ -78,6 +81,13 @@ class LlamaFamilyModel:
         # The hot decode step's layers in one TorchScript call (``use_scripted_decode``).
         self.scripted_decode: ScriptedDecode | None = None
         self.head_inputs: torch.Tensor | None = None  # the last head call's (``head``)
+
+    def expert_stats(self) -> dict:
+        """A mixture of experts' load since the start, as ``EngineStats`` fields ({}: dense)."""
+        if self.expert_load is None:
+            return {}
+        buckets, rows = self.expert_load.totals()
+        return {"expert_rows_buckets_total": list(buckets), "expert_rows_total": rows}
 
     def use_scripted_decode(self, enabled: bool = True) -> bool:
         """Runs decode-only steps on a kept workspace through ``ScriptedDecode`` where it applies
@@ -212,6 +222,8 @@ def load_tensors(model_dir: Path, config: ModelConfig) -> dict[str, WeightSource
                     text_name = text_tensor_name(name)
                     if text_name is not None:
                         tensors[text_name] = f.get_tensor(name)
+        if config.features.moe is not None:
+            stack_expert_tensors(tensors)
         return tensors
     ggufs = gguf_weights(model_dir)  # one file, or the parts of a split one
     if ggufs:

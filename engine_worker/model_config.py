@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
 from engine_worker.model_features import (
+    MOE_TYPES,
     PLAIN_FEATURES,
     ModelFeatures,
     model_features,
@@ -33,6 +34,7 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3",
     "granite",
     "olmo2",
+    *MOE_TYPES,
 )
 
 
@@ -134,8 +136,8 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type == "qwen3",
+            attention_bias=_attention_bias(cfg, model_type),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
             layer_attention=_layer_attention(cfg, cfg["num_hidden_layers"], model_type),
             rope=_rope_parameters(cfg),
             eos_token_ids=eos,
@@ -232,7 +234,7 @@ def _layer_windows(cfg: dict, num_layers: int, model_type: str) -> list[int]:
         if len(types) != num_layers:
             raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
         return [window if t == "sliding_attention" else 0 for t in types]
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         first = cfg.get("max_window_layers", num_layers)
         return [window if i >= first else 0 for i in range(num_layers)]
     if model_type == "gemma2":
@@ -241,6 +243,13 @@ def _layer_windows(cfg: dict, num_layers: int, model_type: str) -> list[int]:
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
         return [window if (i + 1) % pattern else 0 for i in range(num_layers)]
     return [window] * num_layers  # mistral: every layer
+
+
+def _attention_bias(cfg: dict, model_type: str) -> bool:
+    """Whether q, k and v carry a bias: Qwen2's always, Qwen2-MoE's by ``qkv_bias``."""
+    if model_type == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", True))
+    return bool(cfg.get("attention_bias", model_type == "qwen2"))
 
 
 def _as_id_set(value) -> set[int]:

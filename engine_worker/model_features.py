@@ -12,7 +12,10 @@ What each family sets (transformers' reading of its config):
 * Granite: the embedding, each residual branch and the logits scaled by its multipliers;
 * OLMo 2: norms after attention and after the MLP instead of before (``post``), q/k norm over
   the whole projection rather than per head;
-* SmolLM3: some layers without rope (``no_rope_layers``).
+* SmolLM3: some layers without rope (``no_rope_layers``);
+* the mixtures of experts (Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral): the MLP of every sparse layer
+  is a routed mixture of experts (``MoeSpec``; engine_worker.moe computes it), OLMoE's q/k norm
+  over the whole projection as OLMo 2's.
 
 Attention's own differences (softmax scale, soft-capped scores, sliding windows) are the
 attention backend's, per layer; the rope's scaling and partial rotary are ``ModelConfig.rope``'s.
@@ -50,6 +53,7 @@ TEXT_PREFIXES |= {"language_model.lm_head.": "lm_head."}
 NON_TEXT_PREFIXES: tuple[str, ...] = ("vision_tower.", "model.vision_tower.")
 NON_TEXT_PREFIXES += ("multi_modal_projector.", "model.multi_modal_projector.")
 NORM_LAYOUTS = ("pre", "sandwich", "post")
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "olmoe", "mixtral")
 ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
@@ -58,6 +62,43 @@ ACTIVATIONS = {
     "gelu_fast": "gelu_tanh",
     "gelu": "gelu",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture-of-experts MLP, as the families above define it (transformers' reading): the
+    router's softmax over ``num_experts`` logits, the ``top_k`` largest kept (renormalized to sum
+    1 where ``normalize``), each chosen expert a gated MLP of ``expert_size`` whose output is
+    weighted by its probability; plus, where ``shared_size`` > 0, a shared gated MLP every row
+    runs, its output times sigmoid(x . shared gate) (Qwen2-MoE). ``dense_layers``: the layers
+    whose MLP is a plain one of ``intermediate_size`` instead (Qwen's ``mlp_only_layers`` and
+    ``decoder_sparse_step``)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    normalize: bool
+    shared_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "expert_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+                raise ValueError(f"the experts' {name} must be a positive integer, not {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) exceeds the number of experts "
+                f"({self.num_experts})"
+            )
+        if not isinstance(self.shared_size, int) or self.shared_size < 0:
+            raise ValueError(
+                f"shared_expert_intermediate_size must be >= 0, not {self.shared_size!r}"
+            )
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the mixture (else a plain MLP)."""
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +117,7 @@ class ModelFeatures:
     # Per layer, which of ``ModelConfig.ropes`` it rotates with (-1: none); empty: the first,
     # for every layer
     layer_rope: tuple[int, ...] = ()
+    moe: MoeSpec | None = None  # the sparse layers' MLP is a mixture of experts
 
     def __post_init__(self) -> None:
         if self.norm_layout not in NORM_LAYOUTS:
@@ -137,7 +179,7 @@ def model_features(cfg: dict, model_type: str, num_layers: int) -> ModelFeatures
     return ModelFeatures(
         norm_layout=layout,
         norm_offset=1.0 if gemma else 0.0,
-        qk_norm_over_projection=model_type == "olmo2",
+        qk_norm_over_projection=model_type in ("olmo2", "olmoe"),
         activation=ACTIVATIONS[act_name],
         embedding_scale=embedding_scale,
         round_embedding_scale=gemma,
@@ -145,7 +187,55 @@ def model_features(cfg: dict, model_type: str, num_layers: int) -> ModelFeatures
         logits_divisor=float(cfg.get("logits_scaling") or 1.0),
         final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
         layer_rope=_layer_rope(cfg, model_type, num_layers),
+        moe=moe_spec(cfg, model_type, num_layers),
     )
+
+
+def moe_spec(cfg: dict, model_type: str, num_layers: int) -> MoeSpec | None:
+    """The mixture of a MoE family's config (None for a dense family, or a Qwen MoE config with
+    no experts), with its config class's defaults for the keys it leaves out."""
+    if model_type not in MOE_TYPES:
+        return None
+    if cfg.get("clip_qkv") is not None:  # OLMoE's option, off in its released checkpoints
+        raise ValueError("clip_qkv (clamping q, k and v) is not supported")
+    if model_type == "mixtral":
+        return MoeSpec(
+            num_experts=_expert_count(cfg, 8),
+            top_k=cfg.get("num_experts_per_tok", 2),
+            expert_size=cfg["intermediate_size"],
+            normalize=True,
+        )
+    if model_type == "olmoe":
+        return MoeSpec(
+            num_experts=_expert_count(cfg, 64),
+            top_k=cfg.get("num_experts_per_tok", 8),
+            expert_size=cfg["intermediate_size"],
+            normalize=bool(cfg.get("norm_topk_prob", False)),
+        )
+    qwen2 = model_type == "qwen2_moe"
+    num_experts = _expert_count(cfg, 60 if qwen2 else 128)
+    if not num_experts:
+        return None
+    step = cfg.get("decoder_sparse_step") or 1
+    only_mlp = set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % step)
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=cfg.get("num_experts_per_tok", 4 if qwen2 else 8),
+        expert_size=cfg.get("moe_intermediate_size", 1408 if qwen2 else 768),
+        normalize=bool(cfg.get("norm_topk_prob", False)),
+        shared_size=cfg.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
+        dense_layers=dense,
+    )
+
+
+def _expert_count(cfg: dict, default: int) -> int:
+    """``num_experts`` or ``num_local_experts`` (transformers 5 saves every family's count under
+    the second, older checkpoints of Qwen-MoE and OLMoE under the first)."""
+    for key in ("num_experts", "num_local_experts"):
+        if key in cfg:
+            return cfg[key]
+    return default
 
 
 def _layer_rope(cfg: dict, model_type: str, num_layers: int) -> tuple[int, ...]:

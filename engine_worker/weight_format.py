@@ -95,9 +95,14 @@ def dense_copy_fits(config, dtype: torch.dtype, budget_bytes: int, device: torch
     fit ``budget_bytes``. A tied lm_head's dense copy is the embedding table, free unless it is
     packed for oneDNN (``linear.packs_for_onednn``: then the packed copy is its own)."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    hidden, inner = config.hidden_size, config.intermediate_size
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inner
-    params = config.num_layers * per_layer
+    hidden, moe = config.hidden_size, config.features.moe
+    params = 0
+    for layer in range(config.num_layers):
+        # a mixture's experts keep no dense copy (``linear(expert=True)``); its shared one does
+        inner = config.intermediate_size
+        if moe is not None and moe.sparse(layer):
+            inner = moe.shared_size
+        params += hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inner
     if not config.tie_word_embeddings or packs_for_onednn(device, dtype):
         params += config.vocab_size * hidden
     needed = params * torch.empty((), dtype=dtype).element_size()
@@ -171,21 +176,24 @@ class WeightFormat:
         bias: torch.Tensor | None = None,
         dense: torch.Tensor | None = None,
         head: bool = False,
+        expert: bool = False,
     ) -> LinearWeight:
         """One linear layer from ``sources`` stacked along the output dimension (q/k/v,
         gate/up). ``dense``: the checkpoint's weights already in the activation dtype, to share
         (a tied lm_head's embedding table). A dense copy kept beside quantized weights holds the
-        checkpoint's weights, not the re-quantized ones. ``head``: this is the lm_head."""
+        checkpoint's weights, not the re-quantized ones. ``head``: this is the lm_head.
+        ``expert``: one expert of a mixture (engine_worker.moe), which keeps no dense copy: the
+        experts would double the model's memory, and a step reads only the chosen ones."""
         kind = self._kind(sources, head)
         source = _stack(sources)
         if kind == "dense":
-            self._count(kind)
+            self._count(kind, expert)
             return self._dense_layer(source, bias, dense, head)
         scale_dtype = self.reference_for or self.dtype
         if kind == "int4":
             planes = self._int4_planes(source, scale_dtype)
             kind = f"int{planes[0].bits}" + ("" if len(planes) == 1 else f"x{len(planes)}")
-            self._count(kind)
+            self._count(kind, expert)
             if self.reference_for is not None:
                 weight = torch.stack([dequantize(p.rounded(scale_dtype)) for p in planes])
                 return DenseLinear(weight.sum(0), bias)
@@ -193,12 +201,12 @@ class WeightFormat:
             blocks = int4_decode.pack(planes) if own else None
             layer: LinearWeight = Int4Linear(planes, self.dtype, bias, blocks)
         else:
-            self._count(kind)
+            self._count(kind, expert)
             q, scale = quantize_int8(dequantize(source), scale_dtype)
             if self.reference_for is not None:
                 return DenseLinear(q.float() * scale[:, None], bias)
             layer = Int8Linear(q, scale, self.dtype, bias)
-        if self.dense_copy:
+        if self.dense_copy and not expert:
             copy = self._dense_layer(source, bias, dense, head)
             layer = BatchSizeSwitch(layer, copy, self.max_tokens or self.crossover(kind))
         return layer
@@ -244,7 +252,8 @@ class WeightFormat:
             out += plane.split(dtype, parts or MAX_INT4_PARTS)
         return out
 
-    def _count(self, kind: str) -> None:
+    def _count(self, kind: str, expert: bool = False) -> None:
+        kind = f"expert {kind}" if expert else kind  # no dense copy: told apart in describe()
         self.counts[kind] = self.counts.get(kind, 0) + 1
 
     def _kind(self, sources: list[WeightSource], head: bool) -> str:
@@ -286,12 +295,16 @@ class WeightFormat:
         parts = []
         for kind, count in sorted(self.counts.items()):
             text = f"{count} {kind}"
-            if kind != "dense" and self.dense_copy:
+            if kind != "dense" and self.dense_copy and not kind.startswith("expert"):
                 limit = self.max_tokens or self.crossover(kind)
                 above = "" if limit == BatchSizeSwitch.UNBOUNDED else f", above {limit} decode rows"
                 text += f" (dense for prompt rows{above})"
             parts.append(text)
-        kernel = ", int4 on our kernel" if self.own_int4 and self.counts.keys() - {"dense"} else ""
+        kernel = (
+            ", int4 on our kernel"
+            if self.own_int4 and self.counts.keys() - {"dense", "expert dense"}
+            else ""
+        )
         return f"weights={self.weights}: {', '.join(parts)} linear layers{kernel}"
 
 

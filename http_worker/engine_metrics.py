@@ -6,6 +6,8 @@ and for the cluster as a whole under ours (``splitserve_engine_*``, the replicas
 several replicas, the routing decisions of the tokenizer workers too:
 ``splitserve_routing_decisions_total{policy, outcome}`` and the time spent on them,
 ``splitserve_routing_seconds_total`` (its rate over the decisions' is the cost per request).
+A mixture-of-experts model's expert load, per replica: ``splitserve_engine_moe_expert_rows``, a
+histogram of the rows each expert took in each step's MoE layers.
 
 Where they come from: every engine step's StepOutput carries its replica's stats to the
 detokenizer, which keeps the latest per replica, counts the routing decisions each request's
@@ -28,8 +30,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
+from ipc.messages import EXPERT_ROWS_BUCKETS, EngineStats
 from ipc.messages.queries import EngineStatsReport
 
 # (our name, kind, help, the vLLM series it stands for, value from the engine's stats)
@@ -99,6 +107,11 @@ ENGINE_SERIES = (
         lambda s: s.spec_accepted_tokens_total,
     ),
 )
+EXPERT_ROWS = (
+    "splitserve_engine_moe_expert_rows",
+    "Mixture-of-experts models: rows an expert took in one step's MoE layer, one observation "
+    "per step, layer and expert (0: no row chose it); a wide spread is an imbalance.",
+)
 ACCEPTED_PER_POSITION = (
     "vllm:spec_decode_num_accepted_tokens_per_pos",
     "Speculative decoding: draft tokens accepted, by their position in the draft (from 0).",
@@ -125,6 +138,8 @@ class _EngineCollector:
                 per_replica.add_metric(labels, float(value(replica.stats)))
             yield per_replica
         yield self._accepted_per_position()
+        if self.report.stats.expert_rows_buckets_total:
+            yield self._expert_rows()
         if self.report.routing_policy:
             yield from self._routing()
 
@@ -135,6 +150,17 @@ class _EngineCollector:
             for position, count in enumerate(replica.stats.spec_accepted_per_position_total):
                 labels = [self.model_name, str(replica.index), str(position)]
                 family.add_metric(labels, float(count))
+        return family
+
+    def _expert_rows(self) -> Metric:
+        """Each replica's histogram, under its ``engine`` label (sum them for the cluster's)."""
+        name, help_text = EXPERT_ROWS
+        family = HistogramMetricFamily(name, help_text, labels=["model_name", "engine"])
+        for replica in self.report.replicas:
+            stats = replica.stats
+            if stats.expert_rows_buckets_total:
+                labels = [self.model_name, str(replica.index)]
+                family.add_metric(labels, _cumulative(stats), stats.expert_rows_total)
         return family
 
     def _routing(self) -> Iterator[Metric]:
@@ -156,6 +182,17 @@ class _EngineCollector:
         )
         seconds.add_metric([report.routing_policy], report.routing_seconds_total)
         yield seconds
+
+
+def _cumulative(stats: EngineStats) -> list[tuple[str, float]]:
+    """Prometheus' buckets (counts at or below each bound, +Inf last) of an expert-load
+    histogram kept per bucket."""
+    bounds = [str(float(b)) for b in EXPERT_ROWS_BUCKETS] + ["+Inf"]
+    total, buckets = 0, []
+    for bound, count in zip(bounds, stats.expert_rows_buckets_total):
+        total += count
+        buckets.append((bound, float(total)))
+    return buckets
 
 
 def render_engine_metrics(report: EngineStatsReport, model_name: str) -> bytes:

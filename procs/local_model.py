@@ -209,6 +209,7 @@ def write_hf_metadata(gguf_path: Path, out_dir: Path, name: str) -> None:
     for key in ("quantization_config", "_name_or_path", "torch_dtype", "dtype"):
         config.pop(key, None)
     config["_name_or_path"] = name
+    config.update(header["experts"])
     config["architectures"] = causal_lm_architectures(config.get("model_type", ""))
     # transformers looks for the untied head in the first file only; a split file may hold it
     # in any part.
@@ -272,11 +273,12 @@ def causal_lm_architectures(model_type: str) -> list[str]:
 
 
 def _read_header(first: Path) -> dict:
-    """What transformers does not take from a GGUF: every part's tensor names, and the ids that
-    also end a turn (llama.cpp's end-of-turn and end-of-message tokens). The first part, which
-    holds the vocabulary, is read by transformers' metadata reader (it steps over the string
-    arrays without decoding them: 0.04 s for the default model, the gguf package's reader 2-3
-    s); the other parts hold only tensors and are read whole."""
+    """What transformers does not take from a GGUF: every part's tensor names, the ids that
+    also end a turn (llama.cpp's end-of-turn and end-of-message tokens), a mixture of experts'
+    config keys (``_expert_keys``). The first part, which holds the vocabulary, is read by
+    transformers' metadata reader (it steps over the string arrays without decoding them: 0.04 s
+    for the default model, the gguf package's reader 2-3 s); the other parts hold only tensors
+    and are read whole."""
     from transformers.integrations.gguf import read_gguf_metadata
 
     from engine_worker.gguf_tensors import open_reader
@@ -292,4 +294,28 @@ def _read_header(first: Path) -> dict:
     keys = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     end_ids = [int(metadata[key]) for key in keys if key in metadata]
     tensors = set(names) | {t.name for r in readers for t in r.tensors}
-    return {"tensors": tensors, "end_ids": end_ids}
+    return {"tensors": tensors, "end_ids": end_ids, "experts": _expert_keys(metadata)}
+
+
+def _expert_keys(metadata: dict) -> dict:
+    """A mixture of experts' keys that transformers' reading of a GGUF leaves out: the experts'
+    own sizes (``{arch}.expert_feed_forward_length``, Qwen2-MoE's shared expert's), and for a
+    Mixtral file (llama.cpp writes it as a "llama" with experts) the model type itself."""
+
+    def number(key: str) -> int:
+        return int(metadata.get(key) or 0)
+
+    arch = str(metadata.get("general.architecture", ""))
+    count, used = number(f"{arch}.expert_count"), number(f"{arch}.expert_used_count")
+    if not count:
+        return {}
+    if arch == "llama":
+        return {"model_type": "mixtral", "num_local_experts": count, "num_experts_per_tok": used}
+    keys = {"num_experts": count, "num_experts_per_tok": used}
+    if number(f"{arch}.expert_feed_forward_length"):
+        keys["moe_intermediate_size"] = number(f"{arch}.expert_feed_forward_length")
+    if arch == "qwen2moe":
+        keys["shared_expert_intermediate_size"] = number(
+            f"{arch}.expert_shared_feed_forward_length"
+        )
+    return keys

@@ -72,6 +72,7 @@ from ipc.messages.control import (
     WorkerReady,
 )
 from ipc.messages.engine_step import (
+    EXPERT_ROWS_BUCKETS,
     AbortRequests,
     EngineStats,
     FinishRecord,
@@ -108,6 +109,7 @@ __all__ = [
     "ERR_OVERLOADED",
     "ERR_UNAVAILABLE",
     "EngineStats",
+    "EXPERT_ROWS_BUCKETS",
     "FINISH_ABORT",
     "FINISH_ERROR",
     "FINISH_LENGTH",

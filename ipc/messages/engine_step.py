@@ -27,6 +27,10 @@ class AbortRequests:
 # ---------------------------------------------------------------------------------------------
 # engine -> detokenizer
 
+# Upper bounds (inclusive) of the buckets of a mixture-of-experts model's expert load: how many
+# rows an expert took in one step's MoE layer (0: none chose it); a last bucket takes the rest.
+EXPERT_ROWS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
 
 @dataclass(slots=True)
 class RequestStart:
@@ -62,6 +66,12 @@ class EngineStats:
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_accepted_per_position_total: list[int] = field(default_factory=list)
+    # A mixture-of-experts model's expert load since the engine started (empty for a dense
+    # model): per EXPERT_ROWS_BUCKETS bucket (then one above them all), how many times an expert
+    # of a MoE layer took that many rows in a step; and the rows routed in all (each row counts
+    # once per expert it chose).
+    expert_rows_buckets_total: list[int] = field(default_factory=list)
+    expert_rows_total: int = 0
 
 
 @dataclass(slots=True)

@@ -1,0 +1,284 @@
+"""Mixture-of-experts MLPs (Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral), defined once: the layer's MLP
+where ``ModelFeatures.moe`` says the layer is sparse (``layers.LayerLoader`` builds a
+``MoeBlock`` in place of the gated MLP, ``layers.run_layers`` applies it).
+
+A step: the router's logits in float32, softmax, the ``top_k`` largest (renormalized where the
+family does); the batch's (row, choice) pairs sorted by expert, so each chosen expert runs once
+over all the rows that chose it (one gate_up and one down call on its own weights) and its
+output, times the row's routing weight, is added to those rows in float32. Experts nobody chose
+are not touched; Python loops over the chosen experts only. A row's sum adds its experts in
+expert order whatever else the step holds, and each kernel computes a row alike whatever rows
+share its call (linear.py), so a row's result does not depend on its batch (DESIGN property 9).
+
+Weights: each expert is a linear layer of ``WeightFormat`` built from its rows of the stacked
+tensors (a GGUF's ``ffn_*_exps``: whole rows of blocks, so a Q4_K expert is int4 groups on our
+kernel, as dense layers are); experts keep no dense copy (``WeightFormat.linear(expert=True)``):
+prompt rows run on their blocks too. Qwen2-MoE's shared expert is a plain gated MLP (with the
+dense layers' copies), its output times sigmoid(x . shared_expert_gate).
+
+Checkpoint layouts, all read into one: per-expert tensors (``mlp.experts.E.gate_proj`` ...,
+Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``), transformers' fused ones
+(``mlp.experts.gate_up_proj`` [E, 2 I, H], ``mlp.experts.down_proj`` [E, H, I]) and a GGUF's
+stacked ones become ``mlp.experts.{gate,up,down}_proj.weight`` with the experts' rows one after
+the other ([E I, H] and [E H, I]); Mixtral's router ``block_sparse_moe.gate`` becomes
+``mlp.gate``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine_worker.linear import (
+    PACK_ROWS,
+    Int4Groups,
+    Int8Blocks,
+    LinearWeight,
+    WeightSource,
+    dequantize,
+)
+from engine_worker.model_config import ModelConfig
+from engine_worker.weight_format import WeightFormat
+from ipc.messages import EXPERT_ROWS_BUCKETS
+
+_PER_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+MAX_PENDING = 1024  # counts kept before they are folded into the histogram
+
+
+class ExpertLoad:
+    """How many rows each expert took, per step and MoE layer, as a histogram over
+    ``EXPERT_ROWS_BUCKETS`` (an expert no row chose counts as 0 rows): what an operator reads to
+    see the experts' imbalance. The blocks hand in each call's counts; ``totals`` folds them in
+    (once per step, by the engine's stats)."""
+
+    def __init__(self) -> None:
+        self.bounds = np.array(EXPERT_ROWS_BUCKETS, dtype=np.int64)
+        self.buckets = [0] * (len(EXPERT_ROWS_BUCKETS) + 1)  # the last: above every bound
+        self.rows = 0
+        self._pending: list[torch.Tensor] = []
+
+    def observe(self, counts: torch.Tensor) -> None:
+        self._pending.append(counts)
+        if len(self._pending) >= MAX_PENDING:  # forwards run with no engine reading the stats
+            self.totals()
+
+    def totals(self) -> tuple[list[int], int]:
+        """(observations per bucket, rows) since the engine started."""
+        if self._pending:
+            # numpy, one thread: torch's bucketize woke its thread pool for a few hundred
+            # values (7 ms a step on a loaded machine, in a profile of the speed model)
+            counts = torch.cat(self._pending).cpu().numpy()
+            self._pending.clear()
+            found = np.searchsorted(self.bounds, counts, side="left")
+            added = np.bincount(found, minlength=len(self.buckets)).tolist()
+            self.buckets = [a + b for a, b in zip(self.buckets, added)]
+            self.rows += int(counts.sum())
+        return self.buckets, self.rows
+
+
+class Router:
+    """The router's logits in float32, each row's the same bits whatever rows share the call:
+    on a CPU through oneDNN on a packed copy (a lone row computed as two), as ``DenseLinear``
+    does for bf16 (measured: float32 ``F.linear`` gives a row other bits at 4 rows than at 2;
+    oneDNN's the same at 1 to 512), else ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.float().contiguous()  # [experts, hidden]
+        self.packed = None
+        if self.weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
+            except (RuntimeError, AttributeError):  # a torch without it: plain F.linear
+                self.packed = None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        one = x.shape[0] == 1
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.expand(2, -1) if one else x, self.packed, None, "none", [], ""
+        )
+        return y[:1] if one else y
+
+
+@dataclass(slots=True)
+class MoeBlock:
+    router: Router
+    gate_up: list[LinearWeight]  # per expert: gate and up rows stacked
+    down: list[LinearWeight]
+    top_k: int
+    normalize: bool  # the kept probabilities renormalized to sum 1
+    load: ExpertLoad
+    shared_gate_up: LinearWeight | None = None  # Qwen2-MoE's shared expert
+    shared_down: LinearWeight | None = None
+    shared_gate: torch.Tensor | None = None  # [1, hidden]
+    trace: list[torch.Tensor] | None = None  # a list: each call's choices appended (tests)
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+        decode_rows: int = 0,
+        decode_batch: int | None = None,
+    ) -> torch.Tensor:
+        """The block's output for ``x`` [T, hidden] (the MLP's input, normed)."""
+        weights, chosen = route(self.router.logits(x), self.top_k, self.normalize)
+        if self.trace is not None:
+            self.trace.append(chosen.clone())
+        out = self._experts(x, weights, chosen, activation)
+        if self.shared_gate_up is not None and self.shared_down is not None:
+            gate, up = self.shared_gate_up.apply(x, decode_rows, decode_batch).chunk(2, dim=-1)
+            shared = self.shared_down.apply(activation(gate) * up, decode_rows, decode_batch)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out += shared.float()
+        return out.to(x.dtype)
+
+    def _experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        chosen: torch.Tensor,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Each chosen expert once over its rows; the weighted sum per row, float32."""
+        flat = chosen.flatten()
+        counts = torch.bincount(flat, minlength=len(self.down))
+        self.load.observe(counts)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if x.shape[0] == 1:  # a lone row: every expert takes it; no gathering
+            ordered, order = flat.sort()
+            for expert, weight in zip(ordered.tolist(), weights[0, order].unbind()):
+                out += self._expert(expert, x, activation).float() * weight
+            return out
+        order = flat.argsort(stable=True)
+        rows = order // self.top_k  # the row of each (row, choice) pair, by expert
+        row_weights = weights.flatten()[order].unsqueeze(1)
+        used = counts.nonzero().flatten()
+        start = 0
+        for expert, count in zip(used.tolist(), counts[used].tolist()):
+            end = start + count
+            y = self._expert(expert, x.index_select(0, rows[start:end]), activation)
+            out.index_add_(0, rows[start:end], y.float() * row_weights[start:end])
+            start = end
+        return out
+
+    def _expert(
+        self, expert: int, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        gate, up = self.gate_up[expert].apply(x).chunk(2, dim=-1)
+        return self.down[expert].apply(activation(gate) * up)
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, experts [T, top_k]): softmax over the router's ``logits``
+    (float32), the ``top_k`` most probable, renormalized where ``normalize``."""
+    probabilities = logits.softmax(dim=-1)
+    weights, chosen = probabilities.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
+def load_moe(
+    tensors: dict[str, WeightSource],
+    fmt: WeightFormat,
+    config: ModelConfig,
+    layer: int,
+    load: ExpertLoad,
+) -> MoeBlock:
+    """Layer ``layer``'s mixture out of ``tensors`` (the names of ``stack_expert_tensors``)."""
+    spec = config.features.moe
+    assert spec is not None
+    p = f"model.layers.{layer}.mlp."
+    router = dequantize(tensors.pop(p + "gate.weight")).to(fmt.device).float()
+    hidden, size, count = config.hidden_size, spec.expert_size, spec.num_experts
+    if tuple(router.shape) != (count, hidden):
+        raise ValueError(f"{p}gate.weight is {tuple(router.shape)}, not ({count}, {hidden})")
+    gate, up, down = (
+        expert_rows(tensors.pop(f"{p}experts.{part}.weight"), count, f"{p}experts.{part}", shape)
+        for part, shape in zip(EXPERT_PARTS, ((size, hidden), (size, hidden), (hidden, size)))
+    )
+    block = MoeBlock(
+        router=Router(router),
+        gate_up=[fmt.linear([g, u], expert=True) for g, u in zip(gate, up)],
+        down=[fmt.linear([d], expert=True) for d in down],
+        top_k=spec.top_k,
+        normalize=spec.normalize,
+        load=load,
+    )
+    if spec.shared_size:
+        shared = p + "shared_expert."
+        block.shared_gate_up = fmt.linear(
+            [tensors.pop(shared + "gate_proj.weight"), tensors.pop(shared + "up_proj.weight")]
+        )
+        block.shared_down = fmt.linear([tensors.pop(shared + "down_proj.weight")])
+        if p + "shared_expert_gate.weight" in tensors:
+            block.shared_gate = fmt.dense(tensors.pop(p + "shared_expert_gate.weight")).view(1, -1)
+    return block
+
+
+def expert_rows(
+    source: WeightSource, count: int, name: str, shape: tuple[int, int]
+) -> list[WeightSource]:
+    """Each of ``count`` experts' [rows, cols] = ``shape`` out of a stacked tensor (3-D, or 2-D
+    with the experts' rows one after the other; quantized blocks: whole rows, views)."""
+    rows, cols = shape
+    if isinstance(source, torch.Tensor) and source.dim() == 3:
+        source = source.reshape(-1, source.shape[-1])
+    q = source if isinstance(source, torch.Tensor) else source.q
+    if tuple(q.shape) != (count * rows, cols):
+        raise ValueError(
+            f"{name} holds {tuple(q.shape)} weights, not {count} experts of {rows} x {cols}"
+        )
+    return [_rows(source, e * rows, (e + 1) * rows) for e in range(count)]
+
+
+def _rows(source: WeightSource, start: int, stop: int) -> WeightSource:
+    if isinstance(source, Int4Groups):
+        return Int4Groups(
+            source.q[start:stop], source.scale[start:stop], source.zero[start:stop], source.bits
+        )
+    if isinstance(source, Int8Blocks):
+        zero = None if source.zero is None else source.zero[start:stop]
+        return Int8Blocks(source.q[start:stop], source.scale[start:stop], zero)
+    return source[start:stop]
+
+
+def stack_expert_tensors(tensors: dict[str, WeightSource]) -> None:
+    """A Hugging Face checkpoint's experts under the stacked names ``load_moe`` reads (in
+    place): per-expert tensors concatenated in expert order, transformers' fused gate_up split,
+    Mixtral's names renamed."""
+    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name in list(tensors):
+        if ".block_sparse_moe.gate." in name:
+            tensors[name.replace(".block_sparse_moe.", ".mlp.")] = tensors.pop(name)
+            continue
+        found = _PER_EXPERT.match(name)
+        if found:
+            prefix, expert, part = found.groups()
+            part = _MIXTRAL_PARTS.get(part, part)
+            tensor = tensors.pop(name)
+            assert isinstance(tensor, torch.Tensor)  # a safetensors checkpoint's
+            per_expert.setdefault((prefix, part), {})[int(expert)] = tensor
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # transformers' fused [E, 2 I, H]
+            gate, up = tensors.pop(name).chunk(2, dim=1)  # type: ignore[union-attr]
+            tensors[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            tensors[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith(".mlp.experts.down_proj"):  # [E, H, I]
+            tensors[name + ".weight"] = tensors.pop(name)
+    for (prefix, part), experts in per_expert.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"{prefix}: the checkpoint's experts of {part} are not 0 to N - 1")
+        stacked = torch.cat([experts[e] for e in range(len(experts))])
+        tensors[f"{prefix}mlp.experts.{part}.weight"] = stacked

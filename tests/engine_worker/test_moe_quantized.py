@@ -1,0 +1,188 @@
+"""A mixture of experts served from a GGUF's own quantized blocks (random blocks of Q4_K, Q4_0,
+Q4_1, Q6_K and Q8_0 stacked as llama.cpp stacks experts; any bytes are a valid block): the
+float32 forward equals the ``gguf`` package's dequantization of the file, with bf16 activations
+every expert runs on our int4 kernel in its own blocks with no dense copy, a step runs each chosen
+expert once over the rows that chose it, a row's answer does not depend on its batch, and the
+engine reports the experts' load as a histogram."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_worker import int4_decode
+from engine_worker.engine import Engine
+from engine_worker.linear import Int4Linear
+from engine_worker.moe import route
+from http_worker.engine_metrics import render_engine_metrics
+from ipc.engine_config import EngineConfig
+from ipc.messages import EXPERT_ROWS_BUCKETS
+from ipc.messages.queries import EngineStatsReport, ReplicaStats
+from tests.engine_worker.helpers import collect, greedy
+from tests.engine_worker.moe_files import T, per_expert_checkpoint, tiny_moe, write_moe_gguf
+from tests.engine_worker.test_gguf import last_logits
+from tests.engine_worker.test_gguf_blocks import random_blocks
+from tests.engine_worker.test_gguf_kquants import D_SIZE
+
+# Per layer, the experts' GGUF types: Q4_K with Q4_0 (gate, up), Q6_K down; Q4_1 with Q4_K,
+# Q8_0 down. Attention and the router stay F32.
+EXPERT_TYPES = [
+    {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q6_K"},
+    {"ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q8_0"},
+]
+SHAPE = dict(
+    hidden_size=256,
+    moe_intermediate_size=256,  # K-quant rows of 256 weights, in and out
+    num_hidden_layers=2,
+    head_dim=64,
+    num_experts=6,
+    num_experts_per_tok=2,
+    vocab_size=512,
+)
+PROMPT = [1, 9, 69, 198, 268, 314, 253, 356, 30, 2, 504, 345, 282, 464, 314]
+needs_op = pytest.mark.skipif(not int4_decode.load_op(), reason="int4 decode op not built")
+
+
+@pytest.fixture(scope="module")
+def quantized_moe(tmp_path_factory):
+    """(GGUF directory, directory of its weights as the gguf package dequantizes them, each
+    expert under its own Hugging Face name)."""
+    root = tmp_path_factory.mktemp("moe-quantized")
+    tiny_moe("qwen3_moe", root / "hf", **SHAPE)
+
+    def encode(w: np.ndarray, name: str):
+        parts = name.split(".")
+        type_name = EXPERT_TYPES[int(parts[1])].get(parts[2]) if name.startswith("blk.") else None
+        if type_name is None:
+            return np.ascontiguousarray(w), T.F32
+        experts, rows, cols = w.shape
+        seed = len(name) + 7 * int(parts[1])
+        blocks = random_blocks(type_name, experts * rows, cols, seed, False, D_SIZE[type_name])
+        return blocks.reshape(experts, rows, -1), T[type_name]
+
+    written = write_moe_gguf(root / "hf", root / "gguf" / "model.gguf", "qwen3moe", encode)
+    config = json.loads((root / "hf" / "config.json").read_text())
+    per_expert_checkpoint(written, config, root / "dense")
+    return root / "gguf", root / "dense"
+
+
+def bf16_engine(model_dir, **kwargs) -> Engine:
+    return Engine(
+        EngineConfig(
+            model_path=str(model_dir), dtype="bfloat16", kv_cache_tokens=512, block_size=4, **kwargs
+        )
+    )
+
+
+def test_quantized_experts_forward_equals_their_dequantized_weights(quantized_moe):
+    gguf_dir, dense_dir = quantized_moe
+    config = dict(kv_cache_tokens=256, block_size=4, dtype="float32", weights="fp32")
+    reference = last_logits(Engine(EngineConfig(model_path=str(dense_dir), **config)), PROMPT)
+    served = last_logits(Engine(EngineConfig(model_path=str(gguf_dir), **config)), PROMPT)
+    assert (served - reference).abs().max() < 1e-6 * reference.abs().max()
+
+
+@needs_op
+def test_experts_run_on_their_own_blocks_without_a_dense_copy(quantized_moe):
+    gguf_dir, dense_dir = quantized_moe
+    config = dict(kv_cache_tokens=256, block_size=4, dtype="float32", weights="fp32")
+    reference = last_logits(Engine(EngineConfig(model_path=str(dense_dir), **config)), PROMPT)
+    engine = bf16_engine(gguf_dir, int4_kernel="own")
+    model = engine.runner.model
+    experts = [lin for layer in model.layers for lin in (*layer.moe.gate_up, *layer.moe.down)]
+    assert all(isinstance(lin, Int4Linear) and lin.own_kernel for lin in experts)
+    kinds = {k: v for k, v in model.weight_format.counts.items() if k.startswith("expert")}
+    # gate_up: 4-bit groups (Q4_K + Q4_0, Q4_1 + Q4_K); down: Q6_K 6-bit, Q8_0 two nibble planes
+    assert kinds == {"expert int4": 12, "expert int6": 6, "expert int4x2": 6}, kinds
+    logits = last_logits(engine, PROMPT)
+    error = ((logits - reference).norm() / reference.norm()).item()
+    assert error < 0.03, error  # bf16 activations and scales
+
+
+class CountedLinear:
+    """A real layer that records the rows of every call."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+        self.out_features = inner.out_features
+
+    def apply(self, x, decode_rows=0, decode_batch=None):
+        self.calls.append(x.shape[0])
+        return self.inner.apply(x, decode_rows, decode_batch)
+
+
+@needs_op
+def test_a_step_runs_each_chosen_expert_once_over_its_rows(quantized_moe):
+    """Eight rows: each expert some row chose runs once (its gate_up and down one call each over
+    exactly those rows), the others not at all; each row's output is its own alone, bit for
+    bit."""
+    engine = bf16_engine(quantized_moe[0], int4_kernel="own")
+    block = engine.runner.model.layers[0].moe
+    block.gate_up = [CountedLinear(lin) for lin in block.gate_up]
+    block.down = [CountedLinear(lin) for lin in block.down]
+    x = torch.randn(8, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    out = block.apply(x, F.silu)
+    _, chosen = route(block.router.logits(x), block.top_k, block.normalize)
+    rows = torch.bincount(chosen.flatten(), minlength=len(block.down)).tolist()
+    assert sum(count > 0 for count in rows) >= 3  # the batch is spread over experts
+    for expert, count in enumerate(rows):
+        expected = [count] if count else []
+        assert block.gate_up[expert].calls == expected and block.down[expert].calls == expected
+    for i in range(len(x)):
+        assert torch.equal(block.apply(x[i : i + 1], F.silu), out[i : i + 1]), i
+
+
+@needs_op
+def test_a_request_decodes_alike_alone_and_in_a_batch(quantized_moe):
+    prompts = [[1, 5, 9, 300], [1, 17, 400, 5, 6, 7, 8], [1, 2, 3], [1, 99, 98, 97, 96]]
+    params = greedy(8, ignore_eos=True)
+    alone = {}
+    for i, prompt in enumerate(prompts):
+        engine = bf16_engine(quantized_moe[0], enable_prefix_cache=False)
+        engine.add(f"r{i}", prompt, params)
+        alone[f"r{i}"] = collect(engine)[f"r{i}"]["tokens"]
+    engine = bf16_engine(quantized_moe[0], enable_prefix_cache=False)
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", prompt, params)
+    together = {rid: result["tokens"] for rid, result in collect(engine).items()}
+    assert together == alone
+
+
+def test_engine_reports_the_experts_load_as_a_histogram(quantized_moe):
+    """Every step's MoE layers count each expert once (0 rows where none chose it) and route
+    top_k per row; /metrics renders the counts as a Prometheus histogram per engine."""
+    engine = Engine(
+        EngineConfig(model_path=str(quantized_moe[1]), dtype="float32", kv_cache_tokens=256)
+    )
+    engine.add("a", PROMPT, greedy(4, ignore_eos=True))
+    engine.add("b", PROMPT[:5], greedy(6, ignore_eos=True))
+    steps, rows = 0, 0
+    while engine.has_work():
+        out = engine.step()
+        computed = out.stats.prefill_tokens + out.stats.decode_tokens
+        steps, rows = steps + (computed > 0), rows + computed
+    stats = out.stats
+    moe_layers, experts, top_k = SHAPE["num_hidden_layers"], SHAPE["num_experts"], 2
+    assert len(stats.expert_rows_buckets_total) == len(EXPERT_ROWS_BUCKETS) + 1
+    assert sum(stats.expert_rows_buckets_total) == steps * moe_layers * experts
+    assert stats.expert_rows_total == rows * top_k * moe_layers
+    report = EngineStatsReport("q", stats, replicas=[ReplicaStats(0, stats)])
+    text = render_engine_metrics(report, "tiny").decode()
+    (family,) = [
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name == "splitserve_engine_moe_expert_rows"
+    ]
+    values = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert values[("splitserve_engine_moe_expert_rows_count", None)] == steps * moe_layers * experts
+    assert values[("splitserve_engine_moe_expert_rows_sum", None)] == stats.expert_rows_total
+    assert (
+        values[("splitserve_engine_moe_expert_rows_bucket", "0.0")]
+        == stats.expert_rows_buckets_total[0]
+    )
