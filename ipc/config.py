@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ipc.addresses import LOOPBACK_HOSTS, AddressPlan
 from ipc.engine_config import EngineConfig
+from ipc.engine_roles import EngineRoles, engine_mode_error
 from ipc.knobs import check_knobs, knob
 from ipc.reasoning import REASONING_PARSER_CHOICES, REASONING_PARSER_HELP
 from ipc.replica_router import CACHE_AWARE, POLICIES, RoutingThresholds
@@ -44,26 +45,8 @@ LENIENT_FIELDS_HELP = (
 )
 
 
-def engine_mode_error(engines: int, prefill_engines: int, decode_engines: int) -> str:
-    """Why these engine counts do not make one mode ("" when they do): data-parallel replicas
-    (--engines N) or prefill/decode disaggregation (--prefill-engines P --decode-engines D)."""
-    if not (prefill_engines or decode_engines):
-        return ""
-    if prefill_engines < 1 or decode_engines < 1:
-        return (
-            "disaggregation needs both --prefill-engines and --decode-engines, each at least 1 "
-            f"(got {prefill_engines} and {decode_engines})"
-        )
-    if engines != 1:
-        return (
-            f"--engines {engines} (colocated replicas) and --prefill-engines/--decode-engines "
-            "(disaggregated) are exclusive: give one or the other"
-        )
-    return ""
-
-
 @dataclass(frozen=True, slots=True)
-class ClusterConfig(AddressPlan):
+class ClusterConfig(AddressPlan, EngineRoles):
     engine: EngineConfig  # the engine's knobs (and the model directory every process reads)
     run_dir: str = knob("", "where sockets and cluster.json live", cli=False)
     transport: str = knob(
@@ -350,29 +333,6 @@ class ClusterConfig(AddressPlan):
         """Whether tokenizer workers choose a replica (several engines); with one they send
         every request to it and neither hash nor follow events."""
         return self.engines > 1
-
-    @property
-    def disaggregated(self) -> bool:
-        """Prefill/decode disaggregation: prefill engines hand requests to decode engines."""
-        return bool(self.prefill_engines or self.decode_engines)
-
-    @property
-    def pd_engines(self) -> int:
-        return self.prefill_engines + self.decode_engines
-
-    def engine_role(self, index: int) -> str:
-        """ "prefill", "decode", or "" (an engine that computes prompts and decodes them)."""
-        if not self.disaggregated:
-            return ""
-        return "prefill" if index < self.prefill_engines else "decode"
-
-    @property
-    def prefill_indices(self) -> range:
-        return range(self.prefill_engines) if self.disaggregated else range(self.engines)
-
-    @property
-    def decode_indices(self) -> range:
-        return range(self.prefill_engines, self.pd_engines) if self.disaggregated else range(0)
 
     @property
     def routing_thresholds(self) -> RoutingThresholds:

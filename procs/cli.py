@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from ipc.client import Client, SplitserveError
-from ipc.config import API_KEY_HELP, TRANSPORTS, engine_mode_error
+from ipc.config import API_KEY_HELP, TRANSPORTS
+from ipc.engine_roles import engine_mode_error
 from procs.config_flags import (
     DATA_PARALLEL_KNOBS,
     DISAGGREGATION_KNOBS,

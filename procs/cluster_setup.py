@@ -11,7 +11,8 @@ from typing import Any
 
 import zmq
 
-from ipc.config import LOOPBACK_HOSTS, ClusterConfig, engine_mode_error
+from ipc.config import LOOPBACK_HOSTS, ClusterConfig
+from ipc.engine_roles import engine_mode_error
 from ipc.sockets import check_curve_available
 from procs.local_model import check_model, check_served_name
 from procs.model_store import resolve_model
