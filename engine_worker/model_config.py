@@ -247,17 +247,13 @@ def _layer_windows(cfg: dict, num_layers: int, model_type: str) -> list[int]:
 
 def _attention_bias(cfg: dict, model_type: str) -> bool:
     """Whether q, k and v carry a bias: Qwen2's always, Qwen2-MoE's by ``qkv_bias``."""
-    if model_type == "qwen2_moe":
-        return bool(cfg.get("qkv_bias", True))
-    return bool(cfg.get("attention_bias", model_type == "qwen2"))
+    key = "qkv_bias" if model_type == "qwen2_moe" else "attention_bias"
+    return bool(cfg.get(key, model_type in ("qwen2", "qwen2_moe")))
 
 
 def _as_id_set(value) -> set[int]:
-    if value is None:
-        return set()
-    if isinstance(value, int):
-        return {value}
-    return {int(v) for v in value}
+    values = [] if value is None else [value] if isinstance(value, int) else value
+    return {int(v) for v in values}
 
 
 def _layer_ropes(cfg: dict, model_type: str) -> tuple[dict, ...]:
