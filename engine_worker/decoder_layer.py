@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from engine_worker.layers import LayerWeights
     from engine_worker.model_config import ModelConfig
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down")  # a layer's, as ``DecoderLayer.linear`` names them
@@ -72,22 +71,23 @@ class DecoderLayer(torch.nn.Module):
     softcap: Final[float]
     scale: Final[float | None]
 
-    def __init__(self, config: "ModelConfig", weights: "LayerWeights", index: int) -> None:
+    def __init__(self, config: "ModelConfig", weights, index: int) -> None:
+        """Layer ``index`` of a model of ``config``, from its ``layers.LayerWeights``."""
         super().__init__()
         features, attention = config.features, config.attention_of(index)
         self.index, self.heads, self.kv_heads = index, config.num_heads, config.num_kv_heads
         self.head_dim, self.width = config.head_dim, config.hidden_size
         self.inner, self.eps = config.intermediate_size, config.rms_norm_eps
-        norms = (weights.input_norm, weights.post_attention_norm)
-        norms += (weights.attn_out_norm, weights.mlp_out_norm, weights.q_norm, weights.k_norm)
+        norms = [weights.input_norm, weights.post_attention_norm, weights.attn_out_norm]
+        norms += [weights.mlp_out_norm, weights.q_norm, weights.k_norm]
         present = [n for n in norms if n is not None]
         self.fused_norms = bool(present) and present[0].fused
         self.negated_stream = self.fused_norms and norms[0] is not None
         self.has_input_norm, self.has_pre_mlp_norm = norms[0] is not None, norms[1] is not None
         self.has_attn_out_norm, self.has_mlp_out_norm = norms[2] is not None, norms[3] is not None
-        self.qk_norm = ""
-        if weights.q_norm is not None and weights.k_norm is not None:
-            self.qk_norm = "projection" if features.qk_norm_over_projection else "head"
+        qk_norm = weights.q_norm is not None and weights.k_norm is not None
+        over_projection = features.qk_norm_over_projection
+        self.qk_norm = "" if not qk_norm else "projection" if over_projection else "head"
         # the norms' weights as the kernel takes them (empty where the layer has none)
         self.input_norm, self.pre_mlp_norm, self.attn_out_norm, self.mlp_out_norm, q, k = [
             torch.empty(0) if n is None else n.doubled_weight if n.fused else n.weight

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from engine_worker.attention.flash_rows import MIN_QUERY_ROWS, soft_capped_attention
 from engine_worker.decoder_layer import DecoderLayer, residual_stream
-from engine_worker.linear import BatchSizeSwitch
+from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear
 
 if TYPE_CHECKING:
     from engine_worker.layers import LayerWeights
@@ -78,9 +78,11 @@ def scripted_copy(switch: BatchSizeSwitch, int4: bool) -> ScriptedLinear:
     """The int4 copy of ``switch`` (``int4``) or its dense copy, as a module."""
     if int4:
         q = switch.quantized
+        assert isinstance(q, Int4Linear)
         kind = OwnKernelLinear if q.own_kernel else ScriptedLinear
         return kind(q.packed, q.scale_zero, q.parts, q.group, q.bias)
     dense = switch.dense
+    assert isinstance(dense, DenseLinear)
     matrix = dense.weight if dense.packed is None else dense.packed
     return ScriptedLinear(matrix, matrix, 0 if dense.packed is None else -1, 0, dense.bias)
 
