@@ -48,7 +48,9 @@ class DecoderLayer(torch.nn.Module):
     """One decoder layer. ``linear`` (x through the layer's linear named in ``LINEARS``) and
     ``attend`` (q [T, H, D], the new k/v [T, KV, D] -> [T, H * D]) are the subclass's."""
 
-    index: Final[int]
+    # Constants (Final): what the compiled layer folds its branches on. The layer's index is
+    # not one (an attribute, folded when the compiled stack is frozen): layers whose constants
+    # are equal share one compiled type, so a model's layers compile once, not once each
     heads: Final[int]
     kv_heads: Final[int]
     head_dim: Final[int]

@@ -35,7 +35,7 @@ from engine_worker.attention import AttentionBackend, AttentionMetadata, PagedCp
 from engine_worker.attention.batch import DecodeBatch, DecodeWorkspace
 from engine_worker.layers import EagerLayer
 from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear
-from engine_worker.scripted_layers import DecodeStack, ScriptedLayer, scripted_copy
+from engine_worker.scripted_layers import DecodeStack, OwnKernelLayer, ScriptedLayer, copy_tensors
 
 logger = logging.getLogger("splitserve.engine.scripted_decode")
 
@@ -157,8 +157,10 @@ def compile_stack(model, quantized: tuple[bool, ...], windows: list[int]):
     copy where ``quantized`` says so (four a layer, in order), else its dense copy."""
     layers = []
     for i, weights in enumerate(model.layers):
-        copies = [scripted_copy(s, q) for s, q in zip(_linears(weights), quantized[4 * i :])]
-        layers.append(ScriptedLayer(model.config, weights, i, copies, windows))
+        copies = [copy_tensors(s, q) for s, q in zip(_linears(weights), quantized[4 * i :])]
+        own = any(parts > 0 and group == 0 for _, _, _, parts, group in copies)
+        kind = OwnKernelLayer if own else ScriptedLayer
+        layers.append(kind(model.config, weights, i, copies, windows))
     with warnings.catch_warnings():
         # torch 2.13 says TorchScript is deprecated (see the module's docstring)
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -2,9 +2,9 @@
 definition every step runs) with its linears and its attention given as graph ops
 (``scripted_decode`` compiles them, decides when they run and prepares their inputs).
 
-* ``ScriptedLinear`` / ``OwnKernelLinear``: one copy of a ``linear.BatchSizeSwitch``, the call
-  its ``apply`` makes (``Int4Linear`` on aten's kernel or ours, ``DenseLinear`` of more than
-  one row);
+* ``ScriptedLayer.apply``: one copy of a ``linear.BatchSizeSwitch``, the call its ``apply``
+  makes (``Int4Linear`` on aten's kernel or ours (``OwnKernelLayer``), ``DenseLinear`` of more
+  than one row);
 * ``ScriptedLayer.attend``: ``PagedCpuBackend._decode`` on a kept decode workspace (the new
   keys/values written into it, the same flash kernel, masks and key columns);
 * ``DecodeStack``: every layer of the step in one call.
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from engine_worker.attention.flash_rows import MIN_QUERY_ROWS, soft_capped_attention
-from engine_worker.decoder_layer import DecoderLayer, residual_stream
+from engine_worker.decoder_layer import LINEARS, DecoderLayer, residual_stream
 from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear
 
 if TYPE_CHECKING:
@@ -32,59 +32,20 @@ if TYPE_CHECKING:
     from engine_worker.model_config import ModelConfig
 
 
-class ScriptedLinear(torch.nn.Module):
-    """``Int4Linear.apply`` on aten's kernel (``parts`` > 0: ``weight`` the packed int4 planes),
-    or ``DenseLinear.apply`` of more than one row (``parts`` 0: ``weight`` the plain matrix;
-    -1: oneDNN's packed one)."""
-
-    parts: Final[int]
-    group: Final[int]
-    has_bias: Final[bool]
-
-    def __init__(
-        self, weight: Tensor, scale_zero: Tensor, parts: int, group: int, bias: Tensor | None
-    ) -> None:
-        super().__init__()
-        self.weight, self.scale_zero, self.parts, self.group = weight, scale_zero, parts, group
-        self.has_bias = bias is not None
-        self.bias = torch.empty(0) if bias is None else bias
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.parts == -1:
-            no_scalars: list[int | float | complex | None] = []  # the op's Scalar?[]
-            op = torch.ops.mkldnn._linear_pointwise
-            if self.has_bias:
-                return op(x, self.weight, self.bias, "none", no_scalars, "")
-            return op(x, self.weight, None, "none", no_scalars, "")
-        if self.parts == 0:
-            if self.has_bias:
-                return torch.nn.functional.linear(x, self.weight, self.bias)
-            return torch.nn.functional.linear(x, self.weight)
-        x = x.contiguous() if self.parts == 1 else x.repeat(1, self.parts)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scale_zero)
-        return y + self.bias if self.has_bias else y
-
-
-class OwnKernelLinear(ScriptedLinear):
-    """``Int4Linear.apply`` with blocks: our kernel (``splitserve::int4_decode_mm``). A class of
-    its own: TorchScript compiles a call to the op only where the op is loaded."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = torch.ops.splitserve.int4_decode_mm(x, self.weight, self.parts)
-        return y + self.bias if self.has_bias else y
-
-
-def scripted_copy(switch: BatchSizeSwitch, int4: bool) -> ScriptedLinear:
-    """The int4 copy of ``switch`` (``int4``) or its dense copy, as a module."""
+def copy_tensors(switch: BatchSizeSwitch, int4: bool) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """The int4 copy of ``switch`` (``int4``) or its dense copy as ``ScriptedLayer.apply``
+    takes it: weight, scales, bias (empty: none), parts (> 0: int4 planes, on our kernel where
+    the group is 0; 0: the plain dense matrix; -1: oneDNN's packed one), group."""
     if int4:
         q = switch.quantized
         assert isinstance(q, Int4Linear)
-        kind = OwnKernelLinear if q.own_kernel else ScriptedLinear
-        return kind(q.packed, q.scale_zero, q.parts, q.group, q.bias)
+        bias = torch.empty(0) if q.bias is None else q.bias
+        return q.packed, q.scale_zero, bias, q.parts, 0 if q.own_kernel else q.group
     dense = switch.dense
     assert isinstance(dense, DenseLinear)
     matrix = dense.weight if dense.packed is None else dense.packed
-    return ScriptedLinear(matrix, matrix, 0 if dense.packed is None else -1, 0, dense.bias)
+    bias = torch.empty(0) if dense.bias is None else dense.bias
+    return matrix, matrix, bias, 0 if dense.packed is None else -1, 0
 
 
 class ScriptedLayer(DecoderLayer):
@@ -96,19 +57,26 @@ class ScriptedLayer(DecoderLayer):
     (``window_at``)."""
 
     # Constants named here, not annotated: TorchScript reads the annotations of one class only
-    # (the first that has any), and DecoderLayer's are its constants
-    __constants__ = ["group", "pads_rows", "mask_at", "workspace_at", "window_at", "capped_scale"]
+    # (the first that has any), and DecoderLayer's are its constants. ``workspace_at`` differs
+    # per layer: an attribute (``DecoderLayer``'s comment says why)
+    __constants__ = ["group", "pads_rows", "mask_at", "window_at", "capped_scale"]
+    __constants__ += [name + "_kind" for name in LINEARS]
 
     def __init__(
         self,
         config: "ModelConfig",
         weights: "LayerWeights",
         index: int,
-        linears: list[ScriptedLinear],
+        copies: list[tuple[Tensor, Tensor, Tensor, int, int]],
         windows: list[int],
     ) -> None:
         super().__init__(config, weights, index)
-        self.qkv, self.o_proj, self.gate_up, self.down = linears
+        # per linear (qkv, o_proj, gate_up, down): its tensors as attributes, its kind constant
+        for name, (weight, scale_zero, bias, parts, group) in zip(LINEARS, copies):
+            setattr(self, name + "_weight", weight)
+            setattr(self, name + "_scale_zero", scale_zero)
+            setattr(self, name + "_bias", bias)
+            setattr(self, name + "_kind", (parts, group, bias.numel() > 0))
         self.group = self.heads // self.kv_heads  # query heads per kv head
         rows = max(MIN_QUERY_ROWS, self.group)  # PagedCpuBackend's query rows a kv head
         self.pads_rows = rows > self.group
@@ -120,12 +88,55 @@ class ScriptedLayer(DecoderLayer):
 
     def linear(self, x: Tensor, which: str) -> Tensor:
         if which == "qkv":
-            return self.qkv(x)
+            return self.apply(x, self.qkv_weight, self.qkv_scale_zero, self.qkv_bias, self.qkv_kind)
         if which == "o_proj":
-            return self.o_proj(x)
+            w, sz, b, kind = (
+                self.o_proj_weight,
+                self.o_proj_scale_zero,
+                self.o_proj_bias,
+                self.o_proj_kind,
+            )
+            return self.apply(x, w, sz, b, kind)
         if which == "gate_up":
-            return self.gate_up(x)
-        return self.down(x)
+            w, sz, b, kind = (
+                self.gate_up_weight,
+                self.gate_up_scale_zero,
+                self.gate_up_bias,
+                self.gate_up_kind,
+            )
+            return self.apply(x, w, sz, b, kind)
+        return self.apply(x, self.down_weight, self.down_scale_zero, self.down_bias, self.down_kind)
+
+    def apply(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        scale_zero: Tensor,
+        bias: Tensor,
+        kind: tuple[int, int, bool],
+    ) -> Tensor:
+        """One copy's ``apply`` (``copy_tensors``): ``Int4Linear.apply`` on aten's kernel or
+        ours, or ``DenseLinear.apply`` of more than one row."""
+        parts, group, has_bias = kind
+        if parts == -1:
+            no_scalars: list[int | float | complex | None] = []  # the op's Scalar?[]
+            op = torch.ops.mkldnn._linear_pointwise
+            if has_bias:
+                return op(x, weight, bias, "none", no_scalars, "")
+            return op(x, weight, None, "none", no_scalars, "")
+        if parts == 0:
+            if has_bias:
+                return torch.nn.functional.linear(x, weight, bias)
+            return torch.nn.functional.linear(x, weight)
+        if group == 0:
+            y = self.own_kernel(x, weight, parts)
+        else:
+            x = x.contiguous() if parts == 1 else x.repeat(1, parts)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, group, scale_zero)
+        return y + bias if has_bias else y
+
+    def own_kernel(self, x: Tensor, blocks: Tensor, parts: int) -> Tensor:
+        raise NotImplementedError  # OwnKernelLayer's: the op exists where it is loaded
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, step_tensors: list[Tensor], step_ints: list[int]
@@ -151,6 +162,15 @@ class ScriptedLayer(DecoderLayer):
             op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
             o = op(rows, keys, values, attn_mask=mask, scale=self.scale)[0]
         return o.narrow(2, 0, self.group).reshape(-1, self.heads * head_dim)
+
+
+class OwnKernelLayer(ScriptedLayer):
+    """``ScriptedLayer`` with int4 copies on our kernel (``Int4Linear`` with blocks:
+    ``splitserve::int4_decode_mm``). A class of its own: TorchScript compiles a call to the op
+    only where the op is loaded."""
+
+    def own_kernel(self, x: Tensor, blocks: Tensor, parts: int) -> Tensor:
+        return torch.ops.splitserve.int4_decode_mm(x, blocks, parts)
 
 
 class DecodeStack(torch.nn.Module):
