@@ -1,6 +1,8 @@
-"""The decoder layers, defined once for every family: loaded from Hugging Face names and run
-eagerly, each optional part (norm layout, q/k norm, rope per layer, activation, residual scale)
-decided by ``ModelConfig.features`` at load; a plain Llama layer runs exactly its own ops.
+"""The decoder layers' weights, loaded from Hugging Face names for every family, their rope
+tables, and the layers run eagerly (``EagerLayer``: the one definition,
+``decoder_layer.DecoderLayer``, with Python linears and the attention backend). Each optional
+part (norm layout, q/k norm, rope per layer, activation, residual scale) is decided by
+``ModelConfig.features`` at load; a plain Llama layer runs exactly its own ops.
 
 Norms by role: ``input_norm`` before attention and ``post_attention_norm`` before the MLP (the
 names Llama's checkpoint gives them: ``input_layernorm``, ``post_attention_layernorm``);
@@ -13,25 +15,17 @@ mixture of experts (``moe``: engine_worker.moe)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
+from engine_worker.decoder_layer import LINEARS, DecoderLayer, residual_stream
 from engine_worker.linear import Int4Groups, Int8Blocks, LinearWeight, WeightSource, dequantize
 from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
 from engine_worker.moe import ExpertLoad, MoeBlock, load_moe
 from engine_worker.rms_norm import RmsNorm
 from engine_worker.weight_format import WeightFormat
-
-ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_tanh": partial(F.gelu, approximate="tanh"),
-    "gelu": F.gelu,
-}
 
 
 @dataclass(slots=True)
@@ -159,8 +153,8 @@ def rotary_row_order(config: ModelConfig) -> torch.Tensor | None:
     halves of R/2), the order of q's then k's rows that puts each head's rotating pairs D/2 apart:
     [first rotating half, first half of the rest, second rotating half, second half of the rest].
     q . k is the same in any order common to both, and the rotation is then the full one's
-    (``rotate``) with cos 1 and sin 0 on the dimensions that do not rotate: no other op. None
-    where every dimension rotates."""
+    (``DecoderLayer.rotate``) with cos 1 and sin 0 on the dimensions that do not rotate: no
+    other op. None where every dimension rotates."""
     head_dim = config.head_dim
     rotary = int(head_dim * config.rope.get("partial_rotary_factor", 1.0))
     if rotary >= head_dim:
@@ -216,91 +210,80 @@ def rope_tables(
     return tables
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, half-split layout: x * cos + (-x2, x1) * sin, rounded as written (an
-    addcmul rounds once less, which in bf16 moved 4 of 32 greedy continuations off float32's)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+@dataclass(slots=True)
+class EagerStep:
+    """What the eager layers read of the step they run (``EagerLayers.run`` sets it)."""
+
+    attention: AttentionBackend | None = None
+    metadata: AttentionMetadata | None = None
+    decode_rows: int = 0
+    decode_batch: int | None = None
 
 
-def run_layers(
-    cfg: ModelConfig,
-    layers: list[LayerWeights],
-    hidden: torch.Tensor,
-    ropes: list[tuple[torch.Tensor, torch.Tensor]],
-    attention: AttentionBackend,
-    metadata: AttentionMetadata,
-    decode_rows: int,
-    decode_batch: int | None,
-) -> None:
-    """Every decoder layer eagerly: ``hidden`` [T, hidden] is updated in place; ``ropes``
-    each rope's (cos, signed_sin) rows for this step's positions."""
-    num_tokens = hidden.shape[0]
-    q_size = cfg.num_heads * cfg.head_dim
-    activation = ACTIVATION_FUNCTIONS[cfg.features.activation]
-    residual_scale = cfg.features.residual_scale
-    for i, layer in enumerate(layers):
-        x = hidden if layer.input_norm is None else layer.input_norm(hidden)
-        qkv = layer.qkv.apply(x, decode_rows, decode_batch)
-        rope = ropes[layer.rope] if layer.rope >= 0 else None
-        q, k, v = attention_inputs(cfg, layer, qkv, rope)
-        attn = attention.forward(q, k, v, i, metadata)
-        y = layer.o_proj.apply(attn.reshape(num_tokens, q_size), decode_rows, decode_batch)
-        add_branch(hidden, y, layer.attn_out_norm, residual_scale)
-        x = hidden if layer.post_attention_norm is None else layer.post_attention_norm(hidden)
-        y = mlp(layer, x, activation, decode_rows, decode_batch)
-        add_branch(hidden, y, layer.mlp_out_norm, residual_scale)
+class EagerLayer(DecoderLayer):
+    """The decoder layer in Python: its linears' ``apply`` (whatever format ``WeightFormat``
+    gave them) and the attention backend's ``forward``."""
+
+    def __init__(
+        self, config: ModelConfig, weights: LayerWeights, index: int, step: EagerStep
+    ) -> None:
+        super().__init__(config, weights, index)
+        self.linears = {name: getattr(weights, name) for name in LINEARS}
+        self.weights_moe = weights.moe
+        self.step = step
+
+    def linear(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        return self.linears[which].apply(x, self.step.decode_rows, self.step.decode_batch)
+
+    def attend(self, q, k, v, step_tensors, step_ints) -> torch.Tensor:
+        attention, metadata = self.step.attention, self.step.metadata
+        assert attention is not None and metadata is not None
+        out = attention.forward(q, k, v, self.index, metadata)
+        return out.reshape(-1, self.heads * self.head_dim)
 
 
-def mlp(
-    layer: LayerWeights,
-    x: torch.Tensor,
-    activation: Callable[[torch.Tensor], torch.Tensor],
-    decode_rows: int,
-    decode_batch: int | None,
-) -> torch.Tensor:
-    """The layer's MLP on its normed input ``x``: the gated one, or its mixture of experts."""
-    if layer.moe is not None:
-        return layer.moe.apply(x, activation, decode_rows, decode_batch)
-    assert layer.gate_up is not None and layer.down is not None
-    gate, up = layer.gate_up.apply(x, decode_rows, decode_batch).chunk(2, dim=-1)
-    return layer.down.apply(activation(gate) * up, decode_rows, decode_batch)
+class MoeLayer(EagerLayer):
+    """A decoder layer whose MLP is a mixture of experts (``moe.MoeBlock``): run eagerly only
+    (the scripted decode takes plain ``EagerLayer``s)."""
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.weights_moe
+        assert moe is not None
+        return moe.apply(x, self.activate, self.step.decode_rows, self.step.decode_batch)
 
 
-def add_branch(
-    hidden: torch.Tensor, y: torch.Tensor, norm: RmsNorm | None, residual_scale: float
-) -> None:
-    """The residual add of a branch's output ``y``: normed and scaled where the family does."""
-    if norm is not None:
-        y = norm(y)
-    if residual_scale != 1.0:
-        y = y * residual_scale
-    hidden += y
+class EagerLayers:
+    """Every decoder layer of a model, run eagerly."""
 
+    def __init__(self, config: ModelConfig, layers: list[LayerWeights]) -> None:
+        self.step = EagerStep()
+        self.layers = [
+            (EagerLayer if w.moe is None else MoeLayer)(config, w, i, self.step)
+            for i, w in enumerate(layers)
+        ]
+        self.negated_stream = self.layers[0].negated_stream
+        assert all(x.negated_stream == self.negated_stream for x in self.layers)
 
-def attention_inputs(
-    cfg: ModelConfig,
-    layer: LayerWeights,
-    qkv: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k and v [T, KV, D] of a layer's stacked projection: q/k normed (per head,
-    or over the projection) and rotated where the layer does."""
-    num_tokens = qkv.shape[0]
-    heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-    if layer.q_norm is None or layer.k_norm is None:
-        qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim)
-        if rope is not None:  # q and k heads side by side: one rotation for both
-            qk = rotate(qk, *rope)
-        return qk[:, :heads], qk[:, heads:], v
-    q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
-    if cfg.features.qk_norm_over_projection:
-        q, k = layer.q_norm(q), layer.k_norm(k)
-    q = q.reshape(num_tokens, heads, head_dim)
-    k = k.reshape(num_tokens, kv_heads, head_dim)
-    if not cfg.features.qk_norm_over_projection:
-        q, k = layer.q_norm(q), layer.k_norm(k)
-    if rope is not None:
-        q, k = rotate(q, *rope), rotate(k, *rope)
-    return q, k, v
+    def run(
+        self,
+        hidden: torch.Tensor,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        attention: AttentionBackend,
+        metadata: AttentionMetadata,
+        decode_rows: int,
+        decode_batch: int | None,
+    ) -> torch.Tensor:
+        """The embedded rows ``hidden`` [T, hidden] through every layer -> the last layer's
+        output [T, hidden] (a view); ``ropes`` each rope's (cos, signed_sin) rows for this
+        step's positions."""
+        step = self.step
+        step.attention, step.metadata = attention, metadata
+        step.decode_rows, step.decode_batch = decode_rows, decode_batch
+        stream, residual, negated = residual_stream(hidden, self.negated_stream)
+        more_ropes = [t for rope in ropes[1:] for t in rope]
+        try:
+            for layer in self.layers:
+                layer.forward(stream, residual, negated, *ropes[0], more_ropes, [], [])
+        finally:
+            step.attention = step.metadata = None
+        return residual

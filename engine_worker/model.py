@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.gguf_tensors import read_gguf
-from engine_worker.layers import LayerLoader, LayerWeights, rope_tables, run_layers
+from engine_worker.layers import EagerLayers, LayerLoader, LayerWeights, rope_tables
 from engine_worker.linear import LinearWeight, WeightSource, refine_top_logits
 from engine_worker.model_config import ModelConfig
 from engine_worker.model_features import text_tensor_name
@@ -57,6 +57,7 @@ class LlamaFamilyModel:
         loader = LayerLoader(config, tensors, fmt)
         self.layers: list[LayerWeights] = [loader.layer(i) for i in range(config.num_layers)]
         self.expert_load = loader.expert_load  # a mixture of experts' load (None: dense)
+        self.eager_layers = EagerLayers(config, self.layers)
         final_norm = loader.norm("model.norm.weight")
         if final_norm is None:
             raise KeyError("model.norm.weight")
@@ -78,7 +79,8 @@ class LlamaFamilyModel:
             self.exact_head = _exact_head_rows(head_source, self.lm_head, device)
         self.ropes = rope_tables(config, max_positions, device, dtype)
         self.cos, self.signed_sin = self.ropes[0]
-        # The hot decode step's layers in one TorchScript call (``use_scripted_decode``).
+        # The hot decode step's layers compiled from the same definition, one TorchScript call
+        # (``use_scripted_decode``).
         self.scripted_decode: ScriptedDecode | None = None
         self.head_inputs: torch.Tensor | None = None  # the last head call's (``head``)
 
@@ -161,17 +163,10 @@ class LlamaFamilyModel:
         if scripted is not None and scripted.applies(
             attention, metadata, num_tokens, decode_rows, batches
         ):
-            hidden = scripted.run(hidden, *ropes[0], metadata)
+            hidden = scripted.run(hidden, ropes, metadata)
         else:
-            run_layers(
-                self.config,
-                self.layers,
-                hidden,
-                ropes,
-                attention,
-                metadata,
-                decode_rows,
-                decode_batch,
+            hidden = self.eager_layers.run(
+                hidden, ropes, attention, metadata, decode_rows, decode_batch
             )
         attention.finish(metadata)
         if logit_rows is not None:

@@ -1,160 +1,205 @@
-"""The decoder layers of a decode step as one TorchScript module (``scripted_decode`` decides
-when it runs and prepares its arguments).
+"""The hot decode step's layers as TorchScript modules: ``decoder_layer.DecoderLayer`` (the one
+definition every step runs) with its linears and its attention given as graph ops
+(``scripted_decode`` compiles them, decides when they run and prepares their inputs).
 
-The same aten ops as the eager forward, in the same order, on the same tensors: the eager layer
-loop (``model.LlamaFamilyModel.forward``, ``RmsNorm``, ``Int4Linear``/``DenseLinear``,
-``PagedCpuBackend._decode``) written once more in the subset of Python TorchScript compiles, so
-that the ~60 small ops a layer runs go through the TorchScript interpreter (~1.4 µs an op)
-instead of Python and the op dispatcher's Python binding (~2.4 µs). Nothing is fused or reordered
-(``scripted_decode`` runs it without the graph executor's optimizations), so every row gets the
-eager forward's bits; tests/engine_worker/test_scripted_decode.py holds it to that.
+* ``ScriptedLayer.apply``: one copy of a ``linear.BatchSizeSwitch``, the call its ``apply``
+  makes (``Int4Linear`` on aten's kernel or ours (``OwnKernelLayer``), ``DenseLinear`` of more
+  than one row);
+* ``ScriptedLayer.attend``: ``PagedCpuBackend._decode`` on a kept decode workspace (the new
+  keys/values written into it, the same flash kernel, masks and key columns);
+* ``DecodeStack``: every layer of the step in one call.
 
-Kept apart from ``scripted_decode`` because TorchScript compiles functions from their source and
-reads their annotations at run time: no ``from __future__ import annotations`` here, and only
-the types TorchScript knows.
+Why: at batch 1 the default model's step is ~1,900 small ops; the kernels that do the work (int4
+matmul, flash attention) are about 60% of it and the rest is Python calling ops one by one.
+TorchScript's interpreter runs the same ops at ~60% of eager's cost each. Nothing is fused or
+reordered (``scripted_decode`` runs it without the graph executor's optimizations), so every row
+gets the eager forward's bits.
+
+No ``from __future__ import annotations`` here: TorchScript reads the annotations at run time.
 """
+
+from typing import TYPE_CHECKING, Final
 
 import torch
 from torch import Tensor
 
+from engine_worker.attention.flash_rows import MIN_QUERY_ROWS, soft_capped_attention
+from engine_worker.decoder_layer import LINEARS, DecoderLayer, residual_stream
+from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear
 
-def _linear(x: Tensor, packed: Tensor, scale_zero: Tensor, parts: int, group: int) -> Tensor:
-    """``Int4Linear.apply`` (``parts`` > 0) or ``DenseLinear.apply`` of more than one row
-    (``parts`` == 0: ``packed`` is the plain matrix; -1: oneDNN's packed one)."""
-    if parts == -1:
-        no_scalars: list[int | float | complex | None] = []  # the op's Scalar?[]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", no_scalars, "")
-    if parts == 0:
-        return torch.nn.functional.linear(x, packed)
-    x = x.contiguous() if parts == 1 else x.repeat(1, parts)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zero)
+if TYPE_CHECKING:
+    from engine_worker.layers import LayerWeights
+    from engine_worker.model_config import ModelConfig
 
 
-def _attend(
-    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, query_rows: Tensor, kv_heads: int
-) -> Tensor:
-    """``PagedCpuBackend._decode`` on a kept workspace, after the new keys/values are in it:
-    ``keys``/``values`` the layer's workspace viewed [B, KV, columns, D]; ``query_rows`` the
-    kernel's query rows per kv head as rows of the group (the last repeated: the eager path's
-    padding ``cat``, as one copy)."""
-    batch_size, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
-    group = num_heads // kv_heads
-    rows = q.view(batch_size, kv_heads, group, head_dim)
-    if mask.shape[2] > group:
-        rows = rows.index_select(2, query_rows)
-    o = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        rows, keys, values, attn_mask=mask
-    )[0]
-    return o.narrow(2, 0, group).reshape(batch_size, num_heads * head_dim)
+def copy_tensors(switch: BatchSizeSwitch, int4: bool) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """The int4 copy of ``switch`` (``int4``) or its dense copy as ``ScriptedLayer.apply``
+    takes it: weight, scales, bias (empty: none), parts (> 0: int4 planes, on our kernel where
+    the group is 0; 0: the plain dense matrix; -1: oneDNN's packed one), group."""
+    if int4:
+        q = switch.quantized
+        assert isinstance(q, Int4Linear)
+        bias = torch.empty(0) if q.bias is None else q.bias
+        return q.packed, q.scale_zero, bias, q.parts, 0 if q.own_kernel else q.group
+    dense = switch.dense
+    assert isinstance(dense, DenseLinear)
+    matrix = dense.weight if dense.packed is None else dense.packed
+    bias = torch.empty(0) if dense.bias is None else dense.bias
+    return matrix, matrix, bias, 0 if dense.packed is None else -1, 0
 
 
-class DecodeLayers(torch.nn.Module):
-    """Every layer of a decode step on a kept workspace, with one choice of copy per linear:
-    the weights are the module's, converted for TorchScript once (passed as arguments, the
-    ~420 tensors of a step's lists cost ~35 µs a call to convert); ``norms`` each layer's two
-    doubled norm weights, ``weights`` its four linears' two tensors each (qkv, o_proj,
-    gate_up, down; ``_linear``), ``parts`` their int4 parts (0: dense, -1: dense packed for
-    oneDNN)."""
+class ScriptedLayer(DecoderLayer):
+    """The layer with one copy of each linear and attention on a kept decode workspace. Its
+    step inputs: ``step_tensors`` the new tokens' slots in the workspace (0), the masks (at
+    ``mask_at``) and per layer its workspace keys and values viewed as [KV * B * columns, D]
+    (where the new token goes) and [B, KV, columns, D] (what attention reads; from
+    ``workspace_at``); ``step_ints`` the first key column of each window
+    (``window_at``)."""
+
+    # Constants named here, not annotated: TorchScript reads the annotations of one class only
+    # (the first that has any), and DecoderLayer's are its constants. ``workspace_at`` differs
+    # per layer: an attribute (``DecoderLayer``'s comment says why)
+    __constants__ = ["group", "pads_rows", "mask_at", "window_at", "capped_scale"]
+    __constants__ += [name + "_kind" for name in LINEARS]
 
     def __init__(
         self,
-        norms: list[Tensor],
-        weights: list[Tensor],
-        parts: list[int],
-        group: int,
-        eps: float,
-        heads: int,
-        kv_heads: int,
+        config: "ModelConfig",
+        weights: "LayerWeights",
+        index: int,
+        copies: list[tuple[Tensor, Tensor, Tensor, int, int]],
+        windows: list[int],
     ) -> None:
-        super().__init__()
-        # Per layer, one tuple: unpacked in one interpreter step, where indexing the flat lists
-        # took a dozen (an index and its arithmetic each)
-        self.layers = [
-            (norms[2 * i], norms[2 * i + 1], *weights[8 * i : 8 * i + 8])
-            for i in range(len(norms) // 2)
-        ]
-        self.parts = [tuple(parts[4 * i : 4 * i + 4]) for i in range(len(norms) // 2)]
-        self.group, self.eps, self.heads, self.kv_heads = group, eps, heads, kv_heads
+        super().__init__(config, weights, index)
+        # per linear (qkv, o_proj, gate_up, down): its tensors as attributes, its kind constant
+        for name, (weight, scale_zero, bias, parts, group) in zip(LINEARS, copies):
+            setattr(self, name + "_weight", weight)
+            setattr(self, name + "_scale_zero", scale_zero)
+            setattr(self, name + "_bias", bias)
+            setattr(self, name + "_kind", (parts, group, bias.numel() > 0))
+        self.group = self.heads // self.kv_heads  # query heads per kv head
+        rows = max(MIN_QUERY_ROWS, self.group)  # PagedCpuBackend's query rows a kv head
+        self.pads_rows = rows > self.group
+        self.query_rows = torch.tensor([min(r, self.group - 1) for r in range(rows)])
+        self.window_at = windows.index(self.window) if self.window else -1
+        self.mask_at = 1 if not self.window else 2 + self.window_at
+        self.workspace_at = 2 + len(windows) + 4 * index
+        self.capped_scale = self.head_dim**-0.5 if self.scale is None else self.scale
 
-    def _linear(self, x: Tensor, packed: Tensor, scale_zero: Tensor, parts: int) -> Tensor:
-        return _linear(x, packed, scale_zero, parts, self.group)
+    def linear(self, x: Tensor, which: str) -> Tensor:
+        if which == "qkv":
+            return self.apply(x, self.qkv_weight, self.qkv_scale_zero, self.qkv_bias, self.qkv_kind)
+        if which == "o_proj":
+            w, sz, b, kind = (
+                self.o_proj_weight,
+                self.o_proj_scale_zero,
+                self.o_proj_bias,
+                self.o_proj_kind,
+            )
+            return self.apply(x, w, sz, b, kind)
+        if which == "gate_up":
+            w, sz, b, kind = (
+                self.gate_up_weight,
+                self.gate_up_scale_zero,
+                self.gate_up_bias,
+                self.gate_up_kind,
+            )
+            return self.apply(x, w, sz, b, kind)
+        return self.apply(x, self.down_weight, self.down_scale_zero, self.down_bias, self.down_kind)
+
+    def apply(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        scale_zero: Tensor,
+        bias: Tensor,
+        kind: tuple[int, int, bool],
+    ) -> Tensor:
+        """One copy's ``apply`` (``copy_tensors``): ``Int4Linear.apply`` on aten's kernel or
+        ours, or ``DenseLinear.apply`` of more than one row."""
+        parts, group, has_bias = kind
+        if parts == -1:
+            no_scalars: list[int | float | complex | None] = []  # the op's Scalar?[]
+            op = torch.ops.mkldnn._linear_pointwise
+            if has_bias:
+                return op(x, weight, bias, "none", no_scalars, "")
+            return op(x, weight, None, "none", no_scalars, "")
+        if parts == 0:
+            if has_bias:
+                return torch.nn.functional.linear(x, weight, bias)
+            return torch.nn.functional.linear(x, weight)
+        if group == 0:
+            y = self.own_kernel(x, weight, parts)
+        else:
+            x = x.contiguous() if parts == 1 else x.repeat(1, parts)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, group, scale_zero)
+        return y + bias if has_bias else y
+
+    def own_kernel(self, x: Tensor, blocks: Tensor, parts: int) -> Tensor:
+        raise NotImplementedError  # OwnKernelLayer's: the op exists where it is loaded
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, step_tensors: list[Tensor], step_ints: list[int]
+    ) -> Tensor:
+        """q [B, H, D]; the kernel's query rows a kv head are its group, the last repeated
+        (``PagedCpuBackend._decode``'s padding ``cat``, as one ``index_select``)."""
+        head_dim, at, new_slots = self.head_dim, self.workspace_at, step_tensors[0]
+        step_tensors[at].index_copy_(0, new_slots, k.transpose(0, 1).reshape(-1, head_dim))
+        step_tensors[at + 1].index_copy_(0, new_slots, v.transpose(0, 1).reshape(-1, head_dim))
+        keys, values, mask = step_tensors[at + 2], step_tensors[at + 3], step_tensors[self.mask_at]
+        rows = q.view(-1, self.kv_heads, self.group, head_dim)
+        if self.pads_rows:
+            rows = rows.index_select(2, self.query_rows)
+        if self.window > 0:
+            first = step_ints[self.window_at]  # whole key blocks no row sees
+            if first > 0:
+                keys = keys.narrow(2, first, keys.shape[2] - first)
+                values = values.narrow(2, first, values.shape[2] - first)
+                mask = mask.narrow(3, first, mask.shape[3] - first)
+        if self.softcap > 0.0:
+            o = soft_capped_attention(rows, keys, values, mask, self.capped_scale, self.softcap)
+        else:
+            op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            o = op(rows, keys, values, attn_mask=mask, scale=self.scale)[0]
+        return o.narrow(2, 0, self.group).reshape(-1, self.heads * head_dim)
+
+
+class OwnKernelLayer(ScriptedLayer):
+    """``ScriptedLayer`` with int4 copies on our kernel (``Int4Linear`` with blocks:
+    ``splitserve::int4_decode_mm``). A class of its own: TorchScript compiles a call to the op
+    only where the op is loaded."""
+
+    def own_kernel(self, x: Tensor, blocks: Tensor, parts: int) -> Tensor:
+        return torch.ops.splitserve.int4_decode_mm(x, blocks, parts)
+
+
+class DecodeStack(torch.nn.Module):
+    """Every layer of a decode step; returns the last layer's output and every layer's new
+    keys and values stacked [L, B, KV, D] (the cache write after the forward)."""
+
+    negated_stream: Final[bool]
+
+    def __init__(self, layers: list[ScriptedLayer]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        self.negated_stream = layers[0].negated_stream
 
     def forward(
         self,
         hidden: Tensor,
         cos: Tensor,
         signed_sin: Tensor,
-        mask: Tensor,
-        query_rows: Tensor,
-        new_slots: Tensor,
-        workspace: list[Tensor],
+        more_ropes: list[Tensor],
+        step_tensors: list[Tensor],
+        step_ints: list[int],
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``hidden`` [B, hidden] (updated in place, as the eager forward does),
-        ``cos``/``signed_sin`` [B, 1, D] the rows' rotary rows; per layer ``workspace`` its
-        keys and values as [KV * B * columns, D] (where the new token goes) and as
-        [B, KV, columns, D] (what attention reads). Returns hidden and every layer's new keys
-        and values stacked [L, B, KV, D] (the cache write after the forward). One loop for all
-        layers, longer than our usual: every call out of TorchScript costs what the ops it
-        saves do."""
-        heads, kv_heads, eps = self.heads, self.kv_heads, self.eps
-        num_tokens, width = hidden.shape[0], hidden.shape[1]
-        head_dim = cos.shape[-1]
-        qk_width, v_width = (heads + kv_heads) * head_dim, kv_heads * head_dim
-        # The residual stream beside its negation, [B, 2 * hidden]: the fused RmsNorm's input
-        # (``rms_norm.RmsNorm``: layer norm of [x, -x]) without a cat and a neg per norm, kept
-        # so by one more subtraction per update (-h - y is -(h + y) exactly: rounding to
-        # nearest is symmetric).
-        both = torch.cat([hidden, hidden.neg()], dim=-1)
-        residual, negated = both.narrow(1, 0, width), both.narrow(1, width, width)
+        stream, residual, negated = residual_stream(hidden, self.negated_stream)
         new_keys: list[Tensor] = []
         new_values: list[Tensor] = []
-        for i in range(len(self.layers)):
-            (
-                input_norm,
-                post_attention_norm,
-                qkv_weight,
-                qkv_scales,
-                o_weight,
-                o_scales,
-                gate_up_weight,
-                gate_up_scales,
-                down_weight,
-                down_scales,
-            ) = self.layers[i]
-            qkv_parts, o_parts, gate_up_parts, down_parts = self.parts[i]
-            x = torch.layer_norm(both, [2 * width], input_norm, None, eps).narrow(1, 0, width)
-            qkv = self._linear(x, qkv_weight, qkv_scales, qkv_parts)
-            v = qkv.narrow(1, qk_width, v_width).view(num_tokens, kv_heads, head_dim)
-            qk = qkv.narrow(1, 0, qk_width).view(num_tokens, heads + kv_heads, head_dim)
-            qk = qk * cos + qk.roll(head_dim // 2, -1) * signed_sin
-            q, k = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads)
+        for layer in self.layers:
+            k, v = layer(
+                stream, residual, negated, cos, signed_sin, more_ropes, step_tensors, step_ints
+            )
             new_keys.append(k)
             new_values.append(v)
-            workspace[4 * i].index_copy_(0, new_slots, k.transpose(0, 1).reshape(-1, head_dim))
-            workspace[4 * i + 1].index_copy_(0, new_slots, v.transpose(0, 1).reshape(-1, head_dim))
-            attn = _attend(
-                q, workspace[4 * i + 2], workspace[4 * i + 3], mask, query_rows, kv_heads
-            )
-            y = self._linear(attn, o_weight, o_scales, o_parts)
-            residual += y
-            negated -= y
-            x = torch.layer_norm(both, [2 * width], post_attention_norm, None, eps)
-            x = x.narrow(1, 0, width)
-            gate_up = self._linear(x, gate_up_weight, gate_up_scales, gate_up_parts)
-            half = gate_up.shape[1] // 2
-            mixed = torch.ops.aten.silu(gate_up.narrow(1, 0, half)) * gate_up.narrow(1, half, half)
-            y = self._linear(mixed, down_weight, down_scales, down_parts)
-            residual += y
-            negated -= y
-        return hidden.copy_(residual), torch.stack(new_keys), torch.stack(new_values)
-
-
-class OwnKernelDecodeLayers(DecodeLayers):
-    """``DecodeLayers`` with the int4 copies on our kernel (``Int4Linear`` with blocks:
-    ``splitserve::int4_decode_mm``, the call its ``apply`` makes). A class of its own: TorchScript
-    compiles a call to the op only where the op is loaded."""
-
-    def _linear(self, x: Tensor, packed: Tensor, scale_zero: Tensor, parts: int) -> Tensor:
-        if parts <= 0:  # the dense copy
-            return _linear(x, packed, scale_zero, parts, self.group)
-        return torch.ops.splitserve.int4_decode_mm(x, packed, parts)
+        return residual, torch.stack(new_keys), torch.stack(new_values)

@@ -77,7 +77,8 @@ class DecodeWorkspace:
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     column_index: torch.Tensor | None = None
     fresh: bool = True
-    # what engine_worker.scripted_decode reads of keys/values, views taken once per workspace
+    # what engine_worker.scripted_decode hands its compiled layers (the new tokens' slots, the
+    # masks, views of the keys/values), listed once per workspace
     scripted_views: list = field(default_factory=list)
 
 

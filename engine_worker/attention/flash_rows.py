@@ -145,11 +145,23 @@ def capped_attention(
     mask: torch.Tensor,
     layer: LayerAttention,
 ) -> torch.Tensor:
-    """``flash`` with soft-capped scores, which the fused kernel cannot apply: cap *
-    tanh(scale * q.k / cap) + mask, softmax, weighted sum, in float32; the output in the
-    queries' dtype."""
+    """``flash`` with soft-capped scores, which the fused kernel cannot apply
+    (``soft_capped_attention``)."""
     scale = layer.scale if layer.scale is not None else queries.shape[-1] ** -0.5
+    return soft_capped_attention(queries, keys, values, mask, scale, layer.softcap)
+
+
+def soft_capped_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """cap * tanh(scale * q.k / cap) + mask, softmax, weighted sum, in float32; the output in
+    the queries' dtype (TorchScript compiles it: scripted_layers)."""
     scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)).mul_(scale)
-    scores = scores.div_(layer.softcap).tanh_().mul_(layer.softcap).add_(mask)
+    scores = scores.div_(softcap).tanh_().mul_(softcap).add_(mask)
     out = torch.matmul(scores.softmax(dim=-1), values.float())
     return out.to(queries.dtype)

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from engine_worker.engine import Engine
 from ipc.engine_config import EngineConfig
 from tests.engine_worker.helpers import collect, greedy
+from tests.engine_worker.scripted_helpers import assert_same, make_engine
 
 TOLERANCE = 1e-3
 TOP = 5
@@ -263,22 +264,19 @@ def test_family_matches_transformers(tmp_path, family, source):
     assert worst < TOLERANCE
 
 
-def test_scripted_decode_serves_only_the_plain_layer(tmp_path):
-    """A family feature the scripted decode layers do not implement (SmolLM3's layers without
-    rope) keeps its decode steps eager; the same checkpoint with rope on every layer is the plain
-    case, which it serves."""
-    tiny_family("smollm3", tmp_path / "nope")
-    plain = tmp_path / "plain"
-    shutil.copytree(tmp_path / "nope", plain)
-    config = json.loads((plain / "config.json").read_text())
-    config["no_rope_layers"] = [1] * config["num_hidden_layers"]
-    (plain / "config.json").write_text(json.dumps(config))
-    for model_dir, scripted in ((tmp_path / "nope", False), (plain, True)):
-        engine = Engine(
-            EngineConfig(model_path=str(model_dir), weights="int4", kv_cache_tokens=512)
-        )
-        assert engine.runner.model.config.features.plain is scripted
-        assert (engine.runner.model.scripted_decode is not None) is scripted
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_decodes_scripted_as_eager(tmp_path, family):
+    """Every family takes the compiled decode step (DESIGN property 9: the eager layers' bits),
+    on its int4 copies (batch 1) and on its dense ones (past ``quantized_max_tokens``)."""
+    tiny_family(family, tmp_path)
+    engine = make_engine(
+        tmp_path, weights="int4", enable_prefix_cache=False, quantized_max_tokens=2
+    )
+    assert engine.runner.model.scripted_decode is not None
+    generator = np.random.default_rng(2)
+    prompts = [[1, *generator.integers(3, 256, n).tolist()] for n in (21, 5, 13)]
+    assert_same(engine, prompts[:1], greedy(16, ignore_eos=True), "one")
+    assert_same(engine, prompts, greedy(16, ignore_eos=True), "three")
 
 
 def test_rows_reordered_on_blocks_equal_rows_reordered_after_dequantizing():

@@ -114,7 +114,7 @@ def test_kquant_gguf_decodes_scripted_as_eager(kquant_gguf):
     """Layers of several widths and group sizes on our kernel: the scripted decode layers take
     them (each block carries its layout) and give eager's bits."""
     from tests.engine_worker.helpers import greedy
-    from tests.engine_worker.test_scripted_decode import assert_same, make_engine
+    from tests.engine_worker.scripted_helpers import assert_same, make_engine
 
     engine = make_engine(kquant_gguf[0], int4_kernel="own", enable_prefix_cache=False)
     assert engine.runner.model.scripted_decode is not None

@@ -2,71 +2,19 @@
 same greedy tokens, the same seeded samples and bit-equal logits, on the real default model at
 batch 1 and on both sides of the int4/dense line; where it does not apply, the eager forward
 runs. Each comparison runs the same requests on one engine with the scripted layers switched
-off and on (``LlamaFamilyModel.scripted_decode``)."""
+off and on (``LlamaFamilyModel.scripted_decode``; tests/engine_worker/scripted_helpers.py).
+Every family's tiny model is compared too (tests/engine_worker/test_families.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine_worker.engine import Engine
-from ipc.engine_config import PREFILL_TOKEN_KEYS_CPU, EngineConfig
 from ipc.messages import SamplingParams
 from tests.chat_prompts import chat_prompt_ids
 from tests.engine_worker.helpers import collect, greedy
+from tests.engine_worker.scripted_helpers import assert_same, counted, make_engine
 from tests.tiny_model import make_tiny_model
-
-
-def make_engine(model_dir, **knobs) -> Engine:
-    # A fixed token-key bound: steps paced by their measured time would batch each run anew
-    knobs = {
-        "dtype": "bfloat16",
-        "weights": "auto",
-        "adaptive_threads": False,
-        "prefill_max_token_keys": PREFILL_TOKEN_KEYS_CPU,
-        **knobs,
-    }
-    return Engine(EngineConfig(model_path=str(model_dir), kv_cache_tokens=8192, **knobs))
-
-
-def run(engine: Engine, scripted: bool, prompts, params, tag: str) -> tuple[list, list]:
-    """Every prompt's tokens, and the logits of each step that only decoded (recorded from the
-    real forward), with the scripted layers on or off."""
-    model = engine.runner.model
-    kept = model.scripted_decode
-    assert kept is not None
-    model.scripted_decode = kept if scripted else None
-    forward, logits = model.forward, []
-
-    def recording_forward(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        if args[3].deferred_kv is not None:  # metadata: a decode-only step on a kept workspace
-            logits.append(out.clone())
-        return out
-
-    model.forward = recording_forward
-    try:
-        names = [f"{tag}-{scripted}-{i}" for i in range(len(prompts))]
-        for name, prompt in zip(names, prompts):
-            engine.add(name, prompt, params)
-        results = collect(engine)
-    finally:
-        del model.forward
-        model.scripted_decode = kept
-    return [results[n]["tokens"] for n in names], logits
-
-
-def assert_same(engine: Engine, prompts, params, tag: str) -> None:
-    collect(engine)  # whatever a failed test left runs out first: the runs get the same batches
-    scripted = engine.runner.model.scripted_decode
-    steps = scripted.steps
-    tokens_eager, logits_eager = run(engine, False, prompts, params, tag)
-    tokens_scripted, logits_scripted = run(engine, True, prompts, params, tag)
-    assert scripted.steps - steps == len(logits_scripted) > 0  # the scripted path did run
-    assert tokens_scripted == tokens_eager
-    assert len(logits_scripted) == len(logits_eager)
-    for eager, ours in zip(logits_eager, logits_scripted):
-        assert torch.equal(eager, ours)
 
 
 # --- the real default model -------------------------------------------------------------------
@@ -109,16 +57,20 @@ def tiny_models(tmp_path_factory) -> dict[str, object]:
     return models
 
 
-def test_tiny_model_scripted_matches_eager(tiny_models):
-    engine = make_engine(tiny_models["llama"], weights="int4", enable_prefix_cache=False)
-    prompts = [[1, 5, 9, 300], [1, 17, 4000, 5, 6, 7, 8], [1, 2000]]
-    assert_same(engine, prompts, greedy(8, ignore_eos=True), "tiny")
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral-window"])
+def test_tiny_model_scripted_matches_eager(tiny_models, architecture):
+    # qwen2: qkv bias; qwen3: q/k norm; mistral-window: a sliding window shorter than the rows
+    engine = make_engine(tiny_models[architecture], weights="int4", enable_prefix_cache=False)
+    prompts = [[1, 5, 9, 300], [1, 17, 4000, 5, 6, 7, 8, 9, 10, 11], [1, 2000]]
+    if architecture == "mistral-window":
+        # past a block of 512 key columns outside every row's window, which attention skips
+        prompts.append([1, *range(3, 600)])
+    assert_same(engine, prompts, greedy(12, ignore_eos=True), architecture)
 
 
 def test_steps_with_prompt_rows_run_eagerly(tiny_models):
     engine = make_engine(tiny_models["llama"], weights="int4")
-    scripted = engine.runner.model.scripted_decode
-    assert scripted is not None
+    scripted = counted(engine)
     engine.add("a", [1, 5, 9, 300], greedy(6, ignore_eos=True))
     engine.step()  # the prompt
     engine.step()  # builds the decode workspace: gathers, eager
@@ -137,9 +89,6 @@ def test_steps_with_prompt_rows_run_eagerly(tiny_models):
         ("llama", {"dtype": "float32", "weights": "fp32"}),  # RmsNorm not fused
         ("llama", {"weights": "bf16"}),  # no int4 copies
         ("llama", {"scripted_decode": False}),
-        ("qwen2", {"weights": "int4"}),  # qkv bias
-        ("qwen3", {"weights": "int4"}),  # q/k norm
-        ("mistral-window", {"weights": "int4"}),  # a sliding window
     ],
 )
 def test_models_it_does_not_cover_run_eagerly(tiny_models, architecture, knobs):
