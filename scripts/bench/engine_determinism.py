@@ -78,7 +78,8 @@ def run_plan(engine: Engine, plan: Plan) -> list[torch.Tensor]:
         for (i, count), r in zip(batch, stepping):
             r.token_ids = plan[i][0][: r.num_computed + count]  # the step emits at its end
             r.num_generated = max(0, len(r.token_ids) - r.prompt_len)
-        logits, emitting = engine.runner.compute_logits(stepping, [n for _, n in batch])
+        step = engine.runner.forward(stepping, [n for _, n in batch])
+        logits, emitting = step.logits[: sum(step.widths)], step.emitting
         for row, index in zip(logits, emitting):
             out[batch[index][0]].append(row.float().clone())
         for (_, count), r in zip(batch, stepping):

@@ -23,7 +23,7 @@ from procs import model_store
 from procs.local_model import causal_lm_architectures, check_model
 from procs.model_store import ModelError, gguf_file, resolve_model
 from scripts.bench.tiny_model import make_tiny_model
-from tests.engine_worker.helpers import give_blocks, manual_request
+from tests.engine_worker.helpers import compute_logits, give_blocks, manual_request
 from tests.gguf_files import write_tiny_gguf
 
 PROMPT = [1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 504, 3458, 282, 4649, 314]
@@ -56,7 +56,7 @@ def last_logits(model_dir: Path) -> torch.Tensor:
     engine = Engine(config)
     request = manual_request(engine, PROMPT)
     give_blocks(engine, request, request.num_tokens)
-    logits, _ = engine.runner.compute_logits([request], [request.num_tokens])
+    logits, _ = compute_logits(engine, [request], [request.num_tokens])
     return logits[0]
 
 
