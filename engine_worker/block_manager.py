@@ -11,6 +11,7 @@ Invariants (tests check them):
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from engine_worker.prefix_cache import PrefixCache
 
@@ -41,6 +42,12 @@ class KVBlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, count: int, sharing: Sequence[int] = ()) -> bool:
+        """Whether ``count`` fresh blocks can be allocated once the cached blocks ``sharing`` are
+        acquired: a cached block nobody holds counts as available until it is taken."""
+        reclaimed = sum(1 for block in sharing if self.ref_counts[block] == 0)
+        return count + reclaimed <= self.num_available
 
     def allocate(self, count: int) -> list[int]:
         """Takes ``count`` fresh blocks (ref_count 1); the caller checked num_available."""

@@ -1,7 +1,8 @@
 """The engine: owns the model, the paged KV cache, the prefix cache and the scheduler.
 
-One ``step()`` = schedule, one forward over every scheduled token, sample, apply stops, and one
-columnar ``StepOutput`` for all requests. The engine sees only token ids, never text."""
+One ``step()`` = schedule (the scheduler), run (one forward over every scheduled token, and
+sampling), update (the scheduler applies the result), emit (one columnar ``StepOutput`` for all
+requests). The engine sees only token ids, never text."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ from engine_worker.model_runner import ModelRunner, StepResult
 from engine_worker.prefix_cache import PrefixCache
 from engine_worker.request import EngineRequest, checked_prompt
 from engine_worker.sampler import RequestSampler
-from engine_worker.scheduler import ScheduledBatch, Scheduler
+from engine_worker.scheduler import ScheduledBatch, Scheduler, StepUpdate
 from engine_worker.sizing import (
     default_weight_format,
     fit_to_kv_cache,
     kv_cache_blocks,
     resolve_max_model_len,
 )
-from engine_worker.speculative import SpeculationCounters, may_speculate
+from engine_worker.speculative import SpeculationCounters
 from engine_worker.thread_tuner import ThreadTuner
 from engine_worker.weight_format import WeightFormat
 from ipc.block_hash import check_cache_salt
@@ -41,9 +42,7 @@ from ipc.codec import pack_ids
 from ipc.engine_config import EngineConfig
 from ipc.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from ipc.messages import (
-    ERR_BAD_REQUEST,
     FINISH_ABORT,
-    FINISH_ERROR,
     EngineStats,
     FinishRecord,
     RequestStart,
@@ -82,9 +81,8 @@ class Engine:
         self.max_model_len = resolve_max_model_len(config, model_config)
         if weight_format is None:
             weight_format = default_weight_format(config, model_config, self.device)
-        dtype = weight_format.dtype
         model = LlamaFamilyModel.load(
-            config.model_path, self.device, dtype, self.max_model_len, weight_format
+            config.model_path, self.device, weight_format.dtype, self.max_model_len, weight_format
         )
         model.use_scripted_decode(config.scripted_decode)
         self.vocab_size = model_config.vocab_size
@@ -92,8 +90,16 @@ class Engine:
         self.model_name = config.served_model_name or os.path.basename(
             os.path.normpath(config.model_path)
         )
-        num_blocks = kv_cache_blocks(config, model_config, dtype, self.device, self.max_model_len)
+        num_blocks = kv_cache_blocks(
+            config, model_config, weight_format.dtype, self.device, self.max_model_len
+        )
         self.max_model_len = fit_to_kv_cache(self.max_model_len, num_blocks * config.block_size)
+        self._assemble(model, num_blocks, cache_events)
+        self._log_ready(weight_format, num_blocks)
+
+    def _assemble(self, model: LlamaFamilyModel, num_blocks: int, cache_events: bool) -> None:
+        """The parts around the model: caches, runner, scheduler, and the loop's bookkeeping."""
+        config = self.config
         medium = MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU
         self.cache_events = CacheEventRecorder(config.block_size, medium) if cache_events else None
         self.prefix_cache = (
@@ -128,8 +134,6 @@ class Engine:
         self._step = 0
         # Counters since start, reported with every step's stats (Prometheus counters).
         self._prefix_queried_total = self._prefix_hit_total = self._preemptions_total = 0
-        self.speculation = SpeculationCounters(config.num_speculative_tokens)
-        self._log_ready(weight_format, num_blocks)
 
     def _log_ready(self, weight_format: WeightFormat, num_blocks: int) -> None:
         config = self.config
@@ -155,22 +159,24 @@ class Engine:
     # --- public API -------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return self.scheduler.num_running
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return self.scheduler.num_waiting
+
+    @property
+    def speculation(self) -> SpeculationCounters:
+        return self.scheduler.speculation
 
     def has_work(self) -> bool:
         """Whether a step would do anything (a request whose grammar is being built, or whose
         late grammar mask is being computed, is not work yet: see ``wakeup_fd``)."""
         self.grammars.settle()
-        waiting = self.scheduler.waiting
         return bool(
             self.aborts.pending()
             or self.grammars.finished
-            or any(r.ready for r in self.scheduler.running)
-            or (len(waiting) > len(self.grammars.building) and any(r.ready for r in waiting))
+            or self.scheduler.has_ready(unready_waiting=len(self.grammars.building))
         )
 
     @property
@@ -199,9 +205,9 @@ class Engine:
             return
         ids = checked_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         check_cache_salt(cache_salt)
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+        if self.scheduler.num_waiting >= self.config.max_waiting_requests:
             raise EngineOverloaded(
-                f"{len(self.scheduler.waiting)} requests are already waiting "
+                f"{self.scheduler.num_waiting} requests are already waiting "
                 f"(max_waiting_requests={self.config.max_waiting_requests})"
             )
         stop_ids = frozenset(sampling.stop_token_ids) | (
@@ -219,12 +225,9 @@ class Engine:
         )
         if grammar:
             self.grammars.attach(request, grammar)
-        request.speculates = self.scheduler.proposer is not None and may_speculate(
-            sampling, request.sampler, grammar
-        )
-        was_idle = not (self.scheduler.running or self.scheduler.waiting)
+        was_idle = self.scheduler.is_idle()
         self.requests[request_id] = request
-        self.scheduler.waiting.append(request)
+        self.scheduler.add(request)
         self.idle_window.on_arrival(
             time.monotonic(), was_idle, self.scheduler.first_step_tokens(request) if was_idle else 0
         )
@@ -233,7 +236,7 @@ class Engine:
         """How long the caller's loop should still wait for more arrivals before ``step()``
         (0: step now). Non-zero only in the idle batching window after a request reached an
         idle engine; the loop waits for input meanwhile and asks again."""
-        return self.idle_window.remaining_s(time.monotonic(), len(self.scheduler.waiting))
+        return self.idle_window.remaining_s(time.monotonic(), self.scheduler.num_waiting)
 
     def abort(self, request_id: str) -> None:
         self.aborts.abort(request_id, live=request_id in self.requests)
@@ -254,28 +257,15 @@ class Engine:
         return self.cache_events.take() if self.cache_events is not None else []
 
     def step(self) -> StepOutput:
-        """Schedule, run the batch, postprocess: one StepOutput for every request touched."""
+        """Schedule, run, update, emit (the order of a step: docs/architecture.md): one
+        StepOutput for every request touched."""
         t_start = time.monotonic()
-        self.idle_window.close()
-        self._step += 1
-        out = StepOutput(step=self._step, t_step=t_start)
-        self._finish_aborted(out)
-        self.grammars.settle()
-        for request, reason, error, code in self.grammars.take_finished():
-            self._finish(out, request, reason, error, code)
+        out = self._open_step(t_start)
         batch = self.scheduler.schedule()
-        for request, message in batch.failed:
-            self._finish(out, request, FINISH_ERROR, message, ERR_BAD_REQUEST)
-        if batch.requests:
-            result = self._run(batch)
-            for index, hidden in result.prompt_ends.items():
-                self.scheduler.keep_prompt_end(batch.requests[index], hidden)
-            self._postprocess(out, batch, result)
-        if not self.scheduler.running:
-            self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
-        out.t_step = time.monotonic()
-        self.idle_window.observe_step(out.t_step - t_start, batch.prefill_tokens)
-        out.stats = self._stats(batch, (out.t_step - t_start) * 1000.0)
+        result = self._run(batch) if batch.requests else None
+        update = self.scheduler.update_from_output(batch, result)
+        self._emit(out, update)
+        self._close_step(out, batch, t_start)
         return out
 
     def close(self) -> None:
@@ -299,7 +289,7 @@ class Engine:
         switches = self.threads.switches
         self.threads.threads_for(kind, size, leader)
         t_start = time.perf_counter()
-        result = self.runner.run(batch.requests, batch.num_new_tokens)
+        result = self.runner.run(batch.requests, batch.num_new_tokens, batch.kept_ends)
         seconds = time.perf_counter() - t_start
         self.threads.record(seconds)
         self.scheduler.pace.observe(batch.token_keys, batch.prefill_tokens, seconds)
@@ -307,71 +297,55 @@ class Engine:
             logger.info("torch threads per kind of step now %s (measured)", self.threads.describe())
         return result
 
-    def _finish_aborted(self, out: StepOutput) -> None:
-        """Ends the requests aborted since the last step (and those aborted before arrival)."""
+    def _open_step(self, t_start: float) -> StepOutput:
+        """A new step's output, with the requests that end before it schedules: those aborted
+        since the last step (and those aborted before they arrived), and those their grammar
+        ended."""
+        self.idle_window.close()
+        self._step += 1
+        out = StepOutput(step=self._step, t_step=t_start)
         arrived_aborted, live = self.aborts.take()
         out.finished.extend(FinishRecord(rid, FINISH_ABORT) for rid in arrived_aborted)
         for request_id in live:
             self._finish(out, self.requests[request_id], FINISH_ABORT)
+        self.grammars.settle()
+        for request, reason, error, code in self.grammars.take_finished():
+            self._finish(out, request, reason, error, code)
+        return out
 
-    def _postprocess(self, out: StepOutput, batch: ScheduledBatch, result: StepResult) -> None:
-        """Advances every scheduled request, appends the sampled tokens, applies stops."""
-        for entry in result.prompt_logprobs:  # always ahead of the request's first token
-            request = self.requests[entry.request_id]
-            request.prompt_logprobs_from = entry.start + len(entry.logprobs) // 4
-        out.prompt_logprobs = result.prompt_logprobs
-        emitted_tokens = []
-        constrained: list[tuple[EngineRequest, int]] = []
-        deferred = set(result.deferred)
-        for index, (request, count) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            if index in deferred:  # its grammar mask was late: the last token is computed again
-                request.num_computed += count - 1
-                self.grammars.defer(request)
-                continue
-            drafts, request.draft_ids = len(request.draft_ids), []
-            request.num_computed += count - drafts
-            token = result.tokens[index]
-            if token is not None:
-                if request.grammar is not None:
-                    constrained.append((request, token))
-                run = [token, *result.accepted.get(index, ())]
-                logprobs = [result.logprobs.get(index), *result.accepted_logprobs.get(index, ())]
-                for position, (token, entry) in enumerate(zip(run, logprobs + [None] * len(run))):
-                    if position:  # an accepted draft (or the token after it): its KV is there
-                        request.num_computed += 1
-                    request.append_token(token)
-                    if entry is not None:
-                        entry.row = len(out.request_ids)
-                        out.logprobs.append(entry)
-                    out.request_ids.append(request.request_id)
-                    emitted_tokens.append(token)
-                    if request.finish_reason() is not None:
-                        break  # the run is cut at its first stop
-                if drafts:
-                    self.speculation.record(drafts, len(run) - 1)
-                    self.scheduler.trim_blocks(request)
-            elif request.samples or request.remaining:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            if not request.started_sent:
-                request.started_sent = True
-                out.started.append(
-                    RequestStart(
-                        request.request_id,
-                        request.t_arrived,
-                        request.t_scheduled,
-                        request.cached_tokens,
-                    )
-                )
-            reason = request.finish_reason()  # a complete grammar ends it at the next settle
-            if reason is not None:
-                self._finish(out, request, reason)
-        self.grammars.advance([(r, t) for r, t in constrained if r.request_id in self.requests])
-        out.token_ids = pack_ids(emitted_tokens)
+    def _emit(self, out: StepOutput, update: StepUpdate) -> None:
+        """What the scheduler's update says, into the step's output; the grammars hear of the
+        requests deferred, ended, and of each constrained request's sampled token."""
+        out.prompt_logprobs = update.prompt_logprobs  # always ahead of the request's tokens
+        out.request_ids, out.logprobs = update.request_ids, update.logprobs
+        out.token_ids = pack_ids(update.tokens)
+        for request in update.deferred:
+            self.grammars.defer(request)
+        out.started.extend(
+            RequestStart(r.request_id, r.t_arrived, r.t_scheduled, r.cached_tokens)
+            for r in update.started
+        )
+        for request, reason, error, code in update.finished:
+            self._forget(out, request, reason, error, code)
+        self.grammars.advance(update.constrained)
+
+    def _close_step(self, out: StepOutput, batch: ScheduledBatch, t_start: float) -> None:
+        if self.scheduler.num_running == 0:
+            self.runner.reset()  # idle: hold nothing kept between steps (the decode KV copy)
+        out.t_step = time.monotonic()
+        self.idle_window.observe_step(out.t_step - t_start, batch.prefill_tokens)
+        out.stats = self._stats(batch, (out.t_step - t_start) * 1000.0)
 
     def _finish(
         self, out: StepOutput, request: EngineRequest, reason: str, error: str = "", code: str = ""
     ) -> None:
+        """Ends a request the scheduler still holds (aborted, or ended by its grammar)."""
         self.scheduler.remove(request)
+        self._forget(out, request, reason, error, code)
+
+    def _forget(
+        self, out: StepOutput, request: EngineRequest, reason: str, error: str, code: str
+    ) -> None:
         self.grammars.forget(request)
         del self.requests[request.request_id]
         out.finished.append(FinishRecord(request.request_id, reason, error, code))
@@ -398,5 +372,5 @@ class Engine:
             spec_draft_tokens_total=self.speculation.draft_tokens,
             spec_accepted_tokens_total=self.speculation.accepted_tokens,
             spec_accepted_per_position_total=list(self.speculation.accepted_per_position),
-            **self.runner.model.expert_stats(),
+            **self.runner.expert_stats(),
         )

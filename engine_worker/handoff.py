@@ -17,6 +17,7 @@ import torch
 from engine_worker.engine import Engine
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
+from engine_worker.scheduler.handoff import has_room, join_prefilled, take_running
 from engine_worker.speculative import may_speculate
 from ipc.messages import SamplingParams
 
@@ -24,14 +25,8 @@ from ipc.messages import SamplingParams
 def take_first_tokens(engine: Engine, emitted: list[str]) -> list[EngineRequest]:
     """The requests of ``emitted`` (a step's StepOutput.request_ids) still in the engine: out
     of the running batch, blocks held. A prefill engine samples only first tokens."""
-    taken = []
-    running = engine.scheduler.running
-    for request_id in dict.fromkeys(emitted):
-        request = engine.requests.get(request_id)
-        if request is not None and request in running:
-            running.remove(request)
-            taken.append(request)
-    return taken
+    known = [engine.requests.get(request_id) for request_id in dict.fromkeys(emitted)]
+    return take_running(engine.scheduler, [r for r in known if r is not None])
 
 
 def add_prefilled(
@@ -54,8 +49,7 @@ def add_prefilled(
             f"the prompt's {prompt_len} tokens need {needed} KV blocks; this engine has "
             f"{engine.blocks.num_blocks}"
         )
-    running = engine.scheduler.running
-    if len(running) >= engine.config.max_batch_size or needed > engine.blocks.num_available:
+    if not has_room(engine.scheduler, needed, engine.config.max_batch_size):
         return None
     if engine.aborts.arrived(request_id):
         return []
@@ -75,18 +69,9 @@ def add_prefilled(
         0.0,
         cache_salt,
     )
-    for token in token_ids[prompt_len:]:
-        request.append_token(token)
-    request.num_computed = prompt_len
-    request.started_sent = True  # the prefill engine sent its start and first token
-    request.prompt_logprobs_from = prompt_len  # computed and sent there
-    request.speculates = engine.scheduler.proposer is not None and may_speculate(
-        sampling, sampler, ""
-    )
-    request.block_ids = engine.blocks.allocate(needed)
+    speculates = engine.scheduler.proposer is not None and may_speculate(sampling, sampler, False)
     engine.requests[request_id] = request
-    running.append(request)
-    return request.block_ids
+    return join_prefilled(engine.scheduler, request, token_ids[prompt_len:], needed, speculates)
 
 
 def generator_state(request: EngineRequest) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -28,6 +29,15 @@ from engine_worker.weight_format import WeightFormat
 from runtime.model_files import gguf_weights
 
 logger = logging.getLogger("splitserve.engine.model")
+
+
+class ForwardOutput(NamedTuple):
+    """What a forward returns: logits [rows, vocab] (float32), and the final hidden states they
+    were computed from (the head's input rows, in the same order). A prompt tail keeps the row
+    of its prompt's end (prefix_tails.py), which a later identical prompt samples from."""
+
+    logits: torch.Tensor
+    final_hidden: torch.Tensor
 
 
 class LlamaFamilyModel:
@@ -82,7 +92,6 @@ class LlamaFamilyModel:
         # The hot decode step's layers compiled from the same definition, one TorchScript call
         # (``use_scripted_decode``).
         self.scripted_decode: ScriptedDecode | None = None
-        self.head_inputs: torch.Tensor | None = None  # the last head call's (``head``)
 
     def expert_stats(self) -> dict:
         """A mixture of experts' load since the start, as ``EngineStats`` fields ({}: dense)."""
@@ -136,16 +145,16 @@ class LlamaFamilyModel:
         sampling_rows: int = 0,
         batches: tuple[int, int] | None = None,
         kept: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> ForwardOutput:
         """input_ids/positions [T]; ``metadata`` from ``attention.prepare`` for this step; the
         first ``decode_rows`` rows are decoded tokens', the first ``sampling_rows`` logit rows
         sample a token (the others are prompt logprobs). ``batches``: the decoding and the
         sampling requests those rows belong to, when a request verifying drafts has several
         (the kernel choice is by requests: ``LinearWeight.apply``). ``kept`` [K, hidden]: final
         hidden states of rows computed in earlier steps (prompt ends: prefix_tails.py), sampled
-        after this step's sampling rows, in the same head call. Returns logits
-        [len(logit_rows) + K, vocab] (float32): the sampling rows, the kept ones, the others;
-        ``head_inputs`` holds the head's input rows in that order."""
+        after this step's sampling rows, in the same head call. Returns the logits
+        [len(logit_rows) + K, vocab] (float32) of the sampling rows, the kept ones, the others,
+        and the final hidden states of those rows in that order."""
         num_tokens = input_ids.shape[0]
         # index_select: the same rows as indexing, without its general path (~4 µs a call)
         ropes = [
@@ -176,14 +185,13 @@ class LlamaFamilyModel:
             hidden = torch.cat([hidden[:sampling_rows], kept, hidden[sampling_rows:]])
             sampling_rows += kept.shape[0]
             sampling_batch = None if sampling_batch is None else sampling_batch + kept.shape[0]
-        return self.head(hidden, sampling_rows, sampling_batch)
+        return ForwardOutput(self.head(hidden, sampling_rows, sampling_batch), hidden)
 
     def head(
         self, hidden: torch.Tensor, sampling_rows: int, sampling_batch: int | None = None
     ) -> torch.Tensor:
         """Logits (float32) of final hidden states; the first ``sampling_rows`` sample a token
         (of ``sampling_batch`` requests), which picks the head's copy as for decode rows."""
-        self.head_inputs = hidden
         logits = self.lm_head.apply(hidden, sampling_rows, sampling_batch).float()
         if self.exact_head is not None:
             refine_top_logits(logits, hidden, self.exact_head)

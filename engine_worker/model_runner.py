@@ -6,6 +6,7 @@ A step: inputs (token ids, positions, the flat layout: ``engine_worker.step_inpu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from engine_worker.attention import PagedKVCache, select_backend
 from engine_worker.grammar_mask import GrammarMasker
 from engine_worker.logprobs import PromptSpan, SampledLogprobs, prompt_logprobs
-from engine_worker.model import LlamaFamilyModel
+from engine_worker.model import ForwardOutput, LlamaFamilyModel
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import sample
 from engine_worker.speculative import VerifierDraws, accepted_tokens, rows_of
@@ -81,11 +82,17 @@ class ModelRunner:
         self.grammar_masker: GrammarMasker | None = None  # made for the first constrained row
 
     @torch.inference_mode()
-    def run(self, requests: list[EngineRequest], counts: list[int]) -> StepResult:
-        """Computes the scheduled tokens, samples, and reads the logprobs that were asked for.
-        A row with a grammar samples only a token the grammar allows (its logprobs stay the
-        model's own); one whose mask is not ready yet draws nothing (``deferred``)."""
-        step = self._step_logits(requests, counts)
+    def run(
+        self,
+        requests: list[EngineRequest],
+        counts: list[int],
+        kept_ends: dict[int, torch.Tensor] | None = None,
+    ) -> StepResult:
+        """Computes the scheduled tokens, samples, and reads the logprobs that were asked for
+        (``kept_ends``: see ``forward``). A row with a grammar samples only a token the grammar
+        allows (its logprobs stay the model's own); one whose mask is not ready yet draws
+        nothing (``deferred``)."""
+        step = self.forward(requests, counts, kept_ends)
         logits, emitting, widths = step.logits, step.emitting, step.widths
         result = StepResult([None] * len(requests), {}, [], prompt_ends=step.prompt_ends)
         sampling_rows = sum(widths)
@@ -163,39 +170,34 @@ class ModelRunner:
             first += width
 
     @torch.inference_mode()
-    def compute_logits(
-        self, requests: list[EngineRequest], counts: list[int]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Writes the scheduled tokens' KV; returns logits of the requests that sample in this
-        step, and those requests' indices."""
-        step = self._step_logits(requests, counts)
-        return step.logits[: sum(step.widths)], step.emitting
-
-    def _step_logits(self, requests: list[EngineRequest], counts: list[int]) -> StepLogits:
-        """The forward of the scheduled tokens. A request scheduled with none (its prompt's end
-        was kept with a prompt tail: ``EngineRequest.prompt_end``) computes nothing and samples
-        from the kept row, in the same head call as the computed ones: the head's copy is picked
-        by the step's sampling rows, as if it had computed that row here."""
-        kept = [i for i, count in enumerate(counts) if count == 0]
-        if not kept:
+    def forward(
+        self,
+        requests: list[EngineRequest],
+        counts: list[int],
+        kept_ends: dict[int, torch.Tensor] | None = None,
+    ) -> StepLogits:
+        """The forward of the scheduled tokens (their KV written), and the logits of the step.
+        ``kept_ends``: by request index, the kept final hidden state of a request scheduled with
+        no token (its prompt's end was kept with a prompt tail): it samples from that row, in
+        the same head call as the computed ones (the head's copy is picked by the step's
+        sampling rows, as if it had computed that row here)."""
+        if not kept_ends:
             inputs = self.layout.inputs(requests, counts)
-            logits = self._forward(inputs)
-            ends = self._prompt_ends(requests, inputs, list(range(len(requests))))
+            out = self._forward(inputs)
+            ends = self._prompt_ends(requests, inputs, range(len(requests)), out.final_hidden)
             return StepLogits(
-                logits, inputs.emitting, inputs.widths, inputs.prompt_spans, requests, ends
+                out.logits, inputs.emitting, inputs.widths, inputs.prompt_spans, requests, ends
             )
-        ends_in = torch.stack([requests[i].prompt_end for i in kept])
-        for i in kept:
-            requests[i].prompt_end = None
+        kept = sorted(kept_ends)
+        ends_in = torch.stack([kept_ends[i] for i in kept])
         computed = [i for i, count in enumerate(counts) if count > 0]
         if not computed:
             logits = self.model.head(ends_in, len(kept))
-            self.model.head_inputs = None
             return StepLogits(logits, kept, [1] * len(kept), [], [], {})
         subset = [requests[i] for i in computed]
         inputs = self.layout.inputs(subset, [counts[i] for i in computed])
-        logits = self._forward(inputs, ends_in)
-        ends = self._prompt_ends(subset, inputs, computed)
+        out = self._forward(inputs, ends_in)
+        ends = self._prompt_ends(subset, inputs, computed, out.final_hidden)
         # Back to the step's request order (the sampling rows were the computed requests', then
         # the kept ones).
         owners = [computed[j] for j in inputs.emitting] + kept
@@ -204,28 +206,31 @@ class ModelRunner:
         order = sorted(range(len(owners)), key=owners.__getitem__)
         rows = [r for k in order for r in range(starts[k], starts[k] + widths[k])]
         sampling = sum(widths)
-        index = torch.tensor(rows, device=logits.device)
-        logits = torch.cat([logits[:sampling].index_select(0, index), logits[sampling:]])
+        index = torch.tensor(rows, device=out.logits.device)
+        logits = torch.cat([out.logits[:sampling].index_select(0, index), out.logits[sampling:]])
         emitting, widths = [owners[k] for k in order], [widths[k] for k in order]
         return StepLogits(logits, emitting, widths, inputs.prompt_spans, subset, ends)
 
+    @staticmethod
     def _prompt_ends(
-        self, requests: list[EngineRequest], inputs: ModelInputs, indices: list[int]
+        requests: list[EngineRequest],
+        inputs: ModelInputs,
+        indices: Sequence[int],
+        final_hidden: torch.Tensor,
     ) -> dict[int, torch.Tensor]:
-        """The head's input row of each request whose prompt ended in this step (by
+        """The final hidden state of each request whose prompt ended in this step (by
         ``indices[i]`` for ``requests[i]``), copied out of the step's buffers."""
-        head_inputs, self.model.head_inputs = self.model.head_inputs, None  # hold no step's rows
         ends: dict[int, torch.Tensor] = {}
-        if head_inputs is None or inputs.decode_rows == len(inputs.input_ids):  # no prompt rows
+        if inputs.decode_rows == len(inputs.input_ids):  # no prompt rows
             return ends
         row = 0
         for j, width in zip(inputs.emitting, inputs.widths):
             if requests[j].num_generated == 0:
-                ends[indices[j]] = head_inputs[row].clone()
+                ends[indices[j]] = final_hidden[row].clone()
             row += width
         return ends
 
-    def _forward(self, inputs: ModelInputs, kept: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs, kept: torch.Tensor | None = None) -> ForwardOutput:
         metadata = self.attention.prepare(inputs.step)
         try:
             return self.model.forward(
@@ -246,3 +251,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Frees what attention keeps between steps (the engine calls this when idle)."""
         self.attention.reset()
+
+    def expert_stats(self) -> dict:
+        """A mixture of experts' load since start, as ``EngineStats`` fields ({} if dense)."""
+        return self.model.expert_stats()

@@ -1,7 +1,8 @@
 """What one step may spend on prompts, and the rule that lets short prompts past long ones.
 
-A step's prompt work is bounded twice (``PrefillBudget``):
+A step's prompt work is bounded three ways (``Budget``):
 
+* in sequences, the requests that prefill in it (``prefill_max_batch_size``);
 * in tokens (``prefill_max_tokens``);
 * in token-keys (``prefill_max_token_keys``), a measure of time: a prompt token's attention
   grows with the keys it attends (its position + 1), and its own layers cost about as much as
@@ -33,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine_worker.request import EngineRequest
 
@@ -88,19 +90,28 @@ class StepPace:
         self.keys = max(MIN_CHUNK_TOKENS * TOKEN_WORK_KEYS, min(keys, self.most_keys))
 
 
-@dataclass(slots=True)
-class PrefillBudget:
-    """What is left of one step's prompt budget."""
+class Share(NamedTuple):
+    """A part of a step's budget, set aside: tokens, token-keys and sequences."""
 
     tokens: int
     keys: int
-    slots: int  # requests that may still prefill
-    logprob_tokens: int  # prompt positions that may still compute prompt logprobs
+    sequences: int
+
+
+@dataclass(slots=True)
+class Budget:
+    """What is left of one step's prompt budget: tokens, token-keys and sequences (requests
+    that may still prefill), and prompt positions that may still compute prompt logprobs."""
+
+    tokens: int
+    keys: int
+    sequences: int
+    logprob_tokens: int
     spent_keys: int = 0
 
     def chunk_tokens(self, request: EngineRequest, start: int, wanted: int) -> int:
         """How many of ``wanted`` tokens after ``start`` the budget lets ``request`` compute."""
-        if self.slots <= 0:
+        if self.sequences <= 0:
             return 0
         count = min(wanted, self.tokens)
         if request.wants_prompt_logprobs:
@@ -115,23 +126,34 @@ class PrefillBudget:
         self.tokens -= count
         self.keys -= cost
         self.spent_keys += cost
-        self.slots -= 1
+        self.sequences -= 1
         if request.wants_prompt_logprobs:
             self.logprob_tokens -= count
 
+    def withhold(self, share: Share) -> None:
+        """Sets ``share`` aside (the short prompts', while the running requests take theirs)."""
+        self.tokens -= share.tokens
+        self.keys -= share.keys
+        self.sequences -= share.sequences
+
+    def give_back(self, share: Share) -> None:
+        self.tokens += share.tokens
+        self.keys += share.keys
+        self.sequences += share.sequences
+
     def short_prompts(
         self, waiting: Iterable[EngineRequest], chunk_limit: int, room: int
-    ) -> tuple[list[EngineRequest], int, int]:
+    ) -> tuple[list[EngineRequest], Share]:
         """The waiting requests (arrival order, at most ``room``) whose whole prompt fits in
-        ``SHORT_PROMPT_SHARE`` of this budget and in one chunk, and the tokens and keys they
+        ``SHORT_PROMPT_SHARE`` of this budget and in one chunk, and the share of the budget they
         may take (counted as if nothing of them were cached: the most they can take)."""
         token_share = min(int(self.tokens * SHORT_PROMPT_SHARE), chunk_limit)
         key_share = int(self.keys * SHORT_PROMPT_SHARE)
-        slots = min(room, self.slots - 1)  # one slot stays for the prompts being prefilled
+        sequences = min(room, self.sequences - 1)  # one stays for the prompts being prefilled
         short: list[EngineRequest] = []
         tokens = keys = 0
         for request in waiting:
-            if len(short) >= slots:
+            if len(short) >= sequences:
                 break
             n = request.num_tokens
             if not request.ready or request.wants_prompt_logprobs or n > token_share - tokens:
@@ -141,4 +163,4 @@ class PrefillBudget:
             short.append(request)
             tokens += n
             keys += chunk_cost(0, n)
-        return short, tokens, keys
+        return short, Share(tokens, keys, len(short))

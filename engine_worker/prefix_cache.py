@@ -67,8 +67,13 @@ class PrefixCache:
         self.block_of_key: dict[int, int] = {}
         self.entries: dict[int, CachedBlock] = {}  # block id -> what it holds
         self.tails = TailIndex()
-        self.step = 0  # the scheduler's current step (Scheduler.schedule advances it)
+        self.step = 0  # the current scheduling step (``next_step``)
         self._next_node = ROOT_NODE + 1
+
+    def next_step(self) -> None:
+        """A scheduling step begins (the scheduler's, once a step): what earlier steps computed
+        is readable by a copy from now on."""
+        self.step += 1
 
     @staticmethod
     def chain_key(parent_key: int, tokens: tuple[int, ...]) -> int:

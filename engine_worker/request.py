@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from engine_worker.prefix_cache import ROOT_NODE
 from engine_worker.sampler import RequestSampler
@@ -18,7 +17,8 @@ if TYPE_CHECKING:
 
 
 class EngineRequest:
-    """Tokens are prompt + generated; ``num_computed`` of them have their KV in the cache.
+    """Tokens are prompt + generated; ``num_computed`` of them have their KV in the cache. Only
+    the scheduler (engine_worker/scheduler/) changes the scheduling state after construction.
 
     A step computes ``token_ids[num_computed:num_computed + n]``; when that reaches the end of
     ``token_ids`` the step samples one new token. Decode is the case n == 1, chunked prefill and
@@ -48,7 +48,6 @@ class EngineRequest:
         "speculates",
         "draft_ids",
         "lookup",
-        "prompt_end",
     )
 
     def __init__(
@@ -92,9 +91,6 @@ class EngineRequest:
         self.speculates = False
         self.draft_ids: list[int] = []
         self.lookup: LookupContext | None = None
-        # A fully cached prompt whose prompt tail kept its end's final hidden state: the row its
-        # first token is sampled from, in the step that admits it (which computes nothing of it).
-        self.prompt_end: torch.Tensor | None = None
 
     @property
     def ready(self) -> bool:

@@ -95,11 +95,11 @@ class NgramProposer:
         return context[place + 1 : place + 1 + limit].tolist()
 
 
-def may_speculate(params: SamplingParams, sampler: RequestSampler, grammar: str) -> bool:
+def may_speculate(params: SamplingParams, sampler: RequestSampler, constrained: bool) -> bool:
     """Whether a request may verify drafts. Each row's token is what the sampler draws from that
     row alone; a grammar's masks and penalties or min_tokens (which read the tokens before the
     row) would need the drafts before it, so those requests decode one token a step."""
-    return params.speculative and not grammar and not sampler.needs_history
+    return params.speculative and not constrained and not sampler.needs_history
 
 
 def accepted_tokens(sampled: list[int], drafts: list[int]) -> list[int]:

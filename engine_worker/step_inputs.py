@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -64,17 +65,12 @@ class StepLayout:
         return self.layout_inputs(requests, counts)
 
     def layout_inputs(self, requests: list[EngineRequest], counts: list[int]) -> ModelInputs:
-        """``_inputs`` of any step."""
+        """``inputs`` of any step."""
         num_seqs = len(requests)
-        starts = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=num_seqs)
-        lengths = np.asarray(counts, dtype=np.int64)
         decoding = np.fromiter(
             (r.num_computed >= r.prompt_len for r in requests), dtype=bool, count=num_seqs
         )
-        order = np.argsort(~decoding, kind="stable")  # row order of the sequences
-        row_ends: np.ndarray = np.empty(num_seqs, dtype=np.int64)
-        row_ends[order] = np.cumsum(lengths[order])
-        row_starts = row_ends - lengths
+        order, starts, lengths, row_starts, row_ends = _rows(requests, counts, decoding)
         total = int(lengths.sum())
         drafts = np.fromiter((len(r.draft_ids) for r in requests), dtype=np.int64, count=num_seqs)
         emitting = [
@@ -127,7 +123,7 @@ class StepLayout:
         )
 
     def decode_inputs(self, requests: list[EngineRequest]) -> ModelInputs:
-        """``_inputs`` of a step in which every request decodes one token of its own (no drafts,
+        """``inputs`` of a step in which every request decodes one token of its own (no drafts,
         no prompt rows): one row each, in request order, without the general layout's sort
         and cumulative sums (the hot step; a few numpy calls cost µs each there)."""
         num_seqs = len(requests)
@@ -163,6 +159,26 @@ class StepLayout:
             [],
             num_seqs,
         )
+
+
+class RowOrder(NamedTuple):
+    """Where each sequence's tokens sit among a step's flat rows."""
+
+    order: np.ndarray  # the sequences in row order: decoding ones first, each group as given
+    starts: np.ndarray  # each sequence's first position computed in the step
+    lengths: np.ndarray  # its rows (tokens computed)
+    row_starts: np.ndarray  # its first row
+    row_ends: np.ndarray  # one past its last row
+
+
+def _rows(requests: list[EngineRequest], counts: list[int], decoding: np.ndarray) -> RowOrder:
+    num_seqs = len(requests)
+    starts = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=num_seqs)
+    lengths = np.asarray(counts, dtype=np.int64)
+    order = np.argsort(~decoding, kind="stable")
+    row_ends: np.ndarray = np.empty(num_seqs, dtype=np.int64)
+    row_ends[order] = np.cumsum(lengths[order])
+    return RowOrder(order, starts, lengths, row_ends - lengths, row_ends)
 
 
 def _block_tables(requests: list[EngineRequest]) -> np.ndarray:

@@ -59,7 +59,7 @@ class CostModelRunner:
         self.steps = 0
         self.modelled_s = 0.0
 
-    def run(self, requests: list[EngineRequest], counts: list[int]) -> StepResult:
+    def run(self, requests: list[EngineRequest], counts: list[int], kept_ends=None) -> StepResult:
         prefill = sum(c for r, c in zip(requests, counts) if r.num_computed < r.prompt_len)
         decode = len(requests) - sum(1 for r in requests if r.num_computed < r.prompt_len)
         seconds = self.cost.seconds(prefill, decode) / self.speed
@@ -74,6 +74,9 @@ class CostModelRunner:
 
     def reset(self) -> None:
         pass
+
+    def expert_stats(self) -> dict:
+        return {}
 
     def close(self) -> None:
         pass

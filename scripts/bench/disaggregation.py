@@ -146,7 +146,7 @@ def serving(args: argparse.Namespace) -> None:
     print(f"load average at the end: {load()}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m scripts.bench disaggregation", description=__doc__)
     p.add_argument("what", nargs="?", default="serving", choices=("serving", "transfer"))
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -160,7 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine-threads", type=int, default=2, help="split between the engines")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     transfer(args) if args.what == "transfer" else serving(args)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import select
 
+import torch
+
 from engine_worker.engine import Engine
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
@@ -86,6 +88,16 @@ def manual_request(engine: Engine, token_ids: list[int], name: str = "r") -> Eng
         engine.max_model_len,
         0.0,
     )
+
+
+def compute_logits(
+    engine: Engine, requests: list[EngineRequest], counts: list[int]
+) -> tuple[torch.Tensor, list[int]]:
+    """Runs the forward of ``counts`` tokens of each request (their KV written) through
+    engine.runner, no scheduler; returns the logits of the requests that sample in this step,
+    and those requests' indices."""
+    step = engine.runner.forward(requests, counts)
+    return step.logits[: sum(step.widths)], step.emitting
 
 
 def give_blocks(engine: Engine, request: EngineRequest, num_tokens: int) -> None:

@@ -61,7 +61,7 @@ def run(engine: Engine, scripted: bool, prompts, params, tag: str) -> tuple[list
     def recording_forward(*args, **kwargs):
         out = forward(*args, **kwargs)
         if args[3].deferred_kv is not None:  # metadata: a decode-only step on a kept workspace
-            logits.append(out.clone())
+            logits.append(out.logits.clone())
         return out
 
     model.forward = recording_forward

@@ -90,3 +90,16 @@ def test_prefix_cache_never_matches_through_a_recached_parent():
     head, _, _ = publish_chain(cache, blocks, [1, 2])  # the same head, cached again: a new node
     # The old child names the old head's node, so it is not served after the new one.
     assert cache.match([1, 2, 3, 4, 0], 10)[0] == head
+
+
+def test_cached_blocks_nobody_holds_count_as_available_until_taken():
+    cache = PrefixCache(block_size=2)
+    blocks = KVBlockManager(num_blocks=4, block_size=2, prefix_cache=cache)
+    owned, _, _ = publish_chain(cache, blocks, [1, 2, 3, 4])
+    blocks.release(owned)  # both cached, unheld: 4 available
+    assert blocks.can_allocate(2, owned) and not blocks.can_allocate(3, owned)
+    assert blocks.can_allocate(4) and not blocks.can_allocate(5)
+    blocks.acquire(owned[0])  # held now: sharing it takes nothing more from the pool
+    assert blocks.can_allocate(2, owned) and not blocks.can_allocate(3, owned)
+    assert blocks.can_allocate(3, owned[:1]) and not blocks.can_allocate(4, owned[:1])
+    blocks.release(owned[:1])

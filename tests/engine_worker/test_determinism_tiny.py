@@ -17,6 +17,7 @@ from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
 from ipc.engine_config import EngineConfig
 from ipc.messages import SamplingParams
+from tests.engine_worker.helpers import compute_logits
 from tests.tiny_model import make_tiny_model
 
 Plan = list[tuple[list[int], list[int], int]]  # per request: tokens, chunk sizes, prompt length
@@ -42,7 +43,7 @@ def run_plan(engine: Engine, plan: Plan) -> list[torch.Tensor]:
         for (i, count), r in zip(batch, stepping):
             r.token_ids = plan[i][0][: r.num_computed + count]  # the step emits at its end
             r.num_generated = max(0, len(r.token_ids) - r.prompt_len)
-        logits, emitting = engine.runner.compute_logits(stepping, [n for _, n in batch])
+        logits, emitting = compute_logits(engine, stepping, [n for _, n in batch])
         for row, index in zip(logits, emitting):
             out[batch[index][0]].append(row.float().clone())
         for (_, count), r in zip(batch, stepping):

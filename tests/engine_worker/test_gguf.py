@@ -20,7 +20,7 @@ from engine_worker.linear import Int4Groups, Int4Linear, Int8Blocks, dequantize
 from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
 from procs.model_store import gguf_file
-from tests.engine_worker.helpers import give_blocks, manual_request
+from tests.engine_worker.helpers import compute_logits, give_blocks, manual_request
 from tests.gguf_files import gguf_name, permute_rows
 
 T = GGMLQuantizationType
@@ -101,7 +101,7 @@ def permute_back(w: np.ndarray, heads: int) -> np.ndarray:
 def last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     request = manual_request(engine, prompt)
     give_blocks(engine, request, request.num_tokens)
-    logits, _ = engine.runner.compute_logits([request], [request.num_tokens])
+    logits, _ = compute_logits(engine, [request], [request.num_tokens])
     return logits[0]
 
 

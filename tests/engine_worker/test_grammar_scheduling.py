@@ -9,6 +9,7 @@ import numpy as np
 
 from engine_worker.block_manager import KVBlockManager
 from engine_worker.grammar_builder import RequestGrammar
+from engine_worker.model_runner import StepResult
 from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler import Scheduler
@@ -31,7 +32,8 @@ def test_unbuilt_grammar_is_passed_over_then_admitted():
     )
     building: Future = Future()
     constrained, plain = request("json", RequestGrammar("g", building)), request("plain")
-    scheduler.waiting.extend([constrained, plain])
+    for r in (constrained, plain):
+        scheduler.add(r)
     batch = scheduler.schedule()
     assert [r.request_id for r in batch.requests] == ["plain"]
     assert list(scheduler.waiting) == [constrained] and not constrained.block_ids
@@ -52,7 +54,8 @@ def test_ready_requests_keep_their_order():
     done: Future = Future()
     done.set_result(BUILT)
     first, second, third = request("a", RequestGrammar("g", done)), request("b"), request("c")
-    scheduler.waiting.extend([first, second, third])
+    for r in (first, second, third):
+        scheduler.add(r)
     assert [r.request_id for r in scheduler.schedule().requests] == ["a", "b"]
     assert list(scheduler.waiting) == [third]
 
@@ -65,11 +68,13 @@ def test_a_running_request_with_a_late_mask_sits_out_until_the_mask_is_there():
     done.set_result(BUILT)
     grammar = RequestGrammar("g", done)
     constrained, plain = request("json", grammar), request("plain")
-    scheduler.waiting.extend([constrained, plain])
-    assert [r.request_id for r in scheduler.schedule().requests] == ["json", "plain"]
-    for r in (constrained, plain):  # as the engine does after the prompt's step
-        r.num_computed = r.num_tokens
-        r.append_token(9)
+    for r in (constrained, plain):
+        scheduler.add(r)
+    batch = scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["json", "plain"]
+    update = scheduler.update_from_output(batch, StepResult([9, 9], {}, []))  # the prompt's step
+    assert update.tokens == [9, 9] and update.constrained == [(constrained, 9)]
+    assert constrained.num_computed == constrained.prompt_len == 3
     grammar.pending = True  # its next mask is being computed
     assert [r.request_id for r in scheduler.schedule().requests] == ["json", "plain"]
     grammar.late = True  # ... and the step above had to defer it

@@ -12,7 +12,7 @@ from engine_worker.attention.flash_rows import fused_cpu_kernel_available
 from engine_worker.engine import Engine
 from engine_worker.model_config import ModelConfig
 from ipc.engine_config import EngineConfig
-from tests.engine_worker.helpers import give_blocks, manual_request
+from tests.engine_worker.helpers import compute_logits, give_blocks, manual_request
 from tests.reference_model import load_reference_model
 from tests.tiny_model import make_tiny_model
 
@@ -53,14 +53,14 @@ def check_against_transformers(
     # Prefill both together (packed); optionally the second one in two chunks.
     if chunk:
         give_blocks(engine, requests[1], chunk)
-        engine.runner.compute_logits([requests[1]], [chunk])
+        compute_logits(engine, [requests[1]], [chunk])
         requests[1].num_computed = chunk
     counts = []
     for r in requests:
         give_blocks(engine, r, r.num_tokens)
         counts.append(r.remaining)
     for step in range(decode_steps + 1):
-        logits, emitting = engine.runner.compute_logits(requests, counts)
+        logits, emitting = compute_logits(engine, requests, counts)
         assert emitting == [0, 1]
         for r, row in zip(requests, logits):
             expected = reference_last_logits(hf, r.token_ids)
@@ -151,7 +151,7 @@ def test_cpu_backend_matches_per_segment_attention(tiny_model_dir):
     prefix = [1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 504, 3458, 282]  # 3 whole blocks
     first = manual_request(engine, prefix + [7, 8], "first")
     give_blocks(engine, first, first.num_tokens)
-    engine.runner.compute_logits([first], [first.num_tokens])
+    compute_logits(engine, [first], [first.num_tokens])
     sharing = []
     for i, tail in enumerate([[11, 12, 13], [21, 22, 23, 24, 25, 26], [31]]):
         r = manual_request(engine, prefix + tail, f"share{i}")
@@ -161,7 +161,7 @@ def test_cpu_backend_matches_per_segment_attention(tiny_model_dir):
         sharing.append(r)
     chunked = manual_request(engine, [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], "chunked")
     give_blocks(engine, chunked, chunked.num_tokens)
-    engine.runner.compute_logits([chunked], [5])
+    compute_logits(engine, [chunked], [5])
     chunked.num_computed = 5
     fresh = manual_request(engine, [1, 60, 61, 62, 63], "fresh")
     give_blocks(engine, fresh, fresh.num_tokens)
@@ -173,7 +173,7 @@ def test_cpu_backend_matches_per_segment_attention(tiny_model_dir):
         (False, SdpaBackend(engine.runner.kv_cache)),
     ):
         engine.runner.attention = backend
-        results[batched] = engine.runner.compute_logits(requests, counts)
+        results[batched] = compute_logits(engine, requests, counts)
     assert results[True][1] == results[False][1] == [0, 1, 2, 3, 4]
     diff = (results[True][0] - results[False][0]).abs().max().item()
     assert diff < 1e-5, diff

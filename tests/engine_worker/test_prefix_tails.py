@@ -27,7 +27,7 @@ def test_tails_are_read_after_their_step_per_salt_and_die_with_their_block():
     [tail] = blocks.allocate(1)
     cache.register_tail(tail, (5, 6, 7), node, None)
     assert cache.tail_source(ids, keys, node, None) is None  # its step has not run yet
-    cache.step += 1
+    cache.next_step()
     assert cache.tail_source(ids, keys, node, None) == tail
     assert cache.tail_source(ids[:6] + [9], keys, node, None) is None  # another last token
     assert cache.tail_source(ids[:6], keys, node, None) is None  # only exact tails
@@ -35,12 +35,12 @@ def test_tails_are_read_after_their_step_per_salt_and_die_with_their_block():
     longer = ids + [8]
     second, _, _ = publish_chain(cache, blocks, longer)
     assert cache.tail_source(longer, keys, node, None) is None  # published in this step
-    cache.step += 1
+    cache.next_step()
     assert cache.tail_source(longer, keys, node, None) == second[1]
     # A tail with no full block before it carries its salt.
     [first] = blocks.allocate(1)
     cache.register_tail(first, (5, 6), ROOT_NODE, "a")
-    cache.step += 1
+    cache.next_step()
     assert cache.tail_source([5, 6], [], ROOT_NODE, "a") == first
     assert cache.tail_source([5, 6], [], ROOT_NODE, None) is None
     assert cache.tail_source([5, 6], [], ROOT_NODE, "b") is None

@@ -15,7 +15,7 @@ from engine_worker.engine import Engine
 from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
 from tests.chat_prompts import QUESTIONS, chat_prompt_ids
-from tests.engine_worker.helpers import collect, give_blocks, greedy, manual_request
+from tests.engine_worker.helpers import collect, compute_logits, give_blocks, greedy, manual_request
 
 PROMPTS = [
     [1, 9690, 198, 2683, 314, 253, 5356, 30, 2],
@@ -43,7 +43,7 @@ def step_logits(engine: Engine, prompts: list[list[int]], tokens: list[list[int]
         counts.append(r.num_tokens)
     out = []
     for step in range(len(tokens[0]) + 1):
-        logits, _ = engine.runner.compute_logits(requests, counts)
+        logits, _ = compute_logits(engine, requests, counts)
         out.append(logits)
         if step == len(tokens[0]):
             break

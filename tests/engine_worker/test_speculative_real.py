@@ -15,7 +15,7 @@ from engine_worker.sampler import RequestSampler
 from ipc.engine_config import EngineConfig
 from ipc.messages import SamplingParams
 from tests.chat_prompts import QUESTIONS, chat_prompt_ids
-from tests.engine_worker.helpers import collect, greedy
+from tests.engine_worker.helpers import collect, compute_logits, greedy
 
 pytestmark = pytest.mark.slow
 TOKENS = 64
@@ -73,14 +73,14 @@ def verification_logits(engine: Engine, prompt: list[int], run: list[int], decod
 
     main = request("main", prompt)
     neighbour = request("neighbour", prompt[::-1] * 2)
-    engine.runner.compute_logits([main], [len(prompt)])
+    compute_logits(engine, [main], [len(prompt)])
     main.num_computed = len(prompt)
     main.token_ids.append(run[0])
     main.num_generated = 1
     rows = []
     if decoding:
         for token in run[1:] + [None]:
-            logits, _ = engine.runner.compute_logits([main, neighbour], [1, 9])
+            logits, _ = compute_logits(engine, [main, neighbour], [1, 9])
             rows.append(logits[0])
             neighbour.num_computed += 9
             main.num_computed += 1
@@ -88,7 +88,7 @@ def verification_logits(engine: Engine, prompt: list[int], run: list[int], decod
                 main.token_ids.append(token)
     else:
         main.draft_ids = run[1:]
-        logits, _ = engine.runner.compute_logits([main, neighbour], [len(run), 9])
+        logits, _ = compute_logits(engine, [main, neighbour], [len(run), 9])
         rows = list(logits[: len(run)])
     engine.blocks.release(main.block_ids)
     engine.blocks.release(neighbour.block_ids)

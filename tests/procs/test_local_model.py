@@ -22,7 +22,7 @@ from ipc.engine_config import EngineConfig
 from procs import model_store
 from procs.local_model import causal_lm_architectures, check_model
 from procs.model_store import ModelError, gguf_file, resolve_model
-from tests.engine_worker.helpers import give_blocks, manual_request
+from tests.engine_worker.helpers import compute_logits, give_blocks, manual_request
 from tests.gguf_files import write_tiny_gguf
 from tests.tiny_model import make_tiny_model
 
@@ -56,7 +56,7 @@ def last_logits(model_dir: Path) -> torch.Tensor:
     engine = Engine(config)
     request = manual_request(engine, PROMPT)
     give_blocks(engine, request, request.num_tokens)
-    logits, _ = engine.runner.compute_logits([request], [request.num_tokens])
+    logits, _ = compute_logits(engine, [request], [request.num_tokens])
     return logits[0]
 
 
