@@ -23,18 +23,15 @@ import time
 import numpy as np
 import torch
 
-from scripts.bench.interleave import interleave, progress
+from scripts.bench.interleave import interleave, load, progress
+from scripts.bench.options import add_shared, text_list, workload_parser
+from scripts.bench.stats import median_summary, percentiles
 
 MODES = {
     "colocated": dict(engines=1),
     "data-parallel": dict(engines=2, pin_engine_cores=True),
     "pd": dict(prefill_engines=1, decode_engines=1, pin_engine_cores=True),
 }
-
-
-def load() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def transfer(args: argparse.Namespace) -> None:
@@ -115,13 +112,13 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, float]:
         for handle in prompts:  # past saturation a backlog builds: the streams' span is the run
             handle.abort()
         long = [h.result(timeout=1800, check=False) for h in prompts]
-    gaps = [g for r in results for g in r.inter_token_s]
+    itl = percentiles([g for r in results for g in r.inter_token_s], scale=1e3)
     span = max(r.t_received[-1] for r in results) - min(r.t_submit for r in results)
     ttfts = [r.ttft_s for r in long if r.ttft_s is not None and r.finish_reason != "abort"]
     moves = [r.timings.kv_transfer_s for r in long + results if r.timings.kv_transfer_s]
     figures = {
-        "itl_p50_ms": float(np.percentile(gaps, 50)) * 1e3,
-        "itl_p99_ms": float(np.percentile(gaps, 99)) * 1e3,
+        "itl_p50_ms": itl["p50"],
+        "itl_p99_ms": itl["p99"],
         "stream_tok_s": sum(len(r.token_ids) for r in results) / span,
         "prompts": len(ttfts),  # completed (the rest were aborted at the end)
         "ttft_p50_ms": float(np.median(ttfts)) * 1e3 if ttfts else float("nan"),
@@ -132,12 +129,11 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, float]:
 
 
 def serving(args: argparse.Namespace) -> None:
-    modes = args.modes.split(",")
-    runs = interleave({m: (lambda m=m: run_mode(args, m)) for m in modes}, args.repeats)
+    runs = interleave({m: (lambda m=m: run_mode(args, m)) for m in args.modes}, args.repeats)
     print("| mode | ITL p50 / p99 ms | stream tok/s | prompts | TTFT p50 ms | KV move ms |")
     print("| --- | --- | --- | --- | --- | --- |")
     for mode, figures in runs.items():
-        median = {k: float(np.median([f[k] for f in figures])) for k in figures[0]}
+        median = median_summary(figures)
         print(
             f"| {mode} | {median['itl_p50_ms']:.1f} / {median['itl_p99_ms']:.1f} | "
             f"{median['stream_tok_s']:.1f} | {median['prompts']:.0f} | "
@@ -147,18 +143,15 @@ def serving(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.bench disaggregation", description=__doc__)
+    p = workload_parser("disaggregation", __doc__)
     p.add_argument("what", nargs="?", default="serving", choices=("serving", "transfer"))
-    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    p.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated, of " + str(list(MODES))
-    )
+    add_shared(p, "model", "repeats", repeats=2)
+    p.add_argument("--modes", type=text_list, default=list(MODES), help="any of " + ",".join(MODES))
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--rate", type=float, default=0.2, help="long prompts per second (Poisson)")
     p.add_argument("--engine-threads", type=int, default=2, help="split between the engines")
-    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import random
 import subprocess
 import sys
@@ -32,15 +31,11 @@ import time
 
 import numpy as np
 
-from scripts.bench.interleave import interleave
+from scripts.bench.interleave import interleave, load
 from scripts.bench.options import add_parts, add_shared, workload_parser
 from scripts.bench.stats import describe_ms
 
 UNIQUE = itertools.count(1000)  # makes prompts and schemas unique (never cached)
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def ids(rng: np.random.Generator, n: int) -> list[int]:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 from typing import Any
 
-from scripts.bench.interleave import progress, rotated
+from scripts.bench.interleave import load, progress, rotated
 
 # A token's way from the end of its engine step to this client: (label, from, to) over the path
 # comment's and the client's times.
@@ -209,14 +208,14 @@ def run(args: argparse.Namespace, servers: dict) -> dict:
         chats = build_chats(counter, args.requests, args.prompt_tokens, 10**6 + start)
         start += len(chats)
         for name in rotated(urls, repeat):
-            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            loaded = load()
             cpu0 = _cpu(clusters.get(name))
             run = measure_run(urls[name], models[name], chats, args)
             tokens = args.output_tokens * len(chats) * 2
             used = {k: v - cpu0[k] for k, v in _cpu(clusters.get(name)).items()}
             run["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in used.items()}
             runs.setdefault(name, []).append(run)
-            loads.append(f"{name} r{repeat}: {load}")
-            progress(f"repeat {repeat} {name}: load {load}")
+            loads.append(f"{name} r{repeat}: {loaded}")
+            progress(f"repeat {repeat} {name}: load {loaded}")
     stats = {name: summarize(r) for name, r in runs.items()}
     return {"stats": stats, "loads": loads, "runs": runs, "text": render(stats, loads)}

@@ -5,6 +5,7 @@ each case goes first as often as the others (the first run after a switch often 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
@@ -16,6 +17,11 @@ T = TypeVar("T")
 def progress(text: str) -> None:
     """A line on stderr between runs (the report goes to stdout)."""
     print(text, file=sys.stderr, flush=True)
+
+
+def load() -> str:
+    """The load average (1, 5 and 15 minutes), printed beside every figure."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def rotated(cases: Iterable[K], repeat: int) -> list[K]:
