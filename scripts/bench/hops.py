@@ -188,7 +188,6 @@ def _cpu(cluster: Any) -> dict[str, float]:
 
 def run(args: argparse.Namespace, servers: dict) -> dict:
     """The hops of every server started (``servers``, by name) and of every --url."""
-    from procs.model_store import resolve_model
     from scripts.bench.http_client import make_http, model_id
     from scripts.bench.launcher import SplitserveServer
     from scripts.bench.peer_workload import PromptCounter, build_chats
@@ -199,7 +198,7 @@ def run(args: argparse.Namespace, servers: dict) -> dict:
 
     urls = {f"url {u}": u for u in args.url} | {name: s.url for name, s in servers.items()}
     clusters = {n: s.cluster for n, s in servers.items() if isinstance(s, SplitserveServer)}
-    counter = PromptCounter(resolve_model(None))
+    counter = PromptCounter()
     runs: dict[str, list] = {}
     loads: list[str] = []
     models = {n: asyncio.run(model_of(u)) for n, u in urls.items()}

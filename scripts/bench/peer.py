@@ -250,11 +250,10 @@ def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.
 
 
 def run_serve(args: argparse.Namespace) -> dict:
-    from procs.model_store import resolve_model
     from scripts.bench.launcher import LlamaServer
     from scripts.bench.peer_workload import PromptCounter
 
-    counter = PromptCounter(resolve_model(None))
+    counter = PromptCounter()
     with contextlib.ExitStack() as stack:
         servers = start_servers(args, stack)
         peers = [n for n, s in servers.items() if isinstance(s, LlamaServer)]
@@ -330,13 +329,12 @@ async def first_token_s(url: str, messages: list) -> float:
 
 
 def run_startup(args: argparse.Namespace) -> dict:
-    from procs.model_store import resolve_model
     from scripts.bench.launcher import SplitserveServer
     from scripts.bench.peer_workload import PromptCounter, build_chats
 
     cases: list[Any] = list(args.splitserve)
     cases += [threads for threads in args.llama_threads if args.llama_server]
-    counter = PromptCounter(resolve_model(None))
+    counter = PromptCounter()
     chats = build_chats(counter, len(cases) * args.repeats, args.prompt_tokens, 0)
     runs: list[dict] = []
     for repeat in range(args.repeats):

@@ -45,12 +45,15 @@ def prose_paragraphs() -> list[str]:
 
 class PromptCounter:
     """Counts a chat's prompt tokens as the servers will: the model's own chat template rendered
-    and encoded with its own tokenizer (splitserve's code for both)."""
+    and encoded with its own tokenizer (splitserve's code for both); the default model's."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path | None = None) -> None:
         from tokenizers import Tokenizer
 
+        from procs.model_store import resolve_model
         from tokenizer_worker.chat_template import ChatTemplate
+
+        model_dir = resolve_model(model_dir)
 
         self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         self.template = ChatTemplate.from_model_dir(model_dir)

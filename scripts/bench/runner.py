@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ipc.messages import RequestTimings, SamplingParams, StreamEvent
+from ipc.messages import RequestTimings, SamplingParams, StreamEvent, Usage
 from scripts.bench.stats import RequestRecord
 from scripts.bench.workloads import ArrivalSpec, BenchRequest
 
@@ -106,15 +106,17 @@ def _finish_from_event(rec: RequestRecord, ev: StreamEvent, t: float) -> None:
     rec.t_done = t
     rec.finish_reason = ev.finish_reason
     rec.error = ev.error
-    if ev.usage is not None:
-        rec.prompt_tokens = ev.usage.prompt_tokens
-        rec.output_tokens = ev.usage.completion_tokens
-        rec.cached_tokens = ev.usage.cached_tokens
-    copy_timings(rec, ev.timings)
+    copy_server_side(rec, ev.usage, ev.timings)
 
 
-def copy_timings(rec: RequestRecord, timings: RequestTimings | None) -> None:
-    """The server-side stamps (the client's own t_submit is kept)."""
+def copy_server_side(
+    rec: RequestRecord, usage: Usage | None, timings: RequestTimings | None
+) -> None:
+    """The usage's token counts and the server-side stamps (the client's own t_submit is kept)."""
+    if usage is not None:
+        rec.prompt_tokens = usage.prompt_tokens
+        rec.output_tokens = usage.completion_tokens
+        rec.cached_tokens = usage.cached_tokens
     if timings is not None:
         for name in (
             "t_tokenize_start",

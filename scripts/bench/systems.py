@@ -17,7 +17,7 @@ from ipc.messages import SamplingParams
 from scripts.bench import http_client, launcher
 from scripts.bench.inproc import InprocServer
 from scripts.bench.launcher import cluster_cpu, cpu_of, cpu_of_threads
-from scripts.bench.runner import EventCollector, copy_timings
+from scripts.bench.runner import EventCollector, copy_server_side
 from scripts.bench.stats import RequestRecord
 from scripts.bench.workloads import BenchRequest
 
@@ -188,11 +188,7 @@ def _fill(rec: RequestRecord, deltas: list) -> None:
         rec.finish_reason, rec.error = "error", final.error
         return
     rec.finish_reason, rec.error = final.finish_reason, final.error
-    if final.usage is not None:
-        rec.prompt_tokens = final.usage.prompt_tokens
-        rec.output_tokens = final.usage.completion_tokens
-        rec.cached_tokens = final.usage.cached_tokens
-    copy_timings(rec, final.timings)
+    copy_server_side(rec, final.usage, final.timings)
 
 
 class HttpSystem:
