@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import time
@@ -26,7 +25,8 @@ from typing import Any
 from procs.config_flags import add_cluster_flags
 from scripts.bench.cost_model_engine import FACTORY, STEP_COST_ENV, StepCost
 from scripts.bench.fast_engine import fast_engine_model
-from scripts.bench.options import require_positive, text_list, workload_parser
+from scripts.bench.options import add_shared, require_positive, text_list, workload_parser
+from scripts.bench.report import write_json
 from scripts.bench.stats import percentiles, ratio
 
 MODES = ("cache_aware", "round_robin", "least_loaded", "one-replica")
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         },
     )
     add_workload_flags(p.add_argument_group("workload"))
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
+    add_shared(p, "json")
     return p
 
 
@@ -285,6 +285,5 @@ def main(argv: list[str] | None = None) -> None:
             results[mode] = run_mode(model, mode, args, workload)
             print(f"  {mode}: done in {results[mode]['duration_s']:.1f} s", flush=True)
         print("\n".join(report(results)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"workload": workload.describe(), "modes": results}, f, indent=2)
+    if args.json_path:
+        write_json(args.json_path, {"workload": workload.describe(), "modes": results})

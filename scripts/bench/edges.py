@@ -11,11 +11,7 @@
                 --hostile-values enum compiled, then refused) arrive every --interval-s, with
                 and without --burners CPU-burning processes; a cluster per --background-niceness.
 
-Every figure is printed with the load average. For example:
-
-    python -m scripts.bench edges long-context --max-model-len 8192
-    python -m scripts.bench edges long-prompts --seconds 30
-    python -m scripts.bench edges hostile --repeats 4 --stream-tokens 60 --interval-s 0.3
+Every figure is printed with the load average; the commands and figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

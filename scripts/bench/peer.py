@@ -1,8 +1,5 @@
-"""peer: splitserve against llama.cpp's llama-server, same GGUF, same HTTP client, same run.
-
-    scripts/build_llama_server.sh /work/peer/llama.cpp-build     # prints BIN
-    python -m scripts.bench peer serve hops startup --llama-server BIN/llama-server \\
-        --llama-threads 1,2 --splitserve "" --splitserve "--engine-threads 2" --json peer.json
+"""peer: splitserve against llama.cpp's llama-server, same GGUF, same HTTP client, same run (the
+build of llama-server, the commands and figures: docs/benchmarks.md).
 
 llama-server serves the default model's GGUF (its own chat template), once per --llama-threads
 value; splitserve as `splitserve launch --http-port 0 ARGS` would, once per --splitserve ARGS.

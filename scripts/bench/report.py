@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from scripts.bench.runner import RunResult
-from scripts.bench.stats import TTFT_PARTS, ratio, spread
+from scripts.bench.stats import TTFT_PARTS, num, ratio, spread
 
 # (label, metric key prefix, unit) for the "p50/p95/p99" lines, in the seeds' order.
 PERCENTILE_LINES = (
@@ -51,12 +51,8 @@ RATIO_KEYS = (
 )
 
 
-def _num(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def _pct_line(label: str, summary: dict, key: str, unit: str) -> str:
-    values = "/".join(_num(summary.get(f"{key}_p{p}")) for p in (50, 95, 99))
+    values = "/".join(num(summary.get(f"{key}_p{p}")) for p in (50, 95, 99))
     return f"{label} p50/p95/p99: {values} {unit}"
 
 
@@ -80,28 +76,28 @@ def mode_block(mode: str, summary: dict, runs: int, arrival_kind: str) -> list[s
         f"Prompt tokens (total): {int(s['prompt_tokens_total'])} "
         f"(from prefix cache {int(s['cached_tokens_total'])})",
         f"Completion tokens (total): {int(s['output_tokens_total'])}",
-        f"Submit wall: {_num(s['submit_wall_s'], 6)} s",
+        f"Submit wall: {num(s['submit_wall_s'], 6)} s",
     ]
     for label, key, unit in PERCENTILE_LINES:
         if key == "submit_lag_ms" and arrival_kind == "burst":
             continue  # every request is due at t0: the lag is just the submit wall again
         lines.append(_pct_line(label, s, key, unit))
     parts = " + ".join(
-        f"{name} {_num(s.get(f'ttft_part[{name}]_ms_mean'))}" for name, _, _ in TTFT_PARTS
+        f"{name} {num(s.get(f'ttft_part[{name}]_ms_mean'))}" for name, _, _ in TTFT_PARTS
     )
-    lines.append(f"TTFT parts (mean, ms): {parts} = {_num(s.get('ttft_ms_mean'))}")
+    lines.append(f"TTFT parts (mean, ms): {parts} = {num(s.get('ttft_ms_mean'))}")
     lines += [
-        f"Duration: {_num(s['duration_s'], 3)} s",
-        f"Request throughput: {_num(s['request_throughput_rps'])} req/s",
-        f"Throughput (completion,total): {_num(s['output_throughput_tps'])}/"
-        f"{_num(s['total_throughput_tps'])} tokens/s",
+        f"Duration: {num(s['duration_s'], 3)} s",
+        f"Request throughput: {num(s['request_throughput_rps'])} req/s",
+        f"Throughput (completion,total): {num(s['output_throughput_tps'])}/"
+        f"{num(s['total_throughput_tps'])} tokens/s",
     ]
     cpu = {k[len("cpu_s[") : -1]: v for k, v in s.items() if k.startswith("cpu_s[")}
     if cpu:
         lines.append(
             "CPU time: "
-            + ", ".join(f"{role} {_num(v)} s" for role, v in cpu.items())
-            + f" (total {_num(sum(v for v in cpu.values() if v is not None))} s)"
+            + ", ".join(f"{role} {num(v)} s" for role, v in cpu.items())
+            + f" (total {num(sum(v for v in cpu.values() if v is not None))} s)"
         )
     return lines
 
@@ -116,7 +112,7 @@ def comparison_lines(medians: dict[str, dict], baseline: str | None) -> list[str
     ]
     for label, key in COMPARED:
         lines.append(
-            label.ljust(width) + "".join(_num(medians[m].get(key), 3).rjust(col) for m in modes)
+            label.ljust(width) + "".join(num(medians[m].get(key), 3).rjust(col) for m in modes)
         )
     if baseline is None or baseline not in medians:
         return lines
@@ -281,7 +277,7 @@ def markdown_comparison(rows: list[dict], ours: str, peer_label: str = "llama.cp
         for _, key, _, decimals in FIGURES:
             f = row["figures"][key]
             cells.append(
-                f"{_num(f['ours'], decimals)} / {_num(f['theirs'], decimals)} = "
+                f"{num(f['ours'], decimals)} / {num(f['theirs'], decimals)} = "
                 f"{_ratio(f['ours'], f['theirs'])}"
             )
         cells.append(row["peer"] or "n/a")
@@ -317,8 +313,8 @@ def markdown_all(stats: dict[str, dict[int, dict]], levels: list[int]) -> str:
                 if tput is None
                 else f"{tput['median']:.1f} [{tput['min']:.1f}-{tput['max']:.1f}]"
             )
-            cells += [_num(median(s, key), decimals) for _, key, decimals in ALL_COLUMNS]
-            cells += [_num(s["errors"]["max"] if s.get("errors") else None, 0)]
+            cells += [num(median(s, key), decimals) for _, key, decimals in ALL_COLUMNS]
+            cells += [num(s["errors"]["max"] if s.get("errors") else None, 0)]
             cells += [str(tput["n"] if tput else 0)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

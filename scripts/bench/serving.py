@@ -1,7 +1,5 @@
-"""serving: splitserve's cluster against a single-process baseline, one workload.
-
-    python -m scripts.bench serving --num-requests 256 --prompt-tokens 256 --unique-prompts \\
-        --max-new-tokens 1 --modes inproc,inproc-pretok,cluster
+"""serving: splitserve's cluster against a single-process baseline, one workload (the commands and
+figures: docs/benchmarks.md).
 
 Modes (compared in one invocation, runs interleaved so machine drift hits all alike):
   inproc          one process; submit() tokenizes in the caller's thread, an engine thread steps

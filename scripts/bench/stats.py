@@ -198,6 +198,10 @@ def describe_ms(seconds: list[float]) -> str:
     return f"p50 {p50:8.1f}  p90 {p90:8.1f}  p99 {p99:8.1f}  mean {ms.mean():8.1f} ms"
 
 
+def num(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
         return None

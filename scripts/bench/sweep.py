@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+from scripts.bench.stats import num
+
 SUSTAIN_THROUGHPUT_FRACTION = 0.95
 
 
@@ -64,10 +66,6 @@ def highest_sustained(by_rate: dict[float, dict], slo_ttft_p99_ms: float) -> flo
 
 
 # --- the report ---------------------------------------------------------------------------------
-def _ms(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def _us(value_ms: float | None) -> str:
     return "n/a" if value_ms is None else f"{value_ms * 1e3:.1f}"
 
@@ -92,13 +90,13 @@ def sweep_lines(sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float) -> 
         for rate in sorted(by_rate):
             s = by_rate[rate]
             lines.append(
-                f"{rate:>8g} {_ms(s.get('arrival_rate_rps'), 2):>8} "
-                f"{_ms(s.get('completion_rate_rps'), 2):>8} "
-                f"{_ms(s.get('ttft_from_arrival_ms_p50')):>9} "
-                f"{_ms(s.get('ttft_from_arrival_ms_p99')):>9} "
+                f"{rate:>8g} {num(s.get('arrival_rate_rps')):>8} "
+                f"{num(s.get('completion_rate_rps')):>8} "
+                f"{num(s.get('ttft_from_arrival_ms_p50'), 1):>9} "
+                f"{num(s.get('ttft_from_arrival_ms_p99'), 1):>9} "
                 f"{_us(s.get('submit_latency_ms_p50')):>10} "
                 f"{_us(s.get('submit_latency_ms_p99')):>10} {_us(s.get('submit_cpu_ms_p99')):>8} "
-                f"{_ms(s.get('submit_lag_ms_p99')):>8}  "
+                f"{num(s.get('submit_lag_ms_p99'), 1):>8}  "
                 f"{'yes' if sustains(s, slo_ttft_p99_ms) else 'NO'}"
                 + (f" ({int(s['errors'])} errors)" if s.get("errors") else "")
             )
