@@ -26,11 +26,7 @@ FAST_ENGINE_HIDDEN_SIZE = 64
 FAST_ENGINE_CONTEXT_TOKENS = 8192  # room for 2,048-token prompts, the template and run tags
 
 
-def fast_engine_model(
-    stack: contextlib.ExitStack,
-    num_layers: int = FAST_ENGINE_LAYERS,
-    hidden_size: int = FAST_ENGINE_HIDDEN_SIZE,
-) -> str:
+def fast_engine_model(stack: contextlib.ExitStack) -> str:
     """Writes the model to a temporary directory that ``stack`` removes; returns its path."""
     from tests.tiny_model import make_tiny_model
 
@@ -38,8 +34,8 @@ def fast_engine_model(
     return str(
         make_tiny_model(
             directory,
-            num_layers=num_layers,
-            hidden_size=hidden_size,
+            num_layers=FAST_ENGINE_LAYERS,
+            hidden_size=FAST_ENGINE_HIDDEN_SIZE,
             max_position_embeddings=FAST_ENGINE_CONTEXT_TOKENS,
         )
     )

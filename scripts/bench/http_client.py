@@ -1,9 +1,7 @@
 """The one HTTP streaming client of the benchmarks: streamed OpenAI chat completions over httpx
-(asyncio), each request's outcome filling a RequestRecord. A token's time is when its
-SSE chunk reaches this client, the same for every server (splitserve's frontend, llama-server).
-
-systems.HttpSystem drives it for the serving workload's HTTP mode and for the peer workload, on an
-event loop of its own, submitting on the runner's schedule.
+(asyncio), each request's outcome filling a RequestRecord. A token's time is when its SSE chunk
+reaches this client, the same for every server (splitserve's frontend, llama-server). The peer
+workload's parts drive it (serve through systems.HttpSystem, on an event loop of its own).
 """
 
 from __future__ import annotations

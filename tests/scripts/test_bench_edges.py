@@ -17,7 +17,7 @@ def test_every_part_runs_beside_its_large_work(tiny_model_dir, capsys):
         + ["--background-niceness", "0"]
     )
     out = capsys.readouterr().out
-    assert re.search(r"\d+ unrelated streams; TTFT p50 .* largest gap \d+ ms", out)
+    assert re.search(r"\d+ unrelated streams; TTFT p50 .* gaps p50 \d+, p99 \d+, max \d+ ms", out)
     assert re.search(r"TTFT alone +\(\d+\)", out) and "TTFT beside 7.2 MB prompts" in out
     assert re.search(r"7.2 MB prompts: [1-9]\d*, answered \[", out), out
     gaps = re.findall(r"(alone|hostile) +burners ([01]): largest gap per run", out)
