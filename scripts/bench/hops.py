@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 from typing import Any
@@ -91,11 +92,7 @@ def measure_run(url: str, model: str, chats: list, args: argparse.Namespace) -> 
 
     async def go() -> None:
         async with make_http(keepalive=False) as http:
-            await phases(http)
-
-    async def phases(http: Any) -> None:
-        for phase in ("fresh", "cached"):
-            for chat in chats:
+            for phase, chat in itertools.product(("fresh", "cached"), chats):
                 r = await stream_one(http, url, model, chat, args.output_tokens)
                 if r["error"] or not r["tokens"]:
                     raise RuntimeError(f"{url}: {r['error'] or 'no tokens'}")

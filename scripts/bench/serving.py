@@ -175,20 +175,6 @@ def describe_setup(
     }
 
 
-def specs_of(args: argparse.Namespace, num_requests: int, rate: float):
-    """The workload and arrival schedule the flags describe."""
-    workload = WorkloadSpec(
-        num_requests=num_requests,
-        max_new_tokens=args.max_new_tokens,
-        prompt_tokens=args.prompt_tokens,
-        unique_prompts=args.unique_prompts,
-        shared_prefix_tokens=args.shared_prefix_tokens,
-        seed=args.seed,
-    )
-    arrival = ArrivalSpec(request_rate=rate, seed=args.seed)
-    return workload, arrival
-
-
 def run_benchmark(args: argparse.Namespace) -> dict:
     """Everything but printing; returns the JSON document (also what the tests inspect)."""
     from tokenizers import Tokenizer
@@ -200,7 +186,15 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     modes = expand_modes(args.modes, args.tokenizer_workers)
     rates = parse_rates(args.request_rate)
     counts = {rate: requests_at(rate, args.duration_s, args.num_requests) for rate in rates}
-    workload, arrival = specs_of(args, max(counts.values()), rates[0])
+    workload = WorkloadSpec(
+        num_requests=max(counts.values()),
+        max_new_tokens=args.max_new_tokens,
+        prompt_tokens=args.prompt_tokens,
+        unique_prompts=args.unique_prompts,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+        seed=args.seed,
+    )
+    arrival = ArrivalSpec(request_rate=rates[0], seed=args.seed)
     if args.warmup_runs < 0 or args.repeats < 1 or args.warmup_num_requests < 1:
         raise ValueError("--warmup-runs must be >= 0, --repeats and --warmup-num-requests >= 1")
     collector = EventCollector()
