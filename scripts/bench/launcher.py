@@ -52,15 +52,6 @@ def cpu_of_threads(tids: set[int]) -> float:
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in tids)
 
 
-def tree_pids(pid: int) -> list[int]:
-    """A process and its live descendants."""
-    try:
-        root = psutil.Process(pid)
-        return [pid, *(p.pid for p in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def cluster_cpu(cluster: Any) -> dict[str, float]:
     """CPU seconds of a cluster's processes per role, in the order requests flow through them."""
     roles: dict[str, list[int]] = {}
@@ -208,7 +199,12 @@ class LlamaServer:
         return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
 
     def pids(self) -> list[int]:
-        return tree_pids(self.popen.pid)
+        """llama-server and its live descendants."""
+        try:
+            children = psutil.Process(self.popen.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        return [self.popen.pid, *(p.pid for p in children)]
 
     def cpu_seconds(self) -> float:
         return cpu_of(self.pids())
