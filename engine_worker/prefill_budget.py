@@ -39,6 +39,10 @@ from typing import NamedTuple
 from engine_worker.request import EngineRequest
 
 SHORT_PROMPT_SHARE = 0.5
+# A paced step's short lane never has fewer token-keys than a prompt of this many tokens costs:
+# a step paced to a time its fixed costs nearly fill (200 ms, 2 cores, beside two 7k prompts)
+# left the lane no keys, and short requests waited 20-27 s for the long prompts to end.
+SHORT_LANE_TOKENS = 128
 MIN_CHUNK_TOKENS = 16
 # A prompt token's own work (its linear layers) in keys attended: on the default model, 2 CPU
 # cores, a step of C tokens after P computed ones took ~a C + b (C P + C^2 / 2) with a ~0.78 ms
@@ -50,6 +54,9 @@ def chunk_cost(start: int, count: int) -> int:
     """Token-keys of ``count`` prompt tokens after ``start`` computed ones: the keys they attend
     (causal), and ``TOKEN_WORK_KEYS`` each for their own layers."""
     return count * (start + TOKEN_WORK_KEYS) + count * (count + 1) // 2
+
+
+SHORT_LANE_KEYS = chunk_cost(0, SHORT_LANE_TOKENS)
 
 
 def tokens_within_keys(start: int, keys: int) -> int:
@@ -108,6 +115,7 @@ class Budget:
     sequences: int
     logprob_tokens: int
     spent_keys: int = 0
+    lane_keys: int = 0  # the short lane's least token-keys (paced steps: SHORT_LANE_TOKENS')
 
     def chunk_tokens(self, request: EngineRequest, start: int, wanted: int) -> int:
         """How many of ``wanted`` tokens after ``start`` the budget lets ``request`` compute."""
@@ -137,8 +145,10 @@ class Budget:
         self.sequences -= share.sequences
 
     def give_back(self, share: Share) -> None:
-        self.tokens += share.tokens
-        self.keys += share.keys
+        """``share`` back, whole: what the running requests spent past the rest (a first chunk
+        may, ``chunk_tokens``) is not taken from it."""
+        self.tokens = max(self.tokens, 0) + share.tokens
+        self.keys = max(self.keys, 0) + share.keys
         self.sequences += share.sequences
 
     def short_prompts(
@@ -148,7 +158,8 @@ class Budget:
         ``SHORT_PROMPT_SHARE`` of this budget and in one chunk, and the share of the budget they
         may take (counted as if nothing of them were cached: the most they can take)."""
         token_share = min(int(self.tokens * SHORT_PROMPT_SHARE), chunk_limit)
-        key_share = int(self.keys * SHORT_PROMPT_SHARE)
+        # However small a paced step, the short lane stays open (``lane_keys``)
+        key_share = max(int(self.keys * SHORT_PROMPT_SHARE), self.lane_keys)
         sequences = min(room, self.sequences - 1)  # one stays for the prompts being prefilled
         short: list[EngineRequest] = []
         tokens = keys = 0

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_worker.block_manager import KVBlockManager
-from engine_worker.prefill_budget import Budget, StepPace, tokens_within_keys
+from engine_worker.prefill_budget import SHORT_LANE_KEYS, Budget, StepPace, tokens_within_keys
 from engine_worker.prefix_cache import ROOT_NODE, PrefixCache
 from engine_worker.request import EngineRequest
 from engine_worker.scheduler.batch import Finished, ScheduledBatch, StepUpdate
@@ -152,12 +152,12 @@ class Scheduler:
         return batch
 
     def _budget(self) -> Budget:
-        # The engine resolves 0 for its device; a scheduler built alone takes the CPU's.
         return Budget(
             tokens=self.config.prefill_max_tokens or PREFILL_TOKENS_CPU,
             keys=self.pace.keys,
             sequences=self.config.prefill_max_batch_size,
             logprob_tokens=self.prompt_logprob_tokens,
+            lane_keys=SHORT_LANE_KEYS if self.pace.target_s > 0 else 0,
         )
 
     def _schedule_running(self, batch: ScheduledBatch, budget: Budget) -> None:

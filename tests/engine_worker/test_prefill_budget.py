@@ -167,3 +167,21 @@ def test_a_cpu_engine_paces_its_steps_unless_a_token_key_bound_is_given(tiny_mod
     assert fixed.config.prefill_step_target_ms == 0 and fixed.scheduler.pace.keys == KEYS
     both = engine_for(tiny_model_dir, prefill_step_target_ms=100)
     assert both.scheduler.pace.most_keys == KEYS
+
+
+def test_the_short_lane_stays_open_however_small_a_paced_step(tiny_model_dir):
+    """A step bounded down to the pace's floor (its fixed costs nearly fill the target) still
+    admits a short prompt in the step after it arrives; before, the lane's half of the keys
+    could not hold one and short requests waited for the long prompts to end."""
+    floor = MIN_CHUNK_TOKENS * TOKEN_WORK_KEYS
+    assert chunk_cost(0, 32) > floor * SHORT_PROMPT_SHARE  # the lane's half alone would not do
+    # paced, within a bound at the pace's floor: the smallest step a pace ever makes
+    engine = engine_for(tiny_model_dir, prefill_max_token_keys=floor, prefill_step_target_ms=250)
+    assert engine.scheduler.pace.keys == floor
+    engine.add("long", prompt(LONG, 3), greedy(2, ignore_eos=True))
+    engine.step()
+    engine.add("short", prompt(32, 4), greedy(3, ignore_eos=True))
+    out = engine.step()
+    assert "short" in out.request_ids  # its whole prompt computed, its first token sampled
+    assert 0 < engine.requests["long"].num_computed < LONG  # the long prompt still moves
+    assert collect(engine)["long"]["reason"] == "length"
