@@ -186,11 +186,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def engine_outputs(model_dir, prompts: list[list[int]]) -> dict[str, dict]:
-    """Each prompt through the engine one after the other (so the later ones find the first's
-    blocks in the prefix cache: only the first asks for prompt logprobs, which computes every
-    prompt token), prompts prefilled 8 tokens a step."""
-    engine = Engine(
+def float32_engine(model_dir) -> Engine:
+    """An engine as transformers runs the model (float32, dense), prefilling 8 tokens a step."""
+    return Engine(
         EngineConfig(
             model_path=str(model_dir),
             dtype="float32",
@@ -200,6 +198,13 @@ def engine_outputs(model_dir, prompts: list[list[int]]) -> dict[str, dict]:
             prefill_max_tokens=8,
         )
     )
+
+
+def engine_outputs(model_dir, prompts: list[list[int]]) -> dict[str, dict]:
+    """Each prompt through the engine one after the other (so the later ones find the first's
+    blocks in the prefix cache: only the first asks for prompt logprobs, which computes every
+    prompt token), prompts prefilled 8 tokens a step."""
+    engine = float32_engine(model_dir)
     results, totals = {}, {}
     for i, prompt in enumerate(prompts):
         params = greedy(16, logprobs=TOP, prompt_logprobs=TOP if i == 0 else None, ignore_eos=True)

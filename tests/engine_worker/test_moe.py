@@ -12,23 +12,9 @@ import torch
 
 from engine_worker.engine import Engine
 from engine_worker.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
-from ipc.engine_config import EngineConfig
 from tests.engine_worker.helpers import collect, greedy
 from tests.engine_worker.moe_files import GGUF_OVERRIDES, MOE_FAMILIES, tiny_moe, write_moe_gguf
-from tests.engine_worker.test_families import TOLERANCE, TOP, compare
-
-
-def float32_engine(model_dir) -> Engine:
-    return Engine(
-        EngineConfig(
-            model_path=str(model_dir),
-            dtype="float32",
-            weights="fp32",
-            kv_cache_tokens=512,
-            block_size=4,
-            prefill_max_tokens=8,
-        )
-    )
+from tests.engine_worker.test_families import TOLERANCE, TOP, compare, float32_engine
 
 
 def prompts_of(seed: int = 1) -> list[list[int]]:
