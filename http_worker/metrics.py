@@ -125,7 +125,8 @@ class HttpMetrics:
         )
         self.tpot = Histogram(
             "splitserve_time_per_output_token_seconds",
-            "(last token - first token) / (tokens - 1), per engine request.",
+            "(last token - first token) / (tokens - 1), per engine request, from the engine steps "
+            "that made them.",
             buckets=TOKEN_GAP_BUCKETS,
             registry=r,
         )
@@ -181,6 +182,11 @@ class HttpMetrics:
             self.prompt_tokens.inc(usage.prompt_tokens)
             self.cached_tokens.inc(usage.cached_tokens)
             self.completion_tokens.inc(usage.completion_tokens)
+            # The engine steps that made the first and the last token, where the timings carry
+            # them: the arrival times collapse when the detokenizer coalesces a loaded stream's
+            # deltas into one event.
+            if timings is not None and timings.t_last_token > timings.t_first_token > 0:
+                t_first, t_last = timings.t_first_token, timings.t_last_token
             if usage.completion_tokens >= 2 and t_last > t_first:
                 self.tpot.observe((t_last - t_first) / (usage.completion_tokens - 1))
         if timings is not None:

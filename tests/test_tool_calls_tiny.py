@@ -12,6 +12,7 @@ tool_calls, and the call goes back into the template's history."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import openai
@@ -102,8 +103,10 @@ def check_calls(calls, reason):
 @pytest.fixture(scope="module")
 def cuts(oai):
     """The non-streamed chat answer at every other max_tokens up to two calls and a half (the
-    tiny model spells a call in ~50 tokens: "<", "too", "l", ...)."""
-    return {k: forced(oai, k) for k in range(1, 130, 2)}
+    tiny model spells a call in ~50 tokens: "<", "too", "l", ...), 8 requests at a time."""
+    limits = range(1, 130, 2)
+    with ThreadPoolExecutor(8) as pool:
+        return dict(zip(limits, pool.map(lambda k: forced(oai, k), limits)))
 
 
 def test_chat_a_cut_call_never_surfaces_as_text(cuts):

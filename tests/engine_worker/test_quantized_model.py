@@ -166,9 +166,9 @@ def test_int4_kernel_path_at_float32_agrees_with_fp32(
     default_model_dir, chat_prompts, fp32_continuations
 ):
     # Prefill runs on the dense copy (the same weights), every decode step on the int4 kernel.
-    # With float32 activations that kernel runs its scalar loop: 8 of the prompts (32 took 90 s
+    # With float32 activations that kernel runs its scalar loop: 4 of the prompts (32 took 90 s
     # and agreed 32/32; the kernel's exactness on the file's blocks is test_gguf's).
-    count = 8
+    count = 4
     fmt = Int4LayersDenseHead("int4", torch.float32, torch.device("cpu"), max_tokens=count)
     engine = Engine(
         EngineConfig(
@@ -250,19 +250,22 @@ def teacher_forced_logits(
 # recomputed logits: 1.11e-3, 1.23e-3 and 9.6e-4, and 1.92e-3 for int4 with an int8 head. Bounds
 # relative to dense bf16, whose activations dominate the error.
 KL_BOUNDS = {"int4": 1.5, "int4-exact": 1.1}
+# The test runs the first 16 of the prompts (the engines are deterministic, so a fixed half
+# measures the same every run; the suite's time limit asked for it).
+KL_PROMPTS = 16
 
 
 @pytest.mark.slow
 def test_int4_logits_are_as_close_to_float32_as_dense_bf16(
     default_model_dir, chat_prompts, fp32_continuations
 ):
-    prompts = chat_prompts[1]
+    prompts, continuations = chat_prompts[1][:KL_PROMPTS], fp32_continuations[:KL_PROMPTS]
     reference = teacher_forced_logits(
-        default_model_dir, prompts, fp32_continuations, weights="fp32", dtype="float32"
+        default_model_dir, prompts, continuations, weights="fp32", dtype="float32"
     ).log_softmax(-1)
 
     def mean_kl(**knobs) -> float:
-        got = teacher_forced_logits(default_model_dir, prompts, fp32_continuations, **knobs)
+        got = teacher_forced_logits(default_model_dir, prompts, continuations, **knobs)
         return (reference.exp() * (reference - got.log_softmax(-1))).sum(-1).mean().item()
 
     bf16 = mean_kl(weights="bf16", dtype="bfloat16")
