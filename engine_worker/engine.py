@@ -279,10 +279,11 @@ class Engine:
         the other processes on the cores weigh differently on a batch-1 step than on a batch-32
         one; prefill steps by their power-of-two token bucket, all threads while the newest
         decode steps keep them: ThreadTuner's leader)."""
-        leader = None
+        leader, work = None, 1.0
         if batch.prefill_tokens or not batch.decode_tokens:  # (none: kept prompt ends only)
-            kind, size = "prefill", (batch.prefill_tokens + batch.decode_tokens).bit_length()
+            kind, size = "prefill", self._prefill_size(batch.prefill_tokens + batch.decode_tokens)
             leader = self._decode_kind
+            work = float(batch.token_keys) if self._paced else 1.0
         else:
             kind = self._decode_kind = f"decode{1 << (batch.decode_tokens.bit_length() - 1)}+"
             size = batch.decode_tokens
@@ -291,17 +292,32 @@ class Engine:
         t_start = time.perf_counter()
         result = self.runner.run(batch.requests, batch.num_new_tokens, batch.kept_ends)
         seconds = time.perf_counter() - t_start
-        self.threads.record(seconds)
-        self.scheduler.pace.observe(batch.token_keys, batch.prefill_tokens, seconds)
+        self.threads.record(seconds, work)
+        pace = self.scheduler.pace
+        pace.observe(batch.token_keys, batch.prefill_tokens, seconds, torch.get_num_threads())
         if self.threads.switches != switches:
             logger.info("torch threads per kind of step now %s (measured)", self.threads.describe())
         return result
+
+    @property
+    def _paced(self) -> bool:
+        return self.scheduler.pace.target_s > 0
+
+    def _prefill_size(self, tokens: int) -> int:
+        """The size a prompt step is compared at by the thread tuner: its token bucket, or,
+        paced, one size for all (their time per token-key is compared: paced steps' token
+        counts drift as their prompts' contexts grow, and unpaired probes never decided)."""
+        return 0 if self._paced else tokens.bit_length()
 
     def _open_step(self, t_start: float) -> StepOutput:
         """A new step's output, with the requests that end before it schedules: those aborted
         since the last step (and those aborted before they arrived), and those their grammar
         ended."""
         self.idle_window.close()
+        # The threads a prompt step would run on now: the pace sizes its prompt work for them.
+        self.scheduler.pace.threads = self.threads.upcoming(
+            "prefill", self._prefill_size(0), self._decode_kind
+        )
         self._step += 1
         out = StepOutput(step=self._step, t_step=t_start)
         arrived_aborted, live = self.aborts.take()

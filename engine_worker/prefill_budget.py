@@ -14,9 +14,10 @@ A step's prompt work is bounded three ways (``Budget``):
   outgrows the budget still moves.
 
 How many token-keys a step may spend is measured as the engine runs (``StepPace``): the seconds
-a step with prompt work took per token-key it computed (its decode rows' included) give the
-token-keys that fit in ``prefill_step_target_ms``, so a step takes about that long on any machine
-and under any load, and ``prefill_max_token_keys`` (when given) stays the upper bound.
+a step with prompt work took per token-key it computed (its decode rows' included), on the
+threads it ran on, give the token-keys that fit in ``prefill_step_target_ms``, so a step takes
+about that long on any machine, under any load and on one thread or all, and
+``prefill_max_token_keys`` (when given) stays the upper bound.
 
 The fairness rule (``short_prompts``): a waiting request whose whole prompt fits in
 ``SHORT_PROMPT_SHARE`` of the step's budgets goes first, before the chunks of prompts already
@@ -77,24 +78,48 @@ PACE_MIN_KEYS = 8 * TOKEN_WORK_KEYS
 
 
 class StepPace:
-    """The token-keys a step may spend to take about ``target_s``, from the steps measured."""
+    """The token-keys a step may spend to take about ``target_s``, from the steps measured.
+
+    Measured per torch thread count (``observe``'s ``threads``): the thread tuner runs some
+    prompt steps on one thread (engine_worker/thread_tuner.py), which take about twice as long,
+    and a step is sized for the threads it will run on (``threads``, set before it is
+    scheduled). A count not yet measured is taken as proportionally slower than the most
+    threads measured, never faster."""
 
     def __init__(self, target_s: float, keys: int, most_keys: int) -> None:
         self.target_s = target_s
-        self.keys = min(keys, most_keys)  # until measured: the device's default
+        self.default_keys = min(keys, most_keys)  # until measured: the device's default
         self.most_keys = most_keys
-        self.seconds_per_key = 0.0
+        self.rates: dict[int, float] = {}  # seconds per token-key, by threads
+        self.threads = 0  # the next step's threads (0: not known)
 
-    def observe(self, token_keys: int, prefill_tokens: int, seconds: float) -> None:
+    def observe(self, token_keys: int, prefill_tokens: int, seconds: float, threads: int = 0):
         """A step's measure: its token-keys in all (prompt chunks and decode rows), the
-        prompt tokens among them, its seconds. Steps without prompt work are not paced."""
+        prompt tokens among them, its seconds and threads. Steps without prompt work are not
+        paced."""
         if self.target_s <= 0 or prefill_tokens == 0 or token_keys < PACE_MIN_KEYS:
             return
         rate = seconds / token_keys
-        old = self.seconds_per_key
-        self.seconds_per_key = rate if old == 0 else old + PACE_WEIGHT * (rate - old)
-        keys = int(self.target_s / self.seconds_per_key)
-        self.keys = max(MIN_CHUNK_TOKENS * TOKEN_WORK_KEYS, min(keys, self.most_keys))
+        old = self.rates.get(threads, 0.0)
+        self.rates[threads] = rate if old == 0 else old + PACE_WEIGHT * (rate - old)
+
+    @property
+    def seconds_per_key(self) -> float:
+        """The rate of a step on ``threads`` (0.0: nothing measured)."""
+        if self.threads in self.rates:
+            return self.rates[self.threads]
+        if not self.rates:
+            return 0.0
+        most, rate = max(self.rates.items())
+        return rate * max(1.0, most / self.threads) if self.threads else rate
+
+    @property
+    def keys(self) -> int:
+        rate = self.seconds_per_key
+        if self.target_s <= 0 or rate == 0:
+            return self.default_keys
+        keys = int(self.target_s / rate)
+        return max(MIN_CHUNK_TOKENS * TOKEN_WORK_KEYS, min(keys, self.most_keys))
 
 
 class Share(NamedTuple):

@@ -73,13 +73,30 @@ class ThreadTuner:
     def threads_for(self, kind: str, size: int, leader: str | None = None) -> int:
         """The threads a step of ``kind`` and ``size`` runs on (set now); ``leader``: the kind
         this one follows while that keeps all threads."""
+        state, threads = self._choice(kind, size, leader)
+        if (
+            state is not None
+            and state.probing
+            and (state.pending is None or state.pending[0] != size)
+        ):
+            state.pending = None
+        self._current = None if state is None else (state, size, threads)
+        if self.enabled and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return threads
+
+    def upcoming(self, kind: str, size: int, leader: str | None = None) -> int:
+        """What ``threads_for`` would answer now, changing nothing (the step pace sizes a
+        step's prompt work for the threads it will run on)."""
+        return self._choice(kind, size, leader)[1]
+
+    def _choice(self, kind: str, size: int, leader: str | None) -> tuple[_Kind | None, int]:
+        """The kind's state (None: not measured, it follows its leader or tuning is off) and
+        the threads its next step of ``size`` runs on."""
         if not self.enabled:
-            return self.max_threads
+            return None, self.max_threads
         if (lead := self.kinds.get(leader or "")) is not None and lead.threads == self.max_threads:
-            self._current = None  # not measured: nothing to compare it with
-            if torch.get_num_threads() != self.max_threads:
-                torch.set_num_threads(self.max_threads)
-            return self.max_threads
+            return None, self.max_threads  # not measured: nothing to compare it with
         state = self.kinds.get(kind)
         if state is None:
             state = self.kinds[kind] = _Kind(threads=self.max_threads)
@@ -89,16 +106,15 @@ class ThreadTuner:
             if state.pending is not None and state.pending[0] == size:
                 threads = 1 if state.pending[1] == self.max_threads else self.max_threads
             else:
-                state.pending = None
                 threads = self.max_threads if len(state.ratios) % 2 else 1
-        self._current = (state, size, threads)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        return threads
+        return state, threads
 
-    def record(self, seconds: float) -> None:
+    def record(self, seconds: float, work: float = 1.0) -> None:
+        """The step's seconds, per unit of ``work`` where steps of one kind differ in size and
+        are compared by their rate (paced prompt steps: per token-key)."""
         if self._current is None:
             return
+        seconds /= max(work, 1e-9)
         state, size, threads = self._current
         self._current = None
         if not state.probing:

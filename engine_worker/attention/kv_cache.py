@@ -1,8 +1,8 @@
 """The paged KV cache: every layer's keys and values in fixed-size blocks of token slots.
 
 Laid out head-major per layer, [kv_heads, blocks, block_size, head_dim], so that gathering a
-sequence's blocks (``index_select`` over the block axis) is one contiguous copy of
-block_size * head_dim runs per kv head (8x faster on CPU than advanced indexing). Slot
+sequence's blocks (``gather``) is one contiguous copy of block_size * head_dim runs per kv
+head (8x faster on CPU than advanced indexing). Slot
 ``block * block_size + offset`` is offset ``offset`` of block ``block``."""
 
 from __future__ import annotations
@@ -68,6 +68,13 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """A layer's [KV, blocks, block_size, D] at the table's blocks -> [KV, len * block_size, D]."""
-    kv_heads, _, block_size, head_dim = cache.shape
-    return cache.index_select(1, block_table).view(kv_heads, -1, head_dim)
+    """A layer's [KV, blocks, block_size, D] at the table's blocks -> [KV, len * block_size, D].
+
+    One ``index_select`` over rows of block_size * D (each kv head's blocks, in table order):
+    on CPU 5.5x faster than selecting along the block axis of the 4-d layer (a 7k-token row of
+    a 4-row decode batch, bf16: 1.3 vs 7.2 ms a layer's keys; that axis cost a 0.8 s step)."""
+    kv_heads, blocks, block_size, head_dim = cache.shape
+    heads = torch.arange(kv_heads, device=block_table.device).mul_(blocks)
+    index = (heads[:, None] + block_table[None, :]).view(-1)
+    rows = cache.view(kv_heads * blocks, block_size * head_dim)
+    return rows.index_select(0, index).view(kv_heads, -1, head_dim)

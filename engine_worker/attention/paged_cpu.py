@@ -47,6 +47,11 @@ from engine_worker.attention.kernels import gather_decode
 from engine_worker.attention.kv_cache import PagedKVCache, gather
 from engine_worker.model_config import LayerAttention
 
+# A decode row attends apart from the batch (``_apart``) only past this context, and is charged
+# this many key columns for attending alone (its own gather and flash calls).
+APART_MIN_COLUMNS = 1024
+APART_ROW_COLUMNS = 256
+
 
 class PagedCpuBackend(AttentionBackend):
     name = "paged_cpu"
@@ -73,6 +78,7 @@ class PagedCpuBackend(AttentionBackend):
     def prepare(self, step: StepBatch) -> AttentionMetadata:
         metadata = AttentionMetadata(slot_mapping=self._device(step.slots))
         decoding = step.decode_rows()
+        decoding[_apart(step.ends, decoding)] = False  # attended as one-row segments
         metadata.decode = self._prepare_decode(step, np.nonzero(decoding)[0])
         for i in np.nonzero(~decoding)[0]:
             metadata.prefills += self._query_chunks(step, int(i))
@@ -260,6 +266,27 @@ class PagedCpuBackend(AttentionBackend):
             keys, values, mask = keys[:, :, first:], values[:, :, first:], mask[..., first:]
         o = flash(rows, keys, values, mask, spec)
         return o[:, :, :group].reshape(batch_size, num_heads, head_dim)
+
+
+def _apart(ends: np.ndarray, decoding: np.ndarray) -> np.ndarray:
+    """The decode rows whose context is so much longer than the others' that padding the batch
+    to them costs more than attending them alone (as one-row prefill segments, which give a row
+    the same bits: flash_rows): the k longest rows, for the k with the fewest key columns read
+    (padded batch + each row apart, APART_ROW_COLUMNS apiece for its own calls), when that
+    halves them. A 7k-token row joining three short ones made every row read 7k keys: its
+    first decode step took 0.6-0.8 s (the gather of 4 x 7k columns a layer), the next ones
+    ~150 ms of padded attention."""
+    rows = np.nonzero(decoding)[0]
+    if len(rows) < 2:
+        return rows[:0]
+    order = rows[np.argsort(-ends[rows], kind="stable")]
+    context = ends[order]
+    apart = np.concatenate([[0], np.cumsum(context + APART_ROW_COLUMNS)])[:-1]
+    cost = apart + context * (len(order) - np.arange(len(order)))
+    k = int(np.argmin(cost))
+    if k == 0 or cost[k] * 2 > cost[0] or context[k - 1] < APART_MIN_COLUMNS:
+        return rows[:0]
+    return order[:k]
 
 
 def _advance(ws: DecodeWorkspace) -> torch.Tensor:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.attention import PagedCpuBackend, PagedKVCache, StepBatch
+from engine_worker.attention import PagedCpuBackend, PagedKVCache, StepBatch, paged_cpu
 from engine_worker.attention.flash_rows import fused_cpu_kernel_available
 from engine_worker.model_config import ModelConfig
 
@@ -19,8 +19,13 @@ pytestmark = pytest.mark.skipif(
 )
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 2, 3, 64, 4
 # Sequence name -> context length; B's context crosses the kernel's 512-key blocks.
-LENGTHS = {"A": 600, "B": 560, "C": 30}
-BASE_BLOCK = {"A": 0, "B": 200, "C": 400}  # each sequence's blocks are contiguous from here
+LENGTHS = {"A": 600, "B": 560, "C": 30, "D": 20}
+BASE_BLOCK = {
+    "A": 0,
+    "B": 200,
+    "C": 400,
+    "D": 550,
+}  # each sequence's blocks are contiguous from here
 
 
 def make_data(seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -44,7 +49,7 @@ def make_backend(whole_key_blocks: bool = False) -> PagedCpuBackend:
         tie_word_embeddings=True, attention_bias=False, qk_norm=False,
     )  # fmt: skip
     return PagedCpuBackend(
-        PagedKVCache(config, 600, BLOCK, torch.bfloat16, torch.device("cpu")),
+        PagedKVCache(config, 700, BLOCK, torch.bfloat16, torch.device("cpu")),
         1 << 30,
         whole_key_blocks,
     )
@@ -151,6 +156,28 @@ def test_a_prompts_last_row_alone_is_attended_as_in_its_cold_prefill():
     assert torch.equal(last[("B", 218)], cold[("B", 218)])
 
 
+def test_a_decode_row_far_longer_than_the_others_is_attended_apart_with_its_cold_bits(monkeypatch):
+    """Padding a decode batch to one long row makes every row read its keys (a 7k-token row
+    beside short ones: a 0.6-0.8 s step); such a row is attended alone, as a one-row segment,
+    and every row keeps its bits."""
+    monkeypatch.setattr(paged_cpu, "APART_MIN_COLUMNS", 256)  # this cache holds 800 a row
+    monkeypatch.setattr(paged_cpu, "APART_ROW_COLUMNS", 64)
+    data = make_data(3)
+    backend = make_backend()
+    out, sequences = run_step(backend, data, [("C", 20, 1), ("A", 599, 1), ("D", 10, 1)])
+    assert backend._workspace is not None
+    assert backend._workspace.sequences == [sequences[0], sequences[2]]  # A apart
+    cold, _ = run_step(make_backend(), data, [("A", 0, 600)])
+    assert torch.equal(out[("A", 599)], cold[("A", 599)])
+    for name, position in [("C", 20), ("D", 10)]:
+        alone, _ = run_step(make_backend(), data, [(name, position, 1)])
+        assert torch.equal(out[(name, position)], alone[(name, position)]), name
+    # Rows of like lengths stay one padded batch.
+    backend = make_backend()
+    _, sequences = run_step(backend, data, [("A", 599, 1), ("B", 559, 1), ("D", 10, 1)])
+    assert backend._workspace is not None and len(backend._workspace.sequences) == 3
+
+
 def reference(data, name: str, position: int) -> torch.Tensor:
     q, k, v = (t.double() for t in data[name])
     keys = k[: position + 1].repeat_interleave(GROUP, dim=1)  # [L, H, D]
@@ -169,3 +196,17 @@ def test_decode_and_continuation_rows_are_as_precise_as_float32_allows():
         exact = reference(data, *key)
         floor = (exact.bfloat16().double() - exact).abs().mean()
         assert (row.double() - exact).abs().mean() < 1.5 * floor, key
+
+
+def test_gather_takes_each_kv_heads_blocks_in_table_order():
+    """kv_cache.gather (rows of block_size x D, one index_select) against the blocks picked one
+    by one: repeated, unordered and edge blocks, from one layer of a multi-layer cache."""
+    from engine_worker.attention.kv_cache import gather
+
+    cache = torch.randn(3, KV_HEADS, 50, BLOCK, HEAD_DIM).bfloat16()
+    layer = cache.unbind(0)[1]
+    table = torch.tensor([5, 0, 49, 7, 7, 12])
+    expected = torch.stack(
+        [torch.cat([layer[h, b] for b in table.tolist()]) for h in range(KV_HEADS)]
+    )
+    assert torch.equal(gather(layer, table), expected)

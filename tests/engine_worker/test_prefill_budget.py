@@ -185,3 +185,20 @@ def test_the_short_lane_stays_open_however_small_a_paced_step(tiny_model_dir):
     assert "short" in out.request_ids  # its whole prompt computed, its first token sampled
     assert 0 < engine.requests["long"].num_computed < LONG  # the long prompt still moves
     assert collect(engine)["long"]["reason"] == "length"
+
+
+def test_the_pace_sizes_a_step_for_the_threads_it_runs_on():
+    """A probe step on one thread (the thread tuner's) is sized for one thread: until measured
+    as proportionally slower than the most threads measured, then at its own rate."""
+    pace = StepPace(0.25, keys=4 << 20, most_keys=1 << 40)
+    pace.threads = 2
+    pace.observe(250_000, prefill_tokens=100, seconds=0.25, threads=2)  # 1 us a token-key
+    assert pace.keys == 250_000
+    pace.threads = 1
+    assert pace.keys == 125_000  # not measured: twice as slow
+    pace.observe(125_000, prefill_tokens=100, seconds=0.1875, threads=1)  # 1.5 us measured
+    assert pace.keys == int(0.25 / 1.5e-6)
+    pace.threads = 2
+    assert pace.keys == 250_000
+    pace.threads = 4  # more threads than measured: not assumed faster
+    assert pace.keys == 250_000

@@ -137,3 +137,22 @@ def test_prefill_follows_decode_while_decode_keeps_all_threads():
         assert tuner.describe() == {"decode": 1, "prefill": 1}
     finally:
         torch.set_num_threads(before)
+
+
+def test_upcoming_answers_what_the_next_step_gets_and_work_makes_sizes_comparable():
+    """``upcoming`` (what the step pace sizes a prompt step for) is what ``threads_for`` then
+    gives, through a probe; steps of drifting sizes compared per unit of work pair and decide:
+    paced prompt steps run on all threads when those are 1.7x faster per token-key."""
+    before = torch.get_num_threads()
+    try:
+        tuner = ThreadTuner(2)
+        for i in range(60):
+            expected = tuner.upcoming("prefill", 0)
+            threads = tuner.threads_for("prefill", 0)
+            assert threads == expected, i
+            keys = 200_000 + 7_000 * (i % 5) if threads == 2 else 100_000 + 3_000 * (i % 3)
+            tuner.record(keys * (1e-6 if threads == 2 else 1.7e-6), work=keys)
+        assert tuner.describe() == {"prefill": 2} and tuner.switches == 0
+        assert tuner.kinds["prefill"].interval > FIRST_PROBE_AFTER  # probes decided, less often
+    finally:
+        torch.set_num_threads(before)
