@@ -2,7 +2,8 @@
 kept between steps.
 
 * decode rows (one new token each) are attended together, one flash call for the batch, over
-  their keys padded to the widest row;
+  their keys padded to the widest row; a row far longer than the others is attended apart, as
+  a one-row segment (``_apart``), so the batch is not padded to it;
 * a prefill segment (a fresh prompt, or a continuation after cached tokens) is attended in
   chunks of ``QUERY_CHUNK_POSITIONS`` positions, each over its sequence's cached keys from
   position 0 to the chunk's last one (its own new keys are in the cache by then).
