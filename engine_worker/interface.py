@@ -1,4 +1,4 @@
-"""What the engine process loop (process.py) may ask of an engine, written down once.
+"""What the engine process loop (worker.py) may ask of an engine, written down once.
 
 ``Engine`` (engine.py) is the real one; tests run the process loop around stand-ins (a model-free
 echo engine in tests/procs/fake_engine.py). Both satisfy ``EngineLike`` under the type checker,

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         if role == "tokenizer":
             from tokenizer_worker.worker import main as run
         elif role == "engine":
-            from engine_worker.process import main as run
+            from engine_worker.worker import main as run
         elif role == "detokenizer":
             from detok_worker.worker import main as run
         else:

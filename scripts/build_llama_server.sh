@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server and llama-bench (the peer of `python -m scripts.bench peer` and
-# `python -m scripts.bench engine peer`) and llama-quantize (a model's K-quant files, e.g.
-# `llama-quantize --allow-requantize IN.gguf OUT.gguf Q4_K_M`), from the llama.cpp source
-# vendored in the PyPI sdist of llama-cpp-python (a pinned version; only its source is used).
-# Nothing lands in this repo.
+# Builds llama.cpp's llama-server (the peer of `python -m scripts.bench peer`), llama-bench and
+# llama-quantize (a model's K-quant files, e.g. `llama-quantize --allow-requantize IN.gguf OUT.gguf
+# Q4_K_M`), from the llama.cpp source vendored in the PyPI sdist of llama-cpp-python (a pinned
+# version; only its source is used). Nothing lands in this repo.
 #
 #   scripts/build_llama_server.sh [BUILD_DIR]      (default: ~/.cache/splitserve/llama.cpp)
 #

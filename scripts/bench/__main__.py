@@ -7,41 +7,18 @@ import sys
 
 # name -> (module, what it measures). Each module has main(argv) and a --help of its own.
 WORKLOADS = {
-    "serving": (
-        "scripts.bench.serving",
-        "the cluster (through the SDK) against the in-process baseline: submit path, "
-        "TTFT and its parts, throughput; rate sweeps; --fast-engine",
-    ),
-    "engine": (
-        "scripts.bench.engine",
-        "the engine alone: core (against transformers), prefix cache, mixed (chunked prefill), "
-        "speculative decoding",
-    ),
-    "peer": (
-        "scripts.bench.peer",
-        "served against llama.cpp's llama-server: serve (closed loop), hops (one stream hop by "
-        "hop), startup (to ready and to the first token)",
-    ),
-    "data-parallel": (
-        "scripts.bench.data_parallel",
-        "engine replicas routed by the tokenizer workers: cache_aware, round_robin, "
-        "least_loaded and one replica on multi-turn chats",
-    ),
-    "disaggregation": (
-        "scripts.bench.disaggregation",
-        "prefill/decode engines against one engine and 2 replicas: decoding streams' ITL beside "
-        "long prompts; the KV transfer against memcpy",
-    ),
-    "edges": (
-        "scripts.bench.edges",
-        "an unrelated stream beside long contexts, 7.2 MB prompts or hostile schemas",
-    ),
+    "serving": ("scripts.bench.serving", "the cluster against the in-process baseline"),
+    "engine": ("scripts.bench.engine", "the engine alone: core, prefix, mixed, speculative"),
+    "peer": ("scripts.bench.peer", "served against llama.cpp: serve, hops, startup"),
+    "data-parallel": ("scripts.bench.data_parallel", "engine replicas under each routing"),
+    "disaggregation": ("scripts.bench.disaggregation", "prefill/decode engines, KV transfer"),
+    "edges": ("scripts.bench.edges", "a stream beside long contexts, huge prompts, hostile ones"),
 }
 
 
 def usage() -> str:
     lines = ["usage: python -m scripts.bench WORKLOAD [options]   (WORKLOAD --help for its own)"]
-    lines += ["", "workloads:"]
+    lines += ["", "workloads (what each measures, and every figure: docs/benchmarks.md):"]
     lines += [f"  {name:14s} {what}" for name, (_, what) in WORKLOADS.items()]
     return "\n".join(lines)
 

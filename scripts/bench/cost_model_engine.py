@@ -1,16 +1,9 @@
-"""The cost-model engine: the real engine (scheduler, paged KV blocks, prefix cache, its KV
-events) whose model forward is replaced by a wait as long as a cost model says a step takes.
-
-On this project's CPUs the real model's prefill, and two replicas sharing few cores, would
-decide a data-parallel comparison instead of the routing. A replica that waits leaves the cores
-to the other roles, as an accelerator would, while all the routing acts on stays real: what
-each prefix cache holds and evicts, what each request finds there, every socket message.
-
-A step takes ``base + prefill tokens x per_prefill_token + decode rows x per_decode_row``
-(defaults loosely an 8B model on one H100: 6 ms, 60 us, 50 us), divided by the replica's engine
-threads (ideal scaling, the best case for one big replica); the parameters travel in the
-environment (``STEP_COST_ENV``) to the supervisor's children. Use it as a cluster's
-engine_factory (``FACTORY``); the model directory only gives a vocabulary and a KV layout.
+"""The cost-model engine (why: docs/data-parallel.md): the real engine (scheduler, paged KV
+blocks, prefix cache, its KV events) whose model forward is a wait as long as a step costs:
+``base + prefill tokens x per_prefill_token + decode rows x per_decode_row`` (defaults loosely an
+8B model on one H100: 6 ms, 60 us, 50 us), divided by the replica's engine threads. The
+parameters travel in the environment (``STEP_COST_ENV``) to the supervisor's children. A
+cluster's engine_factory (``FACTORY``); the model directory gives a vocabulary and a KV layout.
 """
 
 from __future__ import annotations
@@ -56,16 +49,11 @@ class CostModelRunner:
 
     def __init__(self, cost: StepCost, speed: float) -> None:
         self.cost, self.speed = cost, speed
-        self.steps = 0
-        self.modelled_s = 0.0
 
     def run(self, requests: list[EngineRequest], counts: list[int], kept_ends=None) -> StepResult:
         prefill = sum(c for r, c in zip(requests, counts) if r.num_computed < r.prompt_len)
         decode = len(requests) - sum(1 for r in requests if r.num_computed < r.prompt_len)
-        seconds = self.cost.seconds(prefill, decode) / self.speed
-        time.sleep(seconds)
-        self.steps += 1
-        self.modelled_s += seconds
+        time.sleep(self.cost.seconds(prefill, decode) / self.speed)
         tokens: list[int | None] = [
             token_at(r.num_tokens) if r.num_computed + c == r.num_tokens and r.samples else None
             for r, c in zip(requests, counts)

@@ -1,7 +1,5 @@
 """data-parallel: engine replicas behind the tokenizer workers' routing (issue 25's benchmark).
 
-    python -m scripts.bench data-parallel
-
 Multi-turn chats on --engines replicas under each routing policy (cache_aware, round_robin,
 least_loaded), and on one replica given all the cores and KV cache, one mode after another.
 Per mode: the prefix-cache hit rate (from the engines' counters), throughput, TTFT, the spread
@@ -19,6 +17,7 @@ import contextlib
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +106,7 @@ class ChatWorkload:
         return (
             self.system_tokens
             + self.turns * self.user_tokens
-            + (self.turns - 1) * (self.reply_tokens)
+            + (self.turns - 1) * self.reply_tokens
         )
 
     def describe(self) -> str:
@@ -217,9 +216,7 @@ def summarize(record: dict, before: Any, after: Any) -> dict:
     decisions = sum(after.routing_decisions.values()) - sum(before.routing_decisions.values())
     routing_s = after.routing_seconds_total - before.routing_seconds_total
     ttft = percentiles([t.ttft_s for t in turns if t.ttft_s is not None], scale=1e3)
-    spread: dict[int, int] = {}
-    for t in turns:
-        spread[t.engine_index] = spread.get(t.engine_index, 0) + 1
+    spread = Counter(t.engine_index for t in turns)
     return {
         "requests": len(turns),
         "errors": len(record["turns"]) - len(turns),

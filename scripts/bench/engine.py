@@ -95,21 +95,9 @@ def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> fl
 
 
 # --- transformers, the reference --------------------------------------------------------------
-class _StepClock:
-    """A logits processor that only notes the time: generate calls it once per forward, right
-    after that forward (the first call follows the prefill)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
-def hf_generate_seconds(
-    model, prompts: list[list[int]], new_tokens: int, clock: _StepClock | None = None
-) -> float:
+def hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int, clock=None) -> float:
+    """Seconds of one batched ``generate``; ``clock``: a logits processor it calls once per
+    forward, right after that forward (the first call follows the prefill)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), 2, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -137,10 +125,15 @@ def hf_prefill_rate(model, prompt: list[int]) -> float:
 def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int) -> float:
     """Decode tokens/s of ``new_tokens`` steps after the prefill, timed inside generate (the
     difference of two whole generate calls is mostly prefill noise at batch 32)."""
-    clock = _StepClock()
+    times: list[float] = []
+
+    def clock(input_ids, scores):
+        times.append(time.perf_counter())
+        return scores
+
     hf_generate_seconds(model, prompts, new_tokens + 1, clock)
-    assert len(clock.times) == new_tokens + 1, len(clock.times)
-    return len(prompts) * new_tokens / (clock.times[-1] - clock.times[0])
+    assert len(times) == new_tokens + 1, len(times)
+    return len(prompts) * new_tokens / (times[-1] - times[0])
 
 
 def load_hf(args):

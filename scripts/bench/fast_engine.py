@@ -1,11 +1,6 @@
-"""The fast-engine scenario: the default model's real tokenizer and the real engine code on a small
-random-weight Llama model whose steps cost milliseconds here, so that tokenizing a prompt is about
-as large a share of its time to first token as it is in front of a GPU engine.
-
-``calibrate`` measures that share for the workload at hand: the time to prepare one prompt as a
-tokenizer worker does (chat template, encoding, validation) against the time the engine alone
-takes to prefill it to its first token, both per prompt, one prompt at a time. The README sets the
-ratio beside the one published figures give for a 7-8B model on one H100.
+"""The fast-engine scenario (docs/benchmarks.md): the default model's real tokenizer and the real
+engine code on a small random-weight model whose steps cost milliseconds, so that tokenizing is as
+large a share of TTFT as in front of a GPU engine; ``calibrate`` measures that share.
 """
 
 from __future__ import annotations
@@ -58,7 +53,7 @@ def calibrate(
     for i, request in enumerate(chosen):
         cpu, wall = time.process_time(), time.perf_counter()
         prepared = prepare_request(
-            preparer, f"calibrate-{i}", sampling, time.monotonic(), request.prompt, request.messages
+            preparer, f"calibrate-{i}", sampling, time.monotonic(), request.prompt, None
         )
         tokenized = (time.process_time() - cpu, time.perf_counter() - wall)
         if isinstance(prepared, RequestError):

@@ -76,22 +76,17 @@ def hop_values(times: dict[str, float], hops: tuple) -> dict[str, float]:
     }
 
 
-def measure_run(url: str, model: str, chats: list, args: argparse.Namespace) -> dict:
+def measure_run(url: str, chats: list, args: argparse.Namespace) -> dict:
     """One run at one stream: every chat fresh, then every chat again (cached)."""
-    from scripts.bench.http_client import make_http
+    from scripts.bench.http_client import make_http, model_id
 
-    run: dict[str, list] = {
-        "itl": [],
-        "ttft": [],
-        "ttft_cached": [],
-        "hops": [],
-        "first": [],
-        "threads": [],  # the torch threads of each decode step, and of each cached prompt's first
-        "first_threads": [],
-    }
+    # threads: the torch threads of each decode step; first_threads: of each cached prompt's first
+    keys = ("itl", "ttft", "ttft_cached", "hops", "first", "threads", "first_threads")
+    run: dict[str, list] = {key: [] for key in keys}
 
     async def go() -> None:
-        async with make_http(keepalive=False) as http:
+        async with make_http() as http:
+            model = await model_id(http, url)
             for phase, chat in itertools.product(("fresh", "cached"), chats):
                 r = await stream_one(http, url, model, chat, args.output_tokens)
                 if r["error"] or not r["tokens"]:
@@ -173,42 +168,26 @@ def render(stats: dict[str, dict], loads: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _cpu(cluster: Any) -> dict[str, float]:
-    """CPU seconds of this client and, for a cluster started here, of each of its roles."""
-    import psutil
-
-    from scripts.bench.launcher import cluster_cpu
-
-    times = psutil.Process().cpu_times()
-    return {"client": times.user + times.system} | (cluster_cpu(cluster) if cluster else {})
-
-
 def run(args: argparse.Namespace, servers: dict) -> dict:
     """The hops of every server started (``servers``, by name) and of every --url."""
-    from scripts.bench.http_client import make_http, model_id
-    from scripts.bench.launcher import SplitserveServer
+    from scripts.bench.launcher import SplitserveServer, cpu_by_role
     from scripts.bench.peer_workload import PromptCounter, build_chats
-
-    async def model_of(url: str) -> str:
-        async with make_http(keepalive=False) as http:
-            return await model_id(http, url)
 
     urls = {f"url {u}": u for u in args.url} | {name: s.url for name, s in servers.items()}
     clusters = {n: s.cluster for n, s in servers.items() if isinstance(s, SplitserveServer)}
     counter = PromptCounter()
     runs: dict[str, list] = {}
     loads: list[str] = []
-    models = {n: asyncio.run(model_of(u)) for n, u in urls.items()}
     start = 0
     for repeat in range(args.repeats):
         chats = build_chats(counter, args.requests, args.prompt_tokens, 10**6 + start)
         start += len(chats)
         for name in rotated(urls, repeat):
             loaded = load()
-            cpu0 = _cpu(clusters.get(name))
-            run = measure_run(urls[name], models[name], chats, args)
+            cpu0 = cpu_by_role(clusters.get(name))
+            run = measure_run(urls[name], chats, args)
             tokens = args.output_tokens * len(chats) * 2
-            used = {k: v - cpu0[k] for k, v in _cpu(clusters.get(name)).items()}
+            used = {k: v - cpu0[k] for k, v in cpu_by_role(clusters.get(name)).items()}
             run["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in used.items()}
             runs.setdefault(name, []).append(run)
             loads.append(f"{name} r{repeat}: {loaded}")

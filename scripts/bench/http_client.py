@@ -1,7 +1,7 @@
 """The one HTTP streaming client of the benchmarks: streamed OpenAI chat completions over httpx
 (asyncio), each request's outcome filling a RequestRecord. A token's time is when its SSE chunk
-reaches this client, the same for every server (splitserve's frontend, llama-server). The peer
-workload's parts drive it (serve through systems.HttpSystem, on an event loop of its own).
+reaches this client, the same for every server (splitserve's frontend, llama-server): the peer
+workload's parts (serve, hops, startup) drive it.
 """
 
 from __future__ import annotations
@@ -64,19 +64,15 @@ def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
     }
 
 
-def make_http(keepalive: bool) -> httpx.AsyncClient:
-    """keepalive False: a fresh connection per request. llama-server sometimes closes a kept-alive
-    connection just as the next request goes out on it ("Server disconnected without sending a
-    response"; ~1 request in 8 at one stream); a new loopback connection costs well under a
-    millisecond. No retries either way: a failure must show."""
+def make_http() -> httpx.AsyncClient:
+    """A fresh connection per request: llama-server sometimes closes a kept-alive connection just
+    as the next request goes out on it ("Server disconnected without sending a response"; ~1
+    request in 8 at one stream); a new loopback connection costs well under a millisecond. No
+    retries: a failure must show."""
     import httpx  # the bench extra
 
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(600.0, connect=30.0),
-        limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=1024 if keepalive else 0
-        ),
-    )
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits)
 
 
 async def model_id(http: httpx.AsyncClient, url: str) -> str:

@@ -40,13 +40,6 @@ logger = logging.getLogger("splitserve.bench.inproc")
 CLIENT_ID = b"inproc"
 
 
-class _Abort:
-    __slots__ = ("request_id",)
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-
-
 def make_preparer(model_dir: str, engine: Engine) -> RequestPreparer:
     """A tokenizer worker's request preparer for this engine's limits."""
     return RequestPreparer(
@@ -99,18 +92,18 @@ class InprocServer:
         self.detokenizer.on_hello(CLIENT_ID)
         self.detokenizer.take_output()  # the welcome: nobody to send it to
         self._deliver = deliver
-        self._inbox: queue.SimpleQueue[TokenizedRequest | RequestError | _Abort | None] = (
-            queue.SimpleQueue()
-        )
+        # A request id alone is its abort; None ends the engine thread.
+        self._inbox: queue.SimpleQueue[TokenizedRequest | RequestError | str | None]
+        self._inbox = queue.SimpleQueue()
         self._new_metas: list[RequestMeta] = []  # added since the last step
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
     # --- the caller's side ----------------------------------------------------------------------
-    def pretokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
+    def pretokenize(self, prompt: str) -> list[int]:
         """The prompt's token ids exactly as submit() would make them (for inproc-pretok)."""
         result = prepare_request(
-            self.preparer, "pretokenize", SamplingParams(), time.monotonic(), prompt, messages
+            self.preparer, "pretokenize", SamplingParams(), time.monotonic(), prompt, None
         )
         if isinstance(result, RequestError):
             raise ValueError(result.message)
@@ -138,7 +131,7 @@ class InprocServer:
         return t_submit
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(request_id)
 
     def close(self) -> None:
         self._inbox.put(None)
@@ -186,9 +179,9 @@ class InprocServer:
                 return [self._inbox.get(timeout=delay_s)]
         return []
 
-    def _take(self, item: TokenizedRequest | RequestError | _Abort) -> None:
-        if isinstance(item, _Abort):
-            self.detokenizer.on_client_abort(CLIENT_ID, [item.request_id])
+    def _take(self, item: TokenizedRequest | RequestError | str) -> None:
+        if isinstance(item, str):
+            self.detokenizer.on_client_abort(CLIENT_ID, [item])
         elif isinstance(item, RequestError):
             self.detokenizer.on_request_error(item)
         else:

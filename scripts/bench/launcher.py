@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shlex
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -54,15 +52,16 @@ def cpu_of_threads(tids: set[int]) -> float:
 
 def cluster_cpu(cluster: Any) -> dict[str, float]:
     """CPU seconds of a cluster's processes per role, in the order requests flow through them."""
+    flow = {"http": 0, "tokenizer": 1, "engine": 2, "detokenizer": 3}  # then any other role
     roles: dict[str, list[int]] = {}
-    for child in cluster.children:
+    for child in sorted(cluster.children, key=lambda c: flow.get(c.role, 4)):
         roles.setdefault(child.role, []).append(child.popen.pid)
-    out = {}
-    for role in ("http", "tokenizer", "engine", "detokenizer"):
-        if role in roles:
-            out[role] = cpu_of(roles.pop(role))
-    out.update({role: cpu_of(pids) for role, pids in roles.items()})
-    return out
+    return {role: cpu_of(pids) for role, pids in roles.items()}
+
+
+def cpu_by_role(cluster: Any = None) -> dict[str, float]:
+    """CPU seconds of this process (the client) and of each role of ``cluster`` (if any)."""
+    return {"client": cpu_of([os.getpid()])} | (cluster_cpu(cluster) if cluster else {})
 
 
 # --- splitserve ----------------------------------------------------------------------------------
@@ -99,11 +98,11 @@ def splitserve(
 class SplitserveServer:
     """A cluster with its OpenAI frontend, as `splitserve launch --http-port 0 FLAGS` serves."""
 
-    def __init__(self, flags: str = "", model: str | os.PathLike | None = None) -> None:
+    def __init__(self, flags: str = "") -> None:
         self.name = f"splitserve {flags}".strip() if flags else "splitserve defaults"
         self.flags = flags
         self._stack = contextlib.ExitStack()
-        self.cluster = self._stack.enter_context(splitserve(model, flags=flags, http=True))
+        self.cluster = self._stack.enter_context(splitserve(flags=flags, http=True))
         self.url = f"{self.cluster.http_url}/v1"
 
     def pids(self) -> list[int]:
@@ -123,12 +122,6 @@ class SplitserveServer:
 
 
 # --- llama.cpp -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """``llama-server`` with ``threads`` threads for both decode and prompt batches, ``parallel``
     slots of ``ctx_per_slot`` tokens each, the GGUF's own chat template (jinja). Its log outlives
@@ -144,15 +137,13 @@ class LlamaServer:
         extra_args: str = "",
         start_timeout_s: float = 180.0,
     ) -> None:
-        self.name = f"llama.cpp t{threads}"
-        self.keep_log = False
+        from procs.cluster_setup import free_tcp_port
+
+        self.name, self.keep_log = f"llama.cpp t{threads}", False
         self.log = tempfile.NamedTemporaryFile(
-            prefix=f"peer-{re.sub(r'[^a-z0-9]+', '-', self.name)}-",
-            suffix=".log",
-            delete=False,
-            mode="w+",
+            "w+", prefix=f"llama-server-t{threads}-", suffix=".log", delete=False
         )
-        port = free_port()
+        port = free_tcp_port("127.0.0.1")
         self.command = [
             binary,
             *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),

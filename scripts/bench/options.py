@@ -16,6 +16,8 @@ from typing import Any
 from procs.config_flags import add_cluster_flags, add_engine_flags
 
 BASE_MODES = ("inproc", "inproc-pretok", "cluster")
+# The cluster knobs the serving workload takes (the engine's: all of them).
+CLUSTER_KNOBS = ("tokenizer_threads", "tokenizer_batch_max", "stream_interval_tokens")
 
 
 def int_list(text: str) -> list[int]:
@@ -156,7 +158,7 @@ def _what_is_compared(g: Any) -> None:
         help="tokenizer worker processes of the cluster; a list (1,2,4) sweeps, one "
         "mode each: cluster-tw1, cluster-tw2, ... (default: 1)",
     )
-    add_cluster_flags(g, ("tokenizer_threads", "tokenizer_batch_max", "stream_interval_tokens"))
+    add_cluster_flags(g, CLUSTER_KNOBS)
 
 
 def _workload(g: Any) -> None:
@@ -223,12 +225,6 @@ def _runs(g: Any) -> None:
         "warms kernels and caches, it need not be the whole workload (default: 16)",
     )
     add_shared(g, "repeats", repeats=1)
-    g.add_argument(
-        "--no-run-tag",
-        action="store_true",
-        help="send identical prompts in every run (later runs may then be served "
-        "from the prefix cache of earlier ones)",
-    )
     g.add_argument(
         "--request-timeout-s",
         type=float,

@@ -21,17 +21,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import signal
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from scripts.bench import hops, report
-from scripts.bench.interleave import progress, rotated
+from scripts.bench.interleave import load, progress, rotated
 from scripts.bench.options import (
     add_parts,
     add_shared,
@@ -150,13 +150,9 @@ def gguf_of(args: argparse.Namespace) -> Path:
 def llama_server(args: argparse.Namespace, threads: int, parallel: int | None = None) -> Any:
     from scripts.bench.launcher import LlamaServer
 
+    slots = parallel or args.parallel
     return LlamaServer(
-        args.llama_server,
-        gguf_of(args),
-        threads,
-        parallel or args.parallel,
-        args.ctx_per_slot,
-        args.llama_args,
+        args.llama_server, gguf_of(args), threads, slots, args.ctx_per_slot, args.llama_args
     )
 
 
@@ -181,52 +177,44 @@ def requests_for(args: argparse.Namespace, level: int) -> int:
 
 
 # --- serve ---------------------------------------------------------------------------------------
-def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.ExitStack):
-    """Every repeat, every concurrency, every server (order rotated each repeat): one run each,
-    through the serving workload's runner and HTTP client, --concurrency requests in flight."""
-    from ipc.messages import SamplingParams
+async def closed_loop(url: str, chats: list, level: int, output_tokens: int) -> list:
+    """The chats through one server, ``level`` requests in flight (the next as soon as one ends),
+    a connection each: every request's RequestRecord, on this client's clock."""
+    from scripts.bench.http_client import chat_body, make_http, model_id, stream
+    from scripts.bench.stats import RequestRecord
+
+    async with make_http() as http:
+        model, slots, t0 = await model_id(http, url), asyncio.Semaphore(level), time.monotonic()
+
+        async def one(index: int, chat: list) -> RequestRecord:
+            async with slots:
+                rec = RequestRecord(index, str(index), t_planned=t0, t_submit=time.monotonic())
+                (await stream(http, url, chat_body(model, chat, output_tokens))).fill(rec)
+                return rec
+
+        return list(await asyncio.gather(*(one(i, chat) for i, chat in enumerate(chats))))
+
+
+def measure(args: argparse.Namespace, servers: dict, counter) -> list[dict]:
+    """Every repeat, every concurrency, every server (order rotated each repeat): one closed loop
+    each, --concurrency requests in flight."""
     from scripts.bench.peer_workload import build_chats
-    from scripts.bench.runner import EventCollector, RunOptions, run_once
-    from scripts.bench.systems import HttpSystem
-    from scripts.bench.workloads import ArrivalSpec, BenchRequest
 
-    collector, runs, start = EventCollector(), [], 0
-    clients = {}
-    for name, server in servers.items():
-        clients[name] = HttpSystem(name, collector, endpoint=server.url, keepalive=False)
-        stack.callback(clients[name].close)
-    sampling = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    def send(name: str, chats: list, level: int) -> list:
+        return asyncio.run(closed_loop(servers[name].url, chats, level, args.output_tokens))
 
-    def send(name: str, chats: list, level: int, warmup: bool = False):
-        requests = [
-            BenchRequest(index=i, max_tokens=args.output_tokens, messages=chat)
-            for i, chat in enumerate(chats)
-        ]
-        options = RunOptions(max_concurrency=level)
-        run = run_once(
-            clients[name],
-            collector,
-            requests,
-            ArrivalSpec(),
-            lambda _: sampling,
-            options,
-            mode=name,
-            run_index=len(runs),
-            warmup=warmup,
-        )
-        return run.records
-
+    runs, start = [], 0
     if args.warmup_requests:
         chats = build_chats(counter, args.warmup_requests, args.prompt_tokens, 10**6)
         for name in servers:
-            send(name, chats, 8, warmup=True)
+            send(name, chats, 8)
     for repeat in range(args.repeats):
         for level in args.concurrency:
             chats = build_chats(counter, requests_for(args, level), args.prompt_tokens, start)
             start += len(chats)
             for name in rotated(servers, repeat):
                 if args.warm_cache:
-                    send(name, chats, level, warmup=True)
+                    send(name, chats, level)
                 cpu0 = servers[name].cpu_seconds()
                 records = send(name, chats, level)
                 summary = summarize(records, {"server": servers[name].cpu_seconds() - cpu0})
@@ -236,7 +224,7 @@ def measure(args: argparse.Namespace, servers: dict, counter, stack: contextlib.
                         "concurrency": level,
                         "repeat": repeat,
                         "summary": summary,
-                        "records": [r.to_json() for r in records],
+                        "records": [asdict(r) for r in records],
                     }
                 )
                 progress(
@@ -255,10 +243,10 @@ def run_serve(args: argparse.Namespace) -> dict:
         servers = start_servers(args, stack)
         peers = [n for n, s in servers.items() if isinstance(s, LlamaServer)]
         ours = [n for n in servers if n not in peers]
-        load_before = os.getloadavg()
-        runs = measure(args, servers, counter, stack)
+        load_before = load()
+        runs = measure(args, servers, counter)
         described = {name: s.describe() for name, s in servers.items()}
-        load_after = os.getloadavg()
+        load_after = load()
     setup = {
         "gguf": str(gguf_of(args)),
         "servers": described,
@@ -296,13 +284,10 @@ def render_serve(setup: dict, stats: dict, comparisons: dict, levels: list[int])
     lines += [f"- `{name}`: `{cmd}`" for name, cmd in setup["servers"].items()]
     if setup.get("niceness") is not None:
         lines.append(f"- servers and client at niceness {setup['niceness']}")
-    load = setup.get("load_average") or {"before": (), "after": ()}
+    loads = setup["load_average"]
     lines.append(
-        "- load average (1, 5, 15 min) before: "
-        + ", ".join(f"{x:.1f}" for x in load["before"])
-        + "; after: "
-        + ", ".join(f"{x:.1f}" for x in load["after"])
-        + " (other work on the machine slows every server; runs are interleaved)"
+        f"- load average (1, 5, 15 min) before: {loads['before']}; after: {loads['after']} "
+        "(other work on the machine slows every server; runs are interleaved)"
     )
     for name, rows in comparisons.items():
         lines += ["", report.markdown_comparison(rows, name)]
@@ -312,19 +297,6 @@ def render_serve(setup: dict, stats: dict, comparisons: dict, levels: list[int])
 
 
 # --- startup -------------------------------------------------------------------------------------
-async def first_token_s(url: str, messages: list) -> float:
-    """Seconds from sending one streamed chat request to its first token's chunk."""
-    from scripts.bench.http_client import chat_body, make_http, model_id, stream
-
-    async with make_http(keepalive=False) as http:
-        body = chat_body(await model_id(http, url), messages, 4)
-        sent = time.monotonic()
-        out = await stream(http, url, body)
-    if out.error or not out.delta_times:
-        raise RuntimeError(f"the first request failed: {out.error or 'no token'}")
-    return out.delta_times[0] - sent
-
-
 def run_startup(args: argparse.Namespace) -> dict:
     from scripts.bench.launcher import SplitserveServer
     from scripts.bench.peer_workload import PromptCounter, build_chats
@@ -342,7 +314,10 @@ def run_startup(args: argparse.Namespace) -> dict:
             )
             ready_s = time.monotonic() - began
             with contextlib.closing(server):
-                ttft = asyncio.run(first_token_s(server.url, chats[len(runs)]))
+                (first,) = asyncio.run(closed_loop(server.url, [chats[len(runs)]], 1, 4))
+            if not first.ok or not first.delta_times:
+                raise RuntimeError(f"the first request failed: {first.error or 'no token'}")
+            ttft = first.ttft
             runs.append(
                 {
                     "case": server.name,
@@ -358,22 +333,18 @@ def run_startup(args: argparse.Namespace) -> dict:
 
 
 def render_startup(runs: list[dict]) -> str:
-    lines = [
-        "| case | first start: ready / first token (s) | later starts, median: ready / first "
-        "token (s) | load |",
-        "|---|---|---|---|",
-    ]
+    head = ["case", "first start: ready / first token (s)"]
+    head += ["later starts, median: ready / first token (s)", "load"]
+    rows = []
     for case in dict.fromkeys(r["case"] for r in runs):
         mine = [r for r in runs if r["case"] == case]
         later = mine[1:] or mine
         ready = statistics.median(r["ready_s"] for r in later)
         first = statistics.median(r["first_token_s"] for r in later)
         loads = ", ".join(f"{r['load']:.1f}" for r in mine)
-        lines.append(
-            f"| {case} | {mine[0]['ready_s']:.1f} / {mine[0]['first_token_s']:.1f} | "
-            f"{ready:.1f} / {first:.1f} | {loads} |"
-        )
-    return "\n".join(lines)
+        first_start = f"{mine[0]['ready_s']:.1f} / {mine[0]['first_token_s']:.1f}"
+        rows.append([case, first_start, f"{ready:.1f} / {first:.1f}", loads])
+    return report.markdown_table(head, rows)
 
 
 def run_hops(args: argparse.Namespace) -> dict:
@@ -397,6 +368,6 @@ def main(argv: list[str] | None = None) -> dict:
         data[part] = PARTS[part](args)
         print(data[part]["text"], flush=True)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(data, indent=1))
+        report.write_json(args.json_path, data)
         print(f"wrote {args.json_path}")
     return data

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 from scripts.bench.runner import RunResult
@@ -25,35 +26,22 @@ PERCENTILE_LINES = (
     ("Latency (end-to-end)", "e2el_ms", "ms"),
 )
 
-# What the comparison table and the ratio lines show: (label, key).
+# What the comparison table shows: (label, key, its label in the ratio lines or None).
 COMPARED = (
-    ("submit wall (s)", "submit_wall_s"),
-    ("submit latency p50 (ms)", "submit_latency_ms_p50"),
-    ("submit latency p99 (ms)", "submit_latency_ms_p99"),
-    ("tokenize p50 (ms)", "tokenize_ms_p50"),
-    ("queue wait p50 (ms)", "queue_wait_ms_p50"),
-    ("prefill->first token p50 (ms)", "prefill_to_first_token_ms_p50"),
-    ("TTFT p50 (ms)", "ttft_ms_p50"),
-    ("TTFT p99 (ms)", "ttft_ms_p99"),
-    ("TTFT from arrival p50 (ms)", "ttft_from_arrival_ms_p50"),
-    ("TPOT p50 (ms/token)", "tpot_ms_p50"),
-    ("latency p50 (ms)", "e2el_ms_p50"),
-    ("request throughput (req/s)", "request_throughput_rps"),
-    ("output throughput (tok/s)", "output_throughput_tps"),
+    ("submit wall (s)", "submit_wall_s", "submit wall"),
+    ("submit latency p50 (ms)", "submit_latency_ms_p50", None),
+    ("submit latency p99 (ms)", "submit_latency_ms_p99", "submit p99"),
+    ("tokenize p50 (ms)", "tokenize_ms_p50", None),
+    ("queue wait p50 (ms)", "queue_wait_ms_p50", None),
+    ("prefill->first token p50 (ms)", "prefill_to_first_token_ms_p50", None),
+    ("TTFT p50 (ms)", "ttft_ms_p50", "TTFT p50"),
+    ("TTFT p99 (ms)", "ttft_ms_p99", "TTFT p99"),
+    ("TTFT from arrival p50 (ms)", "ttft_from_arrival_ms_p50", None),
+    ("TPOT p50 (ms/token)", "tpot_ms_p50", None),
+    ("latency p50 (ms)", "e2el_ms_p50", None),
+    ("request throughput (req/s)", "request_throughput_rps", "throughput"),
+    ("output throughput (tok/s)", "output_throughput_tps", None),
 )
-
-RATIO_KEYS = (
-    ("submit wall", "submit_wall_s"),
-    ("submit p99", "submit_latency_ms_p99"),
-    ("TTFT p50", "ttft_ms_p50"),
-    ("TTFT p99", "ttft_ms_p99"),
-    ("throughput", "request_throughput_rps"),
-)
-
-
-def _pct_line(label: str, summary: dict, key: str, unit: str) -> str:
-    values = "/".join(num(summary.get(f"{key}_p{p}")) for p in (50, 95, 99))
-    return f"{label} p50/p95/p99: {values} {unit}"
 
 
 def header_lines(setup: dict) -> list[str]:
@@ -81,7 +69,8 @@ def mode_block(mode: str, summary: dict, runs: int, arrival_kind: str) -> list[s
     for label, key, unit in PERCENTILE_LINES:
         if key == "submit_lag_ms" and arrival_kind == "burst":
             continue  # every request is due at t0: the lag is just the submit wall again
-        lines.append(_pct_line(label, s, key, unit))
+        values = "/".join(num(s.get(f"{key}_p{p}")) for p in (50, 95, 99))
+        lines.append(f"{label} p50/p95/p99: {values} {unit}")
     parts = " + ".join(
         f"{name} {num(s.get(f'ttft_part[{name}]_ms_mean'))}" for name, _, _ in TTFT_PARTS
     )
@@ -104,24 +93,22 @@ def mode_block(mode: str, summary: dict, runs: int, arrival_kind: str) -> list[s
 
 def comparison_lines(medians: dict[str, dict], baseline: str | None) -> list[str]:
     modes = list(medians)
-    width = max(len(label) for label, _ in COMPARED) + 2
+    width = max(len(label) for label, _, _ in COMPARED) + 2
     col = max(12, *(len(m) + 2 for m in modes))
     lines = [
         "=== comparison (medians over measured runs) ===",
         "metric".ljust(width) + "".join(m.rjust(col) for m in modes),
     ]
-    for label, key in COMPARED:
+    for label, key, _ in COMPARED:
         lines.append(
             label.ljust(width) + "".join(num(medians[m].get(key), 3).rjust(col) for m in modes)
         )
-    if baseline is None or baseline not in medians:
-        return lines
-    base = medians[baseline]
-    for mode in modes:
-        if mode == baseline:
-            continue
+    base = medians.get(baseline or "")
+    for mode in [m for m in modes if base is not None and m != baseline]:
         ratios = ", ".join(
-            f"{label} {_ratio(medians[mode].get(key), base.get(key))}" for label, key in RATIO_KEYS
+            f"{shown} {_ratio(medians[mode].get(key), base.get(key))}"
+            for _, key, shown in COMPARED
+            if shown
         )
         lines.append(f"{mode} vs {baseline}: {ratios}")
     return lines
@@ -156,14 +143,14 @@ def render(
     setup: dict,
     runs: list[RunResult],
     medians: dict[str, dict],
-    measured_runs: dict[str, int],
+    repeats: int,
     arrival_kind: str,
     baseline: str | None,
 ) -> str:
     lines = header_lines(setup)
     for mode, summary in medians.items():
         lines.append("")
-        lines += mode_block(mode, summary, measured_runs[mode], arrival_kind)
+        lines += mode_block(mode, summary, repeats, arrival_kind)
         lines += error_lines(runs, mode)
     lines.append("")
     lines += comparison_lines(medians, baseline)
@@ -176,16 +163,11 @@ def to_json(
 ) -> dict:
     return {
         "setup": setup,
-        "runs": [
-            {
-                "mode": r.mode,
-                "run_index": r.run_index,
-                "warmup": r.warmup,
-                "timed_out": r.timed_out,
-                "cpu_seconds": r.cpu_seconds,
+        "runs": [  # every field of the run (its records too), its summary; a burst's rate null
+            asdict(r)
+            | {
                 "summary": s,
                 "request_rate": r.request_rate if math.isfinite(r.request_rate) else None,
-                "records": [rec.to_json() for rec in r.records],
             }
             for r, s in zip(runs, summaries)
         ],
@@ -263,26 +245,23 @@ def comparison_rows(
     return rows
 
 
-def markdown_comparison(rows: list[dict], ours: str, peer_label: str = "llama.cpp") -> str:
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(
+        "| " + " | ".join(cells) + " |" for cells in [head, ["---"] * len(head), *rows]
+    )
+
+
+def markdown_comparison(rows: list[dict], ours: str) -> str:
     head = ["streams", *[label for label, *_ in FIGURES], "llama.cpp at its best"]
-    lines = [
-        f"**{ours}** / {peer_label} (medians; each cell ours / theirs = ratio; "
-        "TTFT and ITL: lower is better)",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
+    cells = []
     for row in rows:
-        cells = [str(row["concurrency"])]
-        for _, key, _, decimals in FIGURES:
-            f = row["figures"][key]
-            cells.append(
-                f"{num(f['ours'], decimals)} / {num(f['theirs'], decimals)} = "
-                f"{_ratio(f['ours'], f['theirs'])}"
-            )
-        cells.append(row["peer"] or "n/a")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        shown = [str(row["concurrency"])]
+        for _, key, _, d in FIGURES:
+            a, b = row["figures"][key]["ours"], row["figures"][key]["theirs"]
+            shown.append(f"{num(a, d)} / {num(b, d)} = {_ratio(a, b)}")
+        cells.append(shown + [row["peer"] or "n/a"])
+    intro = f"**{ours}** / llama.cpp (medians; each cell ours / theirs = ratio; TTFT and ITL: "
+    return intro + "lower is better)\n\n" + markdown_table(head, cells)
 
 
 # (label, figure, decimals): the per-request medians of the all-servers table.
@@ -302,19 +281,14 @@ def markdown_all(stats: dict[str, dict[int, dict]], levels: list[int]) -> str:
     each request really was (tokens in and out, from the server's usage)."""
     head = ["target", "streams", "output tok/s median [min-max]"]
     head += [label for label, _, _ in ALL_COLUMNS] + ["errors", "runs"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for target, by_level in stats.items():
         for level in [level for level in levels if level in by_level]:
             s = by_level[level]
             tput = s.get(HEADLINE)
-            cells = [target, str(level)]
-            cells.append(
-                "n/a"
-                if tput is None
-                else f"{tput['median']:.1f} [{tput['min']:.1f}-{tput['max']:.1f}]"
-            )
+            shown = tput and f"{tput['median']:.1f} [{tput['min']:.1f}-{tput['max']:.1f}]"
+            cells = [target, str(level), shown or "n/a"]
             cells += [num(median(s, key), decimals) for _, key, decimals in ALL_COLUMNS]
-            cells += [num(s["errors"]["max"] if s.get("errors") else None, 0)]
-            cells += [str(tput["n"] if tput else 0)]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            errors = s["errors"]["max"] if s.get("errors") else None
+            rows.append(cells + [num(errors, 0), str(tput["n"] if tput else 0)])
+    return markdown_table(head, rows)

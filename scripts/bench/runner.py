@@ -16,6 +16,11 @@ from ipc.messages import RequestTimings, SamplingParams, StreamEvent, Usage
 from scripts.bench.stats import RequestRecord
 from scripts.bench.workloads import ArrivalSpec, BenchRequest
 
+# The request's timings a record copies (the same names on both).
+SERVER_STAMPS = (
+    "t_tokenize_start t_tokenized t_arrived t_scheduled t_first_token t_last_token t_finished"
+).split()
+
 
 class SystemUnderTest(Protocol):
     """A system under test. Events for its requests go to the EventCollector it was given."""
@@ -39,7 +44,7 @@ class EventCollector:
     """Fills in the run's records as requests progress and counts them down: ``deliver(events)``
     for raw StreamEvents (the in-process server; a collector thread stamps them as a client
     would receive them), ``complete(request_id, fill)`` for an outcome a client already holds
-    with its own receive stamps (the cluster SDK's, the HTTP client's)."""
+    with its own receive stamps (the cluster SDK's)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,15 +123,7 @@ def copy_server_side(
         rec.output_tokens = usage.completion_tokens
         rec.cached_tokens = usage.cached_tokens
     if timings is not None:
-        for name in (
-            "t_tokenize_start",
-            "t_tokenized",
-            "t_arrived",
-            "t_scheduled",
-            "t_first_token",
-            "t_last_token",
-            "t_finished",
-        ):
+        for name in SERVER_STAMPS:
             setattr(rec, name, getattr(timings, name))
 
 
@@ -168,13 +165,8 @@ def run_once(
 ) -> RunResult:
     """Runs the workload once; ``sampling_for(request)`` gives each request's SamplingParams."""
     system.prepare(requests)
-    records = {
-        f"{mode}-{run_index}-{r.index}": RequestRecord(
-            index=r.index, request_id=f"{mode}-{run_index}-{r.index}"
-        )
-        for r in requests
-    }
-    ids = list(records)
+    ids = [f"{mode}-{run_index}-{r.index}" for r in requests]
+    records = {rid: RequestRecord(index=r.index, request_id=rid) for rid, r in zip(ids, requests)}
     limiter = (
         threading.BoundedSemaphore(options.max_concurrency) if options.max_concurrency > 0 else None
     )
@@ -240,8 +232,7 @@ def _submit_all(
             rec.submit_cpu_s = time.thread_time() - cpu
             collector.complete(rid, fail(f"submit raised {type(exc).__name__}: {exc}"))
             continue
-        # (a system that knows better, the HTTP client's, may already have set it)
-        rec.t_submit_done = rec.t_submit_done or time.monotonic()
+        rec.t_submit_done = time.monotonic()
         rec.submit_cpu_s = time.thread_time() - cpu
 
 

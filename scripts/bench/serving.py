@@ -12,7 +12,7 @@ A list of --request-rate values sweeps open-loop Poisson arrivals and reports th
 each mode sustains; --fast-engine swaps the model for one whose steps cost milliseconds, so
 tokenization weighs in TTFT as it does in front of a GPU (scripts/bench/fast_engine.py).
 Every mode keeps one server for all its runs; each run's prompts carry a run tag at their start
-so no run is served from the prefix cache of an earlier one (--no-run-tag turns that off).
+so no run is served from the prefix cache of an earlier one.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from scripts.bench.fast_engine import (
     fast_engine_model,
 )
 from scripts.bench.interleave import rotated
-from scripts.bench.options import BASE_MODES, serving_parser
+from scripts.bench.options import BASE_MODES, CLUSTER_KNOBS, serving_parser
 from scripts.bench.runner import EventCollector, RunOptions, run_once
 from scripts.bench.stats import median_summary, summarize
 from scripts.bench.sweep import parse_rates, requests_at, sweep_lines
@@ -60,11 +60,17 @@ def expand_modes(modes_text: str, tokenizer_workers: list[int]) -> list[str]:
     return modes
 
 
-def engine_knobs(args: argparse.Namespace) -> dict:
-    """The engine's knobs, the same in every mode (the threads are decided per mode)."""
-    knobs = knob_values(args, ENGINE_KNOBS)
-    del knobs["engine_threads"]
-    return knobs
+def engine_knobs(args: argparse.Namespace, tokenizer_workers: int) -> dict:
+    """The engine's knobs, the same in every mode but its torch threads: the flag's, else what
+    the supervisor budgets an engine beside ``tokenizer_workers``."""
+    from procs.thread_budget import thread_budget
+
+    budget = thread_budget(
+        tokenizer_workers,
+        engine_threads=args.engine_threads,
+        tokenizer_threads=args.tokenizer_threads,
+    )
+    return knob_values(args, ENGINE_KNOBS) | {"engine_threads": budget[0]}
 
 
 def workload_kv_tokens(args: argparse.Namespace, requests, tokenizer) -> int:
@@ -77,23 +83,10 @@ def workload_kv_tokens(args: argparse.Namespace, requests, tokenizer) -> int:
     return -(-tokens // args.block_size) * args.block_size
 
 
-def engine_threads_for(args: argparse.Namespace, tokenizer_workers: int) -> int:
-    """The engine's torch threads: the flag, else what the supervisor budgets the engine."""
-    from procs.thread_budget import thread_budget
-
-    return thread_budget(
-        tokenizer_workers,
-        engine_threads=args.engine_threads,
-        tokenizer_threads=args.tokenizer_threads,
-    )[0]
-
-
 def inproc_engine_config(args: argparse.Namespace, model_path: str):
     from ipc.engine_config import EngineConfig
 
-    return EngineConfig(
-        model_path=model_path, engine_threads=engine_threads_for(args, 1), **engine_knobs(args)
-    )
+    return EngineConfig(model_path=model_path, **engine_knobs(args, 1))
 
 
 def make_systems(
@@ -106,19 +99,11 @@ def make_systems(
     """One system under test per mode; the inproc modes share one in-process server."""
     from scripts.bench.systems import ClusterSystem, InprocServer, InprocSystem
 
-    def cluster_knobs(workers: int) -> dict:
-        return engine_knobs(args) | {
-            "engine_threads": engine_threads_for(args, workers),
-            "tokenizer_threads": args.tokenizer_threads,
-            "tokenizer_batch_max": args.tokenizer_batch_max,
-            "stream_interval_tokens": args.stream_interval_tokens,
-        }
-
     systems, server = {}, None
     for mode in modes:
         if mode.startswith("cluster-tw"):
             workers = int(mode[len("cluster-tw") :])
-            knobs = cluster_knobs(workers)
+            knobs = engine_knobs(args, workers) | knob_values(args, CLUSTER_KNOBS)
             poll_s = 0.001 if args.max_concurrency else 0.02
             systems[mode] = ClusterSystem(mode, model_path, workers, knobs, collector, poll_s)
         else:
@@ -164,13 +149,13 @@ def describe_setup(
         "Temperature": args.temperature,
         "Arrival": arrival.describe(),
         "Max concurrency": args.max_concurrency or "unlimited",
-        # Every engine knob, as the engine got it (threads: per mode, in "Mode details").
-        "Engine": engine_knobs(args)
+        # Every engine knob as given (the threads each mode got: in "Mode details").
+        "Engine": knob_values(args, ENGINE_KNOBS)
         | {"kv_cache_tokens": f"{args.kv_cache_tokens}" + (" (sized for this workload)" * kv_auto)},
         "Stream interval (tokens)": args.stream_interval_tokens,
         "Runs": f"{args.warmup_runs} warmup (of {min(args.warmup_num_requests, w.num_requests)} "
         f"requests) + {args.repeats} measured per mode, interleaved; "
-        f"medians reported; run tag {'off' if args.no_run_tag else 'on'}; "
+        "medians reported; a run tag opens every prompt; "
         "driver GC paused while submitting",
     }
 
@@ -220,20 +205,33 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             f"{FAST_ENGINE_LAYERS} layers, hidden size "
             f"{FAST_ENGINE_HIDDEN_SIZE}, random weights; " + calibration
         )
-    if len(rates) > 1:
-        setup["Arrival"] = f"Poisson at each of {', '.join(f'{r:g}' for r in rates)} req/s"
-        setup["Requests"] = ", ".join(f"{counts[r]} at {r:g} req/s" for r in rates)
-        return _sweep_document(args, modes, rates, setup, runs, summaries)
+    return _document(args, modes, counts, setup, runs, summaries, arrival.kind)
 
-    def median_of(mode: str) -> dict:
-        return median_summary(
-            [s for r, s in zip(runs, summaries) if r.mode == mode and not r.warmup]
-        )
 
-    medians = {mode: median_of(mode) for mode in modes}
-    data = report.to_json(setup, runs, summaries, medians)
-    data["text"] = report.render(
-        setup, runs, medians, {m: args.repeats for m in modes}, arrival.kind, baseline=modes[0]
+def _document(args, modes, counts, setup, runs, summaries, arrival_kind: str) -> dict:
+    """The JSON document with its text: each mode's medians, at each rate of a sweep."""
+    measured = [(r, s) for r, s in zip(runs, summaries) if not r.warmup]
+    sweep = {
+        mode: {
+            rate: median_summary(
+                [s for r, s in measured if (r.mode, r.request_rate) == (mode, rate)]
+            )
+            for rate in counts
+        }
+        for mode in modes
+    }
+    if len(counts) == 1:
+        (rate,) = counts
+        medians = {mode: by_rate[rate] for mode, by_rate in sweep.items()}
+        data = report.to_json(setup, runs, summaries, medians)
+        data["text"] = report.render(setup, runs, medians, args.repeats, arrival_kind, modes[0])
+        return data
+    setup["Arrival"] = f"Poisson at each of {', '.join(f'{r:g}' for r in counts)} req/s"
+    setup["Requests"] = ", ".join(f"{n} at {r:g} req/s" for r, n in counts.items())
+    data = report.to_json(setup, runs, summaries, {})
+    data["sweep"] = {m: {f"{r:g}": s for r, s in by_rate.items()} for m, by_rate in sweep.items()}
+    data["text"] = "\n".join(
+        report.header_lines(setup) + [""] + sweep_lines(sweep, args.slo_ttft_p99_ms)
     )
     return data
 
@@ -262,7 +260,7 @@ def _run_rounds(args, modes, systems, collector, requests, arrival, counts):
             for mode in order:
                 run_index = len(runs)
                 # The same tag length in every run keeps prompt lengths identical across modes.
-                tagged = batch if args.no_run_tag else salt_requests(batch, f"run {run_index:04d}")
+                tagged = salt_requests(batch, f"run {run_index:04d}")
                 result = run_once(
                     systems[mode],
                     collector,
@@ -279,30 +277,6 @@ def _run_rounds(args, modes, systems, collector, requests, arrival, counts):
     return runs, summaries
 
 
-def _sweep_document(args, modes, rates, setup, runs, summaries) -> dict:
-    sweep = {
-        mode: {
-            rate: median_summary(
-                [
-                    s
-                    for r, s in zip(runs, summaries)
-                    if r.mode == mode and r.request_rate == rate and not r.warmup
-                ]
-            )
-            for rate in rates
-        }
-        for mode in modes
-    }
-    data = report.to_json(setup, runs, summaries, {})
-    data["sweep"] = {
-        mode: {f"{rate:g}": s for rate, s in by_rate.items()} for mode, by_rate in sweep.items()
-    }
-    data["text"] = "\n".join(
-        report.header_lines(setup) + [""] + sweep_lines(sweep, args.slo_ttft_p99_ms)
-    )
-    return data
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -312,7 +286,3 @@ def main(argv: list[str] | None = None) -> dict:
         report.write_json(args.json_path, data)
         print(f"wrote {args.json_path}")
     return data
-
-
-if __name__ == "__main__":
-    main()

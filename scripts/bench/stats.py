@@ -14,7 +14,7 @@ TTFT is split into four parts that add up to it exactly:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -88,13 +88,6 @@ class RequestRecord:
 
     def ttft_parts(self) -> dict[str, float]:
         return {name: getattr(self, end) - getattr(self, start) for name, start, end in TTFT_PARTS}
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> RequestRecord:
-        return cls(**data)
 
 
 def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | None]:

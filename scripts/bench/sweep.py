@@ -66,8 +66,17 @@ def highest_sustained(by_rate: dict[float, dict], slo_ttft_p99_ms: float) -> flo
 
 
 # --- the report ---------------------------------------------------------------------------------
-def _us(value_ms: float | None) -> str:
-    return "n/a" if value_ms is None else f"{value_ms * 1e3:.1f}"
+# The table's columns after the rate: (header, unit, width, the summary's key, scale, decimals).
+COLUMNS = (
+    ("arrived", "req/s", 8, "arrival_rate_rps", 1, 2),
+    ("done", "req/s", 8, "completion_rate_rps", 1, 2),
+    ("TTFT p50", "ms", 9, "ttft_from_arrival_ms_p50", 1, 1),
+    ("TTFT p99", "ms", 9, "ttft_from_arrival_ms_p99", 1, 1),
+    ("submit p50", "us", 10, "submit_latency_ms_p50", 1e3, 1),
+    ("submit p99", "us", 10, "submit_latency_ms_p99", 1e3, 1),
+    ("CPU p99", "us", 8, "submit_cpu_ms_p99", 1e3, 1),
+    ("lag p99", "ms", 8, "submit_lag_ms_p99", 1, 1),
+)
 
 
 def sweep_lines(sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float) -> list[str]:
@@ -77,39 +86,22 @@ def sweep_lines(sweep: dict[str, dict[float, dict]], slo_ttft_p99_ms: float) -> 
         f"SLO: TTFT p99 <= {slo_ttft_p99_ms:g} ms; submit CPU: the submitting thread's own "
         "CPU time in submit()) ==="
     ]
-    header = (
-        f"{'rate':>8} {'arrived':>8} {'done':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'submit p50':>10} {'submit p99':>10} {'CPU p99':>8} {'lag p99':>8}  sustains"
-    )
-    units = (
-        f"{'req/s':>8} {'req/s':>8} {'req/s':>8} {'ms':>9} {'ms':>9} {'us':>10} {'us':>10} "
-        f"{'us':>8} {'ms':>8}"
-    )
+    header = f"{'rate':>8} " + " ".join(f"{h:>{w}}" for h, _, w, *_ in COLUMNS) + "  sustains"
+    units = f"{'req/s':>8} " + " ".join(f"{u:>{w}}" for _, u, w, *_ in COLUMNS)
     for mode, by_rate in sweep.items():
         lines += ["", f"--- {mode} ---", header, units]
         for rate in sorted(by_rate):
             s = by_rate[rate]
-            lines.append(
-                f"{rate:>8g} {num(s.get('arrival_rate_rps')):>8} "
-                f"{num(s.get('completion_rate_rps')):>8} "
-                f"{num(s.get('ttft_from_arrival_ms_p50'), 1):>9} "
-                f"{num(s.get('ttft_from_arrival_ms_p99'), 1):>9} "
-                f"{_us(s.get('submit_latency_ms_p50')):>10} "
-                f"{_us(s.get('submit_latency_ms_p99')):>10} {_us(s.get('submit_cpu_ms_p99')):>8} "
-                f"{num(s.get('submit_lag_ms_p99'), 1):>8}  "
-                f"{'yes' if sustains(s, slo_ttft_p99_ms) else 'NO'}"
-                + (f" ({int(s['errors'])} errors)" if s.get("errors") else "")
-            )
-    lines += [
-        "",
-        "highest sustainable rate (req/s): "
-        + ", ".join(
-            f"{mode} {_rate(highest_sustained(by_rate, slo_ttft_p99_ms))}"
-            for mode, by_rate in sweep.items()
-        ),
+            cells = [
+                f"{num(None if s.get(key) is None else s[key] * scale, digits):>{width}}"
+                for _, _, width, key, scale, digits in COLUMNS
+            ]
+            verdict = "yes" if sustains(s, slo_ttft_p99_ms) else "NO"
+            verdict += f" ({int(s['errors'])} errors)" if s.get("errors") else ""
+            lines.append(f"{rate:>8g} " + " ".join(cells) + f"  {verdict}")
+    highest = {mode: highest_sustained(by_rate, slo_ttft_p99_ms) for mode, by_rate in sweep.items()}
+    shown = [
+        f"{m} {'below the lowest rate swept' if r is None else f'{r:g}'}"
+        for m, r in highest.items()
     ]
-    return lines
-
-
-def _rate(rate: float | None) -> str:
-    return "below the lowest rate swept" if rate is None else f"{rate:g}"
+    return lines + ["", "highest sustainable rate (req/s): " + ", ".join(shown)]

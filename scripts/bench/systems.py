@@ -1,22 +1,20 @@
-"""The systems the benchmarks drive, behind one small interface
-(scripts.bench.runner.SystemUnderTest): the in-process baseline and the cluster through the SDK
-(the serving workload), and an OpenAI-compatible HTTP server (the peer workload)."""
+"""The systems the serving workload drives, behind one small interface
+(scripts.bench.runner.SystemUnderTest): the in-process baseline and the cluster through the SDK."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import os
 import queue
 import threading
 import time
+from typing import Any
 
 from ipc.messages import SamplingParams
-from scripts.bench import http_client, launcher
+from scripts.bench import launcher
 from scripts.bench.inproc import InprocServer
-from scripts.bench.launcher import cluster_cpu, cpu_of, cpu_of_threads
+from scripts.bench.launcher import cpu_by_role, cpu_of, cpu_of_threads
 from scripts.bench.runner import EventCollector, copy_server_side
 from scripts.bench.stats import RequestRecord
 from scripts.bench.workloads import BenchRequest
@@ -48,18 +46,14 @@ class InprocSystem:
 
     def prepare(self, requests: list[BenchRequest]) -> None:
         self._ids = (
-            {r.index: self.server.pretokenize(r.prompt, r.messages) for r in requests}
-            if self.pretok
-            else {}
+            {r.index: self.server.pretokenize(r.prompt) for r in requests} if self.pretok else {}
         )
 
     def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
         if self.pretok:
             self.server.submit(request_id, sampling, prompt_token_ids=self._ids[request.index])
         else:
-            self.server.submit(
-                request_id, sampling, prompt=request.prompt, messages=request.messages
-            )
+            self.server.submit(request_id, sampling, prompt=request.prompt)
 
     def abort(self, request_id: str) -> None:
         self.server.abort(request_id)
@@ -96,17 +90,13 @@ class ClusterSystem:
         self.name = name
         self._collector = collector
         self._poll_s = poll_s
-        self._stack = contextlib.ExitStack()
-        try:
-            self.cluster = self._stack.enter_context(
-                launcher.splitserve(
-                    model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs
-                )
+        with contextlib.ExitStack() as stack:  # closed here if the client cannot connect
+            cluster = launcher.splitserve(
+                model_path, tokenizer_workers=tokenizer_workers, **cluster_knobs
             )
-            self.client = self._stack.enter_context(Client(self.cluster.client_addr))
-        except BaseException:
-            self._stack.close()
-            raise
+            self.cluster = stack.enter_context(cluster)
+            self.client = stack.enter_context(Client(self.cluster.client_addr))
+            self._stack = stack.pop_all()
         self._new: queue.SimpleQueue = queue.SimpleQueue()
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
@@ -125,19 +115,14 @@ class ClusterSystem:
         pass
 
     def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
-        handle = self.client.submit(
-            prompt=request.prompt,
-            messages=request.messages,
-            sampling=sampling,
-            request_id=request_id,
-        )
+        handle = self.client.submit(prompt=request.prompt, sampling=sampling, request_id=request_id)
         self._new.put((request_id, handle))
 
     def abort(self, request_id: str) -> None:
         self._new.put((request_id, None))
 
     def cpu_seconds(self) -> dict[str, float]:
-        return {"client": cpu_of([os.getpid()])} | cluster_cpu(self.cluster)
+        return cpu_by_role(self.cluster)
 
     def close(self) -> None:
         self._closing.set()
@@ -158,96 +143,23 @@ class ClusterSystem:
                 else:
                     live[request_id] = handle
             for request_id in [rid for rid, h in live.items() if h.done]:
-                deltas = _deltas_of(live.pop(request_id))
-                self._collector.complete(request_id, functools.partial(_fill, deltas=deltas))
+                fill = functools.partial(_fill, handle=live.pop(request_id))
+                self._collector.complete(request_id, fill)
             time.sleep(self._poll_s)
 
 
-def _deltas_of(handle) -> list:
-    """Every delta of a finished handle, the terminal one included (stream() raises the error of
-    a failed request after yielding what came before it)."""
-    out = []
+def _fill(rec: RequestRecord, handle: Any) -> None:
+    """A finished handle's deltas into its record (stream() raises the error of a failed request
+    after yielding what came before it)."""
+    deltas: list = []
     try:
         for delta in handle.stream(timeout=0):
-            out.append(delta)
-    except Exception as exc:  # the request ended with an error: keep it as a final "delta"
-        out.append(_ErrorEnd(str(exc)))
-    return out
-
-
-class _ErrorEnd:
-    def __init__(self, message: str) -> None:
-        self.error, self.t_received = message, time.monotonic()
-
-
-def _fill(rec: RequestRecord, deltas: list) -> None:
-    final = deltas[-1]
-    rec.delta_times = [d.t_received for d in deltas if not isinstance(d, _ErrorEnd) and d.token_ids]
-    rec.t_done = final.t_received
-    if isinstance(final, _ErrorEnd):
-        rec.finish_reason, rec.error = "error", final.error
-        return
-    rec.finish_reason, rec.error = final.finish_reason, final.error
-    copy_server_side(rec, final.usage, final.timings)
-
-
-class HttpSystem:
-    """An OpenAI-compatible HTTP server (splitserve's frontend, llama-server) driven with streamed
-    chat completions from the benchmarks' one HTTP client on an event-loop thread of its own;
-    a delta's receive time is stamped when its SSE chunk is parsed. The API carries no server
-    timestamps (TTFT's parts are not known), and only the client's CPU time is known."""
-
-    def __init__(
-        self, name: str, collector: EventCollector, endpoint: str, keepalive: bool = True
-    ) -> None:
-        self.name = name
-        self._collector = collector
-        self.url = http_client.base_url(endpoint)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"{name}-loop", daemon=True
-        )
-        self._thread.start()
-        self._tasks: dict[str, concurrent.futures.Future] = {}
-
-        async def make_client():
-            return http_client.make_http(keepalive)
-
-        self._http = self._call(make_client())
-        try:
-            self.model = self._call(http_client.model_id(self._http, self.url))
-        except BaseException:
-            self.close()
-            raise
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def prepare(self, requests: list[BenchRequest]) -> None:
-        pass
-
-    def submit(self, request_id: str, request: BenchRequest, sampling: SamplingParams) -> None:
-        body = http_client.chat_body(self.model, request.messages or [], sampling.max_tokens)
-        self._tasks[request_id] = asyncio.run_coroutine_threadsafe(
-            self._one(request_id, body), self._loop
-        )
-
-    async def _one(self, request_id: str, body: dict) -> None:
-        outcome = await http_client.stream(self._http, self.url, body)
-        self._tasks.pop(request_id, None)
-        self._collector.complete(request_id, outcome.fill)
-
-    def abort(self, request_id: str) -> None:
-        task = self._tasks.pop(request_id, None)
-        if task is not None:
-            task.cancel()  # closes the connection: the frontend aborts it in the engine
-
-    def cpu_seconds(self) -> dict[str, float]:
-        return {"client": cpu_of([os.getpid()])}
-
-    def close(self) -> None:
-        if getattr(self, "_http", None) is not None:
-            self._call(self._http.aclose())
-            self._http = None
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+            deltas.append(delta)
+    except Exception as exc:  # the request ended with an error
+        rec.finish_reason, rec.error, rec.t_done = "error", str(exc), time.monotonic()
+    rec.delta_times = [d.t_received for d in deltas if d.token_ids]
+    if rec.error is None:
+        final = deltas[-1]
+        rec.finish_reason, rec.error = final.finish_reason, final.error
+        rec.t_done = final.t_received
+        copy_server_side(rec, final.usage, final.timings)

@@ -11,12 +11,9 @@ from dataclasses import dataclass, replace
 
 @dataclass(slots=True)
 class BenchRequest:
-    """One request of the workload: exactly one of prompt or messages (chat)."""
-
     index: int
     max_tokens: int
-    prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    prompt: str
 
 
 @dataclass(frozen=True, slots=True)

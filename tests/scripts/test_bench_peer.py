@@ -147,7 +147,7 @@ def test_the_workload_end_to_end_with_a_splitserve_launch_alone(tiny_model_dir, 
     name = f"splitserve {flags}"
     assert [(r["target"], r["concurrency"]) for r in data["runs"]] == [(name, 1), (name, 3)]
     for run in data["runs"]:
-        records = [RequestRecord.from_json(r) for r in run["records"]]
+        records = [RequestRecord(**r) for r in run["records"]]
         assert len(records) == 3
         for rec in records:
             assert rec.ok, rec.error
@@ -180,7 +180,7 @@ def test_warm_cache_measures_prompts_the_server_has_cached(tiny_model_dir):
         + ["--requests-per-stream", "1", "--warm-cache"]
     )["serve"]
     (run,) = data["runs"]  # the warming pass is not a measured run
-    records = [RequestRecord.from_json(r) for r in run["records"]]
+    records = [RequestRecord(**r) for r in run["records"]]
     assert len(records) == 3 and all(r.ok for r in records)
     assert all(r.cached_tokens >= 48 for r in records)  # 60 tokens: 3 whole 16-token blocks
     assert "warm caches" in data["setup"]["workload"]

@@ -136,7 +136,7 @@ def test_every_mode_reports_consistent_metrics_and_the_json_round_trips(
         (m, w) for w in (True, False) for m in MODES
     ]
     for run in runs:
-        records = [RequestRecord.from_json(r) for r in run["records"]]
+        records = [RequestRecord(**r) for r in run["records"]]
         assert len(records) == (3 if run["warmup"] else n) and run["timed_out"] == 0
         for rec in records:
             _check_record(rec, run["mode"], max_new)
@@ -204,7 +204,7 @@ def test_stream_interval_and_the_concurrency_cap_apply_to_every_mode(tiny_model_
         ]
     )
     for run in data["runs"]:  # tokens 1 | 2 3 4 | 5 6 7 (with the terminal event)
-        records = [RequestRecord.from_json(r) for r in run["records"]]
+        records = [RequestRecord(**r) for r in run["records"]]
         assert [len(r.delta_times) for r in records] == [3] * 4, run["mode"]
         for rec in records:  # never more than `cap` in flight when a request was submitted
             in_flight = sum(
