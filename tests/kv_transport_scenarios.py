@@ -14,11 +14,15 @@ transfer engine listens on every interface. Scenarios, each under its name in RE
 * ``pd`` (net only): a ``--prefill-engines 1 --decode-engines 1`` cluster whose KV moves over
   the net transport; its greedy and seeded tokens against a colocated engine's, and no
   transfer segment under /dev/shm.
+* ``pd_stalled_prefill`` (net only): the decode engine's pull from a stopped prefill engine
+  ends at the transfer bound; the request ends 'unavailable' once, nothing stays held.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 import traceback
@@ -121,11 +125,51 @@ def pd(tiny: str) -> dict[str, Any]:
     return out
 
 
+def pd_stalled_prefill(tiny: str) -> dict[str, Any]:
+    """The decode engine's pull from a prefill engine that is alive and answers nothing
+    (SIGSTOP) ends at the bound: that request ends 'unavailable' once, nothing stays held, and
+    the cluster serves on. The decode engine's only batch slot is kept busy (A) while B's KV
+    waits for it; the prefill engine is stopped, A is aborted, and the decode engine pulls."""
+    knobs = dict(KNOBS, prefill_engines=1, decode_engines=1, kv_transport="net")
+    knobs.update(max_batch_size=1, kv_transfer_timeout_s=TIMEOUT_S)
+    out: dict[str, Any] = {}
+    with launch_cluster(tiny, **knobs) as cluster, Client(cluster.client_addr) as client:
+        decode = lambda: cluster.worker_stats("engine", 1)  # noqa: E731
+        a = client.submit(prompt_token_ids=PROMPTS[1], max_tokens=1000, ignore_eos=True)
+        out["a_running"] = wait_for(lambda: decode().get("running") == 1)
+        b = client.submit(prompt_token_ids=PROMPTS[2], max_tokens=8, ignore_eos=True)
+        out["b_waiting"] = wait_for(lambda: decode().get("kv_imports_waiting") == 1)
+        prefill_pid = cluster.child("engine", 0).popen.pid
+        os.kill(prefill_pid, signal.SIGSTOP)
+        try:
+            a.abort()
+            t_abort = time.monotonic()
+            result = b.result(timeout=60, check=False)
+            out["b_after_s"] = time.monotonic() - t_abort
+        finally:
+            os.kill(prefill_pid, signal.SIGCONT)
+        a_result = a.result(timeout=60, check=False)
+        out["terminals"] = [sum(d.finished for d in h._deltas) for h in (a, b)]
+        out["a"] = a_result.finish_reason
+        out["b"] = {"code": result.error_code, "error": result.error, "tokens": result.token_ids}
+        out["clean"] = wait_for(
+            lambda: (
+                cluster.worker_stats("engine", 0).get("kv_transfer_blocks_held") == 0
+                and cluster.worker_stats("engine", 0).get("kv_blocks_used") == 0
+                and decode().get("kv_blocks_used") == 0
+            )
+        )
+        out["decode_stats"] = decode()
+        out["after"] = answer(cluster, PROMPTS[3], temperature=0)
+    return out
+
+
 def main(out_path: str, tiny: str, transport: str) -> None:
     results: dict[str, Any] = {}
     scenarios = [("handover", lambda: handover(tiny, transport))]
     if transport == "net":
         scenarios.append(("pd", lambda: pd(tiny)))
+        scenarios.append(("pd_stalled_prefill", lambda: pd_stalled_prefill(tiny)))
     for name, scenario in scenarios:
         try:
             results[name] = {"ok": True, **scenario()}

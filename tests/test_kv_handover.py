@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.engine_worker.test_kv_net import transfer_engine_loads
+from tests.kv_transport_scenarios import TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_NAMESPACE = 'ip link set lo up && exec "$0" -m tests.kv_transport_scenarios "$@"'
@@ -96,3 +97,22 @@ def test_a_pd_cluster_moves_kv_over_the_net_transport_without_dev_shm(scenarios)
         seen["decode_stats"]["kv_imports"] >= 5 and seen["decode_stats"]["kv_imports_refused"] == 0
     )
     assert seen["clean"], "KV blocks still held at idle"
+
+
+def test_a_pull_from_a_stalled_prefill_engine_ends_its_request_once_at_the_bound(scenarios):
+    transport, results = scenarios
+    if transport != "net":
+        pytest.skip("over shm the decode engine reads memory, it does not wait on a peer")
+    seen = part(results, "pd_stalled_prefill")
+    assert seen["a_running"] and seen["b_waiting"], seen
+    assert seen["terminals"] == [1, 1] and seen["a"] == "abort"
+    assert seen["b"]["code"] == "unavailable", seen["b"]
+    assert (
+        "the KV transfer failed" in seen["b"]["error"]
+        and "did not end within" in seen["b"]["error"]
+    )
+    assert len(seen["b"]["tokens"]) == 1  # the prefill engine's first token, then the end
+    assert TIMEOUT_S - 0.5 < seen["b_after_s"] < TIMEOUT_S + 10
+    assert seen["decode_stats"]["kv_imports_refused"] == 1
+    assert seen["clean"], "KV blocks still held at idle"
+    assert seen["after"]["finish"] == "length"
