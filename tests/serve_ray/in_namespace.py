@@ -232,6 +232,48 @@ def prefill_decode(tiny_dir: str, colocated: list[dict[str, Any]]) -> dict[str, 
         "openai": streams,
         "prefill": list(engine_replica_stats("pd", "prefill").values()),
         "decode": list(engine_replica_stats("pd", "decode").values()),
+        "prefill_killed": prefill_killed_under_load(),
+    }
+
+
+def prefill_killed_under_load() -> dict[str, Any]:
+    """Eight long prompts at once; the prefill replica is killed while it computes them: the
+    decode replica computes those whose prefill failed, every stream ends once, and Serve
+    replaces the prefill replica."""
+    results: list[dict[str, Any] | None] = [None] * 8
+
+    def one(i: int) -> None:
+        try:
+            results[i] = sse_terminals(ids(500 + i, 900), 20)
+        except Exception as exc:  # a request that raised has no terminal event: recorded
+            results[i] = {"status": None, "terminals": [], "done": False, "raised": repr(exc)}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # until the prefill replica holds some of them
+        (victim,) = engine_replica_stats("pd", "prefill").values()
+        if victim["load"] >= 2:
+            break
+        time.sleep(0.05)
+    ray.kill(ray.get_actor(victim["actor"], namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(timeout=240)
+    deadline = time.monotonic() + 120
+    after: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        after = list(engine_replica_stats("pd", "prefill").values())
+        if after and after[0]["actor"] != victim["actor"]:
+            break
+        time.sleep(0.5)
+    oai = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
+    return {
+        "victim_load": victim["load"],
+        "streams": results,
+        "replaced": bool(after) and after[0]["actor"] != victim["actor"],
+        "afterwards": complete(oai, ids(600, 60)),
+        "prefill_after": after,
     }
 
 

@@ -139,6 +139,16 @@ def test_prefill_and_decode_deployments_answer_as_the_colocated_replicas(scenari
     assert prefill["kv_failed"] == 0 and decode["kv_failed"] == 0
 
 
+def test_a_killed_prefill_replica_costs_time_not_answers(scenarios):
+    """Its prompts are computed by the decode replica instead: each stream ends once, whole."""
+    seen = part(scenarios, "pd")["prefill_killed"]
+    assert seen["victim_load"] >= 1, "the killed prefill replica held requests"
+    for stream in seen["streams"]:
+        assert stream["done"] and stream["terminals"] == ["length"], stream
+    assert seen["replaced"], "Serve did not replace the prefill replica"
+    assert seen["afterwards"]["text"] is not None
+
+
 @pytest.mark.slow
 def test_the_real_model_answers_through_serve(scenarios):
     seen = part(scenarios, "real")
