@@ -189,8 +189,10 @@ def test_the_command_line_splits_the_application_knobs_from_each_replicas():
     assert settings.cluster["max_batch_size"] == 8 and settings.thresholds.cache_threshold == 0.5
     with pytest.raises(SystemExit):  # Serve makes the replicas: no --engines
         build_parser().parse_args(["--engines", "2"])
-    pd = settings_of(build_parser().parse_args(["--prefill-engines", "1", "--decode-engines", "2"]))
+    argv = ["--prefill-engines", "1", "--decode-engines", "2", "--kv-transport", "net"]
+    pd = settings_of(build_parser().parse_args([*argv, "--kv-net-host", "node"]))
     assert (pd.prefill_engines, pd.decode_engines, pd.disaggregated) == (1, 2, True)
+    assert (pd.cluster["kv_transport"], pd.cluster["kv_net_host"]) == ("net", "node")
     with pytest.raises(ValueError, match="both --prefill-engines and --decode-engines"):
         settings_of(build_parser().parse_args(["--prefill-engines", "1"]))
 
