@@ -85,7 +85,7 @@ def make_role(
     """Engine ``index``'s role; a StartupError when it cannot take it."""
     if not isinstance(engine, Engine):
         raise StartupError("the disaggregated mode needs the real engine (no stand-in)")
-    role = config.engine_role(index) or f"{config.kv_handover} (Ray Serve)"
+    role = config.engine_role(index) or f"Ray Serve {config.kv_handover}"
     logger.info(
         "engine[%d] is a %s engine (disaggregated, KV over %s)", index, role, config.kv_transport
     )
