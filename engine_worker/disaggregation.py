@@ -23,14 +23,22 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
 from engine_worker.engine import Engine
-from engine_worker.handoff import add_prefilled, generator_state, release, take_first_tokens
-from engine_worker.kv_transfer import KVGeometry, SharedMemoryExporter, SharedMemoryImporter
+from engine_worker.handoff import (
+    PumpResult,
+    add_prefilled,
+    generator_state,
+    release,
+    take_first_tokens,
+)
+from engine_worker.kv_net import KVNetError, KVNetUnavailable
+from engine_worker.kv_transfer import KVGeometry
+from engine_worker.kv_transports import make_exporter, make_importer
 from engine_worker.request import EngineRequest
 from ipc.codec import pack_ids, unpack_id_list
 from ipc.config import ClusterConfig
@@ -52,6 +60,9 @@ from ipc.messages import (
 from ipc.sockets import PushQueue
 from runtime.worker import StartupError
 
+if TYPE_CHECKING:
+    from engine_worker.kv_handover import HandoverRole
+
 logger = logging.getLogger("splitserve.engine")
 
 GRAMMAR_REFUSED = (
@@ -59,16 +70,6 @@ GRAMMAR_REFUSED = (
     "--prefill-engines/--decode-engines: a grammar's matcher cannot move to the decode engine; "
     "use the colocated mode (--engines) for them"
 )
-
-
-@dataclass(slots=True)
-class PumpResult:
-    """What a role's pass produced for the process loop."""
-
-    finished: list[FinishRecord] = field(default_factory=list)  # to send to the detokenizer
-    left: list[str] = field(default_factory=list)  # requests no longer in this engine
-    joined: list[str] = field(default_factory=list)  # requests that arrived in this engine
-    arrivals: list[KVArrival] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -80,17 +81,23 @@ class InFlight:
 
 def make_role(
     config: ClusterConfig, index: int, engine: object, ctx: zmq.Context, pid: int
-) -> PrefillRole | DecodeRole:
+) -> PrefillRole | DecodeRole | HandoverRole:
     """Engine ``index``'s role; a StartupError when it cannot take it."""
     if not isinstance(engine, Engine):
         raise StartupError("the disaggregated mode needs the real engine (no stand-in)")
-    role = config.engine_role(index)
-    logger.info("engine[%d] is a %s engine (disaggregated)", index, role)
+    role = config.engine_role(index) or f"Ray Serve {config.kv_handover}"
+    logger.info(
+        "engine[%d] is a %s engine (disaggregated, KV over %s)", index, role, config.kv_transport
+    )
     try:
+        if config.kv_handover:
+            from engine_worker.kv_handover import HandoverRole
+
+            return HandoverRole(config, index, engine, ctx, pid)
         if role == "prefill":
             return PrefillRole(config, index, engine, ctx, pid)
         return DecodeRole(config, index, engine, ctx)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, KVNetUnavailable, KVNetError) as exc:
         raise StartupError(f"disaggregation: {exc}") from exc
 
 
@@ -106,12 +113,8 @@ class PrefillRole:
         self.keys, self.values = cache.keys, cache.values
         geometry = KVGeometry.of(cache.keys)
         tokens = max(config.kv_transfer_buffer_tokens, engine.max_model_len)
-        prefix = Path(config.kv_segment_prefix)
-        for stale in prefix.parent.glob(f"{prefix.name}{index}-*"):
-            stale.unlink(missing_ok=True)  # a killed predecessor's: it could not remove it
-        self.exporter = SharedMemoryExporter(
-            config.kv_segment_path(index, pid), geometry, -(-tokens // geometry.block_size)
-        )
+        blocks = -(-tokens // geometry.block_size)
+        self.exporter = make_exporter(config, index, pid, geometry, blocks)
         self.to_decode = {
             d: PushQueue(ctx, config.engine_addr(d), curve=config.curve)
             for d in config.decode_indices
@@ -132,7 +135,7 @@ class PrefillRole:
     def accepted(self, req: TokenizedRequest) -> None:
         self.metas[req.request_id] = req.meta
 
-    def on_message(self, msg: PrefilledRequest | KVRelease | ClusterNotice) -> None:
+    def on_message(self, msg: object) -> None:
         if isinstance(msg, KVRelease):
             for transfer_id in msg.transfer_ids:
                 self.exporter.release(transfer_id)
@@ -278,7 +281,9 @@ class DecodeRole:
         self.engine, self.index = engine, index
         cache = engine.runner.kv_cache
         self.keys, self.values = cache.keys, cache.values
-        self.importer = SharedMemoryImporter(KVGeometry.of(cache.keys))
+        geometry = KVGeometry.of(cache.keys)
+        max_blocks = -(-engine.max_model_len // geometry.block_size)
+        self.importer = make_importer(config, geometry, max_blocks)
         self.to_prefill = {
             p: PushQueue(ctx, config.engine_addr(p), curve=config.curve)
             for p in config.prefill_indices
@@ -293,7 +298,7 @@ class DecodeRole:
     def accepted(self, req: TokenizedRequest) -> None:
         """A prompt sent here directly (a raw sender): computed and decoded here."""
 
-    def on_message(self, msg: PrefilledRequest | KVRelease | ClusterNotice) -> None:
+    def on_message(self, msg: object) -> None:
         if isinstance(msg, PrefilledRequest):
             self.waiting.append(msg)
 
@@ -343,10 +348,13 @@ class DecodeRole:
             if not blocks:
                 return False  # aborted on its way: the engine ends it
             imported = self.importer.import_blocks(msg.kv, self.keys, self.values, blocks)
-        except ValueError as exc:
+        except (ValueError, KVNetError) as exc:  # a bad descriptor, or a pull that failed
             if blocks:
                 release(self.engine, rid)
-            result.finished.append(FinishRecord(rid, FINISH_ERROR, str(exc), ERR_INTERNAL))
+            pulled = isinstance(exc, KVNetError)
+            why = f"unavailable: the KV transfer failed ({exc})" if pulled else str(exc)
+            code = ERR_UNAVAILABLE if pulled else ERR_INTERNAL
+            result.finished.append(FinishRecord(rid, FINISH_ERROR, why, code))
             self.refused += 1
             return False
         if not imported:  # given back by the prefill engine, which ended the request

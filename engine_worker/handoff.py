@@ -12,6 +12,8 @@ engine.py: three operations on its scheduler, block manager and request table.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from engine_worker.engine import Engine
@@ -19,7 +21,17 @@ from engine_worker.request import EngineRequest
 from engine_worker.sampler import RequestSampler
 from engine_worker.scheduler.handoff import has_room, join_prefilled, take_running
 from engine_worker.speculative import may_speculate
-from ipc.messages import SamplingParams
+from ipc.messages import FinishRecord, KVArrival, SamplingParams
+
+
+@dataclass(slots=True)
+class PumpResult:
+    """What a disaggregated engine's role produced in one pass, for the process loop."""
+
+    finished: list[FinishRecord] = field(default_factory=list)  # to send to the detokenizer
+    left: list[str] = field(default_factory=list)  # requests no longer in this engine
+    joined: list[str] = field(default_factory=list)  # requests that arrived in this engine
+    arrivals: list[KVArrival] = field(default_factory=list)
 
 
 def take_first_tokens(engine: Engine, emitted: list[str]) -> list[EngineRequest]:

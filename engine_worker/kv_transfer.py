@@ -53,6 +53,19 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def copy_into_blocks(
+    region: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_ids: list[int]
+) -> None:
+    """A transfer's run (``Segment.region``'s view) into ``block_ids`` of the cache: runs of
+    consecutive blocks (a fresh allocation mostly is one) a slice copy each; index_copy_ over
+    the block axis ran several times slower here."""
+    for side, cache in enumerate((keys, values)):
+        for position, first, length in block_runs(block_ids):
+            cache[:, :, first : first + length].copy_(
+                region[side, :, :, position : position + length]
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class KVGeometry:
     """The shape of one engine's paged cache, which both ends of a transfer must share."""
@@ -96,6 +109,11 @@ class KVGeometry:
             )
 
 
+def data_offset(units: int) -> int:
+    """Where a segment of ``units`` units has its first unit (after its stamp table)."""
+    return -(-units * STAMP_BYTES // ALIGN) * ALIGN
+
+
 class RegionAllocator:
     """Contiguous runs of ``units`` units, first fit; freed runs merge with their neighbours."""
 
@@ -134,8 +152,13 @@ class Segment:
 
     def __init__(self, path: str, units: int, unit_bytes: int, *, create: bool) -> None:
         self.path, self.units, self.unit_bytes = path, units, unit_bytes
-        self.data_offset = -(-units * STAMP_BYTES // ALIGN) * ALIGN
+        self.data_offset = data_offset(units)
         size = self.data_offset + units * unit_bytes
+        if not path:  # anonymous memory of this process (the net transport's buffers)
+            populate = getattr(mmap, "MAP_POPULATE", 0)
+            self.map = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | populate)
+            self._views()
+            return
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -150,10 +173,22 @@ class Segment:
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         finally:
             os.close(fd)
-        self.stamps = torch.frombuffer(self.map, dtype=torch.int64, count=units)
+        self._views()
+
+    def _views(self) -> None:
+        self.stamps = torch.frombuffer(self.map, dtype=torch.int64, count=self.units)
         self.data = torch.frombuffer(
-            self.map, dtype=torch.uint8, count=units * unit_bytes, offset=self.data_offset
+            self.map, dtype=torch.uint8, count=self.units * self.unit_bytes, offset=self.data_offset
         )
+
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process's memory."""
+        return int(self.stamps.data_ptr())
+
+    @property
+    def size(self) -> int:
+        return self.data_offset + self.units * self.unit_bytes
 
     def region(self, start: int, count: int, geometry: KVGeometry) -> torch.Tensor:
         """Units start..start+count as [2, layers, kv_heads, count, block_size, head_dim]."""
@@ -217,6 +252,9 @@ class SharedMemoryExporter:
                 region[side].copy_(cache.index_select(2, index))
         self.segment.stamps[start] = transfer_id  # last: the bytes before it are complete
         self.regions[transfer_id] = _Region(start, count)
+        return self.describe(transfer_id, start, count)
+
+    def describe(self, transfer_id: int, start: int, count: int) -> KVDescriptor:
         g = self.geometry
         return KVDescriptor(
             transfer_id=transfer_id,
@@ -242,9 +280,19 @@ class SharedMemoryExporter:
         self.allocator.free(region.start, region.count)
         return True
 
+    def reclaim_taken(self) -> list[int]:
+        """Frees the runs whose reader marked them taken (``mark_taken``: a reader with no
+        socket back to this engine, the Ray Serve hand-over); the transfers freed."""
+        stamps = self.segment.stamps
+        taken = [t for t, r in self.regions.items() if int(stamps[r.start]) == -t]
+        for transfer_id in taken:
+            self.release(transfer_id)
+        return taken
+
     def close(self) -> None:
         self.segment.close()
-        Path(self.segment.path).unlink(missing_ok=True)
+        if self.segment.path:
+            Path(self.segment.path).unlink(missing_ok=True)
 
 
 class SharedMemoryImporter:
@@ -276,14 +324,17 @@ class SharedMemoryImporter:
         if int(stamp) != descriptor.transfer_id:
             return False
         region = segment.region(descriptor.offset, descriptor.num_blocks, self.geometry)
-        for side, cache in enumerate((keys, values)):
-            # Runs of consecutive blocks (a fresh allocation mostly is one): a slice copy each;
-            # index_copy_ over the block axis ran several times slower here.
-            for position, first, length in block_runs(block_ids):
-                cache[:, :, first : first + length].copy_(
-                    region[side, :, :, position : position + length]
-                )
+        copy_into_blocks(region, keys, values, block_ids)
         return int(segment.stamps[descriptor.stamp_index]) == descriptor.transfer_id
+
+    def mark_taken(self, descriptor: KVDescriptor) -> None:
+        """Tells the exporter the run may be reused (its ``reclaim_taken``), if it is still
+        this transfer's."""
+        segment = self.segments.get(descriptor.location)
+        if segment is not None and int(segment.stamps[descriptor.stamp_index]) == (
+            descriptor.transfer_id
+        ):
+            segment.stamps[descriptor.stamp_index] = -descriptor.transfer_id
 
     def _segment(self, descriptor: KVDescriptor) -> Segment | None:
         path = descriptor.location
@@ -306,7 +357,7 @@ class SharedMemoryImporter:
         """How many units the segment at ``path`` holds (from its size)."""
         size, unit = os.stat(path).st_size, self.geometry.block_bytes
         units = size // (unit + STAMP_BYTES)
-        while units and -(-units * STAMP_BYTES // ALIGN) * ALIGN + units * unit > size:
+        while units and data_offset(units) + units * unit > size:
             units -= 1
         return units
 

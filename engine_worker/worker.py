@@ -36,6 +36,8 @@ from ipc.messages import (
     AbortRequests,
     ClusterNotice,
     FinishRecord,
+    KVExportAsk,
+    KVImportAsk,
     KVRelease,
     PrefilledRequest,
     ReplicaLoad,
@@ -55,8 +57,9 @@ from runtime.worker import StartupError, WorkerRuntime, run_on_context
 
 if TYPE_CHECKING:
     from engine_worker.disaggregation import DecodeRole, PrefillRole
-
-Inbox = TokenizedRequest | AbortRequests | GrammarVocabulary | PrefilledRequest | KVRelease
+    from engine_worker.kv_handover import HandoverRole
+PeerMessage = PrefilledRequest | KVRelease | KVExportAsk | KVImportAsk
+Inbox = TokenizedRequest | AbortRequests | GrammarVocabulary | PeerMessage
 
 logger = logging.getLogger("splitserve.engine")
 
@@ -111,9 +114,7 @@ class EngineProcess:
             TokenizedRequest,
             AbortRequests,
             GrammarVocabulary,
-            PrefilledRequest,
-            KVRelease,
-            ClusterNotice,
+            *(PrefilledRequest, KVRelease, KVExportAsk, KVImportAsk, ClusterNotice),
             hwm=INBOX_HWM,
             curve=config.curve,
         )
@@ -137,8 +138,8 @@ class EngineProcess:
         # load report is never replayed: a follower that joined late gets the next one).
         self.load_published_t = 0.0
         self.load_reported_at = -1
-        self.pd: PrefillRole | DecodeRole | None = None  # a disaggregated engine's role
-        if config.disaggregated:
+        self.pd: PrefillRole | DecodeRole | HandoverRole | None = None  # a PD engine's role
+        if config.disaggregated or config.kv_handover:
             from engine_worker.disaggregation import make_role  # torch: with the engine
 
             self.pd = make_role(config, index, self.engine, ctx, self.runtime.pid)

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from ipc.sockets import CurveKeys
 
 TRANSPORTS = ("ipc", "tcp")
+KV_TRANSPORTS = ("shm", "net")
+KV_HANDOVERS = ("", "export", "import")
 RESTART_POLICIES = ("restart", "shutdown")
 ROLES = ("tokenizer", "engine", "detokenizer", "http")
 MAX_ENGINES = 64
@@ -106,12 +108,20 @@ class ClusterConfig(AddressPlan, EngineRoles):
     )
     kv_transfer_timeout_s: float = knob(
         30.0,
-        "disaggregated mode: a KV transfer its decode engine has not taken in this long (hung, "
-        "or its batch full all that time) is aborted: the request ends 'unavailable', the "
-        "prefill engine's buffer is freed",
+        "disaggregated mode: a KV transfer not taken in this long is aborted (the request "
+        "ends 'unavailable', the prefill engine's buffer is freed)",
         unit="SECONDS",
         minimum=0.01,
     )
+    kv_transport: str = knob(
+        "shm",
+        "disaggregated mode: how KV blocks move: shm (/dev/shm, one host) or net (Mooncake's "
+        "transfer engine over TCP, the kvnet extra; engines need not share /dev/shm)",
+        choices=KV_TRANSPORTS,
+    )
+    kv_net_host: str = knob("127.0.0.1", "kv_transport net: this host's address", unit="HOST")
+    # Set by serve-ray on its prefill and decode replicas' clusters (docs/ray.md), not by users.
+    kv_handover: str = knob("", "export or import prompt KV", choices=KV_HANDOVERS, cli=False)
     routing_policy: str = knob(
         CACHE_AWARE,
         "how tokenizer workers pick a replica: cache_aware (the longest cached prefix unless "

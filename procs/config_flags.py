@@ -41,6 +41,8 @@ DISAGGREGATION_KNOBS = (
     "decode_engines",
     "kv_transfer_buffer_tokens",
     "kv_transfer_timeout_s",
+    "kv_transport",
+    "kv_net_host",
 )
 TESTING_KNOBS = ("engine_factory", "preparer_factory")
 

@@ -26,6 +26,8 @@ Channels (who sends what to whom):
     prefill p   -> decode d    : PrefilledRequest (its KV blocks described, not carried)
     decode d    -> prefill p   : KVRelease (the transfer's buffer may be reused)
     supervisor  -> prefill p   : ClusterNotice about decode engines (disaggregated only)
+    Ray replica -> its engine  : KVExportAsk / KVImportAsk (a prompt's KV between two clusters)
+    engine      -> Ray replica : KVHandoverReply
     any worker  -> supervisor  : WorkerReady, Heartbeat, WorkerFailed (its last words)
     supervisor  -> detokenizer : ClusterNotice (a worker died / is back), forwarded to clients
     supervisor  -> tokenizer i : ClusterNotice about engine replicas (several engines only)
@@ -82,9 +84,13 @@ from ipc.messages.engine_step import (
     TokenLogprobs,
 )
 from ipc.messages.kv_handoff import (
+    TRANSPORT_NET,
     TRANSPORT_SHARED_MEMORY,
     KVArrival,
     KVDescriptor,
+    KVExportAsk,
+    KVHandoverReply,
+    KVImportAsk,
     KVRelease,
     PrefilledRequest,
 )
@@ -120,8 +126,12 @@ __all__ = [
     "KVNetRegion",
     "KVArrival",
     "KVDescriptor",
+    "KVExportAsk",
+    "KVHandoverReply",
+    "KVImportAsk",
     "KVRelease",
     "PrefilledRequest",
+    "TRANSPORT_NET",
     "TRANSPORT_SHARED_MEMORY",
     "Heartbeat",
     "LOAD_TOPIC",

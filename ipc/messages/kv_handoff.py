@@ -14,6 +14,7 @@ from ipc.messages.submit import RequestMeta
 from ipc.sampling import SamplingParams
 
 TRANSPORT_SHARED_MEMORY = "shm"
+TRANSPORT_NET = "net"  # engine_worker/kv_transports.py, over engine_worker/kv_net.py
 
 
 @dataclass(slots=True)
@@ -35,6 +36,10 @@ class KVDescriptor:
     head_dim: int
     dtype: str  # torch's name without "torch.", e.g. "bfloat16"
     stamp_index: int = 0  # the stamp's slot in the location's stamp table
+    # net: ``location`` is the exporter's transfer engine (host:port), ``address`` where its
+    # buffer starts in the exporter's memory and ``units`` how many block units it holds.
+    address: int = 0
+    units: int = 0
 
 
 @message
@@ -83,3 +88,49 @@ class KVArrival:
     prefill_index: int
     kv_transfer_s: float  # from the prefill's export start to the decode's import end
     kv_bytes: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt KV handed between two clusters (the Ray Serve prefill and decode deployments,
+# docs/ray.md): the replica that owns a cluster asks its own engine, which answers it.
+
+
+@message
+@dataclass(slots=True)
+class KVExportAsk:
+    """replica -> its prefill engine: copy the cached full blocks of ``token_ids`` (packed int32;
+    a prompt this engine just computed) into the transfer buffer, and answer ``reply_to``."""
+
+    KIND = "kv_export_ask"
+    ask_id: str
+    token_ids: bytes
+    reply_to: str
+    cache_salt: str | None = None
+
+
+@message
+@dataclass(slots=True)
+class KVImportAsk:
+    """replica -> its decode engine: copy the blocks ``kv`` describes into this engine's prefix
+    cache as the leading full blocks of ``token_ids``, and answer ``reply_to``."""
+
+    KIND = "kv_import_ask"
+    ask_id: str
+    token_ids: bytes
+    kv: KVDescriptor
+    reply_to: str
+    cache_salt: str | None = None
+
+
+@message
+@dataclass(slots=True)
+class KVHandoverReply:
+    """The engine's answer to an ask: the exported blocks (``kv``), or how many blocks it
+    imported; ``error`` says why nothing was (the caller then computes the prompt itself)."""
+
+    KIND = "kv_handover_reply"
+    ask_id: str
+    blocks: int = 0
+    kv: KVDescriptor | None = None
+    error: str = ""
+    seconds: float = 0.0

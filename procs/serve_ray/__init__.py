@@ -4,7 +4,8 @@ token-prefix score of ``ipc.replica_router``. A launcher beside ``procs``' super
 imports it, and only it imports ``ray`` (the optional ``ray`` extra).
 
 Modules: ``settings`` (the knobs), ``calls`` (what goes between the deployments), ``engine``
-(an engine replica), ``client`` and ``ingress`` (the HTTP ingress and its tokenizing client),
+(an engine replica, also a prefill or decode one), ``handover`` (such a replica's line to its
+engine), ``client`` and ``ingress`` (the HTTP ingress and its tokenizing client),
 ``router`` (the Serve request router), ``app`` (``build_app``), ``command``
 (``splitserve serve-ray``).
 """

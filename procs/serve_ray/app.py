@@ -14,6 +14,7 @@ from ray.serve.deployment import Application
 
 from ipc.config import ClusterConfig
 from ipc.engine_config import EngineConfig
+from ipc.replica_router import LEAST_LOADED
 from procs.serve_ray.engine import EngineReplica
 from procs.serve_ray.ingress import Ingress
 from procs.serve_ray.settings import (
@@ -33,6 +34,7 @@ ROUTER_CLASSES = {
         "PrefixCacheAffinityRouter"
     ),
 }
+ENGINE, PREFILL, DECODE = "engine", "prefill", "decode"  # the engine deployments' names
 INGRESS_MAX_ONGOING = 4096  # HTTP requests one ingress replica holds at once
 GRACEFUL_SHUTDOWN_S = 30.0  # an engine replica's cluster ends its requests within this
 
@@ -52,12 +54,14 @@ def settings_from(knobs: dict[str, Any]) -> ServeSettings:
     return ServeSettings(**{k: v for k, v in knobs.items() if k in own}, cluster=cluster)
 
 
-def router_config(settings: ServeSettings) -> RequestRouterConfig:
+def router_config(settings: ServeSettings, policy: str = "") -> RequestRouterConfig:
+    """``policy``: the splitserve router's rule when not the settings' (the decode
+    deployment's: least loaded)."""
     thresholds = settings.thresholds
     kwargs: dict[str, Any] = {}
     if settings.request_router == SPLITSERVE_ROUTER:
         kwargs = {
-            "policy": settings.routing_policy,
+            "policy": policy or settings.routing_policy,
             "balance_abs_threshold": thresholds.balance_abs_threshold,
             "balance_rel_threshold": thresholds.balance_rel_threshold,
             "cache_threshold": thresholds.cache_threshold,
@@ -83,17 +87,24 @@ def build_app(args: dict[str, Any]) -> Application:
     return application(settings_from(args))
 
 
-def application(settings: ServeSettings) -> Application:
-    """The ingress bound to the engine deployment, with the request router ``settings`` name."""
-    engine = serve.deployment(
+def engine_deployment(
+    settings: ServeSettings, name: str, replicas: int, policy: str = ""
+) -> serve.Deployment:
+    return serve.deployment(
         EngineReplica,
-        name="engine",
-        num_replicas=settings.replicas,
+        name=name,
+        num_replicas=replicas,
         max_ongoing_requests=settings.max_ongoing_requests,
         ray_actor_options={"num_cpus": settings.replica_cpus},
-        request_router_config=router_config(settings),
+        request_router_config=router_config(settings, policy),
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
     )
+
+
+def application(settings: ServeSettings) -> Application:
+    """The ingress bound to the engine deployment, with the request router ``settings`` name;
+    in the prefill/decode mode to two: ``prefill`` (routed by the cached prefix, as the engine
+    deployment) and ``decode`` (routed by load)."""
     ingress = serve.deployment(
         Ingress,
         name="ingress",
@@ -101,15 +112,25 @@ def application(settings: ServeSettings) -> Application:
         max_ongoing_requests=INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0},
     )
+    if settings.disaggregated:
+        prefill = engine_deployment(settings, PREFILL, settings.prefill_engines)
+        decode = engine_deployment(settings, DECODE, settings.decode_engines, LEAST_LOADED)
+        return ingress.bind(
+            decode.bind(settings, DECODE), settings, prefill.bind(settings, PREFILL)
+        )
+    engine = engine_deployment(settings, ENGINE, settings.replicas)
     return ingress.bind(engine.bind(settings), settings)
 
 
-def engine_replica_stats(app_name: str = APP_NAME) -> dict[int, dict[str, Any]]:
-    """Rank -> the routing stats of each live engine replica of ``app_name`` (its load, the
-    requests it served and aborted, its KV-event endpoint), asked of the replica actors directly
-    (from a process connected to the Ray cluster): what an operator, a test or the benchmark
-    sees of each replica. ``actor`` names the replica's actor."""
-    prefix = f"SERVE_REPLICA::{app_name}#engine#"
+def engine_replica_stats(
+    app_name: str = APP_NAME, deployment: str = "engine"
+) -> dict[int, dict[str, Any]]:
+    """Rank -> the routing stats of each live replica of ``deployment`` (engine, or prefill
+    and decode) in ``app_name`` (its load, the requests it served and aborted, its KV-event
+    endpoint), asked of the replica actors directly (from a process connected to the Ray
+    cluster): what an operator, a test or the benchmark sees of each replica. ``actor`` names
+    the replica's actor."""
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
     out: dict[int, dict[str, Any]] = {}
     for named in ray.util.list_named_actors(all_namespaces=True):
         if named["namespace"] != "serve" or not named["name"].startswith(prefix):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ipc import codec
 from ipc.client import Delta
 from ipc.codec import pack_ids
-from ipc.messages import ClientEvents, StreamEvent
+from ipc.messages import ClientEvents, KVDescriptor, StreamEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +22,25 @@ class EngineCall:
     """``payload``: a codec-encoded SubmitRequest with prompt_token_ids. ``block_ids``: the
     external ids of its prompt's full blocks (ipc.block_hash), ``prompt_blocks`` how many full
     blocks it has. ``prompt``: its text, given only to Ray's PrefixCacheAffinityRouter, which
-    matches character prefixes (the benchmark's comparison); None otherwise."""
+    matches character prefixes (the benchmark's comparison); None otherwise. ``kv``: where a
+    prefill replica left the prompt's KV for a decode replica (docs/ray.md)."""
 
     payload: bytes
     block_ids: tuple[int, ...] = ()
     prompt_blocks: int = 0
     prompt: str | None = None
+    kv: KVDescriptor | None = None  # prefill/decode: the prompt's KV, from a prefill replica
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """A prefill replica's answer: where the prompt's KV waits (``blocks`` full blocks), or
+    why it does not (``error``: the decode replica then computes the prompt itself)."""
+
+    kv: KVDescriptor | None = None
+    blocks: int = 0
+    error: str = ""
+    seconds: float = 0.0
 
 
 def delta_event(delta: Delta, wire_id: str, replica_rank: int) -> StreamEvent:

@@ -17,6 +17,7 @@ event. ``abort`` cancels the Serve call, which aborts the request in the engine 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,7 @@ from ipc.messages import (
     TokenizedRequest,
 )
 from ipc.messages.queries import TokenizeResult
-from procs.serve_ray.calls import EngineCall, decode_events
+from procs.serve_ray.calls import EngineCall, PrefillResult, decode_events
 from tokenizer_worker.prepare import RequestPreparer
 from tokenizer_worker.query_answers import TokenizerQueries
 
@@ -130,9 +131,15 @@ class ServeRequestHandle(AsyncRequestHandle):
 
 class ServeClient(QueryMethods):
     def __init__(
-        self, engine: DeploymentHandle, prepare: PrepareQueue, welcome: ClientWelcome
+        self,
+        engine: DeploymentHandle,
+        prepare: PrepareQueue,
+        welcome: ClientWelcome,
+        prefill: DeploymentHandle | None = None,
     ) -> None:
         self.engine = engine.options(stream=True)
+        self.prefill = prefill
+        self.prefill_failed = 0  # prompts the decode side computed: no KV came for them
         self.prepare = prepare
         self.welcome: ClientWelcome | None = welcome
         self._core = ClientCore(None)
@@ -178,6 +185,10 @@ class ServeClient(QueryMethods):
                 self._end(handle, _error_event(record.wire_id, prepared))
                 return
             call = self._engine_call(msg, prepared, block_ids, text)
+            # A prompt of one block or less has no full block before its last token: nothing
+            # to hand over, the decode replica computes it.
+            if self.prefill is not None and len(prepared.token_ids) // 4 > self.block_size:
+                call = await self._prefilled(call, record.request_id)
             for attempt in range(RETRIES + 1):
                 try:
                     await self._stream(handle, call)
@@ -196,6 +207,22 @@ class ServeClient(QueryMethods):
         else:
             if not handle.done:  # a stream that ended without its terminal event
                 self._end(handle, unavailable_event(record.wire_id, "unavailable: no end"))
+
+    async def _prefilled(self, call: EngineCall, request_id: str) -> EngineCall:
+        """Prefill/decode: the prompt computed by the prefill replica the router picks (by its
+        cached prefix), its KV's whereabouts added to the call. A prefill that fails costs
+        only time: the call goes on without KV, and the decode replica computes the prompt
+        (counted and logged, never sent twice)."""
+        assert self.prefill is not None
+        try:
+            result: PrefillResult = await self.prefill.prefill.remote(call)
+        except Exception as exc:  # the replica died, or its call failed
+            result = PrefillResult(error=f"{type(exc).__name__}: {exc}")
+        if result.kv is None:
+            self.prefill_failed += 1
+            logger.warning("%s: no KV from a prefill replica (%s)", request_id, result.error[:500])
+            return call
+        return dataclasses.replace(call, kv=result.kv)
 
     async def _stream(self, handle: ServeRequestHandle, call: EngineCall) -> None:
         events = self.engine.generate.remote(call)

@@ -33,6 +33,8 @@ REPLICA_KNOBS = (
     + FAULT_KNOBS
     + TESTING_KNOBS
     + ("routing_balance_abs_threshold", "routing_balance_rel_threshold", "routing_cache_threshold")
+    # the prefill/decode mode's transfer (--prefill-engines/--decode-engines are the app's)
+    + ("kv_transfer_buffer_tokens", "kv_transfer_timeout_s", "kv_transport", "kv_net_host")
 )
 LOCAL_RAY_OBJECT_STORE_BYTES = 0  # 0: Ray's own choice (about 30% of memory, in /dev/shm)
 

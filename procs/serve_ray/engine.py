@@ -13,6 +13,12 @@ replay_endpoint, dp_rank: the shape Ray's KV-aware router reads) with its load, 
 request router (router.py) follows every replica's cache. Beyond loopback the endpoint needs
 CURVE (DESIGN property 7): the cluster then runs with CURVE keys, and the routing stats carry
 its public key for the router.
+
+In the prefill/decode mode (docs/ray.md) a replica of the ``prefill`` deployment computes a
+prompt and has its engine export the prompt's cached blocks (``prefill``); one of the
+``decode`` deployment has its engine import them into its prefix cache before it serves the
+request (``generate`` with ``EngineCall.kv``). The engines do the copying
+(engine_worker/kv_handover.py); the replica asks them through ``handover.HandoverChannel``.
 """
 
 from __future__ import annotations
@@ -30,16 +36,19 @@ from ipc import codec
 from ipc.client import AsyncClient, AsyncRequestHandle, Delta, SplitserveError
 from ipc.codec import unpack_id_list
 from ipc.config import LOOPBACK_HOSTS
-from ipc.messages import SubmitRequest
+from ipc.messages import KVDescriptor, SamplingParams, SubmitRequest
 from procs.cluster_setup import free_tcp_port, make_config
 from procs.launch_cluster import Cluster
-from procs.serve_ray.calls import EngineCall, delta_event, encode_events
+from procs.serve_ray.calls import EngineCall, PrefillResult, delta_event, encode_events
+from procs.serve_ray.handover import HandoverChannel
 from procs.serve_ray.settings import NODE_ADDRESS, ServeSettings
 
 logger = logging.getLogger("splitserve.serve_ray")
 # vLLM's name for a step's prompt-token budget, which Ray's KV-aware router reads; ours resolves
 # 0 to this on CPU (ipc.engine_config).
 CPU_PREFILL_TOKENS = 512
+HANDOVER = {"prefill": "export", "decode": "import"}  # a role's engine (kv_handover)
+HANDOVER_SLACK_S = 5.0  # an ask waits for the transfer's bound and this
 
 
 def event_endpoints(host: str) -> tuple[str, str, str, str, bool]:
@@ -60,8 +69,11 @@ def event_endpoints(host: str) -> tuple[str, str, str, str, bool]:
 
 class EngineReplica:
     # Serve awaits an async constructor (the client needs the replica's event loop).
-    async def __init__(self, settings: ServeSettings) -> None:  # type: ignore[misc]
+    async def __init__(self, settings: ServeSettings, role: str = "") -> None:  # type: ignore[misc]
+        """``role``: "" (colocated), "prefill" or "decode" (the two deployments of the
+        prefill/decode mode: this replica's engine exports or imports prompt KV)."""
         self.rank = serve.get_replica_context().rank.rank
+        self.role = role
         host = settings.kv_events_host
         if host == NODE_ADDRESS:
             host = ray.util.get_node_ip_address()
@@ -73,6 +85,10 @@ class EngineReplica:
             "replay_endpoint": bind_replay,
         }
         knobs: dict[str, Any] = {"tokenizer_workers": 1, **settings.cluster}
+        if role:
+            knobs["kv_handover"] = HANDOVER[role]
+            if knobs.get("kv_net_host") == NODE_ADDRESS:
+                knobs["kv_net_host"] = ray.util.get_node_ip_address()
         config, owns = make_config(
             settings.model or None,
             None,
@@ -86,8 +102,11 @@ class EngineReplica:
         self.client = await AsyncClient(
             self.cluster.client_addr, server_public_key=self.cluster.curve_public_key
         ).start()
+        self.handover = HandoverChannel(self.cluster.config) if role else None
+        self.handover_timeout_s = self.cluster.config.kv_transfer_timeout_s + HANDOVER_SLACK_S
         self.open = 0  # requests in this replica that have not ended
         self.served = self.aborted = 0
+        self.kv_moved = self.kv_failed = 0  # prompts exported or imported, and those not
         engine = self.cluster.config.engine
         self.block_size = engine.block_size
         self.prefill_tokens = engine.prefill_max_tokens or CPU_PREFILL_TOKENS
@@ -111,6 +130,8 @@ class EngineReplica:
         an event too, never an exception)."""
         request = codec.decode_as(call.payload, SubmitRequest)
         wire_id = request.request_id
+        if call.kv is not None and self.handover is not None:
+            await self._import(request, call.kv)
         handle = self.client.submit(
             prompt_token_ids=unpack_id_list(request.prompt_token_ids or b""),
             sampling=request.sampling,
@@ -133,6 +154,63 @@ class EngineReplica:
                 handle.abort()
                 self.aborted += 1
 
+    async def prefill(self, call: EngineCall) -> PrefillResult:
+        """A prefill replica's part: the prompt computed (a first token sampled and dropped),
+        then its cached full blocks exported for a decode replica."""
+        request = codec.decode_as(call.payload, SubmitRequest)
+        handle = self.client.submit(
+            prompt_token_ids=unpack_id_list(request.prompt_token_ids or b""),
+            sampling=SamplingParams(max_tokens=1, temperature=0),  # the token is dropped
+            request_id=request.request_id,
+            cache_salt=request.cache_salt,
+        )
+        self.open += 1
+        self.served += 1
+        try:
+            async for _ in handle.stream():
+                pass
+        except SplitserveError as exc:
+            self.kv_failed += 1
+            return PrefillResult(error=f"the prefill failed: {exc}")
+        finally:
+            self.open -= 1
+            if not handle.done:  # the caller went away
+                handle.abort()
+                self.aborted += 1
+        assert self.handover is not None
+        reply = await asyncio.to_thread(
+            self.handover.export,
+            request.request_id,
+            request.prompt_token_ids or b"",
+            request.cache_salt,
+            self.handover_timeout_s,
+        )
+        if reply.kv is None:
+            self.kv_failed += 1
+            return PrefillResult(error=reply.error)
+        self.kv_moved += 1
+        return PrefillResult(reply.kv, reply.blocks, seconds=reply.seconds)
+
+    async def _import(self, request: SubmitRequest, kv: KVDescriptor) -> None:
+        """A decode replica's part before it serves ``request``: the KV a prefill replica
+        exported, into this engine's prefix cache (on failure the engine computes it)."""
+        assert self.handover is not None
+        reply = await asyncio.to_thread(
+            self.handover.import_,
+            request.request_id,
+            request.prompt_token_ids or b"",
+            kv,
+            request.cache_salt,
+            self.handover_timeout_s,
+        )
+        if reply.error:
+            self.kv_failed += 1
+            logger.warning(
+                "%s: KV not imported (%s); computed here", request.request_id, reply.error
+            )
+        else:
+            self.kv_moved += 1
+
     def record_routing_stats(self) -> dict[str, Any]:
         """What Serve hands the request routers: this replica's load (its requests not yet
         ended) and where its KV events are, in the shape Ray's KV-aware router reads."""
@@ -141,6 +219,9 @@ class EngineReplica:
             "served": self.served,
             "aborted": self.aborted,
             "rank": self.rank,
+            "role": self.role,
+            "kv_moved": self.kv_moved,
+            "kv_failed": self.kv_failed,
             "curve_public_key": self.cluster.curve_public_key or "",
             "kv_event_metadata": {
                 "endpoint": self.endpoint,
@@ -161,6 +242,9 @@ class EngineReplica:
         cluster = getattr(self, "cluster", None)
         if cluster is not None:
             cluster.shutdown()
+        handover = getattr(self, "handover", None)
+        if handover is not None:
+            handover.close()
 
 
 async def batches(handle: AsyncRequestHandle) -> AsyncIterator[list[Delta]]:

@@ -24,8 +24,16 @@ from tokenizer_worker.worker import build_preparer
 
 @serve.ingress()
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, settings: ServeSettings) -> None:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        settings: ServeSettings,
+        prefill: DeploymentHandle | None = None,
+    ) -> None:
+        """``engine``: the deployment that streams answers (the decode deployment in the
+        prefill/decode mode, where ``prefill`` computes the prompts first)."""
         self.engine = engine
+        self.prefill = prefill
         self.settings = settings
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -68,4 +76,5 @@ class Ingress:
                 with_text=self.settings.request_router == PREFIX_CACHE_AFFINITY,
             ),
             welcome,
+            prefill=self.prefill,
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ipc.config import API_KEY_HELP, DEFAULT_MAX_BODY_BYTES, HTTP_MAX_BODY_BYTES_HELP
+from ipc.engine_roles import engine_mode_error
 from ipc.knobs import check_knobs, knob
 from ipc.replica_router import CACHE_AWARE, POLICIES, RoutingThresholds
 
@@ -34,12 +35,29 @@ NOT_PER_REPLICA = (
     "transport",
     "host",
     "base_port",
+    "prefill_engines",
+    "decode_engines",
+    "kv_handover",
 )
 
 
 @dataclass(frozen=True, slots=True)
 class ServeSettings:
     replicas: int = knob(2, "engine replicas (Serve places and restarts them)", minimum=1)
+    prefill_engines: int = knob(
+        0,
+        "prefill/decode mode: replicas of the prefill deployment (they compute prompts and "
+        "export their KV); give with --decode-engines, instead of --replicas",
+        unit="N",
+        minimum=0,
+    )
+    decode_engines: int = knob(
+        0,
+        "prefill/decode mode: replicas of the decode deployment (they import a prompt's KV "
+        "and decode it)",
+        unit="N",
+        minimum=0,
+    )
     ingress_replicas: int = knob(
         1, "HTTP ingress replicas (each tokenizes, hashes and routes)", unit="N", minimum=1
     )
@@ -98,6 +116,14 @@ class ServeSettings:
         if refused:
             raise ValueError(f"not a per-replica knob under Ray Serve: {refused}")
         self.thresholds  # noqa: B018 (fails fast on a bad threshold)
+        error = engine_mode_error(1, self.prefill_engines, self.decode_engines)
+        if error:
+            raise ValueError(error)
+
+    @property
+    def disaggregated(self) -> bool:
+        """Two engine deployments, prefill and decode, instead of one."""
+        return bool(self.prefill_engines or self.decode_engines)
 
     @property
     def thresholds(self) -> RoutingThresholds:

@@ -138,3 +138,41 @@ def test_freed_runs_merge_and_first_fit_reuses_them():
     assert runs.free_runs == [(0, 6)]
     runs.free(6, 4)
     assert runs.free_runs == [(0, 10)] and runs.free_units == 10
+
+
+def test_a_run_marked_taken_by_its_reader_is_reclaimed_and_no_other(segment_path):
+    """The Ray Serve hand-over has no socket back to the exporter: the importer marks the run
+    taken in its stamp, the exporter frees exactly the runs so marked."""
+    keys, values = caches()
+    exporter = SharedMemoryExporter(segment_path, KVGeometry.of(keys), buffer_blocks=10)
+    try:
+        taken = exporter.export(7, keys, values, [1, 2, 3])
+        kept = exporter.export(8, keys, values, [4, 5])
+        assert taken is not None and kept is not None
+        their_keys, their_values = caches(seed=1)
+        importer = SharedMemoryImporter(KVGeometry.of(their_keys))
+        assert importer.import_blocks(taken, their_keys, their_values, [0, 1, 2])
+        importer.mark_taken(taken)
+        assert exporter.reclaim_taken() == [7] and exporter.reclaim_taken() == []
+        assert exporter.held_blocks == 2
+        exporter.release(8)
+        importer.mark_taken(kept)  # given back before: its stamp is not the transfer's
+        assert exporter.reclaim_taken() == [] and exporter.held_blocks == 0
+        importer.close()
+    finally:
+        exporter.close()
+
+
+def test_a_buffer_in_anonymous_memory_exports_as_a_file_does():
+    """The net transport's exporter keeps its buffer in memory of its own, no /dev/shm file."""
+    keys, values = caches()
+    exporter = SharedMemoryExporter("", KVGeometry.of(keys), buffer_blocks=6)
+    try:
+        kv = exporter.export(3, keys, values, [7, 8, 20])
+        assert kv is not None and exporter.held_blocks == 3
+        region = exporter.segment.region(kv.offset, 3, KVGeometry.of(keys))
+        assert torch.equal(region[0, :, :, 2], keys[:, :, 20])
+        assert torch.equal(region[1, :, :, 0], values[:, :, 7])
+        assert int(exporter.segment.stamps[kv.stamp_index]) == 3
+    finally:
+        exporter.close()

@@ -24,6 +24,9 @@ from ipc.messages import (
     FinishRecord,
     Heartbeat,
     KVDescriptor,
+    KVExportAsk,
+    KVHandoverReply,
+    KVImportAsk,
     KVNetDone,
     KVNetRegion,
     KVRelease,
@@ -219,6 +222,17 @@ EXAMPLES = [
         t_export_start=2.5,
     ),
     KVRelease(transfer_ids=[7, 8], imported=[True, False], decode_index=1),
+    KVExportAsk("r1", pack_ids([1, 2, 3]), "ipc:///tmp/x/kv-handover-replies", "salt"),
+    KVImportAsk(
+        "r1",
+        pack_ids([1, 2, 3]),
+        KVDescriptor(
+            9, "net", "10.0.0.2:15000", 3, 4096, 1, 2, 2, 16, 8, "float32", 3, 1 << 40, 64
+        ),
+        "ipc:///tmp/y/kv-handover-replies",
+    ),
+    KVHandoverReply("r1", blocks=4, seconds=0.002),
+    KVHandoverReply("r2", error="no full block of the prompt is cached"),
     KVNetRegion("r1", "mooncake-tcp", "192.0.2.1:15001", [2**47 + 4096, 2**40], [2048, 64]),
     KVNetDone("r1", ok=True, nbytes=2112, seconds=0.12),
 ]

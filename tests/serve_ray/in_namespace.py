@@ -4,7 +4,8 @@ test_serve_ray.py, which starts this and asserts on what it writes):
     python -m tests.serve_ray.in_namespace RESULTS_JSON TMP_DIR TINY_MODEL_DIR [REAL_MODEL_DIR]
 
 One local Ray (no dashboard, a small object store, its temp dir under TMP_DIR), the application
-on the tiny model with 2 engine replicas, then (given REAL_MODEL_DIR) on the real model with one.
+on the tiny model with 2 engine replicas, then with a prefill and a decode deployment of one
+replica each, then (given REAL_MODEL_DIR) on the real model with one.
 Each scenario's findings, or the error that stopped it, go under its name in RESULTS_JSON.
 """
 
@@ -39,6 +40,11 @@ TINY_KNOBS: dict[str, Any] = dict(
     max_model_len=1024,
     routing_stats_period_s=0.5,
     max_restarts=1,
+    # The prefill/decode scenario's answers against the colocated replicas': alike in dtype
+    # (the tiny random model has near-ties) and in the chunks its prompts are computed in (a
+    # decode replica computes what follows the imported blocks as one more chunk).
+    dtype="float32",
+    prefill_chunk_tokens=16,
 )
 
 
@@ -188,6 +194,89 @@ def replica_killed_under_load() -> dict[str, Any]:
     }
 
 
+PD_PROMPTS = [ids(300 + i, n) for i, n in enumerate((40, 70, 129, 20, 90, 33))]
+
+
+def greedy_texts(oai: openai.OpenAI) -> list[dict[str, Any]]:
+    """Each PD prompt's greedy completion and its cached prompt tokens."""
+    return [complete(oai, p, max_tokens=10) for p in PD_PROMPTS]
+
+
+def prefill_decode(tiny_dir: str, colocated: list[dict[str, Any]]) -> dict[str, Any]:
+    """The prefill/decode deployments (one replica each) in place of the engine deployment:
+    the same greedy answers as the colocated replicas gave, each stream with one terminal
+    event, the KV exported by the prefill replica and imported by the decode replica."""
+    knobs = {k: v for k, v in TINY_KNOBS.items() if k != "replicas"}
+    app = build_app({"model": tiny_dir, **knobs, "prefill_engines": 1, "decode_engines": 1})
+    serve.run(app, name="pd", route_prefix="/")
+    oai = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
+    answers = greedy_texts(oai)
+    results: list[dict[str, Any] | None] = [None] * 6
+
+    def one(i: int) -> None:
+        try:
+            results[i] = sse_terminals(ids(400 + i, 50), 40)
+        except Exception as exc:  # a request that raised has no terminal event: recorded
+            results[i] = {"status": None, "terminals": [], "done": False, "raised": repr(exc)}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    streams = openai_streams(oai)
+    return {
+        "answers": answers,
+        "colocated": colocated,
+        "streams": results,
+        "openai": streams,
+        "prefill": list(engine_replica_stats("pd", "prefill").values()),
+        "decode": list(engine_replica_stats("pd", "decode").values()),
+        "prefill_killed": prefill_killed_under_load(),
+    }
+
+
+def prefill_killed_under_load() -> dict[str, Any]:
+    """Eight long prompts at once; the prefill replica is killed while it computes them: the
+    decode replica computes those whose prefill failed, every stream ends once, and Serve
+    replaces the prefill replica."""
+    results: list[dict[str, Any] | None] = [None] * 8
+
+    def one(i: int) -> None:
+        try:
+            results[i] = sse_terminals(ids(500 + i, 900), 20)
+        except Exception as exc:  # a request that raised has no terminal event: recorded
+            results[i] = {"status": None, "terminals": [], "done": False, "raised": repr(exc)}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # until the prefill replica holds some of them
+        (victim,) = engine_replica_stats("pd", "prefill").values()
+        if victim["load"] >= 2:
+            break
+        time.sleep(0.05)
+    ray.kill(ray.get_actor(victim["actor"], namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(timeout=240)
+    deadline = time.monotonic() + 120
+    after: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        after = list(engine_replica_stats("pd", "prefill").values())
+        if after and after[0]["actor"] != victim["actor"]:
+            break
+        time.sleep(0.5)
+    oai = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
+    return {
+        "victim_load": victim["load"],
+        "streams": results,
+        "replaced": bool(after) and after[0]["actor"] != victim["actor"],
+        "afterwards": complete(oai, ids(600, 60)),
+        "prefill_after": after,
+    }
+
+
 def real_model_answer(model_dir: str) -> dict[str, Any]:
     serve.run(
         build_app({"model": model_dir, "replicas": 1, "kv_events_host": "127.0.0.1"}),
@@ -222,9 +311,12 @@ def main(out_path: str, tmp_dir: str, tiny_dir: str, real_dir: str | None = None
             oai = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
             run(results, "routing", lambda: routing(oai))
             run(results, "openai", lambda: openai_streams(oai))
+            colocated = greedy_texts(oai)
             run(results, "kill", replica_killed_under_load)
+            serve.delete("splitserve")
+            run(results, "pd", lambda: prefill_decode(tiny_dir, colocated))
             if real_dir:
-                serve.delete("splitserve")
+                serve.delete("pd")
                 run(results, "real", lambda: real_model_answer(real_dir))
     finally:
         out.write_text(json.dumps(results, indent=1))

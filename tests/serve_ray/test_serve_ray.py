@@ -122,6 +122,33 @@ def test_a_killed_engine_replica_loses_no_request_and_serve_brings_it_back(scena
     assert all(a["text"] is not None for a in seen["afterwards"])
 
 
+def test_prefill_and_decode_deployments_answer_as_the_colocated_replicas(scenarios):
+    """The prompt computed by the prefill replica, its KV imported by the decode replica
+    (found there as cached blocks), the answer the colocated replicas gave, once each."""
+    seen = part(scenarios, "pd")
+    assert [a["text"] for a in seen["answers"]] == [a["text"] for a in seen["colocated"]]
+    for answer, prompt_len in zip(seen["answers"], (40, 70, 129, 20, 90, 33)):
+        assert answer["cached"] == (prompt_len - 1) // 16 * 16, answer
+    for stream in seen["streams"]:
+        assert stream["done"] and stream["terminals"] == ["length"], stream
+    assert seen["openai"]["chat_finish"] in ("length", "stop")
+    assert seen["openai"]["bad_request"] == {"status": 400, "param": "max_tokens"}
+    (prefill,), (decode,) = seen["prefill"], seen["decode"]
+    assert prefill["role"] == "prefill" and decode["role"] == "decode"
+    assert prefill["kv_moved"] >= 12 and decode["kv_moved"] >= 12
+    assert prefill["kv_failed"] == 0 and decode["kv_failed"] == 0
+
+
+def test_a_killed_prefill_replica_costs_time_not_answers(scenarios):
+    """Its prompts are computed by the decode replica instead: each stream ends once, whole."""
+    seen = part(scenarios, "pd")["prefill_killed"]
+    assert seen["victim_load"] >= 1, "the killed prefill replica held requests"
+    for stream in seen["streams"]:
+        assert stream["done"] and stream["terminals"] == ["length"], stream
+    assert seen["replaced"], "Serve did not replace the prefill replica"
+    assert seen["afterwards"]["text"] is not None
+
+
 @pytest.mark.slow
 def test_the_real_model_answers_through_serve(scenarios):
     seen = part(scenarios, "real")
@@ -162,3 +189,24 @@ def test_the_command_line_splits_the_application_knobs_from_each_replicas():
     assert settings.cluster["max_batch_size"] == 8 and settings.thresholds.cache_threshold == 0.5
     with pytest.raises(SystemExit):  # Serve makes the replicas: no --engines
         build_parser().parse_args(["--engines", "2"])
+    argv = ["--prefill-engines", "1", "--decode-engines", "2", "--kv-transport", "net"]
+    pd = settings_of(build_parser().parse_args([*argv, "--kv-net-host", "node"]))
+    assert (pd.prefill_engines, pd.decode_engines, pd.disaggregated) == (1, 2, True)
+    assert (pd.cluster["kv_transport"], pd.cluster["kv_net_host"]) == ("net", "node")
+    with pytest.raises(ValueError, match="both --prefill-engines and --decode-engines"):
+        settings_of(build_parser().parse_args(["--prefill-engines", "1"]))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's schemas, on pydantic 2
+def test_the_prefill_decode_mode_builds_two_engine_deployments():
+    from procs.serve_ray.app import build_app
+
+    ingress = build_app({"prefill_engines": 2, "decode_engines": 3})._bound_deployment
+    decode, settings, prefill = (getattr(a, "_bound_deployment", a) for a in ingress.init_args)
+    deployments = {d.name: d for d in (prefill, decode)}
+    assert {n: d.num_replicas for n, d in deployments.items()} == {"prefill": 2, "decode": 3}
+    assert prefill.init_args[1] == "prefill" and decode.init_args[1] == "decode"
+    routers = {n: d._deployment_config.request_router_config for n, d in deployments.items()}
+    assert routers["prefill"].request_router_kwargs["policy"] == "cache_aware"
+    assert routers["decode"].request_router_kwargs["policy"] == "least_loaded"
+    assert settings.disaggregated
