@@ -1,7 +1,7 @@
 """A prefill or decode replica's line to its own cluster's engine (engine_worker/kv_handover.py):
 asks go on the engine's inbox, answers come back on a socket of the replica's own in the
 cluster's run dir, both under the cluster's CURVE keys when it has them. Ray-free, so it is
-tested without a Ray cluster (tests/serve_ray/test_kv_handover.py).
+tested without a Ray cluster (tests/test_kv_handover.py).
 """
 
 from __future__ import annotations
