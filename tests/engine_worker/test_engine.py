@@ -265,7 +265,12 @@ def test_cpu_steps_take_a_bounded_number_of_prompt_tokens(tiny_model_dir):
     """prefill_max_tokens 0 on CPU: a burst of prompts is spread over steps of at most 512 prompt
     tokens (a step stalls every decoding request), and a request still decoding gets its token
     in every one of those steps."""
-    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), kv_cache_tokens=8192))
+    # A fixed token-key bound far above these prompts: the step pace (timing, hence load)
+    # would otherwise make some steps smaller than the token bound this test is about.
+    config = EngineConfig(
+        model_path=str(tiny_model_dir), kv_cache_tokens=8192, prefill_max_token_keys=1 << 40
+    )
+    engine = Engine(config)
     assert engine.config.prefill_max_tokens == 512
     engine.add("early", PROMPT, greedy(12, ignore_eos=True))
     engine.step()
