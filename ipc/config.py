@@ -112,6 +112,14 @@ class ClusterConfig(AddressPlan, EngineRoles):
         unit="SECONDS",
         minimum=0.01,
     )
+    pd_skip_prefill_tokens: int = knob(
+        32,
+        "disaggregated mode, cache_aware routing: a prompt a decode engine caches all but at "
+        "most this many tokens of goes straight to it (no prefill engine, no KV transfer); "
+        "0: never",
+        unit="TOKENS",
+        minimum=0,
+    )
     routing_policy: str = knob(
         CACHE_AWARE,
         "how tokenizer workers pick a replica: cache_aware (the longest cached prefix unless "

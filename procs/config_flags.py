@@ -41,6 +41,7 @@ DISAGGREGATION_KNOBS = (
     "decode_engines",
     "kv_transfer_buffer_tokens",
     "kv_transfer_timeout_s",
+    "pd_skip_prefill_tokens",
 )
 TESTING_KNOBS = ("engine_factory", "preparer_factory")
 
