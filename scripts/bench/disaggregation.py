@@ -5,11 +5,6 @@ disaggregation.md).
 head dim 64, bf16, ~47 MB) through the shared-memory transport, export + import, against a
 plain memcpy of as many bytes on this machine.
 
-``skip``: what a prompt sent straight to a decode engine (``--pd-skip-prefill-tokens``) costs
-its streams: the time from adding a prompt of U uncached tokens to its first token (the steps
-that compute it, every stream waiting on them) beside ``--streams`` decoding requests, one torch
-thread (a core per role), against a plain decode step; the engine alone, interleaved sizes.
-
 ``serving`` (default): issue 40's workload, each mode for the same fixed ``--duration``:
 ``--streams`` streams decode ``--stream-tokens`` each (one restarted as each ends, so that many
 always decode) while unique ``--prompt-tokens`` prompts (``--prompt-output`` tokens out) arrive
@@ -28,7 +23,6 @@ its TTFT, a lower bound). Then the lowest rate where colocated goodput falls bel
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import os
 import random
@@ -99,40 +93,6 @@ def transfer(args: argparse.Namespace) -> None:
     memcpy = float(np.median(copies))
     rate = 2 * moved / memcpy / 1e9
     print(f"memcpy of 2 x the bytes p50 {memcpy * 1e3:.2f} ms = {rate:.2f} GB/s")
-
-
-def skip(args: argparse.Namespace) -> None:
-    from engine_worker.engine import Engine
-    from ipc.engine_config import EngineConfig
-    from ipc.messages import SamplingParams
-    from procs.model_store import resolve_model
-
-    torch.set_num_threads(1)
-    config = EngineConfig(
-        model_path=str(resolve_model(args.model)), engine_threads=1, adaptive_threads=False
-    )
-    engine, rng, sizes = Engine(config), random.Random(args.seed), (0, 8, 16, 32, 64, 128)
-    params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
-    for i in range(args.streams):
-        engine.add(f"s{i}", [rng.randrange(100, 40000) for _ in range(64)], params)
-    times: dict[int, list[float]] = {u: [] for u in sizes}
-    for repeat in range(args.repeats * 5):
-        for u in sizes:
-            for _ in range(3):
-                engine.step()
-            if u:
-                prompt = [rng.randrange(100, 40000) for _ in range(u)]
-                engine.add(f"u{u}-{repeat}", prompt, dataclasses.replace(params, max_tokens=1))
-            start = time.perf_counter()
-            engine.step()
-            while len(engine.requests) > args.streams:
-                engine.step()
-            times[u].append(time.perf_counter() - start)
-    for u, samples in times.items():
-        p50 = float(np.median(samples)) * 1e3
-        print(
-            f"{u:4d} prompt tokens beside {args.streams} streams: p50 {p50:.1f} ms (load {load()})"
-        )
 
 
 def run_mode(args: argparse.Namespace, mode: str, rate: float) -> dict[str, float]:
@@ -239,7 +199,7 @@ def serving(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = workload_parser("disaggregation", __doc__)
-    p.add_argument("what", nargs="?", default="serving", choices=("serving", "transfer", "skip"))
+    p.add_argument("what", nargs="?", default="serving", choices=("serving", "transfer"))
     add_shared(p, "model", "repeats", repeats=2)
     modes = ",".join(MODES)
     p.add_argument("--modes", type=text_list, default=list(MODES)[:3], help=f"any of {modes}")
@@ -258,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    {"transfer": transfer, "skip": skip, "serving": serving}[args.what](args)
+    {"transfer": transfer, "serving": serving}[args.what](args)
 
 
 if __name__ == "__main__":
