@@ -5,7 +5,9 @@ A few bf16 rows against int4 groups, the products (q - 8) * x exact and summed i
 do not depend on the call's other rows nor on the thread count.
 
 The torch op ``splitserve::int4_decode_mm`` (int4_decode_op.cpp around int4_decode.cpp), what
-``Int4Linear`` and the scripted decode layers call under ``EngineConfig.int4_kernel = "own"``,
+``Int4Linear`` and the scripted decode layers call under ``EngineConfig.int4_kernel = "own"``
+(and ``int4_decode_grouped_mm``: several weights of one layout in one call, each over its own
+rows, a mixture's chosen experts: engine_worker/moe.py),
 compiled once by g++ into ``~/.cache/splitserve/kernels/<hash>`` (a hash of the sources, the
 flags and torch's version: a restart loads it, an edited source builds anew). ``load_op`` (the
 engine's start, before its weights) builds it where this torch has no build yet, once: under a

@@ -4,6 +4,8 @@
 // by side along K, each applied to x: x is repeated once per plane) -> [M, N] bf16. Blocks of
 // groups of 16 k come as [N / 16, parts * K / 32, 2, bytes / 2] (two (scale, zero) runs a block);
 // the bytes beyond the nibbles and scales are high-bit planes (int4_decode.cpp).
+// splitserve::int4_decode_grouped_mm: several such weights of one layout in one call, weight e
+// over the next counts[e] rows of x (a mixture's chosen experts, engine_worker/moe.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -12,11 +14,11 @@
 
 namespace {
 
-at::Tensor int4_decode_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t parts) {
-    // torch's thread count on this thread's OpenMP team, as aten's own parallel ops do
-    at::internal::lazy_init_num_threads();
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-                "int4_decode_mm: x must be 2-d bf16 on the CPU");
+struct BlockLayout {
+    int64_t sub, high, n, k;
+};
+
+BlockLayout layout_of(const at::Tensor& blocks) {
     const int64_t sub = blocks.dim() == 4 ? blocks.size(2) : 1;
     const int64_t bytes = blocks.dim() == 4 ? sub * blocks.size(3) : blocks.size(-1);
     const int64_t high = (bytes - kWeightBytes) / kPlaneBytes - sub;
@@ -24,20 +26,66 @@ at::Tensor int4_decode_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t
                     high <= 2 && bytes == block_bytes((int)sub, (int)high) &&
                     blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
                 "int4_decode_mm: blocks must be contiguous uint8 [N / 16, K / 32, (sub,) bytes]");
+    return {sub, high, blocks.size(0) * kTile, blocks.size(1) * kGroup};
+}
+
+// x as the kernel reads it: bf16 rows repeated once per plane
+at::Tensor kernel_rows(const at::Tensor& x, int64_t parts, int64_t k) {
+    // torch's thread count on this thread's OpenMP team, as aten's own parallel ops do
+    at::internal::lazy_init_num_threads();
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+                "int4_decode_mm: x must be 2-d bf16 on the CPU");
     const at::Tensor rows = parts == 1 ? x.contiguous() : x.repeat({1, parts});
-    const int64_t n = blocks.size(0) * kTile, k = blocks.size(1) * kGroup;
     TORCH_CHECK(rows.size(1) == k, "int4_decode_mm: rows of ", k / parts, " expected, got ",
                 x.size(1));
-    at::Tensor y = at::empty({rows.size(0), n}, x.options());
-    const int failed = int4_decode(blocks.data_ptr<uint8_t>(), n, k,
+    return rows;
+}
+
+at::Tensor int4_decode_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t parts) {
+    const BlockLayout l = layout_of(blocks);
+    const at::Tensor rows = kernel_rows(x, parts, l.k);
+    at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
+    const int failed = int4_decode(blocks.data_ptr<uint8_t>(), l.n, l.k,
                                    reinterpret_cast<const uint16_t*>(rows.data_ptr()),
-                                   rows.size(0), k, y.data_ptr(), n, 0, (int)sub, (int)high);
-    TORCH_CHECK(!failed, "int4_decode_mm: shape ", n, " x ", k, " not taken by the kernel");
+                                   rows.size(0), l.k, y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high);
+    TORCH_CHECK(!failed, "int4_decode_mm: shape ", l.n, " x ", l.k, " not taken by the kernel");
+    return y;
+}
+
+at::Tensor int4_decode_grouped_mm(const at::Tensor& x, at::TensorList blocks,
+                                  at::IntArrayRef counts, int64_t parts) {
+    TORCH_CHECK(!blocks.empty() && blocks.size() == counts.size(),
+                "int4_decode_grouped_mm: one row count per weight");
+    const BlockLayout l = layout_of(blocks[0]);
+    std::vector<const uint8_t*> pointers;
+    std::vector<int64_t> starts{0};
+    for (size_t e = 0; e < blocks.size(); ++e) {
+        TORCH_CHECK(blocks[e].sizes() == blocks[0].sizes() && blocks[e].is_contiguous() &&
+                        blocks[e].scalar_type() == at::kByte && counts[e] >= 0,
+                    "int4_decode_grouped_mm: weights of one layout, row counts >= 0");
+        pointers.push_back(blocks[e].data_ptr<uint8_t>());
+        starts.push_back(starts.back() + counts[e]);
+    }
+    const at::Tensor rows = kernel_rows(x, parts, l.k);
+    TORCH_CHECK(starts.back() == rows.size(0), "int4_decode_grouped_mm: counts sum to ",
+                starts.back(), ", x has ", rows.size(0), " rows");
+    at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
+    const int failed = int4_decode_grouped(
+        pointers.data(), (int64_t)pointers.size(), starts.data(), l.n, l.k,
+        reinterpret_cast<const uint16_t*>(rows.data_ptr()), l.k, y.data_ptr(), l.n, 0,
+        (int)l.sub, (int)l.high);
+    TORCH_CHECK(!failed, "int4_decode_grouped_mm: shape ", l.n, " x ", l.k, " not taken");
     return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(splitserve, m) { m.def("int4_decode_mm(Tensor x, Tensor blocks, int parts) -> Tensor"); }
+TORCH_LIBRARY(splitserve, m) {
+    m.def("int4_decode_mm(Tensor x, Tensor blocks, int parts) -> Tensor");
+    m.def("int4_decode_grouped_mm(Tensor x, Tensor[] blocks, int[] counts, int parts) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(splitserve, CPU, m) { m.impl("int4_decode_mm", int4_decode_mm); }
+TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
+    m.impl("int4_decode_mm", int4_decode_mm);
+    m.impl("int4_decode_grouped_mm", int4_decode_grouped_mm);
+}

@@ -97,8 +97,14 @@ class LlamaFamilyModel:
         """A mixture of experts' load since the start, as ``EngineStats`` fields ({}: dense)."""
         if self.expert_load is None:
             return {}
-        buckets, rows = self.expert_load.totals()
-        return {"expert_rows_buckets_total": list(buckets), "expert_rows_total": rows}
+        load = self.expert_load
+        buckets, rows = load.totals()
+        return {
+            "expert_rows_buckets_total": list(buckets),
+            "expert_rows_total": rows,
+            "expert_reads_total": load.reads,
+            "expert_bytes_total": load.bytes,
+        }
 
     def use_scripted_decode(self, enabled: bool = True) -> bool:
         """Runs decode-only steps on a kept workspace through ``ScriptedDecode`` where it applies

@@ -3,12 +3,15 @@ where ``ModelFeatures.moe`` says the layer is sparse (``layers.LayerLoader`` bui
 ``MoeBlock`` in place of the gated MLP, ``layers.run_layers`` applies it).
 
 A step: the router's logits in float32, softmax, the ``top_k`` largest (renormalized where the
-family does); the batch's (row, choice) pairs sorted by expert, so each chosen expert runs once
-over all the rows that chose it (one gate_up and one down call on its own weights) and its
-output, times the row's routing weight, is added to those rows in float32. Experts nobody chose
-are not touched; Python loops over the chosen experts only. A row's sum adds its experts in
-expert order whatever else the step holds, and each kernel computes a row alike whatever rows
-share its call (linear.py), so a row's result does not depend on its batch (DESIGN property 9).
+family does); the batch's (row, choice) pairs sorted by expert (one gather of their rows), so
+each chosen expert runs once over all the rows that chose it, reading its weights once, and its
+output, times the row's routing weight, is added to those rows in float32 (one ``index_add_``).
+Experts nobody chose are not touched. On our int4 kernel (``GroupedExperts``) a layer makes two
+kernel calls whatever it chose: every chosen expert's gate_up in one, their down in another;
+other formats call each chosen expert's layers in turn. ``ExpertLoad`` counts the experts read
+and their bytes. A row's sum adds its experts in expert order whatever else the step holds, and
+each kernel computes a row alike whatever rows share its call (linear.py), so a row's result does
+not depend on its batch (DESIGN property 9).
 
 Weights: each expert is a linear layer of ``WeightFormat`` built from its rows of the stacked
 tensors (a GGUF's ``ffn_*_exps``: whole rows of blocks, so a Q4_K expert is int4 groups on our
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from engine_worker.linear import (
     PACK_ROWS,
     Int4Groups,
+    Int4Linear,
     Int8Blocks,
     LinearWeight,
     WeightSource,
@@ -58,16 +62,23 @@ class ExpertLoad:
     """How many rows each expert took, per step and MoE layer, as a histogram over
     ``EXPERT_ROWS_BUCKETS`` (an expert no row chose counts as 0 rows): what an operator reads to
     see the experts' imbalance. The blocks hand in each call's counts; ``totals`` folds them in
-    (once per step, by the engine's stats)."""
+    (once per step, by the engine's stats). Beside it, counted where the kernels are called:
+    ``reads``, the experts whose weights a call read (each chosen expert once: the histogram's
+    observations above 0 rows, when the step reads each once), and ``bytes``, their weights'
+    bytes (what bounds a decode step's speed)."""
 
     def __init__(self) -> None:
         self.bounds = np.array(EXPERT_ROWS_BUCKETS, dtype=np.int64)
         self.buckets = [0] * (len(EXPERT_ROWS_BUCKETS) + 1)  # the last: above every bound
         self.rows = 0
+        self.reads = 0
+        self.bytes = 0
         self._pending: list[torch.Tensor] = []
 
-    def observe(self, counts: torch.Tensor) -> None:
+    def observe(self, counts: torch.Tensor, reads: int, nbytes: int) -> None:
         self._pending.append(counts)
+        self.reads += reads
+        self.bytes += nbytes
         if len(self._pending) >= MAX_PENDING:  # forwards run with no engine reading the stats
             self.totals()
 
@@ -111,6 +122,47 @@ class Router:
         return y[:1] if one else y
 
 
+class GroupedExperts:
+    """A mixture's experts on our int4 kernel (``Int4Linear`` with its blocks, all of one
+    layout): a step's gate_up of every chosen expert in one call of
+    ``splitserve::int4_decode_grouped_mm`` (each expert over the rows that chose it, its weights
+    read once), the activation once over all those rows, then their down in one more call."""
+
+    def __init__(self, gate_up: list[Int4Linear], down: list[Int4Linear]) -> None:
+        self.gate_up = [lin.packed for lin in gate_up]
+        self.down = [lin.packed for lin in down]
+        self.gate_up_parts, self.down_parts = gate_up[0].parts, down[0].parts
+
+    @staticmethod
+    def of(gate_up: list[LinearWeight], down: list[LinearWeight]) -> GroupedExperts | None:
+        """The experts grouped, where every one is on our kernel in one layout; else None."""
+        parts = []
+        for layers in (gate_up, down):
+            own = [
+                lin
+                for lin in layers
+                if isinstance(lin, Int4Linear) and lin.own_kernel and lin.bias is None
+            ]
+            if len(own) != len(layers) or len({(lin.packed.shape, lin.parts) for lin in own}) > 1:
+                return None
+            parts.append(own)
+        return GroupedExperts(*parts)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        used: list[int],
+        counts: list[int],
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """x's rows (sorted by expert: ``counts[i]`` rows for expert ``used[i]``) through their
+        experts."""
+        grouped = torch.ops.splitserve.int4_decode_grouped_mm
+        gate_up = grouped(x, [self.gate_up[e] for e in used], counts, self.gate_up_parts)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return grouped(activation(gate) * up, [self.down[e] for e in used], counts, self.down_parts)
+
+
 @dataclass(slots=True)
 class MoeBlock:
     router: Router
@@ -123,6 +175,12 @@ class MoeBlock:
     shared_down: LinearWeight | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden]
     trace: list[torch.Tensor] | None = None  # a list: each call's choices appended (tests)
+    grouped: GroupedExperts | None = None  # the experts in one kernel call per part
+    expert_bytes: list[int] = field(default_factory=list)  # per expert: gate_up's and down's
+
+    def __post_init__(self) -> None:
+        self.grouped = GroupedExperts.of(self.gate_up, self.down)
+        self.expert_bytes = [g.nbytes + d.nbytes for g, d in zip(self.gate_up, self.down)]
 
     def apply(
         self,
@@ -151,27 +209,25 @@ class MoeBlock:
         chosen: torch.Tensor,
         activation: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """Each chosen expert once over its rows; the weighted sum per row, float32."""
+        """Each chosen expert once over its rows; the weighted sum per row, float32, each row's
+        experts added in expert order (one index_add_ over the pairs sorted by expert)."""
         flat = chosen.flatten()
         counts = torch.bincount(flat, minlength=len(self.down))
-        self.load.observe(counts)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if x.shape[0] == 1:  # a lone row: every expert takes it; no gathering
-            ordered, order = flat.sort()
-            for expert, weight in zip(ordered.tolist(), weights[0, order].unbind()):
-                out += self._expert(expert, x, activation).float() * weight
-            return out
         order = flat.argsort(stable=True)
         rows = order // self.top_k  # the row of each (row, choice) pair, by expert
-        row_weights = weights.flatten()[order].unsqueeze(1)
-        used = counts.nonzero().flatten()
-        start = 0
-        for expert, count in zip(used.tolist(), counts[used].tolist()):
-            end = start + count
-            y = self._expert(expert, x.index_select(0, rows[start:end]), activation)
-            out.index_add_(0, rows[start:end], y.float() * row_weights[start:end])
-            start = end
-        return out
+        used_at = counts.nonzero().flatten()
+        used, per_expert = used_at.tolist(), counts[used_at].tolist()
+        self.load.observe(counts, len(used), sum(self.expert_bytes[e] for e in used))
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if not used:  # no rows
+            return out
+        pairs = x.index_select(0, rows)
+        if self.grouped is not None:
+            y = self.grouped.run(pairs, used, per_expert, activation)
+        else:
+            parts = pairs.split(per_expert)
+            y = torch.cat([self._expert(e, part, activation) for e, part in zip(used, parts)])
+        return out.index_add_(0, rows, y.float().mul_(weights.flatten()[order].unsqueeze(1)))
 
     def _expert(
         self, expert: int, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]

@@ -168,7 +168,8 @@ class _EngineCollector:
         decisions = CounterMetricFamily(
             "splitserve_routing_decisions",
             "Requests routed to an engine replica by the tokenizer workers, by policy and by "
-            "what decided (cache_hit, balanced, imbalanced, round_robin).",
+            "what decided (cache_hit, balanced, imbalanced, round_robin; skip_prefill: straight "
+            "to a decode engine caching the prompt).",
             labels=["policy", "outcome"],
         )
         for outcome, count in sorted(report.routing_decisions.items()):

@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from ipc.addresses import LOOPBACK_HOSTS, AddressPlan
 from ipc.engine_config import EngineConfig
-from ipc.engine_roles import EngineRoles, engine_mode_error
+from ipc.engine_roles import (
+    DECODE_ENGINES_HELP,
+    KV_BUFFER_HELP,
+    KV_TIMEOUT_HELP,
+    KV_TRANSPORT_HELP,
+    PD_SKIP_PREFILL_HELP,
+    PREFILL_ENGINES_HELP,
+    EngineRoles,
+    engine_mode_error,
+)
 from ipc.knobs import check_knobs, knob
 from ipc.reasoning import REASONING_PARSER_CHOICES, REASONING_PARSER_HELP
 from ipc.replica_router import CACHE_AWARE, POLICIES, RoutingThresholds
@@ -82,46 +91,15 @@ class ClusterConfig(AddressPlan, EngineRoles):
     )
     # Prefill/decode disaggregation (docs/disaggregation.md): engines 0..P-1 compute prompts,
     # engines P..P+D-1 decode; ``engines`` is then P + D (the supervisor sets it).
-    prefill_engines: int = knob(
-        0,
-        "disaggregated mode: engines that compute prompts (chunked, with their prefix caches) "
-        "and sample the first token, then hand each request and its KV blocks to a decode "
-        "engine; give with --decode-engines, instead of --engines",
-        unit="N",
-        minimum=0,
-        maximum=MAX_ENGINES,
-    )
-    decode_engines: int = knob(
-        0,
-        "disaggregated mode: engines that take requests over from the prefill engines and "
-        "decode them to the end",
-        unit="N",
-        minimum=0,
-        maximum=MAX_ENGINES,
-    )
-    kv_transfer_buffer_tokens: int = knob(
-        8192,
-        "disaggregated mode: each prefill engine's shared-memory buffer for KV blocks on their "
-        "way to a decode engine (at least the context length is taken)",
-        unit="TOKENS",
-        minimum=16,
-    )
-    kv_transfer_timeout_s: float = knob(
-        30.0,
-        "disaggregated mode: a KV transfer not taken in this long is aborted (the request "
-        "ends 'unavailable', the prefill engine's buffer is freed)",
-        unit="SECONDS",
-        minimum=0.01,
-    )
-    kv_transport: str = knob(
-        "shm",
-        "disaggregated mode: how KV blocks move: shm (/dev/shm, one host) or net (Mooncake's "
-        "transfer engine over TCP, the kvnet extra; engines need not share /dev/shm)",
-        choices=KV_TRANSPORTS,
-    )
+    prefill_engines: int = knob(0, PREFILL_ENGINES_HELP, unit="N", minimum=0, maximum=MAX_ENGINES)
+    decode_engines: int = knob(0, DECODE_ENGINES_HELP, unit="N", minimum=0, maximum=MAX_ENGINES)
+    kv_transfer_buffer_tokens: int = knob(8192, KV_BUFFER_HELP, unit="TOKENS", minimum=16)
+    kv_transfer_timeout_s: float = knob(30.0, KV_TIMEOUT_HELP, unit="SECONDS", minimum=0.01)
+    kv_transport: str = knob("shm", KV_TRANSPORT_HELP, choices=KV_TRANSPORTS)
     kv_net_host: str = knob("127.0.0.1", "kv_transport net: this host's address", unit="HOST")
     # Set by serve-ray on its prefill and decode replicas' clusters (docs/ray.md), not by users.
     kv_handover: str = knob("", "export or import prompt KV", choices=KV_HANDOVERS, cli=False)
+    pd_skip_prefill_tokens: int = knob(32, PD_SKIP_PREFILL_HELP, unit="TOKENS", minimum=0)
     routing_policy: str = knob(
         CACHE_AWARE,
         "how tokenizer workers pick a replica: cache_aware (the longest cached prefix unless "

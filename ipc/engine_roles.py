@@ -7,6 +7,34 @@ that dataclass's fields.
 
 from __future__ import annotations
 
+# What each of the disaggregated mode's knobs (ClusterConfig's) does.
+PREFILL_ENGINES_HELP = (
+    "disaggregated mode: engines that compute prompts (chunked, with their prefix caches) and "
+    "sample the first token, then hand each request and its KV blocks to a decode engine; give "
+    "with --decode-engines, instead of --engines"
+)
+DECODE_ENGINES_HELP = (
+    "disaggregated mode: engines that take requests over from the prefill engines and decode "
+    "them to the end"
+)
+KV_BUFFER_HELP = (
+    "disaggregated mode: each prefill engine's shared-memory buffer for KV blocks on their way "
+    "to a decode engine (at least the context length is taken)"
+)
+KV_TIMEOUT_HELP = (
+    "disaggregated mode: a KV transfer its decode engine has not taken in this long (hung, or "
+    "its batch full all that time) is aborted: the request ends 'unavailable', the prefill "
+    "engine's buffer is freed"
+)
+KV_TRANSPORT_HELP = (
+    "disaggregated mode: how KV blocks move: shm (/dev/shm, one host) or net (Mooncake's "
+    "transfer engine over TCP, the kvnet extra; engines need not share /dev/shm)"
+)
+PD_SKIP_PREFILL_HELP = (
+    "disaggregated mode, cache_aware routing: a prompt a decode engine caches all but at most "
+    "this many tokens of goes straight to it (no prefill engine, no KV transfer); 0: never"
+)
+
 
 def engine_mode_error(engines: int, prefill_engines: int, decode_engines: int) -> str:
     """Why these engine counts do not make one mode ("" when they do): data-parallel replicas

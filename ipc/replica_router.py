@@ -39,6 +39,7 @@ OUTCOME_CACHE_HIT = "cache_hit"  # the longest cached prefix was long enough
 OUTCOME_BALANCED = "balanced"  # least loaded, the cluster being balanced
 OUTCOME_IMBALANCED = "imbalanced"  # least loaded, because the cluster was not
 OUTCOME_ROUND_ROBIN = "round_robin"
+OUTCOME_SKIP_PREFILL = "skip_prefill"  # disaggregated: straight to a decode engine caching it
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +185,25 @@ def choose_decode(
     lowest = min(rank.values())
     tied = [r for r in candidates if rank[r] == lowest]
     return tied[turn % len(tied)]
+
+
+def skip_prefill(
+    matched: Mapping[int, int],
+    prompt_tokens: int,
+    block_size: int,
+    live: Iterable[int],
+    loads: Mapping[int, int],
+    max_uncached: int,
+) -> int | None:
+    """Prefill/decode disaggregation: the decode engine a prompt goes to straight, skipping the
+    prefill engines, or None. It is the live decode engine caching the longest prefix of it
+    (``matched``, as for ``choose``; then the least loaded), when that prefix leaves at most
+    ``max_uncached`` of the prompt's ``prompt_tokens`` to compute (0: never)."""
+    candidates = [d for d in sorted(set(live)) if matched.get(d, 0) > 0]
+    if max_uncached <= 0 or not candidates:
+        return None
+    best = min(candidates, key=lambda d: (-matched[d], loads.get(d, 0), d))
+    return best if prompt_tokens - matched[best] * block_size <= max_uncached else None
 
 
 class Router:

@@ -43,6 +43,7 @@ DISAGGREGATION_KNOBS = (
     "kv_transfer_timeout_s",
     "kv_transport",
     "kv_net_host",
+    "pd_skip_prefill_tokens",
 )
 TESTING_KNOBS = ("engine_factory", "preparer_factory")
 

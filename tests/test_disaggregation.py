@@ -19,10 +19,11 @@ import pytest
 
 from ipc.client import Client
 from ipc.config import ClusterConfig
-from ipc.replica_router import choose_decode
+from ipc.replica_router import choose_decode, skip_prefill
 from procs.cluster_setup import make_config
 from procs.launch_cluster import launch_cluster
-from tests.test_cluster_faults import account, pid_of, poll, restarted
+from procs.thread_budget import engine_cores
+from tests.test_cluster_faults import account, pid_of, poll, restarted, terminal_counts
 from tests.test_http_tiny import metrics
 
 KNOBS = dict(
@@ -33,7 +34,9 @@ KNOBS = dict(
     heartbeat_interval_s=0.1,
     tokenizer_workers=2,
 )
-PD = dict(prefill_engines=1, decode_engines=1, max_restarts=3)
+PD = dict(
+    prefill_engines=1, decode_engines=1, max_restarts=3, pin_engine_cores=True, engine_threads=2
+)
 PREFILL, DECODE = 0, 1
 
 
@@ -118,11 +121,55 @@ def test_metrics_label_the_roles_and_count_the_transfers(cluster):
 
 def test_a_request_that_ends_at_its_first_token_never_moves(cluster):
     with Client(cluster.client_addr) as client:
-        result = client.submit(prompt_token_ids=PROMPTS[2], max_tokens=1).result(timeout=30)
+        # a prompt of its own: the decode engine caches PROMPTS[2] (it would skip the prefill)
+        result = client.submit(prompt_token_ids=ids(41, 47), max_tokens=1).result(timeout=30)
     # Ended by the prefill engine, nothing moved (the engines' transfer counts travel in
     # heartbeats, a beat late: an earlier test's transfers could still be arriving there)
     assert result.finish_reason == "length" and len(result.token_ids) == 1
     assert result.engine_index == PREFILL and result.timings.kv_transfer_s == 0
+    idle_and_clean(cluster)
+
+
+def test_each_engine_runs_pinned_to_its_own_core(cluster):
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = [os.sched_getaffinity(pid_of(cluster, "engine", e)) for e in (PREFILL, DECODE)]
+    assert pinned == [set(engine_cores(cluster.config, e) or ()) for e in (PREFILL, DECODE)]
+    assert pinned == [{cpus[0]}, {cpus[1 % len(cpus)]}]  # one thread each, distinct where 2+
+    for e in (PREFILL, DECODE):  # and torch runs one thread there
+        environ = Path(f"/proc/{pid_of(cluster, 'engine', e)}/environ").read_bytes()
+        assert b"OMP_NUM_THREADS=1\0" in environ
+
+
+def test_a_prompt_the_decode_engine_caches_skips_the_prefill_engine(cluster):
+    """Issue 40 part 2: the decode engine caches the prompt's blocks it imported (and the ones
+    it decoded); the same prompt again goes straight to it (its 12-token tail computed there),
+    with no prefill engine and no transfer, and gives the same tokens, one terminal event."""
+    prompt = ids(40, 300)  # 18 full blocks of 16 and 12 tokens
+    with Client(cluster.client_addr) as client:
+
+        def ask():
+            handle = client.submit(
+                prompt_token_ids=prompt, max_tokens=12, temperature=0, ignore_eos=True
+            )
+            result = handle.result(timeout=60)
+            assert terminal_counts([handle]) == [1] and result.finish_reason == "length"
+            return result
+
+        first = ask()
+        assert first.timings.kv_transfer_s > 0  # through the prefill engine
+        before = client.engine_stats().routing_decisions.get("skip_prefill", 0)
+
+        def straight():  # the workers learn the decode engine's blocks from its events
+            again = ask()
+            assert again.token_ids == first.token_ids and again.engine_index == DECODE
+            return again if again.timings.kv_transfer_s == 0 else None
+
+        again = poll(straight, what="a repeat routed straight to the decode engine")
+        assert again.timings.kv_transfer_bytes == 0
+        assert client.engine_stats().routing_decisions["skip_prefill"] == before + 1
+    series = metrics(cluster.http_url)
+    labels = (("outcome", "skip_prefill"), ("policy", "cache_aware"))
+    assert series[("splitserve_routing_decisions_total", labels)] >= 1
     idle_and_clean(cluster)
 
 
@@ -138,7 +185,8 @@ def test_a_grammar_is_refused_with_a_clear_error(cluster):
 
 def test_an_abort_reaches_the_request_wherever_it_runs(cluster):
     with Client(cluster.client_addr) as client:
-        handle = client.submit(prompt_token_ids=PROMPTS[3], max_tokens=800, ignore_eos=True)
+        # prompts the decode engine does not cache yet: they move (a cached one skips over)
+        handle = client.submit(prompt_token_ids=ids(42, 130), max_tokens=800, ignore_eos=True)
         poll(
             lambda: cluster.worker_stats("engine", DECODE).get("running", 0) > 0,
             what="the request decoding",
@@ -152,7 +200,8 @@ def test_an_abort_reaches_the_request_wherever_it_runs(cluster):
 def test_decode_engine_killed_ends_its_requests_once_and_frees_the_buffer(cluster):
     with Client(cluster.client_addr) as client:
         handles = [
-            client.submit(prompt_token_ids=p, max_tokens=800, ignore_eos=True) for p in PROMPTS[:4]
+            client.submit(prompt_token_ids=ids(43 + i, 130), max_tokens=800, ignore_eos=True)
+            for i in range(4)
         ]
         poll(
             lambda: cluster.worker_stats("engine", DECODE).get("running", 0) >= 2,
@@ -249,3 +298,14 @@ def test_decode_engines_are_chosen_by_load_then_free_blocks():
     assert choose_decode({2: 1, 3: 1}, {2: 10, 3: 50}, [2, 3]) == 3
     assert {choose_decode({}, {}, [2, 3], turn) for turn in range(2)} == {2, 3}
     assert choose_decode({2: 0, 3: 9}, {}, [3]) == 3  # a dead one is never chosen
+
+
+def test_a_prompt_skips_the_prefill_engines_only_when_a_decode_engine_caches_nearly_all():
+    # decode engines 2 and 3 cache 10 and 12 leading blocks of a 200-token prompt (16 a block)
+    matched, live = {0: 12, 2: 10, 3: 12}, [2, 3]
+    assert skip_prefill(matched, 200, 16, live, {}, 8) == 3  # 8 tokens left to compute
+    assert skip_prefill(matched, 200, 16, live, {}, 7) is None
+    assert skip_prefill(matched, 200, 16, [2], {}, 64) == 2  # 40 left: a live one only
+    assert skip_prefill({2: 12, 3: 12}, 200, 16, live, {3: 0, 2: 4}, 8) == 3  # then load
+    assert skip_prefill(matched, 200, 16, live, {}, 0) is None  # 0: never
+    assert skip_prefill({0: 13}, 200, 16, live, {}, 64) is None  # a prefill engine's cache

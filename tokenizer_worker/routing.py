@@ -22,7 +22,9 @@ Prefill/decode disaggregation (docs/disaggregation.md): the prefill engine is ch
 among the prefill engines; the decode engine the request moves to after its first token is the
 least loaded decode engine (running + waiting as of its latest report, plus what this worker
 sent it since that report), then the one with the most free KV blocks. The prefill engine hands
-the request to that one (``RequestMeta.decode_index``).
+the request to that one (``RequestMeta.decode_index``). A prompt a decode engine caches all but
+``pd_skip_prefill_tokens`` of goes straight to it instead (outcome ``skip_prefill``): it computes
+the rest and decodes, with no prefill engine and no KV transfer on the way.
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ from ipc.messages import (
     ReplicaLoad,
     TokenizedRequest,
 )
-from ipc.replica_router import CACHE_AWARE, Router, choose_decode
+from ipc.replica_router import (
+    CACHE_AWARE,
+    OUTCOME_SKIP_PREFILL,
+    Router,
+    choose_decode,
+    skip_prefill,
+)
 from runtime.kv_subscriber import KVEventSubscriber
 
 logger = logging.getLogger("splitserve.tokenizer")
@@ -56,6 +64,7 @@ class ReplicaRouting:
         self.worker_index = worker_index
         self.replicas = range(config.engines)
         self.prefill, self.decode = config.prefill_indices, config.decode_indices
+        self.skip_tokens = config.pd_skip_prefill_tokens
         self.router = Router(config.routing_policy, config.routing_thresholds)
         self.uses_cache = config.routing_policy == CACHE_AWARE
         self.hasher = BlockHasher(config.engine.block_size)
@@ -159,21 +168,38 @@ class ReplicaRouting:
         if self.uses_cache:
             held = self.router.index.held
             block_ids = self.hasher.hashes(request.token_ids, request.cache_salt, held)
-        loads = {
-            r: self.reported[r] + max(0, self.sent[r] - self.received[r]) for r in self.prefill
-        }
-        blocks = len(request.token_ids) // (4 * self.hasher.block_size)
-        live = self.live.intersection(self.prefill) or self.prefill
-        replica, outcome = self.router.route(block_ids, loads, live, prompt_blocks=blocks)
+        tokens = len(request.token_ids) // 4  # packed int32 ids
+        skip = self._skip_prefill(block_ids, tokens)
+        if skip is not None:  # computed and decoded there: decode_index stays -1
+            replica, outcome = skip, OUTCOME_SKIP_PREFILL
+            self.sent_since_load[skip] += 1
+        else:
+            loads = {
+                r: self.reported[r] + max(0, self.sent[r] - self.received[r]) for r in self.prefill
+            }
+            live = self.live.intersection(self.prefill) or self.prefill
+            blocks = tokens // self.hasher.block_size
+            replica, outcome = self.router.route(block_ids, loads, live, prompt_blocks=blocks)
+            if self.decode:
+                request.meta.decode_index = self._choose_decode()
         self.sent[replica] += 1
-        if self.decode:
-            request.meta.decode_index = self._choose_decode()
         elapsed = time.perf_counter() - t_start
         self.decisions[outcome] += 1
         self.routing_s += elapsed
         meta = request.meta
         meta.engine_index, meta.routing_outcome, meta.routing_s = replica, outcome, elapsed
         return replica
+
+    def _skip_prefill(self, block_ids: list[int], tokens: int) -> int | None:
+        """The decode engine caching all but ``pd_skip_prefill_tokens`` of the prompt, if any
+        (disaggregated, cache_aware): the request skips the prefill engines and the transfer."""
+        if not (self.decode and self.skip_tokens and block_ids):
+            return None
+        loads = {d: self.reported[d] + self.sent_since_load[d] for d in self.decode}
+        matched = self.router.index.longest_prefix(block_ids)
+        live = self.live.intersection(self.decode)
+        size = self.hasher.block_size
+        return skip_prefill(matched, tokens, size, live, loads, self.skip_tokens)
 
     def _choose_decode(self) -> int:
         loads = {d: self.reported[d] + self.sent_since_load[d] for d in self.decode}

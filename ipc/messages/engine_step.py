@@ -72,6 +72,10 @@ class EngineStats:
     # once per expert it chose).
     expert_rows_buckets_total: list[int] = field(default_factory=list)
     expert_rows_total: int = 0
+    # The experts whose weights the MoE layers read (a chosen expert once per layer and step:
+    # then the histogram's observations above 0 rows) and those weights' bytes.
+    expert_reads_total: int = 0
+    expert_bytes_total: int = 0
 
 
 @dataclass(slots=True)

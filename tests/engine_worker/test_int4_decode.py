@@ -90,6 +90,36 @@ def test_a_rows_bits_depend_on_that_row_alone():
 
 
 @needs_op
+@pytest.mark.parametrize(("group", "bits", "planes"), [(32, 4, 1), (16, 6, 1), (32, 4, 2)])
+def test_grouped_op_equals_one_call_per_weight(group, bits, planes):
+    """Several weights of one layout in one call (a mixture's chosen experts), each over its own
+    rows, on two threads: each row's bits are those of its weight's own call, 0 to 9 rows a
+    weight (more than 4: a tile takes them 4 at a time from its cached blocks)."""
+    weights = [
+        int4_decode.pack([wide_planes(64, 128, group, bits, 10 * e + p) for p in range(planes)])
+        for e in range(4)
+    ]
+    counts = [3, 9, 0, 1]
+    x = rows(sum(counts), 128, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = torch.ops.splitserve.int4_decode_grouped_mm(x, weights, counts, planes)
+    finally:
+        torch.set_num_threads(threads)
+    alone = [
+        torch.ops.splitserve.int4_decode_mm(part, blocks, planes)
+        for part, blocks in zip(x.split(counts), weights)
+    ]
+    assert torch.equal(together, torch.cat(alone))
+    with pytest.raises(RuntimeError, match="counts sum to 13, x has 14 rows"):
+        torch.ops.splitserve.int4_decode_grouped_mm(rows(14, 128), weights, counts, planes)
+    other = int4_decode.pack([wide_planes(32, 128, group, bits, seed=0)] * planes)
+    with pytest.raises(RuntimeError, match="weights of one layout"):
+        torch.ops.splitserve.int4_decode_grouped_mm(x, [*weights[:3], other], counts, planes)
+
+
+@needs_op
 def test_int4_layers_take_the_op_and_refuse_other_rows():
     fmt = WeightFormat("int4", torch.bfloat16, CPU, int4_kernel="own")
     layer = fmt.linear([torch.randn(48, 96)])

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_worker import int4_decode
 from engine_worker.engine import Engine
 from engine_worker.linear import Int4Linear
-from engine_worker.moe import route
+from engine_worker.moe import GroupedExperts, route
 from http_worker.engine_metrics import render_engine_metrics
 from ipc.engine_config import EngineConfig
 from ipc.messages import EXPERT_ROWS_BUCKETS
@@ -116,21 +116,46 @@ class CountedLinear:
         return self.inner.apply(x, decode_rows, decode_batch)
 
 
+class RecordedGroups:
+    """A real ``GroupedExperts`` that records each call's experts and their rows."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def run(self, x, used, counts, activation):
+        self.calls.append((list(used), list(counts), x.shape[0]))
+        return self.inner.run(x, used, counts, activation)
+
+
 @needs_op
 def test_a_step_runs_each_chosen_expert_once_over_its_rows(quantized_moe):
-    """Eight rows: each expert some row chose runs once (its gate_up and down one call each over
-    exactly those rows), the others not at all; each row's output is its own alone, bit for
-    bit."""
+    """Eight rows: on our kernel one grouped call takes each expert some row chose once, over
+    exactly those rows, the others not at all, and the block counts those experts' reads and
+    bytes; one call per chosen expert where the experts run one by one gives the same bits; each
+    row's output is its own alone, bit for bit."""
     engine = bf16_engine(quantized_moe[0], int4_kernel="own")
     block = engine.runner.model.layers[0].moe
-    block.gate_up = [CountedLinear(lin) for lin in block.gate_up]
-    block.down = [CountedLinear(lin) for lin in block.down]
+    assert isinstance(block.grouped, GroupedExperts)
     x = torch.randn(8, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(0))
     x = x.to(torch.bfloat16)
-    out = block.apply(x, F.silu)
     _, chosen = route(block.router.logits(x), block.top_k, block.normalize)
     rows = torch.bincount(chosen.flatten(), minlength=len(block.down)).tolist()
-    assert sum(count > 0 for count in rows) >= 3  # the batch is spread over experts
+    used = [e for e, count in enumerate(rows) if count]
+    assert len(used) >= 3  # the batch is spread over experts
+
+    block.grouped = RecordedGroups(block.grouped)
+    load = block.load
+    reads, nbytes = load.reads, load.bytes
+    out = block.apply(x, F.silu)
+    assert block.grouped.calls == [(used, [rows[e] for e in used], 8 * block.top_k)]
+    assert load.reads - reads == len(used)
+    packed = [block.gate_up[e].packed.numel() + block.down[e].packed.numel() for e in used]
+    assert load.bytes - nbytes == sum(packed)
+
+    block.grouped = None  # each expert's own layers, one call each
+    block.gate_up = [CountedLinear(lin) for lin in block.gate_up]
+    block.down = [CountedLinear(lin) for lin in block.down]
+    assert torch.equal(block.apply(x, F.silu), out)
     for expert, count in enumerate(rows):
         expected = [count] if count else []
         assert block.gate_up[expert].calls == expected and block.down[expert].calls == expected
@@ -172,6 +197,13 @@ def test_engine_reports_the_experts_load_as_a_histogram(quantized_moe):
     assert len(stats.expert_rows_buckets_total) == len(EXPERT_ROWS_BUCKETS) + 1
     assert sum(stats.expert_rows_buckets_total) == steps * moe_layers * experts
     assert stats.expert_rows_total == rows * top_k * moe_layers
+    # each chosen expert read once a layer and step: the observations above 0 rows
+    chosen = sum(stats.expert_rows_buckets_total) - stats.expert_rows_buckets_total[0]
+    assert stats.expert_reads_total == chosen > 0
+    layers = [layer.moe for layer in engine.runner.model.layers]
+    assert all(len(set(b.expert_bytes)) == 1 for b in layers)  # one layout a layer
+    per_read = {b.expert_bytes[0] for b in layers}
+    assert min(per_read) * chosen <= stats.expert_bytes_total <= max(per_read) * chosen
     report = EngineStatsReport("q", stats, replicas=[ReplicaStats(0, stats)])
     text = render_engine_metrics(report, "tiny").decode()
     (family,) = [
