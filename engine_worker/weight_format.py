@@ -48,6 +48,7 @@ from engine_worker.linear import (
     LinearWeight,
     WeightSource,
     dequantize,
+    dequantize_as,
     int4_supported,
     packs_for_onednn,
     quantize_int4,
@@ -168,7 +169,7 @@ class WeightFormat:
 
     def dense(self, source: WeightSource) -> torch.Tensor:
         """A tensor in the activation dtype (embedding, norms, biases, dense layers)."""
-        return dequantize(source).to(device=self.device, dtype=self.dtype).contiguous()
+        return dequantize_as(source, self.dtype).to(self.device).contiguous()
 
     def linear(
         self,
