@@ -15,7 +15,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine_worker.engine import Engine
-from engine_worker.gguf_tensors import UnsupportedGGUFType, _parse, _reader_class, read_gguf
+from engine_worker.gguf_tensors import (
+    UnsupportedGGUFType,
+    _index_reader_class,
+    _parse,
+    _reader_class,
+    read_gguf,
+)
 from engine_worker.linear import Int4Groups, Int4Linear, Int8Blocks, dequantize
 from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
@@ -215,6 +221,31 @@ def test_default_model_q4_1_blocks_map_exactly_in_fp32_not_bf16(default_model_di
     assert isinstance(tensors["model.layers.29.mlp.down_proj.weight"], Int4Groups)
     assert tensors["model.layers.0.self_attn.k_proj.weight"].q.shape == (192, 576)
     assert len(tensors) == 2 + 30 * 9
+
+
+def test_index_reader_steps_over_arrays_and_reads_the_same_tensors(default_model_dir):
+    """read_gguf's reader: the same tensors (names, types, shapes, bytes) and scalar metadata as
+    the gguf package's own reader; array values (the vocabulary) stepped over as raw bytes."""
+    path = str(gguf_file(default_model_dir))
+    full, index = _reader_class()(path), _index_reader_class()(path)
+    assert [t.name for t in index.tensors] == [t.name for t in full.tensors]
+    for a, b in zip(full.tensors, index.tensors):
+        assert (a.tensor_type, list(a.shape), a.data_offset) == (b.tensor_type, list(b.shape),
+                                                                 b.data_offset)
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
+    assert list(index.fields) == list(full.fields)
+    arrays = 0
+    for key, field in full.fields.items():
+        if field.types and field.types[0].name == "ARRAY":
+            arrays += 1
+            # after the key and the value type: the item type, the count and the items
+            raw = index.fields[key].parts[3]
+            start = field.parts[3].ctypes.data - full.data.ctypes.data
+            assert raw.nbytes == sum(p.nbytes for p in field.parts[3:]), key
+            assert bytes(raw) == bytes(full.data[start : start + raw.nbytes]), key
+        else:
+            assert field.contents() == index.fields[key].contents(), key
+    assert arrays >= 2  # the tokens and merges, at least
 
 
 def test_engine_on_a_gguf_imports_no_tokenizer_code(tiny_gguf):
