@@ -239,7 +239,9 @@ def _index_reader_class():
 
     widths = {t: np.dtype(d).itemsize for t, d in _reader_class().gguf_scalar_to_np.items()}
 
-    class IndexReader(_reader_class()):
+    base: type = _reader_class()
+
+    class IndexReader(base):
         """The reader ``read_gguf`` takes the tensor index and the scalar metadata from: an array
         value (the vocabulary, its merges and token types: ~10^5 strings and numbers, each a
         part of its own in the gguf package's reader, 1.5 s of a 1.1B model's start) is stepped

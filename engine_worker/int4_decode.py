@@ -265,7 +265,7 @@ def _pack_words(q: np.ndarray, out: np.ndarray) -> None:
     word |= (x >> np.uint64(24)) & np.uint64(0xFF00)
     word |= (x << np.uint64(8)) & np.uint64(0xFF0000)
     word |= (x >> np.uint64(16)) & np.uint64(0xFF000000)
-    target = out.view(np.uint32).reshape(tiles, blocks, 4, TILE)
+    target: np.ndarray = out.view(np.uint32).reshape(tiles, blocks, 4, TILE)
     np.copyto(target, word.transpose(0, 2, 3, 1), casting="unsafe")
 
 
@@ -276,11 +276,11 @@ def _pack_high_bits(q: np.ndarray, bit: int, out: np.ndarray) -> None:
     2 s + 1's beside byte 2 s's (bits 16 s, 16 s + 1); the 16 rows' pairs are or-ed in at
     bit 2 r of each 16-bit slot, rows 0-7 giving the masks' low halves, rows 8-15 the high."""
     tiles, blocks = out.shape[:2]
-    x = q.view(np.uint64).reshape(tiles, TILE, blocks, 4)
+    x: np.ndarray = q.view(np.uint64).reshape(tiles, TILE, blocks, 4)
     y = (x >> np.uint64(bit)) & np.uint64(0x0101010101010101)
     y |= y >> np.uint64(7)
     y &= np.uint64(0x0003000300030003)
-    halves = out.view(np.uint16).reshape(tiles, blocks, 4, 4, 2)  # [t, g, c, s, half]
+    halves: np.ndarray = out.view(np.uint16).reshape(tiles, blocks, 4, 4, 2)  # [t, g, c, s, half]
     for half in range(2):
         rows = y[:, 8 * half : 8 * half + 8]
         mask = rows[:, 0].copy()

@@ -230,8 +230,11 @@ def test_index_reader_steps_over_arrays_and_reads_the_same_tensors(default_model
     full, index = _reader_class()(path), _index_reader_class()(path)
     assert [t.name for t in index.tensors] == [t.name for t in full.tensors]
     for a, b in zip(full.tensors, index.tensors):
-        assert (a.tensor_type, list(a.shape), a.data_offset) == (b.tensor_type, list(b.shape),
-                                                                 b.data_offset)
+        assert (a.tensor_type, list(a.shape), a.data_offset) == (
+            b.tensor_type,
+            list(b.shape),
+            b.data_offset,
+        )
         assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
     assert list(index.fields) == list(full.fields)
     arrays = 0

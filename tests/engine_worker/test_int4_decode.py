@@ -224,6 +224,10 @@ def test_pack_equals_the_layout_built_index_by_index(group, bits, parts, monkeyp
     assert packed.dtype == torch.uint8 and packed.shape == expected.shape
     assert torch.equal(packed, expected)
     # rows cut out of a larger tensor (a mixture's experts) pack as the rows alone do
-    tall = Int4Groups(torch.cat([planes[0].q, planes[0].q]), planes[0].scale.repeat(2, 1),
-                      planes[0].zero.repeat(2, 1), bits)
+    tall = Int4Groups(
+        torch.cat([planes[0].q, planes[0].q]),
+        planes[0].scale.repeat(2, 1),
+        planes[0].zero.repeat(2, 1),
+        bits,
+    )
     assert torch.equal(int4_decode.pack([tall])[:3], int4_decode.pack([planes[0]]))

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_worker import weight_sources
 from engine_worker.device import cpu_has_native_bf16, resolve_dtype
 from engine_worker.linear import (
     BatchSizeSwitch,
@@ -25,7 +26,6 @@ from engine_worker.linear import (
     refine_top_logits,
     split_parts,
 )
-from engine_worker import weight_sources
 from engine_worker.weight_format import WeightFormat, check_weights_and_dtype
 from ipc.engine_config import EngineConfig
 
@@ -275,13 +275,20 @@ def test_dense_copies_dequantized_by_row_blocks_equal_the_whole_matrix(dtype, mo
     monkeypatch.setattr(weight_sources, "DEQUANTIZE_CHUNK", 5 * 64)  # 5 rows a block
     g = torch.Generator().manual_seed(3)
     four = random_groups(23, 64, seed=4)
-    wide = Int4Groups(torch.randint(0, 64, (23, 64), generator=g, dtype=torch.uint8),
-                      torch.randn(23, 4, generator=g), torch.randn(23, 4, generator=g), bits=6)
+    wide = Int4Groups(
+        torch.randint(0, 64, (23, 64), generator=g, dtype=torch.uint8),
+        torch.randn(23, 4, generator=g),
+        torch.randn(23, 4, generator=g),
+        bits=6,
+    )
     q8 = torch.randint(-128, 128, (23, 64), generator=g, dtype=torch.int8)
-    blocks = [Int8Blocks(q8, torch.randn(23, 2, generator=g)),
-              Int8Blocks(q8, torch.randn(23, 2, generator=g), torch.randn(23, 2, generator=g))]
+    blocks = [
+        Int8Blocks(q8, torch.randn(23, 2, generator=g)),
+        Int8Blocks(q8, torch.randn(23, 2, generator=g), torch.randn(23, 2, generator=g)),
+    ]
     for source in [four, wide, *blocks, torch.randn(23, 64, generator=g).half()]:
         expected = dequantize(source).to(dtype)
         got = dequantize_as(source, dtype)
-        assert got.dtype == dtype and torch.equal(got.view(-1).view(torch.uint8),
-                                                  expected.view(-1).view(torch.uint8))
+        assert got.dtype == dtype and torch.equal(
+            got.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8)
+        )
