@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from numpy._core import multiarray as np_multiarray
 from safetensors import safe_open
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
@@ -31,6 +30,11 @@ from engine_worker.moe import stack_expert_tensors
 from engine_worker.scripted_decode import ScriptedDecode
 from engine_worker.weight_format import WeightFormat
 from runtime.model_files import gguf_weights
+
+try:
+    from numpy._core import multiarray as np_multiarray  # numpy 2
+except ImportError:  # numpy 1.x
+    from numpy.core import multiarray as np_multiarray  # type: ignore[no-redef]
 
 logger = logging.getLogger("splitserve.engine.model")
 
