@@ -264,3 +264,44 @@ def test_engine_on_a_gguf_imports_no_tokenizer_code(tiny_gguf):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "LOADED []" in out.stdout, out.stdout + out.stderr
+
+
+def test_layers_built_on_threads_hold_the_same_bytes(tiny_gguf):
+    """``load_workers`` threads build the layers and the head (``LlamaFamilyModel.load`` passes
+    the engine's thread count): every linear's tensors are the bytes one thread builds."""
+    from engine_worker.linear import BatchSizeSwitch
+    from engine_worker.model import LlamaFamilyModel, load_tensors
+    from engine_worker.model_config import ModelConfig
+
+    config = ModelConfig.from_dir(tiny_gguf[0])
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+
+    def tensors_of(workers: int) -> list[torch.Tensor]:
+        fmt = WeightFormat("auto", bf16, cpu, int4_kernel="own")
+        tensors = load_tensors(tiny_gguf[0], config)
+        model = LlamaFamilyModel(config, tensors, cpu, bf16, 64, fmt, load_workers=workers)
+        linears = [
+            getattr(x, n) for x in model.layers for n in ("qkv", "o_proj", "gate_up", "down")
+        ]
+        out = []
+        for linear in [*linears, model.lm_head]:
+            parts = (
+                [linear.quantized, linear.dense]
+                if isinstance(linear, BatchSizeSwitch)
+                else [linear]
+            )
+            for part in parts:
+                out += [
+                    getattr(part, a, None) for a in ("packed", "weight", "scale_zero", "q", "scale")
+                ]
+        return [t for t in out if isinstance(t, torch.Tensor)]
+
+    one, two = tensors_of(1), tensors_of(3)
+    assert len(one) == len(two) > 4 * config.num_layers
+    for a, b in zip(one, two):
+        if a.is_mkldnn:  # oneDNN's packed copy: compared as the values it holds
+            a, b = a.to_dense(), b.to_dense()
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(
+            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        )
