@@ -58,7 +58,7 @@ def parse_blocks(type_name: str, raw: np.ndarray, rows: int, cols: int) -> Weigh
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The fp16 at byte ``start`` of every block, as float32 [n_blocks, 1]."""
-    return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)
+    return blocks[:, start : start + 2].view(np.float16).astype(np.float32)
 
 
 def _bits(data: np.ndarray, shifts: list[int], mask: int) -> np.ndarray:
@@ -68,9 +68,14 @@ def _bits(data: np.ndarray, shifts: list[int], mask: int) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
-    """Runs of ``run`` bytes: their low nibbles, then their high ones -> [n, weights]."""
+    """Runs of ``run`` bytes: their low nibbles, then their high ones -> [n, weights] (written in
+    place: two whole-array passes, no broadcast temporaries)."""
     n = qs.shape[0]
-    return _bits(qs.reshape(n, -1, run), [0, 4], 15).reshape(n, -1)
+    runs = qs.reshape(n, -1, 1, run)
+    out = np.empty((n, runs.shape[1], 2, run), dtype=np.uint8)
+    np.bitwise_and(runs, np.uint8(15), out=out[:, :, :1])
+    np.right_shift(runs, np.uint8(4), out=out[:, :, 1:])
+    return out.reshape(n, -1)
 
 
 def _int4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, rows: int, cols: int) -> Int4Groups:
@@ -87,7 +92,7 @@ def _int8(
     def f32(v: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32).reshape(rows, -1))
 
-    q8 = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)).reshape(rows, cols))
+    q8 = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8, copy=False)).reshape(rows, cols))
     return Int8Blocks(q=q8, scale=f32(scale), zero=None if zero is None else f32(zero))
 
 
@@ -138,11 +143,20 @@ def _q5_1(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: 8 6-bit scales and 8 6-bit mins packed in 12 bytes -> two [n, 8] uint8."""
-    d, m, low = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
-    sc = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc, mn
+    """Q4_K/Q5_K: 8 6-bit scales and 8 6-bit mins packed in 12 bytes -> two [n, 8] uint8.
+    Bytes 0-3 (d), 4-7 (m) and 8-11 (low) as three little-endian uint32 words, each byte's
+    fields masked and shifted in place (a shift by 2 moves bits 6-7 to 4-5 of the same byte)."""
+    words: list[np.ndarray] = [scales[:, i : i + 4].view(np.uint32)[:, 0] for i in (0, 4, 8)]
+    d, m, low = words
+    sc: np.ndarray = np.empty((len(d), 2), np.uint32)
+    mn: np.ndarray = np.empty((len(d), 2), np.uint32)
+    sc[:, 0] = d & np.uint32(0x3F3F3F3F)
+    sc[:, 1] = (low & np.uint32(0x0F0F0F0F)) | ((d >> np.uint32(2)) & np.uint32(0x30303030))
+    mn[:, 0] = m & np.uint32(0x3F3F3F3F)
+    mn[:, 1] = ((low >> np.uint32(4)) & np.uint32(0x0F0F0F0F)) | (
+        (m >> np.uint32(2)) & np.uint32(0x30303030)
+    )
+    return sc.view(np.uint8), mn.view(np.uint8)
 
 
 def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -166,11 +180,14 @@ def _q5_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
 
 def _q6_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
     n = b.shape[0]
-    low = _nibbles(b[:, :128], 64)
-    high = _bits(b[:, 128:192].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, -1)
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
-    scale = _f16(b, 208) * b[:, 192:208].copy().view(np.int8).astype(np.float32)
-    return _int8(q, scale, None, rows, cols)
+    q: np.ndarray = _nibbles(b[:, :128], 64).reshape(n, 2, 4, 32)
+    high = b[:, 128:192].reshape(n, 2, 32)
+    for j in range(4):  # bits 2 j and 2 j + 1 of the high bytes: bits 4 and 5 of run j's q
+        q[:, :, j] |= ((high >> np.uint8(2 * j)) & np.uint8(3)) << np.uint8(4)
+    q = q.reshape(n, -1)
+    np.subtract(q, np.uint8(32), out=q)  # wraps: q - 32 as int8's bytes
+    scale = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
+    return _int8(q.view(np.int8), scale, None, rows, cols)
 
 
 def _q3_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:

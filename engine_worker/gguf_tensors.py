@@ -20,7 +20,9 @@ stores Gemma's norm weights as ``w + 1`` (F32: taken back here, added again at l
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -182,7 +184,7 @@ def _open_parts(paths: list[Path]) -> list:
     readers = []
     for path in paths:
         try:
-            readers.append(open_reader(path))
+            readers.append(_index_reader_class()(str(path)))
         except (ValueError, IndexError, OSError, EOFError) as exc:
             raise GGUFFileError(
                 f"{path} is not a readable GGUF file, truncated or corrupt ({exc})"
@@ -229,6 +231,38 @@ def _reader_class():
             self._buffer = value.view(np.ndarray)
 
     return PlainBufferReader
+
+
+@cache
+def _index_reader_class():
+    from gguf import GGUFValueType
+
+    widths = {t: np.dtype(d).itemsize for t, d in _reader_class().gguf_scalar_to_np.items()}
+
+    base: type = _reader_class()
+
+    class IndexReader(base):
+        """The reader ``read_gguf`` takes the tensor index and the scalar metadata from: an array
+        value (the vocabulary, its merges and token types: ~10^5 strings and numbers, each a
+        part of its own in the gguf package's reader, 1.5 s of a 1.1B model's start) is stepped
+        over and kept as one part of raw bytes, its values unparsed."""
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple:
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            item_type, count = struct.unpack_from("<IQ", self._buffer, orig_offs)
+            offs = orig_offs + 12
+            if item_type == GGUFValueType.STRING:
+                for _ in range(count):
+                    offs += 8 + struct.unpack_from("<Q", self._buffer, offs)[0]
+            elif item_type in widths:
+                offs += count * widths[item_type]
+            else:  # arrays of arrays: the package's own walk
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw = self._get(orig_offs, np.uint8, offs - orig_offs)
+            return offs - orig_offs, [raw], [], [GGUFValueType.ARRAY]
+
+    return IndexReader
 
 
 def _parse(type_name: str, data: np.ndarray, shape: list[int]) -> WeightSource:

@@ -36,6 +36,7 @@ from functools import cache
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import torch
 
 from engine_worker.linear import Int4Groups
@@ -221,32 +222,73 @@ def pack(planes: list[Int4Groups]) -> torch.Tensor:
     [N / 16, parts * K / 32, 2, bytes / 2]) from planes (q [N, K], scale/zero [N, K / group],
     rounded to bf16 here, as ``Int4Linear`` holds them), side by side along K as ``Int4Linear``
     lays them; layout in int4_decode.cpp. Straight from the checkpoint's groups: nothing is read
-    back through another kernel."""
-    q = torch.cat([p.q for p in planes], dim=1)
-    scale = torch.cat([p.scale for p in planes], dim=1)
-    zero = torch.cat([p.zero for p in planes], dim=1)
-    n, k = q.shape
-    tiles, blocks, sub = n // TILE, k // GROUP, GROUP // planes[0].group
-    q = q.view(tiles, TILE, blocks, 4, 4, 2)
-    # q[n = 16 t + i // 2, k = 32 g + 2 (4 c + s) + i % 2] -> [t, g, c, i, s], 16-bit words as
-    # their two bytes, little-endian (nibbles 0 and 1, then 2 and 3): uint8 throughout, ~4x
-    # faster at load than building the words in int32 (the default model's head 637 -> 113 ms)
-    nibbles = (q & 15).permute(0, 2, 3, 1, 5, 4)
-    words = torch.stack(
-        [nibbles[..., 0] | (nibbles[..., 1] << 4), nibbles[..., 2] | (nibbles[..., 3] << 4)], -1
-    )
-    parts = [words.reshape(tiles, blocks, WEIGHT_BYTES)]
-    # bit 4 + h of q[...] as masks [t, g, c, s] of 32 bits, bit i for word i
-    lanes = q.permute(0, 2, 3, 4, 1, 5).reshape(tiles, blocks, 16, 4, 8)
-    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
-    for h in range(planes[0].bits - 4):
-        bits = (lanes >> (4 + h)) & 1
-        parts.append((bits * weights).sum(-1, dtype=torch.uint8).reshape(tiles, blocks, 64))
-    pairs = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [N, K / group, 2]
-    pairs = pairs.view(tiles, TILE, blocks, sub, 2).permute(0, 2, 3, 1, 4).contiguous()
-    parts.append(pairs.view(torch.uint8).reshape(tiles, blocks, sub * PLANE_BYTES))
-    packed = torch.cat(parts, -1)
-    return packed if sub == 1 else packed.view(tiles, blocks, sub, -1)
+    back through another kernel. Whole-array numpy on the bytes, one thread (each plane written
+    into its place: no concatenated copy)."""
+    n, k = planes[0].q.shape
+    tiles, blocks, sub, high = n // TILE, k // GROUP, GROUP // planes[0].group, planes[0].bits - 4
+    nbytes = WEIGHT_BYTES + PLANE_BYTES * (high + sub)
+    out = np.empty((tiles, len(planes) * blocks, nbytes), dtype=np.uint8)
+    step = max(1, PACK_CHUNK // (TILE * k))  # tiles at a time: their temporaries stay in cache
+    for i, plane in enumerate(planes):
+        block = out[:, i * blocks : (i + 1) * blocks]
+        q_all = np.ascontiguousarray(plane.q.numpy())
+        for t in range(0, tiles, step):
+            q, to = q_all[t * TILE : (t + step) * TILE], block[t : t + step]
+            _pack_words(q, to[..., :WEIGHT_BYTES])
+            for h in range(high):
+                at = WEIGHT_BYTES + PLANE_BYTES * h
+                _pack_high_bits(q, 4 + h, to[..., at : at + PLANE_BYTES])
+        pairs = torch.stack([plane.scale, plane.zero], dim=-1).to(torch.bfloat16)
+        # [N, K / group] pairs of bf16 as one 32-bit word each: [t, i, g, sub] -> [t, g, sub, i]
+        words = pairs.view(torch.int32).numpy().view(np.uint32).reshape(tiles, TILE, blocks, sub)
+        at = WEIGHT_BYTES + PLANE_BYTES * high
+        target = block[..., at:].view(np.uint32).reshape(tiles, blocks, sub, TILE)
+        np.copyto(target, words.transpose(0, 2, 3, 1))
+    packed = torch.from_numpy(out)
+    return packed if sub == 1 else packed.view(tiles, len(planes) * blocks, sub, -1)
+
+
+PACK_CHUNK = 1 << 18  # weights ``pack`` turns at a time
+# Bytes of a uint64 that hold the low nibble alone
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+
+
+def _pack_words(q: np.ndarray, out: np.ndarray) -> None:
+    """The 16-bit words of every block (out: [N / 16, K / 32, 256] uint8, a view).
+    Word i of chunk c, nibble s, holds q[n = 16 t + i // 2, k = 32 g + 2 (4 c + s) + i % 2]:
+    with s = 2 b + h and i = 2 r + p, q's 8 bytes at k = 32 g + 8 c + (4 b + 2 h + p) are one
+    uint64 x. x | x >> 12 puts q[b, h = 1, p] beside q[b, 0, p] as its high nibble (in byte
+    4 b + p), and the four bytes (p, b) = (0, 0), (0, 1), (1, 0), (1, 1) are gathered into a
+    uint32: words 2 r and 2 r + 1, little-endian. Then [t, r, g, c] -> [t, g, c, r]."""
+    tiles, blocks = out.shape[:2]
+    x = q.view(np.uint64).reshape(tiles, TILE, blocks, 4) & _LOW_NIBBLES
+    x |= x >> np.uint64(12)
+    word = x & np.uint64(0xFF)
+    word |= (x >> np.uint64(24)) & np.uint64(0xFF00)
+    word |= (x << np.uint64(8)) & np.uint64(0xFF0000)
+    word |= (x >> np.uint64(16)) & np.uint64(0xFF000000)
+    target: np.ndarray = out.view(np.uint32).reshape(tiles, blocks, 4, TILE)
+    np.copyto(target, word.transpose(0, 2, 3, 1), casting="unsafe")
+
+
+def _pack_high_bits(q: np.ndarray, bit: int, out: np.ndarray) -> None:
+    """Bit ``bit`` of every q as 16 32-bit masks a block (out: [N / 16, K / 32, 64], a view):
+    mask 4 c + s has bit i = 2 r + p set from q[16 t + r, 32 g + 8 c + 2 s + p]. Per uint64 x
+    of q (bytes j = 2 s + p at [t, r, g, c]): the bit of each byte moved to bit 8 j, then byte
+    2 s + 1's beside byte 2 s's (bits 16 s, 16 s + 1); the 16 rows' pairs are or-ed in at
+    bit 2 r of each 16-bit slot, rows 0-7 giving the masks' low halves, rows 8-15 the high."""
+    tiles, blocks = out.shape[:2]
+    x: np.ndarray = q.view(np.uint64).reshape(tiles, TILE, blocks, 4)
+    y = (x >> np.uint64(bit)) & np.uint64(0x0101010101010101)
+    y |= y >> np.uint64(7)
+    y &= np.uint64(0x0003000300030003)
+    halves: np.ndarray = out.view(np.uint16).reshape(tiles, blocks, 4, 4, 2)  # [t, g, c, s, half]
+    for half in range(2):
+        rows = y[:, 8 * half : 8 * half + 8]
+        mask = rows[:, 0].copy()
+        for r in range(1, 8):
+            mask |= rows[:, r] << np.uint64(2 * r)
+        halves[..., half] = mask.view(np.uint16).reshape(tiles, blocks, 4, 4)
 
 
 if __name__ == "__main__":  # scripts/setup_env.sh: build the op once

@@ -38,6 +38,7 @@ from engine_worker.weight_sources import MAX_INT4_PARTS as MAX_INT4_PARTS
 from engine_worker.weight_sources import Int4Groups, WeightSource, source_rows
 from engine_worker.weight_sources import Int8Blocks as Int8Blocks
 from engine_worker.weight_sources import dequantize as dequantize
+from engine_worker.weight_sources import dequantize_as as dequantize_as
 from engine_worker.weight_sources import split_parts as split_parts
 
 INT4_GROUP = 32  # columns per int4 scale/zero; GGUF Q4_0/Q4_1 blocks are 32 weights too

@@ -32,6 +32,7 @@ the checkpoint's head rows (``linear.refine_top_logits``, in the model's forward
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -48,6 +49,7 @@ from engine_worker.linear import (
     LinearWeight,
     WeightSource,
     dequantize,
+    dequantize_as,
     int4_supported,
     packs_for_onednn,
     quantize_int4,
@@ -148,6 +150,7 @@ class WeightFormat:
         self.dense_copy = dense_copy and reference_for is None
         self.reference_for = reference_for
         self.counts: dict[str, int] = {}  # layers built per kind, for the start-up log line
+        self._counting = threading.Lock()  # layers may be built on several threads
         # Our int4 kernel (int4_decode.py) where asked for and it runs here: bf16 activations on
         # the CPU, the op built (here, once for this torch, where it is not yet) and loaded: else
         # aten's, logged once
@@ -168,7 +171,7 @@ class WeightFormat:
 
     def dense(self, source: WeightSource) -> torch.Tensor:
         """A tensor in the activation dtype (embedding, norms, biases, dense layers)."""
-        return dequantize(source).to(device=self.device, dtype=self.dtype).contiguous()
+        return dequantize_as(source, self.dtype).to(self.device).contiguous()
 
     def linear(
         self,
@@ -254,7 +257,8 @@ class WeightFormat:
 
     def _count(self, kind: str, expert: bool = False) -> None:
         kind = f"expert {kind}" if expert else kind  # no dense copy: told apart in describe()
-        self.counts[kind] = self.counts.get(kind, 0) + 1
+        with self._counting:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
 
     def _kind(self, sources: list[WeightSource], head: bool) -> str:
         weights = self.weights

@@ -88,12 +88,13 @@ class Int8Blocks:
         """One plane of q's own width where it spans at most ``max_bits`` bits (5 or 6: our
         kernel's wide q; a zero-free q centred on 0 as it is, else 2^(bits - 1) scale folded
         into the zero: one float32 rounding), else the two nibble planes."""
-        low, high = int(self.q.min()), int(self.q.max())
+        low, high = (int(v) for v in torch.aminmax(self.q))
         for bits in range(4, max_bits + 1):
             half = 1 << (bits - 1)
             zero = torch.zeros_like(self.scale) if self.zero is None else self.zero
             if -half <= low and high < half:
-                return [Int4Groups((self.q + half).to(torch.uint8), self.scale, zero, bits)]
+                # q + half in one uint8 pass: the bytes of a negative q wrap to it
+                return [Int4Groups(self.q.view(torch.uint8) + half, self.scale, zero, bits)]
             if 0 <= low and high < 2 * half:
                 zero = zero + half * self.scale
                 return [Int4Groups(self.q.to(torch.uint8), self.scale, zero, bits)]
@@ -135,6 +136,32 @@ def dequantize(source: WeightSource) -> torch.Tensor:
         return (w if source.zero is None else w.add_(source.zero[..., None])).view(n, k)
     q = source.q.view(n, groups, -1).float().sub_(1 << (source.bits - 1))
     return q.mul_(scale).add_(source.zero[..., None]).view(n, k)
+
+
+# Weights dequantized at a time by ``dequantize_as``: its float32 rows stay in a core's L2 cache
+DEQUANTIZE_CHUNK = 1 << 17
+
+
+def dequantize_as(source: WeightSource, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize(source).to(dtype)``, the same values, without the whole float32 matrix:
+    blocks of rows dequantized and rounded in turn (a tensor source is converted as it is)."""
+    if isinstance(source, torch.Tensor):
+        return source.float().to(dtype)
+    n, k = source.q.shape
+    out = torch.empty(n, k, dtype=dtype)
+    step = max(1, DEQUANTIZE_CHUNK // k)
+    for start in range(0, n, step):
+        out[start : start + step] = dequantize(_row_range(source, start, start + step))
+    return out
+
+
+def _row_range(source: Int4Groups | Int8Blocks, start: int, stop: int) -> Int4Groups | Int8Blocks:
+    q, scale = source.q[start:stop], source.scale[start:stop]
+    zero = None if source.zero is None else source.zero[start:stop]
+    if isinstance(source, Int8Blocks):
+        return Int8Blocks(q, scale, zero)
+    assert zero is not None
+    return Int4Groups(q, scale, zero, source.bits)
 
 
 def source_rows(source: WeightSource, rows: torch.Tensor) -> torch.Tensor:

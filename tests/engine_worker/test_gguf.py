@@ -15,7 +15,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine_worker.engine import Engine
-from engine_worker.gguf_tensors import UnsupportedGGUFType, _parse, _reader_class, read_gguf
+from engine_worker.gguf_tensors import (
+    UnsupportedGGUFType,
+    _index_reader_class,
+    _parse,
+    _reader_class,
+    read_gguf,
+)
 from engine_worker.linear import Int4Groups, Int4Linear, Int8Blocks, dequantize
 from engine_worker.weight_format import WeightFormat
 from ipc.engine_config import EngineConfig
@@ -217,6 +223,34 @@ def test_default_model_q4_1_blocks_map_exactly_in_fp32_not_bf16(default_model_di
     assert len(tensors) == 2 + 30 * 9
 
 
+def test_index_reader_steps_over_arrays_and_reads_the_same_tensors(default_model_dir):
+    """read_gguf's reader: the same tensors (names, types, shapes, bytes) and scalar metadata as
+    the gguf package's own reader; array values (the vocabulary) stepped over as raw bytes."""
+    path = str(gguf_file(default_model_dir))
+    full, index = _reader_class()(path), _index_reader_class()(path)
+    assert [t.name for t in index.tensors] == [t.name for t in full.tensors]
+    for a, b in zip(full.tensors, index.tensors):
+        assert (a.tensor_type, list(a.shape), a.data_offset) == (
+            b.tensor_type,
+            list(b.shape),
+            b.data_offset,
+        )
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
+    assert list(index.fields) == list(full.fields)
+    arrays = 0
+    for key, field in full.fields.items():
+        if field.types and field.types[0].name == "ARRAY":
+            arrays += 1
+            # after the key and the value type: the item type, the count and the items
+            raw = index.fields[key].parts[3]
+            start = field.parts[3].ctypes.data - full.data.ctypes.data
+            assert raw.nbytes == sum(p.nbytes for p in field.parts[3:]), key
+            assert bytes(raw) == bytes(full.data[start : start + raw.nbytes]), key
+        else:
+            assert field.contents() == index.fields[key].contents(), key
+    assert arrays >= 2  # the tokens and merges, at least
+
+
 def test_engine_on_a_gguf_imports_no_tokenizer_code(tiny_gguf):
     import subprocess
     import sys
@@ -230,3 +264,44 @@ def test_engine_on_a_gguf_imports_no_tokenizer_code(tiny_gguf):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "LOADED []" in out.stdout, out.stdout + out.stderr
+
+
+def test_layers_built_on_threads_hold_the_same_bytes(tiny_gguf):
+    """``load_workers`` threads build the layers and the head (``LlamaFamilyModel.load`` passes
+    the engine's thread count): every linear's tensors are the bytes one thread builds."""
+    from engine_worker.linear import BatchSizeSwitch
+    from engine_worker.model import LlamaFamilyModel, load_tensors
+    from engine_worker.model_config import ModelConfig
+
+    config = ModelConfig.from_dir(tiny_gguf[0])
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+
+    def tensors_of(workers: int) -> list[torch.Tensor]:
+        fmt = WeightFormat("auto", bf16, cpu, int4_kernel="own")
+        tensors = load_tensors(tiny_gguf[0], config)
+        model = LlamaFamilyModel(config, tensors, cpu, bf16, 64, fmt, load_workers=workers)
+        linears = [
+            getattr(x, n) for x in model.layers for n in ("qkv", "o_proj", "gate_up", "down")
+        ]
+        out = []
+        for linear in [*linears, model.lm_head]:
+            parts = (
+                [linear.quantized, linear.dense]
+                if isinstance(linear, BatchSizeSwitch)
+                else [linear]
+            )
+            for part in parts:
+                out += [
+                    getattr(part, a, None) for a in ("packed", "weight", "scale_zero", "q", "scale")
+                ]
+        return [t for t in out if isinstance(t, torch.Tensor)]
+
+    one, two = tensors_of(1), tensors_of(3)
+    assert len(one) == len(two) > 4 * config.num_layers
+    for a, b in zip(one, two):
+        if a.is_mkldnn:  # oneDNN's packed copy: compared as the values it holds
+            a, b = a.to_dense(), b.to_dense()
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(
+            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        )

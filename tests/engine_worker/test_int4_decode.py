@@ -209,3 +209,55 @@ def test_groups_of_16_and_wide_q_match_their_weights(group, bits):
     if int4_decode.load_op():
         y = torch.ops.splitserve.int4_decode_mm(x, blocks, 2)
         assert torch.equal(y, int4_ctypes.apply_ctypes(blocks, x, 2))
+
+
+def layout_reference(planes: list[Int4Groups]) -> torch.Tensor:
+    """The kernel's block layout (int4_decode.cpp) built the plain way, index by index with torch
+    views: what ``int4_decode.pack`` (whole-array numpy on the bytes) must equal, byte for byte."""
+    tile, group = int4_decode.TILE, int4_decode.GROUP
+    q = torch.cat([p.q for p in planes], dim=1)
+    scale = torch.cat([p.scale for p in planes], dim=1)
+    zero = torch.cat([p.zero for p in planes], dim=1)
+    n, k = q.shape
+    tiles, blocks, sub = n // tile, k // group, group // planes[0].group
+    # word i of chunk c, nibble s: q[16 t + i // 2, 32 g + 2 (4 c + s) + i % 2]
+    nibbles = (q & 15).view(tiles, tile, blocks, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
+    words = torch.stack(
+        [nibbles[..., 0] | (nibbles[..., 1] << 4), nibbles[..., 2] | (nibbles[..., 3] << 4)], -1
+    )
+    parts = [words.reshape(tiles, blocks, 256)]
+    lanes = q.view(tiles, tile, blocks, 4, 4, 2).permute(0, 2, 3, 4, 1, 5).reshape(-1, 8)
+    for h in range(planes[0].bits - 4):  # mask 4 c + s, bit i of q[...] bit 4 + h
+        bits = ((lanes >> (4 + h)) & 1).int() << torch.arange(8)
+        parts.append(bits.sum(-1).to(torch.uint8).reshape(tiles, blocks, 64))
+    pairs = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)
+    pairs = pairs.view(tiles, tile, blocks, sub, 2).permute(0, 2, 3, 1, 4).contiguous()
+    parts.append(pairs.view(torch.uint8).reshape(tiles, blocks, sub * 64))
+    packed = torch.cat(parts, -1)
+    return packed if sub == 1 else packed.view(tiles, blocks, sub, -1)
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("bits", [4, 5, 6])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_pack_equals_the_layout_built_index_by_index(group, bits, parts, monkeypatch):
+    if parts == 2:  # a tile at a time: three runs of pack's loop
+        monkeypatch.setattr(int4_decode, "PACK_CHUNK", int4_decode.TILE * 192)
+    planes = [wide_planes(48, 192, group, bits, seed=7 * p + bits) for p in range(parts)]
+    # scales and zeros of any float32 (pack rounds them to bf16 itself)
+    generator = torch.Generator().manual_seed(group + bits)
+    for plane in planes:
+        plane.scale = torch.randn(plane.scale.shape, generator=generator)
+        plane.zero = torch.randn(plane.zero.shape, generator=generator)
+    packed = int4_decode.pack(planes)
+    expected = layout_reference(planes)
+    assert packed.dtype == torch.uint8 and packed.shape == expected.shape
+    assert torch.equal(packed, expected)
+    # rows cut out of a larger tensor (a mixture's experts) pack as the rows alone do
+    tall = Int4Groups(
+        torch.cat([planes[0].q, planes[0].q]),
+        planes[0].scale.repeat(2, 1),
+        planes[0].zero.repeat(2, 1),
+        bits,
+    )
+    assert torch.equal(int4_decode.pack([tall])[:3], int4_decode.pack([planes[0]]))

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_worker import weight_sources
 from engine_worker.device import cpu_has_native_bf16, resolve_dtype
 from engine_worker.linear import (
     BatchSizeSwitch,
@@ -17,6 +18,7 @@ from engine_worker.linear import (
     Int8Blocks,
     Int8Linear,
     dequantize,
+    dequantize_as,
     onednn_packed,
     packs_for_onednn,
     quantize_int4,
@@ -264,3 +266,29 @@ def test_weights_and_dtype_knobs():
     native = bool(flags & {"avx512_bf16", "amx_bf16"})
     assert cpu_has_native_bf16() == native
     assert resolve_dtype("auto", CPU, "auto") == (torch.bfloat16 if native else torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dense_copies_dequantized_by_row_blocks_equal_the_whole_matrix(dtype, monkeypatch):
+    """``dequantize_as`` (blocks of rows, no whole float32 matrix: what the dense copies are
+    built with) gives ``dequantize(source).to(dtype)``'s bits, rows left over included."""
+    monkeypatch.setattr(weight_sources, "DEQUANTIZE_CHUNK", 5 * 64)  # 5 rows a block
+    g = torch.Generator().manual_seed(3)
+    four = random_groups(23, 64, seed=4)
+    wide = Int4Groups(
+        torch.randint(0, 64, (23, 64), generator=g, dtype=torch.uint8),
+        torch.randn(23, 4, generator=g),
+        torch.randn(23, 4, generator=g),
+        bits=6,
+    )
+    q8 = torch.randint(-128, 128, (23, 64), generator=g, dtype=torch.int8)
+    blocks = [
+        Int8Blocks(q8, torch.randn(23, 2, generator=g)),
+        Int8Blocks(q8, torch.randn(23, 2, generator=g), torch.randn(23, 2, generator=g)),
+    ]
+    for source in [four, wide, *blocks, torch.randn(23, 64, generator=g).half()]:
+        expected = dequantize(source).to(dtype)
+        got = dequantize_as(source, dtype)
+        assert got.dtype == dtype and torch.equal(
+            got.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8)
+        )
