@@ -122,7 +122,7 @@ class PrefillRole:
         self.metas: dict[str, RequestMeta] = {}
         self.queued: deque[EngineRequest] = deque()
         self.in_flight: dict[int, InFlight] = {}
-        self.dead: set[int] = set()
+        self.dead: dict[int, float] = {}  # decode engines down, since when
         self.finished: list[FinishRecord] = []
         self.next_transfer = (pid << 32) + 1  # unique across restarts: a stamp never repeats
         self.transfers = self.aborted = self.bytes = 0
@@ -144,12 +144,12 @@ class PrefillRole:
             isinstance(msg, ClusterNotice) and msg.role == "engine" and msg.index in self.to_decode
         ):
             if msg.event == NOTICE_DIED:
-                self.dead.add(msg.index)
+                self.dead[msg.index] = time.monotonic()
                 for transfer_id, flight in list(self.in_flight.items()):
                     if flight.decode_index == msg.index:
                         self._give_up(transfer_id, f"decode engine {msg.index} died")
             elif msg.event == NOTICE_READY:
-                self.dead.discard(msg.index)
+                self.dead.pop(msg.index, None)
         elif isinstance(msg, PrefilledRequest):
             logger.error("a prefill engine got a prefilled request %r; dropped", msg.request_id)
 
@@ -188,14 +188,20 @@ class PrefillRole:
         return result
 
     def _hand_off(self, request: EngineRequest) -> str | None:
-        """ "" when the request went to its decode engine, an error when it cannot go, None when
-        it must wait (no room in the buffer, or the decode engine's socket is full)."""
+        """ "" when the request went to a decode engine, an error when it cannot go, None when it
+        must wait (no room in the buffer, its socket full, or every decode engine restarting)."""
         meta = self.metas.get(request.request_id)
         decode = meta.decode_index if meta is not None else -1
         if decode not in self.to_decode:
             decode = min(self.to_decode)  # a sender that chose none (a raw client)
-        if decode in self.dead:
-            return f"unavailable: decode engine {decode} is down"
+        if decode in self.dead:  # another decode engine, or its restart within the bound
+            alive = sorted(set(self.to_decode) - set(self.dead))
+            if alive:
+                decode = alive[0]
+            elif time.monotonic() - self.dead[decode] < self.timeout_s:
+                return None
+            else:
+                return f"unavailable: decode engine {decode} is down"
         t_start = time.monotonic()
         blocks = request.block_ids[: self.engine.blocks.blocks_for(request.prompt_len)]
         transfer_id = self.next_transfer

@@ -211,7 +211,11 @@ def test_decode_engine_killed_ends_its_requests_once_and_frees_the_buffer(cluste
         os.kill(victim, signal.SIGKILL)
         results = account("decode engine killed", handles, timeout_s=60)
         assert any(r.error_code == "unavailable" for r in results)
+        # A prompt computed while its decode engine restarts waits for it (within the transfer
+        # bound) instead of failing: before, it ended "decode engine 1 is down".
+        during = client.submit(prompt_token_ids=ids(71, 130), max_tokens=4, ignore_eos=True)
         poll(lambda: restarted(cluster, "engine", DECODE, victim), 60, "decode engine restart")
+        assert during.result(timeout=60).finish_reason == "length"
         again = client.submit(prompt_token_ids=PROMPTS[1], max_tokens=8, ignore_eos=True)
         assert again.result(timeout=60).engine_index == DECODE
     idle_and_clean(cluster)
