@@ -54,7 +54,7 @@ LIMIT_FIELDS = {
     "/v1/messages/count_tokens": (),
 }
 SCHEMATHESIS_SETTINGS = settings(
-    max_examples=25,
+    max_examples=15,
     deadline=None,
     derandomize=True,  # the same cases on every run
     database=None,

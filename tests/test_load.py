@@ -6,7 +6,7 @@ submit either raises OverloadedError at once (every tokenizer's pipe is full) or
 accepted request ends with exactly one terminal event (finished, or an "overloaded" error from the
 engine's bounded waiting queue). None is lost, and no process's memory grows beyond a bound.
 
-Soak: SPLITSERVE_SOAK_S (default 30) seconds of a mixed workload from several threads: short and
+Soak: SPLITSERVE_SOAK_S (default 20) seconds of a mixed workload from several threads: short and
 long prompts, chat, token ids, streaming, aborts mid-stream, stop strings, bad requests and clients
 that leave with requests in flight. RSS of every process stays flat after a warm-up and, at the
 end, the engine holds no request and every KV block is back in the pool.
@@ -29,7 +29,7 @@ from ipc.client import BadRequestError, Client, OverloadedError, SplitserveError
 from procs.launch_cluster import launch_cluster
 
 FLOOD_N = int(os.environ.get("SPLITSERVE_FLOOD_N", "10000"))
-SOAK_S = float(os.environ.get("SPLITSERVE_SOAK_S", "30"))
+SOAK_S = float(os.environ.get("SPLITSERVE_SOAK_S", "20"))
 DEADLINE_S = 120.0
 MB = 1024 * 1024
 # Generous bounds: a leak of even a few hundred bytes per request would cross them in the flood

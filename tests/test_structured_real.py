@@ -96,7 +96,7 @@ def chat(oai, messages, **kwargs):
     )
 
 
-def test_32_prompts_with_a_nested_schema_all_validate(oai):
+def test_16_prompts_with_a_nested_schema_all_validate(oai):
     prompts = [
         [
             {
@@ -106,13 +106,13 @@ def test_32_prompts_with_a_nested_schema_all_validate(oai):
                 f"color and hobbies.",
             }
         ]
-        for i in range(32)
+        for i in range(16)
     ]
     fmt = {
         "type": "json_schema",
         "json_schema": {"name": "person", "schema": PERSON, "strict": True},
     }
-    with ThreadPoolExecutor(32) as pool:  # all at once: one batch in the engine
+    with ThreadPoolExecutor(16) as pool:  # all at once: one batch in the engine
         answers = list(pool.map(lambda m: chat(oai, m, response_format=fmt), prompts))
     for r in answers:
         assert r.choices[0].finish_reason == "stop"
