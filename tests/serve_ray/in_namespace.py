@@ -157,25 +157,39 @@ def sse_terminals(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {"status": 200, "terminals": terminals, "done": done}
 
 
-def replica_killed_under_load() -> dict[str, Any]:
-    """Twelve streams over both replicas; one replica's actor is killed while they run."""
-    results: list[dict[str, Any] | None] = [None] * 12
+def start_streams(
+    count: int, seed: int, prompt_tokens: int, max_tokens: int
+) -> tuple[list[threading.Thread], list[dict[str, Any] | None]]:
+    """``count`` streams at once (prompt i: ``ids(seed + i, prompt_tokens)``), each on a thread
+    of its own; what each saw lands in the list as it ends (a request that raised has no
+    terminal event: recorded)."""
+    results: list[dict[str, Any] | None] = [None] * count
 
     def one(i: int) -> None:
         try:
-            results[i] = sse_terminals(ids(100 + i, 40), 300)
-        except Exception as exc:  # a request that raised has no terminal event: recorded
+            results[i] = sse_terminals(ids(seed + i, prompt_tokens), max_tokens)
+        except Exception as exc:
             results[i] = {"status": None, "terminals": [], "done": False, "raised": repr(exc)}
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
     for t in threads:
         t.start()
+    return threads, results
+
+
+def join(threads: list[threading.Thread], timeout_s: float) -> None:
+    for t in threads:
+        t.join(timeout=timeout_s)
+
+
+def replica_killed_under_load() -> dict[str, Any]:
+    """Twelve streams over both replicas; one replica's actor is killed while they run."""
+    threads, results = start_streams(12, 100, 40, 300)
     time.sleep(1.5)
     before = engine_replica_stats("splitserve")
     victim = max(before.values(), key=lambda s: s["load"])
     ray.kill(ray.get_actor(victim["actor"], namespace="serve"), no_restart=True)
-    for t in threads:
-        t.join(timeout=180)
+    join(threads, 180)
     deadline = time.monotonic() + 120
     after: dict[int, dict[str, Any]] = {}
     while time.monotonic() < deadline:
@@ -211,19 +225,8 @@ def prefill_decode(tiny_dir: str, colocated: list[dict[str, Any]]) -> dict[str, 
     serve.run(app, name="pd", route_prefix="/")
     oai = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
     answers = greedy_texts(oai)
-    results: list[dict[str, Any] | None] = [None] * 6
-
-    def one(i: int) -> None:
-        try:
-            results[i] = sse_terminals(ids(400 + i, 50), 40)
-        except Exception as exc:  # a request that raised has no terminal event: recorded
-            results[i] = {"status": None, "terminals": [], "done": False, "raised": repr(exc)}
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=180)
+    threads, results = start_streams(6, 400, 50, 40)
+    join(threads, 180)
     streams = openai_streams(oai)
     return {
         "answers": answers,
@@ -240,17 +243,7 @@ def prefill_killed_under_load() -> dict[str, Any]:
     """Eight long prompts at once; the prefill replica is killed while it computes them: the
     decode replica computes those whose prefill failed, every stream ends once, and Serve
     replaces the prefill replica."""
-    results: list[dict[str, Any] | None] = [None] * 8
-
-    def one(i: int) -> None:
-        try:
-            results[i] = sse_terminals(ids(500 + i, 900), 20)
-        except Exception as exc:  # a request that raised has no terminal event: recorded
-            results[i] = {"status": None, "terminals": [], "done": False, "raised": repr(exc)}
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
+    threads, results = start_streams(8, 500, 900, 20)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # until the prefill replica holds some of them
         (victim,) = engine_replica_stats("pd", "prefill").values()
@@ -258,8 +251,7 @@ def prefill_killed_under_load() -> dict[str, Any]:
             break
         time.sleep(0.05)
     ray.kill(ray.get_actor(victim["actor"], namespace="serve"), no_restart=True)
-    for t in threads:
-        t.join(timeout=240)
+    join(threads, 240)
     deadline = time.monotonic() + 120
     after: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
