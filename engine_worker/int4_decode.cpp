@@ -224,6 +224,143 @@ inline void tile_of_rows(const Layout& l, const uint8_t* blocks, int64_t t, cons
     }
 }
 
+// ---- Prompt rows: the same blocks against int8 activations (AVX-512 VNNI) ----
+// A prompt step multiplies many rows by each weight; there the products, not the weight's bytes,
+// bound the time, and vpdpbusd forms 64 of them an instruction (u8 x s8 summed into int32) where
+// vdpbf16ps forms 32. Each row's group of 32 k is quantized to int8 first: d = max |x| / 127,
+// xq = x * (127 / max |x|) rounded to nearest (even); then per group and scale run
+//   sum_k (q - 8) x ~ d * (sum_k q xq - 8 sum_k xq)   (integer sums, exact)
+// and the zero's term takes the float32 sum of x itself. A chunk's 16 32-bit lanes (output j:
+// words 2 j, 2 j + 1) hold 8 nibbles of k = 8 c + (0, 2, 4, 6 | 1, 3, 5, 7); lanes & 0x0F0F0F0F
+// are the u8 weights of k (0, 4, 1, 5), (lanes >> 4) & 0x0F0F0F0F those of k (2, 6, 3, 7), so a
+// row's int8 group is laid out per chunk in that order. A row's result depends on that row alone.
+constexpr int kPromptRows = 8;
+
+// Row x's groups quantized: 32 bytes a group in the chunks' order, d per group, the int8 sums per
+// scale run (sub runs a group).
+void quantize_row(const uint16_t* x, int64_t groups, int sub, int8_t* q, float* d, int32_t* qsum) {
+    static constexpr int kOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+    for (int64_t g = 0; g < groups; ++g) {
+        float v[kGroup], most = 0.0f;
+        for (int j = 0; j < kGroup; ++j) {
+            v[j] = bf16_to_float(x[g * kGroup + j]);
+            const float a = v[j] < 0 ? -v[j] : v[j];
+            most = a > most ? a : most;
+        }
+        const float inverse = most > 0.0f ? 127.0f / most : 0.0f;
+        d[g] = most / 127.0f;
+        int32_t sums[2] = {0, 0};
+        for (int c = 0; c < 4; ++c)
+            for (int j = 0; j < 8; ++j) {
+                const int k = 8 * c + kOrder[j];
+                const int32_t r = (int32_t)__builtin_nearbyintf(v[k] * inverse);
+                q[g * kGroup + 8 * c + j] = (int8_t)r;
+                sums[sub == 2 && c >= 2] += r;
+            }
+        for (int h = 0; h < sub; ++h) qsum[g * sub + h] = sums[h];
+    }
+}
+
+// Quantized rows in blocks of kPromptRows, group-major within a block, so a tile reads a group
+// of its rows at fixed offsets: q [block][group][row][32], d [block][group][row], sums and qsum
+// [block][group][sub][row] (rows past m: zero).
+struct PromptRows {
+    int64_t groups, sub;
+    std::vector<int8_t> q;
+    std::vector<float> d, sums;
+    std::vector<int32_t> qsum;
+};
+
+PromptRows quantize_rows(const uint16_t* x, int64_t m, int64_t ldx, int64_t groups, int sub) {
+    const int64_t blocks = (m + kPromptRows - 1) / kPromptRows, slots = blocks * kPromptRows;
+    PromptRows r{groups, sub, std::vector<int8_t>((size_t)(slots * groups * kGroup)),
+                 std::vector<float>((size_t)(slots * groups)),
+                 std::vector<float>((size_t)(slots * groups * sub)),
+                 std::vector<int32_t>((size_t)(slots * groups * sub))};
+#pragma omp parallel for schedule(static) if (m * groups >= 256)
+    for (int64_t i = 0; i < m; ++i) {
+        std::vector<int8_t> q((size_t)(groups * kGroup));
+        std::vector<float> d((size_t)groups), sums((size_t)(groups * sub));
+        std::vector<int32_t> qsum((size_t)(groups * sub));
+        quantize_row(x + i * ldx, groups, sub, q.data(), d.data(), qsum.data());
+        group_sums(x + i * ldx, groups * sub, kGroup / sub, sums.data());
+        const int64_t b = i / kPromptRows, row = i % kPromptRows;
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t at = (b * groups + g) * kPromptRows + row;
+            memcpy(r.q.data() + at * kGroup, q.data() + g * kGroup, kGroup);
+            r.d[at] = d[g];
+            for (int64_t h = 0; h < sub; ++h) {
+                const int64_t run = ((b * groups + g) * sub + h) * kPromptRows + row;
+                r.sums[run] = sums[g * sub + h];
+                r.qsum[run] = qsum[g * sub + h];
+            }
+        }
+    }
+    return r;
+}
+
+inline __m512i quad_of(const int8_t* p) {
+    int32_t quad;
+    memcpy(&quad, p, 4);
+    return _mm512_set1_epi32(quad);
+}
+
+// One tile of 16 outputs for M (<= kPromptRows) prompt rows of row block ``b`` (rows
+// kPromptRows b ...), outputs at column n0. Each row's sums run in its own registers, chunk by
+// chunk across the rows, so the vpdpbusd chains do not wait on each other.
+template <int M, int kSub>
+void prompt_tile(const uint8_t* blocks, int64_t groups, const PromptRows& r, int64_t b,
+                 void* y, int64_t ldy, int64_t n0, int f32_out) {
+    constexpr int kBytes = block_bytes(kSub, 0), kChunks = 4 / kSub;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* block = blocks + g * kBytes;
+        const int64_t at = (b * groups + g) * kPromptRows;
+        const int8_t* xq = r.q.data() + at * kGroup;
+        const float* d = r.d.data() + at;
+#pragma GCC unroll 2
+        for (int h = 0; h < kSub; ++h) {
+            const int64_t run = ((b * groups + g) * kSub + h) * kPromptRows;
+            const int32_t* qsum = r.qsum.data() + run;
+            const float* sums = r.sums.data() + run;
+            __m512i dot[M];
+#pragma GCC unroll 8
+            for (int m = 0; m < M; ++m) dot[m] = _mm512_set1_epi32(-8 * qsum[m]);
+#pragma GCC unroll 4
+            for (int c = h * kChunks; c < (h + 1) * kChunks; ++c) {
+                const __m512i words = _mm512_loadu_si512(block + 64 * c);
+                const __m512i lo = _mm512_and_si512(words, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(words, 4), low);
+#pragma GCC unroll 8
+                for (int m = 0; m < M; ++m) {
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], lo, quad_of(xq + m * kGroup + 8 * c));
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], hi, quad_of(xq + m * kGroup + 8 * c + 4));
+                }
+            }
+            const GroupScales scales(block + kWeightBytes + kPlaneBytes * h);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; ++m) {
+                const __m512 centered =
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(d[m]));
+                acc[m] = scales.add(acc[m], centered, sums[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m) store_row(acc[m], y, (b * kPromptRows + m) * ldy + n0, f32_out);
+}
+
+typedef void (*PromptFn)(const uint8_t*, int64_t, const PromptRows&, int64_t, void*, int64_t,
+                         int64_t, int);
+
+template <int kSub>
+constexpr PromptFn kPromptFns[kPromptRows + 1] = {
+    nullptr, prompt_tile<1, kSub>, prompt_tile<2, kSub>, prompt_tile<3, kSub>,
+    prompt_tile<4, kSub>, prompt_tile<5, kSub>, prompt_tile<6, kSub>, prompt_tile<7, kSub>,
+    prompt_tile<8, kSub>};
+
 }  // namespace
 
 extern "C" {
@@ -263,6 +400,24 @@ int int4_decode_grouped(const uint8_t* const* blocks, int64_t count, const int64
         tile_of_rows(l, blocks[e], i % l.tiles, x, ldx, sums.data(), starts[e], starts[e + 1], y,
                      ldy, f32_out);
     }
+    return 0;
+}
+
+// Prompt rows (int8 activations, VNNI; see prompt_tile) against blocks of 4-bit q (high 0): as
+// int4_decode, for many rows. Returns 0, or -1 for shapes or blocks it does not take.
+int int4_prompt(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, int64_t m,
+                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub) {
+    if (!takes(n, k, sub, 0)) return -1;
+    const Layout l(n, k, sub, 0);
+    const PromptRows r = quantize_rows(x, m, ldx, l.groups, sub);
+    const PromptFn* fns = sub == 1 ? kPromptFns<1> : kPromptFns<2>;
+#pragma omp parallel for schedule(static) if (l.tiles * l.groups * m >= 512)
+    for (int64_t t = 0; t < l.tiles; ++t)
+        for (int64_t r0 = 0; r0 < m; r0 += kPromptRows) {
+            const int rows = (int)(m - r0 < kPromptRows ? m - r0 : kPromptRows);
+            fns[rows](blocks + t * l.groups * l.bytes, l.groups, r, r0 / kPromptRows, y, ldy,
+                      t * kTile, f32_out);
+        }
     return 0;
 }
 

@@ -78,14 +78,29 @@ at::Tensor int4_decode_grouped_mm(const at::Tensor& x, at::TensorList blocks,
     return y;
 }
 
+// Prompt rows through int4_prompt (int8 activations): blocks of 4-bit q only.
+at::Tensor int4_prompt_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t parts) {
+    const BlockLayout l = layout_of(blocks);
+    TORCH_CHECK(l.high == 0, "int4_prompt_mm: blocks of 4-bit q only");
+    const at::Tensor rows = kernel_rows(x, parts, l.k);
+    at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
+    const int failed = int4_prompt(blocks.data_ptr<uint8_t>(), l.n, l.k,
+                                   reinterpret_cast<const uint16_t*>(rows.data_ptr()),
+                                   rows.size(0), l.k, y.data_ptr(), l.n, 0, (int)l.sub);
+    TORCH_CHECK(!failed, "int4_prompt_mm: shape ", l.n, " x ", l.k, " not taken by the kernel");
+    return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splitserve, m) {
     m.def("int4_decode_mm(Tensor x, Tensor blocks, int parts) -> Tensor");
     m.def("int4_decode_grouped_mm(Tensor x, Tensor[] blocks, int[] counts, int parts) -> Tensor");
+    m.def("int4_prompt_mm(Tensor x, Tensor blocks, int parts) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
     m.impl("int4_decode_mm", int4_decode_mm);
     m.impl("int4_decode_grouped_mm", int4_decode_grouped_mm);
+    m.impl("int4_prompt_mm", int4_prompt_mm);
 }

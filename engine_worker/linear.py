@@ -268,6 +268,30 @@ class Int4Linear:
         return self.packed.numel() + self.scale_zero.numel() * self.scale_zero.element_size()
 
 
+class Int4PromptLinear:
+    """An int4 layer on our kernel (``Int4Linear`` with 4-bit blocks) for many rows: the same
+    blocks against int8 activations (``splitserve::int4_prompt_mm``: each row's groups of 32
+    rounded to int8 with a float32 scale, VNNI integer products, the groups' float32 scales
+    and zeros as the decode kernel applies them). What prompt rows run on in place of a dense
+    bf16 copy under ``prompt_kernel="int8"``: nothing more is held in memory. A row's result
+    depends on that row alone."""
+
+    def __init__(self, layer: Int4Linear) -> None:
+        self.layer = layer
+        self.out_features = layer.out_features
+
+    def apply(
+        self, x: torch.Tensor, decode_rows: int = 0, decode_batch: int | None = None
+    ) -> torch.Tensor:
+        layer = self.layer
+        y = torch.ops.splitserve.int4_prompt_mm(x, layer.packed, layer.parts)
+        return y if layer.bias is None else y + layer.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.layer.nbytes
+
+
 class BatchSizeSwitch:
     """``quantized`` for the decode rows of a step in which at most ``max_tokens`` requests
     decode (a request verifying drafts has several decode rows; the choice is by requests, so

@@ -42,6 +42,7 @@ def default_weight_format(
         dense_copy=dense_copy_fits(model_config, dtype, weight_copy_budget_bytes(device), device),
         deterministic=config.deterministic,
         int4_kernel=config.int4_kernel,
+        prompt_kernel=config.prompt_kernel,
     )
 
 

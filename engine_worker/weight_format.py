@@ -44,6 +44,7 @@ from engine_worker.linear import (
     DenseLinear,
     Int4Groups,
     Int4Linear,
+    Int4PromptLinear,
     Int8Blocks,
     Int8Linear,
     LinearWeight,
@@ -55,7 +56,7 @@ from engine_worker.linear import (
     quantize_int4,
     quantize_int8,
 )
-from ipc.engine_config import INT4_KERNELS, WEIGHTS
+from ipc.engine_config import INT4_KERNELS, PROMPT_KERNELS, WEIGHTS
 
 logger = logging.getLogger("splitserve.engine.weights")
 
@@ -123,6 +124,9 @@ def dtype_for_weights(weights: str) -> torch.dtype | None:
     return DENSE_DTYPES.get(weights)
 
 
+INT8_PROMPT = " int8-prompt"  # a count's kind: prompt rows on the layer's blocks, int8 activations
+
+
 class WeightFormat:
     """Builds every linear layer in the configured format.
 
@@ -141,6 +145,7 @@ class WeightFormat:
         reference_for: torch.dtype | None = None,
         deterministic: bool = False,
         int4_kernel: str = "aten",
+        prompt_kernel: str = "dense",
     ) -> None:
         check_weights_and_dtype(weights, reference_for or dtype, device)
         if int4_kernel not in INT4_KERNELS:
@@ -149,6 +154,11 @@ class WeightFormat:
         self.max_tokens = BatchSizeSwitch.UNBOUNDED if deterministic else max_tokens
         self.dense_copy = dense_copy and reference_for is None
         self.reference_for = reference_for
+        if prompt_kernel not in PROMPT_KERNELS:
+            raise ValueError(
+                f"prompt_kernel must be one of {PROMPT_KERNELS}, got {prompt_kernel!r}"
+            )
+        self.prompt_kernel = prompt_kernel
         self.counts: dict[str, int] = {}  # layers built per kind, for the start-up log line
         self._counting = threading.Lock()  # layers may be built on several threads
         # Our int4 kernel (int4_decode.py) where asked for and it runs here: bf16 activations on
@@ -196,13 +206,20 @@ class WeightFormat:
         if kind == "int4":
             planes = self._int4_planes(source, scale_dtype)
             kind = f"int{planes[0].bits}" + ("" if len(planes) == 1 else f"x{len(planes)}")
-            self._count(kind, expert)
             if self.reference_for is not None:
+                self._count(kind, expert)
                 weight = torch.stack([dequantize(p.rounded(scale_dtype)) for p in planes])
                 return DenseLinear(weight.sum(0), bias)
             own = self.own_int4 and int4_decode.takes(planes)
             blocks = int4_decode.pack(planes) if own else None
             layer: LinearWeight = Int4Linear(planes, self.dtype, bias, blocks)
+            if self._int8_prompt_rows(layer, planes[0].bits, head or expert):
+                # prompt rows on the same blocks (int8 activations): no dense copy
+                self._count(kind + INT8_PROMPT)
+                assert isinstance(layer, Int4Linear)
+                limit = self.max_tokens or self.crossover(kind)
+                return BatchSizeSwitch(layer, Int4PromptLinear(layer), limit)
+            self._count(kind, expert)
         else:
             self._count(kind, expert)
             q, scale = quantize_int8(dequantize(source), scale_dtype)
@@ -255,6 +272,17 @@ class WeightFormat:
             out += plane.split(dtype, parts or MAX_INT4_PARTS)
         return out
 
+    def _int8_prompt_rows(self, layer: LinearWeight, bits: int, own_rows: bool) -> bool:
+        """Whether ``layer``'s prompt rows run on its own blocks with int8 activations
+        (``prompt_kernel="int8"``): 4-bit blocks on our kernel, not a head nor an expert."""
+        return (
+            self.prompt_kernel == "int8"
+            and isinstance(layer, Int4Linear)
+            and layer.own_kernel
+            and bits == 4
+            and not own_rows
+        )
+
     def _count(self, kind: str, expert: bool = False) -> None:
         kind = f"expert {kind}" if expert else kind  # no dense copy: told apart in describe()
         with self._counting:
@@ -299,7 +327,12 @@ class WeightFormat:
         parts = []
         for kind, count in sorted(self.counts.items()):
             text = f"{count} {kind}"
-            if kind != "dense" and self.dense_copy and not kind.startswith("expert"):
+            if kind.endswith(INT8_PROMPT):
+                base = kind.removesuffix(INT8_PROMPT)
+                limit = self.max_tokens or self.crossover(base)
+                above = "" if limit == BatchSizeSwitch.UNBOUNDED else f", above {limit} decode rows"
+                text = f"{count} {base} (int8 activations for prompt rows{above})"
+            elif kind != "dense" and self.dense_copy and not kind.startswith("expert"):
                 limit = self.max_tokens or self.crossover(kind)
                 above = "" if limit == BatchSizeSwitch.UNBOUNDED else f", above {limit} decode rows"
                 text += f" (dense for prompt rows{above})"

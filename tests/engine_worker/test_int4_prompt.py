@@ -1,0 +1,108 @@
+"""Prompt rows on the int4 blocks with int8 activations (``splitserve::int4_prompt_mm``,
+``--prompt-kernel int8``): the op against the computation it states, written out in torch (each
+row's groups of 32 rounded to int8, integer products, the groups' scales and zeros), its rows
+independent of each other and of the thread count, and an engine serving on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_worker import int4_decode
+from engine_worker.linear import BatchSizeSwitch, Int4Groups, Int4PromptLinear, dequantize
+from tests.engine_worker.helpers import collect, greedy
+from tests.engine_worker.scripted_helpers import make_engine
+from tests.engine_worker.test_int4_decode import groups, needs_op, relative_error, rows
+
+
+def stated(planes: Int4Groups, x: torch.Tensor) -> torch.Tensor:
+    """What the op computes, in float64 after the int8 rounding (which it reproduces exactly):
+    per row and group of 32, d = max |x| / 127, xq = round(x * 127 / max |x|); per scale run
+    d (sum q xq - 8 sum xq) times the run's scale, plus its zero times the run's sum of x."""
+    n, k = planes.q.shape
+    m, size = x.shape[0], planes.group
+    xf = x.float().view(m, k // 32, 32)
+    most = xf.abs().amax(-1, keepdim=True)
+    inverse = torch.where(most > 0, 127.0 / most, torch.zeros_like(most))
+    xq = torch.round(xf * inverse).view(m, k // size, size).double()
+    d = (most / 127.0).repeat_interleave(32 // size, dim=1)  # [m, runs, 1]
+    q = planes.q.double().view(n, k // size, size)
+    dot = torch.einsum("mrk,nrk->mnr", xq, q)  # exact: integers
+    centered = ((dot - 8 * xq.sum(-1).unsqueeze(1)).float() * d.view(m, 1, -1)).double()
+    scale = planes.scale.bfloat16().double()  # the blocks hold bf16 (scale, zero) pairs
+    zero = planes.zero.bfloat16().double()
+    sums = x.double().view(m, k // size, size).sum(-1)
+    return (centered * scale).sum(-1) + sums @ zero.t()
+
+
+@needs_op
+@pytest.mark.parametrize("group", [32, 16])
+def test_op_computes_what_it_states_and_near_the_weights_product(group):
+    planes = groups(64, 256) if group == 32 else wide(64, 256, 16)
+    blocks = int4_decode.pack([planes])
+    weight = dequantize(planes)
+    for m in (1, 3, 8, 9, 20):  # rows go 8 at a time: partial and later blocks too
+        x = rows(m, 256, seed=m)
+        y = torch.ops.splitserve.int4_prompt_mm(x, blocks, 1)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 64)
+        assert relative_error(y, stated(planes, x).float()) < 2.5e-3  # its bf16 rounding
+        assert relative_error(y, x.float() @ weight.t()) < 2e-2  # int8 activations
+
+
+def wide(n: int, k: int, group: int) -> Int4Groups:
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    scale = torch.rand(n, k // group, generator=generator) * 0.01 + 1e-3
+    zero = (torch.rand(n, k // group, generator=generator) - 0.5) * 0.01
+    return Int4Groups(q, scale, zero, 4)
+
+
+@needs_op
+def test_a_rows_bits_depend_on_that_row_alone_and_not_on_threads():
+    blocks = int4_decode.pack([groups(256, 576)])
+    x = rows(19, 576)
+    x[4] = 0  # a row of zeros: d = 0, no division by it
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = torch.ops.splitserve.int4_prompt_mm(x, blocks, 1)
+        alone = [torch.ops.splitserve.int4_prompt_mm(x[i : i + 1], blocks, 1) for i in range(19)]
+        torch.set_num_threads(1)
+        one_thread = torch.ops.splitserve.int4_prompt_mm(x, blocks, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, torch.cat(alone)) and torch.equal(together, one_thread)
+    assert torch.isfinite(together).all()
+
+
+@needs_op
+def test_blocks_of_wider_q_are_refused():
+    six = Int4Groups(torch.randint(0, 64, (32, 64), dtype=torch.uint8), *[torch.ones(32, 4)] * 2, 6)
+    blocks = int4_decode.pack([six])
+    with pytest.raises(RuntimeError, match="4-bit q only"):
+        torch.ops.splitserve.int4_prompt_mm(rows(2, 64), blocks, 1)
+
+
+@needs_op
+def test_engine_on_int8_prompt_rows(tiny_model_dir):
+    """Prompt rows take the int8 path, decode rows the decode kernel; a prompt computed in
+    chunks of 7 gets the tokens of one computed whole (each row its own)."""
+    int8 = make_engine(tiny_model_dir, weights="int4", int4_kernel="own", prompt_kernel="int8")
+    fmt = int8.runner.model.weight_format
+    assert "int8 activations for prompt rows" in fmt.describe()
+    down = int8.runner.model.layers[0].down
+    assert isinstance(down, BatchSizeSwitch) and isinstance(down.dense, Int4PromptLinear)
+    chunked = make_engine(
+        tiny_model_dir,
+        weights="int4",
+        int4_kernel="own",
+        prompt_kernel="int8",
+        prefill_chunk_tokens=7,
+        enable_prefix_cache=False,
+    )
+    prompt = [1, 5, 9, 300, 17, 23, 99, 1000, 4, 8, 15, 16, 23, 42, 7, 77, 777]
+    outputs = []
+    for engine in (int8, chunked):
+        engine.add("a", prompt, greedy(6, ignore_eos=True))
+        outputs.append(collect(engine)["a"]["tokens"])
+    assert len(outputs[0]) == 6 and outputs[0] == outputs[1]
