@@ -421,6 +421,34 @@ int int4_prompt(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, 
     return 0;
 }
 
+// int4_prompt over several weights of one layout, each over its own rows (a mixture's chosen
+// experts over their prompt rows): rows [starts[e], starts[e + 1]) of x against blocks[e]; each
+// expert's rows quantized apart (a row's result is int4_prompt's for its weight).
+int int4_prompt_grouped(const uint8_t* const* blocks, int64_t count, const int64_t* starts,
+                        int64_t n, int64_t k, const uint16_t* x, int64_t ldx, void* y,
+                        int64_t ldy, int f32_out, int sub) {
+    if (!takes(n, k, sub, 0)) return -1;
+    const Layout l(n, k, sub, 0);
+    std::vector<PromptRows> rows;
+    for (int64_t e = 0; e < count; ++e)
+        rows.push_back(quantize_rows(x + starts[e] * ldx, starts[e + 1] - starts[e], ldx,
+                                     l.groups, sub));
+    const PromptFn* fns = sub == 1 ? kPromptFns<1> : kPromptFns<2>;
+    const int64_t items = count * l.tiles;
+    const int size = f32_out ? 4 : 2;
+#pragma omp parallel for schedule(dynamic, 4) if (items * l.groups * starts[count] >= 512)
+    for (int64_t i = 0; i < items; ++i) {
+        const int64_t e = i / l.tiles, t = i % l.tiles, m = starts[e + 1] - starts[e];
+        void* out = (uint8_t*)y + starts[e] * ldy * size;
+        for (int64_t r0 = 0; r0 < m; r0 += kPromptRows) {
+            const int rows_now = (int)(m - r0 < kPromptRows ? m - r0 : kPromptRows);
+            fns[rows_now](blocks[e] + t * l.groups * l.bytes, l.groups, rows[e],
+                          r0 / kPromptRows, out, ldy, t * kTile, f32_out);
+        }
+    }
+    return 0;
+}
+
 int int4_decode_threads(void) { return omp_get_max_threads(); }
 
 }  // extern "C"

@@ -217,6 +217,13 @@ def takes(planes: list[Int4Groups]) -> bool:
     )
 
 
+def four_bit(blocks: torch.Tensor) -> bool:
+    """Whether ``pack``'s ``blocks`` hold q of 4 bits (no high-bit planes): what the prompt
+    kernel (``int4_prompt_mm``, int8 activations) takes."""
+    sub = blocks.shape[2] if blocks.dim() == 4 else 1
+    return blocks[0, 0].numel() == WEIGHT_BYTES + PLANE_BYTES * sub
+
+
 def pack(planes: list[Int4Groups]) -> torch.Tensor:
     """The kernel's blocks [N / 16, parts * K / 32, bytes] uint8 (groups of 16:
     [N / 16, parts * K / 32, 2, bytes / 2]) from planes (q [N, K], scale/zero [N, K / group],

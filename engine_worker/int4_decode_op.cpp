@@ -91,16 +91,45 @@ at::Tensor int4_prompt_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t
     return y;
 }
 
+// int4_prompt_grouped: as int4_decode_grouped_mm, prompt rows (int8 activations), 4-bit q only.
+at::Tensor int4_prompt_grouped_mm(const at::Tensor& x, at::TensorList blocks,
+                                  at::IntArrayRef counts, int64_t parts) {
+    TORCH_CHECK(!blocks.empty() && blocks.size() == counts.size(),
+                "int4_prompt_grouped_mm: one row count per weight");
+    const BlockLayout l = layout_of(blocks[0]);
+    TORCH_CHECK(l.high == 0, "int4_prompt_grouped_mm: blocks of 4-bit q only");
+    std::vector<const uint8_t*> pointers;
+    std::vector<int64_t> starts{0};
+    for (size_t e = 0; e < blocks.size(); ++e) {
+        TORCH_CHECK(blocks[e].sizes() == blocks[0].sizes() && blocks[e].is_contiguous() &&
+                        blocks[e].scalar_type() == at::kByte && counts[e] >= 0,
+                    "int4_prompt_grouped_mm: weights of one layout, row counts >= 0");
+        pointers.push_back(blocks[e].data_ptr<uint8_t>());
+        starts.push_back(starts.back() + counts[e]);
+    }
+    const at::Tensor rows = kernel_rows(x, parts, l.k);
+    TORCH_CHECK(starts.back() == rows.size(0), "int4_prompt_grouped_mm: counts sum to ",
+                starts.back(), ", x has ", rows.size(0), " rows");
+    at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
+    const int failed = int4_prompt_grouped(
+        pointers.data(), (int64_t)pointers.size(), starts.data(), l.n, l.k,
+        reinterpret_cast<const uint16_t*>(rows.data_ptr()), l.k, y.data_ptr(), l.n, 0, (int)l.sub);
+    TORCH_CHECK(!failed, "int4_prompt_grouped_mm: shape ", l.n, " x ", l.k, " not taken");
+    return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splitserve, m) {
     m.def("int4_decode_mm(Tensor x, Tensor blocks, int parts) -> Tensor");
     m.def("int4_decode_grouped_mm(Tensor x, Tensor[] blocks, int[] counts, int parts) -> Tensor");
     m.def("int4_prompt_mm(Tensor x, Tensor blocks, int parts) -> Tensor");
+    m.def("int4_prompt_grouped_mm(Tensor x, Tensor[] blocks, int[] counts, int parts) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
     m.impl("int4_decode_mm", int4_decode_mm);
     m.impl("int4_decode_grouped_mm", int4_decode_grouped_mm);
     m.impl("int4_prompt_mm", int4_prompt_mm);
+    m.impl("int4_prompt_grouped_mm", int4_prompt_grouped_mm);
 }

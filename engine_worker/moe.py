@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine_worker.int4_decode import four_bit
 from engine_worker.linear import (
     PACK_ROWS,
     Int4Groups,
@@ -128,13 +129,22 @@ class GroupedExperts:
     ``splitserve::int4_decode_grouped_mm`` (each expert over the rows that chose it, its weights
     read once), the activation once over all those rows, then their down in one more call."""
 
-    def __init__(self, gate_up: list[Int4Linear], down: list[Int4Linear]) -> None:
+    def __init__(
+        self, gate_up: list[Int4Linear], down: list[Int4Linear], prompt_int8: bool = False
+    ) -> None:
         self.gate_up = [lin.packed for lin in gate_up]
         self.down = [lin.packed for lin in down]
         self.gate_up_parts, self.down_parts = gate_up[0].parts, down[0].parts
+        # prompt rows with int8 activations (``prompt_kernel="int8"``) on each part of 4-bit q
+        self.prompt_int8 = (
+            prompt_int8 and four_bit(self.gate_up[0]),
+            prompt_int8 and four_bit(self.down[0]),
+        )
 
     @staticmethod
-    def of(gate_up: list[LinearWeight], down: list[LinearWeight]) -> GroupedExperts | None:
+    def of(
+        gate_up: list[LinearWeight], down: list[LinearWeight], prompt_int8: bool = False
+    ) -> GroupedExperts | None:
         """The experts grouped, where every one is on our kernel in one layout; else None."""
         parts = []
         for layers in (gate_up, down):
@@ -146,7 +156,7 @@ class GroupedExperts:
             if len(own) != len(layers) or len({(lin.packed.shape, lin.parts) for lin in own}) > 1:
                 return None
             parts.append(own)
-        return GroupedExperts(*parts)
+        return GroupedExperts(*parts, prompt_int8=prompt_int8)
 
     def run(
         self,
@@ -154,13 +164,18 @@ class GroupedExperts:
         used: list[int],
         counts: list[int],
         activation: Callable[[torch.Tensor], torch.Tensor],
+        prompt: bool = False,
     ) -> torch.Tensor:
         """x's rows (sorted by expert: ``counts[i]`` rows for expert ``used[i]``) through their
-        experts."""
-        grouped = torch.ops.splitserve.int4_decode_grouped_mm
-        gate_up = grouped(x, [self.gate_up[e] for e in used], counts, self.gate_up_parts)
+        experts; ``prompt``: they are prompt rows (int8 activations where ``prompt_int8``)."""
+        ops = torch.ops.splitserve
+        gate_up_op, down_op = (
+            ops.int4_prompt_grouped_mm if prompt and int8 else ops.int4_decode_grouped_mm
+            for int8 in self.prompt_int8
+        )
+        gate_up = gate_up_op(x, [self.gate_up[e] for e in used], counts, self.gate_up_parts)
         gate, up = gate_up.chunk(2, dim=-1)
-        return grouped(activation(gate) * up, [self.down[e] for e in used], counts, self.down_parts)
+        return down_op(activation(gate) * up, [self.down[e] for e in used], counts, self.down_parts)
 
 
 @dataclass(slots=True)
@@ -177,9 +192,10 @@ class MoeBlock:
     trace: list[torch.Tensor] | None = None  # a list: each call's choices appended (tests)
     grouped: GroupedExperts | None = None  # the experts in one kernel call per part
     expert_bytes: list[int] = field(default_factory=list)  # per expert: gate_up's and down's
+    prompt_int8: bool = False  # prompt rows with int8 activations (grouped experts)
 
     def __post_init__(self) -> None:
-        self.grouped = GroupedExperts.of(self.gate_up, self.down)
+        self.grouped = GroupedExperts.of(self.gate_up, self.down, self.prompt_int8)
         self.expert_bytes = [g.nbytes + d.nbytes for g, d in zip(self.gate_up, self.down)]
 
     def apply(
@@ -193,7 +209,19 @@ class MoeBlock:
         weights, chosen = route(self.router.logits(x), self.top_k, self.normalize)
         if self.trace is not None:
             self.trace.append(chosen.clone())
-        out = self._experts(x, weights, chosen, activation)
+        grouped = self.grouped
+        if self.prompt_int8 and grouped is not None and 0 <= decode_rows < x.shape[0]:
+            # decode rows on the decode kernel, prompt rows with int8 activations: each on
+            # the path its row would take in any other step
+            out = torch.cat(
+                [
+                    self._experts(x[a:b], weights[a:b], chosen[a:b], activation, a > 0)
+                    for a, b in ((0, decode_rows), (decode_rows, x.shape[0]))
+                    if b > a
+                ]
+            )
+        else:
+            out = self._experts(x, weights, chosen, activation)
         if self.shared_gate_up is not None and self.shared_down is not None:
             gate, up = self.shared_gate_up.apply(x, decode_rows, decode_batch).chunk(2, dim=-1)
             shared = self.shared_down.apply(activation(gate) * up, decode_rows, decode_batch)
@@ -208,9 +236,11 @@ class MoeBlock:
         weights: torch.Tensor,
         chosen: torch.Tensor,
         activation: Callable[[torch.Tensor], torch.Tensor],
+        prompt: bool = False,
     ) -> torch.Tensor:
         """Each chosen expert once over its rows; the weighted sum per row, float32, each row's
-        experts added in expert order (one index_add_ over the pairs sorted by expert)."""
+        experts added in expert order (one index_add_ over the pairs sorted by expert).
+        ``prompt``: x's rows are prompt rows (``GroupedExperts.run``)."""
         flat = chosen.flatten()
         counts = torch.bincount(flat, minlength=len(self.down))
         order = flat.argsort(stable=True)
@@ -223,7 +253,7 @@ class MoeBlock:
             return out
         pairs = x.index_select(0, rows)
         if self.grouped is not None:
-            y = self.grouped.run(pairs, used, per_expert, activation)
+            y = self.grouped.run(pairs, used, per_expert, activation, prompt)
         else:
             parts = pairs.split(per_expert)
             y = torch.cat([self._expert(e, part, activation) for e, part in zip(used, parts)])
@@ -272,6 +302,7 @@ def load_moe(
         top_k=spec.top_k,
         normalize=spec.normalize,
         load=load,
+        prompt_int8=fmt.prompt_kernel == "int8",
     )
     if spec.shared_size:
         shared = p + "shared_expert."

@@ -106,3 +106,22 @@ def test_engine_on_int8_prompt_rows(tiny_model_dir):
         engine.add("a", prompt, greedy(6, ignore_eos=True))
         outputs.append(collect(engine)["a"]["tokens"])
     assert len(outputs[0]) == 6 and outputs[0] == outputs[1]
+
+
+@needs_op
+def test_grouped_op_equals_one_call_per_weight():
+    """A mixture's experts over their prompt rows in one call (rows 0, 1, 9 and 20 an expert):
+    each expert's rows get the bits of that expert's own call."""
+    weights = [groups(48, 128, seed=e) for e in range(4)]
+    blocks = [int4_decode.pack([w]) for w in weights]
+    counts = [1, 0, 9, 20]
+    x = rows(sum(counts), 128, seed=5)
+    y = torch.ops.splitserve.int4_prompt_grouped_mm(x, blocks, counts, 1)
+    start = 0
+    for block, count in zip(blocks, counts):
+        if count:
+            part = x[start : start + count]
+            assert torch.equal(
+                y[start : start + count], torch.ops.splitserve.int4_prompt_mm(part, block, 1)
+            )
+        start += count

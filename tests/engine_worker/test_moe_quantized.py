@@ -122,9 +122,9 @@ class RecordedGroups:
     def __init__(self, inner) -> None:
         self.inner, self.calls = inner, []
 
-    def run(self, x, used, counts, activation):
+    def run(self, x, used, counts, activation, prompt=False):
         self.calls.append((list(used), list(counts), x.shape[0]))
-        return self.inner.run(x, used, counts, activation)
+        return self.inner.run(x, used, counts, activation, prompt)
 
 
 @needs_op
@@ -177,6 +177,39 @@ def test_a_request_decodes_alike_alone_and_in_a_batch(quantized_moe):
         engine.add(f"r{i}", prompt, params)
     together = {rid: result["tokens"] for rid, result in collect(engine).items()}
     assert together == alone
+
+
+@needs_op
+def test_int8_prompt_rows_on_the_experts_blocks(quantized_moe):
+    """``prompt_kernel="int8"``: the 4-bit experts' prompt rows take int8 activations (the
+    6-bit downs stay on the decode kernel), near the float32 reference; decode
+    rows keep the decode kernel, so a request decodes alike alone and beside another's prompt,
+    and a prompt computed in chunks of 5 gets the tokens of one computed whole."""
+    gguf_dir, dense_dir = quantized_moe
+    config = dict(kv_cache_tokens=256, block_size=4, dtype="float32", weights="fp32")
+    reference = last_logits(Engine(EngineConfig(model_path=str(dense_dir), **config)), PROMPT)
+    engine = bf16_engine(gguf_dir, prompt_kernel="int8", enable_prefix_cache=False)
+    layers = [layer.moe.grouped for layer in engine.runner.model.layers]
+    assert all(g is not None for g in layers)
+    # gate_up 4-bit; the downs Q6_K (6-bit: the decode kernel) and Q8_0 (two 4-bit planes)
+    assert sorted(g.prompt_int8 for g in layers) == [(True, False), (True, True)]
+    logits = last_logits(engine, PROMPT)
+    assert ((logits - reference).norm() / reference.norm()).item() < 0.05
+    params = greedy(6, ignore_eos=True)
+    alone = bf16_engine(gguf_dir, prompt_kernel="int8", enable_prefix_cache=False)
+    alone.add("a", [1, 5, 9, 300], params)
+    tokens = collect(alone)["a"]["tokens"]
+    mixed = bf16_engine(gguf_dir, prompt_kernel="int8", enable_prefix_cache=False)
+    mixed.add("a", [1, 5, 9, 300], params)
+    mixed.step()  # "a"'s prompt and first token; then "a" decodes beside "b"'s prompt
+    mixed.add("b", PROMPT, params)
+    both = collect(mixed)
+    assert both["a"]["tokens"] == tokens[1:]  # (its first token came from the step above)
+    chunked = bf16_engine(
+        gguf_dir, prompt_kernel="int8", enable_prefix_cache=False, prefill_chunk_tokens=5
+    )
+    chunked.add("b", PROMPT, params)
+    assert collect(chunked)["b"]["tokens"] == both["b"]["tokens"]
 
 
 def test_engine_reports_the_experts_load_as_a_histogram(quantized_moe):
