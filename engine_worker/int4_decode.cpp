@@ -305,13 +305,26 @@ inline __m512i quad_of(const int8_t* p) {
     return _mm512_set1_epi32(quad);
 }
 
+// Bit 4 + h of a chunk's 32 lanes' bytes (kHigh planes): the masks of shifts s and s + 2 (32
+// bits each: bit 2 r + p for output r, k = 8 c + 2 s + p) spread to the bytes that hold those k:
+// shift s's to bytes 4 r and 4 r + 2 (k 2 s, 2 s + 1), shift s + 2's to 4 r + 1 and 4 r + 3.
+inline __mmask64 high_bytes(const uint8_t* block, int h, int c, int s) {
+    const uint8_t* masks = block + kWeightBytes + kPlaneBytes * h + 4 * (4 * c);
+    uint32_t first, second;
+    memcpy(&first, masks + 4 * s, 4);
+    memcpy(&second, masks + 4 * (s + 2), 4);
+    return _cvtu64_mask64(_pdep_u64(first, 0x5555555555555555ull) |
+                          _pdep_u64(second, 0xAAAAAAAAAAAAAAAAull));
+}
+
 // One tile of 16 outputs for M (<= kPromptRows) prompt rows of row block ``b`` (rows
-// kPromptRows b ...), outputs at column n0. Each row's sums run in its own registers, chunk by
+// kPromptRows b ...), outputs at column n0; q of 4 + kHigh bits (the planes' bits added to the
+// nibbles' bytes, centred on 8 << kHigh). Each row's sums run in its own registers, chunk by
 // chunk across the rows, so the vpdpbusd chains do not wait on each other.
-template <int M, int kSub>
+template <int M, int kSub, int kHigh>
 void prompt_tile(const uint8_t* blocks, int64_t groups, const PromptRows& r, int64_t b,
                  void* y, int64_t ldy, int64_t n0, int f32_out) {
-    constexpr int kBytes = block_bytes(kSub, 0), kChunks = 4 / kSub;
+    constexpr int kBytes = block_bytes(kSub, kHigh), kChunks = 4 / kSub, kCentre = 8 << kHigh;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[M];
 #pragma GCC unroll 8
@@ -328,19 +341,25 @@ void prompt_tile(const uint8_t* blocks, int64_t groups, const PromptRows& r, int
             const float* sums = r.sums.data() + run;
             __m512i dot[M];
 #pragma GCC unroll 8
-            for (int m = 0; m < M; ++m) dot[m] = _mm512_set1_epi32(-8 * qsum[m]);
+            for (int m = 0; m < M; ++m) dot[m] = _mm512_set1_epi32(-kCentre * qsum[m]);
 #pragma GCC unroll 4
             for (int c = h * kChunks; c < (h + 1) * kChunks; ++c) {
                 const __m512i words = _mm512_loadu_si512(block + 64 * c);
-                const __m512i lo = _mm512_and_si512(words, low);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(words, 4), low);
+                __m512i lo = _mm512_and_si512(words, low);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(words, 4), low);
+#pragma GCC unroll 2
+                for (int p = 0; p < kHigh; ++p) {
+                    const __m512i bit = _mm512_set1_epi8((char)(16 << p));
+                    lo = _mm512_mask_add_epi8(lo, high_bytes(block, p, c, 0), lo, bit);
+                    hi = _mm512_mask_add_epi8(hi, high_bytes(block, p, c, 1), hi, bit);
+                }
 #pragma GCC unroll 8
                 for (int m = 0; m < M; ++m) {
                     dot[m] = _mm512_dpbusd_epi32(dot[m], lo, quad_of(xq + m * kGroup + 8 * c));
                     dot[m] = _mm512_dpbusd_epi32(dot[m], hi, quad_of(xq + m * kGroup + 8 * c + 4));
                 }
             }
-            const GroupScales scales(block + kWeightBytes + kPlaneBytes * h);
+            const GroupScales scales(block + kWeightBytes + kPlaneBytes * (kHigh + h));
 #pragma GCC unroll 8
             for (int m = 0; m < M; ++m) {
                 const __m512 centered =
@@ -355,11 +374,22 @@ void prompt_tile(const uint8_t* blocks, int64_t groups, const PromptRows& r, int
 typedef void (*PromptFn)(const uint8_t*, int64_t, const PromptRows&, int64_t, void*, int64_t,
                          int64_t, int);
 
-template <int kSub>
+template <int kSub, int kHigh>
 constexpr PromptFn kPromptFns[kPromptRows + 1] = {
-    nullptr, prompt_tile<1, kSub>, prompt_tile<2, kSub>, prompt_tile<3, kSub>,
-    prompt_tile<4, kSub>, prompt_tile<5, kSub>, prompt_tile<6, kSub>, prompt_tile<7, kSub>,
-    prompt_tile<8, kSub>};
+    nullptr,
+    prompt_tile<1, kSub, kHigh>,
+    prompt_tile<2, kSub, kHigh>,
+    prompt_tile<3, kSub, kHigh>,
+    prompt_tile<4, kSub, kHigh>,
+    prompt_tile<5, kSub, kHigh>,
+    prompt_tile<6, kSub, kHigh>,
+    prompt_tile<7, kSub, kHigh>,
+    prompt_tile<8, kSub, kHigh>};
+
+// [sub - 1][high][rows]
+const PromptFn* const kPromptTileFns[2][3] = {
+    {kPromptFns<1, 0>, kPromptFns<1, 1>, kPromptFns<1, 2>},
+    {kPromptFns<2, 0>, kPromptFns<2, 1>, kPromptFns<2, 2>}};
 
 }  // namespace
 
@@ -403,14 +433,14 @@ int int4_decode_grouped(const uint8_t* const* blocks, int64_t count, const int64
     return 0;
 }
 
-// Prompt rows (int8 activations, VNNI; see prompt_tile) against blocks of 4-bit q (high 0): as
-// int4_decode, for many rows. Returns 0, or -1 for shapes or blocks it does not take.
+// Prompt rows (int8 activations, VNNI; see prompt_tile) against blocks of q of 4 + high bits:
+// as int4_decode, for many rows. Returns 0, or -1 for shapes or blocks it does not take.
 int int4_prompt(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, int64_t m,
-                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub) {
-    if (!takes(n, k, sub, 0)) return -1;
-    const Layout l(n, k, sub, 0);
+                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub, int high) {
+    if (!takes(n, k, sub, high)) return -1;
+    const Layout l(n, k, sub, high);
     const PromptRows r = quantize_rows(x, m, ldx, l.groups, sub);
-    const PromptFn* fns = sub == 1 ? kPromptFns<1> : kPromptFns<2>;
+    const PromptFn* fns = kPromptTileFns[sub - 1][high];
 #pragma omp parallel for schedule(static) if (l.tiles * l.groups * m >= 512)
     for (int64_t t = 0; t < l.tiles; ++t)
         for (int64_t r0 = 0; r0 < m; r0 += kPromptRows) {
@@ -426,14 +456,14 @@ int int4_prompt(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, 
 // expert's rows quantized apart (a row's result is int4_prompt's for its weight).
 int int4_prompt_grouped(const uint8_t* const* blocks, int64_t count, const int64_t* starts,
                         int64_t n, int64_t k, const uint16_t* x, int64_t ldx, void* y,
-                        int64_t ldy, int f32_out, int sub) {
-    if (!takes(n, k, sub, 0)) return -1;
-    const Layout l(n, k, sub, 0);
+                        int64_t ldy, int f32_out, int sub, int high) {
+    if (!takes(n, k, sub, high)) return -1;
+    const Layout l(n, k, sub, high);
     std::vector<PromptRows> rows;
     for (int64_t e = 0; e < count; ++e)
         rows.push_back(quantize_rows(x + starts[e] * ldx, starts[e + 1] - starts[e], ldx,
                                      l.groups, sub));
-    const PromptFn* fns = sub == 1 ? kPromptFns<1> : kPromptFns<2>;
+    const PromptFn* fns = kPromptTileFns[sub - 1][high];
     const int64_t items = count * l.tiles;
     const int size = f32_out ? 4 : 2;
 #pragma omp parallel for schedule(dynamic, 4) if (items * l.groups * starts[count] >= 512)

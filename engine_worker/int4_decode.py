@@ -47,8 +47,16 @@ logger = logging.getLogger("splitserve.engine.int4_decode")
 SOURCE = Path(__file__).with_name("int4_decode.cpp")
 OP_SOURCE = Path(__file__).with_name("int4_decode_op.cpp")
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
-FLAGS += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"]
-CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
+FLAGS += [
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mavx512vnni",
+    "-mfma",
+    "-mbmi2",
+]
+CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "bmi2"}
 TILE, GROUP, WEIGHT_BYTES, PLANE_BYTES = 16, 32, 256, 64
 GROUPS = (16, 32)  # scale/zero groups the kernel takes (two or one (scale, zero) runs a block)
 MAX_BITS = 6  # q of 4 bits, or 5 or 6 (one or two high-bit planes a block)
@@ -215,13 +223,6 @@ def takes(planes: list[Int4Groups]) -> bool:
         and k % GROUP == 0
         and len(planes) * k // GROUP <= MAX_GROUPS
     )
-
-
-def four_bit(blocks: torch.Tensor) -> bool:
-    """Whether ``pack``'s ``blocks`` hold q of 4 bits (no high-bit planes): what the prompt
-    kernel (``int4_prompt_mm``, int8 activations) takes."""
-    sub = blocks.shape[2] if blocks.dim() == 4 else 1
-    return blocks[0, 0].numel() == WEIGHT_BYTES + PLANE_BYTES * sub
 
 
 def pack(planes: list[Int4Groups]) -> torch.Tensor:

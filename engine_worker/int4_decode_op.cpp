@@ -78,26 +78,24 @@ at::Tensor int4_decode_grouped_mm(const at::Tensor& x, at::TensorList blocks,
     return y;
 }
 
-// Prompt rows through int4_prompt (int8 activations): blocks of 4-bit q only.
+// Prompt rows through int4_prompt (int8 activations).
 at::Tensor int4_prompt_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t parts) {
     const BlockLayout l = layout_of(blocks);
-    TORCH_CHECK(l.high == 0, "int4_prompt_mm: blocks of 4-bit q only");
     const at::Tensor rows = kernel_rows(x, parts, l.k);
     at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
     const int failed = int4_prompt(blocks.data_ptr<uint8_t>(), l.n, l.k,
                                    reinterpret_cast<const uint16_t*>(rows.data_ptr()),
-                                   rows.size(0), l.k, y.data_ptr(), l.n, 0, (int)l.sub);
+                                   rows.size(0), l.k, y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high);
     TORCH_CHECK(!failed, "int4_prompt_mm: shape ", l.n, " x ", l.k, " not taken by the kernel");
     return y;
 }
 
-// int4_prompt_grouped: as int4_decode_grouped_mm, prompt rows (int8 activations), 4-bit q only.
+// int4_prompt_grouped: as int4_decode_grouped_mm, for prompt rows (int8 activations).
 at::Tensor int4_prompt_grouped_mm(const at::Tensor& x, at::TensorList blocks,
                                   at::IntArrayRef counts, int64_t parts) {
     TORCH_CHECK(!blocks.empty() && blocks.size() == counts.size(),
                 "int4_prompt_grouped_mm: one row count per weight");
     const BlockLayout l = layout_of(blocks[0]);
-    TORCH_CHECK(l.high == 0, "int4_prompt_grouped_mm: blocks of 4-bit q only");
     std::vector<const uint8_t*> pointers;
     std::vector<int64_t> starts{0};
     for (size_t e = 0; e < blocks.size(); ++e) {
@@ -113,7 +111,8 @@ at::Tensor int4_prompt_grouped_mm(const at::Tensor& x, at::TensorList blocks,
     at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
     const int failed = int4_prompt_grouped(
         pointers.data(), (int64_t)pointers.size(), starts.data(), l.n, l.k,
-        reinterpret_cast<const uint16_t*>(rows.data_ptr()), l.k, y.data_ptr(), l.n, 0, (int)l.sub);
+        reinterpret_cast<const uint16_t*>(rows.data_ptr()), l.k, y.data_ptr(), l.n, 0, (int)l.sub,
+        (int)l.high);
     TORCH_CHECK(!failed, "int4_prompt_grouped_mm: shape ", l.n, " x ", l.k, " not taken");
     return y;
 }

@@ -37,7 +37,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_worker.int4_decode import four_bit
 from engine_worker.linear import (
     PACK_ROWS,
     Int4Groups,
@@ -135,11 +134,7 @@ class GroupedExperts:
         self.gate_up = [lin.packed for lin in gate_up]
         self.down = [lin.packed for lin in down]
         self.gate_up_parts, self.down_parts = gate_up[0].parts, down[0].parts
-        # prompt rows with int8 activations (``prompt_kernel="int8"``) on each part of 4-bit q
-        self.prompt_int8 = (
-            prompt_int8 and four_bit(self.gate_up[0]),
-            prompt_int8 and four_bit(self.down[0]),
-        )
+        self.prompt_int8 = prompt_int8  # prompt rows with int8 activations
 
     @staticmethod
     def of(
@@ -169,13 +164,14 @@ class GroupedExperts:
         """x's rows (sorted by expert: ``counts[i]`` rows for expert ``used[i]``) through their
         experts; ``prompt``: they are prompt rows (int8 activations where ``prompt_int8``)."""
         ops = torch.ops.splitserve
-        gate_up_op, down_op = (
-            ops.int4_prompt_grouped_mm if prompt and int8 else ops.int4_decode_grouped_mm
-            for int8 in self.prompt_int8
+        grouped = (
+            ops.int4_prompt_grouped_mm
+            if prompt and self.prompt_int8
+            else ops.int4_decode_grouped_mm
         )
-        gate_up = gate_up_op(x, [self.gate_up[e] for e in used], counts, self.gate_up_parts)
+        gate_up = grouped(x, [self.gate_up[e] for e in used], counts, self.gate_up_parts)
         gate, up = gate_up.chunk(2, dim=-1)
-        return down_op(activation(gate) * up, [self.down[e] for e in used], counts, self.down_parts)
+        return grouped(activation(gate) * up, [self.down[e] for e in used], counts, self.down_parts)
 
 
 @dataclass(slots=True)

@@ -213,7 +213,7 @@ class WeightFormat:
             own = self.own_int4 and int4_decode.takes(planes)
             blocks = int4_decode.pack(planes) if own else None
             layer: LinearWeight = Int4Linear(planes, self.dtype, bias, blocks)
-            if self._int8_prompt_rows(layer, planes[0].bits, head or expert):
+            if self._int8_prompt_rows(layer, head or expert):
                 # prompt rows on the same blocks (int8 activations): no dense copy
                 self._count(kind + INT8_PROMPT)
                 assert isinstance(layer, Int4Linear)
@@ -272,14 +272,14 @@ class WeightFormat:
             out += plane.split(dtype, parts or MAX_INT4_PARTS)
         return out
 
-    def _int8_prompt_rows(self, layer: LinearWeight, bits: int, own_rows: bool) -> bool:
+    def _int8_prompt_rows(self, layer: LinearWeight, own_rows: bool) -> bool:
         """Whether ``layer``'s prompt rows run on its own blocks with int8 activations
-        (``prompt_kernel="int8"``): 4-bit blocks on our kernel, not a head nor an expert."""
+        (``prompt_kernel="int8"``): blocks on our kernel, not a head's nor an expert's (an
+        expert's run in its mixture's grouped call)."""
         return (
             self.prompt_kernel == "int8"
             and isinstance(layer, Int4Linear)
             and layer.own_kernel
-            and bits == 4
             and not own_rows
         )
 

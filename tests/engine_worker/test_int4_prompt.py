@@ -18,9 +18,10 @@ from tests.engine_worker.test_int4_decode import groups, needs_op, relative_erro
 def stated(planes: Int4Groups, x: torch.Tensor) -> torch.Tensor:
     """What the op computes, in float64 after the int8 rounding (which it reproduces exactly):
     per row and group of 32, d = max |x| / 127, xq = round(x * 127 / max |x|); per scale run
-    d (sum q xq - 8 sum xq) times the run's scale, plus its zero times the run's sum of x."""
+    d (sum q xq - c sum xq) times the run's scale (c: 8, 16 or 32 for q of 4, 5 or 6 bits),
+    plus its zero times the run's sum of x."""
     n, k = planes.q.shape
-    m, size = x.shape[0], planes.group
+    m, size, centre = x.shape[0], planes.group, 8 << (planes.bits - 4)
     xf = x.float().view(m, k // 32, 32)
     most = xf.abs().amax(-1, keepdim=True)
     inverse = torch.where(most > 0, 127.0 / most, torch.zeros_like(most))
@@ -28,7 +29,7 @@ def stated(planes: Int4Groups, x: torch.Tensor) -> torch.Tensor:
     d = (most / 127.0).repeat_interleave(32 // size, dim=1)  # [m, runs, 1]
     q = planes.q.double().view(n, k // size, size)
     dot = torch.einsum("mrk,nrk->mnr", xq, q)  # exact: integers
-    centered = ((dot - 8 * xq.sum(-1).unsqueeze(1)).float() * d.view(m, 1, -1)).double()
+    centered = ((dot - centre * xq.sum(-1).unsqueeze(1)).float() * d.view(m, 1, -1)).double()
     scale = planes.scale.bfloat16().double()  # the blocks hold bf16 (scale, zero) pairs
     zero = planes.zero.bfloat16().double()
     sums = x.double().view(m, k // size, size).sum(-1)
@@ -36,9 +37,9 @@ def stated(planes: Int4Groups, x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_op
-@pytest.mark.parametrize("group", [32, 16])
-def test_op_computes_what_it_states_and_near_the_weights_product(group):
-    planes = groups(64, 256) if group == 32 else wide(64, 256, 16)
+@pytest.mark.parametrize(("group", "bits"), [(32, 4), (16, 4), (32, 5), (16, 6)])
+def test_op_computes_what_it_states_and_near_the_weights_product(group, bits):
+    planes = groups(64, 256) if (group, bits) == (32, 4) else wide(64, 256, group, bits)
     blocks = int4_decode.pack([planes])
     weight = dequantize(planes)
     for m in (1, 3, 8, 9, 20):  # rows go 8 at a time: partial and later blocks too
@@ -49,12 +50,12 @@ def test_op_computes_what_it_states_and_near_the_weights_product(group):
         assert relative_error(y, x.float() @ weight.t()) < 2e-2  # int8 activations
 
 
-def wide(n: int, k: int, group: int) -> Int4Groups:
+def wide(n: int, k: int, group: int, bits: int) -> Int4Groups:
     generator = torch.Generator().manual_seed(3)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=generator)
     scale = torch.rand(n, k // group, generator=generator) * 0.01 + 1e-3
     zero = (torch.rand(n, k // group, generator=generator) - 0.5) * 0.01
-    return Int4Groups(q, scale, zero, 4)
+    return Int4Groups(q, scale, zero, bits)
 
 
 @needs_op
@@ -73,14 +74,6 @@ def test_a_rows_bits_depend_on_that_row_alone_and_not_on_threads():
         torch.set_num_threads(threads)
     assert torch.equal(together, torch.cat(alone)) and torch.equal(together, one_thread)
     assert torch.isfinite(together).all()
-
-
-@needs_op
-def test_blocks_of_wider_q_are_refused():
-    six = Int4Groups(torch.randint(0, 64, (32, 64), dtype=torch.uint8), *[torch.ones(32, 4)] * 2, 6)
-    blocks = int4_decode.pack([six])
-    with pytest.raises(RuntimeError, match="4-bit q only"):
-        torch.ops.splitserve.int4_prompt_mm(rows(2, 64), blocks, 1)
 
 
 @needs_op

@@ -181,8 +181,8 @@ def test_a_request_decodes_alike_alone_and_in_a_batch(quantized_moe):
 
 @needs_op
 def test_int8_prompt_rows_on_the_experts_blocks(quantized_moe):
-    """``prompt_kernel="int8"``: the 4-bit experts' prompt rows take int8 activations (the
-    6-bit downs stay on the decode kernel), near the float32 reference; decode
+    """``prompt_kernel="int8"``: the experts' prompt rows take int8 activations (on their
+    blocks of every width: Q4_K, Q6_K, Q8_0's planes), near the float32 reference; decode
     rows keep the decode kernel, so a request decodes alike alone and beside another's prompt,
     and a prompt computed in chunks of 5 gets the tokens of one computed whole."""
     gguf_dir, dense_dir = quantized_moe
@@ -191,8 +191,7 @@ def test_int8_prompt_rows_on_the_experts_blocks(quantized_moe):
     engine = bf16_engine(gguf_dir, prompt_kernel="int8", enable_prefix_cache=False)
     layers = [layer.moe.grouped for layer in engine.runner.model.layers]
     assert all(g is not None for g in layers)
-    # gate_up 4-bit; the downs Q6_K (6-bit: the decode kernel) and Q8_0 (two 4-bit planes)
-    assert sorted(g.prompt_int8 for g in layers) == [(True, False), (True, True)]
+    assert all(g.prompt_int8 for g in layers)
     logits = last_logits(engine, PROMPT)
     assert ((logits - reference).norm() / reference.norm()).item() < 0.05
     params = greedy(6, ignore_eos=True)
