@@ -34,7 +34,7 @@ import torch
 from engine_worker.attention import AttentionBackend, AttentionMetadata, PagedCpuBackend
 from engine_worker.attention.batch import DecodeBatch, DecodeWorkspace
 from engine_worker.layers import EagerLayer
-from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear
+from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear, Int4PromptLinear
 from engine_worker.scripted_layers import DecodeStack, OwnKernelLayer, ScriptedLayer, copy_tensors
 
 logger = logging.getLogger("splitserve.engine.scripted_decode")
@@ -158,7 +158,7 @@ def compile_stack(model, quantized: tuple[bool, ...], windows: list[int]):
     layers = []
     for i, weights in enumerate(model.layers):
         copies = [copy_tensors(s, q) for s, q in zip(_linears(weights), quantized[4 * i :])]
-        own = any(parts > 0 and group == 0 for _, _, _, parts, group in copies)
+        own = any(parts > 0 and group <= 0 for _, _, _, parts, group in copies)
         kind = OwnKernelLayer if own else ScriptedLayer
         layers.append(kind(model.config, weights, i, copies, windows))
     with warnings.catch_warnings():
@@ -190,7 +190,7 @@ def _unsupported(model) -> str:
             if not (
                 isinstance(linear, BatchSizeSwitch)
                 and isinstance(linear.quantized, Int4Linear)
-                and isinstance(linear.dense, DenseLinear)
+                and isinstance(linear.dense, DenseLinear | Int4PromptLinear)
             ):
                 return f"a {type(linear).__name__} linear"
             if linear.max_tokens < 1:  # one decode row on the dense copy: another kernel

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from engine_worker.attention.flash_rows import MIN_QUERY_ROWS, soft_capped_attention
 from engine_worker.decoder_layer import LINEARS, DecoderLayer, residual_stream
-from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear
+from engine_worker.linear import BatchSizeSwitch, DenseLinear, Int4Linear, Int4PromptLinear
 
 if TYPE_CHECKING:
     from engine_worker.layers import LayerWeights
@@ -35,13 +35,18 @@ if TYPE_CHECKING:
 def copy_tensors(switch: BatchSizeSwitch, int4: bool) -> tuple[Tensor, Tensor, Tensor, int, int]:
     """The int4 copy of ``switch`` (``int4``) or its dense copy as ``ScriptedLayer.apply``
     takes it: weight, scales, bias (empty: none), parts (> 0: int4 planes, on our kernel where
-    the group is 0; 0: the plain dense matrix; -1: oneDNN's packed one), group."""
+    the group is 0, with int8 activations where it is -1; 0: the plain dense matrix; -1:
+    oneDNN's packed one), group."""
     if int4:
         q = switch.quantized
         assert isinstance(q, Int4Linear)
         bias = torch.empty(0) if q.bias is None else q.bias
         return q.packed, q.scale_zero, bias, q.parts, 0 if q.own_kernel else q.group
     dense = switch.dense
+    if isinstance(dense, Int4PromptLinear):  # the same blocks, int8 activations: group -1
+        q = dense.layer
+        bias = torch.empty(0) if q.bias is None else q.bias
+        return q.packed, q.scale_zero, bias, q.parts, -1
     assert isinstance(dense, DenseLinear)
     matrix = dense.weight if dense.packed is None else dense.packed
     bias = torch.empty(0) if dense.bias is None else dense.bias
@@ -130,6 +135,8 @@ class ScriptedLayer(DecoderLayer):
             return torch.nn.functional.linear(x, weight)
         if group == 0:
             y = self.own_kernel(x, weight, parts)
+        elif group == -1:
+            y = self.prompt_kernel(x, weight, parts)
         else:
             x = x.contiguous() if parts == 1 else x.repeat(1, parts)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, group, scale_zero)
@@ -137,6 +144,9 @@ class ScriptedLayer(DecoderLayer):
 
     def own_kernel(self, x: Tensor, blocks: Tensor, parts: int) -> Tensor:
         raise NotImplementedError  # OwnKernelLayer's: the op exists where it is loaded
+
+    def prompt_kernel(self, x: Tensor, blocks: Tensor, parts: int) -> Tensor:
+        raise NotImplementedError  # OwnKernelLayer's
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, step_tensors: list[Tensor], step_ints: list[int]
@@ -171,6 +181,9 @@ class OwnKernelLayer(ScriptedLayer):
 
     def own_kernel(self, x: Tensor, blocks: Tensor, parts: int) -> Tensor:
         return torch.ops.splitserve.int4_decode_mm(x, blocks, parts)
+
+    def prompt_kernel(self, x: Tensor, blocks: Tensor, parts: int) -> Tensor:
+        return torch.ops.splitserve.int4_prompt_mm(x, blocks, parts)
 
 
 class DecodeStack(torch.nn.Module):

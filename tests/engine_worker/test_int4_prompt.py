@@ -11,7 +11,7 @@ import torch
 from engine_worker import int4_decode
 from engine_worker.linear import BatchSizeSwitch, Int4Groups, Int4PromptLinear, dequantize
 from tests.engine_worker.helpers import collect, greedy
-from tests.engine_worker.scripted_helpers import make_engine
+from tests.engine_worker.scripted_helpers import assert_same, make_engine
 from tests.engine_worker.test_int4_decode import groups, needs_op, relative_error, rows
 
 
@@ -118,3 +118,24 @@ def test_grouped_op_equals_one_call_per_weight():
                 y[start : start + count], torch.ops.splitserve.int4_prompt_mm(part, block, 1)
             )
         start += count
+
+
+@needs_op
+def test_scripted_decode_takes_int8_prompt_layers(tiny_model_dir):
+    """Decode-only steps run as the compiled stack with int8 prompt layers too, the same bits
+    as eager; above the quantized crossover its layers call the int8 op."""
+    engine = make_engine(
+        tiny_model_dir,
+        weights="int4",
+        int4_kernel="own",
+        prompt_kernel="int8",
+        enable_prefix_cache=False,
+        quantized_max_tokens=2,
+    )
+    model = engine.runner.model
+    assert model.scripted_decode is not None
+    prompts = [[1, 5, 9, 300], [1, 17, 4000, 5, 6, 7, 8], [1, 2000]]  # 3 rows > 2: int8
+    assert_same(engine, prompts, greedy(6, ignore_eos=True), "int8")
+    scripted = model.scripted_decode
+    stacks = getattr(scripted, "scripted", scripted).by_copies.values()  # (counted by assert_same)
+    assert any("splitserve::int4_prompt_mm" in str(stack.graph) for stack in stacks)
