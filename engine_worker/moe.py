@@ -151,7 +151,7 @@ class GroupedExperts:
             if len(own) != len(layers) or len({(lin.packed.shape, lin.parts) for lin in own}) > 1:
                 return None
             parts.append(own)
-        return GroupedExperts(*parts, prompt_int8=prompt_int8)
+        return GroupedExperts(parts[0], parts[1], prompt_int8)
 
     def run(
         self,
