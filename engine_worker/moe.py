@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from engine_worker.linear import (
-    PACK_ROWS,
     Int4Groups,
     Int4Linear,
     Int8Blocks,
@@ -97,29 +96,25 @@ class ExpertLoad:
 
 
 class Router:
-    """The router's logits in float32, each row's the same bits whatever rows share the call:
-    on a CPU through oneDNN on a packed copy (a lone row computed as two), as ``DenseLinear``
-    does for bf16 (measured: float32 ``F.linear`` gives a row other bits at 4 rows than at 2;
-    oneDNN's the same at 1 to 512), else ``F.linear``."""
+    """The router's logits in float32, each row's the same bits whatever rows share the call and
+    whatever the thread count: on a CPU one matrix-vector product per row (numpy's matmul over
+    the rows stacked as [T, 1, hidden]: the same BLAS gemv for every row, its weights read as
+    they lie). Measured: a float32 matrix product (``F.linear``, numpy's) gives a row other bits
+    at 2 or 11 rows than alone; oneDNN on a packed copy kept them but cost 120-200 us a call in
+    a decode step (its OpenMP team woken for a 48 x 2048 router: 393 kB, ~15 us of bytes), the
+    gemv ~6 us a row. Elsewhere ``F.linear``."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.float().contiguous()  # [experts, hidden]
-        self.packed = None
-        if self.weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
-            except (RuntimeError, AttributeError):  # a torch without it: plain F.linear
-                self.packed = None
+        # [hidden, experts]: a transposed view, so each row's product is a gemv over weight's rows
+        self.columns = self.weight.numpy().T if self.weight.device.type == "cpu" else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        if self.packed is None:
+        if self.columns is None:
             return F.linear(x, self.weight)
-        one = x.shape[0] == 1
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.expand(2, -1) if one else x, self.packed, None, "none", [], ""
-        )
-        return y[:1] if one else y
+        rows = np.ascontiguousarray(x.numpy())[:, None, :]  # [T, 1, hidden]: T gemv calls
+        return torch.from_numpy((rows @ self.columns)[:, 0])
 
 
 class GroupedExperts:
