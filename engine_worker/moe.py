@@ -72,9 +72,9 @@ class ExpertLoad:
         self.rows = 0
         self.reads = 0
         self.bytes = 0
-        self._pending: list[torch.Tensor] = []
+        self._pending: list[np.ndarray] = []
 
-    def observe(self, counts: torch.Tensor, reads: int, nbytes: int) -> None:
+    def observe(self, counts: np.ndarray, reads: int, nbytes: int) -> None:
         self._pending.append(counts)
         self.reads += reads
         self.bytes += nbytes
@@ -86,7 +86,7 @@ class ExpertLoad:
         if self._pending:
             # numpy, one thread: torch's bucketize woke its thread pool for a few hundred
             # values (7 ms a step on a loaded machine, in a profile of the speed model)
-            counts = torch.cat(self._pending).cpu().numpy()
+            counts = np.concatenate(self._pending)
             self._pending.clear()
             found = np.searchsorted(self.bounds, counts, side="left")
             added = np.bincount(found, minlength=len(self.buckets)).tolist()
@@ -205,24 +205,27 @@ class MoeBlock:
         activation: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """Each chosen expert once over its rows; the weighted sum per row, float32, each row's
-        experts added in expert order (one index_add_ over the pairs sorted by expert)."""
-        flat = chosen.flatten()
-        counts = torch.bincount(flat, minlength=len(self.down))
-        order = flat.argsort(stable=True)
-        rows = order // self.top_k  # the row of each (row, choice) pair, by expert
-        used_at = counts.nonzero().flatten()
+        experts added in expert order (one index_add_ over the pairs sorted by expert). The
+        bookkeeping on a few dozen integers runs in numpy (a microsecond an operation, where a
+        torch operation costs several and may wake its thread pool)."""
+        flat = chosen.cpu().numpy().ravel()
+        order = flat.argsort(kind="stable")  # the (row, choice) pairs by expert
+        counts = np.bincount(flat, minlength=len(self.down))
+        used_at = np.flatnonzero(counts)
         used, per_expert = used_at.tolist(), counts[used_at].tolist()
         self.load.observe(counts, len(used), sum(self.expert_bytes[e] for e in used))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if not used:  # no rows
             return out
+        rows = torch.from_numpy(order // self.top_k).to(x.device)  # each pair's row
+        scale = torch.from_numpy(weights.cpu().numpy().ravel()[order]).to(x.device)
         pairs = x.index_select(0, rows)
         if self.grouped is not None:
             y = self.grouped.run(pairs, used, per_expert, activation)
         else:
             parts = pairs.split(per_expert)
             y = torch.cat([self._expert(e, part, activation) for e, part in zip(used, parts)])
-        return out.index_add_(0, rows, y.float().mul_(weights.flatten()[order].unsqueeze(1)))
+        return out.index_add_(0, rows, y.float().mul_(scale.unsqueeze(1)))
 
     def _expert(
         self, expert: int, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]
