@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from engine_worker.linear import (
-    PACK_ROWS,
     Int4Groups,
     Int4Linear,
     Int8Blocks,
@@ -73,9 +72,9 @@ class ExpertLoad:
         self.rows = 0
         self.reads = 0
         self.bytes = 0
-        self._pending: list[torch.Tensor] = []
+        self._pending: list[np.ndarray] = []
 
-    def observe(self, counts: torch.Tensor, reads: int, nbytes: int) -> None:
+    def observe(self, counts: np.ndarray, reads: int, nbytes: int) -> None:
         self._pending.append(counts)
         self.reads += reads
         self.bytes += nbytes
@@ -87,7 +86,7 @@ class ExpertLoad:
         if self._pending:
             # numpy, one thread: torch's bucketize woke its thread pool for a few hundred
             # values (7 ms a step on a loaded machine, in a profile of the speed model)
-            counts = torch.cat(self._pending).cpu().numpy()
+            counts = np.concatenate(self._pending)
             self._pending.clear()
             found = np.searchsorted(self.bounds, counts, side="left")
             added = np.bincount(found, minlength=len(self.buckets)).tolist()
@@ -97,29 +96,25 @@ class ExpertLoad:
 
 
 class Router:
-    """The router's logits in float32, each row's the same bits whatever rows share the call:
-    on a CPU through oneDNN on a packed copy (a lone row computed as two), as ``DenseLinear``
-    does for bf16 (measured: float32 ``F.linear`` gives a row other bits at 4 rows than at 2;
-    oneDNN's the same at 1 to 512), else ``F.linear``."""
+    """The router's logits in float32, each row's the same bits whatever rows share the call and
+    whatever the thread count: on a CPU one matrix-vector product per row (numpy's matmul over
+    the rows stacked as [T, 1, hidden]: the same BLAS gemv for every row, its weights read as
+    they lie). Measured: a float32 matrix product (``F.linear``, numpy's) gives a row other bits
+    at 2 or 11 rows than alone; oneDNN on a packed copy kept them but cost 120-200 us a call in
+    a decode step (its OpenMP team woken for a 48 x 2048 router: 393 kB, ~15 us of bytes), the
+    gemv ~6 us a row. Elsewhere ``F.linear``."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.float().contiguous()  # [experts, hidden]
-        self.packed = None
-        if self.weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
-            except (RuntimeError, AttributeError):  # a torch without it: plain F.linear
-                self.packed = None
+        # [hidden, experts]: a transposed view, so each row's product is a gemv over weight's rows
+        self.columns = self.weight.numpy().T if self.weight.device.type == "cpu" else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        if self.packed is None:
+        if self.columns is None:
             return F.linear(x, self.weight)
-        one = x.shape[0] == 1
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.expand(2, -1) if one else x, self.packed, None, "none", [], ""
-        )
-        return y[:1] if one else y
+        rows = np.ascontiguousarray(x.numpy())[:, None, :]  # [T, 1, hidden]: T gemv calls
+        return torch.from_numpy((rows @ self.columns)[:, 0])
 
 
 class GroupedExperts:
@@ -235,25 +230,28 @@ class MoeBlock:
         prompt: bool = False,
     ) -> torch.Tensor:
         """Each chosen expert once over its rows; the weighted sum per row, float32, each row's
-        experts added in expert order (one index_add_ over the pairs sorted by expert).
-        ``prompt``: x's rows are prompt rows (``GroupedExperts.run``)."""
-        flat = chosen.flatten()
-        counts = torch.bincount(flat, minlength=len(self.down))
-        order = flat.argsort(stable=True)
-        rows = order // self.top_k  # the row of each (row, choice) pair, by expert
-        used_at = counts.nonzero().flatten()
+        experts added in expert order (one index_add_ over the pairs sorted by expert). The
+        bookkeeping on a few dozen integers runs in numpy (a microsecond an operation, where a
+        torch operation costs several and may wake its thread pool). ``prompt``: x's rows are
+        prompt rows (``GroupedExperts.run``)."""
+        flat = chosen.cpu().numpy().ravel()
+        order = flat.argsort(kind="stable")  # the (row, choice) pairs by expert
+        counts = np.bincount(flat, minlength=len(self.down))
+        used_at = np.flatnonzero(counts)
         used, per_expert = used_at.tolist(), counts[used_at].tolist()
         self.load.observe(counts, len(used), sum(self.expert_bytes[e] for e in used))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if not used:  # no rows
             return out
+        rows = torch.from_numpy(order // self.top_k).to(x.device)  # each pair's row
+        scale = torch.from_numpy(weights.cpu().numpy().ravel()[order]).to(x.device)
         pairs = x.index_select(0, rows)
         if self.grouped is not None:
             y = self.grouped.run(pairs, used, per_expert, activation, prompt)
         else:
             parts = pairs.split(per_expert)
             y = torch.cat([self._expert(e, part, activation) for e, part in zip(used, parts)])
-        return out.index_add_(0, rows, y.float().mul_(weights.flatten()[order].unsqueeze(1)))
+        return out.index_add_(0, rows, y.float().mul_(scale.unsqueeze(1)))
 
     def _expert(
         self, expert: int, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]

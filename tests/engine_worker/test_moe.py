@@ -12,6 +12,7 @@ import torch
 
 from engine_worker.engine import Engine
 from engine_worker.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from engine_worker.moe import Router
 from tests.engine_worker.helpers import collect, greedy
 from tests.engine_worker.moe_files import GGUF_OVERRIDES, MOE_FAMILIES, tiny_moe, write_moe_gguf
 from tests.engine_worker.test_families import TOLERANCE, TOP, compare, float32_engine
@@ -130,3 +131,31 @@ def test_moe_types_are_supported_and_their_options_checked(tmp_path):
         path.write_text(json.dumps({**raw, key: value}))
         with pytest.raises(ValueError, match=message):
             ModelConfig.from_dir(tmp_path / "olmoe")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_gives_a_row_its_own_bits_whatever_shares_the_call(dtype):
+    """A 48 x 2048 router (the speed model's shape): every row's logits the same bits alone as
+    among 2 to 64 or 158 rows, at any place in the call, at 1 or 2 threads; within float32's
+    rounding of the float64 product (transformers' reference is float32's F.linear)."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 2048, generator=generator) * 0.02
+    router = Router(weight)
+    x = torch.randn(200, 2048, generator=generator).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            alone = torch.cat([router.logits(x[i : i + 1].clone()) for i in range(len(x))])
+            for rows in [*range(1, 65), 158]:
+                for start in (0, 5, 200 - rows):
+                    logits = router.logits(x[start : start + rows])
+                    assert torch.equal(logits, alone[start : start + rows]), (count, rows, start)
+            if count == 1:
+                one_thread = alone
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, alone)
+    exact = x.double() @ weight.double().T
+    assert (alone.double() - exact).abs().max() < 1e-5
+    assert (alone - torch.nn.functional.linear(x.float(), weight)).abs().max() < 1e-5

@@ -7,6 +7,7 @@ engine reports the experts' load as a histogram."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -250,3 +251,48 @@ def test_engine_reports_the_experts_load_as_a_histogram(quantized_moe):
         values[("splitserve_engine_moe_expert_rows_bucket", "0.0")]
         == stats.expert_rows_buckets_total[0]
     )
+
+
+def torch_bookkeeping(block, x, weights, chosen, activation):
+    """The experts' sum as ``MoeBlock._experts`` computed it before its bookkeeping moved to
+    numpy (torch's bincount, stable argsort, nonzero): (output, counts)."""
+    flat = chosen.flatten()
+    counts = torch.bincount(flat, minlength=len(block.down))
+    order = flat.argsort(stable=True)
+    rows = order // block.top_k
+    used_at = counts.nonzero().flatten()
+    used, per_expert = used_at.tolist(), counts[used_at].tolist()
+    pairs = x.index_select(0, rows)
+    if block.grouped is not None:
+        y = block.grouped.run(pairs, used, per_expert, activation)
+    else:
+        parts = pairs.split(per_expert)
+        y = torch.cat([block._expert(e, part, activation) for e, part in zip(used, parts)])
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    return out.index_add_(0, rows, y.float().mul_(weights.flatten()[order].unsqueeze(1))), counts
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("own", marks=needs_op), "aten"])
+def test_experts_sum_keeps_its_bits_with_numpy_bookkeeping(quantized_moe, kernel):
+    """Random rows and routings at 1, 3, 8 and 64 rows: the block's experts' sum equals the torch
+    bookkeeping's bit for bit, grouped on our kernel or expert by expert, and the load counts
+    the same rows, reads and bytes; at the model's top 2 and at top 4 (where the order of a
+    row's sum shows in its bits)."""
+    engine = bf16_engine(quantized_moe[0], int4_kernel=kernel)
+    block = engine.runner.model.layers[1].moe
+    assert (block.grouped is not None) == (kernel == "own")
+    generator = torch.Generator().manual_seed(5)
+    for rows, top_k in itertools.product((1, 3, 8, 64), (2, 4)):
+        block.top_k = top_k
+        x = torch.randn(rows, SHAPE["hidden_size"], generator=generator).to(torch.bfloat16)
+        logits = torch.randn(rows, SHAPE["num_experts"], generator=generator) * 3
+        weights, chosen = route(logits, block.top_k, block.normalize)
+        expected, counts = torch_bookkeeping(block, x, weights, chosen, F.silu)
+        load = block.load
+        reads, nbytes, pending = load.reads, load.bytes, len(load._pending)
+        out = block._experts(x, weights, chosen, F.silu)
+        assert torch.equal(out, expected), rows
+        assert load._pending[pending:] and np.array_equal(load._pending[-1], counts.numpy())
+        used = counts.nonzero().flatten().tolist()
+        assert load.reads - reads == len(used)
+        assert load.bytes - nbytes == sum(block.expert_bytes[e] for e in used)
