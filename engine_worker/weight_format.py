@@ -171,6 +171,14 @@ class WeightFormat:
             and dtype == torch.bfloat16
             and int4_decode.load_op()
         )
+        if prompt_kernel == "int8" and not self.own_int4 and reference_for is None:
+            logger.warning(
+                "prompt_kernel=int8 runs on our int4 kernel, which does not serve here "
+                "(int4_kernel=%s, %s, %s): prompt rows use dense copies",
+                int4_kernel,
+                device.type,
+                dtype,
+            )
 
     def crossover(self, kind: str) -> int:
         """The most decode rows a step runs on a ``kind`` layer's quantized copy by default."""

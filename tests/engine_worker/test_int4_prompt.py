@@ -10,6 +10,7 @@ import torch
 
 from engine_worker import int4_decode
 from engine_worker.linear import BatchSizeSwitch, Int4Groups, Int4PromptLinear, dequantize
+from engine_worker.weight_format import WeightFormat
 from tests.engine_worker.helpers import collect, greedy
 from tests.engine_worker.scripted_helpers import assert_same, make_engine
 from tests.engine_worker.test_int4_decode import groups, needs_op, relative_error, rows
@@ -139,3 +140,22 @@ def test_scripted_decode_takes_int8_prompt_layers(tiny_model_dir):
     scripted = model.scripted_decode
     stacks = getattr(scripted, "scripted", scripted).by_copies.values()  # (counted by assert_same)
     assert any("splitserve::int4_prompt_mm" in str(stack.graph) for stack in stacks)
+
+
+def test_int8_prompt_rows_without_our_kernel_say_so(caplog):
+    """Asked for where our kernel does not serve (aten's int4 kernel, float32 activations), the
+    format says so once and keeps the dense copies."""
+    with caplog.at_level("WARNING", logger="splitserve.engine.weights"):
+        WeightFormat(
+            "auto", torch.bfloat16, torch.device("cpu"), int4_kernel="aten", prompt_kernel="int8"
+        )
+        WeightFormat(
+            "auto", torch.float32, torch.device("cpu"), int4_kernel="own", prompt_kernel="int8"
+        )
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("prompt rows use dense copies" in m for m in said), said
+    assert "int4_kernel=aten" in said[0] and "torch.float32" in said[1]
+    layer = WeightFormat(
+        "int4", torch.bfloat16, torch.device("cpu"), int4_kernel="aten", prompt_kernel="int8"
+    ).linear([groups(32, 64)])
+    assert isinstance(layer, BatchSizeSwitch) and not isinstance(layer.dense, Int4PromptLinear)
