@@ -433,24 +433,6 @@ int int4_decode_grouped(const uint8_t* const* blocks, int64_t count, const int64
     return 0;
 }
 
-// Prompt rows (int8 activations, VNNI; see prompt_tile) against blocks of q of 4 + high bits:
-// as int4_decode, for many rows. Returns 0, or -1 for shapes or blocks it does not take.
-int int4_prompt(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, int64_t m,
-                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub, int high) {
-    if (!takes(n, k, sub, high)) return -1;
-    const Layout l(n, k, sub, high);
-    const PromptRows r = quantize_rows(x, m, ldx, l.groups, sub);
-    const PromptFn* fns = kPromptTileFns[sub - 1][high];
-#pragma omp parallel for schedule(static) if (l.tiles * l.groups * m >= 512)
-    for (int64_t t = 0; t < l.tiles; ++t)
-        for (int64_t r0 = 0; r0 < m; r0 += kPromptRows) {
-            const int rows = (int)(m - r0 < kPromptRows ? m - r0 : kPromptRows);
-            fns[rows](blocks + t * l.groups * l.bytes, l.groups, r, r0 / kPromptRows, y, ldy,
-                      t * kTile, f32_out);
-        }
-    return 0;
-}
-
 // int4_prompt over several weights of one layout, each over its own rows (a mixture's chosen
 // experts over their prompt rows): rows [starts[e], starts[e + 1]) of x against blocks[e]; each
 // expert's rows quantized apart (a row's result is int4_prompt's for its weight).
@@ -477,6 +459,15 @@ int int4_prompt_grouped(const uint8_t* const* blocks, int64_t count, const int64
         }
     }
     return 0;
+}
+
+// Prompt rows (int8 activations, VNNI; see prompt_tile) against blocks of q of 4 + high bits:
+// as int4_decode, for many rows (int4_prompt_grouped with one weight). Returns 0, or -1 for
+// shapes or blocks it does not take.
+int int4_prompt(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, int64_t m,
+                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub, int high) {
+    const int64_t starts[2] = {0, m};
+    return int4_prompt_grouped(&blocks, 1, starts, n, k, x, ldx, y, ldy, f32_out, sub, high);
 }
 
 int int4_decode_threads(void) { return omp_get_max_threads(); }

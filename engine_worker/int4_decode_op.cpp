@@ -41,80 +41,72 @@ at::Tensor kernel_rows(const at::Tensor& x, int64_t parts, int64_t k) {
     return rows;
 }
 
-at::Tensor int4_decode_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t parts) {
+// A kernel of int4_decode's signature (int4_decode, int4_prompt) on one weight: x [M, K] ->
+// [M, N] bf16.
+typedef int (*OneWeight)(const uint8_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                         void*, int64_t, int, int, int);
+
+at::Tensor one_weight(OneWeight kernel, const char* name, const at::Tensor& x,
+                      const at::Tensor& blocks, int64_t parts) {
     const BlockLayout l = layout_of(blocks);
     const at::Tensor rows = kernel_rows(x, parts, l.k);
     at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
-    const int failed = int4_decode(blocks.data_ptr<uint8_t>(), l.n, l.k,
-                                   reinterpret_cast<const uint16_t*>(rows.data_ptr()),
-                                   rows.size(0), l.k, y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high);
-    TORCH_CHECK(!failed, "int4_decode_mm: shape ", l.n, " x ", l.k, " not taken by the kernel");
+    const int failed = kernel(blocks.data_ptr<uint8_t>(), l.n, l.k,
+                              reinterpret_cast<const uint16_t*>(rows.data_ptr()), rows.size(0),
+                              l.k, y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high);
+    TORCH_CHECK(!failed, name, ": shape ", l.n, " x ", l.k, " not taken by the kernel");
     return y;
+}
+
+// A kernel of int4_decode_grouped's signature (int4_decode_grouped, int4_prompt_grouped): weight
+// e over the next counts[e] rows of x.
+typedef int (*GroupedWeights)(const uint8_t* const*, int64_t, const int64_t*, int64_t, int64_t,
+                              const uint16_t*, int64_t, void*, int64_t, int, int, int);
+
+at::Tensor grouped_weights(GroupedWeights kernel, const char* name, const at::Tensor& x,
+                           at::TensorList blocks, at::IntArrayRef counts, int64_t parts) {
+    TORCH_CHECK(!blocks.empty() && blocks.size() == counts.size(), name,
+                ": one row count per weight");
+    const BlockLayout l = layout_of(blocks[0]);
+    std::vector<const uint8_t*> pointers;
+    std::vector<int64_t> starts{0};
+    for (size_t e = 0; e < blocks.size(); ++e) {
+        TORCH_CHECK(blocks[e].sizes() == blocks[0].sizes() && blocks[e].is_contiguous() &&
+                        blocks[e].scalar_type() == at::kByte && counts[e] >= 0,
+                    name, ": weights of one layout, row counts >= 0");
+        pointers.push_back(blocks[e].data_ptr<uint8_t>());
+        starts.push_back(starts.back() + counts[e]);
+    }
+    const at::Tensor rows = kernel_rows(x, parts, l.k);
+    TORCH_CHECK(starts.back() == rows.size(0), name, ": counts sum to ", starts.back(),
+                ", x has ", rows.size(0), " rows");
+    at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
+    const int failed = kernel(pointers.data(), (int64_t)pointers.size(), starts.data(), l.n, l.k,
+                              reinterpret_cast<const uint16_t*>(rows.data_ptr()), l.k,
+                              y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high);
+    TORCH_CHECK(!failed, name, ": shape ", l.n, " x ", l.k, " not taken");
+    return y;
+}
+
+at::Tensor int4_decode_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t parts) {
+    return one_weight(int4_decode, "int4_decode_mm", x, blocks, parts);
 }
 
 at::Tensor int4_decode_grouped_mm(const at::Tensor& x, at::TensorList blocks,
                                   at::IntArrayRef counts, int64_t parts) {
-    TORCH_CHECK(!blocks.empty() && blocks.size() == counts.size(),
-                "int4_decode_grouped_mm: one row count per weight");
-    const BlockLayout l = layout_of(blocks[0]);
-    std::vector<const uint8_t*> pointers;
-    std::vector<int64_t> starts{0};
-    for (size_t e = 0; e < blocks.size(); ++e) {
-        TORCH_CHECK(blocks[e].sizes() == blocks[0].sizes() && blocks[e].is_contiguous() &&
-                        blocks[e].scalar_type() == at::kByte && counts[e] >= 0,
-                    "int4_decode_grouped_mm: weights of one layout, row counts >= 0");
-        pointers.push_back(blocks[e].data_ptr<uint8_t>());
-        starts.push_back(starts.back() + counts[e]);
-    }
-    const at::Tensor rows = kernel_rows(x, parts, l.k);
-    TORCH_CHECK(starts.back() == rows.size(0), "int4_decode_grouped_mm: counts sum to ",
-                starts.back(), ", x has ", rows.size(0), " rows");
-    at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
-    const int failed = int4_decode_grouped(
-        pointers.data(), (int64_t)pointers.size(), starts.data(), l.n, l.k,
-        reinterpret_cast<const uint16_t*>(rows.data_ptr()), l.k, y.data_ptr(), l.n, 0,
-        (int)l.sub, (int)l.high);
-    TORCH_CHECK(!failed, "int4_decode_grouped_mm: shape ", l.n, " x ", l.k, " not taken");
-    return y;
+    return grouped_weights(int4_decode_grouped, "int4_decode_grouped_mm", x, blocks, counts,
+                           parts);
 }
 
-// Prompt rows through int4_prompt (int8 activations).
+// Prompt rows (int8 activations): int4_prompt, int4_prompt_grouped.
 at::Tensor int4_prompt_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t parts) {
-    const BlockLayout l = layout_of(blocks);
-    const at::Tensor rows = kernel_rows(x, parts, l.k);
-    at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
-    const int failed = int4_prompt(blocks.data_ptr<uint8_t>(), l.n, l.k,
-                                   reinterpret_cast<const uint16_t*>(rows.data_ptr()),
-                                   rows.size(0), l.k, y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high);
-    TORCH_CHECK(!failed, "int4_prompt_mm: shape ", l.n, " x ", l.k, " not taken by the kernel");
-    return y;
+    return one_weight(int4_prompt, "int4_prompt_mm", x, blocks, parts);
 }
 
-// int4_prompt_grouped: as int4_decode_grouped_mm, for prompt rows (int8 activations).
 at::Tensor int4_prompt_grouped_mm(const at::Tensor& x, at::TensorList blocks,
                                   at::IntArrayRef counts, int64_t parts) {
-    TORCH_CHECK(!blocks.empty() && blocks.size() == counts.size(),
-                "int4_prompt_grouped_mm: one row count per weight");
-    const BlockLayout l = layout_of(blocks[0]);
-    std::vector<const uint8_t*> pointers;
-    std::vector<int64_t> starts{0};
-    for (size_t e = 0; e < blocks.size(); ++e) {
-        TORCH_CHECK(blocks[e].sizes() == blocks[0].sizes() && blocks[e].is_contiguous() &&
-                        blocks[e].scalar_type() == at::kByte && counts[e] >= 0,
-                    "int4_prompt_grouped_mm: weights of one layout, row counts >= 0");
-        pointers.push_back(blocks[e].data_ptr<uint8_t>());
-        starts.push_back(starts.back() + counts[e]);
-    }
-    const at::Tensor rows = kernel_rows(x, parts, l.k);
-    TORCH_CHECK(starts.back() == rows.size(0), "int4_prompt_grouped_mm: counts sum to ",
-                starts.back(), ", x has ", rows.size(0), " rows");
-    at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
-    const int failed = int4_prompt_grouped(
-        pointers.data(), (int64_t)pointers.size(), starts.data(), l.n, l.k,
-        reinterpret_cast<const uint16_t*>(rows.data_ptr()), l.k, y.data_ptr(), l.n, 0, (int)l.sub,
-        (int)l.high);
-    TORCH_CHECK(!failed, "int4_prompt_grouped_mm: shape ", l.n, " x ", l.k, " not taken");
-    return y;
+    return grouped_weights(int4_prompt_grouped, "int4_prompt_grouped_mm", x, blocks, counts,
+                           parts);
 }
 
 }  // namespace
