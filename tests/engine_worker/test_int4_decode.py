@@ -72,21 +72,27 @@ def test_a_q8_0_head_as_two_planes_matches_its_weights():
     assert relative_error(sums, x.float() @ dequantize(blocks).t()) < 1e-6
 
 
+def assert_rows_alone(op, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``op(x, blocks, 1)`` gives each row the bits it gets alone, on 2 threads and on 1;
+    returns the rows together."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = op(x, blocks, 1)
+        alone = [op(x[i : i + 1], blocks, 1) for i in range(len(x))]
+        torch.set_num_threads(1)
+        one_thread = op(x, blocks, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, torch.cat(alone)) and torch.equal(together, one_thread)
+    return together
+
+
 @needs_op
 def test_a_rows_bits_depend_on_that_row_alone():
     """Large enough that more than one row runs on two threads and one row on the caller's."""
     blocks = int4_decode.pack([groups(256, 576)])
-    x = rows(7, 576)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        together = torch.ops.splitserve.int4_decode_mm(x, blocks, 1)
-        alone = [torch.ops.splitserve.int4_decode_mm(x[i : i + 1], blocks, 1) for i in range(7)]
-        torch.set_num_threads(1)
-        one_thread = torch.ops.splitserve.int4_decode_mm(x, blocks, 1)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(together, torch.cat(alone)) and torch.equal(together, one_thread)
+    assert_rows_alone(torch.ops.splitserve.int4_decode_mm, blocks, rows(7, 576))
 
 
 @needs_op

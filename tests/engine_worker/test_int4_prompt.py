@@ -13,7 +13,13 @@ from engine_worker.linear import BatchSizeSwitch, Int4Groups, Int4PromptLinear, 
 from engine_worker.weight_format import WeightFormat
 from tests.engine_worker.helpers import collect, greedy
 from tests.engine_worker.scripted_helpers import assert_same, make_engine
-from tests.engine_worker.test_int4_decode import groups, needs_op, relative_error, rows
+from tests.engine_worker.test_int4_decode import (
+    assert_rows_alone,
+    groups,
+    needs_op,
+    relative_error,
+    rows,
+)
 
 
 def stated(planes: Int4Groups, x: torch.Tensor) -> torch.Tensor:
@@ -64,16 +70,7 @@ def test_a_rows_bits_depend_on_that_row_alone_and_not_on_threads():
     blocks = int4_decode.pack([groups(256, 576)])
     x = rows(19, 576)
     x[4] = 0  # a row of zeros: d = 0, no division by it
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        together = torch.ops.splitserve.int4_prompt_mm(x, blocks, 1)
-        alone = [torch.ops.splitserve.int4_prompt_mm(x[i : i + 1], blocks, 1) for i in range(19)]
-        torch.set_num_threads(1)
-        one_thread = torch.ops.splitserve.int4_prompt_mm(x, blocks, 1)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(together, torch.cat(alone)) and torch.equal(together, one_thread)
+    together = assert_rows_alone(torch.ops.splitserve.int4_prompt_mm, blocks, x)
     assert torch.isfinite(together).all()
 
 
