@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from engine_worker.linear import Int4Groups, Int8Blocks, WeightSource
+from engine_worker.weight_sources import ScaleCodes
 
 logger = logging.getLogger("splitserve.engine.gguf")
 
@@ -78,22 +79,50 @@ def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
     return out.reshape(n, -1)
 
 
-def _int4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, rows: int, cols: int) -> Int4Groups:
-    return Int4Groups(
-        q=torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(rows, cols)),
-        scale=torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
-        zero=torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32).reshape(rows, -1)),
-    )
+def _per_row(v: np.ndarray, rows: int, dtype: type = np.float32) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(v.astype(dtype, copy=False)).reshape(rows, -1))
+
+
+def _int4(
+    q: np.ndarray,
+    scale: np.ndarray,
+    zero: np.ndarray,
+    rows: int,
+    cols: int,
+    codes: ScaleCodes | None = None,
+) -> Int4Groups:
+    q4 = torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(rows, cols))
+    return Int4Groups(q4, _per_row(scale, rows), _per_row(zero, rows), codes=codes)
 
 
 def _int8(
-    q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, rows: int, cols: int
+    q: np.ndarray,
+    scale: np.ndarray,
+    zero: np.ndarray | None,
+    rows: int,
+    cols: int,
+    codes: ScaleCodes | None = None,
 ) -> Int8Blocks:
-    def f32(v: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32).reshape(rows, -1))
-
     q8 = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8, copy=False)).reshape(rows, cols))
-    return Int8Blocks(q=q8, scale=f32(scale), zero=None if zero is None else f32(zero))
+    zero8 = None if zero is None else _per_row(zero, rows)
+    return Int8Blocks(q8, _per_row(scale, rows), zero8, codes)
+
+
+def _codes(
+    rows: int,
+    d: np.ndarray,
+    sc: np.ndarray,
+    dmin: np.ndarray | None = None,
+    m: np.ndarray | None = None,
+) -> ScaleCodes:
+    """A K-quant's super-block d (and dmin) [n, 1] and sub-block codes sc (and m) [n, runs]."""
+    least = None if dmin is None else _per_row(dmin, rows)
+    return ScaleCodes(
+        _per_row(d, rows),
+        _per_row(sc, rows, np.int8),
+        least,
+        None if m is None else _per_row(m, rows, np.int8),
+    )
 
 
 def folded_zero(scale: np.ndarray, offset: np.ndarray, type_name: str) -> np.ndarray:
@@ -159,23 +188,27 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.view(np.uint8), mn.view(np.uint8)
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K sub-block scale d sc and min dmin m, float32 [n, 8] (both exact)."""
+def _k_scales(b: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, ScaleCodes]:
+    """Q4_K/Q5_K sub-block scale d sc and min dmin m, float32 [n, 8] (both exact), and their
+    codes."""
     sc, mn = _k_scale_min(b[:, 4:16])
-    return _f16(b, 0) * sc.astype(np.float32), _f16(b, 2) * mn.astype(np.float32)
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    codes = _codes(rows, d, sc, dmin, mn)
+    return d * sc.astype(np.float32), dmin * mn.astype(np.float32), codes
 
 
 def _q4_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
-    scale, dm = _k_scales(b)
-    return _int4(_nibbles(b[:, 16:], 32), scale, folded_zero(scale, -dm, name), rows, cols)
+    scale, dm, codes = _k_scales(b, rows)
+    zero = folded_zero(scale, -dm, name)
+    return _int4(_nibbles(b[:, 16:], 32), scale, zero, rows, cols, codes)
 
 
 def _q5_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
-    scale, dm = _k_scales(b)
+    scale, dm, codes = _k_scales(b, rows)
     n = b.shape[0]
     high = _bits(b[:, 16:48].reshape(n, 1, 32), list(range(8)), 1).reshape(n, -1)
     q = _nibbles(b[:, 48:], 32) | (high << 4)
-    return _int8(q, scale, -dm, rows, cols)
+    return _int8(q, scale, -dm, rows, cols, codes)
 
 
 def _q6_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
@@ -186,8 +219,8 @@ def _q6_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
         q[:, :, j] |= ((high >> np.uint8(2 * j)) & np.uint8(3)) << np.uint8(4)
     q = q.reshape(n, -1)
     np.subtract(q, np.uint8(32), out=q)  # wraps: q - 32 as int8's bytes
-    scale = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
-    return _int8(q.view(np.int8), scale, None, rows, cols)
+    d, sc = _f16(b, 208), np.ascontiguousarray(b[:, 192:208]).view(np.int8)
+    return _int8(q.view(np.int8), d * sc.astype(np.float32), None, rows, cols, _codes(rows, d, sc))
 
 
 def _q3_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
@@ -200,17 +233,19 @@ def _q3_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
     low_sc = _bits(packed[:, None, :8], [0, 4], 15).reshape(n, 16)
     high_sc = _bits(packed[:, None, 8:], [0, 2, 4, 6], 3).reshape(n, 16)
     sc = (low_sc | (high_sc << 4)).astype(np.int8) - np.int8(32)
-    scale = _f16(b, 108) * sc.astype(np.float32)
-    return _int4(q, scale, np.zeros_like(scale), rows, cols)
+    d = _f16(b, 108)
+    scale = d * sc.astype(np.float32)
+    return _int4(q, scale, np.zeros_like(scale), rows, cols, _codes(rows, d, sc))
 
 
 def _q2_k(b: np.ndarray, rows: int, cols: int, name: str) -> WeightSource:
     n = b.shape[0]
     packed = b[:, :16]
-    scale = _f16(b, 80) * (packed & 15).astype(np.float32)
-    dm = _f16(b, 82) * (packed >> 4).astype(np.float32)
+    d, dmin, sc, mn = _f16(b, 80), _f16(b, 82), packed & 15, packed >> 4
+    scale, dm = d * sc.astype(np.float32), dmin * mn.astype(np.float32)
     q = _bits(b[:, 16:80].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, -1)
-    return _int4(q, scale, folded_zero(scale, -dm, name), rows, cols)
+    zero = folded_zero(scale, -dm, name)
+    return _int4(q, scale, zero, rows, cols, _codes(rows, d, sc, dmin, mn))
 
 
 _PARSERS: dict[str, Callable[[np.ndarray, int, int, str], WeightSource]] = {

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from engine_worker.gguf_blocks import BLOCK_TYPES, INEXACT_ZEROS, parse_blocks
-from engine_worker.linear import Int4Groups, Int8Blocks, WeightSource
+from engine_worker.linear import WeightSource
+from engine_worker.weight_sources import map_rows
 
 logger = logging.getLogger("splitserve.engine.gguf")
 
@@ -285,9 +286,4 @@ def _unpermute_rows(source: WeightSource, heads: int) -> WeightSource:
         n = t.shape[0]
         return t.reshape(heads, n // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
-    if isinstance(source, Int4Groups):
-        return Int4Groups(rows(source.q), rows(source.scale), rows(source.zero))
-    if isinstance(source, Int8Blocks):
-        zero = None if source.zero is None else rows(source.zero)
-        return Int8Blocks(rows(source.q), rows(source.scale), zero)
-    return rows(source)
+    return map_rows(source, rows)

@@ -19,6 +19,13 @@
 // bits 4 and 5 of the lookup index, into a 32- or 64-entry table of j - 16 or j - 32. Then
 // kSub runs of 16 (scale, zero) pairs; with two, chunks 0-1 (k 0-15) take the first.
 //
+// Coded scales (code 1 or 2, a GGUF K-quant's own): in place of a run's 16 bf16 pairs, 16 int8
+// scale codes sc (code 1: then 16 int8 min codes m), and before every 8 blocks (256 k, a K-quant
+// super-block) a header of the 16 outputs' fp16 d (code 1: then their fp16 dmin). A group's
+// scale is d sc and its zero (8 << high) d sc - dmin m (code 2: none), in float32: the scale is
+// exact (11 + 8 significant bits), the zero one rounding, and a Q4_K block takes 4.625 bits a
+// weight (bf16 pairs: 5), a Q6_K one 6.5625 (the file's own; bf16 pairs: 8).
+//
 // A row's arithmetic is the same whatever the other rows of the call and whichever thread runs
 // its tile: the result of a row depends on that row alone.
 #include <immintrin.h>
@@ -36,8 +43,14 @@ constexpr int kWeightBytes = 256;
 constexpr int kPlaneBytes = 64;  // a high-bit plane, or a run of 16 (scale, zero) bf16 pairs
 constexpr int kMaxRows = 4;
 constexpr int kMaxGroups = 2048;
+constexpr int kSuper = 8;  // blocks a coded layout's header serves (256 k)
 
-constexpr int block_bytes(int sub, int high) { return kWeightBytes + kPlaneBytes * (high + sub); }
+// A run's scales: 16 bf16 (scale, zero) pairs, or 16 int8 codes (and 16 int8 min codes)
+constexpr int run_bytes(int code) { return code == 0 ? kPlaneBytes : code == 1 ? 32 : 16; }
+constexpr int block_bytes(int sub, int high, int code = 0) {
+    return kWeightBytes + kPlaneBytes * high + sub * run_bytes(code);
+}
+constexpr int header_bytes(int code) { return code == 0 ? 0 : code == 1 ? 64 : 32; }
 
 // Entries [32 part, 32 part + 32) of the lookup table of q of 4 + high bits: q - 8 (16 entries,
 // twice: bit 4 of the index ignored), q - 16 or q - 32, in bf16 (exact: small integers).
@@ -90,34 +103,75 @@ inline void store_row(__m512 acc, void* y, int64_t offset, int f32_out) {
     }
 }
 
-// A block's 16 (scale, zero) bf16 pairs as float32: the pair's 32 bits shifted up 16 give the
-// scale, their top 16 the zero.
-struct GroupScales {
-    __m512 scale, zero;
-    explicit GroupScales(const uint8_t* pairs_at) {
-        const __m512i pairs = _mm512_loadu_si512(pairs_at);
-        scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-        zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int32_t)0xFFFF0000u)));
+// Where a layout keeps block g of a tile (from the tile's first byte) and its scales.
+template <int kSub, int kHigh, int kCode>
+struct Format {
+    static constexpr int kBytes = block_bytes(kSub, kHigh, kCode), kHeader = header_bytes(kCode);
+    static constexpr int kSuperBytes = kHeader + kSuper * kBytes;
+    static const uint8_t* block(const uint8_t* tile, int64_t g) {
+        if constexpr (kCode == 0) return tile + g * kBytes;
+        return tile + (g / kSuper) * kSuperBytes + kHeader + (g % kSuper) * kBytes;
     }
-    // acc + scale * sum_k (q - 8) x + zero * sum_k x, for one group of one row
+    static const uint8_t* run(const uint8_t* block, int h) {
+        return block + kWeightBytes + kPlaneBytes * kHigh + run_bytes(kCode) * h;
+    }
+    static const uint8_t* header(const uint8_t* tile, int64_t g) {
+        return tile + (g / kSuper) * kSuperBytes;
+    }
+};
+
+inline __m512 codes_of(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+inline __m512 halves_of(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
+// The 16 outputs' scales and zeros of run h of block g as float32: bf16 pairs (the pair's 32
+// bits shifted up 16 give the scale, their top 16 the zero), or codes times the header's halves.
+template <int kSub, int kHigh, int kCode>
+struct GroupScales {
+    using F = Format<kSub, kHigh, kCode>;
+    __m512 scale, zero;
+    GroupScales(const uint8_t* tile, int64_t g, const uint8_t* block, int h) {
+        const uint8_t* run = F::run(block, h);
+        if constexpr (kCode == 0) {
+            const __m512i pairs = _mm512_loadu_si512(run);
+            scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            zero = _mm512_castsi512_ps(
+                _mm512_and_si512(pairs, _mm512_set1_epi32((int32_t)0xFFFF0000u)));
+        } else {
+            const uint8_t* header = F::header(tile, g);
+            scale = _mm512_mul_ps(halves_of(header), codes_of(run));
+            if constexpr (kCode == 1) {
+                const __m512 least = _mm512_mul_ps(halves_of(header + 32), codes_of(run + 16));
+                zero = _mm512_fmsub_ps(_mm512_set1_ps((float)(8 << kHigh)), scale, least);
+            }
+        }
+    }
+    // acc + scale * sum_k (q - centre) x + zero * sum_k x, for one group of one row
     __m512 add(__m512 acc, __m512 centered_dot, float row_sum) const {
         acc = _mm512_fmadd_ps(scale, centered_dot, acc);
+        if constexpr (kCode == 2) return acc;
         return _mm512_fmadd_ps(zero, _mm512_set1_ps(row_sum), acc);
     }
 };
 
 // One tile of 16 outputs for M rows: rows m of x at x + m * ldx, their sums per group of
-// 32 / kSub k at sums + m * groups * kSub, outputs at column n0 of row m of y (row stride ldy).
-template <int M, int kSub, int kHigh>
-void tile_rows(const uint8_t* blocks, int64_t groups, const uint16_t* x, int64_t ldx,
+// 32 / kSub k at sums + m * groups * kSub, outputs at column n0 of row m of y (row stride ldy);
+// the tile's blocks from ``tile`` on.
+template <int M, int kSub, int kHigh, int kCode>
+void tile_rows(const uint8_t* tile, int64_t groups, const uint16_t* x, int64_t ldx,
                const float* sums, void* y, int64_t ldy, int64_t n0, int f32_out) {
-    constexpr int kBytes = block_bytes(kSub, kHigh), kChunks = 4 / kSub;
+    using F = Format<kSub, kHigh, kCode>;
+    constexpr int kChunks = 4 / kSub;
     const __m512i table = lookup_table(kHigh, 0), table_hi = lookup_table(kHigh, 1);
     __m512 acc[M];
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* block = blocks + g * kBytes;
+        const uint8_t* block = F::block(tile, g);
 #pragma GCC unroll 2
         for (int h = 0; h < kSub; ++h) {
             __m512 dot[M][4];
@@ -138,7 +192,7 @@ void tile_rows(const uint8_t* blocks, int64_t groups, const uint16_t* x, int64_t
                             _mm512_dpbf16_ps(dot[m][s], w, (__m512bh)pair_of(x + m * ldx + k));
                 }
             }
-            const GroupScales scales(block + kWeightBytes + kPlaneBytes * (kHigh + h));
+            const GroupScales<kSub, kHigh, kCode> scales(tile, g, block, h);
 #pragma GCC unroll 4
             for (int m = 0; m < M; ++m) {
                 const __m512 d = _mm512_add_ps(_mm512_add_ps(dot[m][0], dot[m][1]),
@@ -153,14 +207,27 @@ void tile_rows(const uint8_t* blocks, int64_t groups, const uint16_t* x, int64_t
 typedef void (*TileFn)(const uint8_t*, int64_t, const uint16_t*, int64_t, const float*, void*,
                        int64_t, int64_t, int);
 
-template <int kSub, int kHigh>
-constexpr TileFn kFns[kMaxRows + 1] = {nullptr, tile_rows<1, kSub, kHigh>,
-                                       tile_rows<2, kSub, kHigh>, tile_rows<3, kSub, kHigh>,
-                                       tile_rows<4, kSub, kHigh>};
+template <int kSub, int kHigh, int kCode>
+constexpr TileFn kFns[kMaxRows + 1] = {
+    nullptr, tile_rows<1, kSub, kHigh, kCode>, tile_rows<2, kSub, kHigh, kCode>,
+    tile_rows<3, kSub, kHigh, kCode>, tile_rows<4, kSub, kHigh, kCode>};
 
-// [sub - 1][high][rows]
-const TileFn* const kTileFns[2][3] = {{kFns<1, 0>, kFns<1, 1>, kFns<1, 2>},
-                                      {kFns<2, 0>, kFns<2, 1>, kFns<2, 2>}};
+// [code][sub - 1][high] of a family of functions Fns<sub, high, code>::at. Coded scales only in the
+// layouts a K-quant's blocks come to: with a min Q4_K and Q5_K (groups of 32, q of 4 or 5 bits)
+// and Q2_K (groups of 16); without one Q3_K and Q6_K (groups of 16, q of 4 to 6 bits).
+template <typename Fn, template <int, int, int> class Fns>
+struct ByLayout {
+    static constexpr const Fn* at[3][2][3] = {
+        {{Fns<1, 0, 0>::at, Fns<1, 1, 0>::at, Fns<1, 2, 0>::at},
+         {Fns<2, 0, 0>::at, Fns<2, 1, 0>::at, Fns<2, 2, 0>::at}},
+        {{Fns<1, 0, 1>::at, Fns<1, 1, 1>::at, nullptr}, {Fns<2, 0, 1>::at, nullptr, nullptr}},
+        {{nullptr, nullptr, nullptr}, {Fns<2, 0, 2>::at, Fns<2, 1, 2>::at, Fns<2, 2, 2>::at}}};
+};
+
+template <int kSub, int kHigh, int kCode>
+struct TileFns {
+    static constexpr const TileFn* at = kFns<kSub, kHigh, kCode>;
+};
 
 inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -187,18 +254,24 @@ void over_tiles(int64_t tiles, int64_t groups, int64_t rows, Fn fn) {
     for (int64_t t = 0; t < tiles; ++t) fn(t);
 }
 
-// One weight layout: n outputs, k inputs, blocks of ``sub`` scale runs and ``high`` bit planes.
+// One weight layout: n outputs, k inputs, blocks of ``sub`` scale runs, ``high`` bit planes and
+// scales of ``code``; a tile's blocks (and headers) take tile_bytes.
 struct Layout {
-    int64_t groups, tiles, bytes, row_sums;
+    int64_t groups, tiles, tile_bytes, row_sums;
+    int sub, high, code;
     const TileFn* fns;
-    Layout(int64_t n, int64_t k, int sub, int high)
-        : groups(k / kGroup), tiles(n / kTile), bytes(block_bytes(sub, high)),
-          row_sums(k / kGroup * sub), fns(kTileFns[sub - 1][high]) {}
+    Layout(int64_t n, int64_t k, int sub, int high, int code)
+        : groups(k / kGroup), tiles(n / kTile),
+          tile_bytes(groups * block_bytes(sub, high, code) + groups / kSuper * header_bytes(code)),
+          row_sums(k / kGroup * sub), sub(sub), high(high), code(code),
+          fns(ByLayout<TileFn, TileFns>::at[code][sub - 1][high]) {}
 };
 
-bool takes(int64_t n, int64_t k, int sub, int high) {
+bool takes(int64_t n, int64_t k, int sub, int high, int code) {
     return n % kTile == 0 && k % kGroup == 0 && k / kGroup <= kMaxGroups && sub >= 1 &&
-           sub <= 2 && high >= 0 && high <= 2;
+           sub <= 2 && high >= 0 && high <= 2 && code >= 0 && code <= 2 &&
+           (code == 0 || k % (kGroup * kSuper) == 0) &&
+           ByLayout<TileFn, TileFns>::at[code][sub - 1][high] != nullptr;
 }
 
 // Each row's float32 sums per group of 32 / sub k ([m][row_sums]).
@@ -218,7 +291,7 @@ inline void tile_of_rows(const Layout& l, const uint8_t* blocks, int64_t t, cons
     const int64_t size = f32_out ? 4 : 2;
     for (int64_t r0 = begin; r0 < end; r0 += kMaxRows) {
         const int rows = (int)(end - r0 < kMaxRows ? end - r0 : kMaxRows);
-        l.fns[rows](blocks + t * l.groups * l.bytes, l.groups, x + r0 * ldx, ldx,
+        l.fns[rows](blocks + t * l.tile_bytes, l.groups, x + r0 * ldx, ldx,
                     sums + r0 * l.row_sums, (uint8_t*)y + r0 * ldy * size, ldy, t * kTile,
                     f32_out);
     }
@@ -321,16 +394,17 @@ inline __mmask64 high_bytes(const uint8_t* block, int h, int c, int s) {
 // kPromptRows b ...), outputs at column n0; q of 4 + kHigh bits (the planes' bits added to the
 // nibbles' bytes, centred on 8 << kHigh). Each row's sums run in its own registers, chunk by
 // chunk across the rows, so the vpdpbusd chains do not wait on each other.
-template <int M, int kSub, int kHigh>
-void prompt_tile(const uint8_t* blocks, int64_t groups, const PromptRows& r, int64_t b,
-                 void* y, int64_t ldy, int64_t n0, int f32_out) {
-    constexpr int kBytes = block_bytes(kSub, kHigh), kChunks = 4 / kSub, kCentre = 8 << kHigh;
+template <int M, int kSub, int kHigh, int kCode>
+void prompt_tile(const uint8_t* tile, int64_t groups, const PromptRows& r, int64_t b, void* y,
+                 int64_t ldy, int64_t n0, int f32_out) {
+    using F = Format<kSub, kHigh, kCode>;
+    constexpr int kChunks = 4 / kSub, kCentre = 8 << kHigh;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[M];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* block = blocks + g * kBytes;
+        const uint8_t* block = F::block(tile, g);
         const int64_t at = (b * groups + g) * kPromptRows;
         const int8_t* xq = r.q.data() + at * kGroup;
         const float* d = r.d.data() + at;
@@ -359,7 +433,7 @@ void prompt_tile(const uint8_t* blocks, int64_t groups, const PromptRows& r, int
                     dot[m] = _mm512_dpbusd_epi32(dot[m], hi, quad_of(xq + m * kGroup + 8 * c + 4));
                 }
             }
-            const GroupScales scales(block + kWeightBytes + kPlaneBytes * (kHigh + h));
+            const GroupScales<kSub, kHigh, kCode> scales(tile, g, block, h);
 #pragma GCC unroll 8
             for (int m = 0; m < M; ++m) {
                 const __m512 centered =
@@ -374,37 +448,35 @@ void prompt_tile(const uint8_t* blocks, int64_t groups, const PromptRows& r, int
 typedef void (*PromptFn)(const uint8_t*, int64_t, const PromptRows&, int64_t, void*, int64_t,
                          int64_t, int);
 
-template <int kSub, int kHigh>
-constexpr PromptFn kPromptFns[kPromptRows + 1] = {
-    nullptr,
-    prompt_tile<1, kSub, kHigh>,
-    prompt_tile<2, kSub, kHigh>,
-    prompt_tile<3, kSub, kHigh>,
-    prompt_tile<4, kSub, kHigh>,
-    prompt_tile<5, kSub, kHigh>,
-    prompt_tile<6, kSub, kHigh>,
-    prompt_tile<7, kSub, kHigh>,
-    prompt_tile<8, kSub, kHigh>};
-
-// [sub - 1][high][rows]
-const PromptFn* const kPromptTileFns[2][3] = {
-    {kPromptFns<1, 0>, kPromptFns<1, 1>, kPromptFns<1, 2>},
-    {kPromptFns<2, 0>, kPromptFns<2, 1>, kPromptFns<2, 2>}};
+template <int kSub, int kHigh, int kCode>
+struct PromptFns {
+    static constexpr PromptFn at[kPromptRows + 1] = {
+        nullptr,
+        prompt_tile<1, kSub, kHigh, kCode>,
+        prompt_tile<2, kSub, kHigh, kCode>,
+        prompt_tile<3, kSub, kHigh, kCode>,
+        prompt_tile<4, kSub, kHigh, kCode>,
+        prompt_tile<5, kSub, kHigh, kCode>,
+        prompt_tile<6, kSub, kHigh, kCode>,
+        prompt_tile<7, kSub, kHigh, kCode>,
+        prompt_tile<8, kSub, kHigh, kCode>};
+};
 
 }  // namespace
 
 extern "C" {
 
 // x: m rows of k bf16 (row stride ldx); y: m rows of n outputs, bf16 or float32 (f32_out),
-// row stride ldy; blocks: the packed weights, [n / 16][k / 32][block_bytes(sub, high)] bytes
-// (sub (scale, zero) runs per block: groups of 32 / sub k; q of 4 + high bits). The tiles are
-// split over the calling thread's OpenMP team (torch's, when this library and torch share one
-// libgomp); each takes every row (tile_of_rows), so a call reads its weights from memory once
-// whatever its row count. Returns 0, or -1 for shapes it does not take.
+// row stride ldy; blocks: the packed weights, n / 16 tiles of k / 32 blocks of
+// block_bytes(sub, high, code) bytes (with code 1 or 2 a header before every 8 of them:
+// header_bytes(code)); sub (scale, zero) runs per block: groups of 32 / sub k; q of 4 + high
+// bits. The tiles are split over the calling thread's OpenMP team (torch's, when this library
+// and torch share one libgomp); each takes every row (tile_of_rows), so a call reads its weights
+// from memory once whatever its row count. Returns 0, or -1 for shapes it does not take.
 int int4_decode(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, int64_t m,
-                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub, int high) {
-    if (!takes(n, k, sub, high)) return -1;
-    const Layout l(n, k, sub, high);
+                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub, int high, int code) {
+    if (!takes(n, k, sub, high, code)) return -1;
+    const Layout l(n, k, sub, high, code);
     const std::vector<float> sums = all_group_sums(l, x, m, ldx);
     over_tiles(l.tiles, l.groups, m, [&](int64_t t) {
         tile_of_rows(l, blocks, t, x, ldx, sums.data(), 0, m, y, ldy, f32_out);
@@ -419,9 +491,9 @@ int int4_decode(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, 
 // arithmetic is int4_decode's for its weight.
 int int4_decode_grouped(const uint8_t* const* blocks, int64_t count, const int64_t* starts,
                         int64_t n, int64_t k, const uint16_t* x, int64_t ldx, void* y,
-                        int64_t ldy, int f32_out, int sub, int high) {
-    if (!takes(n, k, sub, high)) return -1;
-    const Layout l(n, k, sub, high);
+                        int64_t ldy, int f32_out, int sub, int high, int code) {
+    if (!takes(n, k, sub, high, code)) return -1;
+    const Layout l(n, k, sub, high, code);
     const int64_t m = starts[count], items = count * l.tiles;
     const std::vector<float> sums = all_group_sums(l, x, m, ldx);
 #pragma omp parallel for schedule(dynamic, 8) if (items * l.groups >= 512)
@@ -438,14 +510,14 @@ int int4_decode_grouped(const uint8_t* const* blocks, int64_t count, const int64
 // expert's rows quantized apart (a row's result is int4_prompt's for its weight).
 int int4_prompt_grouped(const uint8_t* const* blocks, int64_t count, const int64_t* starts,
                         int64_t n, int64_t k, const uint16_t* x, int64_t ldx, void* y,
-                        int64_t ldy, int f32_out, int sub, int high) {
-    if (!takes(n, k, sub, high)) return -1;
-    const Layout l(n, k, sub, high);
+                        int64_t ldy, int f32_out, int sub, int high, int code) {
+    if (!takes(n, k, sub, high, code)) return -1;
+    const Layout l(n, k, sub, high, code);
     std::vector<PromptRows> rows;
     for (int64_t e = 0; e < count; ++e)
         rows.push_back(quantize_rows(x + starts[e] * ldx, starts[e + 1] - starts[e], ldx,
                                      l.groups, sub));
-    const PromptFn* fns = kPromptTileFns[sub - 1][high];
+    const PromptFn* fns = ByLayout<PromptFn, PromptFns>::at[code][sub - 1][high];
     const int64_t items = count * l.tiles;
     const int size = f32_out ? 4 : 2;
 #pragma omp parallel for schedule(dynamic, 4) if (items * l.groups * starts[count] >= 512)
@@ -454,8 +526,8 @@ int int4_prompt_grouped(const uint8_t* const* blocks, int64_t count, const int64
         void* out = (uint8_t*)y + starts[e] * ldy * size;
         for (int64_t r0 = 0; r0 < m; r0 += kPromptRows) {
             const int rows_now = (int)(m - r0 < kPromptRows ? m - r0 : kPromptRows);
-            fns[rows_now](blocks[e] + t * l.groups * l.bytes, l.groups, rows[e],
-                          r0 / kPromptRows, out, ldy, t * kTile, f32_out);
+            fns[rows_now](blocks[e] + t * l.tile_bytes, l.groups, rows[e], r0 / kPromptRows, out,
+                          ldy, t * kTile, f32_out);
         }
     }
     return 0;
@@ -465,9 +537,10 @@ int int4_prompt_grouped(const uint8_t* const* blocks, int64_t count, const int64
 // as int4_decode, for many rows (int4_prompt_grouped with one weight). Returns 0, or -1 for
 // shapes or blocks it does not take.
 int int4_prompt(const uint8_t* blocks, int64_t n, int64_t k, const uint16_t* x, int64_t m,
-                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub, int high) {
+                int64_t ldx, void* y, int64_t ldy, int f32_out, int sub, int high, int code) {
     const int64_t starts[2] = {0, m};
-    return int4_prompt_grouped(&blocks, 1, starts, n, k, x, ldx, y, ldy, f32_out, sub, high);
+    return int4_prompt_grouped(&blocks, 1, starts, n, k, x, ldx, y, ldy, f32_out, sub, high,
+                               code);
 }
 
 int int4_decode_threads(void) { return omp_get_max_threads(); }

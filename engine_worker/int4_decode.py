@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from engine_worker.linear import Int4Groups
+from engine_worker.weight_sources import SUPER_BLOCK
 from runtime import start_progress
 
 logger = logging.getLogger("splitserve.engine.int4_decode")
@@ -58,6 +60,10 @@ FLAGS += [
 ]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "bmi2"}
 TILE, GROUP, WEIGHT_BYTES, PLANE_BYTES = 16, 32, 256, 64
+SUPER = SUPER_BLOCK // GROUP  # blocks a coded layout's header serves: kSuper
+# (sub, high) of the coded layouts the kernel has (int4_decode.cpp, ByLayout): with a min
+# (Q4_K, Q5_K, Q2_K), without (Q3_K, Q6_K)
+CODED = {True: {(1, 0), (1, 1), (2, 0)}, False: {(2, 0), (2, 1), (2, 2)}}
 GROUPS = (16, 32)  # scale/zero groups the kernel takes (two or one (scale, zero) runs a block)
 MAX_BITS = 6  # q of 4 bits, or 5 or 6 (one or two high-bit planes a block)
 MAX_GROUPS = 2048  # blocks of 32 along K (all planes) the kernel takes: kMaxGroups
@@ -229,23 +235,20 @@ def pack(planes: list[Int4Groups]) -> torch.Tensor:
     """The kernel's blocks [N / 16, parts * K / 32, bytes] uint8 (groups of 16:
     [N / 16, parts * K / 32, 2, bytes / 2]) from planes (q [N, K], scale/zero [N, K / group],
     rounded to bf16 here, as ``Int4Linear`` holds them), side by side along K as ``Int4Linear``
-    lays them; layout in int4_decode.cpp. Straight from the checkpoint's groups: nothing is read
-    back through another kernel. Whole-array numpy on the bytes, one thread (each plane written
-    into its place: no concatenated copy)."""
+    lays them; layout in int4_decode.cpp. One plane with a K-quant's own codes (``coded``) packs
+    as coded scales instead: [N / 16, K / 256, header + 8 blocks' bytes], the scales exact.
+    Straight from the checkpoint's groups: nothing is read back through another kernel.
+    Whole-array numpy on the bytes, one thread (each plane written into its place: no
+    concatenated copy)."""
+    if coded(planes):
+        return _pack_coded(planes[0])
     n, k = planes[0].q.shape
     tiles, blocks, sub, high = n // TILE, k // GROUP, GROUP // planes[0].group, planes[0].bits - 4
     nbytes = WEIGHT_BYTES + PLANE_BYTES * (high + sub)
     out = np.empty((tiles, len(planes) * blocks, nbytes), dtype=np.uint8)
-    step = max(1, PACK_CHUNK // (TILE * k))  # tiles at a time: their temporaries stay in cache
     for i, plane in enumerate(planes):
         block = out[:, i * blocks : (i + 1) * blocks]
-        q_all = np.ascontiguousarray(plane.q.numpy())
-        for t in range(0, tiles, step):
-            q, to = q_all[t * TILE : (t + step) * TILE], block[t : t + step]
-            _pack_words(q, to[..., :WEIGHT_BYTES])
-            for h in range(high):
-                at = WEIGHT_BYTES + PLANE_BYTES * h
-                _pack_high_bits(q, 4 + h, to[..., at : at + PLANE_BYTES])
+        _pack_q(plane, block)
         pairs = torch.stack([plane.scale, plane.zero], dim=-1).to(torch.bfloat16)
         # [N, K / group] pairs of bf16 as one 32-bit word each: [t, i, g, sub] -> [t, g, sub, i]
         words = pairs.view(torch.int32).numpy().view(np.uint32).reshape(tiles, TILE, blocks, sub)
@@ -254,6 +257,75 @@ def pack(planes: list[Int4Groups]) -> torch.Tensor:
         np.copyto(target, words.transpose(0, 2, 3, 1))
     packed = torch.from_numpy(out)
     return packed if sub == 1 else packed.view(tiles, len(planes) * blocks, sub, -1)
+
+
+def layout_of(blocks: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(N, K, sub, high, code) of packed blocks, as the op reads them from their shape."""
+    tiles, along = blocks.shape[:2]
+    nbytes = math.prod(blocks.shape[2:])
+    for code, sub, high in itertools.product(range(3), (1, 2), range(3)):
+        run = (PLANE_BYTES, 32, 16)[code]
+        unit = WEIGHT_BYTES + PLANE_BYTES * high + sub * run
+        if code:
+            unit = (0, 64, 32)[code] + SUPER * unit
+        if unit == nbytes and (blocks.dim() == 4) == (code == 0 and sub == 2):
+            return tiles * TILE, along * GROUP * (SUPER if code else 1), sub, high, code
+    raise ValueError(f"blocks of shape {tuple(blocks.shape)} are no layout of the kernel")
+
+
+def coded(planes: list[Int4Groups]) -> bool:
+    """Whether ``pack`` lays these planes out with coded scales: one plane with a K-quant's
+    codes in a layout the kernel has (``CODED``), K a multiple of 256, every d and dmin an
+    fp16 value (the header's)."""
+    codes, plane = planes[0].codes, planes[0]
+    if len(planes) != 1 or codes is None or plane.q.shape[1] % SUPER_BLOCK:
+        return False
+    if (GROUP // plane.group, plane.bits - 4) not in CODED[codes.dmin is not None]:
+        return False
+    halves = [codes.d] if codes.dmin is None else [codes.d, codes.dmin]
+    return all(torch.equal(h.half().float(), h) for h in halves)
+
+
+def _pack_q(plane: Int4Groups, block: np.ndarray) -> None:
+    """Every block's nibble words and high-bit planes (block [N / 16, ..., bytes], a view whose
+    middle dimensions run over the blocks along K in order)."""
+    n, k = plane.q.shape
+    tiles, high = n // TILE, plane.bits - 4
+    q_all = np.ascontiguousarray(plane.q.numpy())
+    step = max(1, PACK_CHUNK // (TILE * k))  # tiles at a time: their temporaries stay in cache
+    for t in range(0, tiles, step):
+        q, to = q_all[t * TILE : (t + step) * TILE], block[t : t + step]
+        _pack_words(q, to[..., :WEIGHT_BYTES])
+        for h in range(high):
+            at = WEIGHT_BYTES + PLANE_BYTES * h
+            _pack_high_bits(q, 4 + h, to[..., at : at + PLANE_BYTES])
+
+
+def _pack_coded(plane: Int4Groups) -> torch.Tensor:
+    """One plane with coded scales: per tile and super-block of 256 k a header (16 fp16 d, then
+    with a min 16 fp16 dmin), then its 8 blocks, each its words, high-bit planes and per run 16
+    int8 codes sc (then with a min 16 int8 m); layout in int4_decode.cpp."""
+    codes = plane.codes
+    assert codes is not None
+    n, k = plane.q.shape
+    tiles, supers, high = n // TILE, k // SUPER_BLOCK, plane.bits - 4
+    sub, with_min = GROUP // plane.group, codes.dmin is not None
+    header, run = (64, 32) if with_min else (32, 16)
+    nbytes = WEIGHT_BYTES + PLANE_BYTES * high + sub * run
+    out = np.empty((tiles, supers, header + SUPER * nbytes), dtype=np.uint8)
+    block = out[..., header:].reshape(tiles, supers, SUPER, nbytes)
+    _pack_q(plane, block)
+    at = WEIGHT_BYTES + PLANE_BYTES * high
+    runs = block[..., at:].reshape(tiles, supers, SUPER, sub, run)
+    halves = out[..., :header].view(np.float16).reshape(tiles, supers, -1, TILE)
+    pairs = [(codes.d, codes.sc)] + ([(codes.dmin, codes.m)] if with_min else [])
+    for i, (d, sc) in enumerate(pairs):
+        assert d is not None and sc is not None
+        values = d.half().numpy().reshape(tiles, TILE, supers).transpose(0, 2, 1)
+        np.copyto(halves[:, :, i], values)
+        ints = sc.numpy().view(np.uint8).reshape(tiles, TILE, supers, SUPER, sub)
+        np.copyto(runs[..., 16 * i : 16 * (i + 1)], ints.transpose(0, 2, 3, 4, 1))
+    return torch.from_numpy(out)
 
 
 PACK_CHUNK = 1 << 18  # weights ``pack`` turns at a time
@@ -268,15 +340,15 @@ def _pack_words(q: np.ndarray, out: np.ndarray) -> None:
     uint64 x. x | x >> 12 puts q[b, h = 1, p] beside q[b, 0, p] as its high nibble (in byte
     4 b + p), and the four bytes (p, b) = (0, 0), (0, 1), (1, 0), (1, 1) are gathered into a
     uint32: words 2 r and 2 r + 1, little-endian. Then [t, r, g, c] -> [t, g, c, r]."""
-    tiles, blocks = out.shape[:2]
+    tiles, blocks = out.shape[0], math.prod(out.shape[1:-1])
     x = q.view(np.uint64).reshape(tiles, TILE, blocks, 4) & _LOW_NIBBLES
     x |= x >> np.uint64(12)
     word = x & np.uint64(0xFF)
     word |= (x >> np.uint64(24)) & np.uint64(0xFF00)
     word |= (x << np.uint64(8)) & np.uint64(0xFF0000)
     word |= (x >> np.uint64(16)) & np.uint64(0xFF000000)
-    target: np.ndarray = out.view(np.uint32).reshape(tiles, blocks, 4, TILE)
-    np.copyto(target, word.transpose(0, 2, 3, 1), casting="unsafe")
+    target: np.ndarray = out.view(np.uint32).reshape(*out.shape[:-1], 4, TILE)
+    np.copyto(target, word.transpose(0, 2, 3, 1).reshape(target.shape), casting="unsafe")
 
 
 def _pack_high_bits(q: np.ndarray, bit: int, out: np.ndarray) -> None:
@@ -285,18 +357,18 @@ def _pack_high_bits(q: np.ndarray, bit: int, out: np.ndarray) -> None:
     of q (bytes j = 2 s + p at [t, r, g, c]): the bit of each byte moved to bit 8 j, then byte
     2 s + 1's beside byte 2 s's (bits 16 s, 16 s + 1); the 16 rows' pairs are or-ed in at
     bit 2 r of each 16-bit slot, rows 0-7 giving the masks' low halves, rows 8-15 the high."""
-    tiles, blocks = out.shape[:2]
+    tiles, blocks = out.shape[0], math.prod(out.shape[1:-1])
     x: np.ndarray = q.view(np.uint64).reshape(tiles, TILE, blocks, 4)
     y = (x >> np.uint64(bit)) & np.uint64(0x0101010101010101)
     y |= y >> np.uint64(7)
     y &= np.uint64(0x0003000300030003)
-    halves: np.ndarray = out.view(np.uint16).reshape(tiles, blocks, 4, 4, 2)  # [t, g, c, s, half]
+    halves: np.ndarray = out.view(np.uint16).reshape(*out.shape[:-1], 4, 4, 2)  # [t, g, c, s, half]
     for half in range(2):
         rows = y[:, 8 * half : 8 * half + 8]
         mask = rows[:, 0].copy()
         for r in range(1, 8):
             mask |= rows[:, r] << np.uint64(2 * r)
-        halves[..., half] = mask.view(np.uint16).reshape(tiles, blocks, 4, 4)
+        halves[..., half] = mask.view(np.uint16).reshape(halves.shape[:-1])
 
 
 if __name__ == "__main__":  # scripts/setup_env.sh: build the op once

@@ -15,18 +15,29 @@
 namespace {
 
 struct BlockLayout {
-    int64_t sub, high, n, k;
+    int64_t sub, high, code, n, k;
 };
 
+// Blocks [N / 16, K / 32, bytes] (groups of 16: [N / 16, K / 32, 2, bytes / 2]) of bf16 pairs, or
+// coded ones as [N / 16, K / 256, header + 8 blocks' bytes]: the layout whose bytes they take.
 BlockLayout layout_of(const at::Tensor& blocks) {
-    const int64_t sub = blocks.dim() == 4 ? blocks.size(2) : 1;
-    const int64_t bytes = blocks.dim() == 4 ? sub * blocks.size(3) : blocks.size(-1);
-    const int64_t high = (bytes - kWeightBytes) / kPlaneBytes - sub;
-    TORCH_CHECK((blocks.dim() == 3 || blocks.dim() == 4) && sub >= 1 && sub <= 2 && high >= 0 &&
-                    high <= 2 && bytes == block_bytes((int)sub, (int)high) &&
-                    blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+    TORCH_CHECK((blocks.dim() == 3 || blocks.dim() == 4) && blocks.scalar_type() == at::kByte &&
+                    blocks.is_contiguous(),
                 "int4_decode_mm: blocks must be contiguous uint8 [N / 16, K / 32, (sub,) bytes]");
-    return {sub, high, blocks.size(0) * kTile, blocks.size(1) * kGroup};
+    const int64_t bytes = blocks.dim() == 4 ? blocks.size(2) * blocks.size(3) : blocks.size(-1);
+    for (int code = 0; code <= 2; ++code)
+        for (int sub = 1; sub <= 2; ++sub)
+            for (int high = 0; high <= 2; ++high) {
+                const int64_t unit = code == 0 ? block_bytes(sub, high)
+                                               : header_bytes(code) +
+                                                     kSuper * block_bytes(sub, high, code);
+                const int64_t along = code == 0 ? kGroup : kGroup * kSuper;
+                const bool shaped = code == 0 ? (blocks.dim() == 4) == (sub == 2)
+                                              : blocks.dim() == 3;
+                if (unit == bytes && shaped)
+                    return {sub, high, code, blocks.size(0) * kTile, blocks.size(1) * along};
+            }
+    TORCH_CHECK(false, "int4_decode_mm: blocks of ", bytes, " bytes are no layout of the kernel");
 }
 
 // x as the kernel reads it: bf16 rows repeated once per plane
@@ -44,7 +55,7 @@ at::Tensor kernel_rows(const at::Tensor& x, int64_t parts, int64_t k) {
 // A kernel of int4_decode's signature (int4_decode, int4_prompt) on one weight: x [M, K] ->
 // [M, N] bf16.
 typedef int (*OneWeight)(const uint8_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
-                         void*, int64_t, int, int, int);
+                         void*, int64_t, int, int, int, int);
 
 at::Tensor one_weight(OneWeight kernel, const char* name, const at::Tensor& x,
                       const at::Tensor& blocks, int64_t parts) {
@@ -53,7 +64,7 @@ at::Tensor one_weight(OneWeight kernel, const char* name, const at::Tensor& x,
     at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
     const int failed = kernel(blocks.data_ptr<uint8_t>(), l.n, l.k,
                               reinterpret_cast<const uint16_t*>(rows.data_ptr()), rows.size(0),
-                              l.k, y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high);
+                              l.k, y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high, (int)l.code);
     TORCH_CHECK(!failed, name, ": shape ", l.n, " x ", l.k, " not taken by the kernel");
     return y;
 }
@@ -61,7 +72,7 @@ at::Tensor one_weight(OneWeight kernel, const char* name, const at::Tensor& x,
 // A kernel of int4_decode_grouped's signature (int4_decode_grouped, int4_prompt_grouped): weight
 // e over the next counts[e] rows of x.
 typedef int (*GroupedWeights)(const uint8_t* const*, int64_t, const int64_t*, int64_t, int64_t,
-                              const uint16_t*, int64_t, void*, int64_t, int, int, int);
+                              const uint16_t*, int64_t, void*, int64_t, int, int, int, int);
 
 at::Tensor grouped_weights(GroupedWeights kernel, const char* name, const at::Tensor& x,
                            at::TensorList blocks, at::IntArrayRef counts, int64_t parts) {
@@ -83,7 +94,7 @@ at::Tensor grouped_weights(GroupedWeights kernel, const char* name, const at::Te
     at::Tensor y = at::empty({rows.size(0), l.n}, x.options());
     const int failed = kernel(pointers.data(), (int64_t)pointers.size(), starts.data(), l.n, l.k,
                               reinterpret_cast<const uint16_t*>(rows.data_ptr()), l.k,
-                              y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high);
+                              y.data_ptr(), l.n, 0, (int)l.sub, (int)l.high, (int)l.code);
     TORCH_CHECK(!failed, name, ": shape ", l.n, " x ", l.k, " not taken");
     return y;
 }

@@ -21,11 +21,12 @@ import torch
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.decoder_layer import LINEARS, DecoderLayer, residual_stream
-from engine_worker.linear import Int4Groups, Int8Blocks, LinearWeight, WeightSource, dequantize
+from engine_worker.linear import LinearWeight, WeightSource, dequantize
 from engine_worker.model_config import ModelConfig, rope_inverse_frequencies
 from engine_worker.moe import ExpertLoad, MoeBlock, load_moe
 from engine_worker.rms_norm import RmsNorm
 from engine_worker.weight_format import WeightFormat
+from engine_worker.weight_sources import map_rows
 
 
 @dataclass(slots=True)
@@ -176,11 +177,7 @@ def rotary_row_order(config: ModelConfig) -> torch.Tensor | None:
 
 def take_rows(source: WeightSource, rows: torch.Tensor) -> WeightSource:
     """``source``'s rows in the order ``rows`` (whole rows: quantized blocks move as they are)."""
-    if isinstance(source, Int4Groups):
-        return Int4Groups(source.q[rows], source.scale[rows], source.zero[rows])
-    if isinstance(source, Int8Blocks):
-        return Int8Blocks(source.q[rows], source.scale[rows])
-    return source[rows]
+    return map_rows(source, lambda t: t[rows])
 
 
 def rope_tables(

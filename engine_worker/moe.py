@@ -37,16 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_worker.linear import (
-    Int4Groups,
-    Int4Linear,
-    Int8Blocks,
-    LinearWeight,
-    WeightSource,
-    dequantize,
-)
+from engine_worker.linear import Int4Linear, LinearWeight, WeightSource, dequantize
 from engine_worker.model_config import ModelConfig
 from engine_worker.weight_format import WeightFormat
+from engine_worker.weight_sources import map_rows
 from ipc.messages import EXPERT_ROWS_BUCKETS
 
 _PER_EXPERT = re.compile(
@@ -326,14 +320,7 @@ def expert_rows(
 
 
 def _rows(source: WeightSource, start: int, stop: int) -> WeightSource:
-    if isinstance(source, Int4Groups):
-        return Int4Groups(
-            source.q[start:stop], source.scale[start:stop], source.zero[start:stop], source.bits
-        )
-    if isinstance(source, Int8Blocks):
-        zero = None if source.zero is None else source.zero[start:stop]
-        return Int8Blocks(source.q[start:stop], source.scale[start:stop], zero)
-    return source[start:stop]
+    return map_rows(source, lambda t: t[start:stop])
 
 
 def stack_expert_tensors(tensors: dict[str, WeightSource]) -> None:

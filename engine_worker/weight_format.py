@@ -56,6 +56,7 @@ from engine_worker.linear import (
     quantize_int4,
     quantize_int8,
 )
+from engine_worker.weight_sources import cat_codes
 from ipc.engine_config import INT4_KERNELS, PROMPT_KERNELS, WEIGHTS
 
 logger = logging.getLogger("splitserve.engine.weights")
@@ -259,15 +260,15 @@ class WeightFormat:
         planes (Q8_0, and each on aten's kernel); dense weights quantized. aten's kernel takes
         no groups of 16 (Q2_K, Q3_K, Q6_K): there they are re-quantized to groups of 32 (auto
         serves them dense: ``_kind``). int4-exact splits each plane's scales and zeros into as
-        many ``dtype`` parts as hold them."""
+        many ``dtype`` parts as hold them, except a K-quant's on our kernel (its coded scales)."""
         planes = _planes(source, dtype, int4_decode.MAX_BITS if self.own_int4 else 4)
         if self.own_int4 and not int4_decode.takes(planes):
             planes = _planes(source, dtype, 4)
         if (not self.own_int4 or not int4_decode.takes(planes)) and planes[0].group != INT4_GROUP:
             logger.warning("aten's int4 kernel takes no groups of 16: a layer re-quantized")
             planes = [quantize_int4(dequantize(source), dtype)]
-        if self.weights != "int4-exact":
-            return planes
+        if self.weights != "int4-exact" or (self.own_int4 and int4_decode.coded(planes)):
+            return planes  # coded scales are the file's own: exact as they are
         out = []
         for plane in planes:
             parts = plane.parts_for(dtype)
@@ -383,12 +384,12 @@ def _stack(sources: list[WeightSource]) -> WeightSource:
         int4 = [s for s in quantized if isinstance(s, Int4Groups)]
         if len(int4) == len(sources) and len({s.bits for s in int4}) == 1:
             q = torch.cat([s.q for s in int4])
-            return Int4Groups(
-                q, cat([s.scale for s in int4]), cat([s.zero for s in int4]), int4[0].bits
-            )
+            scale, zero = cat([s.scale for s in int4]), cat([s.zero for s in int4])
+            return Int4Groups(q, scale, zero, int4[0].bits, cat_codes(int4))
         blocks = [s if isinstance(s, Int8Blocks) else s.as_int8() for s in quantized]
         zero = None if all(b.zero is None for b in blocks) else cat([b.zero for b in blocks])
-        return Int8Blocks(torch.cat([b.q for b in blocks]), cat([b.scale for b in blocks]), zero)
+        q, scale = torch.cat([b.q for b in blocks]), cat([b.scale for b in blocks])
+        return Int8Blocks(q, scale, zero, cat_codes(blocks))
     if all(isinstance(s, torch.Tensor) for s in sources):
         return torch.cat(sources)
     return torch.cat([dequantize(s) for s in sources])  # quantized and dense mixed

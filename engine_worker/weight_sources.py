@@ -4,24 +4,66 @@ linear.py are built from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TypeAlias
 
 import torch
 
 MAX_INT4_PARTS = 2  # more would read the 4-bit weights as often as a dense bf16 layer's bytes
+SUPER_BLOCK = 256  # weights along K of a GGUF K-quant super-block (one d, one dmin a row)
+
+
+@dataclass(slots=True)
+class ScaleCodes:
+    """A K-quant's scales as its file holds them: a group's scale is ``d[n, k // 256] *
+    sc[n, k // group]`` (float32, exact) and its min ``dmin[n, k // 256] * m[n, k // group]``
+    (None: no min); d and dmin float32 holding fp16 values, sc and m int8. Our kernel reads
+    these in place of a float per group (int4_decode.cpp: coded scales)."""
+
+    d: torch.Tensor
+    sc: torch.Tensor
+    dmin: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+
+    def least(self) -> torch.Tensor | None:
+        """Every group's min, dmin * m in float32 (exact), or None."""
+        if self.dmin is None or self.m is None:
+            return None
+        return _per_group(self.dmin, self.m) * self.m.float()
+
+    def scale(self) -> torch.Tensor:
+        return _per_group(self.d, self.sc) * self.sc.float()
+
+
+def cat_codes(sources: list[Int4Groups] | list[Int8Blocks]) -> ScaleCodes | None:
+    """The codes of sources stacked along the output rows, where each has codes of one form
+    (groups, super-blocks, a min or none); else None."""
+    codes = [s.codes for s in sources]
+    present = [c for c in codes if c is not None]
+    forms = {(c.d.shape[1], c.sc.shape[1], c.dmin is None) for c in present}
+    if len(present) < len(codes) or len(forms) != 1:
+        return None
+    names = ("d", "sc") if present[0].dmin is None else ("d", "sc", "dmin", "m")
+    return ScaleCodes(*(torch.cat([getattr(c, name) for c in present]) for name in names))
+
+
+def _per_group(per_super: torch.Tensor, per_group: torch.Tensor) -> torch.Tensor:
+    return per_super.repeat_interleave(per_group.shape[1] // per_super.shape[1], 1)
 
 
 @dataclass(slots=True)
 class Int4Groups:
     """w[n, k] = (q[n, k] - 8) * scale[n, k // group] + zero[n, k // group]; q uint8 in [0, 15],
     scale and zero float32. With ``bits`` 5 or 6 (our kernel only): q in [0, 2^bits), less
-    2^(bits - 1) in place of 8."""
+    2^(bits - 1) in place of 8. ``codes``: a K-quant's own scales, where scale is their
+    ``scale()`` and zero ``2^(bits - 1) scale - least()`` rounded once (no min: zero 0)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     bits: int = 4
+    codes: ScaleCodes | None = None
 
     @property
     def group(self) -> int:
@@ -31,7 +73,7 @@ class Int4Groups:
         """The groups with scale and zero as a kernel of ``parts`` parts holds them (each the sum
         of ``split_parts`` in ``dtype``)."""
         scale, zero = (_total(split_parts(v, dtype, parts)) for v in (self.scale, self.zero))
-        return Int4Groups(self.q, scale, zero, self.bits)
+        return Int4Groups(self.q, scale, zero, self.bits)  # not the codes' values: none
 
     def split(self, dtype: torch.dtype, parts: int) -> list[Int4Groups]:
         """``parts`` planes of these weights whose scales and zeros ``dtype`` holds and whose
@@ -42,7 +84,8 @@ class Int4Groups:
         return [Int4Groups(self.q, s.float(), z.float(), self.bits) for s, z in zip(scales, zeros)]
 
     def as_int8(self) -> Int8Blocks:
-        """The same weights as ``Int8Blocks`` (q less its offset)."""
+        """The same weights as ``Int8Blocks`` (q less its offset; the zero then folds the
+        offset: no codes)."""
         q = self.q.to(torch.int8) - (1 << (self.bits - 1))
         return Int8Blocks(q, self.scale, self.zero)
 
@@ -61,11 +104,13 @@ class Int4Groups:
 @dataclass(slots=True)
 class Int8Blocks:
     """w[n, k] = q[n, k] * scale[n, k // group] + zero[n, k // group]; q int8, scale and zero
-    float32, zero None for none (GGUF Q8_0, Q5_0, Q6_K; Q5_1 and Q5_K have one)."""
+    float32, zero None for none (GGUF Q8_0, Q5_0, Q6_K; Q5_1 and Q5_K have one). ``codes``: a
+    K-quant's own scales (Q5_K, Q6_K), scale their ``scale()`` and zero ``-least()``."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None = None
+    codes: ScaleCodes | None = None
 
     @property
     def group(self) -> int:
@@ -93,11 +138,13 @@ class Int8Blocks:
             half = 1 << (bits - 1)
             zero = torch.zeros_like(self.scale) if self.zero is None else self.zero
             if -half <= low and high < half:
-                # q + half in one uint8 pass: the bytes of a negative q wrap to it
-                return [Int4Groups(self.q.view(torch.uint8) + half, self.scale, zero, bits)]
+                # q + half in one uint8 pass: the bytes of a negative q wrap to it; the codes
+                # still hold where there is no min (a min here is not the codes' form)
+                codes = self.codes if self.zero is None else None
+                return [Int4Groups(self.q.view(torch.uint8) + half, self.scale, zero, bits, codes)]
             if 0 <= low and high < 2 * half:
                 zero = zero + half * self.scale
-                return [Int4Groups(self.q.to(torch.uint8), self.scale, zero, bits)]
+                return [Int4Groups(self.q.to(torch.uint8), self.scale, zero, bits, self.codes)]
         return self.as_int4_planes()
 
 
@@ -156,20 +203,24 @@ def dequantize_as(source: WeightSource, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _row_range(source: Int4Groups | Int8Blocks, start: int, stop: int) -> Int4Groups | Int8Blocks:
-    q, scale = source.q[start:stop], source.scale[start:stop]
-    zero = None if source.zero is None else source.zero[start:stop]
-    if isinstance(source, Int8Blocks):
-        return Int8Blocks(q, scale, zero)
-    assert zero is not None
-    return Int4Groups(q, scale, zero, source.bits)
+    return map_rows(source, lambda t: t[start:stop])
+
+
+def map_rows(source: WeightSource, rows: Callable[[torch.Tensor], torch.Tensor]) -> WeightSource:
+    """``source`` with ``rows`` (a function of a tensor's first dimension: a slice, an index, a
+    permutation) applied to each of its tensors along the output rows (whole rows: quantized
+    blocks and their codes move as they are)."""
+    if isinstance(source, torch.Tensor):
+        return rows(source)
+    codes = source.codes
+    if codes is not None:
+        dmin = None if codes.dmin is None else rows(codes.dmin)
+        m = None if codes.m is None else rows(codes.m)
+        codes = ScaleCodes(rows(codes.d), rows(codes.sc), dmin, m)
+    zero = None if source.zero is None else rows(source.zero)
+    return replace(source, q=rows(source.q), scale=rows(source.scale), zero=zero, codes=codes)
 
 
 def source_rows(source: WeightSource, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` of the source's weights as float32 [len(rows), K], as ``dequantize``."""
-    if isinstance(source, torch.Tensor):
-        return source.index_select(0, rows).float()
-    q, scale = source.q.index_select(0, rows), source.scale.index_select(0, rows)
-    if isinstance(source, Int8Blocks):
-        zero = None if source.zero is None else source.zero.index_select(0, rows)
-        return dequantize(Int8Blocks(q, scale, zero))
-    return dequantize(Int4Groups(q, scale, source.zero.index_select(0, rows), source.bits))
+    return dequantize(map_rows(source, lambda t: t.index_select(0, rows)))

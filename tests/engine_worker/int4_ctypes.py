@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine_worker import int4_decode
-from engine_worker.int4_decode import GROUP, PLANE_BYTES, SOURCE, TILE, WEIGHT_BYTES
+from engine_worker.int4_decode import SOURCE
 
 
 def library_path() -> Path:
@@ -35,7 +35,7 @@ def library() -> ctypes.CDLL | None:
     lib.int4_decode.restype = ctypes.c_int
     lib.int4_decode.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p]
     lib.int4_decode.argtypes += [*[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64]
-    lib.int4_decode.argtypes += [ctypes.c_int] * 3
+    lib.int4_decode.argtypes += [ctypes.c_int] * 4
     return lib
 
 
@@ -46,13 +46,12 @@ def apply_ctypes(blocks: torch.Tensor, x: torch.Tensor, parts: int = 1, f32: boo
     if lib is None:
         return None
     x = x.contiguous() if parts == 1 else x.repeat(1, parts)
-    n, k, m = blocks.shape[0] * TILE, blocks.shape[1] * GROUP, x.shape[0]
-    sub = blocks.shape[2] if blocks.dim() == 4 else 1
-    high = (blocks[0, 0].numel() - WEIGHT_BYTES) // PLANE_BYTES - sub
+    n, k, sub, high, code = int4_decode.layout_of(blocks)
+    m = x.shape[0]
     if x.dtype != torch.bfloat16 or x.shape[1] != k:
         raise ValueError(f"needs bf16 rows of {k // parts}, got {x.dtype} {tuple(x.shape)}")
     y = torch.empty(m, n, dtype=torch.float32 if f32 else torch.bfloat16)
-    args = (blocks.data_ptr(), n, k, x.data_ptr(), m, k, y.data_ptr(), n, int(f32), sub, high)
+    args = (blocks.data_ptr(), n, k, x.data_ptr(), m, k, y.data_ptr(), n, int(f32), sub, high, code)
     if lib.int4_decode(*args):
         raise ValueError(f"shape {n} x {k} not taken by the kernel")
     return y

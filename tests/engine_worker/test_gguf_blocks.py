@@ -87,6 +87,26 @@ def test_blocks_of_any_finite_scale_equal_gguf_where_the_zero_is_exact(type_name
     assert_equal_but_folded_zeros(type_name, source, dequantize(source), expected, most=0.25)
 
 
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_keep_their_codes_which_give_their_scales_and_zeros(type_name):
+    """A K-quant's parsed weights carry its own codes (super-block d and dmin, sub-block sc and
+    m: what our kernel reads in place of float scales), and the codes give the scales exactly
+    and the zeros as the weights fold them, at any finite fp16 d."""
+    blocks = random_blocks(type_name, 16, 512, seed=9, wide=True)
+    source = parse_blocks(type_name, blocks, 16, 512)
+    codes = source.codes
+    assert codes is not None and codes.d.shape == (16, 2) and codes.sc.dtype == torch.int8
+    assert torch.equal(codes.scale(), source.scale)
+    least = codes.least()
+    assert (least is None) == (type_name in ("Q3_K", "Q6_K"))
+    if isinstance(source, Int8Blocks):
+        assert (source.zero is None) if least is None else torch.equal(source.zero, -least)
+    elif least is None:
+        assert not source.zero.any()
+    else:
+        assert torch.equal(source.zero, 8 * source.scale - least)
+
+
 def assert_equal_but_folded_zeros(type_name, source, got, expected, most: float) -> None:
     """Equal (NaN to NaN) everywhere for types whose zero folds nothing; for Q4_1, Q4_K and
     Q2_K, off by the zero's float32 rounding in at most ``most`` of the weights."""

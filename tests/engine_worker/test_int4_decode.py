@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine_worker import int4_decode
+from engine_worker.gguf_blocks import parse_blocks
 from engine_worker.linear import (
     BatchSizeSwitch,
     Int4Groups,
@@ -21,10 +22,12 @@ from engine_worker.linear import (
     dequantize,
     quantize_int4,
 )
-from engine_worker.weight_format import WeightFormat
+from engine_worker.weight_format import WeightFormat, _planes
+from engine_worker.weight_sources import ScaleCodes
 from tests.engine_worker import int4_ctypes
 from tests.engine_worker.helpers import greedy
 from tests.engine_worker.scripted_helpers import assert_same, make_engine
+from tests.engine_worker.test_gguf_blocks import random_blocks
 
 needs_op = pytest.mark.skipif(
     not int4_decode.load_op() or int4_ctypes.library() is None,
@@ -267,3 +270,91 @@ def test_pack_equals_the_layout_built_index_by_index(group, bits, parts, monkeyp
         bits,
     )
     assert torch.equal(int4_decode.pack([tall])[:3], int4_decode.pack([planes[0]]))
+
+
+def k_quant(type_name: str, rows: int, cols: int, seed: int) -> list[Int4Groups]:
+    """A K-quant's random blocks (test_gguf_blocks.random_blocks) as our kernel's one plane."""
+    source = parse_blocks(type_name, random_blocks(type_name, rows, cols, seed, False), rows, cols)
+    return _planes(source, torch.bfloat16, int4_decode.MAX_BITS)
+
+
+# type -> bits a weight of the coded layout: the file's own for Q4_K (4.5 + a byte of d, dmin
+# per 16 x 256), Q5_K and Q6_K; Q2_K and Q3_K keep 4-bit q
+CODED_BITS = {"Q2_K": 5.125, "Q3_K": 4.5625, "Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625}
+
+
+@needs_op
+@pytest.mark.parametrize("type_name", sorted(CODED_BITS))
+def test_k_quants_pack_with_their_own_codes_and_compute_their_weights(type_name):
+    """A K-quant's sub-block codes and super-block d (dmin) in place of bf16 (scale, zero)
+    pairs: the file's bytes a weight (not 5 or 8), and the file's own weights exactly (the
+    pairs' bf16 rounds Q4_K's 17-bit scales): float32 sums of the exact products, the op equal
+    to the ctypes build, a row's bits alone; the prompt kernel reads the same blocks."""
+    planes = k_quant(type_name, 48, 512, seed=len(type_name))
+    assert int4_decode.coded(planes)
+    blocks = int4_decode.pack(planes)
+    assert blocks.numel() * 8 / (48 * 512) == CODED_BITS[type_name]
+    weight = dequantize(planes[0])
+    x = rows(6, 512, seed=2)
+    sums = int4_ctypes.apply_ctypes(blocks, x, f32=True)
+    assert relative_error(sums, x.float() @ weight.t()) < 1e-6
+    y = assert_rows_alone(torch.ops.splitserve.int4_decode_mm, blocks, x)
+    assert torch.equal(y, int4_ctypes.apply_ctypes(blocks, x))
+    prompt = assert_rows_alone(torch.ops.splitserve.int4_prompt_mm, blocks, x)
+    assert relative_error(prompt, x.float() @ weight.t()) < 0.05  # int8 activations
+    # planes side by side, or a d that is no fp16 value, take bf16 pairs
+    assert not int4_decode.coded(planes * 2)
+    codes = planes[0].codes
+    assert codes is not None
+    codes.d[0, 0] = 1 / 3
+    assert not int4_decode.coded(planes)
+
+
+@needs_op
+def test_q4_k_projections_stacked_keep_their_codes_and_mixed_types_take_pairs():
+    """q, k, v of one K-quant stack with their codes (one coded layer); a Q6_K v beside Q4_K q
+    and k stacks as int8 blocks without codes, packed as bf16 pairs, the same weights."""
+    fmt = WeightFormat("auto", torch.bfloat16, CPU, int4_kernel="own")
+    parts = [k_quant("Q4_K", n, 256, seed) for n, seed in ((64, 1), (32, 2), (32, 3))]
+    layer = fmt.linear([p[0] for p in parts])
+    assert isinstance(layer, BatchSizeSwitch) and int4_decode.layout_of(layer.quantized.packed)[4]
+    weight = torch.cat([dequantize(p[0]) for p in parts])
+    x = rows(2, 256)
+    y = layer.quantized.apply(x)
+    assert relative_error(y, x.float() @ weight.t()) < 4e-3  # bf16 outputs
+    v = parse_blocks("Q6_K", random_blocks("Q6_K", 32, 256, 4, False), 32, 256)
+    mixed = fmt.linear([parts[0][0], parts[1][0], v])
+    assert isinstance(mixed, BatchSizeSwitch)
+    assert int4_decode.layout_of(mixed.quantized.packed)[4] == 0
+
+
+@needs_op
+@pytest.mark.parametrize(
+    ("with_min", "layout"),
+    [(m, x) for m in (True, False) for x in [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]],
+)
+def test_the_kernel_takes_exactly_the_coded_layouts_pack_makes(with_min, layout):
+    """Coded scales in every (groups, q width) a K-quant's blocks come to (int4_decode.CODED):
+    the kernel computes their weights; the others (no kernel instance) pack as bf16 pairs."""
+    sub, high = layout
+    n, k, group = 32, 256, 32 // sub
+    generator = torch.Generator().manual_seed(sub * 10 + high)
+    plane = wide_planes(n, k, group, 4 + high, seed=high)
+    sc = torch.randint(-60, 60, (n, k // group), dtype=torch.int8, generator=generator)
+    d, dmin = ((torch.rand(n, 1, generator=generator) + 0.5).half().float() for _ in range(2))
+    codes = ScaleCodes(d / 1024, sc)  # fp16 values
+    if with_min:
+        codes.dmin = dmin / 1024
+        codes.m = torch.randint(0, 60, sc.shape, dtype=torch.int8, generator=generator)
+    plane.scale, plane.codes = codes.scale(), codes
+    least = codes.least()
+    centre = 1 << (plane.bits - 1)
+    plane.zero = torch.zeros_like(plane.scale) if least is None else centre * plane.scale - least
+    taken = layout in int4_decode.CODED[with_min]
+    assert int4_decode.coded([plane]) == taken
+    if not taken:
+        return
+    blocks = int4_decode.pack([plane])
+    x = rows(3, k)
+    sums = int4_ctypes.apply_ctypes(blocks, x, f32=True)
+    assert relative_error(sums, x.float() @ dequantize(plane).t()) < 1e-6
