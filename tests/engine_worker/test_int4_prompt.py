@@ -76,13 +76,15 @@ def test_a_rows_bits_depend_on_that_row_alone_and_not_on_threads():
 
 @needs_op
 def test_engine_on_int8_prompt_rows(tiny_model_dir):
-    """Prompt rows take the int8 path, decode rows the decode kernel; a prompt computed in
+    """Prompt rows take the int8 path, decode rows the decode kernel up to its measured
+    crossover against the int8 kernel (3 rows), the int8 kernel above; a prompt computed in
     chunks of 7 gets the tokens of one computed whole (each row its own)."""
     int8 = make_engine(tiny_model_dir, weights="int4", int4_kernel="own", prompt_kernel="int8")
     fmt = int8.runner.model.weight_format
-    assert "int8 activations for prompt rows" in fmt.describe()
+    assert "int8 activations for prompt rows and above 3 decode rows" in fmt.describe()
     down = int8.runner.model.layers[0].down
     assert isinstance(down, BatchSizeSwitch) and isinstance(down.dense, Int4PromptLinear)
+    assert down.max_tokens == 3
     chunked = make_engine(
         tiny_model_dir,
         weights="int4",
