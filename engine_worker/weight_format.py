@@ -56,7 +56,7 @@ from engine_worker.linear import (
     quantize_int4,
     quantize_int8,
 )
-from engine_worker.weight_sources import cat_codes
+from engine_worker.weight_sources import stack_sources
 from ipc.engine_config import INT4_KERNELS, PROMPT_KERNELS, WEIGHTS
 
 logger = logging.getLogger("splitserve.engine.weights")
@@ -215,7 +215,7 @@ class WeightFormat:
         ``expert``: one expert of a mixture (engine_worker.moe), which keeps no dense copy: the
         experts would double the model's memory, and a step reads only the chosen ones."""
         kind = self._kind(sources, head)
-        source = _stack(sources)
+        source = stack_sources(sources)
         if kind == "dense":
             self._count(kind, expert)
             return self._dense_layer(source, bias, dense, head)
@@ -370,36 +370,3 @@ def _planes(source: WeightSource, dtype: torch.dtype, max_bits: int) -> list[Int
     if isinstance(source, Int8Blocks):
         return source.as_planes(max_bits)
     return [quantize_int4(dequantize(source), dtype)]
-
-
-def _stack(sources: list[WeightSource]) -> WeightSource:
-    """Sources stacked along the output dimension in one kind: 4-bit groups or int8 blocks
-    (GGUF types mixed: each as int8 blocks, groups repeated to the smallest), else dense."""
-    if len(sources) == 1:
-        return sources[0]
-    quantized = [s for s in sources if isinstance(s, Int4Groups | Int8Blocks)]
-    if len(quantized) == len(sources):
-        group = min(s.group for s in quantized)
-
-        def cat(values: list[torch.Tensor | None]) -> torch.Tensor:
-            return torch.cat(
-                [
-                    (torch.zeros_like(s.scale) if v is None else v).repeat_interleave(
-                        s.group // group, 1
-                    )
-                    for s, v in zip(quantized, values)
-                ]
-            )
-
-        int4 = [s for s in quantized if isinstance(s, Int4Groups)]
-        if len(int4) == len(sources) and len({s.bits for s in int4}) == 1:
-            q = torch.cat([s.q for s in int4])
-            scale, zero = cat([s.scale for s in int4]), cat([s.zero for s in int4])
-            return Int4Groups(q, scale, zero, int4[0].bits, cat_codes(int4))
-        blocks = [s if isinstance(s, Int8Blocks) else s.as_int8() for s in quantized]
-        zero = None if all(b.zero is None for b in blocks) else cat([b.zero for b in blocks])
-        q, scale = torch.cat([b.q for b in blocks]), cat([b.scale for b in blocks])
-        return Int8Blocks(q, scale, zero, cat_codes(blocks))
-    if all(isinstance(s, torch.Tensor) for s in sources):
-        return torch.cat(sources)
-    return torch.cat([dequantize(s) for s in sources])  # quantized and dense mixed

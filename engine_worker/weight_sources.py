@@ -224,3 +224,36 @@ def map_rows(source: WeightSource, rows: Callable[[torch.Tensor], torch.Tensor])
 def source_rows(source: WeightSource, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` of the source's weights as float32 [len(rows), K], as ``dequantize``."""
     return dequantize(map_rows(source, lambda t: t.index_select(0, rows)))
+
+
+def stack_sources(sources: list[WeightSource]) -> WeightSource:
+    """Sources stacked along the output dimension in one kind: 4-bit groups or int8 blocks
+    (GGUF types mixed: each as int8 blocks, groups repeated to the smallest), else dense."""
+    if len(sources) == 1:
+        return sources[0]
+    quantized = [s for s in sources if isinstance(s, Int4Groups | Int8Blocks)]
+    if len(quantized) == len(sources):
+        group = min(s.group for s in quantized)
+
+        def cat(values: list[torch.Tensor | None]) -> torch.Tensor:
+            return torch.cat(
+                [
+                    (torch.zeros_like(s.scale) if v is None else v).repeat_interleave(
+                        s.group // group, 1
+                    )
+                    for s, v in zip(quantized, values)
+                ]
+            )
+
+        int4 = [s for s in quantized if isinstance(s, Int4Groups)]
+        if len(int4) == len(sources) and len({s.bits for s in int4}) == 1:
+            q = torch.cat([s.q for s in int4])
+            scale, zero = cat([s.scale for s in int4]), cat([s.zero for s in int4])
+            return Int4Groups(q, scale, zero, int4[0].bits, cat_codes(int4))
+        blocks = [s if isinstance(s, Int8Blocks) else s.as_int8() for s in quantized]
+        zero = None if all(b.zero is None for b in blocks) else cat([b.zero for b in blocks])
+        q, scale = torch.cat([b.q for b in blocks]), cat([b.scale for b in blocks])
+        return Int8Blocks(q, scale, zero, cat_codes(blocks))
+    if all(isinstance(s, torch.Tensor) for s in sources):
+        return torch.cat(sources)
+    return torch.cat([dequantize(s) for s in sources])  # quantized and dense mixed
