@@ -79,11 +79,11 @@ def test_a_first_launch_whose_kernel_build_outlasts_the_start_timeout_serves_on_
 ):
     """A fresh cache and a g++ that first sleeps past the start timeout, then compiles: the
     engine beats while it builds, the cluster starts and its engine serves on our kernel."""
-    timeout_s = 25  # the engine's silent parts (torch's import, the tiny model's load) fit in it
+    timeout_s = 20  # the engine's silent parts (torch's import, the tiny model's load) fit in it
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     gxx = bin_dir / "g++"
-    gxx.write_text(SLOW_GXX.format(sleep_s=timeout_s + 10, gxx=shutil.which("g++")))
+    gxx.write_text(SLOW_GXX.format(sleep_s=timeout_s + 2, gxx=shutil.which("g++")))
     gxx.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "cache"))
