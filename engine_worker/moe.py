@@ -178,6 +178,8 @@ class MoeBlock:
     grouped: GroupedExperts | None = None  # the experts in one kernel call per part
     expert_bytes: list[int] = field(default_factory=list)  # per expert: gate_up's and down's
     prompt_int8: bool = False  # prompt rows with int8 activations (grouped experts)
+    # and decode rows too in steps of more decoding requests than this (the format's crossover)
+    int8_above: int = 0
 
     def __post_init__(self) -> None:
         self.grouped = GroupedExperts.of(self.gate_up, self.down, self.prompt_int8)
@@ -194,19 +196,23 @@ class MoeBlock:
         weights, chosen = route(self.router.logits(x), self.top_k, self.normalize)
         if self.trace is not None:
             self.trace.append(chosen.clone())
-        grouped = self.grouped
-        if self.prompt_int8 and grouped is not None and 0 <= decode_rows < x.shape[0]:
-            # decode rows on the decode kernel, prompt rows with int8 activations: each on
-            # the path its row would take in any other step
+        int8 = self.prompt_int8 and self.grouped is not None
+        batch = decode_rows if decode_batch is None else decode_batch
+        # Under int8 prompt rows take the int8 kernel, and decode rows too in a step of more
+        # decoding requests than the format's crossover (as its linear layers take them):
+        # each row on the path it would take in any other step of its kind and batch.
+        decode_int8 = int8 and batch > self.int8_above
+        split = min(max(decode_rows, 0), x.shape[0])  # rows [0, split) decode
+        if int8 and not decode_int8 and 0 < split < x.shape[0]:
             out = torch.cat(
                 [
-                    self._experts(x[a:b], weights[a:b], chosen[a:b], activation, a > 0)
-                    for a, b in ((0, decode_rows), (decode_rows, x.shape[0]))
-                    if b > a
+                    self._experts(x[:split], weights[:split], chosen[:split], activation),
+                    self._experts(x[split:], weights[split:], chosen[split:], activation, True),
                 ]
             )
-        else:
-            out = self._experts(x, weights, chosen, activation)
+        else:  # one kind of row, or all on one kernel
+            prompt = int8 and (decode_int8 or split == 0)
+            out = self._experts(x, weights, chosen, activation, prompt)
         if self.shared_gate_up is not None and self.shared_down is not None:
             gate, up = self.shared_gate_up.apply(x, decode_rows, decode_batch).chunk(2, dim=-1)
             shared = self.shared_down.apply(activation(gate) * up, decode_rows, decode_batch)
@@ -291,6 +297,7 @@ def load_moe(
         normalize=spec.normalize,
         load=load,
         prompt_int8=fmt.prompt_kernel == "int8",
+        int8_above=fmt.int8_rows_above(),
     )
     if spec.shared_size:
         shared = p + "shared_expert."

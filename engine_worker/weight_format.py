@@ -196,6 +196,11 @@ class WeightFormat:
         # apart (the products are the same; a block reads 1.2-1.6x the bytes)
         return table[kind] if kind in table else table["int4" + kind[4:]]
 
+    def int8_rows_above(self) -> int:
+        """The most decoding requests a step runs on the decode kernel where the int8 kernel
+        serves prompt rows (``prompt_kernel="int8"``): its layers' crossover."""
+        return self.max_tokens or self.crossover("int4" + INT8_PROMPT)
+
     def dense(self, source: WeightSource) -> torch.Tensor:
         """A tensor in the activation dtype (embedding, norms, biases, dense layers)."""
         return dequantize_as(source, self.dtype).to(self.device).contiguous()

@@ -195,7 +195,7 @@ def test_int8_prompt_rows_on_the_experts_blocks(quantized_moe):
     assert all(g.prompt_int8 for g in layers)
     logits = last_logits(engine, PROMPT)
     assert ((logits - reference).norm() / reference.norm()).item() < 0.05
-    params = greedy(6, ignore_eos=True)
+    params = greedy(6, ignore_eos=True, logprobs=3)
     alone = bf16_engine(gguf_dir, prompt_kernel="int8", enable_prefix_cache=False)
     alone.add("a", [1, 5, 9, 300], params)
     tokens = collect(alone)["a"]["tokens"]
@@ -209,7 +209,20 @@ def test_int8_prompt_rows_on_the_experts_blocks(quantized_moe):
         gguf_dir, prompt_kernel="int8", enable_prefix_cache=False, prefill_chunk_tokens=5
     )
     chunked.add("b", PROMPT, params)
-    assert collect(chunked)["b"]["tokens"] == both["b"]["tokens"]
+    # "b"'s prompt in steps of its own (chunks of 5) and beside "a"'s decode: the same int8
+    # path, so its first token's logprobs have the same bits
+    whole = collect(chunked)["b"]
+    assert whole["tokens"] == both["b"]["tokens"]
+    assert whole["logprobs"][0].top_logprobs == both["b"]["logprobs"][0].top_logprobs
+    # decode batches above the crossover (3 requests) take the int8 kernel too
+    engine = bf16_engine(gguf_dir, prompt_kernel="int8", enable_prefix_cache=False)
+    assert {layer.moe.int8_above for layer in engine.runner.model.layers} == {3}
+    layer = engine.runner.model.layers[0].moe
+    x = torch.randn(4, layer.router.weight.shape[1]).bfloat16()
+    act = torch.nn.functional.silu
+    four = layer.apply(x, act, decode_rows=4)
+    assert torch.equal(four, layer.apply(x, act, decode_rows=0))  # as prompt rows
+    assert not torch.equal(layer.apply(x[:3], act, decode_rows=3), four[:3])
 
 
 def test_engine_reports_the_experts_load_as_a_histogram(quantized_moe):
