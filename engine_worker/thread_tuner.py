@@ -5,7 +5,9 @@ also busy with other work (another server, a build, the cluster's own tokenizers
 one preempted thread holds up every op of the step: a batch-1 decode step of ~600 small ops then
 takes several times longer on 2 threads than on 1. On an idle machine the extra threads win. No
 setting is right for both, so the engine measures: now and then it runs a few steps alternately
-with one thread and with all of them, and keeps whichever was faster.
+with one thread and with all of them, and keeps whichever was faster. A probe is skipped while
+the other processes on the machine use under a tenth of a core (``OtherWork``, from /proc): on
+an idle machine all threads win every probe, and its one-thread steps were pure cost.
 
 Steps are compared only with steps of the same kind and size (decode-only steps of one batch
 size; steps that prefill, bucketed by their token count), and only adjacent ones, so a batch
@@ -22,7 +24,10 @@ stream a prefill probe is a request's first token on one thread, where probes pa
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +48,14 @@ MARGIN = 0.05  # the other setting must be this much faster (median ratio) to ta
 # one stream's ITL p50 was 10.77 ms against the adaptive default's 12.44 (idle machine). A busy
 # machine's all-threads steps take 2-6x, far past this.
 MARGIN_TO_ONE = 0.25
+# Other processes' CPU, in cores, under which the machine counts as idle: a probe then has
+# nothing to find (on an idle 2-core machine all threads won every probe, and the probes' one-
+# thread steps cost ~4% of the 1.1B's output at 8 streams), so a kind on all threads skips it
+# (and waits four times longer for the next). A cluster's own tokenizer, detokenizer and HTTP
+# processes used under 0.05 of a core there.
+IDLE_OTHERS = 0.1
+# Steps between looks at the other processes' CPU (two /proc reads)
+LOOK_EVERY = 8
 # A ratio beyond this either way is decisive: two such pairs end the probe, and the next probe
 # waits four times longer instead of twice (the loser's steps are then expensive: on a busy
 # machine the all-threads steps took 2-6x the one-thread ones).
@@ -63,12 +76,23 @@ class _Kind:
 class ThreadTuner:
     """``threads_for(kind, size)`` before a step, ``record(seconds)`` after it."""
 
-    def __init__(self, max_threads: int, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        max_threads: int,
+        enabled: bool = True,
+        others: Callable[[], float | None] | None = None,
+    ) -> None:
+        """``others``: the CPU other processes used since its last call, in cores (None:
+        unknown; default ``OtherWork``)."""
         self.max_threads = max_threads
         self.enabled = enabled and max_threads > 1
         self.kinds: dict[str, _Kind] = {}
         self._current: tuple[_Kind, int, int] | None = None
         self.switches = 0  # times a probe changed a kind's choice
+        self.skipped = 0  # probes skipped on an idle machine
+        self._others = others or (OtherWork() if self.enabled else (lambda: None))
+        self._others_cores: float | None = None  # the newest look
+        self._until_look = 0
 
     def threads_for(self, kind: str, size: int, leader: str | None = None) -> int:
         """The threads a step of ``kind`` and ``size`` runs on (set now); ``leader``: the kind
@@ -117,9 +141,14 @@ class ThreadTuner:
         seconds /= max(work, 1e-9)
         state, size, threads = self._current
         self._current = None
+        self._look()
         if not state.probing:
             state.countdown -= 1
-            if state.countdown <= 0:
+            if state.countdown <= 0 and self._idle() and state.threads == self.max_threads:
+                self.skipped += 1
+                state.interval = min(state.interval * 4, MAX_PROBE_INTERVAL)
+                state.countdown = state.interval
+            elif state.countdown <= 0:
                 state.probing, state.pending, state.ratios = True, None, []
                 state.probe_steps = 0
             return
@@ -140,6 +169,15 @@ class ThreadTuner:
         if decisive or len(state.ratios) >= PROBE_PAIRS or state.probe_steps >= PROBE_MAX_STEPS:
             self._decide(state)
 
+    def _look(self) -> None:
+        self._until_look -= 1
+        if self._until_look <= 0:
+            self._until_look = LOOK_EVERY
+            self._others_cores = self._others()
+
+    def _idle(self) -> bool:
+        return self._others_cores is not None and self._others_cores < IDLE_OTHERS
+
     def _decide(self, state: _Kind) -> None:
         ratio = statistics.median(state.ratios) if state.ratios else 1.0
         growth = 4 if not state.ratios or not 1 / DECISIVE <= ratio <= DECISIVE else 2
@@ -158,3 +196,34 @@ class ThreadTuner:
 
     def describe(self) -> dict[str, int]:
         return {kind: state.threads for kind, state in self.kinds.items()}
+
+
+class OtherWork:
+    """The CPU other processes used since the last call, in cores: the machine's busy time
+    (/proc/stat) less this process's own (/proc/self/stat, all its threads). None where /proc
+    cannot tell (another OS)."""
+
+    def __init__(self) -> None:
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = self._sample()
+
+    def __call__(self) -> float | None:
+        now, last = self._sample(), self.last
+        self.last = now
+        if now is None or last is None or now[2] <= last[2]:
+            return None
+        busy, own = now[0] - last[0], now[1] - last[1]
+        return max(0.0, (busy - own) / self.tick / (now[2] - last[2]))
+
+    @staticmethod
+    def _sample() -> tuple[int, int, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:9]]
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            return None
+        # user nice system (idle iowait) irq softirq steal; this process's utime + stime
+        busy = sum(fields[:3]) + sum(fields[5:8])
+        return busy, int(own[11]) + int(own[12]), time.monotonic()
