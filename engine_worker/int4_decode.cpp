@@ -51,6 +51,11 @@ constexpr int block_bytes(int sub, int high, int code = 0) {
     return kWeightBytes + kPlaneBytes * high + sub * run_bytes(code);
 }
 constexpr int header_bytes(int code) { return code == 0 ? 0 : code == 1 ? 64 : 32; }
+// A layout's unit along k: a block (bf16 pairs), or a header and the kSuper blocks it serves
+constexpr int unit_blocks(int code) { return code == 0 ? 1 : kSuper; }
+constexpr int unit_bytes(int sub, int high, int code) {
+    return header_bytes(code) + unit_blocks(code) * block_bytes(sub, high, code);
+}
 
 // Entries [32 part, 32 part + 32) of the lookup table of q of 4 + high bits: q - 8 (16 entries,
 // twice: bit 4 of the index ignored), q - 16 or q - 32, in bf16 (exact: small integers).
@@ -107,7 +112,7 @@ inline void store_row(__m512 acc, void* y, int64_t offset, int f32_out) {
 template <int kSub, int kHigh, int kCode>
 struct Format {
     static constexpr int kBytes = block_bytes(kSub, kHigh, kCode), kHeader = header_bytes(kCode);
-    static constexpr int kSuperBytes = kHeader + kSuper * kBytes;
+    static constexpr int kSuperBytes = unit_bytes(kSub, kHigh, kCode);
     static const uint8_t* block(const uint8_t* tile, int64_t g) {
         if constexpr (kCode == 0) return tile + g * kBytes;
         return tile + (g / kSuper) * kSuperBytes + kHeader + (g % kSuper) * kBytes;
@@ -258,13 +263,11 @@ void over_tiles(int64_t tiles, int64_t groups, int64_t rows, Fn fn) {
 // scales of ``code``; a tile's blocks (and headers) take tile_bytes.
 struct Layout {
     int64_t groups, tiles, tile_bytes, row_sums;
-    int sub, high, code;
     const TileFn* fns;
     Layout(int64_t n, int64_t k, int sub, int high, int code)
         : groups(k / kGroup), tiles(n / kTile),
-          tile_bytes(groups * block_bytes(sub, high, code) + groups / kSuper * header_bytes(code)),
-          row_sums(k / kGroup * sub), sub(sub), high(high), code(code),
-          fns(ByLayout<TileFn, TileFns>::at[code][sub - 1][high]) {}
+          tile_bytes(groups / unit_blocks(code) * unit_bytes(sub, high, code)),
+          row_sums(k / kGroup * sub), fns(ByLayout<TileFn, TileFns>::at[code][sub - 1][high]) {}
 };
 
 bool takes(int64_t n, int64_t k, int sub, int high, int code) {

@@ -61,6 +61,8 @@ FLAGS += [
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "bmi2"}
 TILE, GROUP, WEIGHT_BYTES, PLANE_BYTES = 16, 32, 256, 64
 SUPER = SUPER_BLOCK // GROUP  # blocks a coded layout's header serves: kSuper
+# by code (0 bf16 pairs, 1 codes with a min, 2 without): a run's scale bytes, a header's bytes
+RUN_BYTES, HEADER_BYTES = (PLANE_BYTES, 32, 16), (0, 64, 32)
 # (sub, high) of the coded layouts the kernel has (int4_decode.cpp, ByLayout): with a min
 # (Q4_K, Q5_K, Q2_K), without (Q3_K, Q6_K)
 CODED = {True: {(1, 0), (1, 1), (2, 0)}, False: {(2, 0), (2, 1), (2, 2)}}
@@ -264,10 +266,9 @@ def layout_of(blocks: torch.Tensor) -> tuple[int, int, int, int, int]:
     tiles, along = blocks.shape[:2]
     nbytes = math.prod(blocks.shape[2:])
     for code, sub, high in itertools.product(range(3), (1, 2), range(3)):
-        run = (PLANE_BYTES, 32, 16)[code]
-        unit = WEIGHT_BYTES + PLANE_BYTES * high + sub * run
+        unit = WEIGHT_BYTES + PLANE_BYTES * high + sub * RUN_BYTES[code]
         if code:
-            unit = (0, 64, 32)[code] + SUPER * unit
+            unit = HEADER_BYTES[code] + SUPER * unit
         if unit == nbytes and (blocks.dim() == 4) == (code == 0 and sub == 2):
             return tiles * TILE, along * GROUP * (SUPER if code else 1), sub, high, code
     raise ValueError(f"blocks of shape {tuple(blocks.shape)} are no layout of the kernel")
@@ -310,7 +311,8 @@ def _pack_coded(plane: Int4Groups) -> torch.Tensor:
     n, k = plane.q.shape
     tiles, supers, high = n // TILE, k // SUPER_BLOCK, plane.bits - 4
     sub, with_min = GROUP // plane.group, codes.dmin is not None
-    header, run = (64, 32) if with_min else (32, 16)
+    code = 1 if with_min else 2
+    header, run = HEADER_BYTES[code], RUN_BYTES[code]
     nbytes = WEIGHT_BYTES + PLANE_BYTES * high + sub * run
     out = np.empty((tiles, supers, header + SUPER * nbytes), dtype=np.uint8)
     block = out[..., header:].reshape(tiles, supers, SUPER, nbytes)

@@ -28,10 +28,8 @@ BlockLayout layout_of(const at::Tensor& blocks) {
     for (int code = 0; code <= 2; ++code)
         for (int sub = 1; sub <= 2; ++sub)
             for (int high = 0; high <= 2; ++high) {
-                const int64_t unit = code == 0 ? block_bytes(sub, high)
-                                               : header_bytes(code) +
-                                                     kSuper * block_bytes(sub, high, code);
-                const int64_t along = code == 0 ? kGroup : kGroup * kSuper;
+                const int64_t unit = unit_bytes(sub, high, code);
+                const int64_t along = kGroup * unit_blocks(code);
                 const bool shaped = code == 0 ? (blocks.dim() == 4) == (sub == 2)
                                               : blocks.dim() == 3;
                 if (unit == bytes && shaped)
