@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from engine_worker.linear import Int4Linear, LinearWeight, WeightSource, dequantize
 from engine_worker.model_config import ModelConfig
 from engine_worker.weight_format import WeightFormat
-from engine_worker.weight_sources import map_rows
+from engine_worker.weight_sources import row_range
 from ipc.messages import EXPERT_ROWS_BUCKETS
 
 _PER_EXPERT = re.compile(
@@ -323,11 +323,7 @@ def expert_rows(
         raise ValueError(
             f"{name} holds {tuple(q.shape)} weights, not {count} experts of {rows} x {cols}"
         )
-    return [_rows(source, e * rows, (e + 1) * rows) for e in range(count)]
-
-
-def _rows(source: WeightSource, start: int, stop: int) -> WeightSource:
-    return map_rows(source, lambda t: t[start:stop])
+    return [row_range(source, e * rows, (e + 1) * rows) for e in range(count)]
 
 
 def stack_expert_tensors(tensors: dict[str, WeightSource]) -> None:

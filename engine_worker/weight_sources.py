@@ -198,11 +198,12 @@ def dequantize_as(source: WeightSource, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(n, k, dtype=dtype)
     step = max(1, DEQUANTIZE_CHUNK // k)
     for start in range(0, n, step):
-        out[start : start + step] = dequantize(_row_range(source, start, start + step))
+        out[start : start + step] = dequantize(row_range(source, start, start + step))
     return out
 
 
-def _row_range(source: Int4Groups | Int8Blocks, start: int, stop: int) -> Int4Groups | Int8Blocks:
+def row_range(source: WeightSource, start: int, stop: int) -> WeightSource:
+    """Rows [start, stop) of ``source`` (``map_rows`` of a slice: views, codes included)."""
     return map_rows(source, lambda t: t[start:stop])
 
 
