@@ -8,8 +8,9 @@ engine's bounded waiting queue). None is lost, and no process's memory grows bey
 
 Soak: SPLITSERVE_SOAK_S (default 20) seconds of a mixed workload from several threads: short and
 long prompts, chat, token ids, streaming, aborts mid-stream, stop strings, bad requests and clients
-that leave with requests in flight. RSS of every process stays flat after a warm-up and, at the
-end, the engine holds no request and every KV block is back in the pool.
+that leave with requests in flight. Every process's RSS once idle (past its idle trim) is the same
+after the soak as after a warm-up, its peak within a looser bound, and at the end the engine holds
+no request and every KV block is back in the pool.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ MB = 1024 * 1024
 # Generous bounds: a leak of even a few hundred bytes per request would cross them in the flood
 # (10,000 requests) or the soak (thousands of requests); allocator noise does not.
 FLOOD_RSS_GROWTH_MB = 120
-SOAK_RSS_GROWTH_MB = 40
+SOAK_RSS_GROWTH_MB = 24  # once idle and trimmed
+SOAK_PEAK_GROWTH_MB = 100  # malloc's high-water mark of transient buffers, within the soak
 LATE_PHASE_SLACK_MB = 16  # allocator noise between phases
 
 WORDS = "the quick brown fox jumps over lazy dog paris london tokyo river mountain".split()
@@ -180,6 +182,28 @@ def test_flood_every_request_ends_and_memory_stays_bounded(cluster):
         assert client.submit("after the flood", max_tokens=2).result(timeout=DEADLINE_S).ok
 
 
+def _trim_counts(cluster, names: list[str]) -> dict[str, float]:
+    """How often each process that trims (engine, tokenizers) has trimmed, by its heartbeat."""
+    out = {}
+    for name in names:
+        role, index = name.rstrip("]").split("[")
+        if role in ("engine", "tokenizer"):
+            out[name] = cluster.worker_stats(role, int(index)).get("memory_trims", 0)
+    return out
+
+
+def _idle_trimmed_level(cluster, names: list[str], trims: dict[str, float]) -> dict[str, float]:
+    """Every process's RSS once the engine is idle and each process that trims has trimmed
+    since its count was ``trims`` (each trims once it has been idle a moment)."""
+    wait_engine_idle(cluster)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        now <= trims[n] for n, now in _trim_counts(cluster, names).items()
+    ):
+        time.sleep(0.1)
+    return rss_mb(cluster)
+
+
 # --- soak -----------------------------------------------------------------------------------------
 
 
@@ -268,35 +292,47 @@ class Worker(threading.Thread):
             self.problems.append(f"{kind}: {type(exc).__name__}: {exc}")
 
 
-def test_soak_mixed_workload_rss_flat_and_kv_returns(cluster):
+def _run_workers(cluster, seeds: range, seconds: float) -> tuple[Counter[str], list[str]]:
     stop = threading.Event()
-    workers = [Worker(cluster, seed, stop) for seed in range(4)]
-    sampler = RssSampler(cluster, every_s=0.5)
-    t0 = time.monotonic()
+    workers = [Worker(cluster, seed, stop) for seed in seeds]
     for w in workers:
         w.start()
-    warmup_end = t0 + SOAK_S / 3
-    time.sleep(SOAK_S)
+    time.sleep(seconds)
     stop.set()
     for w in workers:
         w.join(timeout=DEADLINE_S)
-    sampler.stop()
+    assert not any(w.is_alive() for w in workers), "a soak worker hung"
     outcomes = sum((w.outcomes for w in workers), Counter())
-    problems = [p for w in workers for p in w.problems]
-    # Flat: the peak of the last two thirds against the level right after the warm-up.
-    rows = [(t, s) for t, s in sampler.samples if t >= warmup_end]
-    first = {n: max(s[n] for t, s in rows if t < warmup_end + 2.0) for n in rows[0][1]}
-    peak = sampler.peak(since=warmup_end)
+    return outcomes, [p for w in workers for p in w.problems]
+
+
+def test_soak_mixed_workload_rss_flat_and_kv_returns(cluster):
+    """A warm-up third, then the soak. A leak stays when the work stops; freed memory that
+    malloc keeps (the high-water mark of a step's transient buffers, which a rare mix of rows
+    sets: 0-45 MB above the warm-up's on the tiny model) goes back at the engine's idle trim.
+    So the level once idle and trimmed must not grow, and the peak only within a looser bound."""
+    names = list(rss_mb(cluster))
+    trims = _trim_counts(cluster, names)
+    warm_outcomes, problems = _run_workers(cluster, range(4), SOAK_S / 3)
+    first = _idle_trimmed_level(cluster, names, trims)
+    trims = _trim_counts(cluster, names)
+    sampler = RssSampler(cluster, every_s=0.5)
+    outcomes, soak_problems = _run_workers(cluster, range(4, 8), SOAK_S * 2 / 3)
+    sampler.stop()
+    problems += soak_problems
+    outcomes += warm_outcomes
+    peak = sampler.peak()
+    last = _idle_trimmed_level(cluster, names, trims)
     print(f"\nsoak {SOAK_S:.0f} s: {sum(outcomes.values())} requests; {dict(outcomes)}")
     print(
-        "soak RSS MB (after warm-up / peak): "
-        + ", ".join(f"{n} {first[n]:.0f}/{peak[n]:.0f}" for n in first)
+        "soak RSS MB (idle after warm-up / peak / idle after): "
+        + ", ".join(f"{n} {first[n]:.0f}/{peak[n]:.0f}/{last[n]:.0f}" for n in names)
     )
-    assert not any(w.is_alive() for w in workers), "a soak worker hung"
     assert not problems, problems[:10]
     assert outcomes["abort:abort"] > 0 and outcomes["bad_request"] > 0
-    for name in first:
-        assert peak[name] - first[name] < SOAK_RSS_GROWTH_MB, (name, first[name], peak[name])
+    for name in names:
+        assert last[name] - first[name] < SOAK_RSS_GROWTH_MB, (name, first[name], last[name])
+        assert peak[name] - first[name] < SOAK_PEAK_GROWTH_MB, (name, first[name], peak[name])
     stats = wait_engine_idle(cluster)
     assert stats["kv_blocks_available"] == stats["kv_blocks_total"]
     deadline = time.monotonic() + 30  # heartbeats lag: poll, then require the quiet state
@@ -345,11 +381,6 @@ def _mixed_request(client: Client, phase: int, i: int) -> None:
     assert result.ok, (kind, result.error_code, result.error)
 
 
-def _trims(cluster, name: str) -> float:
-    role, index = name.rstrip("]").split("[")
-    return cluster.worker_stats(role, int(index)).get("memory_trims", 0)
-
-
 def test_phases_of_mixed_traffic_rss_flattens(cluster):
     """The same mixed traffic in phases; every process's RSS once idle after each (past its
     idle trim). A leak grows alike in every phase, a bounded cache fills once: the growth from
@@ -358,22 +389,14 @@ def test_phases_of_mixed_traffic_rss_flattens(cluster):
     levels = [rss_mb(cluster)]
     with Client(cluster.client_addr, deadline_s=DEADLINE_S) as client:
         for phase in range(PHASES):
-            trims = {n: _trims(cluster, n) for n in names}
+            trims = _trim_counts(cluster, names)
             with ThreadPoolExecutor(8) as pool:
                 list(
                     pool.map(
                         functools.partial(_mixed_request, client, phase), range(PHASE_REQUESTS)
                     )
                 )
-            wait_engine_idle(cluster)
-            deadline = time.monotonic() + 10  # each trims once it has been idle a moment
-            while time.monotonic() < deadline and any(
-                _trims(cluster, n) <= trims[n]
-                for n in names
-                if n.startswith(("engine", "tokenizer"))
-            ):
-                time.sleep(0.1)
-            levels.append(rss_mb(cluster))
+            levels.append(_idle_trimmed_level(cluster, names, trims))
     print(
         "\nRSS MB after each phase: "
         + "; ".join(f"{n} " + " ".join(f"{level[n]:.0f}" for level in levels) for n in names)
