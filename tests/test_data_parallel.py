@@ -226,9 +226,14 @@ def test_a_killed_replica_loses_nothing_and_rejoins_after_its_restart(cluster):
         assert len(lost) + sum(r.finish_reason == "length" for r in results) == 16
         poll(lambda: restarted(cluster, "engine", 1, victim), what="replica 1 restart")
         for i in range(2):
+            # Replica 0's load as each tokenizer sees it must be its idle one too: a stale
+            # report of its last requests sends every new request to the empty replica 1.
             poll(
-                lambda i=i: cluster.worker_stats("tokenizer", i).get("replicas_live") == 2,
-                what=f"tokenizer[{i}] routing to replica 1 again",
+                lambda i=i: (
+                    (stats := cluster.worker_stats("tokenizer", i)).get("replicas_live") == 2
+                    and stats.get("replica_load_0") == stats.get("replica_load_1") == 0
+                ),
+                what=f"tokenizer[{i}] routing to replica 1 again, both idle",
             )
         again = [
             client.submit(prompt_token_ids=ids(900 + i, 24), max_tokens=20, ignore_eos=True)

@@ -174,9 +174,7 @@ class ReplicaRouting:
             replica, outcome = skip, OUTCOME_SKIP_PREFILL
             self.sent_since_load[skip] += 1
         else:
-            loads = {
-                r: self.reported[r] + max(0, self.sent[r] - self.received[r]) for r in self.prefill
-            }
+            loads = self.prefill_loads()
             live = self.live.intersection(self.prefill) or self.prefill
             blocks = tokens // self.hasher.block_size
             replica, outcome = self.router.route(block_ids, loads, live, prompt_blocks=blocks)
@@ -189,6 +187,11 @@ class ReplicaRouting:
         meta = request.meta
         meta.engine_index, meta.routing_outcome, meta.routing_s = replica, outcome, elapsed
         return replica
+
+    def prefill_loads(self) -> dict[int, int]:
+        """Each prefill replica's load as this worker sees it: its latest report plus what this
+        worker sent that the report had not counted yet."""
+        return {r: self.reported[r] + max(0, self.sent[r] - self.received[r]) for r in self.prefill}
 
     def _skip_prefill(self, block_ids: list[int], tokens: int) -> int | None:
         """The decode engine caching all but ``pd_skip_prefill_tokens`` of the prompt, if any
@@ -220,6 +223,7 @@ class ReplicaRouting:
             "hash_hits": self.hasher.hits,
             "hash_misses": self.hasher.misses,
             "replicas_live": len(self.live),
+            **{f"replica_load_{r}": float(load) for r, load in self.prefill_loads().items()},
             "index_blocks": sum(self.router.index.blocks_of(r) for r in self.replicas),
             "lost_event_batches": self.lost_batches,
             **{f"routed_{outcome}": float(n) for outcome, n in self.decisions.items()},

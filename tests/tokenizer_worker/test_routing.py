@@ -97,6 +97,7 @@ def test_routing_follows_events_loads_and_notices(parts):
     until(routing, lambda: routing.reported[1] == 5, lambda: one.publish_side(LOAD_TOPIC, busy))
     second = request(2)
     assert routing.route(second) == 0 and second.meta.routing_outcome == "imbalanced"
+    assert routing.stats()["replica_load_1"] == 6 and routing.stats()["replica_load_0"] == 1
     # It received the first one, and is idle again: the prefix wins.
     idle = load(1, 501, running=0, received=1)
     until(routing, lambda: routing.reported[1] == 0, lambda: one.publish_side(LOAD_TOPIC, idle))
@@ -115,6 +116,8 @@ def test_routing_follows_events_loads_and_notices(parts):
     stats = routing.stats()
     assert stats["routed"] == 4 and stats["routed_cache_hit"] == 2
     assert stats["replicas_live"] == 2 and stats["lost_event_batches"] == 0
+    # Replica 0 never reported: its load is the two requests this worker sent it.
+    assert (stats["replica_load_0"], stats["replica_load_1"]) == (2, 0)
 
 
 def test_a_worker_that_restarted_counts_only_its_own_requests_in_flight(parts):
