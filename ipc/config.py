@@ -181,6 +181,8 @@ class ClusterConfig(AddressPlan, EngineRoles):
     # in, with the engine's max_model_len, for the processes started after it).
     vocab_size: int = knob(0, "the model's vocabulary size", cli=False, minimum=0)
     model_name: str = knob("", "the served model's name", cli=False)
+    # True once they are filled in: the processes started beside the engines wait for it.
+    engines_ready: bool = knob(False, "the engines' limits above are filled in", cli=False)
 
     # OpenAI-compatible HTTP frontends (http_worker/); None: no frontend.
     http_port: int | None = knob(

@@ -61,6 +61,7 @@ def with_engine_limits(config: ClusterConfig, readies: list[WorkerReady]) -> Clu
         config.with_engine(max_model_len=min(r.max_model_len for r in readies)),
         vocab_size=first.vocab_size,
         model_name=first.model_name,
+        engines_ready=True,
     )
 
 
@@ -119,15 +120,21 @@ class Cluster:
             flush=True,
         )
         engines = [self._spawn("engine", r) for r in range(self.config.engines)]
-        self.config = with_engine_limits(self.config, self.roster.wait_ready(engines, timeout_s))
-        self.config.write()
+        # The other processes start beside the engines: their interpreters and imports (~0.5 s
+        # each) overlap the engines' start, then each waits for the config the engines' limits
+        # complete (run_worker.await_engines), and its start-up time counts from that write.
         rest = [self._spawn("detokenizer", 0)]
         rest += [self._spawn("tokenizer", i) for i in range(self.config.tokenizer_workers)]
-        self.roster.wait_ready(rest, timeout_s)
+        frontends = []
         if self.config.http_port is not None:
-            # Last: a frontend's readiness is a handshake with the detokenizer.
             frontends = [self._spawn("http", i) for i in range(self.config.http_workers)]
-            self.roster.wait_ready(frontends, timeout_s)
+        self.config = with_engine_limits(self.config, self.roster.wait_ready(engines, timeout_s))
+        self.config.write()
+        for child in rest + frontends:
+            child.last_seen = max(child.last_seen, time.monotonic())
+        self.roster.wait_ready(rest, timeout_s)
+        # Last: a frontend's readiness is a handshake with the detokenizer.
+        self.roster.wait_ready(frontends, timeout_s)
         logger.info("cluster ready: %s", self.describe())
 
     def _spawn(self, role: str, index: int) -> Child:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 from ipc.config import ROLES, ClusterConfig
 from ipc.messages import EXIT_STARTUP_REFUSED
@@ -25,6 +26,7 @@ from runtime.supervisor_link import send_last_words
 from runtime.worker import StartupError
 
 logger = logging.getLogger("splitserve.worker")
+AWAIT_POLL_S = 0.01  # how often a process started beside the engines looks for their limits
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     role, index, config_path = args[0], int(args[1]), args[2]
     die_with_parent()
     setup_logging(role, index if role in ("tokenizer", "http") else None)
-    config = ClusterConfig.read(config_path)
+    seen, config = _identity(config_path), ClusterConfig.read(config_path)
     if role == "engine" and (cores := engine_cores(config, index)) is not None:
         os.sched_setaffinity(0, cores)  # before torch starts its threads: they inherit it
     try:
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
             from detok_worker.worker import main as run
         else:
             from http_worker.worker import main_from_config as run
+        if role != "engine":
+            config = await_engines(config_path, config, seen)
         run(config, index)
     except StartupError as exc:
         logger.error("%s[%d] cannot start: %s", role, index, exc)
@@ -55,6 +59,23 @@ def main(argv: list[str] | None = None) -> None:
         logger.exception("%s[%d] crashed", role, index)
         send_last_words(config, role, index, f"crashed: {exc!r}", refused=False)
         sys.exit(1)
+
+
+def await_engines(config_path: str, config: ClusterConfig, seen: tuple[int, int]) -> ClusterConfig:
+    """The cluster config once the supervisor has written the engines' limits into it (a
+    process started beside the engines has imported its role meanwhile); ``seen``: the file's
+    identity when ``config`` was read. The supervisor's start timeout bounds the wait; a
+    supervisor that dies takes this process with it."""
+    while not config.engines_ready:
+        time.sleep(AWAIT_POLL_S)
+        if (changed := _identity(config_path)) != seen:
+            seen, config = changed, ClusterConfig.read(config_path)
+    return config
+
+
+def _identity(path: str) -> tuple[int, int]:
+    stat = os.stat(path)  # the supervisor replaces the file whole: a new inode each write
+    return stat.st_ino, stat.st_mtime_ns
 
 
 if __name__ == "__main__":

@@ -15,10 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import zmq
 
 from engine_worker import int4_decode
+from ipc.client import Client
 from ipc.messages import Heartbeat, WorkerReady
 from ipc.sockets import PullQueue
 from procs.children import REPO_ROOT
@@ -32,14 +34,21 @@ BUILDING = "tests.procs.fake_engine:make_building"
 
 
 def test_an_engine_that_beats_past_the_start_timeout_starts(monkeypatch, capfd):
+    """The tokenizer and detokenizer start beside it (their start does not wait for the
+    engine's), wait past the start timeout for its limits without failing the start, and serve."""
     monkeypatch.setenv(START_S_ENV, str(TIMEOUT_S + 5))
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     with launch_cluster(
         None, tokenizer_workers=1, engine_factory=BUILDING, start_timeout_s=TIMEOUT_S
     ) as cluster:
         took = time.monotonic() - t0
         engine = cluster.child("engine")
         assert engine is not None and engine.ready is not None
+        started = {n: psutil.Process(pid).create_time() - wall0 for n, pid in cluster.pids.items()}
+        assert started["tokenizer[0]"] < TIMEOUT_S and started["detokenizer[0]"] < TIMEOUT_S
+        assert cluster.config.model_name == "fake-echo"
+        with Client(cluster.client_addr) as client:
+            assert client.submit("after a long start", max_tokens=2).result(timeout=30).ok
     assert took > TIMEOUT_S + 5, took
     err = capfd.readouterr().err
     line = f"splitserve engine[0] pid={engine.popen.pid}: building a stand-in for a kernel"
