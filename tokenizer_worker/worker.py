@@ -91,7 +91,6 @@ def build_preparer(
     structured = StructuredOutputs(
         tokenizer, limits.vocab_size, template, eos_ids, tool_call_parser=tool_call_parser
     )
-    structured.start()  # the vocabulary is read in the background, ready for the first grammar
     return RequestPreparer(
         tokenizer,
         template,
@@ -142,6 +141,9 @@ class TokenizerWorker:
 
     def run(self) -> None:
         self.runtime.announce([self.inbox.address])
+        # The grammar vocabulary is read in the background, ready for the first grammar; once
+        # ready is said (on the same core, its thread would slow this worker's own start).
+        self.preparer.structured.start()
         while not self.runtime.stopping:
             self.runtime.maybe_heartbeat(self._stats)
             for vocabulary in self.vocabularies:

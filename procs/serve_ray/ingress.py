@@ -67,6 +67,7 @@ class Ingress:
             tool_call_parser=parser,
             reasoning_parser=self.settings.cluster.get("reasoning_parser", "auto"),
         )
+        preparer.structured.start()  # the grammar vocabulary, read in the background
         welcome = ClientWelcome([], info["model"], limits.max_model_len, limits.vocab_size)
         return ServeClient(
             self.engine,
