@@ -7,9 +7,24 @@ head (8x faster on CPU than advanced indexing). Slot
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from engine_worker.model_config import ModelConfig
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros. On a CPU, fresh anonymous pages (the operating system hands them out zeroed as
+    they are first written) instead of ``torch.zeros``, which writes every byte at once: the
+    default 2 GiB cache took ~0.5 s of an engine's start to zero, and its memory now comes
+    into use as blocks fill. The tensor keeps the mapping alive."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -30,8 +45,8 @@ class PagedKVCache:
         self.bytes_per_token = kv_bytes_per_token(config, dtype)
         # Zeroed, not empty: padded attention reads unused slots with weight 0, and 0 * NaN
         # garbage would still poison the output.
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = zeroed(shape, dtype, device)
+        self.values = zeroed(shape, dtype, device)
         self.layer_keys = list(self.keys.unbind(0))
         self.layer_values = list(self.values.unbind(0))
         # keys and values as [L, KV, slots, D] (write_layers)
