@@ -243,9 +243,7 @@ def compare(reference, prompt: list[int], result: dict) -> float:
         worst = max(worst, abs(float(row[token]) - float(own)))
         worst = max(
             worst,
-            float(
-                (row[torch.from_numpy(ids.astype(np.int64))] - torch.from_numpy(tops)).abs().max()
-            ),
+            float((row[torch.from_numpy(ids.astype(np.int64))] - torch.tensor(tops)).abs().max()),
         )
     return worst
 
