@@ -78,6 +78,12 @@ BUILDING = "building our int4 decode kernel (once for this torch; minutes on a l
 WAITING = "waiting for another process building our int4 decode kernel"
 
 
+def block_bytes(sub: int, high: int, code: int = 0) -> int:
+    """A block's bytes (int4_decode.cpp's block_bytes): its nibble words, high-bit planes and
+    ``sub`` runs of scales (bf16 pairs, or codes)."""
+    return WEIGHT_BYTES + PLANE_BYTES * high + sub * RUN_BYTES[code]
+
+
 class BuildTimeout(RuntimeError):
     pass
 
@@ -246,8 +252,7 @@ def pack(planes: list[Int4Groups]) -> torch.Tensor:
         return _pack_coded(planes[0])
     n, k = planes[0].q.shape
     tiles, blocks, sub, high = n // TILE, k // GROUP, GROUP // planes[0].group, planes[0].bits - 4
-    nbytes = WEIGHT_BYTES + PLANE_BYTES * (high + sub)
-    out = np.empty((tiles, len(planes) * blocks, nbytes), dtype=np.uint8)
+    out = np.empty((tiles, len(planes) * blocks, block_bytes(sub, high)), dtype=np.uint8)
     for i, plane in enumerate(planes):
         block = out[:, i * blocks : (i + 1) * blocks]
         _pack_q(plane, block)
@@ -266,7 +271,7 @@ def layout_of(blocks: torch.Tensor) -> tuple[int, int, int, int, int]:
     tiles, along = blocks.shape[:2]
     nbytes = math.prod(blocks.shape[2:])
     for code, sub, high in itertools.product(range(3), (1, 2), range(3)):
-        unit = WEIGHT_BYTES + PLANE_BYTES * high + sub * RUN_BYTES[code]
+        unit = block_bytes(sub, high, code)
         if code:
             unit = HEADER_BYTES[code] + SUPER * unit
         if unit == nbytes and (blocks.dim() == 4) == (code == 0 and sub == 2):
@@ -313,7 +318,7 @@ def _pack_coded(plane: Int4Groups) -> torch.Tensor:
     sub, with_min = GROUP // plane.group, codes.dmin is not None
     code = 1 if with_min else 2
     header, run = HEADER_BYTES[code], RUN_BYTES[code]
-    nbytes = WEIGHT_BYTES + PLANE_BYTES * high + sub * run
+    nbytes = block_bytes(sub, high, code)
     out = np.empty((tiles, supers, header + SUPER * nbytes), dtype=np.uint8)
     block = out[..., header:].reshape(tiles, supers, SUPER, nbytes)
     _pack_q(plane, block)
