@@ -130,8 +130,9 @@ class Cluster:
             frontends = [self._spawn("http", i) for i in range(self.config.http_workers)]
         self.config = with_engine_limits(self.config, self.roster.wait_ready(engines, timeout_s))
         self.config.write()
+        written = time.monotonic()
         for child in rest + frontends:
-            child.last_seen = max(child.last_seen, time.monotonic())
+            child.last_seen = written
         self.roster.wait_ready(rest, timeout_s)
         # Last: a frontend's readiness is a handshake with the detokenizer.
         self.roster.wait_ready(frontends, timeout_s)
